@@ -1,0 +1,66 @@
+"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from baton.cache.config import CacheConfig
+from baton.config_base import from_dict
+from baton.errors import ConfigError
+from router.config import RouterConfig
+from transfer.config import TransferConfig
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "tiny"
+    """`tiny` (embedded default, made on first use) or an HF checkpoint directory."""
+    device: str = "cpu"
+    """`cpu`, `cuda` or `cuda:N`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    max_num_seqs: int = 64
+    """Most requests running at once (each holds one live Mamba slot)."""
+    prefill_chunk_size: int = 512
+    """Most prompt tokens computed per request per step (chunks also end at snapshot points)."""
+    max_batch_tokens: int = 2048
+    """Most prompt tokens computed per engine step over all requests."""
+    max_model_len: int = 0
+    """Longest prompt + output; 0 = the model's max_position_embeddings."""
+    host: str = "127.0.0.1"
+    """Address this worker advertises to the router and peers."""
+    port: int = 0
+    """gRPC port (0 = pick a free one)."""
+
+
+@dataclass(frozen=True)
+class BatonConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> BatonConfig:
+        return from_dict(cls, data, "config")
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> BatonConfig:
+        if path is None:
+            return cls()
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        return cls.from_dict(data)
