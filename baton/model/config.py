@@ -37,6 +37,9 @@ class ModelConfig:
     mlp_bias: bool = False
     layer_norm_epsilon: float = 1e-5
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    time_step_min: float = 0.001
+    """HF's mixer clamps dt from below at this (not time_step_limit[0]); see `dt_limit`."""
+    mlp_hidden_act: str = "relu2"
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     residual_in_fp32: bool = False
@@ -91,6 +94,16 @@ class ModelConfig:
     def conv_dim(self) -> int:
         return sum(self.conv_sections)
 
+    @property
+    def dt_limit(self) -> tuple[float, float]:
+        """Clamp range for the softplus'd Mamba time step.
+
+        transformers' NemotronH mixer uses `(time_step_min, inf)`, ignoring the lower bound of
+        `time_step_limit`; we follow it (it is the test oracle) but keep any finite upper bound.
+        """
+        lo, hi = self.time_step_limit
+        return (max(lo, self.time_step_min), hi)
+
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
         pattern = _pattern_of(d)
@@ -125,7 +138,11 @@ class ModelConfig:
             attention_bias=bool(pick("attention_bias", default=False)),
             mlp_bias=bool(pick("mlp_bias", default=False)),
             layer_norm_epsilon=float(pick("layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
-            time_step_limit=tuple(float(x) for x in pick("time_step_limit", default=(0.0, float("inf")))),
+            time_step_limit=tuple(
+                _as_float(x) for x in pick("time_step_limit", default=(0.0, float("inf")))
+            ),
+            time_step_min=_as_float(pick("time_step_min", "mamba_dt_min", default=0.001)),
+            mlp_hidden_act=str(pick("mlp_hidden_act", default="relu2")),
             max_position_embeddings=int(pick("max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(pick("tie_word_embeddings", default=False)),
             residual_in_fp32=bool(pick("residual_in_fp32", default=False)),
@@ -145,6 +162,13 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
         return cls.from_dict(d)
+
+
+def _as_float(x) -> float:
+    # transformers writes non-finite floats in config.json as {"__float__": "Infinity"}.
+    if isinstance(x, dict) and "__float__" in x:
+        x = x["__float__"]
+    return float(x)
 
 
 def _require(d: dict, key: str):

@@ -1,0 +1,33 @@
+# Baton: every target creates .venv with all dependencies when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.baton-installed
+
+.PHONY: serve test bench lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: pip takes the CPU build from this machine's disk.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/baton serve --model tiny
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(BIN)/baton bench all --out bench/results
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) bench/results

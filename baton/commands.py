@@ -1,0 +1,106 @@
+"""What each `baton` subcommand does, given parsed arguments."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from baton.config import BatonConfig
+from baton.engine.request import SamplingParams
+from baton.errors import InvalidRequestError
+
+
+def cmd_generate(args) -> int:
+    from baton.client.requests import RequestSpec, load_jsonl, parse_prompt_ids
+
+    defaults = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    if args.requests:
+        specs = load_jsonl(args.requests, defaults, args.session)
+    elif args.prompt_ids is not None:
+        specs = [RequestSpec("req-1", prompt_ids=parse_prompt_ids(args.prompt_ids), session=args.session, sampling=defaults)]
+    else:
+        specs = [RequestSpec("req-1", prompt=args.prompt, session=args.session, sampling=defaults)]
+    ids = [s.id for s in specs]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequestError("request ids in the requests file must be unique")
+    cfg = BatonConfig.load(args.config)
+    if args.local:
+        from baton.client.local import run_local
+        from baton.engine.builder import build_engine
+
+        results = run_local(build_engine(cfg, args.model), specs, args.concurrency)
+    else:
+        from baton.client.remote import run_remote
+
+        results = run_remote(args.router, specs, args.concurrency)
+    return _print_results(results, args.json)
+
+
+def _print_results(results: list[dict], as_json: bool) -> int:
+    failed = 0
+    for r in results:
+        if "error" in r:
+            failed += 1
+            print(f"request {r['id']} failed: {r['error']}", file=sys.stderr)
+        elif as_json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(r["text"] if r["text"] else " ".join(map(str, r["token_ids"])), flush=True)
+    return 1 if failed else 0
+
+
+def cmd_make_model(args) -> int:
+    from baton.model.make_model import write_checkpoint
+
+    kw = {"seed": args.seed, "preset": args.preset}
+    if args.pattern:
+        kw["pattern"] = args.pattern
+    if args.hidden_size:
+        kw["hidden_size"] = args.hidden_size
+    path = write_checkpoint(args.out, **kw)
+    print(path)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from baton.cluster.local import serve_local
+
+    return serve_local(args)
+
+
+def cmd_router(args) -> int:
+    from baton.cluster.roles import run_router_role
+
+    return run_router_role(args)
+
+
+def cmd_prefill_worker(args) -> int:
+    from baton.cluster.roles import run_worker_role
+
+    return run_worker_role(args, "prefill")
+
+
+def cmd_decode_worker(args) -> int:
+    from baton.cluster.roles import run_worker_role
+
+    return run_worker_role(args, "decode")
+
+
+def cmd_bench(args) -> int:
+    from bench.main import run_bench
+
+    return run_bench(args)
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "make-model": cmd_make_model,
+    "serve": cmd_serve,
+    "router": cmd_router,
+    "prefill-worker": cmd_prefill_worker,
+    "decode-worker": cmd_decode_worker,
+    "bench": cmd_bench,
+}

@@ -1,0 +1,214 @@
+"""The engine step: schedule -> run the model -> sample -> commit snapshots -> finish.
+
+Both worker roles run this engine: the prefill worker stops each request after its
+first token (`Request.prefill_only`) and keeps the cache for the handoff; the decode
+worker admits requests whose prompt state arrives by transfer (`reserve_remote`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from baton.cache.manager import HybridCacheManager
+from baton.config import WorkerConfig
+from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
+from baton.engine.sampler import Sampler
+from baton.engine.scheduler import Scheduler
+from baton.errors import CapacityError, InvalidRequestError
+
+log = logging.getLogger("baton.engine")
+
+
+class Engine:
+    def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None):
+        self.model = model
+        self.cache = cache
+        self.pools = cache.pools
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        self.eos_ids = frozenset(mcfg.eos_token_id)
+        self.scheduler = Scheduler(cfg, cache, self.max_model_len)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        mc = cache.cfg.mamba_state_config
+        self.decode_end_snapshot = cache.reuse_enabled and mc.decode_end_snapshot
+        self.device = self.pools.spec.device
+
+    # ---- admission -------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens but the max model length is "
+                f"{self.max_model_len} (prompt + at least one output token); shorten the prompt"
+            )
+        sampling.validate(vocab)
+
+    def add_request(self, req: Request) -> None:
+        if req.id in self.requests:
+            raise InvalidRequestError(f"request id {req.id!r} is already in use")
+        self.validate(req.prompt_ids, req.sampling)
+        self.requests[req.id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free what it holds; False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        if req.holds_cache:
+            self.cache.abort(request_id)
+        self.sampler.forget(request_id)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- disaggregation ----------------------------------------------------------------
+    def reserve_remote(self, req: Request):
+        """Decode side: hold blocks and a live slot for a prompt whose state arrives by transfer."""
+        self.validate(req.prompt_ids, req.sampling)
+        if req.id in self.requests:
+            raise InvalidRequestError(f"request id {req.id!r} is already in use")
+        if len(self.scheduler.running) + self._num_reserved() >= self.cfg.max_num_seqs:
+            raise CapacityError(f"decode worker is full ({self.cfg.max_num_seqs} requests)")
+        need = self.scheduler.blocks_needed(req)
+        if need and not self.cache.can_allocate(self.scheduler.outstanding_blocks() + need):
+            raise CapacityError(f"decode worker has no room for {need} KV blocks")
+        adm = self.cache.admit_remote(req.id, req.prompt_ids, req.session)
+        req.num_computed = req.prompt_len
+        req.holds_cache = True
+        req.cached_tokens = adm.cached_tokens
+        self.requests[req.id] = req
+        return adm
+
+    def _num_reserved(self) -> int:
+        return sum(1 for r in self.requests.values() if r.phase is Phase.WAITING and r.holds_cache)
+
+    def start_remote(self, request_id: str, first_token: int) -> list[RequestOutput]:
+        """Decode side: the prompt state has landed; decode from `first_token` on."""
+        req = self.requests[request_id]
+        req.phase = Phase.DECODE
+        req.first_token_time = time.monotonic()
+        self.scheduler.running.append(req)
+        return self._append_tokens([(req, first_token)])
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the handoff is done (or failed); free the request's cache."""
+        self.abort(request_id)
+
+    # ---- the step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        sampled: list[tuple[Request, torch.Tensor]] = []
+        for req, end in plan.prefills:
+            logits = self._prefill(req, end)
+            if logits is not None:
+                sampled.append((req, logits))
+        if plan.decodes:
+            logits = self._decode(plan.decodes)
+            sampled.extend(zip(plan.decodes, logits, strict=True))
+        if not sampled:
+            return []
+        reqs = [r for r, _ in sampled]
+        toks = self.sampler.sample(
+            torch.stack([lg for _, lg in sampled]), [r.id for r in reqs], [r.sampling for r in reqs]
+        )
+        return self._append_tokens(list(zip(reqs, toks, strict=True)))
+
+    def _prefill(self, req: Request, end: int) -> torch.Tensor | None:
+        self.cache.ensure_blocks(req.id, end)
+        ids = torch.tensor(req.prompt_ids[req.num_computed:end], dtype=torch.long, device=self.device)
+        logits = self.model.prefill(
+            ids, req.num_computed, self.cache.block_table(req.id), self.cache.slot(req.id), self.pools
+        )
+        req.num_computed = end
+        try:
+            self.cache.commit(req.id, req.prompt_ids[:end])
+        except CapacityError as e:  # a snapshot is an optimisation: skip it, never fail the request
+            log.warning("snapshot for %s at %d skipped: %s", req.id, end, e)
+        if end < req.prompt_len:
+            return None
+        req.phase = Phase.DECODE
+        return logits
+
+    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+        for r in reqs:
+            self.cache.ensure_blocks(r.id, r.num_computed + 1)
+        ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
+        pos = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
+        slots = torch.tensor([self.cache.slot(r.id) for r in reqs], dtype=torch.long, device=self.device)
+        tables = [self.cache.block_table(r.id) for r in reqs]
+        logits = self.model.decode(ids, pos, tables, slots, self.pools)
+        for r in reqs:
+            r.num_computed += 1
+        return logits
+
+    def _append_tokens(self, pairs: list[tuple[Request, int]]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outs, done = [], []
+        for req, tok in pairs:
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._finish_reason(req, tok)
+            if reason or req.prefill_only:
+                req.finish_reason = reason
+                req.finish_time = now
+                done.append(req)
+            outs.append(self._output(req, (tok,), finished=bool(reason) or req.prefill_only))
+        if done:
+            self._finish(done)
+        return outs
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        s = req.sampling
+        if (not s.ignore_eos and tok in self.eos_ids) or tok in s.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= s.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.scheduler.remove(r)
+            r.phase = Phase.FINISHED
+        keep = [r for r in reqs if not r.prefill_only]
+        if self.decode_end_snapshot and keep:
+            self._decode(keep)  # feed the last token so the snapshot covers prompt + answer
+        for r in keep:
+            self.cache.finish(r.id, r.all_ids[: r.num_computed])
+            self.requests.pop(r.id, None)
+            self.sampler.forget(r.id)
+
+    def _output(self, req: Request, toks: tuple[int, ...], finished: bool) -> RequestOutput:
+        ttft = latency = None
+        if req.first_token_time is not None:
+            ttft = (req.first_token_time - req.arrival) * 1000
+        if finished and req.finish_time is not None:
+            latency = (req.finish_time - req.arrival) * 1000
+        return RequestOutput(
+            request_id=req.id,
+            new_token_ids=toks,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_tokens,
+            ttft_ms=ttft,
+            latency_ms=latency,
+        )

@@ -1,0 +1,123 @@
+"""NemotronH causal LM over Baton's paged pools: the `prefill` / `decode` contract the engine uses.
+
+Module names mirror the HF checkpoint (`backbone.layers.{i}.mixer.*`, `lm_head.weight`), so
+`load_state_dict` takes a real NemotronH checkpoint unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.cache.pools import Pools, PoolSpec
+from baton.errors import InvalidRequestError
+from baton.model.attention import Attention
+from baton.model.config import ModelConfig
+from baton.model.mamba2 import Mamba2Mixer
+from baton.model.mlp import MLP
+from baton.model.norms import RMSNorm
+from baton.model.paged import StepContext, decode_meta, prefill_meta
+
+MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": lambda cfg, layer_idx: MLP(cfg)}
+
+
+class Block(nn.Module):
+    """Pre-norm residual block around one mixer."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer = MIXERS[cfg.pattern[layer_idx]](cfg, layer_idx=layer_idx)
+        self.stateless = isinstance(self.mixer, MLP)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
+        x = self.norm(h)
+        if self.stateless:
+            return h + self.mixer(x)
+        return h + (self.mixer.decode(x, ctx) if decode else self.mixer.prefill(x, ctx))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+    def forward(self, ids: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
+        h = self.embeddings(ids)
+        for layer in self.layers:
+            h = layer(h, ctx, decode)
+        return self.norm_f(h)
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def make_pools(self, num_blocks: int, tokens_per_block: int, num_slots: int) -> Pools:
+        """Pools for every layer of this model, in its dtype and on its device."""
+        spec = PoolSpec.for_model(
+            self.config,
+            num_blocks=num_blocks,
+            tokens_per_block=tokens_per_block,
+            num_slots=num_slots,
+            dtype=self.dtype,
+            device=str(self.device),
+        )
+        return Pools(spec)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        input_ids: torch.LongTensor,
+        start_pos: int,
+        block_table: list[int],
+        slot: int,
+        pools: Pools,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run prompt tokens input_ids[T] that sit at positions start_pos..start_pos+T-1.
+
+        Attention layers write K/V at the blocks of `block_table` and attend over 0..p; Mamba
+        layers start from slot `slot` (zeros when start_pos == 0) and leave the state after the
+        last token there. Returns float32 logits [vocab] of the last token ([T, vocab] if
+        all_logits).
+        """
+        T = int(input_ids.shape[0])
+        if T == 0:
+            raise InvalidRequestError("prefill got no tokens: input_ids is empty")
+        attn = prefill_meta(start_pos, T, block_table, pools) if pools.has_kv else None
+        ctx = StepContext(pools, attn, slots=None, slot=slot, fresh=start_pos == 0)
+        h = self.backbone(input_ids.to(self.device), ctx, decode=False)
+        return self.lm_head(h if all_logits else h[-1]).float()
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        input_ids: torch.LongTensor,
+        positions: torch.LongTensor,
+        block_tables: list[list[int]],
+        slots: torch.LongTensor,
+        pools: Pools,
+    ) -> torch.Tensor:
+        """One token for each of B sequences, as one batch: token input_ids[i] sits at
+        positions[i] of the sequence with block table block_tables[i] and state slot slots[i].
+        Returns float32 logits [B, vocab]."""
+        attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
+        ctx = StepContext(pools, attn, slots=slots.to(self.device))
+        h = self.backbone(input_ids.to(self.device), ctx, decode=True)
+        return self.lm_head(h).float()

@@ -1,0 +1,94 @@
+from baton.proto_gen import baton_pb2 as _baton_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _baton_pb2.SamplingParams
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    transfer_endpoint: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slot: int
+    skip_blocks: int
+    lease_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class Destination(_message.Message):
+    __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    transfer_endpoint: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slot: int
+    skip_blocks: int
+    lease_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _baton_pb2.SamplingParams
+    session_id: str
+    destination: Destination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., destination: _Optional[_Union[Destination, _Mapping]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("first_token_id", "cached_tokens", "finished", "finish_reason")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    cached_tokens: int
+    finished: bool
+    finish_reason: _baton_pb2.FinishReason
+    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "first_token_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _baton_pb2.FinishReason
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ...) -> None: ...

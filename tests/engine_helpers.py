@@ -1,0 +1,59 @@
+"""Shared helpers for engine-level tests: a seeded checkpoint and engines over it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from baton.config import BatonConfig
+from baton.engine.builder import build_engine
+from baton.engine.engine import Engine
+from baton.engine.request import Request, SamplingParams
+
+
+def make_checkpoint(root: Path, name: str = "tiny", **kw) -> Path:
+    from baton.model.make_model import write_checkpoint
+
+    return Path(write_checkpoint(root / name, **kw))
+
+
+def engine_for(model_dir: Path, **sections) -> Engine:
+    """An engine over `model_dir` with config sections overridden by plain dicts."""
+    data = {k: v for k, v in sections.items()}
+    data.setdefault("worker", {})
+    data["worker"] = {"max_num_seqs": 16, **data["worker"]}
+    data.setdefault("cache", {})
+    data["cache"] = {"num_blocks": 512, "num_state_slots": 64, **data["cache"]}
+    return build_engine(BatonConfig.from_dict(data), str(model_dir))
+
+
+def run_all(engine: Engine, reqs: list[Request], arrivals: dict[str, int] | None = None) -> dict:
+    """Step until all requests finish; `arrivals` delays a request to a given step number."""
+    arrivals = arrivals or {}
+    outs: dict[str, list[int]] = {r.id: [] for r in reqs}
+    pending = list(reqs)
+    step = 0
+    finished: set[str] = set()
+    meta: dict[str, object] = {}
+    while len(finished) < len(reqs):
+        for r in [r for r in pending if arrivals.get(r.id, 0) <= step]:
+            engine.add_request(r)
+            pending.remove(r)
+        for o in engine.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finished.add(o.request_id)
+                meta[o.request_id] = o
+        step += 1
+        assert step < 100_000, "engine made no progress"
+    return {"tokens": outs, "outputs": meta}
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
