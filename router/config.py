@@ -1,4 +1,4 @@
-"""Router section of the config: routing policy and worker liveness."""
+"""Router section of the config: routing policy, worker liveness, timeouts and bounds."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Literal
 @dataclass(frozen=True)
 class RouterConfig:
     policy: Literal["round_robin", "least_loaded", "prefix_aware", "session"] = "round_robin"
+    """Routing policy, looked up by name in router/policies/__init__.py."""
     heartbeat_seconds: float = 1.0
     """Workers heartbeat this often."""
     eject_after_seconds: float = 5.0
@@ -16,4 +17,19 @@ class RouterConfig:
     max_retries: int = 2
     """Retries on another worker pair when one fails before the first token."""
     prefix_tree_max_nodes: int = 100_000
-    """Bound on the prefix_aware policy's tree."""
+    """Bound on the prefix_aware policy's index: distinct snapshot prefixes tracked (LRU)."""
+    prefix_load_slack: int = 8
+    """prefix_aware prefers a cached prefix only on workers within this many requests of the
+    least busy candidate; past that, load wins over the cache."""
+    session_max_entries: int = 100_000
+    """Bound on the session policy's session -> workers table (LRU)."""
+    host: str = "0.0.0.0"
+    """Interface the router's gRPC server listens on."""
+    server_threads: int = 256
+    """gRPC server threads; each in-flight Generate stream holds one."""
+    reserve_timeout_seconds: float = 10.0
+    """Deadline of a decode worker's Reserve call."""
+    prefill_timeout_seconds: float = 300.0
+    """Deadline of a Prefill call (prompt compute plus the KV/state transfer)."""
+    abort_timeout_seconds: float = 2.0
+    """Deadline of each Abort the router sends after a failure or a cancellation."""

@@ -18,8 +18,9 @@ ACTIVATIONS = {"relu2": _relu2, "silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         if cfg.mlp_hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"mlp_hidden_act={cfg.mlp_hidden_act!r} is not supported: use one of "

@@ -18,7 +18,7 @@ from baton.model.mlp import MLP
 from baton.model.norms import RMSNorm
 from baton.model.paged import StepContext, decode_meta, prefill_meta
 
-MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": lambda cfg, layer_idx: MLP(cfg)}
+MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": MLP}
 
 
 class Block(nn.Module):

@@ -1,0 +1,103 @@
+"""Load a NemotronH checkpoint directory (`config.json` + `*.safetensors`) into a NemotronHModel."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from baton.errors import ConfigError
+from baton.model.config import ModelConfig
+from baton.model.nemotron_h import NemotronHModel
+
+log = logging.getLogger("baton.model")
+
+# Tiny per-head Mamba parameters stay float32 in any model dtype (see Mamba2Mixer).
+FP32_SUFFIXES = (".A_log", ".D", ".dt_bias")
+# transformers' in-memory names; checkpoints on disk use `backbone.`.
+PREFIX_ALIASES = {"model.": "backbone."}
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> NemotronHModel:
+    """Build the model described by `path/config.json` and fill it from its safetensors files.
+
+    A missing or mis-shaped tensor raises ConfigError naming it; tensors the model does not
+    use (e.g. multi-token-prediction heads) are ignored with a warning.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = NemotronHModel(cfg)
+    expected = model.state_dict()
+    state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
+    if unexpected:
+        log.warning(
+            "ignoring %d checkpoint tensor(s) the model does not use, e.g. %s",
+            len(unexpected),
+            unexpected[:5],
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.backbone.embeddings.weight
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the shard index, else all of them."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in model directory {str(path)!r}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"shard(s) {missing} named by {index} do not exist")
+    return files
+
+
+def _read_tensors(path, expected, cfg, device, dtype):
+    state, unexpected = {}, []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                ours = _canonical(name)
+                if ours not in expected:
+                    unexpected.append(name)
+                    continue
+                _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
+                want = torch.float32 if ours.endswith(FP32_SUFFIXES) else dtype
+                state[ours] = f.get_tensor(name).to(device=device, dtype=want)
+    if cfg.tie_word_embeddings and "backbone.embeddings.weight" in state:
+        state.setdefault("lm_head.weight", state["backbone.embeddings.weight"])
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} required by its config.json "
+            f"(pattern {cfg.pattern!r})"
+        )
+    return state, unexpected
+
+
+def _canonical(name: str) -> str:
+    for old, new in PREFIX_ALIASES.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _check_shape(name: str, got: tuple[int, ...], want: torch.Tensor, file: Path) -> None:
+    if got != tuple(want.shape):
+        raise ConfigError(
+            f"tensor {name!r} in {file.name} has shape {list(got)} but config.json implies "
+            f"{list(want.shape)}: the checkpoint and its config.json disagree"
+        )

@@ -1,0 +1,37 @@
+"""Helpers shared by benchmarks: seeded checkpoints in the cache folder, prompts, timers."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
+
+
+def checkpoint(preset: str) -> Path:
+    """The benchmark model for `preset` (`tiny` or `100m`), written once into the cache folder."""
+    from baton.model.registry import resolve_model
+
+    if preset == "tiny":
+        return Path(resolve_model("tiny"))
+    from baton.model.make_model import write_checkpoint
+
+    path = cache_dir() / f"bench-{preset}-v1"
+    if not (path / "config.json").is_file():
+        write_checkpoint(path, preset=preset, seed=1)
+    return path
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]

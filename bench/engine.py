@@ -1,0 +1,80 @@
+"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from bench.common import checkpoint, prompts
+
+
+def _baton(path, reqs, out_len: int) -> float:
+    from baton.config import BatonConfig
+    from baton.engine.builder import build_engine
+    from baton.engine.request import Request, SamplingParams
+
+    n = len(reqs)
+    total = len(reqs[0]) + out_len
+    cfg = BatonConfig.from_dict({
+        "cache": {"enable_prefix_reuse": False, "num_blocks": n * (total // 16 + 2) + 16,
+                  "num_state_slots": n + 1},
+        "worker": {"max_num_seqs": n, "max_batch_tokens": 4096, "prefill_chunk_size": 2048,
+                   "max_model_len": total + 1},
+    })
+    eng = build_engine(cfg, str(path))
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(reqs):
+        eng.add_request(Request(f"b{i}", p, sp))
+    produced = 0
+    while eng.has_work:
+        produced += sum(len(o.new_token_ids) for o in eng.step())
+    dt = time.perf_counter() - t0
+    assert produced == n * out_len, (produced, n * out_len)
+    return produced / dt
+
+
+def _hf(path, reqs, out_len: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor(reqs, dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+            min_new_tokens=out_len, do_sample=False, pad_token_id=0,
+        )
+    dt = time.perf_counter() - t0
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
+
+
+def run(args) -> list[dict]:
+    quick = getattr(args, "quick", False)
+    prompt_len, out_len = (128, 32) if quick else (512, 128)
+    presets = ("tiny",) if quick else ("tiny", "100m")
+    rows = []
+    for preset in presets:
+        path = checkpoint(preset)
+        vocab = _vocab(path)
+        for conc in (1, 8, 32):
+            reqs = prompts(conc, prompt_len, vocab, seed=conc)
+            baton = _baton(path, reqs, out_len)
+            hf = _hf(path, reqs, out_len)
+            row = {
+                "benchmark": "engine", "label": f"{preset}-c{conc}", "model": preset,
+                "concurrency": conc, "prompt_tokens": prompt_len, "output_tokens": out_len,
+                "baton_tok_s": round(baton, 1), "hf_tok_s": round(hf, 1),
+                "ratio": round(baton / hf, 2), "target_ratio_at_32": 5.0,
+            }
+            print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def _vocab(path) -> int:
+    import json
+
+    return json.loads((path / "config.json").read_text())["vocab_size"]

@@ -1,0 +1,54 @@
+"""prefix_aware: send a prompt where a snapshot covers the longest part of it; load breaks ties.
+
+Hybrid-aware: workers report Mamba snapshots (router/prefix_hash.py keys), never bare KV
+blocks, so a matched prefix is always one the worker can resume from. Only workers within
+`prefix_load_slack` requests of the least busy candidate compete on the cache, so one hot
+prefix cannot pile every request onto one worker. Both roles are scored the same way
+(decode workers that report snapshots, e.g. decode-end ones, attract the next turn).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from router.config import RouterConfig
+from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy
+from router.prefix_index import PrefixIndex
+from router.workers import SnapshotEvent, WorkerView
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    def __init__(self, config: RouterConfig):
+        super().__init__(config)
+        self._lock = threading.Lock()
+        self.index = PrefixIndex(config.prefix_tree_max_nodes)
+
+    def choose(
+        self, request: RouteRequest, prefill: Sequence[WorkerView], decode: Sequence[WorkerView]
+    ) -> RouteChoice:
+        tokens = request.prompt_ids
+        return RouteChoice(self._pick(tokens, prefill), self._pick(tokens, decode))
+
+    def matched_tokens(self, tokens: Sequence[int], candidates: Sequence[WorkerView]) -> dict[str, int]:
+        """Per candidate worker, prompt tokens its deepest usable snapshot covers."""
+        best: dict[str, int] = {}
+        with self._lock:
+            for tpb in sorted({w.tokens_per_block for w in candidates}):
+                for worker_id, n in self.index.match(tokens, tpb).items():
+                    best[worker_id] = max(best.get(worker_id, 0), n)
+        return best
+
+    def observe(self, worker_id: str, events: Sequence[SnapshotEvent]) -> None:
+        with self._lock:
+            self.index.apply(worker_id, events)
+
+    def forget(self, worker_id: str) -> None:
+        with self._lock:
+            self.index.remove_worker(worker_id)
+
+    def _pick(self, tokens: Sequence[int], candidates: Sequence[WorkerView]) -> WorkerView:
+        floor = min(w.busy for w in candidates) + self.config.prefix_load_slack
+        eligible = [w for w in candidates if w.busy <= floor]
+        matched = self.matched_tokens(tokens, eligible)
+        return min(eligible, key=lambda w: (-matched.get(w.worker_id, 0), *w.load_key()))

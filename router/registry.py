@@ -1,0 +1,130 @@
+"""Live workers: registration, heartbeats (load + snapshot events), ejection of silent ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
+
+
+class WorkerListener(Protocol):
+    """Told about snapshot events and departures (the routing policy is one)."""
+
+    def observe(self, worker_id: str, events: Sequence[SnapshotEvent]) -> None: ...
+
+    def forget(self, worker_id: str) -> None: ...
+
+
+@dataclass
+class _Record:
+    info: WorkerInfo
+    load: WorkerLoad
+    last_seen: float
+    inflight: int = 0
+
+
+class Registry:
+    def __init__(
+        self,
+        eject_after_seconds: float,
+        listeners: Sequence[WorkerListener] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.eject_after_seconds = eject_after_seconds
+        self._listeners = list(listeners)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._workers: dict[str, _Record] = {}
+        self.on_remove: list[Callable[[str], None]] = []
+        """Called with the worker id after it left (e.g. to close its channel)."""
+
+    def register(self, info: WorkerInfo) -> None:
+        """Adds or replaces a worker; a re-registration starts its snapshot set afresh."""
+        if not info.worker_id or not info.address:
+            raise ValueError(f"worker_id and address are required, got {info!r}")
+        with self._lock:
+            known = info.worker_id in self._workers
+            self._workers[info.worker_id] = _Record(info, info.load, self._clock())
+        if known:
+            self._notify_forget(info.worker_id)
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad, events: Sequence[SnapshotEvent]) -> bool:
+        """Records load and snapshot events; False when the worker must register again."""
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            if rec is None:
+                return False
+            rec.load, rec.last_seen = load, self._clock()
+        if events:
+            for listener in self._listeners:
+                listener.observe(worker_id, events)
+        return True
+
+    def deregister(self, worker_id: str) -> bool:
+        with self._lock:
+            found = self._workers.pop(worker_id, None) is not None
+        if found:
+            self._notify_forget(worker_id)
+        return found
+
+    def eject_stale(self) -> list[str]:
+        """Removes workers silent longer than eject_after_seconds; returns their ids."""
+        now = self._clock()
+        with self._lock:
+            stale = [
+                w for w, r in self._workers.items() if now - r.last_seen > self.eject_after_seconds
+            ]
+            for w in stale:
+                del self._workers[w]
+        for w in stale:
+            self._notify_forget(w)
+        return stale
+
+    def workers(self, role: Role | None = None) -> list[WorkerView]:
+        """Live workers (stale ones ejected first), sorted by id."""
+        self.eject_stale()
+        now = self._clock()
+        with self._lock:
+            recs = [r for r in self._workers.values() if role is None or r.info.role == role]
+            views = [_view(r, now) for r in recs]
+        return sorted(views, key=lambda v: v.worker_id)
+
+    def get(self, worker_id: str) -> WorkerView | None:
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            return None if rec is None else _view(rec, self._clock())
+
+    def begin(self, worker_id: str) -> None:
+        """Counts a request routed to the worker (until `end`)."""
+        with self._lock:
+            if worker_id in self._workers:
+                self._workers[worker_id].inflight += 1
+
+    def end(self, worker_id: str) -> None:
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            if rec is not None and rec.inflight > 0:
+                rec.inflight -= 1
+
+    def _notify_forget(self, worker_id: str) -> None:
+        for listener in self._listeners:
+            listener.forget(worker_id)
+        for callback in self.on_remove:
+            callback(worker_id)
+
+
+def _view(rec: _Record, now: float) -> WorkerView:
+    info = rec.info
+    return WorkerView(
+        worker_id=info.worker_id,
+        role=info.role,
+        address=info.address,
+        tokens_per_block=info.tokens_per_block,
+        load=rec.load,
+        inflight=rec.inflight,
+        seconds_since_heartbeat=now - rec.last_seen,
+    )
