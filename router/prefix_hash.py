@@ -49,12 +49,16 @@ def block_hashes(tokens: Sequence[int], tokens_per_block: int) -> list[int]:
     out = [ROOT_HASH]
     h = ROOT_HASH
     for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
-        h = _digest(h.to_bytes(8, "little") + _pack_tokens(tokens[start : start + tokens_per_block]))
+        h = _digest(
+            h.to_bytes(8, "little") + _pack_tokens(tokens[start : start + tokens_per_block])
+        )
         out.append(h)
     return out
 
 
-def tail_hash(block_hash: int, tokens: Sequence[int], num_tokens: int, tokens_per_block: int) -> int:
+def tail_hash(
+    block_hash: int, tokens: Sequence[int], num_tokens: int, tokens_per_block: int
+) -> int:
     """snapshot_hash of `tokens[:num_tokens]`, given block_hash(num_tokens // tokens_per_block)."""
     tail = tokens[(num_tokens // tokens_per_block) * tokens_per_block : num_tokens]
     head = b"S" + block_hash.to_bytes(8, "little") + num_tokens.to_bytes(8, "little")

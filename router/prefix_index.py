@@ -74,7 +74,9 @@ class PrefixIndex:
 
     def check_integrity(self) -> None:
         """Asserts the forward and per-worker maps agree and the bound holds."""
-        pairs = {(w, bh, e) for bh, node in self._nodes.items() for e, ws in node.items() for w in ws}
+        pairs = {
+            (w, bh, e) for bh, node in self._nodes.items() for e, ws in node.items() for w in ws
+        }
         back = {(w, bh, e) for w, items in self._by_worker.items() for bh, e in items}
         assert pairs == back, f"index maps disagree: {len(pairs)} vs {len(back)}"
         assert self._size == sum(len(n) for n in self._nodes.values()) <= self.max_entries

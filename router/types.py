@@ -52,7 +52,9 @@ class SamplingParams:
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
-            raise InvalidRequestError(f"top_k must be >= 1 (leave unset for no top-k), got {self.top_k}")
+            raise InvalidRequestError(
+                f"top_k must be >= 1 (leave unset for no top-k), got {self.top_k}"
+            )
         bad = [t for t in self.stop_token_ids if t < 0]
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be >= 0, got {bad}")

@@ -33,9 +33,17 @@ class EngineLoop:
             self._callbacks[req.id] = on_output
             self._wake.notify()
 
-    def watch(self, request_id: str, on_output: OutputCallback) -> None:
+    def call_watching(self, request_id: str, on_output: OutputCallback, fn: Callable, *args):
+        """Like `call`, with `on_output` registered for `request_id` before the loop can step it."""
         with self._lock:
             self._callbacks[request_id] = on_output
+            try:
+                result = fn(*args)
+            except BaseException:
+                self._callbacks.pop(request_id, None)
+                raise
+            self._wake.notify()
+            return result
 
     def call(self, fn: Callable, *args):
         """Run `fn(*args)` against the engine with the loop paused; wakes the loop after."""
@@ -45,9 +53,13 @@ class EngineLoop:
             return result
 
     def abort(self, request_id: str) -> bool:
+        """Free the request; a waiter still registered gets a final `abort` output."""
         with self._lock:
-            self._callbacks.pop(request_id, None)
-            return self.engine.abort(request_id)
+            cb = self._callbacks.pop(request_id, None)
+            found = self.engine.abort(request_id)
+        if cb is not None and found:
+            cb(RequestOutput(request_id, (), True, "abort", error="aborted"))
+        return found
 
     def stop(self) -> None:
         with self._lock:

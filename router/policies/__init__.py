@@ -21,7 +21,9 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 def make_policy(config: RouterConfig) -> RoutingPolicy:
     cls = POLICIES.get(config.policy)
     if cls is None:
-        raise ConfigError(f"router.policy {config.policy!r} is unknown; choose one of {sorted(POLICIES)}")
+        raise ConfigError(
+            f"router.policy {config.policy!r} is unknown; choose one of {sorted(POLICIES)}"
+        )
     return cls(config)
 
 

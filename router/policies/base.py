@@ -6,6 +6,7 @@ Primitives a policy implements:
       that already failed this request removed). Must be deterministic given its state.
   observe(worker_id, events)   snapshot inserted/evicted events from heartbeats (default: ignore)
   forget(worker_id)            the worker left (ejected, deregistered, re-registered)
+  tracked_snapshots(worker_id) how many snapshots it tracks for the worker (default 0)
 Policies are called from many request threads at once and lock their own state.
 """
 
@@ -43,9 +44,15 @@ class RoutingPolicy(ABC):
 
     def observe(self, worker_id: str, events: Sequence[SnapshotEvent]) -> None:
         """Snapshot events of a worker, oldest first."""
+        return None
 
     def forget(self, worker_id: str) -> None:
         """Drop anything kept about the worker."""
+        return None
+
+    def tracked_snapshots(self, worker_id: str) -> int:
+        """Snapshots the policy tracks for the worker (for ListWorkers)."""
+        return 0
 
 
 def least_loaded(candidates: Sequence[WorkerView]) -> WorkerView:

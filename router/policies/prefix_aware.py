@@ -30,7 +30,9 @@ class PrefixAwarePolicy(RoutingPolicy):
         tokens = request.prompt_ids
         return RouteChoice(self._pick(tokens, prefill), self._pick(tokens, decode))
 
-    def matched_tokens(self, tokens: Sequence[int], candidates: Sequence[WorkerView]) -> dict[str, int]:
+    def matched_tokens(
+        self, tokens: Sequence[int], candidates: Sequence[WorkerView]
+    ) -> dict[str, int]:
         """Per candidate worker, prompt tokens its deepest usable snapshot covers."""
         best: dict[str, int] = {}
         with self._lock:
@@ -46,6 +48,10 @@ class PrefixAwarePolicy(RoutingPolicy):
     def forget(self, worker_id: str) -> None:
         with self._lock:
             self.index.remove_worker(worker_id)
+
+    def tracked_snapshots(self, worker_id: str) -> int:
+        with self._lock:
+            return self.index.tracked(worker_id)
 
     def _pick(self, tokens: Sequence[int], candidates: Sequence[WorkerView]) -> WorkerView:
         floor = min(w.busy for w in candidates) + self.config.prefix_load_slack

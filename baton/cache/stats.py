@@ -1,0 +1,40 @@
+"""Counters and pool usage of one cache manager (`HybridCacheManager.stats()`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    queried_tokens: int
+    """Prompt tokens looked up by `admit`."""
+    hit_tokens: int
+    """Of those, tokens restored from the cache (KV + Mamba snapshot)."""
+    remote_queried_tokens: int
+    """Prompt tokens looked up by `admit_remote` (decode side, KV only)."""
+    remote_hit_tokens: int
+    snapshots_taken: int
+    """State copies live -> snapshot slot (a commit at an existing snapshot copies nothing)."""
+    snapshots_evicted: int
+    """Snapshots dropped for room (slot or KV pressure)."""
+    snapshots_retired: int
+    """Snapshots dropped because their session has more than `max_num_turns` newer turns."""
+    blocks_evicted: int
+    """KV blocks freed by evicting tree nodes or partial pages."""
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    """Blocks the prefix tree references (nodes and partial pages)."""
+    blocks_evictable: int
+    slots_total: int
+    slots_live: int
+    slots_snapshot: int
+    snapshot_budget: int
+    """Slots snapshots may use: num_state_slots - max_live."""
+    tree_nodes: int
+    partial_snapshots: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

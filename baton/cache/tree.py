@@ -1,0 +1,259 @@
+"""The prefix tree: one node per full KV block, Mamba snapshots hung on nodes, LRU eviction.
+
+    root ─[t0..t15]─ A(block 3) ─[t16..t31]─ B(block 7, snapshot slot 5 @ 32 tokens)
+                     │                       └ partial: tail t32..t36, slot 6, page 9 @ 37
+                     └─[u16..u31]─ C(block 8)   tombstone: KV kept, snapshot evicted
+
+A node's KV block exists as long as the node does, so every snapshot on a path has all
+its KV present; KV eviction removes leaves only. A *partial* snapshot ends inside the
+block after its node: it keeps a private copy of that partial page (`page`), and a node
+keeps at most one (the latest commit in that block wins).
+
+Two LRU orders, accounted separately:
+  - KV units (nodes and partial snapshots): a node is evictable when unlocked, childless
+    and without a partial; evicting it frees its block and its snapshot slot, if any.
+  - snapshots (full and partial): any may be dropped to free a slot, leaving a tombstone.
+    A snapshot is copied into the live slot at admission, so it never needs pinning.
+Locks pin the KV of a path: `lock(node)` counts on node and every ancestor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from baton.cache.allocators import BlockAllocator, SlotAllocator
+
+
+@dataclass(eq=False)
+class Snapshot:
+    slot: int
+    """State slot holding the (conv, ssm) state after exactly `num_tokens` tokens."""
+    num_tokens: int
+    node: Node
+    """Full snapshot: the node it ends at. Partial: the node its `tail` continues."""
+    tail: tuple[int, ...] = ()
+    """Tokens past `node`'s blocks (partial snapshots only, 0 < len < tokens_per_block)."""
+    page: int | None = None
+    """Copied KV page holding `tail` (partial snapshots; None on attention-free stages)."""
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.tail)
+
+    @property
+    def alive(self) -> bool:
+        return self.node.snapshot is self or self.node.partial is self
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...]
+    """The block's tokens (the edge key from the parent)."""
+    block: int | None
+    parent: Node | None
+    depth: int
+    """Full blocks from the root to here (this node's snapshot covers depth*tpb tokens)."""
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
+    partial: Snapshot | None = None
+    lock_ref: int = 0
+
+
+class MatchResult(NamedTuple):
+    node: Node
+    """Deepest node whose blocks the match uses (the root when none)."""
+    snapshot: Snapshot | None
+    cached_tokens: int
+
+
+class PrefixTree:
+    def __init__(self, tokens_per_block: int, blocks: BlockAllocator | None, slots: SlotAllocator):
+        self.tpb = tokens_per_block
+        self.blocks = blocks  # None on attention-free stages: nodes carry no block
+        self.slots = slots
+        self.root = Node((), None, None, 0)
+        self._kv_lru: OrderedDict[Node | Snapshot, None] = OrderedDict()
+        self._state_lru: OrderedDict[Snapshot, None] = OrderedDict()
+        self.num_nodes = 0
+        self.num_locked = 0
+        self.num_partials = 0
+        self.blocks_evicted = 0
+        self.snapshots_evicted = 0
+
+    # ---- lookup ------------------------------------------------------------------------
+    def match(self, tokens: list[int], limit: int) -> MatchResult:
+        """Deepest snapshot on `tokens`' path covering at most `limit` tokens; touches it."""
+        tpb, node = self.tpb, self.root
+        best = MatchResult(self.root, None, 0)
+        while True:
+            start, p = node.depth * tpb, node.partial
+            if p is not None and start + len(p.tail) <= limit:
+                if tuple(tokens[start : start + len(p.tail)]) == p.tail:
+                    best = MatchResult(node, p, p.num_tokens)
+            if start + tpb > limit:
+                break
+            child = node.children.get(tuple(tokens[start : start + tpb]))
+            if child is None:
+                break
+            node = child
+            if node.snapshot is not None:
+                best = MatchResult(node, node.snapshot, node.snapshot.num_tokens)
+        self.touch_path(best.node)
+        if best.snapshot is not None:
+            self.touch(best.snapshot)
+        return best
+
+    def match_blocks(self, tokens: list[int], limit: int) -> Node:
+        """Deepest node whose full blocks all lie within `tokens[:limit]` (KV only); touches."""
+        tpb, node = self.tpb, self.root
+        while (node.depth + 1) * tpb <= limit:
+            start = node.depth * tpb
+            child = node.children.get(tuple(tokens[start : start + tpb]))
+            if child is None:
+                break
+            node = child
+        self.touch_path(node)
+        return node
+
+    @staticmethod
+    def path(node: Node) -> list[Node]:
+        """Nodes from the root's child down to `node`."""
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def path_blocks(self, node: Node) -> list[int]:
+        return [n.block for n in self.path(node) if n.block is not None]
+
+    # ---- insertion ---------------------------------------------------------------------
+    def insert(self, tokens: list[int], blocks: list[int | None]) -> Node:
+        """Add the path of `len(blocks)` full blocks of `tokens`; existing nodes are kept."""
+        node = self.root
+        for k, b in enumerate(blocks):
+            key = tuple(tokens[k * self.tpb : (k + 1) * self.tpb])
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, b, node, node.depth + 1)
+                if b is not None:
+                    self.blocks.incref(b)
+                node.children[key] = child
+                self.num_nodes += 1
+            self.touch(child)
+            node = child
+        return node
+
+    def add_snapshot(self, node: Node, slot: int, num_tokens: int) -> Snapshot:
+        assert node.snapshot is None and node is not self.root
+        snap = node.snapshot = Snapshot(slot, num_tokens, node)
+        self.touch(snap)
+        return snap
+
+    def add_partial(self, node: Node, tail: tuple[int, ...], slot: int, page: int | None) -> Snapshot:
+        if node.partial is not None:
+            self.drop(node.partial)  # within one block only the latest partial is kept
+        snap = node.partial = Snapshot(slot, node.depth * self.tpb + len(tail), node, tail, page)
+        self.num_partials += 1
+        self.touch(snap)
+        return snap
+
+    # ---- LRU and locks -----------------------------------------------------------------
+    def touch(self, unit: Node | Snapshot) -> None:
+        if isinstance(unit, Snapshot):
+            self._state_lru[unit] = None
+            self._state_lru.move_to_end(unit)
+            if not unit.is_partial:
+                return
+        self._kv_lru[unit] = None
+        self._kv_lru.move_to_end(unit)
+
+    def touch_path(self, node: Node) -> None:
+        for n in self.path(node):
+            self.touch(n)
+
+    def lock(self, node: Node) -> None:
+        for n in self.path(node):
+            self.num_locked += n.lock_ref == 0
+            n.lock_ref += 1
+
+    def unlock(self, node: Node) -> None:
+        for n in self.path(node):
+            assert n.lock_ref > 0, f"unlock of unlocked node at depth {n.depth}"
+            n.lock_ref -= 1
+            self.num_locked -= n.lock_ref == 0
+
+    # ---- eviction ----------------------------------------------------------------------
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._state_lru)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks that evicting every evictable unit would free (unlocked nodes, partial pages)."""
+        if self.blocks is None:
+            return 0
+        return self.num_nodes - self.num_locked + self.num_partials
+
+    def drop(self, snap: Snapshot) -> None:
+        """Remove a snapshot (its node stays, as a tombstone if it was a full snapshot)."""
+        if snap.is_partial:
+            assert snap.node.partial is snap
+            snap.node.partial = None
+            self.num_partials -= 1
+            del self._kv_lru[snap]
+            if snap.page is not None:
+                self.blocks.decref(snap.page)
+        else:
+            assert snap.node.snapshot is snap
+            snap.node.snapshot = None
+        del self._state_lru[snap]
+        self.slots.release(snap.slot)
+
+    def evict_block(self) -> bool:
+        """Evict the least recently used KV unit; False when nothing is evictable."""
+        for unit in self._kv_lru:
+            if isinstance(unit, Snapshot):
+                self.drop(unit)
+                self.snapshots_evicted += 1
+            elif unit.lock_ref == 0 and not unit.children and unit.partial is None:
+                self._remove(unit)
+            else:
+                continue
+            self.blocks_evicted += 1
+            return True
+        return False
+
+    def evict_snapshot(self) -> bool:
+        """Drop the least recently used snapshot, freeing its slot; False when there is none."""
+        if not self._state_lru:
+            return False
+        self.drop(next(iter(self._state_lru)))
+        self.snapshots_evicted += 1
+        return True
+
+    def _remove(self, node: Node) -> None:
+        if node.snapshot is not None:
+            self.drop(node.snapshot)
+            self.snapshots_evicted += 1
+        del node.parent.children[node.tokens]
+        del self._kv_lru[node]
+        self.num_nodes -= 1
+        if node.block is not None:
+            self.blocks.decref(node.block)
+
+    # ---- inspection --------------------------------------------------------------------
+    def nodes(self) -> list[Node]:
+        """Every node but the root, parents before children."""
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if n is not self.root:
+                out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def lru_units(self) -> tuple[list[Node | Snapshot], list[Snapshot]]:
+        return list(self._kv_lru), list(self._state_lru)

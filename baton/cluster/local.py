@@ -1,0 +1,88 @@
+"""`baton serve`: router + N prefill + M decode workers, each its own process, on this machine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from baton.errors import BatonError
+from baton.proto_gen import router_pb2, router_pb2_grpc
+
+log = logging.getLogger("baton.serve")
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "baton.cli", *args]
+
+
+class LocalCluster:
+    """The processes of one local cluster; `stop()` ends every one of them."""
+
+    def __init__(self, model: str, prefill: int, decode: int, port: int, config: str | None,
+                 log_level: str = "INFO"):
+        self.address = f"127.0.0.1:{port}"
+        extra = ["--config", config] if config else []
+        base = ["--log-level", log_level]
+        self.procs: list[subprocess.Popen] = []
+        self.expected = prefill + decode
+        self._spawn(_cmd(*base, "router", "--port", str(port), *extra))
+        for role, n in (("prefill-worker", prefill), ("decode-worker", decode)):
+            for _ in range(n):
+                self._spawn(_cmd(*base, role, "--router", self.address, "--model", model, *extra))
+
+    def _spawn(self, cmd: list[str]) -> None:
+        self.procs.append(subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ)))
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until every worker has registered; raises if a process died or time ran out."""
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            while time.monotonic() < deadline:
+                dead = [" ".join(p.args[5:7]) for p in self.procs if p.poll() is not None]
+                if dead:
+                    raise BatonError(f"cluster process(es) exited during start: {dead}")
+                try:
+                    n = len(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=2).workers)
+                    if n >= self.expected:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.3)
+        raise BatonError(f"cluster not ready after {timeout:.0f}s ({self.expected} workers expected)")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def serve_local(args) -> int:
+    from baton.model.registry import resolve_model
+
+    model = str(resolve_model(args.model))  # make `tiny` once, before the workers race for it
+    cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config)
+    try:
+        cluster.wait_ready()
+        print(f"baton cluster ready: router at {cluster.address} "
+              f"({args.prefill} prefill, {args.decode} decode); Ctrl-C stops it", flush=True)
+        while all(p.poll() is None for p in cluster.procs):
+            time.sleep(0.5)
+        log.error("a cluster process exited; stopping the cluster")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()

@@ -1,0 +1,31 @@
+"""`baton router`: the router role as its own process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from baton.config import BatonConfig
+
+
+def run_router_role(args) -> int:
+    from baton.model.registry import resolve_model
+    from baton.model.tokenizer import load_tokenizer
+    from router.server import run_router
+
+    cfg = BatonConfig.load(args.config)
+    tokenizer = load_tokenizer(resolve_model(cfg.model.path))
+    handle = run_router(args.port, cfg.router, tokenizer)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"router serving on {cfg.router.host}:{handle.port}", flush=True)
+    stop.wait()
+    handle.stop()
+    return 0
+
+
+def run_worker_role(args, role: str) -> int:
+    from baton.worker.main import run_worker_role as run
+
+    return run(args, role)

@@ -1,0 +1,68 @@
+"""Delivers transfer events (by request id) from a polling thread to the threads waiting on them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("baton.worker")
+
+
+class EventRouter:
+    """Polls `poll()` in a thread; `wait(request_id)` blocks until that request's event arrives.
+
+    Events nobody waits for yet are kept (a decode may be requested after its transfer
+    landed); `on_unclaimed` sees failures of requests nobody waits for (lease expiry).
+    """
+
+    def __init__(self, poll: Callable[[], list], on_failure: Callable[[str, str], None] | None = None,
+                 interval: float = 0.001):
+        self._poll = poll
+        self._on_failure = on_failure
+        self._interval = interval
+        self._events: dict[str, object] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="transfer-events", daemon=True)
+        self._thread.start()
+
+    def wait(self, request_id: str, timeout: float):
+        """The event for `request_id`, or None after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while request_id not in self._events:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    return None
+                self._cond.wait(left)
+            return self._events.pop(request_id)
+
+    def forget(self, request_id: str) -> None:
+        with self._cond:
+            self._events.pop(request_id, None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                events = self._poll()
+            except Exception:  # noqa: BLE001 - keep polling; the backend logs its own errors
+                log.exception("transfer poll failed")
+                events = []
+            if events:
+                with self._cond:
+                    for ev in events:
+                        self._events[ev.request_id] = ev
+                    self._cond.notify_all()
+                for ev in events:
+                    if not ev.ok and self._on_failure is not None:
+                        self._on_failure(ev.request_id, ev.error or "transfer failed")
+            else:
+                time.sleep(self._interval)

@@ -1,0 +1,70 @@
+"""Keeps a worker registered with the router: Register, then Heartbeat with load and snapshot events."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc
+
+log = logging.getLogger("baton.worker")
+
+
+class Registration:
+    """Heartbeats in a thread; re-registers (reporting every snapshot again) when asked."""
+
+    def __init__(self, router: str, worker_id: str, role: int, address: str, tokens_per_block: int,
+                 load: Callable[[], baton_pb2.WorkerLoad],
+                 snapshot_events: Callable[[bool], list[baton_pb2.SnapshotEvent]]):
+        self.worker_id = worker_id
+        self._req = router_pb2.RegisterRequest(
+            worker_id=worker_id, role=role, address=address, tokens_per_block=tokens_per_block
+        )
+        self._load = load
+        self._events = snapshot_events
+        self._channel = grpc.insecure_channel(router)
+        self._stub = router_pb2_grpc.RegistryStub(self._channel)
+        self._period = 1.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Register (retrying until the router answers or `timeout`), then heartbeat."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        self._register()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._stub.Deregister(router_pb2.DeregisterRequest(worker_id=self.worker_id), timeout=2)
+        except grpc.RpcError:
+            pass
+        self._channel.close()
+
+    def _register(self) -> None:
+        self._req.load.CopyFrom(self._load())
+        reply = self._stub.Register(self._req, timeout=10)
+        self._period = reply.heartbeat_seconds or 1.0
+        self._pending = list(self._events(True))
+        log.info("registered %s with the router (heartbeat %.1fs)", self.worker_id, self._period)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                events = self._pending + list(self._events(False))
+                self._pending = []
+                reply = self._stub.Heartbeat(
+                    router_pb2.HeartbeatRequest(
+                        worker_id=self.worker_id, load=self._load(), snapshot_events=events
+                    ),
+                    timeout=max(2.0, self._period * 2),
+                )
+                if reply.reregister:
+                    self._register()
+            except grpc.RpcError as e:
+                log.warning("heartbeat to router failed: %s", e.code())
+                self._pending = events

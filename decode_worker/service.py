@@ -1,0 +1,116 @@
+"""Decode worker logic: reserve where prefill writes, wait for the transfer, decode and stream.
+
+Plain Python: `server.py` converts protobuf to these dataclasses and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from baton.engine.loop import EngineLoop
+from baton.engine.request import Request, RequestOutput, SamplingParams
+from baton.errors import TransferError
+from baton.worker.events import EventRouter
+
+log = logging.getLogger("baton.decode")
+
+
+@dataclass(frozen=True)
+class Reservation:
+    endpoint: str
+    block_ids: tuple[int, ...]
+    """Blocks prefill must write, in prompt order, after the `skip_blocks` this worker holds."""
+    slot: int | None
+    skip_blocks: int
+    lease_seconds: float
+
+
+class DecodeService:
+    def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float):
+        self.loop = loop
+        self.receiver = receiver
+        self.worker_id = worker_id
+        self.lease_seconds = lease_seconds
+        self.events = EventRouter(receiver.poll, on_failure=self._transfer_failed)
+        self._leases: dict[str, threading.Timer] = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                session: str | None) -> Reservation:
+        req = Request(request_id, list(prompt_ids), sampling, session)
+        engine = self.loop.engine
+
+        def do_reserve():
+            adm = engine.reserve_remote(req)
+            tpb = engine.pools.spec.tokens_per_block
+            skip = adm.cached_tokens // tpb if engine.pools.has_kv else 0
+            blocks = tuple(adm.block_table[skip:]) if engine.pools.has_kv else ()
+            slot = adm.slot if engine.pools.has_state else None
+            self.receiver.expect(request_id, list(blocks), slot, self.lease_seconds)
+            return Reservation(self.receiver.endpoint, blocks, slot, skip, self.lease_seconds)
+
+        res = self.loop.call(do_reserve)
+        self._start_lease(request_id)
+        return res
+
+    def decode(self, request_id: str, first_token: int) -> Iterator[tuple[list[int], str | None]]:
+        """Yields (new tokens, finish reason or None) until the request finishes."""
+        self._end_lease(request_id)
+        ev = self.events.wait(request_id, self.lease_seconds)
+        if ev is None or not ev.ok:
+            self.loop.abort(request_id)
+            why = "did not arrive within the lease" if ev is None else ev.error
+            raise TransferError(f"prompt state of {request_id} {why}")
+        box: queue.Queue[RequestOutput] = queue.Queue()
+        first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
+                                        request_id, first_token)
+        if first and first[0].finished:
+            yield [], first[0].finish_reason
+            return
+        try:
+            while True:
+                out = box.get()
+                yield list(out.new_token_ids), out.finish_reason if out.finished else None
+                if out.finished:
+                    if out.error:
+                        raise RuntimeError(out.error)
+                    return
+        finally:
+            self.loop.abort(request_id)  # no-op when finished; frees on client cancel
+
+    def abort(self, request_id: str) -> bool:
+        self._end_lease(request_id)
+        self.events.forget(request_id)
+        return self.loop.abort(request_id)
+
+    def close(self) -> None:
+        self.events.stop()
+
+    def _start_lease(self, request_id: str) -> None:
+        t = threading.Timer(self.lease_seconds, self._lease_expired, args=(request_id,))
+        t.daemon = True
+        with self._lock:
+            self._leases[request_id] = t
+        t.start()
+
+    def _end_lease(self, request_id: str) -> None:
+        with self._lock:
+            t = self._leases.pop(request_id, None)
+        if t is not None:
+            t.cancel()
+
+    def _lease_expired(self, request_id: str) -> None:
+        with self._lock:
+            self._leases.pop(request_id, None)
+        if self.loop.abort(request_id):
+            log.warning("reservation %s expired after %.1fs without Decode; freed",
+                        request_id, self.lease_seconds)
+
+    def _transfer_failed(self, request_id: str, error: str) -> None:
+        log.warning("transfer into %s failed: %s", request_id, error)
+        self._end_lease(request_id)
+        self.loop.abort(request_id)

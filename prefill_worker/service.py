@@ -1,0 +1,98 @@
+"""Prefill worker logic: compute the prompt, hand KV + state to the decode worker, free the copy.
+
+Plain Python: `server.py` converts protobuf to these dataclasses and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+
+from baton.engine.loop import EngineLoop
+from baton.engine.request import Request, RequestOutput, SamplingParams
+from baton.errors import TransferError
+from baton.worker.events import EventRouter
+
+log = logging.getLogger("baton.prefill")
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where the decode worker wants the prompt's KV blocks and Mamba state."""
+
+    worker_id: str
+    endpoint: str
+    block_ids: tuple[int, ...]
+    """Destination blocks in prompt order, starting after `skip_blocks`."""
+    slot: int | None
+    skip_blocks: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    cached_tokens: int
+    finish_reason: str | None
+    """Set when the first token already ends the request; then nothing was transferred."""
+
+
+class PrefillService:
+    def __init__(self, loop: EngineLoop, sender, worker_id: str):
+        self.loop = loop
+        self.sender = sender
+        self.worker_id = worker_id
+        self.events = EventRouter(sender.poll)
+        self.transfers_done = 0
+
+    def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                session: str | None, dest: Destination) -> PrefillResult:
+        out = self._compute(Request(request_id, list(prompt_ids), sampling, session, prefill_only=True))
+        if out.error:
+            raise TransferError(f"prefill of {request_id} failed: {out.error}")
+        result = PrefillResult(out.new_token_ids[0], out.cached_tokens, out.finish_reason)
+        try:
+            if out.finish_reason is None:
+                self._hand_off(request_id, dest)
+        finally:
+            self.loop.call(self.loop.engine.release, request_id)
+        return result
+
+    def abort(self, request_id: str) -> bool:
+        self.events.forget(request_id)
+        return self.loop.abort(request_id)
+
+    def close(self) -> None:
+        self.events.stop()
+
+    def _compute(self, req: Request) -> RequestOutput:
+        box: queue.Queue[RequestOutput] = queue.Queue()
+        self.loop.submit(req, box.put)
+        out = box.get()
+        while not out.finished:
+            out = box.get()
+        return out
+
+    def _hand_off(self, request_id: str, dest: Destination) -> None:
+        engine = self.loop.engine
+
+        def start():
+            cache = engine.cache
+            blocks = cache.block_table(request_id) if cache.pools.has_kv else []
+            slot = cache.slot(request_id) if cache.pools.has_state else None
+            self.sender.send(
+                request_id, dest.endpoint, list(blocks[dest.skip_blocks:]), slot,
+                list(dest.block_ids), dest.slot, skip_blocks=0,
+            )
+
+        self.loop.call(start)
+        ev = self.events.wait(request_id, dest.lease_seconds)
+        if ev is None:
+            raise TransferError(
+                f"transfer of {request_id} to {dest.worker_id} did not finish within its "
+                f"{dest.lease_seconds:.0f}s lease"
+            )
+        if not ev.ok:
+            raise TransferError(f"transfer of {request_id} to {dest.worker_id} failed: {ev.error}")
+        self.transfers_done += 1

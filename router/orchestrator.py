@@ -1,0 +1,209 @@
+"""One request's path through the cluster: route -> Reserve -> Prefill -> Decode stream.
+
+for each attempt (1 + max_retries pairs):
+  policy.choose -> (P, D)
+  D.Reserve   -> Reservation          WorkerFailed -> Abort(P, D), exclude the failed one, retry
+  P.Prefill   -> first token          InvalidRequestError -> Abort(P, D), raise as is
+  yield first token                   -- no retry past this point --
+  D.Decode    -> chunks until finish_reason
+any exit before the finish (error, client cancel, generator closed) -> Abort(P, D)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+from baton.errors import InvalidRequestError
+from router.cancellation import Cancellation
+from router.config import RouterConfig
+from router.errors import NoWorkersError, WorkerFailed
+from router.policies import RouteChoice, RouteRequest, RoutingPolicy
+from router.registry import Registry
+from router.types import (
+    DecodeChunk,
+    FinishReason,
+    GenerateChunk,
+    GenerateInput,
+    GenerateSummary,
+    PrefillInput,
+    PrefillResult,
+    Reservation,
+    ReserveInput,
+)
+from router.workers import Role, WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class WorkerClient(Protocol):
+    """Calls on one worker. Raise WorkerFailed, InvalidRequestError or RequestCancelled."""
+
+    def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation: ...
+
+    def prefill(self, req: PrefillInput, cancel: Cancellation) -> PrefillResult: ...
+
+    def decode(
+        self, request_id: str, first_token_id: int, cancel: Cancellation
+    ) -> Iterator[DecodeChunk]: ...
+
+    def abort(self, request_id: str) -> bool:
+        """Best effort: never raises; False when the worker held nothing or was unreachable."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        policy: RoutingPolicy,
+        clients: Callable[[WorkerView], WorkerClient],
+        tokenizer: Tokenizer | None = None,
+    ):
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.clients = clients
+        self.tokenizer = tokenizer
+
+    def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
+        """Validates, then streams the request's chunks; the last one carries the summary."""
+        rid = inp.request_id or uuid.uuid4().hex
+        prompt = self._prompt_ids(inp)
+        inp.sampling.validate()
+        start = time.perf_counter()
+        excluded: set[str] = set()
+        failures: list[str] = []
+        for attempt in range(self.config.max_retries + 1):
+            choice = self._route(RouteRequest(rid, prompt, inp.session_id), excluded, failures)
+            run = _Attempt(self, rid, prompt, inp, choice, cancel)
+            try:
+                first = run.start()
+            except WorkerFailed as e:
+                log.warning("request %s attempt %d: %s", rid, attempt + 1, e)
+                excluded.add(e.worker_id)
+                failures.append(str(e))
+                continue
+            yield from run.stream(first, start, retries=attempt)
+            return
+        raise NoWorkersError(
+            f"request {rid} failed on {len(failures)} worker pairs (max_retries="
+            f"{self.config.max_retries}): " + "; ".join(failures)
+        )
+
+    def _prompt_ids(self, inp: GenerateInput) -> tuple[int, ...]:
+        if inp.prompt_ids and inp.prompt_text:
+            raise InvalidRequestError("send either prompt or prompt_ids, not both")
+        if inp.prompt_text:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this router has no tokenizer: send prompt_ids instead of prompt text"
+                )
+            ids = tuple(self.tokenizer.encode(inp.prompt_text))
+        else:
+            ids = tuple(inp.prompt_ids or ())
+        if not ids:
+            raise InvalidRequestError("prompt is empty: send a non-empty prompt or prompt_ids")
+        bad = [t for t in ids if t < 0]
+        if bad:
+            raise InvalidRequestError(f"prompt_ids must be >= 0, got {bad[:5]}")
+        return ids
+
+    def _route(self, req: RouteRequest, excluded: set[str], failures: list[str]) -> RouteChoice:
+        pools = {}
+        for role in (Role.PREFILL, Role.DECODE):
+            live = self.registry.workers(role)
+            pools[role] = [w for w in live if w.worker_id not in excluded]
+            if not pools[role]:
+                why = f" ({len(live)} live, all failed: {'; '.join(failures)})" if live else ""
+                raise NoWorkersError(f"no {role.value} worker available{why}")
+        return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+class _Attempt:
+    """One worker pair's try at a request; aborts both workers unless it finished."""
+
+    def __init__(self, orch, rid, prompt, inp: GenerateInput, choice: RouteChoice, cancel):
+        self.orch, self.rid, self.prompt, self.inp = orch, rid, prompt, inp
+        self.p, self.d = choice
+        self.cancel = cancel
+        self.pc, self.dc = orch.clients(self.p), orch.clients(self.d)
+
+    def start(self) -> PrefillResult:
+        reg = self.orch.registry
+        reg.begin(self.p.worker_id)
+        reg.begin(self.d.worker_id)
+        try:
+            res = self.dc.reserve(
+                ReserveInput(self.rid, self.prompt, self.inp.sampling, self.inp.session_id),
+                self.cancel,
+            )
+            return self.pc.prefill(
+                PrefillInput(self.rid, self.prompt, self.inp.sampling, self.inp.session_id, res),
+                self.cancel,
+            )
+        except BaseException:
+            self._finish(abort=True)
+            raise
+
+    def stream(self, first: PrefillResult, start: float, retries: int) -> Iterator[GenerateChunk]:
+        finished = False
+        try:
+            ttft_ms = (time.perf_counter() - start) * 1000
+            tokens = [first.first_token_id]
+            if first.finished:
+                self.dc.abort(self.rid)  # releases the reservation Decode would have used
+                finished = True
+                reason = first.finish_reason or FinishReason.STOP
+                yield self._chunk(tokens, tokens, first, reason, start, ttft_ms, retries)
+                return
+            yield self._chunk(tokens, tokens, first, None, start, ttft_ms, retries)
+            for chunk in self.dc.decode(self.rid, first.first_token_id, self.cancel):
+                tokens.extend(chunk.token_ids)
+                finished = chunk.finish_reason is not None
+                yield self._chunk(
+                    chunk.token_ids, tokens, first, chunk.finish_reason, start, ttft_ms, retries
+                )
+                if finished:
+                    return
+            raise WorkerFailed(self.d.worker_id, "Decode", "stream ended without a finish_reason")
+        finally:
+            self._finish(abort=not finished)
+
+    def _chunk(self, new, tokens, first, reason: FinishReason | None, start, ttft_ms, retries):
+        orch = self.orch
+        text = ""
+        if orch.tokenizer is not None:
+            text = orch.text_of(tokens)[len(orch.text_of(tokens[: len(tokens) - len(new)])) :]
+        summary = None
+        if reason is not None:
+            summary = GenerateSummary(
+                finish_reason=reason,
+                prompt_tokens=len(self.prompt),
+                cached_tokens=first.cached_tokens,
+                prefill_worker=self.p.worker_id,
+                decode_worker=self.d.worker_id,
+                ttft_ms=ttft_ms,
+                latency_ms=(time.perf_counter() - start) * 1000,
+                retries=retries,
+            )
+        return GenerateChunk(self.rid, tuple(new), text, summary)
+
+    def _finish(self, abort: bool) -> None:
+        if abort:
+            for client in (self.pc, self.dc):
+                client.abort(self.rid)
+        self.orch.registry.end(self.p.worker_id)
+        self.orch.registry.end(self.d.worker_id)

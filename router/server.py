@@ -1,0 +1,177 @@
+"""The router process's gRPC edge: baton.v1.Router, baton.v1.Registry and grpc.health.v1.
+
+Protobuf stops here (and in worker_client.py); everything behind is plain dataclasses.
+`run_router(port, config)` starts a server and returns a handle with `stop()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.errors import CapacityError, InvalidRequestError
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import router_pb2 as rpb
+from baton.proto_gen import router_pb2_grpc as rgrpc
+from router import wire
+from router.cancellation import Cancellation
+from router.config import RouterConfig
+from router.errors import NoWorkersError, RequestCancelled, WorkerFailed
+from router.orchestrator import Orchestrator, Tokenizer
+from router.policies import RoutingPolicy, make_policy
+from router.registry import Registry
+from router.worker_client import WorkerClients
+
+log = logging.getLogger(__name__)
+SERVICES = ("baton.v1.Router", "baton.v1.Registry")
+_STATUS = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    NoWorkersError: grpc.StatusCode.UNAVAILABLE,
+    WorkerFailed: grpc.StatusCode.UNAVAILABLE,
+    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RequestCancelled: grpc.StatusCode.CANCELLED,
+}
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]
+    return None
+
+
+class RouterServicer(rgrpc.RouterServicer):
+    def __init__(self, orchestrator: Orchestrator):
+        self._orch = orchestrator
+
+    def Generate(self, request, context):
+        cancel = Cancellation()
+        context.add_callback(cancel.cancel)
+        stream = None
+        try:
+            stream = self._orch.generate(wire.generate_from_pb(request), cancel)
+            for chunk in stream:
+                yield wire.chunk_to_pb(chunk)
+        except Exception as e:
+            code = status_of(e)
+            if code is None:
+                log.exception("Generate %s failed", request.request_id)
+                code = grpc.StatusCode.INTERNAL
+            context.abort(code, str(e))
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def ListWorkers(self, request, context):
+        role = (
+            None if request.role == pb.WORKER_ROLE_UNSPECIFIED else wire.role_from_pb(request.role)
+        )
+        policy = self._orch.policy
+        views = self._orch.registry.workers(role)
+        return rpb.ListWorkersReply(
+            workers=[
+                wire.worker_info_to_pb(v, policy.tracked_snapshots(v.worker_id)) for v in views
+            ]
+        )
+
+
+class RegistryServicer(rgrpc.RegistryServicer):
+    def __init__(self, registry: Registry, config: RouterConfig):
+        self._registry = registry
+        self._config = config
+
+    def Register(self, request, context):
+        try:
+            self._registry.register(wire.register_from_pb(request))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info(
+            "worker %s (%s) registered at %s", request.worker_id, request.role, request.address
+        )
+        return rpb.RegisterReply(
+            heartbeat_seconds=self._config.heartbeat_seconds,
+            eject_after_seconds=self._config.eject_after_seconds,
+        )
+
+    def Heartbeat(self, request, context):
+        try:
+            events = [wire.event_from_pb(e) for e in request.snapshot_events]
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        known = self._registry.heartbeat(request.worker_id, wire.load_from_pb(request.load), events)
+        return rpb.HeartbeatReply(reregister=not known)
+
+    def Deregister(self, request, context):
+        return rpb.DeregisterReply(found=self._registry.deregister(request.worker_id))
+
+
+@dataclass
+class RouterHandle:
+    """A running router: its port, its parts (for tests and the CLI) and `stop()`."""
+
+    port: int
+    server: grpc.Server
+    registry: Registry
+    policy: RoutingPolicy
+    orchestrator: Orchestrator
+    health: health.HealthServicer
+    _clients: WorkerClients
+    _stop_event: threading.Event
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._stop_event.set()
+        self.server.stop(grace).wait()
+        self._clients.close()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def run_router(
+    port: int, config: RouterConfig | None = None, tokenizer: Tokenizer | None = None
+) -> RouterHandle:
+    """Starts the router on `port` (0 = pick a free one) and returns at once."""
+    config = config or RouterConfig()
+    policy = make_policy(config)
+    registry = Registry(config.eject_after_seconds, listeners=[policy])
+    clients = WorkerClients(config)
+    registry.on_remove.append(clients.drop)
+    orch = Orchestrator(config, registry, policy, clients, tokenizer)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads))
+    rgrpc.add_RouterServicer_to_server(RouterServicer(orch), server)
+    rgrpc.add_RegistryServicer_to_server(RegistryServicer(registry, config), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{config.host}:{port}")
+    if bound == 0:
+        raise OSError(f"router could not bind {config.host}:{port}; pick another router port")
+    server.start()
+    for name in ("", *SERVICES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop_event = threading.Event()
+    threading.Thread(
+        target=_eject_loop, args=(registry, config, stop_event), name="router-eject", daemon=True
+    ).start()
+    log.info("router serving on port %d (policy %s)", bound, config.policy)
+    return RouterHandle(bound, server, registry, policy, orch, health_servicer, clients, stop_event)
+
+
+def _eject_loop(registry: Registry, config: RouterConfig, stop: threading.Event) -> None:
+    period = max(0.05, min(config.heartbeat_seconds, config.eject_after_seconds) / 2)
+    while not stop.wait(period):
+        for worker_id in registry.eject_stale():
+            log.warning(
+                "worker %s ejected: silent for over %.1fs", worker_id, config.eject_after_seconds
+            )

@@ -1,0 +1,227 @@
+"""Protobuf <-> plain dataclass conversions for baton.v1 (the only module past the stubs that
+knows both). Used by the router's server.py and worker_client.py, and by worker servers."""
+
+from __future__ import annotations
+
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import router_pb2 as rpb
+from baton.proto_gen import worker_pb2 as wpb
+from router.types import (
+    DecodeChunk,
+    FinishReason,
+    GenerateChunk,
+    GenerateInput,
+    PrefillInput,
+    PrefillResult,
+    Reservation,
+    ReserveInput,
+    SamplingParams,
+)
+from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
+
+ROLE_TO_PB = {Role.PREFILL: pb.WORKER_ROLE_PREFILL, Role.DECODE: pb.WORKER_ROLE_DECODE}
+ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
+FINISH_TO_PB = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    d = SamplingParams()
+    return SamplingParams(
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else d.max_tokens,
+        temperature=m.temperature if m.HasField("temperature") else d.temperature,
+        top_p=m.top_p if m.HasField("top_p") else d.top_p,
+        top_k=m.top_k if m.HasField("top_k") else None,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+    )
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    m = pb.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+    )
+    if s.top_k is not None:
+        m.top_k = s.top_k
+    if s.seed is not None:
+        m.seed = s.seed
+    return m
+
+
+def load_from_pb(m: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        m.running, m.waiting, m.free_blocks, m.free_slots, m.total_blocks, m.total_slots
+    )
+
+
+def load_to_pb(w: WorkerLoad) -> pb.WorkerLoad:
+    return pb.WorkerLoad(
+        running=w.running,
+        waiting=w.waiting,
+        free_blocks=w.free_blocks,
+        free_slots=w.free_slots,
+        total_blocks=w.total_blocks,
+        total_slots=w.total_slots,
+    )
+
+
+def event_from_pb(m: pb.SnapshotEvent) -> SnapshotEvent:
+    if m.kind not in (pb.SnapshotEvent.KIND_INSERTED, pb.SnapshotEvent.KIND_EVICTED):
+        raise ValueError(f"snapshot event kind must be INSERTED or EVICTED, got {m.kind}")
+    inserted = m.kind == pb.SnapshotEvent.KIND_INSERTED
+    return SnapshotEvent(inserted, m.block_hash, m.snapshot_hash, m.num_tokens)
+
+
+def event_to_pb(e: SnapshotEvent) -> pb.SnapshotEvent:
+    kind = pb.SnapshotEvent.KIND_INSERTED if e.inserted else pb.SnapshotEvent.KIND_EVICTED
+    return pb.SnapshotEvent(
+        kind=kind, block_hash=e.block_hash, snapshot_hash=e.snapshot_hash, num_tokens=e.num_tokens
+    )
+
+
+def role_from_pb(value: int) -> Role:
+    if value not in ROLE_FROM_PB:
+        raise ValueError(f"worker role must be PREFILL or DECODE, got {value}")
+    return ROLE_FROM_PB[value]
+
+
+def register_from_pb(m: rpb.RegisterRequest) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=m.worker_id,
+        role=role_from_pb(m.role),
+        address=m.address,
+        tokens_per_block=m.tokens_per_block or 16,
+        load=load_from_pb(m.load),
+    )
+
+
+def worker_info_to_pb(v: WorkerView, tracked_snapshots: int) -> rpb.WorkerInfo:
+    return rpb.WorkerInfo(
+        worker_id=v.worker_id,
+        role=ROLE_TO_PB[v.role],
+        address=v.address,
+        load=load_to_pb(v.load),
+        seconds_since_heartbeat=v.seconds_since_heartbeat,
+        inflight=v.inflight,
+        tracked_snapshots=tracked_snapshots,
+        tokens_per_block=v.tokens_per_block,
+    )
+
+
+def generate_from_pb(m: rpb.GenerateRequest) -> GenerateInput:
+    return GenerateInput(
+        request_id=m.request_id,
+        prompt_ids=tuple(m.prompt_ids) or None,
+        prompt_text=m.prompt or None,
+        sampling=sampling_from_pb(m.sampling),
+        session_id=m.session_id,
+    )
+
+
+def chunk_to_pb(c: GenerateChunk) -> rpb.GenerateResponse:
+    m = rpb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text)
+    s = c.summary
+    if s is not None:
+        m.finish_reason = FINISH_TO_PB[s.finish_reason]
+        m.prompt_tokens = s.prompt_tokens
+        m.cached_tokens = s.cached_tokens
+        m.prefill_worker = s.prefill_worker
+        m.decode_worker = s.decode_worker
+        m.ttft_ms = s.ttft_ms
+        m.latency_ms = s.latency_ms
+        m.retries = s.retries
+    return m
+
+
+def reserve_to_pb(r: ReserveInput) -> wpb.ReserveRequest:
+    return wpb.ReserveRequest(
+        request_id=r.request_id,
+        prompt_ids=r.prompt_ids,
+        sampling=sampling_to_pb(r.sampling),
+        session_id=r.session_id,
+    )
+
+
+def reserve_from_pb(m: wpb.ReserveRequest) -> ReserveInput:
+    return ReserveInput(
+        m.request_id, tuple(m.prompt_ids), sampling_from_pb(m.sampling), m.session_id
+    )
+
+
+def reservation_from_pb(m: wpb.ReserveReply | wpb.Destination) -> Reservation:
+    return Reservation(
+        worker_id=m.worker_id,
+        transfer_endpoint=m.transfer_endpoint,
+        block_ids=tuple(m.block_ids),
+        slot=m.slot if m.HasField("slot") else None,
+        skip_blocks=m.skip_blocks,
+        lease_seconds=m.lease_seconds,
+    )
+
+
+def reservation_to_pb(r: Reservation, cls=wpb.ReserveReply):
+    """`cls` is ReserveReply (decode worker side) or Destination (inside PrefillRequest)."""
+    m = cls(
+        worker_id=r.worker_id,
+        transfer_endpoint=r.transfer_endpoint,
+        block_ids=r.block_ids,
+        skip_blocks=r.skip_blocks,
+        lease_seconds=r.lease_seconds,
+    )
+    if r.slot is not None:
+        m.slot = r.slot
+    return m
+
+
+def prefill_to_pb(p: PrefillInput) -> wpb.PrefillRequest:
+    return wpb.PrefillRequest(
+        request_id=p.request_id,
+        prompt_ids=p.prompt_ids,
+        sampling=sampling_to_pb(p.sampling),
+        session_id=p.session_id,
+        destination=reservation_to_pb(p.destination, wpb.Destination),
+    )
+
+
+def prefill_from_pb(m: wpb.PrefillRequest) -> PrefillInput:
+    return PrefillInput(
+        m.request_id,
+        tuple(m.prompt_ids),
+        sampling_from_pb(m.sampling),
+        m.session_id,
+        reservation_from_pb(m.destination),
+    )
+
+
+def prefill_result_from_pb(m: wpb.PrefillReply) -> PrefillResult:
+    return PrefillResult(
+        m.first_token_id, m.cached_tokens, m.finished, FINISH_FROM_PB.get(m.finish_reason)
+    )
+
+
+def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
+    reason = FINISH_TO_PB[r.finish_reason] if r.finish_reason else pb.FINISH_REASON_UNSPECIFIED
+    return wpb.PrefillReply(
+        first_token_id=r.first_token_id,
+        cached_tokens=r.cached_tokens,
+        finished=r.finished,
+        finish_reason=reason,
+    )
+
+
+def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
+    return DecodeChunk(tuple(m.token_ids), FINISH_FROM_PB.get(m.finish_reason))
+
+
+def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
+    reason = FINISH_TO_PB[c.finish_reason] if c.finish_reason else pb.FINISH_REASON_UNSPECIFIED
+    return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=reason)

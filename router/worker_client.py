@@ -1,0 +1,128 @@
+"""gRPC calls from the router to workers; turns RPC errors into the router's plain errors.
+
+INVALID_ARGUMENT            -> InvalidRequestError (passed to the client unchanged, no retry)
+cancelled by our client     -> RequestCancelled
+any other status / timeout  -> WorkerFailed (retried on another pair before the first token)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+
+from baton.errors import InvalidRequestError
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import worker_pb2 as wpb
+from baton.proto_gen import worker_pb2_grpc as wgrpc
+from router import wire
+from router.cancellation import Cancellation
+from router.config import RouterConfig
+from router.errors import RequestCancelled, WorkerFailed
+from router.types import DecodeChunk, PrefillInput, PrefillResult, Reservation, ReserveInput
+from router.workers import Role, WorkerView
+
+log = logging.getLogger(__name__)
+_STUBS = {Role.PREFILL: wgrpc.PrefillWorkerStub, Role.DECODE: wgrpc.DecodeWorkerStub}
+
+
+class GrpcWorkerClient:
+    def __init__(self, view: WorkerView, channel: grpc.Channel, config: RouterConfig):
+        self.worker_id = view.worker_id
+        self.config = config
+        self._stub = _STUBS[view.role](channel)
+
+    def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
+        fut = self._stub.Reserve.future(
+            wire.reserve_to_pb(req), timeout=self.config.reserve_timeout_seconds
+        )
+        reply = self._wait("Reserve", req.request_id, fut, cancel)
+        res = wire.reservation_from_pb(reply)
+        return res if res.worker_id else _with_worker(res, self.worker_id)
+
+    def prefill(self, req: PrefillInput, cancel: Cancellation) -> PrefillResult:
+        fut = self._stub.Prefill.future(
+            wire.prefill_to_pb(req), timeout=self.config.prefill_timeout_seconds
+        )
+        return wire.prefill_result_from_pb(self._wait("Prefill", req.request_id, fut, cancel))
+
+    def decode(
+        self, request_id: str, first_token_id: int, cancel: Cancellation
+    ) -> Iterator[DecodeChunk]:
+        call = self._stub.Decode(
+            wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id)
+        )
+        try:
+            with cancel.hook(call.cancel):
+                for msg in call:
+                    yield wire.decode_chunk_from_pb(msg)
+        except grpc.RpcError as e:
+            raise self._error("Decode", request_id, e, cancel) from e
+        finally:
+            call.cancel()
+
+    def abort(self, request_id: str) -> bool:
+        try:
+            reply = self._stub.Abort(
+                pb.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_seconds
+            )
+            return reply.found
+        except (grpc.RpcError, ValueError) as e:  # ValueError: channel closed at shutdown
+            log.warning("Abort(%s) on worker %s failed: %s", request_id, self.worker_id, e)
+            return False
+
+    def _wait(self, what: str, request_id: str, fut: grpc.Future, cancel: Cancellation):
+        try:
+            with cancel.hook(fut.cancel):
+                return fut.result()
+        except grpc.FutureCancelledError as e:
+            raise RequestCancelled(f"request {request_id} cancelled during {what}") from e
+        except grpc.RpcError as e:
+            raise self._error(what, request_id, e, cancel) from e
+
+    def _error(
+        self, what: str, request_id: str, e: grpc.RpcError, cancel: Cancellation
+    ) -> Exception:
+        if cancel.cancelled:
+            return RequestCancelled(f"request {request_id} cancelled during {what}")
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequestError(e.details())
+        return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
+
+
+def _with_worker(res: Reservation, worker_id: str) -> Reservation:
+    return replace(res, worker_id=worker_id)
+
+
+class WorkerClients:
+    """One channel per live worker, opened on first use and closed when the worker leaves."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self._lock = threading.Lock()
+        self._clients: dict[str, tuple[str, grpc.Channel, GrpcWorkerClient]] = {}
+
+    def __call__(self, view: WorkerView) -> GrpcWorkerClient:
+        with self._lock:
+            entry = self._clients.get(view.worker_id)
+            if entry is None or entry[0] != view.address:
+                if entry is not None:
+                    entry[1].close()
+                channel = grpc.insecure_channel(view.address)
+                entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
+                self._clients[view.worker_id] = entry
+            return entry[2]
+
+    def drop(self, worker_id: str) -> None:
+        """Forgets the worker; requests still using its channel keep it open until they end."""
+        with self._lock:
+            self._clients.pop(worker_id, None)
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._clients = list(self._clients.values()), {}
+        for _, channel, _ in entries:
+            channel.close()

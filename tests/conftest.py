@@ -1,0 +1,21 @@
+"""Shared pytest fixtures. Model fixtures are prefixed `model_`."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_tiny_dir(tmp_path_factory):
+    """A seeded tiny NemotronH checkpoint (all three layer kinds), written once per session."""
+    from baton.model.make_model import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("model_tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def model_tiny(model_tiny_dir):
+    """The tiny checkpoint loaded in float32 on CPU (read-only: tests must not change weights)."""
+    from baton.model.loader import load_model
+
+    return load_model(model_tiny_dir)

@@ -1,0 +1,68 @@
+"""The two primitives a transport backend provides, and the event both sides report.
+
+A backend (NIXL or UCX) only moves bytes and says when they landed; leases,
+handshakes, fingerprints and planning live in `receiver.py` / `sender.py` and
+are shared by every backend.
+
+Receiving transport primitives:
+    metadata() -> dict        published to senders in the handshake reply
+    drain() -> list[bytes]    "landed" notifications whose bytes are all in place
+    close()
+
+Sending transport primitives:
+    add_peer(meta, layout) -> peer     connect to a receiver from its handshake reply
+    post(peer, plan, notif) -> post    start writing `plan`; `notif` reaches the peer after
+    check(post) -> (state, error)      state "DONE" | "PROC" | "ERR"
+    release(post); remove_peer(peer); close()
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+from transfer.layout import StageLayout
+from transfer.planner import Plan
+
+
+class TransferEvent(NamedTuple):
+    request_id: str
+    ok: bool
+    """True: the bytes landed (receiver) / were delivered (sender)."""
+    error: str | None = None
+    """Why it failed, expired or was aborted; None when ok."""
+
+
+class RecvTransport(ABC):
+    backend: str
+
+    @abstractmethod
+    def metadata(self) -> dict: ...
+
+    @abstractmethod
+    def drain(self) -> list[bytes]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class SendTransport(ABC):
+    backend: str
+
+    @abstractmethod
+    def add_peer(self, meta: dict, layout: StageLayout) -> object: ...
+
+    @abstractmethod
+    def remove_peer(self, peer: object) -> None: ...
+
+    @abstractmethod
+    def post(self, peer: object, plan: Plan, notif: bytes) -> object: ...
+
+    @abstractmethod
+    def check(self, post: object) -> tuple[str, str | None]: ...
+
+    @abstractmethod
+    def release(self, post: object) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...

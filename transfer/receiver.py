@@ -1,0 +1,169 @@
+"""Decode side of one stage: answers handshakes, tracks leased destinations, reports events.
+
+Life of a transfer on the decode side:
+  1. the worker reserves blocks + a live slot, then `expect(rid, blocks, slot, lease_s)`;
+  2. prefill senders write into them and each sends a `landed` notification naming the
+     global layers it covered (one per prefill stage whose layers meet this stage's);
+  3. `poll()` reports `TransferEvent(rid, True)` once every layer of this stage landed,
+     or `(rid, False, why)` on abort by the sender, `abort()` here, or lease expiry;
+     either way the worker then frees (failure) or adopts (success) the blocks.
+The receiver never frees anything itself: the worker's cache manager owns the blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from baton.cache.pools import Pools
+from baton.errors import TransferError
+from transfer import fingerprint as fp
+from transfer import wire
+from transfer.base import RecvTransport, TransferEvent
+from transfer.config import TransferConfig
+from transfer.layout import StageLayout
+from transfer.side_channel import Listener
+
+
+@dataclass
+class _Expected:
+    blocks: frozenset[int]
+    slot: int | None
+    deadline: float
+    lease_s: float
+    pending: set[int] = field(default_factory=set)
+    """Global layers not yet landed."""
+
+
+class Receiver:
+    """Thread-safe: one lock guards the transport and the lease table."""
+
+    def __init__(self, cfg: TransferConfig, pools: Pools, fingerprint: dict, bind_host: str,
+                 transport_cls: type[RecvTransport]):
+        self.cfg = cfg
+        self.layout = StageLayout.from_pools(pools)
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._expected: dict[str, _Expected] = {}
+        self._early: dict[str, tuple[float, list[dict]]] = {}
+        self._events: list[TransferEvent] = []
+        self._transport = transport_cls(cfg, pools, bind_host, self._authorize)
+        self._welcome = None
+        self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message)
+        self.endpoint = self._listener.endpoint
+        """`tcp://host:port` of the side channel, handed to prefill workers."""
+
+    def expect(self, request_id: str, block_ids: list[int], slot: int | None,
+               lease_s: float | None = None) -> None:
+        """Destination reserved for `request_id`; it is leased for `lease_s` seconds."""
+        lease = self.cfg.lease_seconds if lease_s is None else lease_s
+        with self._lock:
+            if request_id in self._expected:
+                raise TransferError(f"request {request_id!r} is already expected")
+            e = _Expected(frozenset(int(b) for b in block_ids), slot, time.monotonic() + lease,
+                          lease, set(self.layout.layers))
+            self._expected[request_id] = e
+            for msg in self._early.pop(request_id, (0.0, []))[1]:
+                self._apply(request_id, msg)
+            self._finish_if_done(request_id)
+
+    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
+        with self._lock:
+            self._fail(request_id, reason)
+
+    def poll(self) -> list[TransferEvent]:
+        """Completed, failed and expired requests since the last call."""
+        with self._lock:
+            for data in self._transport.drain():
+                self._on_landed(data)
+            now = time.monotonic()
+            for rid, e in list(self._expected.items()):
+                if now > e.deadline:
+                    self._fail(rid, f"lease expired after {e.lease_s:g} s with layers "
+                                    f"{sorted(e.pending)} not landed (transfer.lease_seconds)")
+            for rid, (t, _) in list(self._early.items()):
+                if now - t > self.cfg.lease_seconds:
+                    del self._early[rid]
+            out, self._events = self._events, []
+            return out
+
+    @property
+    def pending(self) -> list[str]:
+        with self._lock:
+            return sorted(self._expected)
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            self._transport.close()
+
+    # -- internals (lock held unless noted) ------------------------------------------------
+
+    def _on_landed(self, data: bytes) -> None:
+        try:
+            msg = wire.decode(data, self.cfg.max_message_bytes, ops=("landed",))
+            wire.landed_blocks(msg)
+        except TransferError:
+            return  # a notification we cannot read names no request we could fail
+        rid = msg["rid"]
+        if rid not in self._expected:
+            self._early.setdefault(rid, (time.monotonic(), []))[1].append(msg)
+            return
+        self._apply(rid, msg)
+        self._finish_if_done(rid)
+
+    def _apply(self, rid: str, msg: dict) -> None:
+        e = self._expected[rid]
+        err = self._check(e, msg["slot"], wire.landed_blocks(msg))
+        if err:
+            self._fail(rid, err)
+        else:
+            e.pending -= set(msg["layers"])
+
+    def _check(self, e: _Expected, slot: int | None, blocks: np.ndarray) -> str | None:
+        stray = set(blocks.tolist()) - e.blocks if self.layout.kv else set()
+        if stray:
+            return f"sender wrote blocks {sorted(stray)[:8]} that were not reserved"
+        if self.layout.state and e.slot is not None and slot != e.slot:
+            return f"sender wrote slot {slot}, reserved slot is {e.slot}"
+        return None
+
+    def _authorize(self, rid: str, slot: int | None, blocks: np.ndarray) -> str | None:
+        """For two-sided backends, before bytes land: None if allowed, else why not."""
+        with self._lock:
+            e = self._expected.get(rid)
+            return f"request {rid!r} is not expected" if e is None else self._check(e, slot, blocks)
+
+    def _finish_if_done(self, rid: str) -> None:
+        e = self._expected.get(rid)
+        if e is not None and not e.pending:
+            del self._expected[rid]
+            self._events.append(TransferEvent(rid, True, None))
+
+    def _fail(self, rid: str, why: str) -> None:
+        if self._expected.pop(rid, None) is not None:
+            self._events.append(TransferEvent(rid, False, why))
+
+    def _on_message(self, ident: bytes, msg: dict) -> bytes | None:
+        """Side-channel handler (listener thread)."""
+        if msg["op"] == "abort":
+            with self._lock:
+                self._fail(msg["rid"], f"aborted by prefill: {msg['error']}")
+            return None
+        if msg["backend"] != self._transport.backend:
+            return wire.encode("refused", field="backend", error=(
+                f"incompatible peer: fingerprint field 'backend' differs (local "
+                f"{self._transport.backend!r}, peer {msg['backend']!r}); set transfer.backend"))
+        try:
+            fp.check(self.fingerprint, msg["fingerprint"], who="prefill peer")
+        except TransferError as e:
+            field_name = fp.mismatch(self.fingerprint, msg["fingerprint"])[0]
+            return wire.encode("refused", error=str(e), field=field_name)
+        if self._welcome is None:
+            self._welcome = wire.encode("welcome", layout=self.layout.to_wire(),
+                                        fingerprint=self.fingerprint,
+                                        transport=self._transport.metadata())
+        return self._welcome
