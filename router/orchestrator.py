@@ -12,6 +12,7 @@ any exit before the finish (error, client cancel, generator closed) -> Abort(P, 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ from typing import Protocol
 from baton.errors import InvalidRequestError
 from router.cancellation import Cancellation
 from router.config import RouterConfig
-from router.errors import NoWorkersError, WorkerFailed
+from router.errors import NoWorkersError, RequestCancelled, WorkerFailed
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
 from router.types import (
@@ -128,9 +129,6 @@ class Orchestrator:
                 raise NoWorkersError(f"no {role.value} worker available{why}")
         return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
 
-    def text_of(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
 
 class _Attempt:
     """One worker pair's try at a request; aborts both workers unless it finished."""
@@ -140,20 +138,27 @@ class _Attempt:
         self.p, self.d = choice
         self.cancel = cancel
         self.pc, self.dc = orch.clients(self.p), orch.clients(self.d)
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._text = ""
 
     def start(self) -> PrefillResult:
         reg = self.orch.registry
         reg.begin(self.p.worker_id)
         reg.begin(self.d.worker_id)
+        inp, cancel = self.inp, self.cancel
         try:
-            res = self.dc.reserve(
-                ReserveInput(self.rid, self.prompt, self.inp.sampling, self.inp.session_id),
-                self.cancel,
-            )
-            return self.pc.prefill(
-                PrefillInput(self.rid, self.prompt, self.inp.sampling, self.inp.session_id, res),
-                self.cancel,
-            )
+            # A cancel while Reserve/Prefill block aborts both workers, which ends the calls.
+            with cancel.hook(self._abort_in_background):
+                res = self.dc.reserve(
+                    ReserveInput(self.rid, self.prompt, inp.sampling, inp.session_id), cancel
+                )
+                self._check_cancelled("Reserve")
+                result = self.pc.prefill(
+                    PrefillInput(self.rid, self.prompt, inp.sampling, inp.session_id, res), cancel
+                )
+                self._check_cancelled("Prefill")
+            return result
         except BaseException:
             self._finish(abort=True)
             raise
@@ -164,7 +169,6 @@ class _Attempt:
             ttft_ms = (time.perf_counter() - start) * 1000
             tokens = [first.first_token_id]
             if first.finished:
-                self.dc.abort(self.rid)  # releases the reservation Decode would have used
                 finished = True
                 reason = first.finish_reason or FinishReason.STOP
                 yield self._chunk(tokens, tokens, first, reason, start, ttft_ms, retries)
@@ -180,13 +184,16 @@ class _Attempt:
                     return
             raise WorkerFailed(self.d.worker_id, "Decode", "stream ended without a finish_reason")
         finally:
+            if first.finished:
+                self.dc.abort(self.rid)  # releases the reservation Decode would have used
             self._finish(abort=not finished)
 
     def _chunk(self, new, tokens, first, reason: FinishReason | None, start, ttft_ms, retries):
-        orch = self.orch
         text = ""
-        if orch.tokenizer is not None:
-            text = orch.text_of(tokens)[len(orch.text_of(tokens[: len(tokens) - len(new)])) :]
+        if self.orch.tokenizer is not None:
+            # Decoding the whole answer each time keeps multi-token characters intact.
+            full = self.orch.tokenizer.decode(tokens)
+            text, self._text = full[len(self._text) :], full
         summary = None
         if reason is not None:
             summary = GenerateSummary(
@@ -201,9 +208,23 @@ class _Attempt:
             )
         return GenerateChunk(self.rid, tuple(new), text, summary)
 
+    def _check_cancelled(self, what: str) -> None:
+        if self.cancel.cancelled:
+            raise RequestCancelled(f"request {self.rid} cancelled during {what}")
+
     def _finish(self, abort: bool) -> None:
         if abort:
-            for client in (self.pc, self.dc):
-                client.abort(self.rid)
+            self._abort_once()
         self.orch.registry.end(self.p.worker_id)
         self.orch.registry.end(self.d.worker_id)
+
+    def _abort_once(self) -> None:
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        for client in (self.pc, self.dc):
+            client.abort(self.rid)
+
+    def _abort_in_background(self) -> None:
+        threading.Thread(target=self._abort_once, name=f"abort-{self.rid}", daemon=True).start()

@@ -36,18 +36,17 @@ class GrpcWorkerClient:
         self._stub = _STUBS[view.role](channel)
 
     def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
-        fut = self._stub.Reserve.future(
-            wire.reserve_to_pb(req), timeout=self.config.reserve_timeout_seconds
-        )
-        reply = self._wait("Reserve", req.request_id, fut, cancel)
+        call = self._stub.Reserve
+        msg = wire.reserve_to_pb(req)
+        reply = self._unary("Reserve", call, msg, self.config.reserve_timeout_seconds, cancel)
         res = wire.reservation_from_pb(reply)
-        return res if res.worker_id else _with_worker(res, self.worker_id)
+        return res if res.worker_id else replace(res, worker_id=self.worker_id)
 
     def prefill(self, req: PrefillInput, cancel: Cancellation) -> PrefillResult:
-        fut = self._stub.Prefill.future(
-            wire.prefill_to_pb(req), timeout=self.config.prefill_timeout_seconds
-        )
-        return wire.prefill_result_from_pb(self._wait("Prefill", req.request_id, fut, cancel))
+        call = self._stub.Prefill
+        msg = wire.prefill_to_pb(req)
+        reply = self._unary("Prefill", call, msg, self.config.prefill_timeout_seconds, cancel)
+        return wire.prefill_result_from_pb(reply)
 
     def decode(
         self, request_id: str, first_token_id: int, cancel: Cancellation
@@ -74,27 +73,20 @@ class GrpcWorkerClient:
             log.warning("Abort(%s) on worker %s failed: %s", request_id, self.worker_id, e)
             return False
 
-    def _wait(self, what: str, request_id: str, fut: grpc.Future, cancel: Cancellation):
+    def _unary(self, what: str, call, msg, timeout: float, cancel: Cancellation):
+        # Blocking calls (a cancellable .future() costs ~0.25 ms more each); a cancelled
+        # request is ended by the orchestrator's Abort, which makes the worker fail the call.
         try:
-            with cancel.hook(fut.cancel):
-                return fut.result()
-        except grpc.FutureCancelledError as e:
-            raise RequestCancelled(f"request {request_id} cancelled during {what}") from e
+            return call(msg, timeout=timeout)
         except grpc.RpcError as e:
-            raise self._error(what, request_id, e, cancel) from e
+            raise self._error(what, msg.request_id, e, cancel) from e
 
-    def _error(
-        self, what: str, request_id: str, e: grpc.RpcError, cancel: Cancellation
-    ) -> Exception:
+    def _error(self, what: str, request_id: str, e: grpc.RpcError, cancel: Cancellation):
         if cancel.cancelled:
             return RequestCancelled(f"request {request_id} cancelled during {what}")
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequestError(e.details())
         return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
-
-
-def _with_worker(res: Reservation, worker_id: str) -> Reservation:
-    return replace(res, worker_id=worker_id)
 
 
 class WorkerClients:

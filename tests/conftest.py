@@ -19,3 +19,15 @@ def model_tiny(model_tiny_dir):
     from baton.model.loader import load_model
 
     return load_model(model_tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def model_single_thread():
+    """Run torch on one thread for the module: tiny-model ops are dominated by OpenMP
+    hand-off, which gets 10-50x slower when the CI box is oversubscribed."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,6 +10,7 @@ unknown op) into a TransferError that a listener reports and survives.
                      or  {"v": 1, "op": "refused", "error": "...", "field": "dtype"}
     sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "..."}
     receiver -> sender   {"v": 1, "op": "bye"}                 (receiver closing)
+    ucx data header      {"v": 1, "op": "ucx_data", "seq": int, "notif": bytes, "ranges": bytes}
     data notification    {"v": 1, "op": "landed", "rid": "...", "layers": [..],
                           "slot": int | None, "blocks": bytes}  (int32 dst block ids)
 """
@@ -29,6 +30,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "refused": {"error": (str,), "field": (str,)},
     "abort": {"rid": (str,), "error": (str,)},
     "bye": {},
+    "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},
     "landed": {"rid": (str,), "layers": (list,), "slot": (int, type(None)), "blocks": (bytes,)},
 }
 
@@ -44,8 +46,7 @@ def decode(data: object, max_bytes: int, ops: tuple[str, ...] | None = None) -> 
     if len(data) > max_bytes:
         raise TransferError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
-        msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
-                              max_buffer_size=max_bytes)
+        msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types
         raise TransferError(f"message is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(msg, dict) or msg.get("v") != VERSION:

@@ -44,9 +44,7 @@ class Mamba2Mixer(nn.Module):
         prev = torch.zeros_like(conv_state) if ctx.fresh else conv_state
         window = torch.cat([prev.to(xbc.dtype), xbc.T], dim=-1)  # [conv_dim, K-1+T]
         conv_state.copy_(window[:, window.shape[-1] - conv_state.shape[-1] :])
-        w = self.conv1d.weight
-        xbc = F.silu(F.conv1d(window[None].to(w.dtype), w, self.conv1d.bias, groups=w.shape[0]))
-        x, B, C = self._ssm_inputs(xbc[0].T)
+        x, B, C = self._ssm_inputs(self._conv(window).T)
         y, final = ssd_scan(
             x.reshape(T, cfg.mamba_num_heads, cfg.mamba_head_dim),
             self._dt(dt),
@@ -67,11 +65,7 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = self._split(self.in_proj(h))
         window = torch.cat([conv_pool[ctx.slots].to(xbc.dtype), xbc[:, :, None]], dim=-1)
         conv_pool.index_copy_(0, ctx.slots, window[:, :, 1:].to(conv_pool.dtype))
-        w = self.conv1d.weight[:, 0]  # [conv_dim, K]
-        conv = (window.to(w.dtype) * w).sum(-1)
-        if self.conv1d.bias is not None:
-            conv = conv + self.conv1d.bias
-        x, B, C = self._ssm_inputs(F.silu(conv))
+        x, B, C = self._ssm_inputs(self._conv(window)[..., 0])
         y, state = ssd_step(
             ssm_pool[ctx.slots],
             x.reshape(b, cfg.mamba_num_heads, cfg.mamba_head_dim),
@@ -83,6 +77,22 @@ class Mamba2Mixer(nn.Module):
         )
         ssm_pool.index_copy_(0, ctx.slots, state.to(ssm_pool.dtype))
         return self._out(y.reshape(b, -1), gate, h.dtype)
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + silu: window [..., conv_dim, K-1+n] -> [..., conv_dim, n].
+
+        K shifted multiply-adds: no [n, conv_dim, K] intermediate for long prompts, and the same
+        formula (so the same rounding) for prefill and the one-window decode step.
+        """
+        w = self.conv1d.weight[:, 0].to(window.dtype)  # [conv_dim, K]
+        K = w.shape[1]
+        n = window.shape[-1] - K + 1
+        out = window[..., 0:n] * w[:, 0:1]
+        for k in range(1, K):
+            out = out + window[..., k : k + n] * w[:, k : k + 1]
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias[:, None]
+        return F.silu(out)
 
     def _split(self, zxbcdt: torch.Tensor):
         cfg = self.cfg

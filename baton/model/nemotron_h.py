@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from baton.cache.pools import Pools, PoolSpec
-from baton.errors import InvalidRequestError
+from baton.errors import ConfigError, InvalidRequestError
 from baton.model.attention import Attention
 from baton.model.config import ModelConfig
 from baton.model.mamba2 import Mamba2Mixer
@@ -97,6 +97,7 @@ class NemotronHModel(nn.Module):
         last token there. Returns float32 logits [vocab] of the last token ([T, vocab] if
         all_logits).
         """
+        _check_pools(self.config, pools)
         T = int(input_ids.shape[0])
         if T == 0:
             raise InvalidRequestError("prefill got no tokens: input_ids is empty")
@@ -117,7 +118,24 @@ class NemotronHModel(nn.Module):
         """One token for each of B sequences, as one batch: token input_ids[i] sits at
         positions[i] of the sequence with block table block_tables[i] and state slot slots[i].
         Returns float32 logits [B, vocab]."""
+        _check_pools(self.config, pools)
         attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
         ctx = StepContext(pools, attn, slots=slots.to(self.device))
         h = self.backbone(input_ids.to(self.device), ctx, decode=True)
         return self.lm_head(h).float()
+
+
+def _check_pools(cfg: ModelConfig, pools: Pools) -> None:
+    """Fail before any layer writes: pools must hold every attention and Mamba layer."""
+    spec = pools.spec
+    if spec.attn_layers == cfg.attention_layers and spec.mamba_layers == cfg.mamba_layers:
+        return
+    missing = sorted(
+        set(cfg.attention_layers) - set(spec.attn_layers)
+        | set(cfg.mamba_layers) - set(spec.mamba_layers)
+    )
+    raise ConfigError(
+        f"pools hold attention layers {list(spec.attn_layers)} and Mamba layers "
+        f"{list(spec.mamba_layers)} but the model (pattern {cfg.pattern!r}) also needs layers "
+        f"{missing}: build them with PoolSpec.for_model(config, ...) over all layers"
+    )

@@ -70,6 +70,7 @@ def _local(index: dict[int, int], layer: int, what: str) -> int:
 
 
 def prefill_meta(start_pos: int, T: int, block_table: list[int], pools: Pools) -> AttnMeta:
+    """T queries at start_pos.. of one sequence; keys are its positions 0..start_pos+T-1."""
     tpb = pools.spec.tokens_per_block
     end = start_pos + T
     nb = -(-end // tpb)
@@ -85,6 +86,7 @@ def prefill_meta(start_pos: int, T: int, block_table: list[int], pools: Pools) -
 
 
 def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: Pools) -> AttnMeta:
+    """One query per sequence at positions[i]; tables are padded to the longest one needed."""
     tpb = pools.spec.tokens_per_block
     pos_list = positions.tolist()
     need = [p // tpb + 1 for p in pos_list]

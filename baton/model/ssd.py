@@ -70,7 +70,9 @@ def ssd_scan(x, dt, A, B, C, D, chunk: int, state: torch.Tensor | None = None):
     states = torch.einsum("hij,jhpn->ihpn", decay_chunk, chunk_states)
     entering, final = states[:-1], states[-1]
     # 4. what the entering state contributes to each position's output.
-    y_off = torch.einsum("clhn,chpn->clhp", C, entering) * torch.exp(A_cum).permute(1, 2, 0)[..., None]
+    y_off = (
+        torch.einsum("clhn,chpn->clhp", C, entering) * torch.exp(A_cum).permute(1, 2, 0)[..., None]
+    )
     y = (y_diag + y_off).reshape(-1, H, P)[:T] + skip
     return y, final
 

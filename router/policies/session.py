@@ -25,6 +25,11 @@ class SessionPolicy(RoutingPolicy):
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def sessions(self) -> list[str]:
+        """Session ids held, least recently used first."""
+        with self._lock:
+            return list(self._sessions)
+
     def choose(
         self, request: RouteRequest, prefill: Sequence[WorkerView], decode: Sequence[WorkerView]
     ) -> RouteChoice:

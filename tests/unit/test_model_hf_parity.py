@@ -11,6 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from baton.model.loader import load_model  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
 # Three shapes that exercise different code paths: GQA / MQA / MHA, n_groups 1..4, several
 # chunk sizes and conv kernels, and each layer kind first.
 HF_CONFIGS = {
@@ -127,9 +129,7 @@ def test_greedy_matches_hf_generate_with_batched_decode(model_hf_pair):
 
 def _baton_greedy(model, prompts, tables, pools) -> list[list[int]]:
     """Prefill each prompt into its own slot, then decode all of them as one batch."""
-    first = [
-        int(model.prefill(p, 0, tables[i], i, pools).argmax()) for i, p in enumerate(prompts)
-    ]
+    first = [int(model.prefill(p, 0, tables[i], i, pools).argmax()) for i, p in enumerate(prompts)]
     out = [[t] for t in first]
     positions = torch.tensor([len(p) for p in prompts])
     slots = torch.arange(len(prompts))

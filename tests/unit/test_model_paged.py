@@ -9,6 +9,8 @@ from baton.errors import ConfigError, InvalidRequestError
 from baton.model.loader import load_model
 from baton.model.make_model import write_checkpoint
 
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
 TPB = 16
 ATOL = 2e-5
 
@@ -46,7 +48,7 @@ def test_resumed_prefill_equals_one_shot(model_tiny, k):
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 50])
 def test_chunked_prefill_equals_one_shot(model_tiny, chunk):
-    ids = _ids(120, seed=3)
+    ids = _ids(64 if chunk == 1 else 120, seed=3)
     table = list(range(8))
     whole = _one_shot(model_tiny, ids, table, model_tiny.make_pools(8, TPB, 1))
     cuts = list(range(chunk, len(ids), chunk))
@@ -82,7 +84,9 @@ def test_decode_continues_prefill_exactly(model_tiny):
     pools = model_tiny.make_pools(4, TPB, 1)
     model_tiny.prefill(ids[:33], 0, table, 0, pools)
     for p in range(33, 40):
-        got = model_tiny.decode(ids[p : p + 1], torch.tensor([p]), [table], torch.tensor([0]), pools)
+        got = model_tiny.decode(
+            ids[p : p + 1], torch.tensor([p]), [table], torch.tensor([0]), pools
+        )
         assert (got[0] - ref[p]).abs().max().item() < 1e-4
 
 
@@ -100,7 +104,8 @@ def test_batched_decode_equals_each_sequence_alone(model_tiny):
     for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):
         alone = model_tiny.make_pools(20, TPB, 5)
         model_tiny.prefill(p, 0, t, slots[i], alone)
-        single = model_tiny.decode(toks[i : i + 1], pos[i : i + 1], [t], torch.tensor(slots[i : i + 1]), alone)
+        one = slice(i, i + 1)
+        single = model_tiny.decode(toks[one], pos[one], [t], torch.tensor(slots[one]), alone)
         assert (together[i] - single[0]).abs().max().item() < 1e-5
         for blk in t:
             assert torch.allclose(batch.kv[:, blk], alone.kv[:, blk], atol=1e-6)
@@ -129,8 +134,10 @@ def test_pools_missing_a_layer_are_rejected(model_tiny):
     spec = PoolSpec.for_model(
         model_tiny.config, num_blocks=2, tokens_per_block=TPB, num_slots=1, layers=range(3)
     )
-    with pytest.raises(ConfigError, match="layer 3 is not in this stage's Mamba state pool"):
+    with pytest.raises(ConfigError, match=r"also needs layers \[4, 5, 6\]"):
         model_tiny.prefill(_ids(4), 0, [0], 0, Pools(spec))
+    with pytest.raises(ConfigError, match="PoolSpec.for_model"):
+        model_tiny.decode(_ids(1), torch.tensor([0]), [[0]], torch.tensor([0]), Pools(spec))
 
 
 @pytest.mark.parametrize("pattern", ["M-M", "*-*"])

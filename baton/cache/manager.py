@@ -1,0 +1,358 @@
+"""HybridCacheManager: KV blocks, Mamba state slots and the prefix tree behind one API.
+
+Life of a request in the cache:
+  1. `admit`: match the prompt in the tree (never its last token), lock the matched path,
+     share its full blocks, copy a partial page into a private block, copy the snapshot's
+     state into a fresh live slot, and hand back the snapshot points still ahead.
+     (`admit_remote`, decode side: share leading full blocks, allocate the rest, no state.)
+  2. `ensure_blocks` before each chunk; the engine ends a chunk at every snapshot point.
+  3. `commit` at a point: insert the request's blocks as a tree path, move its lock down,
+     copy live -> snapshot slot (and the partial page when the point is unaligned).
+  4. `finish`: the decode-end snapshot (prompt + answer), then release; `abort`: release.
+
+Slots: `max_live` are reserved for live states; snapshots use at most the rest, so a
+snapshot can never starve a running request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from baton.cache.allocators import BlockAllocator, SlotAllocator
+from baton.cache.config import CacheConfig
+from baton.cache.integrity import check_manager
+from baton.cache.policy import snapshot_points
+from baton.cache.pools import Pools
+from baton.cache.sessions import SessionTurns
+from baton.cache.stats import CacheStats
+from baton.cache.tree import MatchResult, Node, PrefixTree, Snapshot
+from baton.errors import CapacityError, ConfigError, InvalidRequestError
+
+log = logging.getLogger("baton.cache")
+
+
+class Admission(NamedTuple):
+    cached_tokens: int
+    """Prompt tokens whose KV and Mamba state are restored (0 if none)."""
+    block_table: list[int]
+    """Blocks covering the cached tokens (shared ones, then a private partial-page copy)."""
+    slot: int
+    """The request's live state slot (snapshot state copied in, or zeroed)."""
+    snapshot_points: tuple[int, ...]
+    """Points > cached_tokens where the engine must end a chunk (and commit)."""
+
+
+@dataclass(eq=False)
+class _Live:
+    prompt: list[int]
+    slot: int
+    table: list[int]
+    node: Node
+    """Deepest tree node this request locks (its shared and inserted blocks lie above)."""
+    points: list[int]
+    """Snapshot points not yet reached, ascending."""
+    turn: list[Snapshot] | None = None
+
+
+class HybridCacheManager:
+    def __init__(self, cfg: CacheConfig, pools: Pools, max_live: int):
+        spec = pools.spec
+        if spec.tokens_per_block != cfg.tokens_per_block:
+            raise ConfigError(
+                f"pools have tokens_per_block={spec.tokens_per_block} but "
+                f"cache.tokens_per_block={cfg.tokens_per_block}; build the pools from the config"
+            )
+        if max_live < 1:
+            raise ConfigError(f"max_live={max_live} must be >= 1 (worker.max_num_seqs)")
+        num_slots = spec.num_slots if pools.has_state else cfg.num_state_slots
+        if num_slots < max_live:
+            raise CapacityError(
+                f"cache.num_state_slots={num_slots} cannot hold one live Mamba state per "
+                f"concurrent request (worker.max_num_seqs={max_live}); raise num_state_slots "
+                f"to at least {max_live} (plus room for snapshots) or lower max_num_seqs"
+            )
+        self.cfg, self.pools, self.max_live = cfg, pools, max_live
+        self.tpb = cfg.tokens_per_block
+        self._kv = pools.has_kv
+        self.blocks = BlockAllocator(spec.num_blocks) if self._kv else None
+        self.slots = SlotAllocator(num_slots)
+        self.tree = PrefixTree(self.tpb, self.blocks, self.slots)
+        self.snapshot_budget = num_slots - max_live
+        self.policy = cfg.mamba_state_config
+        self._reuse = cfg.enable_prefix_reuse
+        if self._reuse and self.snapshot_budget == 0:
+            log.warning(
+                "prefix reuse disabled: cache.num_state_slots=%d leaves no snapshot slot after "
+                "%d live slots (worker.max_num_seqs); raise num_state_slots to reuse prefixes",
+                num_slots, max_live,
+            )
+            self._reuse = False
+        per_conv = self._reuse and self.policy.per_conversation
+        self.sessions = SessionTurns(self.policy.max_num_turns) if per_conv else None
+        self._live: dict[str, _Live] = {}
+        self._queried = self._hit = self._rqueried = self._rhit = self._taken = 0
+
+    # ---- queries -----------------------------------------------------------------------
+    @property
+    def reuse_enabled(self) -> bool:
+        return self._reuse
+
+    def snapshot_points(self, prompt_len: int) -> list[int]:
+        """Where a prompt of this length is snapshotted ([] when reuse is off)."""
+        return snapshot_points(self.policy, prompt_len) if self._reuse else []
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free queue (tree blocks are not counted: see `can_allocate`)."""
+        return self.blocks.num_free if self._kv else 0
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots not held by a running request (snapshot slots are always evictable)."""
+        return self.slots.num_slots - len(self._live)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks can be had now, counting evictable tree blocks."""
+        if not self._kv:
+            return True
+        return num_blocks <= self.blocks.num_free + self.tree.num_evictable_blocks
+
+    def block_table(self, req_id: str) -> list[int]:
+        return list(self._get(req_id).table)
+
+    def slot(self, req_id: str) -> int:
+        return self._get(req_id).slot
+
+    # ---- admission ---------------------------------------------------------------------
+    def admit(self, req_id: str, prompt: list[int], session: str | None = None) -> Admission:
+        """Start a request on this worker, restoring the deepest usable snapshot."""
+        self._check_new(req_id, prompt)
+        none = MatchResult(self.tree.root, None, 0)
+        m = self.tree.match(prompt, len(prompt) - 1) if self._reuse else none
+        live = self._register(req_id, prompt, m.node)
+        try:
+            self._restore(live, m.snapshot)
+        except CapacityError:
+            self._release(req_id)
+            raise
+        live.points = [p for p in self.snapshot_points(len(prompt)) if p > m.cached_tokens]
+        self._start_turn(live, session)
+        self._queried += len(prompt)
+        self._hit += m.cached_tokens
+        return Admission(m.cached_tokens, list(live.table), live.slot, tuple(live.points))
+
+    def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None) -> Admission:
+        """Decode side: blocks for the whole prompt (leading full tree blocks shared) + a slot."""
+        self._check_new(req_id, prompt)
+        node = self.tree.match_blocks(prompt, len(prompt)) if self._reuse else self.tree.root
+        live = self._register(req_id, prompt, node)
+        self.pools.zero_slot(live.slot)  # the prompt's state arrives by transfer
+        cached = len(live.table) * self.tpb
+        try:
+            self.ensure_blocks(req_id, len(prompt))
+        except CapacityError:
+            self._release(req_id)
+            raise
+        self._start_turn(live, session)
+        self._rqueried += len(prompt)
+        self._rhit += cached
+        return Admission(cached, list(live.table), live.slot, ())
+
+    def ensure_blocks(self, req_id: str, num_tokens: int) -> None:
+        """Grow the request's block table to cover `num_tokens` tokens, evicting if needed."""
+        live = self._get(req_id)
+        if not self._kv:
+            return
+        need = -(-num_tokens // self.tpb) - len(live.table)
+        if need <= 0:
+            return
+        if not self.can_allocate(need):
+            raise CapacityError(
+                f"request {req_id!r} needs {need} more KV blocks for {num_tokens} tokens but "
+                f"only {self.blocks.num_free} are free and {self.tree.num_evictable_blocks} "
+                f"evictable of cache.num_blocks={self.blocks.num_blocks}; raise num_blocks "
+                "or run fewer requests at once"
+            )
+        for _ in range(need):
+            live.table.append(self._alloc_block())
+
+    # ---- snapshots ---------------------------------------------------------------------
+    def commit(self, req_id: str, token_ids: list[int]) -> bool:
+        """A chunk ended after `token_ids`; snapshot there if it is one of the request's points."""
+        live = self._get(req_id)
+        n = len(token_ids)
+        hit = n in live.points
+        live.points = [p for p in live.points if p > n]  # the state is past the others now
+        if not hit:
+            return False
+        if list(token_ids) != live.prompt[:n]:
+            raise ValueError(f"commit for {req_id!r}: token_ids are not the prompt's first {n}")
+        return self._snapshot(live, token_ids)
+
+    def finish(self, req_id: str, token_ids: list[int]) -> None:
+        """The request is done: commit its decode-end snapshot if configured, then release."""
+        live = self._get(req_id)
+        try:
+            if self._reuse and self.policy.decode_end_snapshot and token_ids:
+                self._snapshot(live, token_ids)
+        finally:
+            self._release(req_id)
+
+    def abort(self, req_id: str) -> None:
+        """Release everything the request holds, committing nothing; KeyError if unknown."""
+        self._get(req_id)
+        self._release(req_id)
+
+    # ---- reporting ---------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        t = self.tree
+        return CacheStats(
+            queried_tokens=self._queried,
+            hit_tokens=self._hit,
+            remote_queried_tokens=self._rqueried,
+            remote_hit_tokens=self._rhit,
+            snapshots_taken=self._taken,
+            snapshots_evicted=t.snapshots_evicted,
+            snapshots_retired=self.sessions.retired if self.sessions else 0,
+            blocks_evicted=t.blocks_evicted,
+            blocks_total=self.blocks.num_blocks if self._kv else 0,
+            blocks_free=self.num_free_blocks,
+            blocks_cached=(t.num_nodes + t.num_partials) if self._kv else 0,
+            blocks_evictable=t.num_evictable_blocks,
+            slots_total=self.slots.num_slots,
+            slots_live=len(self._live),
+            slots_snapshot=t.num_snapshots,
+            snapshot_budget=self.snapshot_budget,
+            tree_nodes=t.num_nodes,
+            partial_snapshots=t.num_partials,
+        )
+
+    def check_integrity(self) -> None:
+        """AssertionError naming the first block, slot or count that is owned wrongly."""
+        check_manager(self)
+
+    def live_requests(self) -> dict[str, _Live]:
+        return dict(self._live)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _get(self, req_id: str) -> _Live:
+        try:
+            return self._live[req_id]
+        except KeyError:
+            raise KeyError(f"request {req_id!r} holds no cache (unknown or already released)") from None
+
+    def _check_new(self, req_id: str, prompt: list[int]) -> None:
+        if req_id in self._live:
+            raise InvalidRequestError(f"request id {req_id!r} is already admitted")
+        if not prompt:
+            raise InvalidRequestError(f"request {req_id!r} has an empty prompt")
+        if len(self._live) >= self.max_live:
+            raise CapacityError(
+                f"all {self.max_live} live slots are in use (worker.max_num_seqs); "
+                "wait for a request to finish"
+            )
+
+    def _register(self, req_id: str, prompt: list[int], node: Node) -> _Live:
+        slot = self.slots.allocate()
+        assert slot is not None, "snapshot budget invariant broken: no slot for a live request"
+        self.tree.lock(node)
+        table = self.tree.path_blocks(node)
+        for b in table:
+            self.blocks.incref(b)
+        live = self._live[req_id] = _Live(list(prompt), slot, table, node, [])
+        return live
+
+    def _restore(self, live: _Live, snap: Snapshot | None) -> None:
+        if snap is None:
+            self.pools.zero_slot(live.slot)
+            return
+        self.pools.copy_slot(snap.slot, live.slot)
+        if snap.page is None:
+            return
+        page = snap.page
+        self.blocks.incref(page)  # allocating may evict this very snapshot: keep its page
+        try:
+            b = self._alloc_block()
+            self.pools.copy_block(page, b)
+            live.table.append(b)
+        finally:
+            self.blocks.decref(page)
+
+    def _start_turn(self, live: _Live, session: str | None) -> None:
+        if self.sessions is not None and session is not None:
+            live.turn = self.sessions.start_turn(session, self.tree)
+
+    def _release(self, req_id: str) -> None:
+        live = self._live.pop(req_id)
+        self.tree.unlock(live.node)
+        for b in live.table:
+            self.blocks.decref(b)
+        self.slots.release(live.slot)
+
+    def _snapshot(self, live: _Live, tokens: list[int]) -> bool:
+        n, tpb = len(tokens), self.tpb
+        if self._kv and len(live.table) * tpb < n:
+            raise ValueError(
+                f"snapshot after {n} tokens but the request's blocks cover only "
+                f"{len(live.table) * tpb}; call ensure_blocks first"
+            )
+        full = n // tpb
+        node = self.tree.insert(tokens, live.table[:full] if self._kv else [None] * full)
+        if node.depth > live.node.depth:
+            self.tree.lock(node)
+            self.tree.unlock(live.node)
+            live.node = node
+        tail = tuple(tokens[full * tpb : n])
+        snap = self._take_partial(live, node, tail) if tail else self._take_full(live, node)
+        if snap is not None and live.turn is not None and snap not in live.turn:
+            live.turn.append(snap)
+        return snap is not None
+
+    def _take_full(self, live: _Live, node: Node) -> Snapshot | None:
+        if node.snapshot is not None:
+            self.tree.touch(node.snapshot)
+            return node.snapshot
+        slot = self._snapshot_slot()
+        if slot is None:
+            return None
+        self.pools.copy_slot(live.slot, slot)
+        self._taken += 1
+        return self.tree.add_snapshot(node, slot, node.depth * self.tpb)
+
+    def _take_partial(self, live: _Live, node: Node, tail: tuple[int, ...]) -> Snapshot | None:
+        old = node.partial
+        if old is not None and old.tail == tail:
+            self.tree.touch(old)
+            return old
+        slot = self._snapshot_slot()
+        if slot is None:
+            return None
+        page = None
+        if self._kv:
+            page = self._alloc_block(required=False)
+            if page is None:
+                self.slots.release(slot)
+                return None
+            self.pools.copy_block(live.table[node.depth], page)
+        self.pools.copy_slot(live.slot, slot)
+        self._taken += 1
+        return self.tree.add_partial(node, tail, slot, page)
+
+    def _snapshot_slot(self) -> int | None:
+        while self.tree.num_snapshots >= self.snapshot_budget:
+            if not self.tree.evict_snapshot():
+                return None
+        return self.slots.allocate()
+
+    def _alloc_block(self, required: bool = True) -> int | None:
+        while self.blocks.num_free == 0:
+            if not self.tree.evict_block():
+                if not required:
+                    return None
+                raise CapacityError(
+                    f"no KV block is free or evictable (cache.num_blocks="
+                    f"{self.blocks.num_blocks}, all held by running requests); raise num_blocks"
+                )
+        return self.blocks.allocate()

@@ -1,0 +1,206 @@
+"""Router benchmark: routing decisions per second and the latency the router adds per request.
+
+    python -m bench.router --json [--prefixes 10000] [--prompt-len 1024] [--requests 2000]
+
+Two measurements:
+  decision  policy.choose (prompt hashing + index lookups) plus the registry read, with the
+            prefix_aware index holding `--prefixes` snapshot prefixes over 8 + 8 workers.
+  grpc      Generate through the router (max_tokens=1) against instant in-process fake
+            workers, versus the same Reserve + Prefill calls made directly: the difference
+            is the router's added latency (target: < 1 ms p50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import grpc
+
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import router_pb2 as rpb
+from baton.proto_gen import router_pb2_grpc as rgrpc
+from baton.proto_gen import worker_pb2 as wpb
+from baton.proto_gen import worker_pb2_grpc as wgrpc
+from router.config import RouterConfig
+from router.fake_workers import FakeWorker
+from router.policies import RouteRequest, make_policy
+from router.prefix_hash import snapshot_key
+from router.registry import Registry
+from router.server import run_router
+from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad
+
+TARGET_P50_MS = 1.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.router", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="one JSON object a measurement")
+    p.add_argument("--prefixes", type=int, default=10_000, help="snapshot prefixes tracked")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--requests", type=int, default=2000, help="routing decisions timed")
+    p.add_argument("--grpc-requests", type=int, default=300, help="Generate calls timed")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    return [_decision(args), _grpc(args)]
+
+
+def _percentiles(samples_s: list[float]) -> dict:
+    ms = sorted(s * 1000 for s in samples_s)
+    return {
+        "p50_ms": statistics.median(ms),
+        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "mean_ms": statistics.fmean(ms),
+    }
+
+
+def _decision(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    tpb, length = args.tokens_per_block, args.prompt_len
+    config = RouterConfig(policy="prefix_aware", prefix_tree_max_nodes=max(args.prefixes, 1))
+    policy = make_policy(config)
+    registry = Registry(1e9, [policy])
+    for role, prefix in ((Role.PREFILL, "p"), (Role.DECODE, "d")):
+        for i in range(8):
+            registry.register(WorkerInfo(f"{prefix}{i}", role, f"h:{i}", tpb, WorkerLoad(i % 3)))
+    prompts = []
+    for i in range(args.prefixes):
+        prompt = tuple(rng.randrange(32_000) for _ in range(length))
+        n = rng.randrange(tpb, length, tpb) if i % 2 else length - rng.randrange(1, 30)
+        policy.observe(f"p{i % 8}", [SnapshotEvent(True, *snapshot_key(prompt, n, tpb))])
+        if len(prompts) < 256:
+            prompts.append(prompt)
+    requests = []
+    for i in range(args.requests):
+        if i % 2:  # shares a tracked prompt's first half, then diverges
+            base = prompts[i % len(prompts)]
+            prompt = base[: length // 2] + tuple(rng.randrange(32_000) for _ in range(length // 2))
+        else:
+            prompt = tuple(rng.randrange(32_000) for _ in range(length))
+        requests.append(RouteRequest(str(i), prompt))
+    samples, hits = [], 0
+    start = time.perf_counter()
+    for req in requests:
+        t0 = time.perf_counter()
+        choice = policy.choose(req, registry.workers(Role.PREFILL), registry.workers(Role.DECODE))
+        samples.append(time.perf_counter() - t0)
+        hits += choice.prefill.worker_id != "p0"
+    elapsed = time.perf_counter() - start
+    stats = _percentiles(samples)
+    return {
+        "benchmark": "router",
+        "measurement": "decision",
+        "params": {
+            "policy": "prefix_aware",
+            "tracked_prefixes": len(policy.index),
+            "prompt_len": length,
+            "tokens_per_block": tpb,
+            "workers": 16,
+            "requests": args.requests,
+        },
+        "figures": {"decisions_per_s": args.requests / elapsed, **stats},
+        "target_p50_ms": TARGET_P50_MS,
+        "meets_target": stats["p50_ms"] < TARGET_P50_MS,
+    }
+
+
+def _grpc(args: argparse.Namespace) -> dict:
+    handle = run_router(0, RouterConfig(policy="prefix_aware", host="127.0.0.1"))
+    p, d = FakeWorker(Role.PREFILL, "p0"), FakeWorker(Role.DECODE, "d0")
+    channels = []
+    try:
+        p.register(handle.address)
+        d.register(handle.address)
+        router_ch, p_ch, d_ch = (
+            grpc.insecure_channel(a) for a in (handle.address, p.address, d.address)
+        )
+        channels = [router_ch, p_ch, d_ch]
+        router, pre, dec = (
+            rgrpc.RouterStub(router_ch),
+            wgrpc.PrefillWorkerStub(p_ch),
+            wgrpc.DecodeWorkerStub(d_ch),
+        )
+        prompt = list(range(1, args.prompt_len + 1))
+        sampling = pb.SamplingParams(max_tokens=1)
+
+        def via_router(i: int) -> None:
+            list(
+                router.Generate(
+                    rpb.GenerateRequest(request_id=f"r{i}", prompt_ids=prompt, sampling=sampling)
+                )
+            )
+
+        def direct(i: int) -> None:
+            res = dec.Reserve(
+                wpb.ReserveRequest(request_id=f"x{i}", prompt_ids=prompt, sampling=sampling)
+            )
+            dest = wpb.Destination(worker_id=res.worker_id, block_ids=res.block_ids)
+            pre.Prefill(
+                wpb.PrefillRequest(
+                    request_id=f"x{i}", prompt_ids=prompt, sampling=sampling, destination=dest
+                )
+            )
+            dec.Abort(pb.AbortRequest(request_id=f"x{i}"))
+
+        routed, baseline = (
+            _time_calls(via_router, args.grpc_requests),
+            _time_calls(direct, args.grpc_requests),
+        )
+    finally:
+        for ch in channels:
+            ch.close()
+        handle.stop(grace=None)
+        p.stop()
+        d.stop()
+    r, b = _percentiles(routed), _percentiles(baseline)
+    added = r["p50_ms"] - b["p50_ms"]
+    return {
+        "benchmark": "router",
+        "measurement": "grpc",
+        "params": {
+            "policy": "prefix_aware",
+            "prompt_len": args.prompt_len,
+            "requests": args.grpc_requests,
+        },
+        "figures": {**r, "added_p50_ms": added},
+        "baseline": {"name": "direct Reserve+Prefill+Abort", **b},
+        "ratio_p50": r["p50_ms"] / b["p50_ms"],
+        "target_p50_ms": TARGET_P50_MS,
+        "meets_target": added < TARGET_P50_MS,
+    }
+
+
+def _time_calls(fn, n: int) -> list[float]:
+    for i in range(min(20, n)):  # warm-up: channels, threads
+        fn(-i - 1)
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for result in run(args):
+        if args.json:
+            print(json.dumps(result))
+        else:
+            figs = result["figures"]
+            print(
+                f"{result['measurement']:>8}: p50 {figs['p50_ms']:.3f} ms  p99 {figs['p99_ms']:.3f} ms  {figs}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Scripted in-process prefill/decode worker servers, for router tests and benchmarks.
+
+Tokens are predictable: the first token is `prompt_ids[-1] + 1`, and Decode streams
+`first + 1, first + 2, ...` one per message until max_tokens (LENGTH) or a stop token (STOP).
+Every call is recorded, and `held` lists reservations neither decoded to the end nor aborted,
+so tests can prove nothing leaks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from enum import Enum
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import router_pb2 as rpb
+from baton.proto_gen import router_pb2_grpc as rgrpc
+from baton.proto_gen import worker_pb2_grpc as wgrpc
+from router import wire
+from router.types import DecodeChunk, FinishReason, PrefillResult, Reservation
+from router.workers import Role, SnapshotEvent, WorkerLoad
+
+
+class Act(str, Enum):
+    OK = "ok"
+    FAIL = "fail"
+    """Return UNAVAILABLE."""
+    INVALID = "invalid"
+    """Return INVALID_ARGUMENT (as a worker's own validation would)."""
+    HANG = "hang"
+    """Block until aborted or cancelled (Decode: after its first message)."""
+    FINISH = "finish"
+    """Prefill: the first token ends the request."""
+    FAIL_MID = "fail_mid"
+    """Decode: fail after its first message."""
+
+
+@dataclass
+class Script:
+    reserve: Act = Act.OK
+    prefill: Act = Act.OK
+    decode: Act = Act.OK
+    cached_tokens: int = 0
+    token_delay_s: float = 0.0
+    hang_limit_s: float = 10.0
+
+
+@dataclass
+class FakeState:
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    """(method, request_id) in arrival order."""
+    aborted: list[str] = field(default_factory=list)
+    held: dict[str, Reservation] = field(default_factory=dict)
+    """Reservations not yet released by a finished Decode or an Abort."""
+    wake: dict[str, threading.Event] = field(default_factory=dict)
+
+
+class _Base:
+    def __init__(self, worker_id: str, script: Script, state: FakeState, lock: threading.Lock):
+        self.worker_id, self.script, self.state, self._lock = worker_id, script, state, lock
+
+    def _record(self, method: str, request_id: str) -> threading.Event:
+        with self._lock:
+            self.state.calls.append((method, request_id))
+            return self.state.wake.setdefault(request_id, threading.Event())
+
+    def _act(self, act: Act, context, wake: threading.Event) -> None:
+        if act == Act.FAIL:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: scripted failure")
+        if act == Act.INVALID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.worker_id}: prompt too long")
+        if act == Act.HANG:
+            context.add_callback(wake.set)
+            wake.wait(self.script.hang_limit_s)
+            context.abort(grpc.StatusCode.ABORTED, f"{self.worker_id}: aborted while hanging")
+
+    def Abort(self, request, context):
+        with self._lock:
+            self.state.calls.append(("Abort", request.request_id))
+            self.state.aborted.append(request.request_id)
+            found = self.state.held.pop(request.request_id, None) is not None
+            self.state.wake.setdefault(request.request_id, threading.Event()).set()
+        return pb.AbortReply(found=found)
+
+    def Stats(self, request, context):
+        return pb.StatsReply(worker_id=self.worker_id)
+
+
+class FakePrefill(_Base, wgrpc.PrefillWorkerServicer):
+    def Prefill(self, request, context):
+        wake = self._record("Prefill", request.request_id)
+        self._act(self.script.prefill, context, wake)
+        first = request.prompt_ids[-1] + 1
+        sampling = wire.sampling_from_pb(request.sampling)
+        reason = _finish(1, first, sampling)
+        if self.script.prefill == Act.FINISH:
+            reason = FinishReason.STOP
+        result = PrefillResult(first, self.script.cached_tokens, reason is not None, reason)
+        return wire.prefill_result_to_pb(result)
+
+
+class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sampling: dict[str, object] = {}
+
+    def Reserve(self, request, context):
+        wake = self._record("Reserve", request.request_id)
+        self._act(self.script.reserve, context, wake)
+        n_blocks = -(-len(request.prompt_ids) // 16)
+        res = Reservation(self.worker_id, f"tcp://{self.worker_id}", tuple(range(n_blocks)), 0)
+        with self._lock:
+            self.state.held[request.request_id] = res
+            self.sampling[request.request_id] = wire.sampling_from_pb(request.sampling)
+        return wire.reservation_to_pb(res)
+
+    def Decode(self, request, context):
+        rid = request.request_id
+        wake = self._record("Decode", rid)
+        sampling = self.sampling[rid]
+        token = request.first_token_id
+        for i in range(1, sampling.max_tokens):
+            token += 1
+            if self.script.token_delay_s:
+                time.sleep(self.script.token_delay_s)
+            reason = _finish(i + 1, token, sampling)
+            if reason is not None:
+                with self._lock:
+                    self.state.held.pop(rid, None)
+            yield wire.decode_chunk_to_pb(DecodeChunk((token,), reason))
+            if reason is not None:
+                return
+            if i == 1 and self.script.decode != Act.OK:
+                self._act(
+                    Act.FAIL if self.script.decode == Act.FAIL_MID else self.script.decode,
+                    context,
+                    wake,
+                )
+
+
+def _finish(n_tokens: int, token: int, sampling) -> FinishReason | None:
+    if token in sampling.stop_token_ids:
+        return FinishReason.STOP
+    return FinishReason.LENGTH if n_tokens >= sampling.max_tokens else None
+
+
+_IDLE = WorkerLoad()
+_SERVICERS = {
+    Role.PREFILL: (FakePrefill, wgrpc.add_PrefillWorkerServicer_to_server),
+    Role.DECODE: (FakeDecode, wgrpc.add_DecodeWorkerServicer_to_server),
+}
+
+
+class FakeWorker:
+    """A fake worker process in this process: its own gRPC server on a free port."""
+
+    def __init__(self, role: Role, worker_id: str, script: Script | None = None):
+        self.role, self.worker_id = role, worker_id
+        self.script = script or Script()
+        self.state = FakeState()
+        self._lock = threading.Lock()
+        cls, add = _SERVICERS[role]
+        self.servicer = cls(worker_id, self.script, self.state, self._lock)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        add(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+        self._router: rgrpc.RegistryStub | None = None
+        self._channel: grpc.Channel | None = None
+
+    def calls(self, method: str | None = None) -> list[tuple[str, str]]:
+        with self._lock:
+            return [c for c in self.state.calls if method is None or c[0] == method]
+
+    def register(self, router_address: str, load: WorkerLoad = _IDLE, tpb: int = 16):
+        self._channel = grpc.insecure_channel(router_address)
+        self._router = rgrpc.RegistryStub(self._channel)
+        return self._router.Register(
+            rpb.RegisterRequest(
+                worker_id=self.worker_id,
+                role=wire.ROLE_TO_PB[self.role],
+                address=self.address,
+                load=wire.load_to_pb(load),
+                tokens_per_block=tpb,
+            )
+        )
+
+    def heartbeat(self, load: WorkerLoad = _IDLE, events: tuple[SnapshotEvent, ...] = ()):
+        return self._router.Heartbeat(
+            rpb.HeartbeatRequest(
+                worker_id=self.worker_id,
+                load=wire.load_to_pb(load),
+                snapshot_events=[wire.event_to_pb(e) for e in events],
+            )
+        )
+
+    def stop(self) -> None:
+        self.server.stop(None).wait()
+        if self._channel is not None:
+            self._channel.close()
+
+
+def health_status(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status

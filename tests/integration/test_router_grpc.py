@@ -1,0 +1,198 @@
+"""The router over real gRPC, with scripted in-process fake workers (router/fake_workers.py)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import router_pb2 as rpb
+from baton.proto_gen import router_pb2_grpc as rgrpc
+from router.config import RouterConfig
+from router.fake_workers import Act, FakeWorker, Script, health_status
+from router.prefix_hash import snapshot_key
+from router.server import run_router
+from router.workers import Role, SnapshotEvent, WorkerLoad
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster():
+    """cluster(config, p0=Script(), d0=Script(), ...) -> (router handle, stub, workers by id)."""
+    started = []
+
+    def start(config=None, **scripts):
+        handle = run_router(0, config or RouterConfig())
+        channel = grpc.insecure_channel(handle.address)
+        workers = {}
+        for wid, script in scripts.items():
+            role = Role.PREFILL if wid.startswith("p") else Role.DECODE
+            workers[wid] = FakeWorker(role, wid, script)
+            workers[wid].register(handle.address)
+        started.append((handle, channel, workers))
+        return handle, rgrpc.RouterStub(channel), workers
+
+    yield start
+    for handle, channel, workers in started:
+        channel.close()
+        handle.stop(grace=None)
+        for w in workers.values():
+            w.stop()
+
+
+def gen(stub, prompt_ids=(5, 6), request_id="r1", **sampling):
+    req = rpb.GenerateRequest(
+        request_id=request_id, prompt_ids=prompt_ids, sampling=pb.SamplingParams(**sampling)
+    )
+    return stub.Generate(req, timeout=10)
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_generate_streams_tokens_and_a_final_summary(cluster):
+    handle, stub, w = cluster(p0=Script(cached_tokens=1), d0=Script())
+    msgs = list(gen(stub, max_tokens=4))
+    assert [list(m.token_ids) for m in msgs] == [[7], [8], [9], [10]]
+    assert [m.finish_reason for m in msgs] == [0, 0, 0, pb.FINISH_REASON_LENGTH]
+    last = msgs[-1]
+    assert (last.request_id, last.prompt_tokens, last.cached_tokens) == ("r1", 2, 1)
+    assert (last.prefill_worker, last.decode_worker, last.retries) == ("p0", "d0", 0)
+    assert 0 < last.ttft_ms <= last.latency_ms
+    assert w["d0"].state.held == {}
+
+
+def test_stop_token_ends_with_stop(cluster):
+    _, stub, _ = cluster(p0=Script(), d0=Script())
+    msgs = list(gen(stub, max_tokens=50, stop_token_ids=[9]))
+    assert [t for m in msgs for t in m.token_ids] == [7, 8, 9]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_no_worker_registered_is_unavailable(cluster):
+    _, stub, _ = cluster()
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no prefill worker available" in e.value.details()
+
+
+def test_bad_sampling_is_invalid_argument_with_the_field_named(cluster):
+    _, stub, w = cluster(p0=Script(), d0=Script())
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub, top_p=2.0))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "top_p must be in (0, 1], got 2.0"
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub, prompt_ids=()))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert w["d0"].calls() == []
+
+
+def test_worker_invalid_argument_passes_through_unchanged_and_is_not_retried(cluster):
+    _, stub, w = cluster(p0=Script(prefill=Act.INVALID), p1=Script(), d0=Script())
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "p0: prompt too long"
+    assert w["p1"].calls() == []
+    assert w["d0"].calls("Abort") == [("Abort", "r1")]
+    assert w["d0"].state.held == {}
+
+
+def test_failure_before_first_token_retries_on_another_pair(cluster):
+    _, stub, w = cluster(p0=Script(prefill=Act.FAIL), p1=Script(), d0=Script(), d1=Script())
+    msgs = list(gen(stub, max_tokens=3))
+    last = msgs[-1]
+    assert [t for m in msgs for t in m.token_ids] == [7, 8, 9]
+    assert (last.prefill_worker, last.decode_worker, last.retries) == ("p1", "d1", 1)
+    assert w["p0"].calls() == [("Prefill", "r1"), ("Abort", "r1")]
+    assert w["d0"].calls() == [("Reserve", "r1"), ("Abort", "r1")]
+    assert w["d0"].state.held == {} and w["d1"].state.held == {}
+
+
+def test_failure_after_first_token_is_not_retried(cluster):
+    _, stub, w = cluster(p0=Script(), d0=Script(decode=Act.FAIL_MID), d1=Script())
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for m in gen(stub, max_tokens=10):
+            got.extend(m.token_ids)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "d0 failed Decode" in e.value.details()
+    assert got == [7, 8]
+    assert w["d1"].calls() == []
+    assert wait_for(lambda: ("Abort", "r1") in w["p0"].calls())
+    assert ("Abort", "r1") in w["d0"].calls()
+
+
+@pytest.mark.parametrize("hang", ["prefill", "decode"])
+def test_client_cancel_propagates_abort_to_both_workers(cluster, hang):
+    scripts = {"p0": Script(), "d0": Script()}
+    if hang == "prefill":
+        scripts["p0"] = Script(prefill=Act.HANG)
+    else:
+        scripts["d0"] = Script(decode=Act.HANG)
+    handle, stub, w = cluster(**scripts)
+    call = gen(stub, max_tokens=10)
+    method = "Prefill" if hang == "prefill" else "Decode"
+    target = w["p0"] if hang == "prefill" else w["d0"]
+    assert wait_for(lambda: target.calls(method))
+    if hang == "decode":
+        assert list(next(call).token_ids) == [7]
+    call.cancel()
+    assert wait_for(lambda: ("Abort", "r1") in w["p0"].calls())
+    assert wait_for(lambda: ("Abort", "r1") in w["d0"].calls())
+    assert w["d0"].state.held == {}
+    assert wait_for(lambda: handle.registry.get("p0").inflight == 0)
+
+
+def test_silent_worker_is_ejected_and_heartbeat_asks_it_to_reregister(cluster):
+    config = RouterConfig(heartbeat_seconds=0.05, eject_after_seconds=0.3)
+    handle, stub, w = cluster(config, p0=Script(), d0=Script())
+    listed = stub.ListWorkers(rpb.ListWorkersRequest(role=pb.WORKER_ROLE_PREFILL))
+    assert [x.worker_id for x in listed.workers] == ["p0"]
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # d0 heartbeats, p0 stays silent
+        assert not w["d0"].heartbeat(WorkerLoad(running=1)).reregister
+        time.sleep(0.05)
+    workers = stub.ListWorkers(rpb.ListWorkersRequest()).workers
+    assert [(x.worker_id, x.load.running) for x in workers] == [("d0", 1)]
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert w["p0"].heartbeat().reregister
+    w["p0"].register(handle.address)
+    names = [x.worker_id for x in stub.ListWorkers(rpb.ListWorkersRequest()).workers]
+    assert names == ["d0", "p0"]
+
+
+def test_prefix_aware_routes_to_the_worker_whose_snapshot_covers_the_prompt(cluster):
+    config = RouterConfig(policy="prefix_aware")
+    handle, stub, w = cluster(config, p0=Script(), p1=Script(), d0=Script())
+    prompt = tuple(range(1, 50))
+    key = snapshot_key(prompt, 32, 16)
+    w["p1"].heartbeat(WorkerLoad(running=1), (SnapshotEvent(True, *key),))
+    assert list(gen(stub, prompt_ids=prompt, max_tokens=1))[-1].prefill_worker == "p1"
+    listed = {
+        x.worker_id: x.tracked_snapshots for x in stub.ListWorkers(rpb.ListWorkersRequest()).workers
+    }
+    assert listed == {"p0": 0, "p1": 1, "d0": 0}
+    w["p1"].heartbeat(WorkerLoad(running=1), (SnapshotEvent(False, *key),))
+    assert list(gen(stub, prompt_ids=prompt, max_tokens=1))[-1].prefill_worker == "p0"
+
+
+def test_health_is_served_for_the_router_services(cluster):
+    handle, _, _ = cluster()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for service in ("", "baton.v1.Router", "baton.v1.Registry"):
+        assert health_status(handle.address, service) == serving

@@ -1,0 +1,245 @@
+"""The request flow with plain-python fake workers: validation, retries, aborts, summaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.errors import InvalidRequestError
+from router.cancellation import Cancellation
+from router.config import RouterConfig
+from router.errors import NoWorkersError, RequestCancelled, WorkerFailed
+from router.orchestrator import Orchestrator
+from router.policies import make_policy
+from router.registry import Registry
+from router.types import (
+    DecodeChunk,
+    FinishReason,
+    GenerateInput,
+    PrefillResult,
+    Reservation,
+    SamplingParams,
+)
+from router.workers import Role, WorkerInfo
+
+
+class FakeClient:
+    """`fail` maps a method to the exception it raises."""
+
+    def __init__(self, worker_id, log, fail=None, finished=False):
+        self.worker_id, self.log, self.fail, self.finished = worker_id, log, fail or {}, finished
+
+    def _enter(self, method, rid):
+        self.log.append((self.worker_id, method, rid))
+        if method in self.fail:
+            raise self.fail[method]
+
+    def reserve(self, req, cancel):
+        self._enter("reserve", req.request_id)
+        return Reservation(self.worker_id, "tcp://x", (0, 1), 0)
+
+    def prefill(self, req, cancel):
+        self._enter("prefill", req.request_id)
+        assert req.destination.worker_id.startswith("d")
+        reason = FinishReason.STOP if self.finished else None
+        return PrefillResult(req.prompt_ids[-1] + 1, 3, self.finished, reason)
+
+    def decode(self, rid, first, cancel):
+        self._enter("decode", rid)
+        yield DecodeChunk((first + 1,))
+        if "decode_mid" in self.fail:
+            raise self.fail["decode_mid"]
+        yield DecodeChunk((first + 2,), FinishReason.LENGTH)
+
+    def abort(self, rid):
+        self.log.append((self.worker_id, "abort", rid))
+        return True
+
+
+class Tok:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def setup(workers, fail=None, finished=(), policy="round_robin", max_retries=2, tokenizer=None):
+    config = RouterConfig(policy=policy, max_retries=max_retries)
+    pol = make_policy(config)
+    reg = Registry(5.0, [pol])
+    log = []
+    clients = {}
+    for wid in workers:
+        role = Role.PREFILL if wid.startswith("p") else Role.DECODE
+        reg.register(WorkerInfo(wid, role, f"h:{wid}"))
+        clients[wid] = FakeClient(wid, log, (fail or {}).get(wid), wid in finished)
+    orch = Orchestrator(config, reg, pol, lambda v: clients[v.worker_id], tokenizer)
+    return orch, log, reg
+
+
+def run(orch, prompt=(5, 6), **kw):
+    inp = GenerateInput("r1", prompt_ids=prompt, sampling=SamplingParams(**kw))
+    return list(orch.generate(inp, Cancellation()))
+
+
+def test_happy_path_streams_first_token_then_decode_and_summary_last():
+    orch, log, reg = setup(["p0", "d0"])
+    chunks = run(orch)
+    assert [c.token_ids for c in chunks] == [(7,), (8,), (9,)]
+    assert [c.summary is None for c in chunks] == [True, True, False]
+    s = chunks[-1].summary
+    assert (s.finish_reason, s.prompt_tokens, s.cached_tokens, s.retries) == (
+        FinishReason.LENGTH,
+        2,
+        3,
+        0,
+    )
+    assert (s.prefill_worker, s.decode_worker) == ("p0", "d0")
+    assert [m for _, m, _ in log] == ["reserve", "prefill", "decode"]
+    assert reg.get("p0").inflight == reg.get("d0").inflight == 0
+
+
+def test_failure_before_first_token_retries_on_another_pair_and_aborts_the_first():
+    err = WorkerFailed("p0", "Prefill", "UNAVAILABLE: down")
+    orch, log, _ = setup(["p0", "p1", "d0", "d1"], fail={"p0": {"prefill": err}})
+    chunks = run(orch)
+    s = chunks[-1].summary
+    assert (s.prefill_worker, s.decode_worker, s.retries) == ("p1", "d1", 1)
+    assert log[:5] == [
+        ("d0", "reserve", "r1"),
+        ("p0", "prefill", "r1"),
+        ("p0", "abort", "r1"),
+        ("d0", "abort", "r1"),
+        ("d1", "reserve", "r1"),
+    ]
+
+
+def test_failed_worker_is_excluded_even_if_policy_would_pick_it_again():
+    err = WorkerFailed("d0", "Reserve", "UNAVAILABLE")
+    orch, log, _ = setup(["p0", "d0", "d1"], fail={"d0": {"reserve": err}}, policy="least_loaded")
+    assert run(orch)[-1].summary.decode_worker == "d1"
+    assert [(w, m) for w, m, _ in log if m == "reserve"] == [("d0", "reserve"), ("d1", "reserve")]
+
+
+def test_retries_stop_at_max_retries_with_every_failure_named():
+    fail = {w: {"prefill": WorkerFailed(w, "Prefill", "boom")} for w in ("p0", "p1", "p2")}
+    orch, log, _ = setup(["p0", "p1", "p2", "d0"], fail=fail, max_retries=1)
+    with pytest.raises(NoWorkersError, match="failed on 2 worker pairs.*p0.*p2"):
+        run(orch)
+    assert [w for w, m, _ in log if m == "prefill"] == ["p0", "p2"]  # round robin turn 2
+
+
+def test_no_retry_when_only_failed_workers_remain():
+    fail = {"p0": {"prefill": WorkerFailed("p0", "Prefill", "boom")}}
+    orch, _, _ = setup(["p0", "d0"], fail=fail)
+    with pytest.raises(NoWorkersError, match="no prefill worker available .1 live, all failed"):
+        run(orch)
+
+
+def test_worker_invalid_argument_passes_through_without_retry():
+    fail = {"p0": {"prefill": InvalidRequestError("prompt has 9000 tokens; max_model_len is 4096")}}
+    orch, log, _ = setup(["p0", "p1", "d0"], fail=fail)
+    with pytest.raises(
+        InvalidRequestError, match="^prompt has 9000 tokens; max_model_len is 4096$"
+    ):
+        run(orch)
+    assert [(w, m) for w, m, _ in log] == [
+        ("d0", "reserve"),
+        ("p0", "prefill"),
+        ("p0", "abort"),
+        ("d0", "abort"),
+    ]
+
+
+def test_failure_after_first_token_is_not_retried_and_aborts_both():
+    fail = {"d0": {"decode_mid": WorkerFailed("d0", "Decode", "UNAVAILABLE")}}
+    orch, log, reg = setup(["p0", "p1", "d0", "d1"], fail=fail)
+    got = []
+    with pytest.raises(WorkerFailed):
+        for chunk in orch.generate(GenerateInput("r1", prompt_ids=(5,)), Cancellation()):
+            got.append(chunk.token_ids)
+    assert got == [(6,), (7,)]
+    assert [(w, m) for w, m, _ in log if m in ("reserve", "abort")] == [
+        ("d0", "reserve"),
+        ("p0", "abort"),
+        ("d0", "abort"),
+    ]
+    assert reg.get("d0").inflight == 0
+
+
+def test_closing_the_stream_early_aborts_both_workers():
+    orch, log, reg = setup(["p0", "d0"])
+    stream = orch.generate(GenerateInput("r1", prompt_ids=(5,)), Cancellation())
+    next(stream)
+    stream.close()
+    assert log[-2:] == [("p0", "abort", "r1"), ("d0", "abort", "r1")]
+    assert reg.get("p0").inflight == 0
+
+
+def test_cancelled_during_prefill_aborts_both_and_does_not_retry():
+    fail = {"p0": {"prefill": RequestCancelled("cancelled")}}
+    orch, log, _ = setup(["p0", "p1", "d0"], fail=fail)
+    with pytest.raises(RequestCancelled):
+        run(orch)
+    assert [(w, m) for w, m, _ in log] == [
+        ("d0", "reserve"),
+        ("p0", "prefill"),
+        ("p0", "abort"),
+        ("d0", "abort"),
+    ]
+
+
+def test_first_token_that_finishes_releases_the_reservation():
+    orch, log, _ = setup(["p0", "d0"], finished={"p0"})
+    chunks = run(orch)
+    assert [c.token_ids for c in chunks] == [(7,)]
+    assert chunks[0].summary.finish_reason == FinishReason.STOP
+    assert [(w, m) for w, m, _ in log] == [("d0", "reserve"), ("p0", "prefill"), ("d0", "abort")]
+
+
+def test_no_worker_of_a_role_is_unavailable():
+    orch, _, _ = setup(["p0"])
+    with pytest.raises(NoWorkersError, match="no decode worker available"):
+        run(orch)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_k": 0}, "top_k must be >= 1"),
+        ({"stop_token_ids": (3, -1)}, r"stop_token_ids must be >= 0, got \[-1\]"),
+    ],
+)
+def test_bad_sampling_is_rejected_before_any_worker_call(kw, message):
+    orch, log, _ = setup(["p0", "d0"])
+    with pytest.raises(InvalidRequestError, match=message):
+        run(orch, **kw)
+    assert log == []
+
+
+@pytest.mark.parametrize(
+    "inp, message",
+    [
+        (GenerateInput("r"), "prompt is empty"),
+        (GenerateInput("r", prompt_ids=(1,), prompt_text="hi"), "either prompt or prompt_ids"),
+        (GenerateInput("r", prompt_text="hi"), "no tokenizer: send prompt_ids"),
+        (GenerateInput("r", prompt_ids=(1, -2)), r"prompt_ids must be >= 0, got \[-2\]"),
+    ],
+)
+def test_bad_prompts_are_rejected(inp, message):
+    orch, _, _ = setup(["p0", "d0"])
+    with pytest.raises(InvalidRequestError, match=message):
+        list(orch.generate(inp, Cancellation()))
+
+
+def test_text_prompt_is_tokenized_and_text_deltas_streamed():
+    orch, _, _ = setup(["p0", "d0"], tokenizer=Tok())
+    chunks = list(orch.generate(GenerateInput("r", prompt_text="ab"), Cancellation()))
+    assert [c.token_ids for c in chunks] == [(99,), (100,), (101,)]
+    assert "".join(c.text for c in chunks) == "cde"
+    assert chunks[-1].summary.prompt_tokens == 2

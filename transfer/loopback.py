@@ -1,0 +1,186 @@
+"""Stage processes driven over a pipe: one pipeline stage per OS process, as in production.
+
+Used by the integration tests and the benchmark. Each `StageProc` is a `spawn`ed child
+holding one stage's `Pools` and one Receiver (decode) or Sender (prefill), so every stage
+has its own NIXL agent / UCX worker. Commands are msgpack over a multiprocessing pipe:
+
+    parent ── setup{role, backend, model, layers, ...} ──► child: pools + receiver|sender
+           ── expect / send / connect / wait{rids} / dump / fill ──►
+           ◄── {"ok": True, ...} | {"ok": False, "error": "..."}
+
+A child can be set up again with another model or layer split, so one set of processes
+serves many test cases. Prefill pools are filled with random bytes, decode pools with a
+canary byte pattern; `dump` returns the raw pool bytes for bit-exact checks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import msgpack
+
+START_METHOD = os.environ.get("BATON_STAGE_START_METHOD", "forkserver")
+"""`forkserver` (default): a clean server process that has imported torch and nothing of
+NIXL/UCX forks each stage, so no transport state is ever inherited across a fork and
+torch (seconds to import) loads once. `spawn` gives each stage a fresh interpreter."""
+
+
+def context():
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["torch", "numpy", "msgpack", "baton.cache.pools"])
+    return ctx
+
+
+class StageProc:
+    """Parent-side handle of one stage process."""
+
+    def __init__(self, ctx=None):
+        ctx = ctx or context()
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, op: str, timeout: float = 60.0, **kw) -> dict:
+        self.submit(op, **kw)
+        return self.result(timeout)
+
+    def submit(self, op: str, **kw) -> None:
+        self._conn.send_bytes(msgpack.packb({"op": op, **kw}, use_bin_type=True))
+
+    def result(self, timeout: float = 60.0) -> dict:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"stage process {self.proc.pid} gave no answer in {timeout} s")
+        return msgpack.unpackb(self._conn.recv_bytes(), raw=False)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=10)
+            except (OSError, EOFError, TimeoutError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.kill()
+
+
+def _main(conn) -> None:
+    stage = _Stage()
+    while True:
+        try:
+            msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        except EOFError:
+            break
+        op = msg.pop("op")
+        try:
+            reply = {"ok": True, **(getattr(stage, op)(**msg) or {})}
+        except Exception as e:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                     "trace": traceback.format_exc()}
+        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+        if op == "exit":
+            break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # endpoints are closed; skip interpreter teardown of transport threads
+
+
+class _Stage:
+    """Child-side state; each public method is one command."""
+
+    def __init__(self):
+        self.end = None
+
+    def setup(self, role: str, backend: str, model: dict, layers: list[int], num_blocks: int,
+              tokens_per_block: int, num_slots: int, seed: int, dtype: str = "float32",
+              lease_seconds: float = 30.0, handshake_timeout_s: float = 5.0,
+              layerwise: bool = False):
+        import torch
+
+        from baton.cache.pools import Pools, PoolSpec
+        from baton.model.config import ModelConfig
+        from transfer import TransferConfig, compute_fingerprint, make_receiver, make_sender
+
+        t0 = time.perf_counter()
+        self.close()
+        t1 = time.perf_counter()
+        mc = ModelConfig.from_dict(model)
+        spec = PoolSpec.for_model(mc, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
+                                  num_slots=num_slots, layers=layers,
+                                  dtype=getattr(torch, dtype))
+        self.pools = Pools(spec)
+        self.fill(seed)
+        cfg = TransferConfig(backend=backend, lease_seconds=lease_seconds,
+                             handshake_timeout_s=handshake_timeout_s, layerwise=layerwise)
+        fp = compute_fingerprint(mc, spec)
+        t2 = time.perf_counter()
+        if role == "decode":
+            self.end = make_receiver(cfg, self.pools, fp)
+        else:
+            self.end = make_sender(cfg, self.pools, fp)
+        t3 = time.perf_counter()
+        return {"endpoint": getattr(self.end, "endpoint", None),
+                "timing": {"close": t1 - t0, "pools": t2 - t1, "open": t3 - t2}}
+
+    def fill(self, seed: int):
+        """Random bytes on prefill (seed >= 0), canary pattern on decode (seed < 0)."""
+        import torch
+
+        g = torch.Generator().manual_seed(abs(seed))
+        for t in (self.pools.kv, self.pools.conv, self.pools.ssm):
+            b = t.view(-1).view(torch.uint8)
+            if seed >= 0:
+                b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+            else:
+                b.copy_((torch.arange(b.numel()) % 251).to(torch.uint8))
+
+    def dump(self):
+        import torch
+
+        return {k: getattr(self.pools, k).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for k in ("kv", "conv", "ssm")}
+
+    def connect(self, endpoint: str):
+        return {"layers": sorted(self.end.connect(endpoint).layers)}
+
+    def expect(self, rid: str, blocks: list[int], slot: int | None, lease_s: float | None = None):
+        self.end.expect(rid, blocks, slot, lease_s)
+
+    def send(self, rid: str, endpoints: list[str], src_blocks: list[int], src_slot: int | None,
+             dst_blocks: list[int], dst_slot: int | None, skip: int = 0, layers_done=()):
+        self.end.send(rid, endpoints, src_blocks, src_slot, dst_blocks, dst_slot, skip)
+        for g in layers_done:
+            self.end.layer_done(rid, g)
+
+    def batch(self, calls: list[list]):
+        """Several [op, kwargs] commands in one round trip (stops at the first error)."""
+        for op, kw in calls:
+            getattr(self, op)(**kw)
+
+    def wait(self, rids: list[str], timeout: float = 20.0):
+        """Poll until every rid has an event (or timeout); events as [rid, ok, error]."""
+        want, got = set(rids), []
+        deadline = time.monotonic() + timeout
+        while want and time.monotonic() < deadline:
+            for ev in self.end.poll():
+                got.append(list(ev))
+                want.discard(ev.request_id)
+            time.sleep(0.0005)
+        return {"events": got, "elapsed": timeout - (deadline - time.monotonic())}
+
+    def close(self):
+        if self.end is not None:
+            self.end.close()
+            self.end = None
+
+    def exit(self):
+        self.close()

@@ -1,0 +1,194 @@
+"""Prefill side of one stage: handshakes with decode stages, plans and posts writes, leases.
+
+Life of a transfer on the prefill side:
+  1. `send(rid, endpoint(s), src blocks/slot, dst blocks/slot, skip_blocks)`:
+     first contact with an endpoint runs the handshake (fingerprint checked both ways,
+     the peer's layout and transport metadata kept, its memory prepped once);
+  2. per decode stage: `plan()` over the shared layers, one post with a `landed` notification
+     (layer-wise mode: one post per layer, as `layer_done()` reports layers finished);
+  3. `poll()` reports `(rid, True)` once every post is DONE, or `(rid, False, why)` on a
+     transport error, a closed peer, `abort()`, or lease expiry; failures also tell the
+     decode side (`abort` message) so it frees its blocks before its own lease runs out.
+The prefill worker frees its copy of the blocks after either event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from baton.cache.pools import Pools
+from baton.errors import TransferError
+from transfer import fingerprint as fp
+from transfer import wire
+from transfer.base import SendTransport, TransferEvent
+from transfer.config import TransferConfig
+from transfer.layout import StageLayout
+from transfer.planner import Plan, plan
+from transfer.side_channel import Client
+
+
+@dataclass
+class _Peer:
+    client: Client
+    layout: StageLayout
+    handle: object
+
+
+@dataclass
+class _InFlight:
+    deadline: float
+    plans: list[tuple[_Peer, Plan]]
+    notify: tuple
+    """(slot, dst blocks) repeated in every notification."""
+    peers: list[_Peer] = field(default_factory=list)
+    """Every decode stage contacted for this request (told on failure)."""
+    posts: list[tuple[_Peer, object]] = field(default_factory=list)
+    unsent: set[int] = field(default_factory=set)
+    """Layers still to post (layer-wise mode)."""
+
+
+class Sender:
+    """Thread-safe: one lock guards the transport, the peers and the in-flight table."""
+
+    def __init__(self, cfg: TransferConfig, pools: Pools, fingerprint: dict,
+                 transport_cls: type[SendTransport]):
+        self.cfg = cfg
+        self.layout = StageLayout.from_pools(pools)
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._transport = transport_cls(cfg, pools, self.layout)
+        self._peers: dict[str, _Peer] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        self._events: list[TransferEvent] = []
+
+    def connect(self, endpoint: str) -> StageLayout:
+        """Handshake with a decode stage now (send() does it lazily); TransferError if refused."""
+        with self._lock:
+            return self._peer(endpoint).layout
+
+    def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
+             src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
+             skip_blocks: int = 0) -> None:
+        """Start moving one request to every decode stage in `endpoint`; never blocks on data."""
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        with self._lock:
+            if request_id in self._inflight:
+                raise TransferError(f"request {request_id!r} is already being sent")
+            fl = _InFlight(time.monotonic() + self.cfg.lease_seconds, [],
+                           (dst_slot, list(dst_block_ids[skip_blocks:])))
+            self._inflight[request_id] = fl
+            try:
+                for ep in endpoints:
+                    peer = self._peer(ep)
+                    fl.peers.append(peer)
+                    p = plan(self.layout, peer.layout, src_block_ids, src_slot, dst_block_ids,
+                             dst_slot, skip_blocks)
+                    if p.layers:
+                        fl.plans.append((peer, p))
+                        fl.unsent |= set(p.layers)
+                if not self.cfg.layerwise:
+                    self._post_layers(request_id, fl, set(fl.unsent))
+            except TransferError as e:
+                self._finish(request_id, str(e))
+
+    def layer_done(self, request_id: str, layer: int) -> None:
+        """Layer-wise mode: prefill finished global `layer`; its bytes leave now."""
+        with self._lock:
+            fl = self._inflight.get(request_id)
+            if fl is not None and layer in fl.unsent:
+                self._post_layers(request_id, fl, {layer})
+
+    def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> None:
+        with self._lock:
+            self._finish(request_id, reason)
+
+    def poll(self) -> list[TransferEvent]:
+        """Delivered and failed requests since the last call."""
+        with self._lock:
+            for ep, peer in list(self._peers.items()):
+                if any(m["op"] == "bye" for m in peer.client.incoming()):
+                    self._drop_peer(ep, f"decode peer {ep} closed")
+            now = time.monotonic()
+            for rid, fl in list(self._inflight.items()):
+                self._progress(rid, fl, now)
+            out, self._events = self._events, []
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            for rid in list(self._inflight):
+                self._finish(rid, "sender closed")
+            for ep in list(self._peers):
+                self._drop_peer(ep, "sender closed")
+            self._transport.close()
+
+    # -- internals (lock held) ------------------------------------------------------------
+
+    def _peer(self, endpoint: str) -> _Peer:
+        if endpoint in self._peers:
+            return self._peers[endpoint]
+        client = Client(endpoint, self.cfg.max_message_bytes)
+        try:
+            hello = wire.encode("hello", fingerprint=self.fingerprint,
+                                backend=self._transport.backend)
+            reply = client.request(hello, self.cfg.handshake_timeout_s)
+            if reply["op"] == "refused":
+                raise TransferError(f"decode peer {endpoint} refused the handshake "
+                                    f"(field '{reply['field']}'): {reply['error']}")
+            fp.check(self.fingerprint, reply["fingerprint"], who="decode peer")
+            layout = StageLayout.from_wire(reply["layout"])
+            handle = self._transport.add_peer(reply["transport"], layout)
+        except BaseException:
+            client.close()
+            raise
+        self._peers[endpoint] = peer = _Peer(client, layout, handle)
+        return peer
+
+    def _post_layers(self, rid: str, fl: _InFlight, layers: set[int]) -> None:
+        slot, blocks = fl.notify
+        for peer, p in fl.plans:
+            part = p if layers >= set(p.layers) else p.select(sorted(layers))
+            if part.layers:
+                post = self._transport.post(peer.handle, part,
+                                            wire.landed(rid, part.layers, slot, blocks))
+                fl.posts.append((peer, post))
+        fl.unsent -= layers
+
+    def _progress(self, rid: str, fl: _InFlight, now: float) -> None:
+        states = [self._transport.check(post) for _, post in fl.posts]
+        errors = [err or "transport error" for st, err in states if st == "ERR"]
+        if errors:
+            broken = [p for (p, _), (st, _) in zip(fl.posts, states, strict=True) if st == "ERR"]
+            self._finish(rid, errors[0], broken=broken)
+        elif not fl.unsent and all(st == "DONE" for st, _ in states):
+            self._finish(rid, None)
+        elif now > fl.deadline:
+            self._finish(rid, f"lease expired after {self.cfg.lease_seconds:g} s before the "
+                              "decode side acknowledged (transfer.lease_seconds)")
+
+    def _finish(self, rid: str, error: str | None, broken: Sequence[_Peer] = ()) -> None:
+        fl = self._inflight.pop(rid, None)
+        if fl is None:
+            return
+        for _, post in fl.posts:
+            self._transport.release(post)
+        if error is not None:
+            for peer in fl.peers:
+                peer.client.send(wire.encode("abort", rid=rid, error=error))
+            for ep, peer in list(self._peers.items()):
+                if any(peer is b for b in broken):
+                    self._drop_peer(ep, error)
+        self._events.append(TransferEvent(rid, error is None, error))
+
+    def _drop_peer(self, endpoint: str, why: str) -> None:
+        peer = self._peers.pop(endpoint, None)
+        if peer is None:
+            return
+        for rid, fl in list(self._inflight.items()):
+            if any(p is peer for p in fl.peers):
+                self._finish(rid, why)
+        self._transport.remove_peer(peer.handle)
+        peer.client.close()
