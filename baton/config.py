@@ -26,7 +26,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = 32
     """Most requests running at once (each holds one live Mamba slot)."""
     prefill_chunk_size: int = 512
     """Most prompt tokens computed per request per step (chunks also end at snapshot points)."""

@@ -46,12 +46,14 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
 
 def block_hashes(tokens: Sequence[int], tokens_per_block: int) -> list[int]:
     """Chained hashes of the full blocks: element i is block_hash(i), element 0 is ROOT_HASH."""
+    step = 4 * tokens_per_block
+    data = _pack_tokens(tokens[: len(tokens) // tokens_per_block * tokens_per_block])
     out = [ROOT_HASH]
     h = ROOT_HASH
-    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
-        h = _digest(
-            h.to_bytes(8, "little") + _pack_tokens(tokens[start : start + tokens_per_block])
-        )
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    for off in range(0, len(data), step):
+        digest = blake2b(h.to_bytes(8, "little") + data[off : off + step], digest_size=8).digest()
+        h = from_bytes(digest, "little")
         out.append(h)
     return out
 

@@ -53,11 +53,17 @@ class PrefixIndex:
             self._remove(worker_id, bh, entry)
         self._by_worker.pop(worker_id, None)
 
-    def match(self, tokens: Sequence[int], tokens_per_block: int) -> dict[str, int]:
-        """Per worker, the most prompt tokens a snapshot it holds covers (never the last token)."""
+    def match(
+        self, tokens: Sequence[int], tokens_per_block: int, hashes: Sequence[int] | None = None
+    ) -> dict[str, int]:
+        """Per worker, the most prompt tokens a snapshot it holds covers (never the last token).
+
+        `hashes`: prompt_block_hashes(tokens, tokens_per_block), when the caller has them."""
         usable = len(tokens) - 1
         best: dict[str, int] = {}
-        for k, bh in enumerate(block_hashes(tokens[:usable], tokens_per_block)):
+        if hashes is None:
+            hashes = prompt_block_hashes(tokens, tokens_per_block)
+        for k, bh in enumerate(hashes):
             node = self._nodes.get(bh)
             if node is None:
                 continue
@@ -114,3 +120,8 @@ class PrefixIndex:
                 self._size -= 1
                 for w in workers:
                     self._by_worker[w].discard((bh, entry))
+
+
+def prompt_block_hashes(tokens: Sequence[int], tokens_per_block: int) -> list[int]:
+    """The block hashes a match of `tokens` probes (the last token is never covered)."""
+    return block_hashes(tokens[: len(tokens) - 1], tokens_per_block)

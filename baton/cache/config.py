@@ -107,7 +107,7 @@ class CacheConfig:
     """Tokens per paged KV block."""
     num_blocks: int = 2048
     """KV blocks per attention layer, allocated at start."""
-    num_state_slots: int = 64
+    num_state_slots: int = 128
     """Mamba state slots per Mamba layer (live + snapshot), allocated at start. One live slot
     per running request is reserved; the rest (num_state_slots - max_num_seqs) hold snapshots."""
     enable_prefix_reuse: bool = True

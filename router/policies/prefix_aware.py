@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from router.config import RouterConfig
 from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, prompt_block_hashes
 from router.workers import SnapshotEvent, WorkerView
 
 
@@ -28,16 +28,21 @@ class PrefixAwarePolicy(RoutingPolicy):
         self, request: RouteRequest, prefill: Sequence[WorkerView], decode: Sequence[WorkerView]
     ) -> RouteChoice:
         tokens = request.prompt_ids
-        return RouteChoice(self._pick(tokens, prefill), self._pick(tokens, decode))
+        hashes = {
+            tpb: prompt_block_hashes(tokens, tpb)
+            for tpb in {w.tokens_per_block for w in (*prefill, *decode)}
+        }
+        return RouteChoice(self._pick(tokens, prefill, hashes), self._pick(tokens, decode, hashes))
 
     def matched_tokens(
-        self, tokens: Sequence[int], candidates: Sequence[WorkerView]
+        self, tokens: Sequence[int], candidates: Sequence[WorkerView], hashes=None
     ) -> dict[str, int]:
         """Per candidate worker, prompt tokens its deepest usable snapshot covers."""
+        hashes = hashes or {}
         best: dict[str, int] = {}
         with self._lock:
             for tpb in sorted({w.tokens_per_block for w in candidates}):
-                for worker_id, n in self.index.match(tokens, tpb).items():
+                for worker_id, n in self.index.match(tokens, tpb, hashes.get(tpb)).items():
                     best[worker_id] = max(best.get(worker_id, 0), n)
         return best
 
@@ -53,8 +58,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         with self._lock:
             return self.index.tracked(worker_id)
 
-    def _pick(self, tokens: Sequence[int], candidates: Sequence[WorkerView]) -> WorkerView:
+    def _pick(self, tokens, candidates: Sequence[WorkerView], hashes) -> WorkerView:
         floor = min(w.busy for w in candidates) + self.config.prefix_load_slack
         eligible = [w for w in candidates if w.busy <= floor]
-        matched = self.matched_tokens(tokens, eligible)
+        matched = self.matched_tokens(tokens, eligible, hashes)
         return min(eligible, key=lambda w: (-matched.get(w.worker_id, 0), *w.load_key()))
