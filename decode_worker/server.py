@@ -7,7 +7,7 @@ import logging
 from baton.errors import BatonError
 from baton.proto_gen import baton_pb2, worker_pb2, worker_pb2_grpc
 from baton.worker.convert import FINISH_TO_PB, abort_with, sampling_from_pb
-from baton.worker.load import load_of
+from baton.worker.load import counters_of, load_of
 from decode_worker.service import DecodeService
 
 log = logging.getLogger("baton.decode")
@@ -49,5 +49,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def Stats(self, request, context):
         return baton_pb2.StatsReply(
             worker_id=self.service.worker_id, role=baton_pb2.WORKER_ROLE_DECODE,
-            load=load_of(self.service.loop),
+            load=load_of(self.service.loop), counters=counters_of(self.service.loop),
         )

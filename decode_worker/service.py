@@ -23,7 +23,7 @@ log = logging.getLogger("baton.decode")
 class Reservation:
     endpoint: str
     block_ids: tuple[int, ...]
-    """Blocks prefill must write, in prompt order, after the `skip_blocks` this worker holds."""
+    """The prompt's whole block table; prefill writes all but the first `skip_blocks`."""
     slot: int | None
     skip_blocks: int
     lease_seconds: float
@@ -48,7 +48,7 @@ class DecodeService:
             adm = engine.reserve_remote(req)
             tpb = engine.pools.spec.tokens_per_block
             skip = adm.cached_tokens // tpb if engine.pools.has_kv else 0
-            blocks = tuple(adm.block_table[skip:]) if engine.pools.has_kv else ()
+            blocks = tuple(adm.block_table) if engine.pools.has_kv else ()
             slot = adm.slot if engine.pools.has_state else None
             self.receiver.expect(request_id, list(blocks), slot, self.lease_seconds)
             return Reservation(self.receiver.endpoint, blocks, slot, skip, self.lease_seconds)

@@ -7,7 +7,7 @@ import logging
 from baton.errors import BatonError
 from baton.proto_gen import baton_pb2, worker_pb2, worker_pb2_grpc
 from baton.worker.convert import FINISH_TO_PB, abort_with, sampling_from_pb
-from baton.worker.load import load_of
+from baton.worker.load import counters_of, load_of
 from prefill_worker.service import Destination, PrefillService
 
 log = logging.getLogger("baton.prefill")
@@ -46,5 +46,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return baton_pb2.StatsReply(
             worker_id=self.service.worker_id, role=baton_pb2.WORKER_ROLE_PREFILL,
             load=load_of(self.service.loop),
-            counters={"transfers_done": float(self.service.transfers_done)},
+            counters={**counters_of(self.service.loop),
+                      "transfers_done": float(self.service.transfers_done)},
         )

@@ -24,7 +24,7 @@ class Destination:
     worker_id: str
     endpoint: str
     block_ids: tuple[int, ...]
-    """Destination blocks in prompt order, starting after `skip_blocks`."""
+    """The destination's whole block table for the prompt; the first `skip_blocks` are held."""
     slot: int | None
     skip_blocks: int
     lease_seconds: float
@@ -82,8 +82,8 @@ class PrefillService:
             blocks = cache.block_table(request_id) if cache.pools.has_kv else []
             slot = cache.slot(request_id) if cache.pools.has_state else None
             self.sender.send(
-                request_id, dest.endpoint, list(blocks[dest.skip_blocks:]), slot,
-                list(dest.block_ids), dest.slot, skip_blocks=0,
+                request_id, dest.endpoint, list(blocks), slot,
+                list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
             )
 
         self.loop.call(start)

@@ -1,0 +1,1 @@
+"""The router: worker registry, routing policies, and the reserve -> prefill -> decode flow."""

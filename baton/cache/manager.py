@@ -335,7 +335,7 @@ class HybridCacheManager:
             if page is None:
                 self.slots.release(slot)
                 return None
-            self.pools.copy_block(live.table[node.depth], page)
+            self.pools.copy_block(live.table[max(node.depth - 1, 0)], page)
         self.pools.copy_slot(live.slot, slot)
         self._taken += 1
         return self.tree.add_partial(node, tail, slot, page)

@@ -17,3 +17,21 @@ def load_of(loop: EngineLoop) -> baton_pb2.WorkerLoad:
         )
 
     return loop.call(read)
+
+
+def counters_of(loop: EngineLoop) -> dict[str, float]:
+    """Cache stats plus `integrity_ok` and `live_requests`, for Stats RPCs and tests."""
+
+    def read():
+        cache = loop.engine.cache
+        try:
+            cache.check_integrity()
+            ok = 1.0
+        except AssertionError:
+            ok = 0.0
+        out = {k: float(v) for k, v in vars(cache.stats()).items()}
+        out.update(integrity_ok=ok, live_requests=float(len(cache.live_requests())),
+                   engine_requests=float(len(loop.engine.requests)))
+        return out
+
+    return loop.call(read)

@@ -84,7 +84,8 @@ def step_prefill(sim: Sim, d, rid: str) -> None:
     end = min([L, n + d.draw(st.integers(1, 6))] + [p for p in points if p > n])
     m.ensure_blocks(rid, end)
     sim.compute(rid, end)
-    assert m.commit(rid, sim.tokens[rid][:end]) == (end in points)
+    taken = m.commit(rid, sim.tokens[rid][:end])
+    assert end in points or not taken  # a point may still be skipped when no page/slot is free
 
 
 def step_decode(sim: Sim, d, rid: str) -> None:
