@@ -22,6 +22,7 @@ import time
 import traceback
 
 import msgpack
+import numpy as np
 
 START_METHOD = os.environ.get("BATON_STAGE_START_METHOD", "forkserver")
 """`forkserver` (default): a clean server process that has imported torch and nothing of
@@ -103,16 +104,15 @@ class _Stage:
     def setup(self, role: str, backend: str, model: dict, layers: list[int], num_blocks: int,
               tokens_per_block: int, num_slots: int, seed: int, dtype: str = "float32",
               lease_seconds: float = 30.0, handshake_timeout_s: float = 5.0,
-              layerwise: bool = False):
+              layerwise: bool = False, env: dict | None = None):
         import torch
 
         from baton.cache.pools import Pools, PoolSpec
         from baton.model.config import ModelConfig
         from transfer import TransferConfig, compute_fingerprint, make_receiver, make_sender
 
-        t0 = time.perf_counter()
+        os.environ.update(env or {})
         self.close()
-        t1 = time.perf_counter()
         mc = ModelConfig.from_dict(model)
         spec = PoolSpec.for_model(mc, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
                                   num_slots=num_slots, layers=layers,
@@ -122,14 +122,9 @@ class _Stage:
         cfg = TransferConfig(backend=backend, lease_seconds=lease_seconds,
                              handshake_timeout_s=handshake_timeout_s, layerwise=layerwise)
         fp = compute_fingerprint(mc, spec)
-        t2 = time.perf_counter()
-        if role == "decode":
-            self.end = make_receiver(cfg, self.pools, fp)
-        else:
-            self.end = make_sender(cfg, self.pools, fp)
-        t3 = time.perf_counter()
-        return {"endpoint": getattr(self.end, "endpoint", None),
-                "timing": {"close": t1 - t0, "pools": t2 - t1, "open": t3 - t2}}
+        make = make_receiver if role == "decode" else make_sender
+        self.end = make(cfg, self.pools, fp)
+        return {"endpoint": getattr(self.end, "endpoint", None)}
 
     def fill(self, seed: int):
         """Random bytes on prefill (seed >= 0), canary pattern on decode (seed < 0)."""
@@ -177,6 +172,52 @@ class _Stage:
             time.sleep(0.0005)
         return {"events": got, "elapsed": timeout - (deadline - time.monotonic())}
 
+    def digest(self, ranges: bytes):
+        """blake2b of the pool bytes at (addr, len) uint64 pairs, in order."""
+        import hashlib
+
+        from transfer.ucx_backend import _Memory
+
+        mem, h = _Memory(self.pools), hashlib.blake2b()
+        for a, n in np.frombuffer(ranges, dtype="<u8").reshape(-1, 2).tolist():
+            h.update(mem.view(a, n))
+        return {"digest": h.hexdigest()}
+
+    def bench_send(self, endpoint: str, src_blocks: list[int], src_slot: int,
+                   dst_blocks: list[int], dst_slot: int, rids: list[str], capture: bool):
+        """Time handoffs one after another (send -> delivered event), busy-polling."""
+        from transfer.planner import plan
+
+        p = plan(self.end.layout, self.end.connect(endpoint), src_blocks, src_slot, dst_blocks,
+                 dst_slot)
+        src, dst = p.coalesced()
+        times, proto = [], ""
+        for i, rid in enumerate(rids):
+            with _captured_output(capture and i == 0) as out:
+                t0 = time.perf_counter()
+                self.end.send(rid, endpoint, src_blocks, src_slot, dst_blocks, dst_slot)
+                evs = []
+                while not evs:
+                    evs = self.end.poll()
+                times.append(time.perf_counter() - t0)
+            proto = proto or out.read()
+            if not evs[0].ok:
+                raise RuntimeError(f"handoff {rid} failed: {evs[0].error}")
+        return {"times": times, "bytes": p.nbytes, "descriptors": int(p.length.size),
+                "descriptors_coalesced": len(src), "proto": proto,
+                "src_ranges": src.astype("<u8").tobytes(), "dst_ranges": dst.astype("<u8").tobytes()}
+
+    def memcpy(self, nbytes: int, reps: int):
+        """Plain single-threaded memcpy of `nbytes` (numpy copyto), seconds per copy."""
+        a = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        b = np.empty_like(a)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            times.append(time.perf_counter() - t0)
+        return {"times": times[1:]}
+
     def close(self):
         if self.end is not None:
             self.end.close()
@@ -184,3 +225,35 @@ class _Stage:
 
     def exit(self):
         self.close()
+
+
+class _captured_output:
+    """Redirect fds 1 and 2 to a temporary file (UCX prints UCX_PROTO_INFO there)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        import tempfile
+
+        self.file = tempfile.TemporaryFile(mode="w+b")
+        if self.on:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.saved = (os.dup(1), os.dup(2))
+            os.dup2(self.file.fileno(), 1)
+            os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            os.dup2(self.saved[0], 1)
+            os.dup2(self.saved[1], 2)
+            for fd in self.saved:
+                os.close(fd)
+
+    def read(self) -> str:
+        self.file.seek(0)
+        text = self.file.read().decode(errors="replace")
+        self.file.close()
+        return text

@@ -27,6 +27,9 @@ from transfer.config import TransferConfig
 from transfer.layout import StageLayout
 from transfer.side_channel import Listener
 
+_MAX_EARLY = 4096
+"""Notifications kept for requests not expected yet (bounded against a runaway peer)."""
+
 
 @dataclass
 class _Expected:
@@ -97,8 +100,7 @@ class Receiver:
 
     def close(self) -> None:
         self._listener.close()
-        with self._lock:
-            self._transport.close()
+        self._transport.close()  # not under the lock: a UCX loop may be waiting in _authorize
 
     # -- internals (lock held unless noted) ------------------------------------------------
 
@@ -110,7 +112,8 @@ class Receiver:
             return  # a notification we cannot read names no request we could fail
         rid = msg["rid"]
         if rid not in self._expected:
-            self._early.setdefault(rid, (time.monotonic(), []))[1].append(msg)
+            if len(self._early) < _MAX_EARLY:
+                self._early.setdefault(rid, (time.monotonic(), []))[1].append(msg)
             return
         self._apply(rid, msg)
         self._finish_if_done(rid)

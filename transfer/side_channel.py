@@ -67,7 +67,7 @@ class Listener:
         try:
             msg = wire.decode(data, self._max, ops=("hello", "abort"))
             reply = self._handler(ident, msg)
-            if msg["op"] == "hello":
+            if msg["op"] == "hello" and len(self._peers) < 1024:
                 self._peers.add(ident)
         except TransferError as e:
             self.rejected += 1

@@ -75,7 +75,6 @@ class Testbed:
             if not r["ok"]:
                 raise RuntimeError(r["error"] + "\n" + r.get("trace", ""))
         self.endpoints = [r["endpoint"] for r in replies[pp_prefill:]]
-        self.timing = [r["timing"] for r in replies]
 
     def pair(self, backend: str, decode_overrides: dict | None = None,
              prefill_overrides: dict | None = None, **cfg) -> str:

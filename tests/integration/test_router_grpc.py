@@ -196,3 +196,21 @@ def test_health_is_served_for_the_router_services(cluster):
     serving = health_pb2.HealthCheckResponse.SERVING
     for service in ("", "baton.v1.Router", "baton.v1.Registry"):
         assert health_status(handle.address, service) == serving
+
+
+def test_concurrent_requests_all_finish_and_spread_over_workers(cluster):
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = RouterConfig(policy="least_loaded")
+    scripts = {w: Script(token_delay_s=0.01) for w in ("p0", "p1", "d0", "d1")}
+    _, stub, w = cluster(config, **scripts)
+
+    def one(i):
+        msgs = list(gen(stub, prompt_ids=(i,), request_id=f"r{i}", max_tokens=5))
+        return [t for m in msgs for t in m.token_ids], msgs[-1].decode_worker
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(100, 108)))
+    assert [tokens for tokens, _ in results] == [list(range(i + 1, i + 6)) for i in range(100, 108)]
+    assert {d for _, d in results} == {"d0", "d1"}
+    assert w["d0"].state.held == {} and w["d1"].state.held == {}

@@ -1,0 +1,50 @@
+"""A local cluster (router + workers as real processes) for integration tests."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import grpc
+import yaml
+
+from baton.cluster.local import LocalCluster
+from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_cluster(model_dir: Path, config: Path, prefill: int, decode: int) -> LocalCluster:
+    cluster = LocalCluster(str(model_dir), prefill, decode, free_port(), str(config),
+                           log_level="WARNING")
+    try:
+        cluster.wait_ready(timeout=240)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def list_workers(address: str) -> list:
+    with grpc.insecure_channel(address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        return list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)
+
+
+def worker_counters(info) -> dict[str, float]:
+    """A worker's Stats counters (cache stats, integrity_ok, live_requests)."""
+    with grpc.insecure_channel(info.address) as ch:
+        if info.role == baton_pb2.WORKER_ROLE_PREFILL:
+            stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        else:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        return dict(stub.Stats(baton_pb2.StatsRequest(), timeout=10).counters)

@@ -1,0 +1,174 @@
+"""The disaggregated cluster (router, 2 prefill, 2 decode; NIXL over UCX) against --local.
+
+One cluster for the module; the worker-kill test runs last because it changes the cluster.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from baton.client.local import run_local
+from baton.client.remote import run_remote, to_pb
+from baton.client.requests import RequestSpec
+from baton.config import BatonConfig
+from baton.engine.builder import build_engine
+from baton.engine.request import SamplingParams
+from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc
+from tests.engine_helpers import make_checkpoint, prompt
+from tests.integration.cluster_helpers import (
+    list_workers,
+    start_cluster,
+    worker_counters,
+    write_config,
+)
+
+pytestmark = pytest.mark.integration
+
+CONFIG = {
+    "cache": {"num_blocks": 1024, "num_state_slots": 96},
+    "router": {"policy": "session", "eject_after_seconds": 3.0, "heartbeat_seconds": 0.5},
+    "worker": {"max_num_seqs": 32, "max_model_len": 2048},
+    "transfer": {"lease_seconds": 20.0},
+}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    model = make_checkpoint(root)
+    cfg_path = write_config(root / "baton.yaml", CONFIG)
+    cluster = start_cluster(model, cfg_path, prefill=2, decode=2)
+    yield {"cluster": cluster, "model": model, "config": BatonConfig.from_dict(CONFIG)}
+    cluster.stop()
+
+
+def local(setup, specs, concurrency=1):
+    return run_local(build_engine(setup["config"], str(setup["model"])), specs, concurrency)
+
+
+def tokens(results):
+    return {r["id"]: r.get("token_ids", r.get("error")) for r in results}
+
+
+def assert_clean(address: str) -> None:
+    """Every worker: integrity holds and nothing is held for a request any more."""
+    deadline = time.monotonic() + 15
+    while True:
+        counters = {w.worker_id: worker_counters(w) for w in list_workers(address)}
+        idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0 for c in counters.values())
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for wid, c in counters.items():
+        assert c["integrity_ok"] == 1.0, wid
+        assert c["live_requests"] == 0 and c["engine_requests"] == 0, (wid, c)
+
+
+def test_32_concurrent_requests_equal_local(setup):
+    specs = [
+        RequestSpec(f"c{i}", prompt_ids=prompt(i, 1 + 13 * i), sampling=greedy(10))
+        for i in range(32)
+    ]
+    remote = run_remote(setup["cluster"].address, specs, concurrency=32)
+    assert tokens(remote) == tokens(local(setup, specs))
+    used = {(r["prefill_worker"], r["decode_worker"]) for r in remote}
+    assert len({p for p, _ in used}) == 2 and len({d for _, d in used}) == 2
+    assert_clean(setup["cluster"].address)
+
+
+def test_six_turn_chat_reuses_prefix_with_session_routing(setup):
+    history: list[int] = []
+    remote_cached, remote_toks, specs = [], [], []
+    for turn in range(6):
+        ids = history + prompt(500 + turn, 20)
+        spec = RequestSpec(f"t{turn}", prompt_ids=ids, session="chat-1", sampling=greedy(8))
+        (res,) = run_remote(setup["cluster"].address, [spec])
+        specs.append(spec)
+        remote_cached.append(res["cached_tokens"])
+        remote_toks.append(res["token_ids"])
+        history = ids + res["token_ids"]
+    assert remote_toks == [r["token_ids"] for r in local(setup, specs)]
+    assert remote_cached[0] == 0 and all(c > 0 for c in remote_cached[1:]), remote_cached
+    assert_clean(setup["cluster"].address)
+
+
+def test_prefix_cache_hits_give_local_tokens(setup):
+    base = prompt(900, 96)
+    specs = [
+        RequestSpec(f"p{i}", prompt_ids=base + prompt(901 + i, 5 + i), session="shared",
+                    sampling=greedy(6))
+        for i in range(4)
+    ]
+    remote = run_remote(setup["cluster"].address, specs)
+    assert tokens(remote) == tokens(local(setup, specs))
+    assert all(r["cached_tokens"] >= 96 for r in remote[1:]), [r["cached_tokens"] for r in remote]
+
+
+@pytest.mark.parametrize(
+    "req, msg",
+    [
+        (router_pb2.GenerateRequest(prompt_ids=[], sampling=baton_pb2.SamplingParams(max_tokens=4)), "empty"),
+        (router_pb2.GenerateRequest(prompt_ids=[5] * 3000), "max model length"),
+        (router_pb2.GenerateRequest(prompt_ids=[5, 10**6]), "vocabulary"),
+        (router_pb2.GenerateRequest(prompt_ids=[5], sampling=baton_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (router_pb2.GenerateRequest(prompt_ids=[5], sampling=baton_pb2.SamplingParams(top_p=2.0)), "top_p"),
+        (router_pb2.GenerateRequest(prompt_ids=[5], sampling=baton_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+    ],
+)
+def test_bad_requests_get_invalid_argument(setup, req, msg):
+    with grpc.insecure_channel(setup["cluster"].address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg in err.value.details()
+    assert len(list_workers(setup["cluster"].address)) == 4
+
+
+def test_cancel_mid_stream_frees_both_workers(setup):
+    spec = RequestSpec("cancel-me", prompt_ids=prompt(77, 40), sampling=greedy(1500))
+    with grpc.insecure_channel(setup["cluster"].address) as ch:
+        stream = router_pb2_grpc.RouterStub(ch).Generate(to_pb(spec), timeout=120)
+        got = 0
+        for msg in stream:
+            got += len(msg.token_ids)
+            if got >= 5:
+                break
+        stream.cancel()
+    assert got >= 5
+    assert_clean(setup["cluster"].address)
+
+
+def test_killing_a_prefill_worker_in_flight(setup):
+    """Runs last: ejects one prefill worker; its requests retry elsewhere with correct tokens."""
+    cluster = setup["cluster"]
+    specs = [RequestSpec(f"k{i}", prompt_ids=prompt(300 + i, 200 + 10 * i), sampling=greedy(6))
+             for i in range(16)]
+    expected = tokens(local(setup, specs))
+    victim = next(p for p in cluster.procs if "prefill-worker" in p.args)
+    results = {}
+    runner = threading.Thread(
+        target=lambda: results.update(r=run_remote(cluster.address, specs, concurrency=16))
+    )
+    runner.start()
+    time.sleep(0.3)
+    victim.kill()
+    runner.join(timeout=180)
+    assert not runner.is_alive(), "a request hung after a prefill worker died"
+    assert tokens(results["r"]) == expected
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        roles = [w.role for w in list_workers(cluster.address)]
+        if roles.count(baton_pb2.WORKER_ROLE_PREFILL) == 1:
+            break
+        time.sleep(0.3)
+    assert roles.count(baton_pb2.WORKER_ROLE_PREFILL) == 1
+    assert_clean(cluster.address)
