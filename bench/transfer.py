@@ -58,12 +58,12 @@ def run(args) -> list[dict]:
     nblocks = [max(1, round((s - STATE_BYTES) / KV_BYTES_PER_BLOCK)) for s in sizes]
     pool = -(-max(nblocks) // args.run_blocks) * args.run_blocks + args.run_blocks
     common = dict(backend=args.backend, model=MODEL, layers=list(range(24)), num_blocks=pool,
-                  tokens_per_block=16, num_slots=2, dtype="bfloat16",
-                  env={"UCX_PROTO_INFO": "y"})
+                  tokens_per_block=16, num_slots=2, dtype="bfloat16")
     dec, pre = StageProc(), StageProc()
     try:
         ep = _ok(dec.call("setup", role="decode", seed=-1, **common, timeout=300))["endpoint"]
-        _ok(pre.call("setup", role="prefill", seed=3, **common, timeout=300))
+        _ok(pre.call("setup", role="prefill", seed=3, env={"UCX_PROTO_INFO": "y"}, **common,
+                     timeout=300))
         small = _handoff(dec, pre, ep, 1, args, "fixed", reps=max(args.reps, 20))
         rows = [_handoff(dec, pre, ep, n, args, f"s{i}", reps=_reps(args.reps, s))
                 for i, (n, s) in enumerate(zip(nblocks, sizes, strict=True))]
@@ -104,12 +104,13 @@ def _handoff(dec, pre, ep, n: int, args, tag: str, reps: int) -> dict:
 
 
 def _transports(proto: str) -> dict[str, list[str]]:
-    """{operation: [transport/device, ...]} from UCX_PROTO_INFO tables."""
+    """{"put": [...], "am": [...]}: transport/device per UCX operation, from UCX_PROTO_INFO."""
     out, op = {}, None
     for line in proto.splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
         if len(cells) == 1 and " by " in cells[0]:
-            op = re.sub(r"\s+from host memory.*", "", cells[0])
+            op = "put" if "ucp_put" in cells[0] else "am" if "am_send" in cells[0] else \
+                re.sub(r"\s+from host memory.*", "", cells[0])
         elif len(cells) == 3 and op and "/" in cells[2] and cells[0] != "Range":
             out.setdefault(op, set()).add(cells[2].split()[0])
     return {k: sorted(v) for k, v in out.items()}

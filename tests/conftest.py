@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Tiny-model ops are dominated by thread hand-off; one thread is faster and steadier on the
+# 2-core CI box, and worker processes started by tests inherit it.
+os.environ.setdefault("BATON_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["BATON_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -91,8 +91,9 @@ class Sender:
                         fl.unsent |= set(p.layers)
                 if not self.cfg.layerwise:
                     self._post_layers(request_id, fl, set(fl.unsent))
-            except TransferError as e:
-                self._finish(request_id, str(e))
+            except Exception as e:  # the request fails, the caller's thread does not
+                why = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
+                self._finish(request_id, why)
 
     def layer_done(self, request_id: str, layer: int) -> None:
         """Layer-wise mode: prefill finished global `layer`; its bytes leave now."""

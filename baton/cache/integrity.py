@@ -46,9 +46,13 @@ def _check_tree(tree: PrefixTree, nodes: list[Node]) -> list[Snapshot]:
     assert tree.root.snapshot is None, "the root holds a snapshot (zero tokens)"
     partials = [s for s in snaps if s.is_partial]
     assert tree.num_nodes == len(nodes), f"num_nodes={tree.num_nodes}, tree has {len(nodes)}"
-    assert tree.num_partials == len(partials), f"num_partials={tree.num_partials} != {len(partials)}"
+    assert tree.num_partials == len(partials), (
+        f"num_partials={tree.num_partials} != {len(partials)}"
+    )
     kv_lru, state_lru = tree.lru_units()
-    assert set(kv_lru) == set(nodes) | set(partials), "KV LRU does not list exactly the nodes + partials"
+    assert set(kv_lru) == set(nodes) | set(partials), (
+        "KV LRU does not list exactly the nodes + partials"
+    )
     assert len(kv_lru) == len(nodes) + len(partials), "KV LRU has duplicates"
     assert set(state_lru) == set(snaps) and len(state_lru) == len(snaps), (
         "snapshot LRU does not list exactly the tree's snapshots"
@@ -91,7 +95,9 @@ def _check_slots(m: HybridCacheManager, snaps: list[Snapshot]) -> None:
     assert not both, f"slot {min(both, default=None)} is free but owned by {owner.get(min(both))}"
     lost = set(range(m.slots.num_slots)) - set(free) - set(owner)
     assert not lost, f"slots {sorted(lost)} are neither free nor owned (leaked)"
-    assert len(snaps) <= m.snapshot_budget, f"{len(snaps)} snapshots exceed budget {m.snapshot_budget}"
+    assert len(snaps) <= m.snapshot_budget, (
+        f"{len(snaps)} snapshots exceed the budget of {m.snapshot_budget}"
+    )
     assert len(live) <= m.max_live, f"{len(live)} live requests exceed max_live {m.max_live}"
 
 

@@ -241,7 +241,8 @@ class HybridCacheManager:
         try:
             return self._live[req_id]
         except KeyError:
-            raise KeyError(f"request {req_id!r} holds no cache (unknown or already released)") from None
+            msg = f"request {req_id!r} holds no cache (unknown or already released)"
+            raise KeyError(msg) from None
 
     def _check_new(self, req_id: str, prompt: list[int]) -> None:
         if req_id in self._live:
@@ -335,7 +336,7 @@ class HybridCacheManager:
             if page is None:
                 self.slots.release(slot)
                 return None
-            self.pools.copy_block(live.table[max(node.depth - 1, 0)], page)
+            self.pools.copy_block(live.table[node.depth], page)
         self.pools.copy_slot(live.slot, slot)
         self._taken += 1
         return self.tree.add_partial(node, tail, slot, page)

@@ -152,9 +152,11 @@ class PrefixTree:
         self.touch(snap)
         return snap
 
-    def add_partial(self, node: Node, tail: tuple[int, ...], slot: int, page: int | None) -> Snapshot:
+    def add_partial(
+        self, node: Node, tail: tuple[int, ...], slot: int, page: int | None
+    ) -> Snapshot:
         if node.partial is not None:
-            self.drop(node.partial)  # within one block only the latest partial is kept
+            self.drop(node.partial, prune=False)  # within one block only the latest is kept
         snap = node.partial = Snapshot(slot, node.depth * self.tpb + len(tail), node, tail, page)
         self.num_partials += 1
         self.touch(snap)
@@ -184,6 +186,7 @@ class PrefixTree:
             assert n.lock_ref > 0, f"unlock of unlocked node at depth {n.depth}"
             n.lock_ref -= 1
             self.num_locked -= n.lock_ref == 0
+        self._prune(node)
 
     # ---- eviction ----------------------------------------------------------------------
     @property
@@ -197,7 +200,7 @@ class PrefixTree:
             return 0
         return self.num_nodes - self.num_locked + self.num_partials
 
-    def drop(self, snap: Snapshot) -> None:
+    def drop(self, snap: Snapshot, prune: bool = True) -> None:
         """Remove a snapshot (its node stays, as a tombstone if it was a full snapshot)."""
         if snap.is_partial:
             assert snap.node.partial is snap
@@ -211,6 +214,8 @@ class PrefixTree:
             snap.node.snapshot = None
         del self._state_lru[snap]
         self.slots.release(snap.slot)
+        if prune:
+            self._prune(snap.node)
 
     def evict_block(self) -> bool:
         """Evict the least recently used KV unit; False when nothing is evictable."""
@@ -236,13 +241,29 @@ class PrefixTree:
 
     def _remove(self, node: Node) -> None:
         if node.snapshot is not None:
-            self.drop(node.snapshot)
+            self.drop(node.snapshot, prune=False)
             self.snapshots_evicted += 1
         del node.parent.children[node.tokens]
         del self._kv_lru[node]
         self.num_nodes -= 1
         if node.block is not None:
             self.blocks.decref(node.block)
+
+    def _prune(self, node: Node) -> None:
+        """Attention-free stages: drop tombstone leaves at once (no KV makes them useful).
+
+        With KV a tombstone path still serves `admit_remote` and deeper snapshots, and KV
+        eviction bounds the tree; without KV nothing else would ever remove them.
+        """
+        if self.blocks is not None:
+            return
+        while (
+            node.parent is not None and not node.children and node.lock_ref == 0
+            and node.snapshot is None and node.partial is None
+        ):
+            parent = node.parent
+            self._remove(node)
+            node = parent
 
     # ---- inspection --------------------------------------------------------------------
     def nodes(self) -> list[Node]:

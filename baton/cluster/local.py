@@ -37,7 +37,10 @@ class LocalCluster:
                 self._spawn(_cmd(*base, role, "--router", self.address, "--model", model, *extra))
 
     def _spawn(self, cmd: list[str]) -> None:
-        self.procs.append(subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ)))
+        env = dict(os.environ)
+        # several worker processes share this machine's cores: split them instead of oversubscribing
+        env.setdefault("BATON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.expected)))
+        self.procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""

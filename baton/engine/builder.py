@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -21,6 +22,9 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None) -> Engine:
     from baton.model.registry import resolve_model
     from baton.model.tokenizer import load_tokenizer
 
+    threads = os.environ.get("BATON_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
     path = resolve_model(model_path or cfg.model.path)
     dtype = DTYPES[cfg.model.dtype]
     model = load_model(path, device=cfg.model.device, dtype=dtype)

@@ -61,7 +61,7 @@ class Registration:
                     router_pb2.HeartbeatRequest(
                         worker_id=self.worker_id, load=self._load(), snapshot_events=events
                     ),
-                    timeout=max(2.0, self._period * 2),
+                    timeout=max(5.0, self._period * 4),
                 )
                 if reply.reregister:
                     self._register()
