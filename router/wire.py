@@ -3,6 +3,9 @@ knows both). Used by the router's server.py and worker_client.py, and by worker 
 
 from __future__ import annotations
 
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from baton.errors import InvalidRequestError
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import worker_pb2 as wpb
@@ -118,6 +121,8 @@ def worker_info_to_pb(v: WorkerView, tracked_snapshots: int) -> rpb.WorkerInfo:
 
 
 def generate_from_pb(m: rpb.GenerateRequest) -> GenerateInput:
+    _refuse_unknown_fields(m, "GenerateRequest")
+    _refuse_unknown_fields(m.sampling, "GenerateRequest.sampling")
     return GenerateInput(
         request_id=m.request_id,
         prompt_ids=tuple(m.prompt_ids) or None,
@@ -225,3 +230,14 @@ def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
     reason = FINISH_TO_PB[c.finish_reason] if c.finish_reason else pb.FINISH_REASON_UNSPECIFIED
     return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=reason)
+
+
+def _refuse_unknown_fields(m, where: str) -> None:
+    """A field this router does not know is refused, not silently dropped (a newer client's
+    sampling option would otherwise be ignored without a word)."""
+    numbers = sorted({f.field_number for f in UnknownFieldSet(m)})
+    if numbers:
+        raise InvalidRequestError(
+            f"{where} has unknown field number(s) {numbers}: this router speaks baton.v1 "
+            f"as in proto/; upgrade the router or drop the field"
+        )

@@ -156,6 +156,19 @@ def test_cancel_mid_stream_frees_both_workers(setup):
     assert_clean(setup["cluster"].address)
 
 
+def test_unknown_fields_get_invalid_argument(setup):
+    raw = router_pb2.GenerateRequest(prompt_ids=[5, 6]).SerializeToString() + bytes([0xA8, 0x06, 0x01])
+    with grpc.insecure_channel(setup["cluster"].address) as ch:
+        call = ch.unary_stream(
+            "/baton.v1.Router/Generate", request_serializer=lambda b: b,
+            response_deserializer=router_pb2.GenerateResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(raw, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown field number(s) [101]" in err.value.details()
+
+
 def test_killing_a_prefill_worker_in_flight(setup):
     """Runs last: ejects one prefill worker; its requests retry elsewhere with correct tokens."""
     cluster = setup["cluster"]
