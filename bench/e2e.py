@@ -79,10 +79,9 @@ def _disaggregated(path: Path, cfg_file: Path, wl: Workload) -> dict:
 
     from baton.client.remote import to_pb
     from baton.client.requests import RequestSpec
-    from baton.cluster.local import LocalCluster
+    from baton.cluster.local import LocalCluster, free_port
     from baton.engine.request import SamplingParams
     from baton.proto_gen import router_pb2_grpc
-    from tests.integration.cluster_helpers import free_port
 
     cluster = LocalCluster(str(path), 1, 1, free_port(), str(cfg_file), log_level="WARNING")
     try:

@@ -272,14 +272,13 @@ class HybridCacheManager:
         self.pools.copy_slot(snap.slot, live.slot)
         if snap.page is None:
             return
-        page = snap.page
-        self.blocks.incref(page)  # allocating may evict this very snapshot: keep its page
+        self.tree.pinned = snap  # allocating must not evict the page it is about to copy
         try:
             b = self._alloc_block()
-            self.pools.copy_block(page, b)
-            live.table.append(b)
         finally:
-            self.blocks.decref(page)
+            self.tree.pinned = None
+        self.pools.copy_block(snap.page, b)
+        live.table.append(b)
 
     def _start_turn(self, live: _Live, session: str | None) -> None:
         if self.sessions is not None and session is not None:

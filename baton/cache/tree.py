@@ -81,6 +81,8 @@ class PrefixTree:
         self.num_partials = 0
         self.blocks_evicted = 0
         self.snapshots_evicted = 0
+        self.pinned: Snapshot | None = None
+        """A partial snapshot being restored: KV eviction must not take its page meanwhile."""
 
     # ---- lookup ------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int) -> MatchResult:
@@ -220,6 +222,8 @@ class PrefixTree:
     def evict_block(self) -> bool:
         """Evict the least recently used KV unit; False when nothing is evictable."""
         for unit in self._kv_lru:
+            if unit is self.pinned:
+                continue
             if isinstance(unit, Snapshot):
                 self.drop(unit)
                 self.snapshots_evicted += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,12 @@ from baton.errors import BatonError
 from baton.proto_gen import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("baton.serve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _cmd(*args: str) -> list[str]:

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import grpc
 import yaml
 
-from baton.cluster.local import LocalCluster
+from baton.cluster.local import LocalCluster, free_port
 from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, data: dict) -> Path:

@@ -336,3 +336,18 @@ def test_integrity_names_the_broken_owner():
     m.slots._free.append(1)
     with pytest.raises(AssertionError, match="slot 1 is free but owned by the snapshot at 4 "):
         m.check_integrity()
+
+
+def test_restoring_a_partial_never_evicts_its_own_page():
+    m = make(blocks=3, slots=3, max_live=2)  # 1 snapshot slot
+    serve(m, "a", [1, 2, 3, 4, 5, 6])  # node (block 0) + partial at 6 (page 2); block 1 freed
+    m.admit("c", [9])
+    m.ensure_blocks("c", 1)  # takes block 1: nothing free now
+    assert m.block_table("c") == [1] and m.num_free_blocks == 0
+    with pytest.raises(CapacityError, match="no KV block is free or evictable"):
+        m.admit("b", [1, 2, 3, 4, 5, 6, 7])  # would need the partial's page itself
+    assert m.stats().partial_snapshots == 1  # the snapshot survived the failed admission
+    m.check_integrity()
+    m.abort("c")
+    assert m.admit("b", [1, 2, 3, 4, 5, 6, 7]) == Admission(6, [0, 1], 1, (7,))
+    m.check_integrity()

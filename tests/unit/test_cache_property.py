@@ -44,8 +44,9 @@ class Sim:
         vals, table, slot = prefix_values(toks[:end]), m.block_table(rid), m.slot(rid)
         for i in range(self.computed[rid], end if m.pools.has_kv else 0):
             m.pools.kv[:, table[i // TPB], :, i % TPB] = vals[i]
-        m.pools.conv[:, slot] = vals[end - 1]
-        m.pools.ssm[:, slot] = vals[end - 1]
+        if m.pools.has_state:
+            m.pools.conv[:, slot] = vals[end - 1]
+            m.pools.ssm[:, slot] = vals[end - 1]
         self.computed[rid] = end
 
     def check_restored(self, rid: str, cached: int, state: bool = True) -> None:
@@ -55,7 +56,7 @@ class Sim:
         assert len(table) * TPB >= cached or not kv
         for i in range(cached if kv else 0):
             assert torch.all(m.pools.kv[:, table[i // TPB], :, i % TPB] == vals[i]), (rid, i)
-        if state:
+        if state and m.pools.has_state:
             want = vals[cached - 1] if cached else 0.0
             assert torch.all(m.pools.conv[:, slot] == want)
             assert torch.all(m.pools.ssm[:, slot] == want)
