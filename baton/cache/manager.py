@@ -17,17 +17,18 @@ snapshot can never starve a running request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from baton.cache.allocators import BlockAllocator, SlotAllocator
 from baton.cache.config import CacheConfig
 from baton.cache.integrity import check_manager
 from baton.cache.policy import snapshot_points
 from baton.cache.pools import Pools
 from baton.cache.sessions import SessionTurns
 from baton.cache.stats import CacheStats
-from baton.cache.tree import MatchResult, Node, PrefixTree, Snapshot
+from baton.cache.store import SnapshotStore
+from baton.cache.tree import MatchResult, Node, Snapshot
 from baton.errors import CapacityError, ConfigError, InvalidRequestError
 
 log = logging.getLogger("baton.cache")
@@ -76,10 +77,9 @@ class HybridCacheManager:
         self.cfg, self.pools, self.max_live = cfg, pools, max_live
         self.tpb = cfg.tokens_per_block
         self._kv = pools.has_kv
-        self.blocks = BlockAllocator(spec.num_blocks) if self._kv else None
-        self.slots = SlotAllocator(num_slots)
-        self.tree = PrefixTree(self.tpb, self.blocks, self.slots)
         self.snapshot_budget = num_slots - max_live
+        self.store = SnapshotStore(pools, self.tpb, num_slots, self.snapshot_budget)
+        self.blocks, self.slots, self.tree = self.store.blocks, self.store.slots, self.store.tree
         self.policy = cfg.mamba_state_config
         self._reuse = cfg.enable_prefix_reuse
         if self._reuse and self.snapshot_budget == 0:
@@ -92,7 +92,7 @@ class HybridCacheManager:
         per_conv = self._reuse and self.policy.per_conversation
         self.sessions = SessionTurns(self.policy.max_num_turns) if per_conv else None
         self._live: dict[str, _Live] = {}
-        self._queried = self._hit = self._rqueried = self._rhit = self._taken = 0
+        self._queried = self._hit = self._rqueried = self._rhit = 0
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -176,7 +176,7 @@ class HybridCacheManager:
                 "or run fewer requests at once"
             )
         for _ in range(need):
-            live.table.append(self._alloc_block())
+            live.table.append(self.store.alloc_block())
 
     # ---- snapshots ---------------------------------------------------------------------
     def commit(self, req_id: str, token_ids: list[int]) -> bool:
@@ -213,7 +213,7 @@ class HybridCacheManager:
             hit_tokens=self._hit,
             remote_queried_tokens=self._rqueried,
             remote_hit_tokens=self._rhit,
-            snapshots_taken=self._taken,
+            snapshots_taken=self.store.taken,
             snapshots_evicted=t.snapshots_evicted,
             snapshots_retired=self.sessions.retired if self.sessions else 0,
             blocks_evicted=t.blocks_evicted,
@@ -228,6 +228,15 @@ class HybridCacheManager:
             tree_nodes=t.num_nodes,
             partial_snapshots=t.num_partials,
         )
+
+    def set_snapshot_listener(self, fn: Callable[[bool, list[int], int], None] | None) -> None:
+        """`fn(added, tokens, num_tokens)` on every snapshot added or dropped (router events)."""
+        if fn is None:
+            self.tree.listener = None
+        else:
+            self.tree.listener = lambda added, snap: fn(
+                added, self.tree.snapshot_tokens(snap), snap.num_tokens
+            )
 
     def check_integrity(self) -> None:
         """AssertionError naming the first block, slot or count that is owned wrongly."""
@@ -266,19 +275,9 @@ class HybridCacheManager:
         return live
 
     def _restore(self, live: _Live, snap: Snapshot | None) -> None:
-        if snap is None:
-            self.pools.zero_slot(live.slot)
-            return
-        self.pools.copy_slot(snap.slot, live.slot)
-        if snap.page is None:
-            return
-        self.tree.pinned = snap  # allocating must not evict the page it is about to copy
-        try:
-            b = self._alloc_block()
-        finally:
-            self.tree.pinned = None
-        self.pools.copy_block(snap.page, b)
-        live.table.append(b)
+        page = self.store.restore(snap, live.slot)
+        if page is not None:
+            live.table.append(page)
 
     def _start_turn(self, live: _Live, session: str | None) -> None:
         if self.sessions is not None and session is not None:
@@ -305,54 +304,8 @@ class HybridCacheManager:
             self.tree.unlock(live.node)
             live.node = node
         tail = tuple(tokens[full * tpb : n])
-        snap = self._take_partial(live, node, tail) if tail else self._take_full(live, node)
+        tail_block = live.table[full] if tail and self._kv else None
+        snap = self.store.take(node, tail, live.slot, tail_block)
         if snap is not None and live.turn is not None and snap not in live.turn:
             live.turn.append(snap)
         return snap is not None
-
-    def _take_full(self, live: _Live, node: Node) -> Snapshot | None:
-        if node.snapshot is not None:
-            self.tree.touch(node.snapshot)
-            return node.snapshot
-        slot = self._snapshot_slot()
-        if slot is None:
-            return None
-        self.pools.copy_slot(live.slot, slot)
-        self._taken += 1
-        return self.tree.add_snapshot(node, slot, node.depth * self.tpb)
-
-    def _take_partial(self, live: _Live, node: Node, tail: tuple[int, ...]) -> Snapshot | None:
-        old = node.partial
-        if old is not None and old.tail == tail:
-            self.tree.touch(old)
-            return old
-        slot = self._snapshot_slot()
-        if slot is None:
-            return None
-        page = None
-        if self._kv:
-            page = self._alloc_block(required=False)
-            if page is None:
-                self.slots.release(slot)
-                return None
-            self.pools.copy_block(live.table[node.depth], page)
-        self.pools.copy_slot(live.slot, slot)
-        self._taken += 1
-        return self.tree.add_partial(node, tail, slot, page)
-
-    def _snapshot_slot(self) -> int | None:
-        while self.tree.num_snapshots >= self.snapshot_budget:
-            if not self.tree.evict_snapshot():
-                return None
-        return self.slots.allocate()
-
-    def _alloc_block(self, required: bool = True) -> int | None:
-        while self.blocks.num_free == 0:
-            if not self.tree.evict_block():
-                if not required:
-                    return None
-                raise CapacityError(
-                    f"no KV block is free or evictable (cache.num_blocks="
-                    f"{self.blocks.num_blocks}, all held by running requests); raise num_blocks"
-                )
-        return self.blocks.allocate()

@@ -20,6 +20,7 @@ Locks pin the KV of a path: `lock(node)` counts on node and every ancestor.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -81,6 +82,8 @@ class PrefixTree:
         self.num_partials = 0
         self.blocks_evicted = 0
         self.snapshots_evicted = 0
+        self.listener: Callable[[bool, Snapshot], None] | None = None
+        """Told of every snapshot added (True) or dropped (False), e.g. to inform a router."""
         self.pinned: Snapshot | None = None
         """A partial snapshot being restored: KV eviction must not take its page meanwhile."""
 
@@ -152,6 +155,7 @@ class PrefixTree:
         assert node.snapshot is None and node is not self.root
         snap = node.snapshot = Snapshot(slot, num_tokens, node)
         self.touch(snap)
+        self._notify(True, snap)
         return snap
 
     def add_partial(
@@ -162,7 +166,17 @@ class PrefixTree:
         snap = node.partial = Snapshot(slot, node.depth * self.tpb + len(tail), node, tail, page)
         self.num_partials += 1
         self.touch(snap)
+        self._notify(True, snap)
         return snap
+
+    def _notify(self, added: bool, snap: Snapshot) -> None:
+        if self.listener is not None:
+            self.listener(added, snap)
+
+    def snapshot_tokens(self, snap: Snapshot) -> list[int]:
+        """The exact tokens a snapshot's state follows."""
+        toks = [t for n in self.path(snap.node) for t in n.tokens]
+        return (toks + list(snap.tail))[: snap.num_tokens]
 
     # ---- LRU and locks -----------------------------------------------------------------
     def touch(self, unit: Node | Snapshot) -> None:
@@ -204,6 +218,7 @@ class PrefixTree:
 
     def drop(self, snap: Snapshot, prune: bool = True) -> None:
         """Remove a snapshot (its node stays, as a tombstone if it was a full snapshot)."""
+        self._notify(False, snap)
         if snap.is_partial:
             assert snap.node.partial is snap
             snap.node.partial = None

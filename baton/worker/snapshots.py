@@ -19,8 +19,7 @@ class SnapshotEvents:
         self._lock = threading.Lock()
         self._held: dict[int, baton_pb2.SnapshotEvent] = {}
         self._changes: list[baton_pb2.SnapshotEvent] = []
-        if hasattr(cache, "set_snapshot_listener"):
-            cache.set_snapshot_listener(self._on_snapshot)
+        cache.set_snapshot_listener(self._on_snapshot)
 
     def _on_snapshot(self, inserted: bool, tokens: list[int], num_tokens: int) -> None:
         k = snapshot_key(tokens, num_tokens, self.tpb)

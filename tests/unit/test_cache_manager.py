@@ -349,5 +349,42 @@ def test_restoring_a_partial_never_evicts_its_own_page():
     assert m.stats().partial_snapshots == 1  # the snapshot survived the failed admission
     m.check_integrity()
     m.abort("c")
-    assert m.admit("b", [1, 2, 3, 4, 5, 6, 7]) == Admission(6, [0, 1], 1, (7,))
+    assert m.admit("b", [1, 2, 3, 4, 5, 6, 7]) == Admission(6, [0, 1], 0, (7,))
     m.check_integrity()
+
+
+def test_snapshot_listener_sees_exact_tokens_of_adds_and_drops():
+    from baton.cache.config import CacheConfig, MambaStateConfig
+    from baton.cache.manager import HybridCacheManager
+    from baton.cache.pools import Pools, PoolSpec
+    from baton.model.config import ModelConfig
+
+    mcfg = ModelConfig.from_dict(dict(
+        vocab_size=64, hidden_size=32, hybrid_override_pattern="M*M-", num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, mamba_num_heads=4, mamba_head_dim=4,
+        ssm_state_size=4, n_groups=1,
+    ))
+    pools = Pools(PoolSpec.for_model(mcfg, num_blocks=16, tokens_per_block=4, num_slots=3))
+    cfg = CacheConfig(
+        tokens_per_block=4, num_blocks=16, num_state_slots=3,
+        mamba_state_config=MambaStateConfig(
+            periodic_snapshot_interval=4, additional_snapshot_offsets_from_end=(0,),
+            decode_end_snapshot=False,
+        ),
+    )
+    mgr = HybridCacheManager(cfg, pools, max_live=1)
+    seen = []
+    mgr.set_snapshot_listener(lambda added, toks, n: seen.append((added, toks, n)))
+    prompt = list(range(10, 20))  # 10 tokens: points 4, 8, 10
+    mgr.admit("a", prompt)
+    for end in (4, 8, 10):
+        mgr.ensure_blocks("a", end)
+        mgr.commit("a", prompt[:end])
+    mgr.finish("a", prompt)
+    added = [(t, n) for a, t, n in seen if a]
+    assert added[:2] == [(prompt[:4], 4), (prompt[:8], 8)]
+    # two snapshot slots: the third snapshot evicts the least recently used one
+    assert (prompt, 10) in added
+    dropped = [(t, n) for a, t, n in seen if not a]
+    assert dropped == [(prompt[:4], 4)]
+    mgr.check_integrity()

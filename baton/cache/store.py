@@ -1,0 +1,86 @@
+"""Snapshot storage: eviction-aware allocation of KV blocks and snapshot slots, and the
+tensor copies that take a snapshot (live -> snapshot) and restore one (snapshot -> live).
+
+    slots  [ live 0 .. max_live-1 worth | snapshot budget = num_slots - max_live ]
+           (ids are not partitioned; only the counts are: snapshots <= budget always,
+            so a free slot exists whenever fewer than max_live requests run)
+"""
+
+from __future__ import annotations
+
+from baton.cache.allocators import BlockAllocator, SlotAllocator
+from baton.cache.pools import Pools
+from baton.cache.tree import Node, PrefixTree, Snapshot
+from baton.errors import CapacityError
+
+
+class SnapshotStore:
+    def __init__(self, pools: Pools, tokens_per_block: int, num_slots: int, budget: int):
+        self.pools = pools
+        self.blocks = BlockAllocator(pools.spec.num_blocks) if pools.has_kv else None
+        self.slots = SlotAllocator(num_slots)
+        self.tree = PrefixTree(tokens_per_block, self.blocks, self.slots)
+        self.budget = budget
+        self.taken = 0
+
+    def alloc_block(self, required: bool = True) -> int | None:
+        """A free block, evicting LRU tree blocks; CapacityError (or None) when impossible."""
+        while self.blocks.num_free == 0:
+            if not self.tree.evict_block():
+                if not required:
+                    return None
+                raise CapacityError(
+                    f"no KV block is free or evictable (cache.num_blocks="
+                    f"{self.blocks.num_blocks}, all held by running requests); raise num_blocks"
+                )
+        return self.blocks.allocate()
+
+    def snapshot_slot(self) -> int | None:
+        """A slot within the snapshot budget, dropping LRU snapshots; None if the budget is 0."""
+        while self.tree.num_snapshots >= self.budget:
+            if not self.tree.evict_snapshot():
+                return None
+        return self.slots.allocate()
+
+    def take(self, node: Node, tail: tuple[int, ...], live_slot: int, tail_block: int | None):
+        """Snapshot the live state at `node` (+ `tail` tokens, read from `tail_block`).
+
+        Returns the snapshot (an existing identical one is reused), or None when no slot
+        or page can be had: a snapshot is an optimisation, never worth failing for.
+        """
+        old = node.partial if tail else node.snapshot
+        if old is not None and old.tail == tail:
+            self.tree.touch(old)
+            return old
+        slot = self.snapshot_slot()
+        if slot is None:
+            return None
+        page = None
+        if tail and self.blocks is not None:
+            page = self.alloc_block(required=False)
+            if page is None:
+                self.slots.release(slot)
+                return None
+            self.pools.copy_block(tail_block, page)
+        self.pools.copy_slot(live_slot, slot)
+        self.taken += 1
+        if tail:
+            return self.tree.add_partial(node, tail, slot, page)
+        return self.tree.add_snapshot(node, slot, node.depth * self.tree.tpb)
+
+    def restore(self, snap: Snapshot | None, live_slot: int) -> int | None:
+        """Copy `snap`'s state into the live slot (zero it if None); a private copy of a
+        partial snapshot's page is returned as a fresh block (None if there is no page)."""
+        if snap is None:
+            self.pools.zero_slot(live_slot)
+            return None
+        self.pools.copy_slot(snap.slot, live_slot)
+        if snap.page is None:
+            return None
+        self.tree.pinned = snap  # allocating must not evict the page it is about to copy
+        try:
+            b = self.alloc_block()
+        finally:
+            self.tree.pinned = None
+        self.pools.copy_block(snap.page, b)
+        return b
