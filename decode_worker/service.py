@@ -84,6 +84,7 @@ class DecodeService:
 
     def abort(self, request_id: str) -> bool:
         self._end_lease(request_id)
+        self.receiver.abort(request_id)
         self.events.forget(request_id)
         return self.loop.abort(request_id)
 

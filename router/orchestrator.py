@@ -86,7 +86,10 @@ class Orchestrator:
         failures: list[str] = []
         for attempt in range(self.config.max_retries + 1):
             choice = self._route(RouteRequest(rid, prompt, inp.session_id), excluded, failures)
-            run = _Attempt(self, rid, prompt, inp, choice, cancel)
+            # each attempt has its own id on the workers: a late event of a failed attempt
+            # (lease expiry, stray transfer) can then never touch the retry's reservation
+            wid = rid if attempt == 0 else f"{rid}~retry{attempt}"
+            run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
             try:
                 first = run.start()
             except WorkerFailed as e:
@@ -133,8 +136,10 @@ class Orchestrator:
 class _Attempt:
     """One worker pair's try at a request; aborts both workers unless it finished."""
 
-    def __init__(self, orch, rid, prompt, inp: GenerateInput, choice: RouteChoice, cancel):
+    def __init__(self, orch, rid, wid, prompt, inp: GenerateInput, choice: RouteChoice, cancel):
         self.orch, self.rid, self.prompt, self.inp = orch, rid, prompt, inp
+        self.wid = wid
+        """The request's id on the workers (differs from `rid` on retries)."""
         self.p, self.d = choice
         self.cancel = cancel
         self.pc, self.dc = orch.clients(self.p), orch.clients(self.d)
@@ -151,11 +156,11 @@ class _Attempt:
             # A cancel while Reserve/Prefill block aborts both workers, which ends the calls.
             with cancel.hook(self._abort_in_background):
                 res = self.dc.reserve(
-                    ReserveInput(self.rid, self.prompt, inp.sampling, inp.session_id), cancel
+                    ReserveInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
                 )
                 self._check_cancelled("Reserve")
                 result = self.pc.prefill(
-                    PrefillInput(self.rid, self.prompt, inp.sampling, inp.session_id, res), cancel
+                    PrefillInput(self.wid, self.prompt, inp.sampling, inp.session_id, res), cancel
                 )
                 self._check_cancelled("Prefill")
             return result
@@ -174,7 +179,7 @@ class _Attempt:
                 yield self._chunk(tokens, tokens, first, reason, start, ttft_ms, retries)
                 return
             yield self._chunk(tokens, tokens, first, None, start, ttft_ms, retries)
-            for chunk in self.dc.decode(self.rid, first.first_token_id, self.cancel):
+            for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
                 tokens.extend(chunk.token_ids)
                 finished = chunk.finish_reason is not None
                 yield self._chunk(
@@ -185,7 +190,7 @@ class _Attempt:
             raise WorkerFailed(self.d.worker_id, "Decode", "stream ended without a finish_reason")
         finally:
             if first.finished:
-                self.dc.abort(self.rid)  # releases the reservation Decode would have used
+                self.dc.abort(self.wid)  # releases the reservation Decode would have used
             self._finish(abort=not finished)
 
     def _chunk(self, new, tokens, first, reason: FinishReason | None, start, ttft_ms, retries):
@@ -224,7 +229,7 @@ class _Attempt:
                 return
             self._aborted = True
         for client in (self.pc, self.dc):
-            client.abort(self.rid)
+            client.abort(self.wid)
 
     def _abort_in_background(self) -> None:
         threading.Thread(target=self._abort_once, name=f"abort-{self.rid}", daemon=True).start()

@@ -14,7 +14,7 @@ class TransferConfig:
     """Blocks/slots held for a pending transfer are freed on both sides after this."""
     layerwise: bool = False
     """Stream each layer's KV/state as soon as prefill finishes it."""
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
     """How long a sender waits for a decode side-channel reply before failing the request."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest side-channel message accepted; bigger ones are dropped unread."""

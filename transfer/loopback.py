@@ -104,7 +104,7 @@ class _Stage:
 
     def setup(self, role: str, backend: str, model: dict, layers: list[int], num_blocks: int,
               tokens_per_block: int, num_slots: int, seed: int, dtype: str = "float32",
-              lease_seconds: float = 30.0, handshake_timeout_s: float = 5.0,
+              lease_seconds: float = 30.0, handshake_timeout_s: float = 10.0,
               layerwise: bool = False, env: dict | None = None):
         import torch
 

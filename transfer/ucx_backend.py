@@ -64,7 +64,12 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro, timeout: float):
-        return self.submit(coro).result(timeout)
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()  # never leave a half-made endpoint running unreferenced
+            raise
 
 
 class _Memory:
@@ -97,13 +102,14 @@ class UcxReceiver(RecvTransport):
         self._ucxx = _ucxx(cfg)
         self._mem, self._layout = _Memory(pools), StageLayout.from_pools(pools)
         self._authorize, self._max = authorize, cfg.max_message_bytes
+        self._connect_s = cfg.handshake_timeout_s
         self._landed: collections.deque[bytes] = collections.deque()
         self._loop = _Loop()
         self._listener = self._loop.run(self._listen(), 30)
         self._meta = {"host": bind_host, "port": self._listener.port}
 
     async def _listen(self):
-        return self._ucxx.create_listener(self._serve)
+        return self._ucxx.create_listener(self._serve, connect_timeout=self._connect_s)
 
     async def _serve(self, ep) -> None:
         try:
@@ -187,8 +193,8 @@ class UcxSender(SendTransport):
         if not isinstance(host, str) or not isinstance(port, int):
             raise TransferError("decode peer sent no UCX address; is it running backend 'nixl'?")
         try:
-            ep = self._loop.run(self._ucxx.create_endpoint(host, port),
-                                self._cfg.handshake_timeout_s)
+            t = self._cfg.handshake_timeout_s
+            ep = self._loop.run(self._ucxx.create_endpoint(host, port, connect_timeout=t), t + 1)
         except Exception as e:
             raise TransferError(f"UCX connect to {host}:{port} failed: {e}") from None
         return _Peer(ep)

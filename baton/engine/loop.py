@@ -1,10 +1,17 @@
-"""Runs an engine in a background thread so servers can submit, stream and abort."""
+"""Runs an engine in a background thread so servers can submit, stream and abort.
+
+Only the loop thread touches the engine. Other threads hand it commands (`call`), which
+run between two steps in arrival order: a Reserve or Abort waits at most one step, however
+busy the engine is (a plain lock would let the stepping thread starve them).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from baton.engine.engine import Engine
 from baton.engine.request import Request, RequestOutput
@@ -15,83 +22,101 @@ OutputCallback = Callable[[RequestOutput], None]
 
 
 class EngineLoop:
-    """Owns the engine; every engine call goes through `call()` under one lock."""
-
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[Callable, tuple, Future]] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    # ---- for other threads -------------------------------------------------------------
+    def call(self, fn: Callable, *args):
+        """Run `fn(*args)` on the loop thread between steps; returns its result or raises."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        fut: Future = Future()
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("engine loop is stopped")
+            self._commands.append((fn, args, fut))
+            self._cond.notify()
+        return fut.result()
+
     def submit(self, req: Request, on_output: OutputCallback) -> None:
-        """Queue a request; `on_output` runs on the engine thread for every step's output."""
-        with self._lock:
-            self.engine.add_request(req)
-            self._callbacks[req.id] = on_output
-            self._wake.notify()
+        """Queue a request; `on_output` runs on the loop thread for every output of it."""
+        self.call_watching(req.id, on_output, self.engine.add_request, req)
 
     def call_watching(self, request_id: str, on_output: OutputCallback, fn: Callable, *args):
-        """Like `call`, with `on_output` registered for `request_id` before the loop can step it."""
-        with self._lock:
+        """Like `call`, with `on_output` registered for `request_id` before the loop steps it."""
+
+        def run():
             self._callbacks[request_id] = on_output
             try:
-                result = fn(*args)
+                return fn(*args)
             except BaseException:
                 self._callbacks.pop(request_id, None)
                 raise
-            self._wake.notify()
-            return result
 
-    def call(self, fn: Callable, *args):
-        """Run `fn(*args)` against the engine with the loop paused; wakes the loop after."""
-        with self._lock:
-            result = fn(*args)
-            self._wake.notify()
-            return result
+        return self.call(run)
 
     def abort(self, request_id: str) -> bool:
         """Free the request; a waiter still registered gets a final `abort` output."""
-        with self._lock:
+
+        def run():
             cb = self._callbacks.pop(request_id, None)
             found = self.engine.abort(request_id)
-        if cb is not None and found:
-            cb(RequestOutput(request_id, (), True, "abort", error="aborted"))
-        return found
+            if cb is not None and found:
+                cb(RequestOutput(request_id, (), True, "abort", error="aborted"))
+            return found
+
+        return self.call(run)
 
     def stop(self) -> None:
-        with self._lock:
+        with self._cond:
             self._stop = True
-            self._wake.notify()
+            self._cond.notify()
         self._thread.join(timeout=10)
 
-    def dispatch(self, outputs: list[RequestOutput]) -> None:
+    # ---- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._commands and not self.engine.has_work:
+                    self._cond.wait()
+                if self._stop:
+                    self._fail_commands()
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, args, fut in commands:
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                    fut.set_exception(e)
+            if self.engine.has_work:
+                self._dispatch(self._step())
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
+            log.exception("engine step failed; failing its requests")
+            outs = []
+            for req in list(self.engine.scheduler.running):
+                self.engine.abort(req.id)
+                outs.append(RequestOutput(req.id, (), True, "error", req.prompt_len, error=str(e)))
+            return outs
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            cb = self._callbacks.get(out.request_id)
-            if out.finished:
-                self._callbacks.pop(out.request_id, None)
+            cb = self._callbacks.pop(out.request_id, None) if out.finished else \
+                self._callbacks.get(out.request_id)
             if cb is not None:
                 cb(out)
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stop and not self.engine.has_work:
-                    self._wake.wait()
-                if self._stop:
-                    return
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
-                    log.exception("engine step failed; failing its requests")
-                    outputs = self._fail_running(str(e))
-            self.dispatch(outputs)
-
-    def _fail_running(self, error: str) -> list[RequestOutput]:
-        outs = []
-        for req in list(self.engine.scheduler.running):
-            self.engine.abort(req.id)
-            outs.append(RequestOutput(req.id, (), True, "error", req.prompt_len, error=error))
-        return outs
+    def _fail_commands(self) -> None:
+        for _, _, fut in self._commands:
+            fut.set_exception(RuntimeError("engine loop is stopped"))
+        self._commands.clear()

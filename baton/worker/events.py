@@ -9,6 +9,9 @@ from collections.abc import Callable
 
 log = logging.getLogger("baton.worker")
 
+KEEP_SECONDS = 600.0
+"""How long an unclaimed event is kept for a late waiter."""
+
 
 class EventRouter:
     """Polls `poll()` in a thread; `wait(request_id)` blocks until that request's event arrives.
@@ -22,7 +25,7 @@ class EventRouter:
         self._poll = poll
         self._on_failure = on_failure
         self._interval = interval
-        self._events: dict[str, object] = {}
+        self._events: dict[str, tuple[object, float]] = {}
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="transfer-events", daemon=True)
@@ -37,7 +40,7 @@ class EventRouter:
                 if left <= 0 or self._stop:
                     return None
                 self._cond.wait(left)
-            return self._events.pop(request_id)
+            return self._events.pop(request_id)[0]
 
     def forget(self, request_id: str) -> None:
         with self._cond:
@@ -57,9 +60,13 @@ class EventRouter:
                 log.exception("transfer poll failed")
                 events = []
             if events:
+                now = time.monotonic()
                 with self._cond:
                     for ev in events:
-                        self._events[ev.request_id] = ev
+                        self._events[ev.request_id] = (ev, now)
+                    # events nobody claimed (aborted requests) must not pile up forever
+                    for rid in [r for r, (_, t) in self._events.items() if now - t > KEEP_SECONDS]:
+                        del self._events[rid]
                     self._cond.notify_all()
                 for ev in events:
                     if not ev.ok and self._on_failure is not None:

@@ -110,8 +110,10 @@ def test_failure_before_first_token_retries_on_another_pair_and_aborts_the_first
         ("p0", "prefill", "r1"),
         ("p0", "abort", "r1"),
         ("d0", "abort", "r1"),
-        ("d1", "reserve", "r1"),
+        # the retry has its own id on the workers, so stale events of attempt 1 cannot hit it
+        ("d1", "reserve", "r1~retry1"),
     ]
+    assert all(c.request_id == "r1" for c in chunks)
 
 
 def test_failed_worker_is_excluded_even_if_policy_would_pick_it_again():
