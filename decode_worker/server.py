@@ -6,9 +6,10 @@ import logging
 
 from baton.errors import BatonError
 from baton.proto_gen import baton_pb2, worker_pb2, worker_pb2_grpc
-from baton.worker.convert import FINISH_TO_PB, abort_with, sampling_from_pb
+from baton.worker.convert import FINISH_TO_PB, abort_with
 from baton.worker.load import counters_of, load_of
 from decode_worker.service import DecodeService
+from router.wire import sampling_from_pb
 
 log = logging.getLogger("baton.decode")
 

@@ -11,53 +11,16 @@ Life of a request (router side):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from baton.errors import InvalidRequestError
+from baton.sampling import SamplingParams
 
 
 class FinishReason(str, Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    """Most tokens generated, the first one included."""
-    temperature: float = 1.0
-    """0 = greedy."""
-    top_p: float = 1.0
-    """Nucleus mass kept, in (0, 1]."""
-    top_k: int | None = None
-    """Keep the k most likely tokens; None = no top-k."""
-    seed: int | None = None
-    """Per-request RNG seed; None = nondeterministic."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Generation stops after any of these tokens."""
-    ignore_eos: bool = False
-    """Keep generating past the model's EOS token."""
-
-    def validate(self) -> None:
-        """Raises InvalidRequestError naming the field, its value and the allowed range."""
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
-            )
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise InvalidRequestError(
-                f"top_k must be >= 1 (leave unset for no top-k), got {self.top_k}"
-            )
-        bad = [t for t in self.stop_token_ids if t < 0]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids must be >= 0, got {bad}")
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
-    d = SamplingParams()
+    """Unset fields take the defaults baton.proto documents (temperature 1.0 among them)."""
     return SamplingParams(
-        max_tokens=m.max_tokens if m.HasField("max_tokens") else d.max_tokens,
-        temperature=m.temperature if m.HasField("temperature") else d.temperature,
-        top_p=m.top_p if m.HasField("top_p") else d.top_p,
-        top_k=m.top_k if m.HasField("top_k") else None,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else 16,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k if m.HasField("top_k") else 0,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
@@ -53,7 +53,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
     )
-    if s.top_k is not None:
+    if s.top_k:
         m.top_k = s.top_k
     if s.seed is not None:
         m.seed = s.seed

@@ -9,6 +9,7 @@ import grpc
 
 from baton.client.requests import RequestSpec, result_dict
 from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc
+from router.wire import sampling_to_pb
 
 FINISH_NAMES = {
     baton_pb2.FINISH_REASON_LENGTH: "length",
@@ -18,16 +19,9 @@ FINISH_NAMES = {
 
 
 def to_pb(spec: RequestSpec) -> router_pb2.GenerateRequest:
-    s = spec.sampling
-    sp = baton_pb2.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    req = router_pb2.GenerateRequest(
+        request_id=spec.id, sampling=sampling_to_pb(spec.sampling), session_id=spec.session or ""
     )
-    if s.top_k:
-        sp.top_k = s.top_k
-    if s.seed is not None:
-        sp.seed = s.seed
-    req = router_pb2.GenerateRequest(request_id=spec.id, sampling=sp, session_id=spec.session or "")
     if spec.prompt_ids is not None:
         req.prompt_ids.extend(spec.prompt_ids)
     else:

@@ -6,42 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from baton.errors import InvalidRequestError
+from baton.sampling import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    """0 = greedy."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 = off."""
-    seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens."""
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self, vocab_size: int) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError(f"seed must be an integer >= 0, got {self.seed!r}")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+__all__ = ["Phase", "Request", "RequestOutput", "SamplingParams"]
 
 
 class Phase(enum.Enum):

@@ -1,10 +1,9 @@
-"""Protobuf <-> core dataclasses for both worker roles, and errors -> gRPC status codes."""
+"""Both worker roles: finish reasons to protobuf, errors to gRPC status codes."""
 
 from __future__ import annotations
 
 import grpc
 
-from baton.engine.request import SamplingParams
 from baton.errors import CapacityError, InvalidRequestError, TransferError
 from baton.proto_gen import baton_pb2
 
@@ -21,19 +20,6 @@ STATUS_OF = {
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TransferError: grpc.StatusCode.UNAVAILABLE,
 }
-
-
-def sampling_from_pb(msg: baton_pb2.SamplingParams) -> SamplingParams:
-    """Proto defaults (see baton.proto): max_tokens 16, temperature 1.0, top_p 1.0, top_k off."""
-    return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k if msg.HasField("top_k") else 0,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    )
 
 
 def abort_with(context: grpc.ServicerContext, err: Exception):

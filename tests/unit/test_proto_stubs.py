@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from baton.proto_gen import baton_pb2, gen, router_pb2, worker_pb2
+from baton.sampling import SamplingParams
 from router import wire
-from router.types import PrefillInput, Reservation, SamplingParams
+from router.types import PrefillInput, Reservation
 
 STUBS = Path(gen.__file__).parent
 
@@ -38,7 +39,7 @@ def test_public_services_and_streaming_shape():
 
 def test_unset_sampling_fields_take_documented_defaults():
     s = wire.sampling_from_pb(baton_pb2.SamplingParams())
-    assert s == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=None, seed=None)
+    assert s == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None)
     greedy = wire.sampling_from_pb(baton_pb2.SamplingParams(temperature=0.0))
     assert greedy.temperature == 0.0
 

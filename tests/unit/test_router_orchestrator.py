@@ -208,13 +208,13 @@ def test_no_worker_of_a_role_is_unavailable():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
         ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"top_k": 0}, "top_k must be >= 1"),
-        ({"stop_token_ids": (3, -1)}, r"stop_token_ids must be >= 0, got \[-1\]"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"stop_token_ids": (3, -1)}, r"stop_token_ids \[-1\] are outside"),
     ],
 )
 def test_bad_sampling_is_rejected_before_any_worker_call(kw, message):
