@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
+from baton.engine.inflight import waits_for_snapshot
 from baton.engine.request import Phase, Request
 from baton.errors import CapacityError
 
@@ -71,8 +72,18 @@ class Scheduler:
         return plan
 
     def _admit(self) -> None:
+        deferred: list[Request] = []
+        try:
+            self._admit_ready(deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _admit_ready(self, deferred: list[Request]) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if self.cache.reuse_enabled and waits_for_snapshot(req, self.running):
+                deferred.append(self.waiting.popleft())
+                continue
             need = self.blocks_needed(req)
             if need and not self.cache.can_allocate(self.outstanding_blocks() + need):
                 if not self.running:

@@ -136,3 +136,16 @@ def test_concurrent_sharers_equal_reuse_off(model_dir):
     run_all(eng, [Request("warm", base, greedy(3))])
     assert run_all(eng, reqs())["tokens"] == ref
     eng.cache.check_integrity()
+
+
+def test_requests_arriving_together_share_a_prefix_in_flight(model_dir):
+    """Four sessions start on one 64-token system prompt in the same step: the first
+    computes it, the others wait for its snapshot at 64 and reuse it (exact tokens)."""
+    system = prompt(21, 64)
+    reqs = lambda: [Request(f"s{i}", system + prompt(40 + i, 9), greedy(5)) for i in range(4)]  # noqa: E731
+    ref = run_all(_engine(model_dir, None), reqs())["tokens"]
+    eng = _engine(model_dir, "periodic")
+    res = run_all(eng, reqs())
+    assert res["tokens"] == ref
+    assert [res["outputs"][f"s{i}"].cached_tokens for i in range(4)] == [0, 64, 64, 64]
+    eng.cache.check_integrity()
