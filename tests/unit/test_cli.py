@@ -1,0 +1,94 @@
+"""`baton generate --local` and `baton make-model` as users call them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.cli import main
+from tests.engine_helpers import prompt
+
+FIELDS = {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens",
+          "prefill_worker", "decode_worker", "ttft_ms", "latency_ms"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "3"]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    return out
+
+
+def _lines(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def test_requests_file_in_order_with_session_reuse(model_dir, tmp_path, capsys):
+    first = prompt(1, 32)
+    reqs = [
+        {"id": "a", "prompt_ids": first, "max_tokens": 5, "ignore_eos": True, "session": "s"},
+        {"id": "b", "prompt_ids": first + [9, 10, 11], "max_tokens": 3, "ignore_eos": True,
+         "session": "s"},
+        {"id": "c", "prompt": "hello", "max_tokens": 4, "temperature": 0.8, "seed": 5,
+         "ignore_eos": True},
+    ]
+    path = tmp_path / "reqs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in reqs))
+    assert main(["generate", "--local", "--model", str(model_dir), "--requests", str(path),
+                 "--json"]) == 0
+    out = _lines(capsys)
+    assert [o["id"] for o in out] == ["a", "b", "c"]
+    assert all(set(o) == FIELDS for o in out)
+    assert [len(o["token_ids"]) for o in out] == [5, 3, 4]
+    assert [o["finish_reason"] for o in out] == ["length"] * 3
+    assert out[0]["cached_tokens"] == 0
+    # b extends a's block-aligned prompt, whose end snapshot survives a's decode-end one
+    # (that one is a partial page in the next block)
+    assert out[1]["cached_tokens"] == 32
+    assert out[2]["prompt_tokens"] == 5  # byte-level fallback: one id a byte
+
+
+def test_prompt_ids_match_between_json_and_concurrency(model_dir, tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(
+        json.dumps({"id": f"r{i}", "prompt_ids": prompt(i, 10 + i), "max_tokens": 6,
+                    "ignore_eos": True}) for i in range(6)))
+    assert main(["generate", "--local", "--model", str(model_dir), "--requests", str(path),
+                 "--json"]) == 0
+    serial = {o["id"]: o["token_ids"] for o in _lines(capsys)}
+    assert main(["generate", "--local", "--model", str(model_dir), "--requests", str(path),
+                 "--json", "--concurrency", "4"]) == 0
+    assert {o["id"]: o["token_ids"] for o in _lines(capsys)} == serial
+
+
+def test_failed_requests_exit_nonzero_with_one_line_each(model_dir, tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"id": "ok", "prompt_ids": [5, 6], "max_tokens": 2}),
+        json.dumps({"id": "empty", "prompt_ids": [], "max_tokens": 2}),
+        json.dumps({"id": "vocab", "prompt_ids": [5, 10**7], "max_tokens": 2}),
+    ]))
+    rc = main(["generate", "--local", "--model", str(model_dir), "--requests", str(path), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert [json.loads(x)["id"] for x in captured.out.splitlines()] == ["ok"]
+    errors = [x for x in captured.err.splitlines() if x.startswith("request ")]
+    assert len(errors) == 2
+    assert "empty" in errors[0] and "prompt is empty" in errors[0]
+    assert "vocab" in errors[1] and "outside the vocabulary" in errors[1]
+
+
+def test_unknown_field_in_requests_file_is_named(model_dir, tmp_path, capsys):
+    path = tmp_path / "u.jsonl"
+    path.write_text(json.dumps({"id": "x", "prompt_ids": [5], "tempreature": 1}))
+    assert main(["generate", "--local", "--model", str(model_dir), "--requests", str(path)]) == 2
+    assert "unknown field 'tempreature'" in capsys.readouterr().err
+
+
+def test_missing_model_directory_is_one_clear_error(tmp_path, capsys):
+    rc = main(["generate", "--local", "--model", str(tmp_path / "nope"), "--prompt-ids", "1,2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "nope" in err
