@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass
 
 from baton.engine.loop import EngineLoop
@@ -15,6 +16,9 @@ from baton.errors import TransferError
 from baton.worker.events import EventRouter
 
 log = logging.getLogger("baton.prefill")
+
+LEASE_SAFETY = 0.8
+"""Start a transfer only within this fraction of the destination's lease."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,20 @@ class PrefillService:
 
     def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                 session: str | None, dest: Destination) -> PrefillResult:
+        # the decode side's lease runs from its Reserve, just before this call: past it, the
+        # reservation may be freed and reused, so writing into it would corrupt another request
+        deadline = time.monotonic() + dest.lease_seconds * LEASE_SAFETY
         out = self._compute(Request(request_id, list(prompt_ids), sampling, session, prefill_only=True))
         if out.error:
             raise TransferError(f"prefill of {request_id} failed: {out.error}")
         result = PrefillResult(out.new_token_ids[0], out.cached_tokens, out.finish_reason)
         try:
             if out.finish_reason is None:
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"prefill of {request_id} finished after the destination's "
+                        f"{dest.lease_seconds:g}s lease; not writing into a freed reservation"
+                    )
                 self._hand_off(request_id, dest)
         finally:
             self.loop.call(self.loop.engine.release, request_id)

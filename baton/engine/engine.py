@@ -17,7 +17,7 @@ from baton.config import WorkerConfig
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
-from baton.errors import CapacityError, InvalidRequestError
+from baton.errors import CapacityError, InvalidRequestError, TransferError
 
 log = logging.getLogger("baton.engine")
 
@@ -101,7 +101,12 @@ class Engine:
 
     def start_remote(self, request_id: str, first_token: int) -> list[RequestOutput]:
         """Decode side: the prompt state has landed; decode from `first_token` on."""
-        req = self.requests[request_id]
+        req = self.requests.get(request_id)
+        if req is None or req.phase is not Phase.WAITING:
+            raise TransferError(
+                f"request {request_id} holds no reservation here (its lease expired or it was "
+                f"aborted); the router retries or reports it"
+            )
         req.phase = Phase.DECODE
         req.first_token_time = time.monotonic()
         self.scheduler.running.append(req)

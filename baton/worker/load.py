@@ -7,16 +7,15 @@ from baton.proto_gen import baton_pb2
 
 
 def load_of(loop: EngineLoop) -> baton_pb2.WorkerLoad:
-    def read():
-        eng = loop.engine
-        spec = eng.pools.spec
-        return baton_pb2.WorkerLoad(
-            running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
-            free_blocks=eng.cache.num_free_blocks, free_slots=eng.cache.num_free_slots,
-            total_blocks=spec.num_blocks, total_slots=spec.num_slots,
-        )
-
-    return loop.call(read)
+    """Read without pausing the loop: heartbeats must not wait behind a long step (a busy
+    worker that heartbeats late gets ejected). The numbers may be one step stale."""
+    eng = loop.engine
+    spec = eng.pools.spec
+    return baton_pb2.WorkerLoad(
+        running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
+        free_blocks=eng.cache.num_free_blocks, free_slots=eng.cache.num_free_slots,
+        total_blocks=spec.num_blocks, total_slots=spec.num_slots,
+    )
 
 
 def counters_of(loop: EngineLoop) -> dict[str, float]:

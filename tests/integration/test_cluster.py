@@ -38,9 +38,9 @@ CONFIG = {
             "decode_end_snapshot": True,
         },
     },
-    "router": {"policy": "session", "eject_after_seconds": 6.0, "heartbeat_seconds": 0.5},
+    "router": {"policy": "session", "eject_after_seconds": 10.0, "heartbeat_seconds": 0.5},
     "worker": {"max_num_seqs": 32, "max_model_len": 2048},
-    "transfer": {"lease_seconds": 20.0},
+    "transfer": {"lease_seconds": 120.0},
 }
 
 
