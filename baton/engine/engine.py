@@ -120,11 +120,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        sampled: list[tuple[Request, torch.Tensor]] = []
-        for req, end in plan.prefills:
-            logits = self._prefill(req, end)
-            if logits is not None:
-                sampled.append((req, logits))
+        sampled = self._prefill(plan.prefills)
         if plan.decodes:
             logits = self._decode(plan.decodes)
             sampled.extend(zip(plan.decodes, logits, strict=True))
@@ -136,21 +132,40 @@ class Engine:
         )
         return self._append_tokens(list(zip(reqs, toks, strict=True)))
 
-    def _prefill(self, req: Request, end: int) -> torch.Tensor | None:
-        self.cache.ensure_blocks(req.id, end)
-        ids = torch.tensor(req.prompt_ids[req.num_computed:end], dtype=torch.long, device=self.device)
-        logits = self.model.prefill(
-            ids, req.num_computed, self.cache.block_table(req.id), self.cache.slot(req.id), self.pools
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, torch.Tensor]]:
+        """Run the step's prompt chunks, one forward per group of equally long chunks; return
+        the last-token logits of the requests whose prompt is now complete, in plan order."""
+        groups: dict[int, list[tuple[Request, int]]] = {}
+        for req, end in chunks:
+            groups.setdefault(end - req.num_computed, []).append((req, end))
+        logits: dict[str, torch.Tensor] = {}
+        for group in groups.values():
+            logits.update(zip([r.id for r, _ in group], self._prefill_group(group), strict=True))
+        return [(req, logits[req.id]) for req, end in chunks if self._commit_chunk(req, end)]
+
+    def _prefill_group(self, group: list[tuple[Request, int]]) -> torch.Tensor:
+        for req, end in group:
+            self.cache.ensure_blocks(req.id, end)
+        ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
+        return self.model.prefill_batch(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            [req.num_computed for req, _ in group],
+            [self.cache.block_table(req.id) for req, _ in group],
+            [self.cache.slot(req.id) for req, _ in group],
+            self.pools,
         )
+
+    def _commit_chunk(self, req: Request, end: int) -> bool:
+        """Book a computed chunk; True when it completed the prompt (the request decodes next)."""
         req.num_computed = end
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])
         except CapacityError as e:  # a snapshot is an optimisation: skip it, never fail the request
             log.warning("snapshot for %s at %d skipped: %s", req.id, end, e)
         if end < req.prompt_len:
-            return None
+            return False
         req.phase = Phase.DECODE
-        return logits
+        return True
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
         for r in reqs:

@@ -17,6 +17,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
         # transformers builds these without bias whatever `attention_bias` says; so do we.
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
@@ -25,36 +26,50 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
 
     def prefill(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """x [T, hidden] of one sequence."""
-        return self._attend(x[None], ctx)[0]
-
-    def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """x [B, hidden], one token of each of B sequences."""
-        return self._attend(x[:, None], ctx)[:, 0]
-
-    def _attend(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b, q_len, _ = x.shape
-        meta = ctx.attn
-        q = self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b * q_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b * q_len, self.num_kv_heads, self.head_dim)
-        pool = ctx.kv(self.layer_idx)
-        pool[:, 0][meta.write_blocks, meta.write_offsets] = k.to(pool.dtype)
-        pool[:, 1][meta.write_blocks, meta.write_offsets] = v.to(pool.dtype)
-        # Keys are read back from the pool even for fresh tokens, so a resumed prefill sees
-        # exactly the values (same dtype rounding) that a one-shot prefill saw.
-        ctx_kv = pool[meta.read_blocks].to(q.dtype)  # [b, nb, 2, tpb, kvh, hd]
-        keys = ctx_kv[:, :, 0].reshape(b, -1, self.num_kv_heads, self.head_dim)
-        values = ctx_kv[:, :, 1].reshape(b, -1, self.num_kv_heads, self.head_dim)
-        keys = keys[:, : meta.num_keys].transpose(1, 2)
-        values = values[:, : meta.num_keys].transpose(1, 2)
+        """x [n, T, hidden]: T tokens of each of n sequences."""
+        n, T, _ = x.shape
+        q = self.q_proj(x).view(n, T, self.num_heads, self.head_dim).transpose(1, 2)
+        keys, values = self._store_and_read(x.reshape(n * T, -1), n, ctx)
+        mask = ctx.attn.mask
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=meta.mask,
-            is_causal=meta.mask is None,
-            scale=self.head_dim**-0.5,
+            q,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(n, T, -1))
+
+    def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [b, hidden], one token of each of b sequences.
+
+        One query per sequence: two batched matmuls over (sequence, kv head) beat SDPA's
+        masked kernel here, and need no repeat of K/V for the GQA group.
+        """
+        b, rep = x.shape[0], self.num_heads // self.num_kv_heads
+        q = self.q_proj(x).view(b * self.num_kv_heads, rep, self.head_dim)
+        keys, values = self._store_and_read(x, b, ctx)
+        S = ctx.attn.num_keys
+        keys = keys.to(q.dtype).view(-1, S, self.head_dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale).view(b, self.num_heads, S)
+        # Padding keys get -inf, so they weigh exactly 0 and a batch matches each sequence alone.
+        probs = torch.softmax(scores + ctx.attn.mask, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs.view(-1, rep, S), values.to(q.dtype).view(-1, S, self.head_dim))
+        return self.o_proj(out.view(b, -1))
+
+    def _store_and_read(self, x: torch.Tensor, b: int, ctx: StepContext):
+        """Write the K/V of tokens x [n, hidden], then gather [b, kv_heads, keys, head_dim] K, V.
+
+        Keys are read back from the pool even for fresh tokens, so a resumed prefill sees
+        exactly the values (same dtype rounding) that a one-shot prefill saw.
+        """
+        meta, pool = ctx.attn, ctx.kv(self.layer_idx)
+        tpb = pool.shape[2]
+        tokens = pool.view(-1, self.num_kv_heads * self.head_dim)
+        tokens.index_copy_(0, meta.write_rows, self.k_proj(x).to(pool.dtype))
+        tokens.index_copy_(0, meta.write_rows + tpb, self.v_proj(x).to(pool.dtype))
+        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
+        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
+        return kv[0], kv[1]

@@ -14,7 +14,7 @@ from torch import nn
 from baton.model.config import ModelConfig
 from baton.model.norms import GatedRMSNorm
 from baton.model.paged import StepContext
-from baton.model.ssd import ssd_scan, ssd_step
+from baton.model.ssd import ssd_scan, ssd_step_
 
 
 class Mamba2Mixer(nn.Module):
@@ -36,38 +36,54 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.use_bias)
 
     def prefill(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """h [T, hidden] of one sequence; resumes from (or, if fresh, replaces) its slot's state."""
-        cfg, T = self.cfg, h.shape[0]
-        conv_state = ctx.conv(self.layer_idx)[ctx.slot]
-        ssm_state = ctx.ssm(self.layer_idx)[ctx.slot]
+        """h [n, T, hidden] of n sequences; each resumes from (or, if fresh, replaces) the state
+        in its slot."""
+        cfg, (n, T, _) = self.cfg, h.shape
         gate, xbc, dt = self._split(self.in_proj(h))
-        prev = torch.zeros_like(conv_state) if ctx.fresh else conv_state
-        window = torch.cat([prev.to(xbc.dtype), xbc.T], dim=-1)  # [conv_dim, K-1+T]
-        conv_state.copy_(window[:, window.shape[-1] - conv_state.shape[-1] :])
-        x, B, C = self._ssm_inputs(self._conv(window).T)
+        conv_state, ssm_state = self._prefill_states(ctx)
+        window = torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
+        x, B, C = self._ssm_inputs(self._conv(window).transpose(1, 2))
         y, final = ssd_scan(
-            x.reshape(T, cfg.mamba_num_heads, cfg.mamba_head_dim),
+            x.reshape(n, T, cfg.mamba_num_heads, cfg.mamba_head_dim),
             self._dt(dt),
             self._A(),
-            B.reshape(T, cfg.n_groups, cfg.ssm_state_size),
-            C.reshape(T, cfg.n_groups, cfg.ssm_state_size),
+            B.reshape(n, T, cfg.n_groups, cfg.ssm_state_size),
+            C.reshape(n, T, cfg.n_groups, cfg.ssm_state_size),
             self.D,
             cfg.chunk_size,
-            None if ctx.fresh else ssm_state,
+            ssm_state,
         )
-        ssm_state.copy_(final)
-        return self._out(y.reshape(T, -1), gate, h.dtype)
+        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        tail = window[..., window.shape[-1] - conv_pool.shape[-1] :]
+        conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
+        ssm_pool.index_copy_(0, ctx.slots, final.to(ssm_pool.dtype))
+        return self._out(y.reshape(n, T, -1), gate, h.dtype)
+
+    def _prefill_states(self, ctx: StepContext):
+        """(conv, ssm) states the n sequences start from: their slots', zeros where fresh."""
+        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        n = len(ctx.fresh)
+        if all(ctx.fresh):
+            # Never read a fresh slot: it may hold a finished request's state (or garbage).
+            conv = conv_pool.new_zeros((n, *conv_pool.shape[1:]))
+            return conv, ssm_pool.new_zeros((n, *ssm_pool.shape[1:]))
+        conv, ssm = conv_pool.index_select(0, ctx.slots), ssm_pool.index_select(0, ctx.slots)
+        if any(ctx.fresh):
+            stale = torch.tensor(ctx.fresh, device=conv.device)
+            conv[stale], ssm[stale] = 0, 0
+        return conv, ssm
 
     def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [B, hidden], one token per sequence; updates the states of `ctx.slots` in place."""
         cfg, b = self.cfg, h.shape[0]
-        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
         gate, xbc, dt = self._split(self.in_proj(h))
-        window = torch.cat([conv_pool[ctx.slots].to(xbc.dtype), xbc[:, :, None]], dim=-1)
-        conv_pool.index_copy_(0, ctx.slots, window[:, :, 1:].to(conv_pool.dtype))
+        in_place = ctx.slot_range is not None and ctx.ssm(self.layer_idx).dtype == torch.float32
+        conv, ssm = self._live_states(ctx, in_place)
+        window = torch.cat([conv.to(xbc.dtype), xbc[:, :, None]], dim=-1)
         x, B, C = self._ssm_inputs(self._conv(window)[..., 0])
-        y, state = ssd_step(
-            ssm_pool[ctx.slots],
+        conv.copy_(window[:, :, 1:])
+        y = ssd_step_(
+            ssm,
             x.reshape(b, cfg.mamba_num_heads, cfg.mamba_head_dim),
             self._dt(dt),
             self._A(),
@@ -75,8 +91,24 @@ class Mamba2Mixer(nn.Module):
             C.reshape(b, cfg.n_groups, cfg.ssm_state_size),
             self.D,
         )
-        ssm_pool.index_copy_(0, ctx.slots, state.to(ssm_pool.dtype))
+        if not in_place:
+            self._write_back(ctx, conv, ssm)
         return self._out(y.reshape(b, -1), gate, h.dtype)
+
+    def _live_states(self, ctx: StepContext, in_place: bool):
+        """(conv, ssm) of the batch's slots to update: views of the pools when the slots are
+        consecutive (no gather, no scatter), copies otherwise. The SSM state is float32 either
+        way, so a low-precision pool is rounded once per step, as in prefill."""
+        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        if in_place:
+            return conv_pool[ctx.slot_range], ssm_pool[ctx.slot_range]
+        conv = conv_pool.index_select(0, ctx.slots)
+        return conv, ssm_pool.index_select(0, ctx.slots).float()
+
+    def _write_back(self, ctx: StepContext, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        conv_pool.index_copy_(0, ctx.slots, conv)
+        ssm_pool.index_copy_(0, ctx.slots, ssm.to(ssm_pool.dtype))
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + silu: window [..., conv_dim, K-1+n] -> [..., conv_dim, n].

@@ -16,7 +16,7 @@ from baton.model.config import ModelConfig
 from baton.model.mamba2 import Mamba2Mixer
 from baton.model.mlp import MLP
 from baton.model.norms import RMSNorm
-from baton.model.paged import StepContext, decode_meta, prefill_meta
+from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 
 MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": MLP}
 
@@ -97,14 +97,32 @@ class NemotronHModel(nn.Module):
         last token there. Returns float32 logits [vocab] of the last token ([T, vocab] if
         all_logits).
         """
+        ids = input_ids[None]
+        return self.prefill_batch(ids, [start_pos], [block_table], [slot], pools, all_logits)[0]
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self,
+        input_ids: torch.LongTensor,
+        start_positions: list[int],
+        block_tables: list[list[int]],
+        slots: list[int],
+        pools: Pools,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """`prefill` of n sequences with the same number of new tokens in one forward:
+        input_ids[n, T], sequence i at start_positions[i] with its own table and slot. Returns
+        float32 logits [n, vocab] ([n, T, vocab] if all_logits); each row is what `prefill` of
+        that sequence alone gives.
+        """
         _check_pools(self.config, pools)
-        T = int(input_ids.shape[0])
+        n, T = input_ids.shape
         if T == 0:
             raise InvalidRequestError("prefill got no tokens: input_ids is empty")
-        attn = prefill_meta(start_pos, T, block_table, pools) if pools.has_kv else None
-        ctx = StepContext(pools, attn, slots=None, slot=slot, fresh=start_pos == 0)
+        attn = prefill_meta(start_positions, T, block_tables, pools) if pools.has_kv else None
+        ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in start_positions])
         h = self.backbone(input_ids.to(self.device), ctx, decode=False)
-        return self.lm_head(h if all_logits else h[-1]).float()
+        return self.lm_head(h if all_logits else h[:, -1]).float()
 
     @torch.inference_mode()
     def decode(
@@ -120,7 +138,7 @@ class NemotronHModel(nn.Module):
         Returns float32 logits [B, vocab]."""
         _check_pools(self.config, pools)
         attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
-        ctx = StepContext(pools, attn, slots=slots.to(self.device))
+        ctx = slot_context(pools, attn, slots.tolist())
         h = self.backbone(input_ids.to(self.device), ctx, decode=True)
         return self.lm_head(h).float()
 

@@ -6,10 +6,17 @@ A sequence's position p lives in block `block_table[p // tpb]` at offset `p % tp
     positions   0 1 2 3 | 4 5 6 7 | 8 9 ...
     pool block     7    |    2    |   9
 
-Attention gathers a sequence's blocks into one padded run of keys and masks what is past its
-last position (padding rows point at whatever block sits in column 0 of the table, never read).
-Both prefill (one sequence, T queries) and decode (B sequences, one query each) are described
-by the same `AttnMeta`, so the attention layer has one code path.
+The layers address one layer's pool through flat views (the layout itself is fixed by
+`baton.cache.pools`):
+
+    kv[block, kv, token, kv_head, head_dim]
+      as token rows   [block*2*tpb + kv*tpb + token, kv_head*head_dim]   (writes)
+      as head rows    [(block*2*tpb + kv*tpb + token)*kv_heads + kv_head, head_dim]   (reads)
+
+Reads gather head rows with one `index_select` straight into [2, b, kv_heads, keys, head_dim],
+the layout attention multiplies against, so no padded block copy or reshape copy is made.
+Both prefill (T queries per sequence) and decode (one query each) are described by the same
+`AttnMeta`.
 """
 
 from __future__ import annotations
@@ -24,16 +31,15 @@ from baton.errors import ConfigError, InvalidRequestError
 
 @dataclass(frozen=True)
 class AttnMeta:
-    write_blocks: torch.Tensor
-    """[n] pool block of each new token (n = T for prefill, B for decode)."""
-    write_offsets: torch.Tensor
-    """[n] offset inside that block."""
-    read_blocks: torch.Tensor
-    """[b, nb] blocks each sequence reads, in position order (padded)."""
+    write_rows: torch.Tensor
+    """[n] token row of each new token's K (its V row is `tpb` further); n = all new tokens."""
+    read_rows: torch.Tensor
+    """[2*b*kv_heads*num_keys] head rows to gather: all K rows, then all V rows."""
     num_keys: int
-    """Key rows kept from the gathered blocks (the rest of the last block is never valid)."""
+    """Keys each sequence reads (padded to the longest in a batch)."""
     mask: torch.Tensor | None
-    """[b, 1, q, num_keys] True where a query may see a key; None = plain causal from 0."""
+    """Bool [b, 1, q, num_keys] (prefill) or additive float [b, 1, num_keys] (decode); None =
+    plain causal from position 0."""
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,11 @@ class StepContext:
     pools: Pools
     attn: AttnMeta | None
     slots: torch.Tensor | None
-    """[b] Mamba state slot of each sequence (decode)."""
-    slot: int = 0
-    """The one sequence's Mamba state slot (prefill)."""
-    fresh: bool = False
-    """Prefill from position 0: Mamba layers start from zeros, not the slot's content."""
+    """[b] Mamba state slot of each sequence."""
+    slot_range: slice | None = None
+    """`slots` as a slice when they are consecutive, so layers update the pool in place."""
+    fresh: tuple[bool, ...] = ()
+    """Per sequence (prefill): starts at position 0, so Mamba layers start from zeros."""
 
     def kv(self, layer: int) -> torch.Tensor:
         """[num_blocks, 2, tpb, kv_heads, head_dim] of global attention layer `layer`."""
@@ -60,6 +66,16 @@ class StepContext:
         return self.pools.ssm[_local(self.pools.spec.mamba_index, layer, "Mamba state")]
 
 
+def slot_context(pools: Pools, attn: AttnMeta | None, slots: list[int], fresh=()) -> StepContext:
+    """A context for sequences in Mamba slots `slots` (in batch order)."""
+    dev = pools.conv.device
+    rng = None
+    if slots and slots == list(range(slots[0], slots[0] + len(slots))):
+        rng = slice(slots[0], slots[0] + len(slots))
+    idx = torch.tensor(slots, dtype=torch.long, device=dev)
+    return StepContext(pools, attn, idx, rng, tuple(fresh))
+
+
 def _local(index: dict[int, int], layer: int, what: str) -> int:
     if layer not in index:
         raise ConfigError(
@@ -69,39 +85,65 @@ def _local(index: dict[int, int], layer: int, what: str) -> int:
     return index[layer]
 
 
-def prefill_meta(start_pos: int, T: int, block_table: list[int], pools: Pools) -> AttnMeta:
-    """T queries at start_pos.. of one sequence; keys are its positions 0..start_pos+T-1."""
-    tpb = pools.spec.tokens_per_block
-    end = start_pos + T
-    nb = -(-end // tpb)
-    _check_table(block_table, nb, end, pools)
-    dev = pools.kv.device
-    table = torch.tensor(block_table[:nb], dtype=torch.long, device=dev)
-    pos = torch.arange(start_pos, end, device=dev)
-    # From position 0 the mask is the plain causal one, which SDPA's fused kernels do natively.
+def prefill_meta(
+    starts: list[int], T: int, block_tables: list[list[int]], pools: Pools
+) -> AttnMeta:
+    """T queries of each sequence i at starts[i]..; its keys are positions 0..starts[i]+T-1."""
+    ends = [s + T for s in starts]
+    tables = _tables(block_tables, ends, pools)
+    dev = tables.device
+    pos = torch.arange(T, device=dev)[None, :] + torch.tensor(starts, device=dev)[:, None]
+    num_keys = max(ends)
     mask = None
-    if start_pos:
-        mask = (torch.arange(end, device=dev)[None, :] <= pos[:, None])[None, None]
-    return AttnMeta(table[pos // tpb], pos % tpb, table[None], end, mask)
+    # From position 0 (all sequences) the mask is the plain causal one, which SDPA does natively.
+    if any(starts):
+        keys = torch.arange(num_keys, device=dev)
+        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]
+    return AttnMeta(_write_rows(tables, pos, pools), _read_rows(tables, num_keys, pools), num_keys, mask)
 
 
 def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: Pools) -> AttnMeta:
-    """One query per sequence at positions[i]; tables are padded to the longest one needed."""
-    tpb = pools.spec.tokens_per_block
+    """One query per sequence at positions[i]; keys are padded to the longest sequence."""
     pos_list = positions.tolist()
-    need = [p // tpb + 1 for p in pos_list]
-    nb = max(need)
-    for bt, n, p in zip(block_tables, need, pos_list, strict=True):
-        _check_table(bt, n, p + 1, pools)
-    rows = [bt[:n] + [bt[0]] * (nb - n) for bt, n in zip(block_tables, need, strict=False)]
-    dev = pools.kv.device
-    table = torch.tensor(rows, dtype=torch.long, device=dev)
+    tables = _tables(block_tables, [p + 1 for p in pos_list], pools)
+    dev = tables.device
+    num_keys = max(pos_list) + 1
     pos = positions.to(dev)
-    cols = (pos // tpb)[:, None]
-    write_blocks = table.gather(1, cols)[:, 0]
-    keys = torch.arange(nb * tpb, device=dev)
-    mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
-    return AttnMeta(write_blocks, pos % tpb, table, nb * tpb, mask)
+    keys = torch.arange(num_keys, device=dev)
+    mask = torch.zeros(len(pos_list), 1, num_keys, device=dev, dtype=pools.kv.dtype)
+    mask.masked_fill_(keys[None, None, :] > pos[:, None, None], float("-inf"))
+    return AttnMeta(
+        _write_rows(tables, pos[:, None], pools), _read_rows(tables, num_keys, pools), num_keys, mask
+    )
+
+
+def _tables(block_tables: list[list[int]], lengths: list[int], pools: Pools) -> torch.Tensor:
+    """[b, nb] block tables, each cut to what its length needs and padded with its column 0
+    (padding is only read as masked keys)."""
+    tpb = pools.spec.tokens_per_block
+    need = [-(-n // tpb) for n in lengths]
+    for bt, n, length in zip(block_tables, need, lengths, strict=True):
+        _check_table(bt, n, length, pools)
+    nb = max(need)
+    rows = [bt[:n] + [bt[0]] * (nb - n) for bt, n in zip(block_tables, need, strict=True)]
+    return torch.tensor(rows, dtype=torch.long, device=pools.kv.device)
+
+
+def _write_rows(tables: torch.Tensor, pos: torch.Tensor, pools: Pools) -> torch.Tensor:
+    """Token rows of positions pos [b, q] (sequence i's table is tables[i])."""
+    tpb = pools.spec.tokens_per_block
+    blocks = tables.gather(1, pos // tpb)
+    return (blocks * (2 * tpb) + pos % tpb).reshape(-1)
+
+
+def _read_rows(tables: torch.Tensor, num_keys: int, pools: Pools) -> torch.Tensor:
+    """Head rows of keys 0..num_keys-1 of each sequence: [2 (K, V), b, kv_heads, num_keys]."""
+    tpb, kvh = pools.spec.tokens_per_block, pools.spec.num_kv_heads
+    keys = torch.arange(num_keys, device=tables.device)
+    tok = tables[:, keys // tpb] * (2 * tpb) + keys % tpb  # [b, num_keys] K token rows
+    heads = torch.arange(kvh, device=tables.device)[None, :, None]
+    k_rows = tok[:, None, :] * kvh + heads
+    return torch.stack([k_rows, k_rows + tpb * kvh]).reshape(-1)
 
 
 def _check_table(block_table: list[int], need: int, length: int, pools: Pools) -> None:

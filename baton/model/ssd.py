@@ -24,68 +24,73 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     Built from a masked cumsum rather than cumsum differences, which lose precision.
     """
     n = a.size(-1)
-    a = a[..., None].expand(*a.shape, n)
-    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=-1)
-    out = torch.cumsum(a.masked_fill(~below, 0), dim=-2)
-    causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=0)
-    return out.masked_fill(~causal, -torch.inf)
+    ones = torch.ones(n, n, dtype=torch.bool, device=a.device)
+    out = torch.cumsum(a[..., None].expand(*a.shape, n).masked_fill(~ones.tril(-1), 0), dim=-2)
+    return out.masked_fill_(~ones.tril(0), -torch.inf)
 
 
-def _chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
-    """[T, ...] -> [T/chunk, chunk, ...], zero-padding the end (zero dt leaves the state alone)."""
-    if pad:
-        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
-    return t.reshape(-1, chunk, *t.shape[1:])
+def _head_chunks(t: torch.Tensor, heads: int, chunk: int) -> torch.Tensor:
+    """[b, T, g, X] -> [b, heads, T/chunk, chunk, X], head h reading group h // (heads/g).
+
+    One pass into a zeroed buffer: the padding past T has zero dt, which leaves the state
+    alone; the head-major layout makes every contraction of the scan a plain batched matmul.
+    """
+    b, T, g, X = t.shape
+    out = t.new_zeros(b, heads, -(-T // chunk) * chunk, X)
+    out.view(b, g, heads // g, -1, X)[:, :, :, :T] = t.transpose(1, 2)[:, :, None]
+    return out.view(b, heads, -1, chunk, X)
 
 
 def ssd_scan(x, dt, A, B, C, D, chunk: int, state: torch.Tensor | None = None):
     """Run the recurrence over T tokens from `state` (zeros if None); return (y, final_state).
 
-    Computed in float32 whatever the input dtype. Index letters: c chunk, l/s position in a
-    chunk, h head, p head_dim, n state size.
+    Takes one sequence ([T, ...] inputs, state [H, P, N]) or a batch of equally long ones
+    (a leading b on every input and on the state). Computed in float32 whatever the input
+    dtype. Intermediates are [b, h, c, l, ...]: c chunk, l/s position in a chunk.
     """
-    T, H, P = x.shape
-    rep = H // B.shape[1]
+    if x.dim() == 3:
+        one = None if state is None else state[None]
+        y, final = ssd_scan(x[None], dt[None], A, B[None], C[None], D, chunk, one)
+        return y[0], final[0]
+    b, T, H, P = x.shape
+    N = B.shape[-1]
     x, dt = x.float(), dt.float()
-    B = B.float().repeat_interleave(rep, dim=1)
-    C = C.float().repeat_interleave(rep, dim=1)
-    pad = (-T) % chunk
-    skip = D.float()[:, None] * x
-    xdt, Adt = x * dt[..., None], A.float() * dt
-    xdt, Adt, B, C = (_chunks(t, pad, chunk) for t in (xdt, Adt, B, C))
-
-    Adt = Adt.permute(2, 0, 1)  # [h, c, l]
+    xdt = _head_chunks(x * dt[..., None], H, chunk)  # [b, h, c, l, p]
+    Bh, Ch = (_head_chunks(t.float(), H, chunk) for t in (B, C))  # [b, h, c, l, n]
+    Adt = _head_chunks((A.float() * dt)[..., None], H, chunk)[..., 0]  # [b, h, c, l]
     A_cum = torch.cumsum(Adt, dim=-1)
     # 1. within each chunk: attention-like quadratic form with a decay mask.
-    L = torch.exp(segment_sum(Adt))
-    G = torch.einsum("clhn,cshn->clsh", C, B)
-    y_diag = torch.einsum("clsh,cshp->clhp", G * L.permute(1, 2, 3, 0), xdt)
-    # 2. the state each chunk adds by its end.
-    decay_to_end = torch.exp(A_cum[:, :, -1:] - A_cum)
-    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, decay_to_end, xdt)
+    y = (Ch @ Bh.transpose(-1, -2)).mul_(segment_sum(Adt).exp_()) @ xdt
+    # 2. the state each chunk adds by its end: [b, h, c, p, n].
+    decay_to_end = torch.exp(A_cum[..., -1:] - A_cum)
+    chunk_states = xdt.transpose(-1, -2) @ (Bh * decay_to_end[..., None])
     # 3. carry states across chunks: the state entering chunk i, and the final state.
-    init = torch.zeros_like(chunk_states[:1]) if state is None else state.float()[None]
-    chunk_states = torch.cat([init, chunk_states], dim=0)
-    decay_chunk = torch.exp(segment_sum(F.pad(A_cum[:, :, -1], (1, 0))))  # [h, i, j]
-    states = torch.einsum("hij,jhpn->ihpn", decay_chunk, chunk_states)
-    entering, final = states[:-1], states[-1]
+    init = chunk_states.new_zeros(b, H, 1, P, N) if state is None else state.float()[:, :, None]
+    chunk_states = torch.cat([init, chunk_states], dim=2).flatten(-2)
+    decay_chunk = segment_sum(F.pad(A_cum[..., -1], (1, 0))).exp_()  # [b, h, i, j]
+    states = (decay_chunk @ chunk_states).view(b, H, -1, P, N)
+    entering, final = states[:, :, :-1], states[:, :, -1]
     # 4. what the entering state contributes to each position's output.
-    y_off = (
-        torch.einsum("clhn,chpn->clhp", C, entering) * torch.exp(A_cum).permute(1, 2, 0)[..., None]
-    )
-    y = (y_diag + y_off).reshape(-1, H, P)[:T] + skip
-    return y, final
+    y += (Ch @ entering.transpose(-1, -2)) * torch.exp(A_cum)[..., None]
+    y = y.view(b, H, -1, P)[:, :, :T].transpose(1, 2)
+    return y + D.float()[:, None] * x, final
 
 
 def ssd_step(state, x, dt, A, B, C, D):
-    """One token for each of a batch: state [b,H,P,N] (float32), x [b,H,P], dt [b,H],
-    B/C [b,G,N]. Returns (y [b,H,P] float32, new_state)."""
+    """One token for each of a batch: state [b,H,P,N], x [b,H,P], dt [b,H], B/C [b,G,N].
+    Returns (y [b,H,P] float32, new float32 state); `state` is left as it was."""
+    new = state.to(torch.float32, copy=True)
+    return ssd_step_(new, x, dt, A, B, C, D), new
+
+
+def ssd_step_(state, x, dt, A, B, C, D):
+    """`ssd_step` that updates the float32 `state` in place (a view of the pool, say) and
+    returns y; the same operations in the same order, so the same rounding."""
     rep = x.shape[1] // B.shape[1]
     x, dt = x.float(), dt.float()
     B = B.float().repeat_interleave(rep, dim=1)
     C = C.float().repeat_interleave(rep, dim=1)
     dA = torch.exp(dt * A.float())[..., None, None]
     dBx = (dt[..., None] * B)[:, :, None, :] * x[..., None]
-    state = state.float() * dA + dBx
-    y = torch.einsum("bhpn,bhn->bhp", state, C) + D.float()[:, None] * x
-    return y, state
+    state.mul_(dA).add_(dBx)
+    return torch.matmul(state, C[..., None])[..., 0] + D.float()[:, None] * x
