@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="the gRPC router alone")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--config")
+    p.add_argument("--model", default=None,
+                   help="checkpoint whose tokenizer encodes text prompts (default: config model.path)")
 
     for role in ("prefill-worker", "decode-worker"):
         p = sub.add_parser(role, help=f"one {role} that registers with a router")

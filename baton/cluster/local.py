@@ -38,7 +38,7 @@ class LocalCluster:
         base = ["--log-level", log_level]
         self.procs: list[subprocess.Popen] = []
         self.expected = prefill + decode
-        self._spawn(_cmd(*base, "router", "--port", str(port), *extra))
+        self._spawn(_cmd(*base, "router", "--port", str(port), "--model", model, *extra))
         for role, n in (("prefill-worker", prefill), ("decode-worker", decode)):
             for _ in range(n):
                 self._spawn(_cmd(*base, role, "--router", self.address, "--model", model, *extra))

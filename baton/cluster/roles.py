@@ -14,7 +14,7 @@ def run_router_role(args) -> int:
     from router.server import run_router
 
     cfg = BatonConfig.load(args.config)
-    tokenizer = load_tokenizer(resolve_model(cfg.model.path))
+    tokenizer = load_tokenizer(resolve_model(args.model or cfg.model.path))
     handle = run_router(args.port, cfg.router, tokenizer)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
