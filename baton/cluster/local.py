@@ -47,7 +47,10 @@ class LocalCluster:
         env = dict(os.environ)
         # several worker processes share this machine's cores: split them instead of oversubscribing
         env.setdefault("BATON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.expected)))
-        self.procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
+        # children's banners go to stderr: stdout stays for what the caller prints (JSON)
+        self.procs.append(
+            subprocess.Popen(cmd, start_new_session=True, env=env, stdout=sys.stderr.fileno())
+        )
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""
