@@ -17,6 +17,9 @@ from baton.proto_gen import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("baton.serve")
 
+STDERR_FD = 2
+"""The process's own fd 2 (not `sys.stderr`, which test runners replace with objects)."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,7 +52,7 @@ class LocalCluster:
         env.setdefault("BATON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.expected)))
         # children's banners go to stderr: stdout stays for what the caller prints (JSON)
         self.procs.append(
-            subprocess.Popen(cmd, start_new_session=True, env=env, stdout=sys.stderr.fileno())
+            subprocess.Popen(cmd, start_new_session=True, env=env, stdout=STDERR_FD)
         )
 
     def wait_ready(self, timeout: float = 180.0) -> None:
