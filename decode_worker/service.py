@@ -54,12 +54,14 @@ class DecodeService:
             return Reservation(self.receiver.endpoint, blocks, slot, skip, self.lease_seconds)
 
         res = self.loop.call(do_reserve)
+        self.events.wake()
         self._start_lease(request_id)
         return res
 
     def decode(self, request_id: str, first_token: int) -> Iterator[tuple[list[int], str | None]]:
         """Yields (new tokens, finish reason or None) until the request finishes."""
         self._end_lease(request_id)
+        self.events.wake()
         ev = self.events.wait(request_id, self.lease_seconds)
         if ev is None or not ev.ok:
             self.loop.abort(request_id)

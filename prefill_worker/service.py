@@ -99,6 +99,7 @@ class PrefillService:
             )
 
         self.loop.call(start)
+        self.events.wake()
         ev = self.events.wait(request_id, dest.lease_seconds)
         if ev is None:
             raise TransferError(

@@ -85,10 +85,16 @@ class LocalCluster:
                 p.kill()
 
 
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_local(args) -> int:
     from baton.model.registry import resolve_model
 
     model = str(resolve_model(args.model))  # make `tiny` once, before the workers race for it
+    # SIGTERM (a supervisor, `timeout`) must stop the workers too: they run in their own sessions
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config)
     try:
         cluster.wait_ready()

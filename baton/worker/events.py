@@ -21,10 +21,13 @@ class EventRouter:
     """
 
     def __init__(self, poll: Callable[[], list], on_failure: Callable[[str, str], None] | None = None,
-                 interval: float = 0.001):
+                 interval: float = 0.0005, idle_interval: float = 0.01):
         self._poll = poll
         self._on_failure = on_failure
+        self._fast = interval
+        self._idle = idle_interval
         self._interval = interval
+        self._woken = threading.Event()
         self._events: dict[str, tuple[object, float]] = {}
         self._cond = threading.Condition()
         self._stop = False
@@ -41,6 +44,11 @@ class EventRouter:
                     return None
                 self._cond.wait(left)
             return self._events.pop(request_id)[0]
+
+    def wake(self) -> None:
+        """A transfer was just started or reserved: poll fast again."""
+        self._interval = self._fast
+        self._woken.set()
 
     def forget(self, request_id: str) -> None:
         with self._cond:
@@ -60,6 +68,7 @@ class EventRouter:
                 log.exception("transfer poll failed")
                 events = []
             if events:
+                self._interval = self._fast
                 now = time.monotonic()
                 with self._cond:
                     for ev in events:
@@ -72,4 +81,7 @@ class EventRouter:
                     if not ev.ok and self._on_failure is not None:
                         self._on_failure(ev.request_id, ev.error or "transfer failed")
             else:
-                time.sleep(self._interval)
+                # back off while idle: polling NIXL every 0.5 ms costs most of a core
+                self._woken.wait(self._interval)
+                self._woken.clear()
+                self._interval = min(self._interval * 2, self._idle)
