@@ -147,3 +147,19 @@ def _ok(reply: dict) -> dict:
     if not reply["ok"]:
         raise RuntimeError(reply["error"] + "\n" + reply.get("trace", ""))
     return reply
+
+
+MATRIX_PATTERNS = ("MM-MM*-*M", "M*M*M*", "MMMM--**")
+"""Layer patterns whose splits give attention-free and Mamba-free stages."""
+
+
+def check_pp_matrix(bed: Testbed, backend: str) -> None:
+    """Prefill PP {1,2,3} x decode PP {1,2} over MATRIX_PATTERNS: every handoff bit-exact."""
+    for pattern in MATRIX_PATTERNS:
+        for pp in (1, 2, 3):
+            for dp in (1, 2):
+                bed.configure(backend, tiny_model(pattern), pp, dp, seed=pp * 10 + dp)
+                hs = two_handoffs(f"{pattern}-{pp}x{dp}")
+                case = (backend, pattern, pp, dp)
+                assert events_ok(bed.run(hs), [h.rid for h in hs]) is None, case
+                assert bed.mismatch(hs) is None, (*case, bed.mismatch(hs))

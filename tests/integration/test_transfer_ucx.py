@@ -5,16 +5,11 @@ Same PP matrix as the NIXL suite, plus layer-wise streaming, refusal and a dead 
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from transfer.testbed import Testbed, events_ok, tiny_model, two_handoffs
+from transfer.testbed import Testbed, check_pp_matrix, events_ok, tiny_model, two_handoffs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-PATTERNS = ["MM-MM*-*M", "M*M*M*", "MMMM--**"]
-
 
 @pytest.fixture(scope="module")
 def bed():
@@ -24,11 +19,7 @@ def bed():
 
 
 def test_pp_matrix_bit_exact(bed):
-    for pattern, pp, dp in itertools.product(PATTERNS, (1, 2, 3), (1, 2)):
-        bed.configure("ucx", tiny_model(pattern), pp, dp, seed=pp * 10 + dp)
-        hs = two_handoffs(f"{pattern}-{pp}x{dp}")
-        assert events_ok(bed.run(hs), [h.rid for h in hs]) is None, (pattern, pp, dp)
-        assert bed.mismatch(hs) is None, (pattern, pp, dp, bed.mismatch(hs))
+    check_pp_matrix(bed, "ucx")
 
 
 def test_layerwise_streaming_bit_exact(bed):
