@@ -78,15 +78,15 @@ def cmd_router(args) -> int:
 
 
 def cmd_prefill_worker(args) -> int:
-    from baton.cluster.roles import run_worker_role
+    from baton.cluster.roles import run_prefill_worker
 
-    return run_worker_role(args, "prefill")
+    return run_prefill_worker(args)
 
 
 def cmd_decode_worker(args) -> int:
-    from baton.cluster.roles import run_worker_role
+    from baton.cluster.roles import run_decode_worker
 
-    return run_worker_role(args, "decode")
+    return run_decode_worker(args)
 
 
 def cmd_bench(args) -> int:

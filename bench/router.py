@@ -25,18 +25,18 @@ import time
 
 import grpc
 
+from baton.config.router import RouterConfig
+from baton.contract import Role, SnapshotEvent, WorkerInfo, WorkerLoad
+from baton.contract.prefix_hash import snapshot_key
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
-from router.config import RouterConfig
-from router.fake_workers import FakeWorker
 from router.policies import RouteRequest, make_policy
-from router.prefix_hash import snapshot_key
 from router.registry import Registry
 from router.server import run_router
-from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad
+from tests.support.fake_workers import FakeWorker
 
 TARGET_P50_MS = 1.0
 

@@ -9,24 +9,14 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from baton.contract import DecodeChunk, Reservation, ReserveInput
 from baton.engine.loop import EngineLoop
-from baton.engine.request import Request, RequestOutput, SamplingParams
+from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError
 from baton.worker.events import EventRouter
 
 log = logging.getLogger("baton.decode")
-
-
-@dataclass(frozen=True)
-class Reservation:
-    endpoint: str
-    block_ids: tuple[int, ...]
-    """The prompt's whole block table; prefill writes all but the first `skip_blocks`."""
-    slot: int | None
-    skip_blocks: int
-    lease_seconds: float
 
 
 class DecodeService:
@@ -39,9 +29,9 @@ class DecodeService:
         self._leases: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
 
-    def reserve(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                session: str | None) -> Reservation:
-        req = Request(request_id, list(prompt_ids), sampling, session)
+    def reserve(self, inp: ReserveInput) -> Reservation:
+        request_id = inp.request_id
+        req = Request(request_id, list(inp.prompt_ids), inp.sampling, inp.session_id or None)
         engine = self.loop.engine
 
         def do_reserve():
@@ -51,15 +41,16 @@ class DecodeService:
             blocks = tuple(adm.block_table) if engine.pools.has_kv else ()
             slot = adm.slot if engine.pools.has_state else None
             self.receiver.expect(request_id, list(blocks), slot, self.lease_seconds)
-            return Reservation(self.receiver.endpoint, blocks, slot, skip, self.lease_seconds)
+            return Reservation(self.worker_id, self.receiver.endpoint, blocks, slot, skip,
+                               self.lease_seconds)
 
         res = self.loop.call(do_reserve)
         self.events.wake()
         self._start_lease(request_id)
         return res
 
-    def decode(self, request_id: str, first_token: int) -> Iterator[tuple[list[int], str | None]]:
-        """Yields (new tokens, finish reason or None) until the request finishes."""
+    def decode(self, request_id: str, first_token: int) -> Iterator[DecodeChunk]:
+        """Yields the new tokens of each step until a chunk with a finish reason."""
         self._end_lease(request_id)
         self.events.wake()
         ev = self.events.wait(request_id, self.lease_seconds)
@@ -71,12 +62,12 @@ class DecodeService:
         first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
                                         request_id, first_token)
         if first and first[0].finished:
-            yield [], first[0].finish_reason
+            yield DecodeChunk((), first[0].finish_reason)
             return
         try:
             while True:
                 out = box.get()
-                yield list(out.new_token_ids), out.finish_reason if out.finished else None
+                yield DecodeChunk(tuple(out.new_token_ids), out.finish_reason if out.finished else None)
                 if out.finished:
                     if out.error:
                         raise RuntimeError(out.error)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
 
+from baton.contract import PrefillInput, PrefillResult, Reservation
 from baton.engine.loop import EngineLoop
-from baton.engine.request import Request, RequestOutput, SamplingParams
+from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError
 from baton.worker.events import EventRouter
 
@@ -19,27 +19,6 @@ log = logging.getLogger("baton.prefill")
 
 LEASE_SAFETY = 0.8
 """Start a transfer only within this fraction of the destination's lease."""
-
-
-@dataclass(frozen=True)
-class Destination:
-    """Where the decode worker wants the prompt's KV blocks and Mamba state."""
-
-    worker_id: str
-    endpoint: str
-    block_ids: tuple[int, ...]
-    """The destination's whole block table for the prompt; the first `skip_blocks` are held."""
-    slot: int | None
-    skip_blocks: int
-    lease_seconds: float
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    cached_tokens: int
-    finish_reason: str | None
-    """Set when the first token already ends the request; then nothing was transferred."""
 
 
 class PrefillService:
@@ -50,17 +29,20 @@ class PrefillService:
         self.events = EventRouter(sender.poll)
         self.transfers_done = 0
 
-    def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                session: str | None, dest: Destination) -> PrefillResult:
+    def prefill(self, inp: PrefillInput) -> PrefillResult:
+        request_id, dest = inp.request_id, inp.destination
         # the decode side's lease runs from its Reserve, just before this call: past it, the
         # reservation may be freed and reused, so writing into it would corrupt another request
         deadline = time.monotonic() + dest.lease_seconds * LEASE_SAFETY
-        out = self._compute(Request(request_id, list(prompt_ids), sampling, session, prefill_only=True))
+        req = Request(request_id, list(inp.prompt_ids), inp.sampling, inp.session_id or None,
+                      prefill_only=True)
+        out = self._compute(req)
         if out.error:
             raise TransferError(f"prefill of {request_id} failed: {out.error}")
-        result = PrefillResult(out.new_token_ids[0], out.cached_tokens, out.finish_reason)
+        reason = out.finish_reason
+        result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None, reason)
         try:
-            if out.finish_reason is None:
+            if not result.finished:
                 if time.monotonic() > deadline:
                     raise TransferError(
                         f"prefill of {request_id} finished after the destination's "
@@ -86,7 +68,7 @@ class PrefillService:
             out = box.get()
         return out
 
-    def _hand_off(self, request_id: str, dest: Destination) -> None:
+    def _hand_off(self, request_id: str, dest: Reservation) -> None:
         engine = self.loop.engine
 
         def start():
@@ -94,7 +76,7 @@ class PrefillService:
             blocks = cache.block_table(request_id) if cache.pools.has_kv else []
             slot = cache.slot(request_id) if cache.pools.has_state else None
             self.sender.send(
-                request_id, dest.endpoint, list(blocks), slot,
+                request_id, dest.transfer_endpoint, list(blocks), slot,
                 list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
             )
 

@@ -18,13 +18,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from baton.errors import InvalidRequestError
-from router.cancellation import Cancellation
-from router.config import RouterConfig
-from router.errors import NoWorkersError, RequestCancelled, WorkerFailed
-from router.policies import RouteChoice, RouteRequest, RoutingPolicy
-from router.registry import Registry
-from router.types import (
+from baton.config.router import RouterConfig
+from baton.contract import (
     DecodeChunk,
     FinishReason,
     GenerateChunk,
@@ -34,8 +29,13 @@ from router.types import (
     PrefillResult,
     Reservation,
     ReserveInput,
+    Role,
+    WorkerView,
 )
-from router.workers import Role, WorkerView
+from baton.errors import InvalidRequestError, NoWorkersError, RequestCancelled, WorkerFailed
+from router.cancellation import Cancellation
+from router.policies import RouteChoice, RouteRequest, RoutingPolicy
+from router.registry import Registry
 
 log = logging.getLogger(__name__)
 

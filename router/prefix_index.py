@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from router.prefix_hash import block_hashes, tail_hash
-from router.workers import SnapshotEvent
+from baton.contract import SnapshotEvent
+from baton.contract.prefix_hash import block_hashes, tail_hash
 
 _Entry = tuple[int, int]  # (snapshot_hash, num_tokens)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
+from baton.contract import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
 
 
 class WorkerListener(Protocol):

@@ -9,19 +9,18 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from baton.errors import CapacityError, InvalidRequestError
+from baton.config.router import RouterConfig
+from baton.contract import wire
+from baton.contract.status import status_of
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
-from router import wire
 from router.cancellation import Cancellation
-from router.config import RouterConfig
-from router.errors import NoWorkersError, RequestCancelled, WorkerFailed
 from router.orchestrator import Orchestrator, Tokenizer
 from router.policies import RoutingPolicy, make_policy
 from router.registry import Registry
@@ -29,20 +28,6 @@ from router.worker_client import WorkerClients
 
 log = logging.getLogger(__name__)
 SERVICES = ("baton.v1.Router", "baton.v1.Registry")
-_STATUS = {
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    NoWorkersError: grpc.StatusCode.UNAVAILABLE,
-    WorkerFailed: grpc.StatusCode.UNAVAILABLE,
-    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RequestCancelled: grpc.StatusCode.CANCELLED,
-}
-
-
-def status_of(exc: BaseException) -> grpc.StatusCode | None:
-    for cls in type(exc).__mro__:
-        if cls in _STATUS:
-            return _STATUS[cls]
-    return None
 
 
 class RouterServicer(rgrpc.RouterServicer):
@@ -75,7 +60,10 @@ class RouterServicer(rgrpc.RouterServicer):
         views = self._orch.registry.workers(role)
         return rpb.ListWorkersReply(
             workers=[
-                wire.worker_info_to_pb(v, policy.tracked_snapshots(v.worker_id)) for v in views
+                wire.worker_view_to_pb(
+                    replace(v, tracked_snapshots=policy.tracked_snapshots(v.worker_id))
+                )
+                for v in views
             ]
         )
 

@@ -14,16 +14,22 @@ from dataclasses import replace
 
 import grpc
 
-from baton.errors import InvalidRequestError
+from baton.config.router import RouterConfig
+from baton.contract import (
+    DecodeChunk,
+    PrefillInput,
+    PrefillResult,
+    Reservation,
+    ReserveInput,
+    Role,
+    WorkerView,
+    wire,
+)
+from baton.errors import InvalidRequestError, RequestCancelled, WorkerFailed
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
-from router import wire
 from router.cancellation import Cancellation
-from router.config import RouterConfig
-from router.errors import RequestCancelled, WorkerFailed
-from router.types import DecodeChunk, PrefillInput, PrefillResult, Reservation, ReserveInput
-from router.workers import Role, WorkerView
 
 log = logging.getLogger(__name__)
 _STUBS = {Role.PREFILL: wgrpc.PrefillWorkerStub, Role.DECODE: wgrpc.DecodeWorkerStub}

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import importlib
 
-from baton.cache.pools import Pools
+from baton.config.transfer import TransferConfig
+from baton.model.pools import Pools
 from transfer.base import TransferEvent
-from transfer.config import TransferConfig
 from transfer.fingerprint import compute_fingerprint
 
 _BACKENDS = {"nixl": ("transfer.nixl_backend", "NixlReceiver", "NixlSender"),

@@ -14,9 +14,9 @@ import json
 
 import torch
 
-from baton.cache.pools import PoolSpec
 from baton.errors import TransferError
 from baton.model.config import ModelConfig
+from baton.model.pools import PoolSpec
 
 FIELDS = ("dtype", "tokens_per_block", "num_layers", "pattern", "kv_block_bytes",
           "conv_sections", "conv_shape", "ssm_shape", "model")

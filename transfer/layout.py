@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from baton.cache.pools import Pools
 from baton.errors import TransferError
+from baton.model.pools import Pools
 
 
 @dataclass(frozen=True)

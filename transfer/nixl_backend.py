@@ -25,10 +25,10 @@ import os
 import sys
 import uuid
 
-from baton.cache.pools import Pools
+from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
+from baton.model.pools import Pools
 from transfer.base import RecvTransport, SendTransport
-from transfer.config import TransferConfig
 from transfer.layout import StageLayout
 from transfer.planner import Plan
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from baton.cache.pools import Pools
+from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
+from baton.model.pools import Pools
 from transfer import fingerprint as fp
 from transfer import wire
 from transfer.base import RecvTransport, TransferEvent
-from transfer.config import TransferConfig
 from transfer.layout import StageLayout
 from transfer.side_channel import Listener
 

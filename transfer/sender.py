@@ -19,12 +19,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from baton.cache.pools import Pools
+from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
+from baton.model.pools import Pools
 from transfer import fingerprint as fp
 from transfer import wire
 from transfer.base import SendTransport, TransferEvent
-from transfer.config import TransferConfig
 from transfer.layout import StageLayout
 from transfer.planner import Plan, plan
 from transfer.side_channel import Client

@@ -32,11 +32,11 @@ import msgpack
 import numpy as np
 import torch
 
-from baton.cache.pools import Pools
+from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
+from baton.model.pools import Pools
 from transfer import wire
 from transfer.base import RecvTransport, SendTransport
-from transfer.config import TransferConfig
 from transfer.layout import StageLayout
 from transfer.planner import Plan, coalesce, plan
 

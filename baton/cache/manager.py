@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from baton.cache.config import CacheConfig
 from baton.cache.integrity import check_manager
 from baton.cache.policy import snapshot_points
-from baton.cache.pools import Pools
 from baton.cache.sessions import SessionTurns
 from baton.cache.stats import CacheStats
 from baton.cache.store import SnapshotStore
 from baton.cache.tree import MatchResult, Node, Snapshot
+from baton.config.cache import CacheConfig
 from baton.errors import CapacityError, ConfigError, InvalidRequestError
+from baton.model.pools import Pools
 
 log = logging.getLogger("baton.cache")
 

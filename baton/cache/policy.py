@@ -10,7 +10,7 @@ chunk ends) and the manager commits a snapshot only there.
 
 from __future__ import annotations
 
-from baton.cache.config import MambaStateConfig
+from baton.config.cache import MambaStateConfig
 
 
 def snapshot_points(policy: MambaStateConfig, prompt_len: int) -> list[int]:

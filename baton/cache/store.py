@@ -9,9 +9,9 @@ tensor copies that take a snapshot (live -> snapshot) and restore one (snapshot 
 from __future__ import annotations
 
 from baton.cache.allocators import BlockAllocator, SlotAllocator
-from baton.cache.pools import Pools
 from baton.cache.tree import Node, PrefixTree, Snapshot
 from baton.errors import CapacityError
+from baton.model.pools import Pools
 
 
 class SnapshotStore:

@@ -8,25 +8,19 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from baton.client.requests import RequestSpec, result_dict
-from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc
-from router.wire import sampling_to_pb
-
-FINISH_NAMES = {
-    baton_pb2.FINISH_REASON_LENGTH: "length",
-    baton_pb2.FINISH_REASON_STOP: "stop",
-    baton_pb2.FINISH_REASON_ABORT: "abort",
-}
+from baton.contract import GenerateInput, wire
+from baton.proto_gen import router_pb2_grpc
 
 
-def to_pb(spec: RequestSpec) -> router_pb2.GenerateRequest:
-    req = router_pb2.GenerateRequest(
-        request_id=spec.id, sampling=sampling_to_pb(spec.sampling), session_id=spec.session or ""
-    )
-    if spec.prompt_ids is not None:
-        req.prompt_ids.extend(spec.prompt_ids)
-    else:
-        req.prompt = spec.prompt or ""
-    return req
+def to_input(spec: RequestSpec) -> GenerateInput:
+    ids = tuple(spec.prompt_ids) if spec.prompt_ids is not None else None
+    text = None if ids is not None else (spec.prompt or "")
+    return GenerateInput(spec.id, ids, text, spec.sampling, spec.session or "")
+
+
+def to_pb(spec: RequestSpec):
+    """The GenerateRequest for one request spec."""
+    return wire.generate_to_pb(to_input(spec))
 
 
 def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: float = 600) -> dict:
@@ -36,19 +30,20 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
     try:
         last = None
         for msg in stub.Generate(to_pb(spec), timeout=timeout):
-            acc["token_ids"].extend(msg.token_ids)
-            text.append(msg.text)
-            last = msg
-        if last is None or last.finish_reason == baton_pb2.FINISH_REASON_UNSPECIFIED:
+            last = wire.chunk_from_pb(msg)
+            acc["token_ids"].extend(last.token_ids)
+            text.append(last.text)
+        if last is None or last.summary is None:
             return {"id": spec.id, "error": "stream ended without a finish reason"}
     except grpc.RpcError as e:
         return {"id": spec.id, "error": f"{e.code().name}: {e.details()}"}
+    s = last.summary
     acc.update(
-        finish_reason=FINISH_NAMES.get(last.finish_reason, "unknown"),
-        prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
-        ttft_ms=last.ttft_ms, latency_ms=last.latency_ms or (time.perf_counter() - t0) * 1000,
+        finish_reason=s.finish_reason.value,
+        prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
+        ttft_ms=s.ttft_ms, latency_ms=s.latency_ms or (time.perf_counter() - t0) * 1000,
     )
-    return result_dict(spec.id, acc, "".join(text), last.prefill_worker, last.decode_worker)
+    return result_dict(spec.id, acc, "".join(text), s.prefill_worker, s.decode_worker)
 
 
 def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1) -> list[dict]:

@@ -25,7 +25,13 @@ def run_router_role(args) -> int:
     return 0
 
 
-def run_worker_role(args, role: str) -> int:
-    from baton.worker.main import run_worker_role as run
+def run_prefill_worker(args) -> int:
+    from prefill_worker.main import run
 
-    return run(args, role)
+    return run(args)
+
+
+def run_decode_worker(args) -> int:
+    from decode_worker.main import run
+
+    return run(args)

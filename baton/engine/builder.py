@@ -8,9 +8,9 @@ import os
 import torch
 
 from baton.cache.manager import HybridCacheManager
-from baton.cache.pools import Pools, PoolSpec
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
+from baton.model.pools import Pools, PoolSpec
 
 log = logging.getLogger("baton.engine")
 

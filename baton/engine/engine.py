@@ -14,6 +14,7 @@ import torch
 
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
+from baton.contract import FinishReason
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
@@ -196,12 +197,12 @@ class Engine:
             self._finish(done)
         return outs
 
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
+    def _finish_reason(self, req: Request, tok: int) -> FinishReason | None:
         s = req.sampling
         if (not s.ignore_eos and tok in self.eos_ids) or tok in s.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(req.output_ids) >= s.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _finish(self, reqs: list[Request]) -> None:

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from baton.contract import FinishReason
 from baton.engine.engine import Engine
 from baton.engine.request import Request, RequestOutput
 
@@ -68,7 +69,7 @@ class EngineLoop:
             cb = self._callbacks.pop(request_id, None)
             found = self.engine.abort(request_id)
             if cb is not None and found:
-                cb(RequestOutput(request_id, (), True, "abort", error="aborted"))
+                cb(RequestOutput(request_id, (), True, FinishReason.ABORT, error="aborted"))
             return found
 
         return self.call(run)
@@ -106,7 +107,8 @@ class EngineLoop:
             outs = []
             for req in list(self.engine.scheduler.running):
                 self.engine.abort(req.id)
-                outs.append(RequestOutput(req.id, (), True, "error", req.prompt_len, error=str(e)))
+                outs.append(RequestOutput(req.id, (), True, FinishReason.ERROR, req.prompt_len,
+                                          error=str(e)))
             return outs
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from baton.contract import FinishReason
 from baton.sampling import SamplingParams
 
 __all__ = ["Phase", "Request", "RequestOutput", "SamplingParams"]
@@ -34,7 +35,7 @@ class Request:
     """Admitted: owns a live slot and blocks in the cache manager until finished or aborted."""
     cached_tokens: int = 0
     snapshot_points: tuple[int, ...] = ()
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -63,7 +64,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttft_ms: float | None = None

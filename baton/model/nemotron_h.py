@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.cache.pools import Pools, PoolSpec
 from baton.errors import ConfigError, InvalidRequestError
 from baton.model.attention import Attention
 from baton.model.config import ModelConfig
@@ -17,6 +16,7 @@ from baton.model.mamba2 import Mamba2Mixer
 from baton.model.mlp import MLP
 from baton.model.norms import RMSNorm
 from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
+from baton.model.pools import Pools, PoolSpec
 
 MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": MLP}
 

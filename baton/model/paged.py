@@ -7,7 +7,7 @@ A sequence's position p lives in block `block_table[p // tpb]` at offset `p % tp
     pool block     7    |    2    |   9
 
 The layers address one layer's pool through flat views (the layout itself is fixed by
-`baton.cache.pools`):
+`baton.model.pools`):
 
     kv[block, kv, token, kv_head, head_dim]
       as token rows   [block*2*tpb + kv*tpb + token, kv_head*head_dim]   (writes)
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.cache.pools import Pools
 from baton.errors import ConfigError, InvalidRequestError
+from baton.model.pools import Pools
 
 
 @dataclass(frozen=True)

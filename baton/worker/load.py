@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from baton.contract import WorkerLoad
 from baton.engine.loop import EngineLoop
-from baton.proto_gen import baton_pb2
 
 
-def load_of(loop: EngineLoop) -> baton_pb2.WorkerLoad:
+def load_of(loop: EngineLoop) -> WorkerLoad:
     """Read without pausing the loop: heartbeats must not wait behind a long step (a busy
     worker that heartbeats late gets ejected). The numbers may be one step stale."""
     eng = loop.engine
     spec = eng.pools.spec
-    return baton_pb2.WorkerLoad(
+    return WorkerLoad(
         running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
         free_blocks=eng.cache.num_free_blocks, free_slots=eng.cache.num_free_slots,
         total_blocks=spec.num_blocks, total_slots=spec.num_slots,

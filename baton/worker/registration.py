@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
-from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc
+from baton.contract import SnapshotEvent, WorkerInfo, WorkerLoad, wire
+from baton.proto_gen import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("baton.worker")
 
@@ -16,18 +18,16 @@ log = logging.getLogger("baton.worker")
 class Registration:
     """Heartbeats in a thread; re-registers (reporting every snapshot again) when asked."""
 
-    def __init__(self, router: str, worker_id: str, role: int, address: str, tokens_per_block: int,
-                 load: Callable[[], baton_pb2.WorkerLoad],
-                 snapshot_events: Callable[[bool], list[baton_pb2.SnapshotEvent]]):
-        self.worker_id = worker_id
-        self._req = router_pb2.RegisterRequest(
-            worker_id=worker_id, role=role, address=address, tokens_per_block=tokens_per_block
-        )
+    def __init__(self, router: str, info: WorkerInfo, load: Callable[[], WorkerLoad],
+                 snapshot_events: Callable[[bool], list[SnapshotEvent]]):
+        self.worker_id = info.worker_id
+        self._info = info
         self._load = load
         self._events = snapshot_events
         self._channel = grpc.insecure_channel(router)
         self._stub = router_pb2_grpc.RegistryStub(self._channel)
         self._period = 1.0
+        self._pending: list[SnapshotEvent] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -46,8 +46,8 @@ class Registration:
         self._channel.close()
 
     def _register(self) -> None:
-        self._req.load.CopyFrom(self._load())
-        reply = self._stub.Register(self._req, timeout=10)
+        msg = wire.register_to_pb(replace(self._info, load=self._load()))
+        reply = self._stub.Register(msg, timeout=10)
         self._period = reply.heartbeat_seconds or 1.0
         self._pending = list(self._events(True))
         log.info("registered %s with the router (heartbeat %.1fs)", self.worker_id, self._period)
@@ -59,7 +59,8 @@ class Registration:
                 self._pending = []
                 reply = self._stub.Heartbeat(
                     router_pb2.HeartbeatRequest(
-                        worker_id=self.worker_id, load=self._load(), snapshot_events=events
+                        worker_id=self.worker_id, load=wire.load_to_pb(self._load()),
+                        snapshot_events=[wire.event_to_pb(e) for e in events],
                     ),
                     timeout=max(5.0, self._period * 4),
                 )

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from baton.proto_gen import baton_pb2
-from router.prefix_hash import snapshot_key
-
-INSERTED = baton_pb2.SnapshotEvent.KIND_INSERTED
-EVICTED = baton_pb2.SnapshotEvent.KIND_EVICTED
+from baton.contract import SnapshotEvent
+from baton.contract.prefix_hash import snapshot_key
 
 
 class SnapshotEvents:
@@ -17,16 +14,13 @@ class SnapshotEvents:
     def __init__(self, cache):
         self.tpb = cache.pools.spec.tokens_per_block
         self._lock = threading.Lock()
-        self._held: dict[int, baton_pb2.SnapshotEvent] = {}
-        self._changes: list[baton_pb2.SnapshotEvent] = []
+        self._held: dict[int, SnapshotEvent] = {}
+        self._changes: list[SnapshotEvent] = []
         cache.set_snapshot_listener(self._on_snapshot)
 
     def _on_snapshot(self, inserted: bool, tokens: list[int], num_tokens: int) -> None:
         k = snapshot_key(tokens, num_tokens, self.tpb)
-        ev = baton_pb2.SnapshotEvent(
-            kind=INSERTED if inserted else EVICTED, block_hash=k.block_hash,
-            snapshot_hash=k.snapshot_hash, num_tokens=num_tokens,
-        )
+        ev = SnapshotEvent(inserted, k.block_hash, k.snapshot_hash, num_tokens)
         with self._lock:
             if inserted:
                 self._held[k.snapshot_hash] = ev
@@ -34,7 +28,7 @@ class SnapshotEvents:
                 self._held.pop(k.snapshot_hash, None)
             self._changes.append(ev)
 
-    def drain(self, full: bool) -> list[baton_pb2.SnapshotEvent]:
+    def drain(self, full: bool) -> list[SnapshotEvent]:
         """Changes since the last call; with `full`, every held snapshot as inserted instead."""
         with self._lock:
             self._changes.clear() if full else None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from baton.config.router import RouterConfig
 from baton.errors import ConfigError
-from router.config import RouterConfig
 from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.policies.prefix_aware import PrefixAwarePolicy

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.config import RouterConfig
-from router.workers import SnapshotEvent, WorkerView
+from baton.config.router import RouterConfig
+from baton.contract import SnapshotEvent, WorkerView
 
 
 @dataclass(frozen=True)

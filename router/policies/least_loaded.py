@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from baton.contract import WorkerView
 from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy, least_loaded
-from router.workers import WorkerView
 
 
 class LeastLoadedPolicy(RoutingPolicy):

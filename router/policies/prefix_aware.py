@@ -1,6 +1,6 @@
 """prefix_aware: send a prompt where a snapshot covers the longest part of it; load breaks ties.
 
-Hybrid-aware: workers report Mamba snapshots (router/prefix_hash.py keys), never bare KV
+Hybrid-aware: workers report Mamba snapshots (baton/contract/prefix_hash.py keys), never bare KV
 blocks, so a matched prefix is always one the worker can resume from. Only workers within
 `prefix_load_slack` requests of the least busy candidate compete on the cache, so one hot
 prefix cannot pile every request onto one worker. Both roles are scored the same way
@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from router.config import RouterConfig
+from baton.config.router import RouterConfig
+from baton.contract import SnapshotEvent, WorkerView
 from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy
 from router.prefix_index import PrefixIndex, prompt_block_hashes
-from router.workers import SnapshotEvent, WorkerView
 
 
 class PrefixAwarePolicy(RoutingPolicy):

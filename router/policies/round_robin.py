@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from router.config import RouterConfig
+from baton.config.router import RouterConfig
+from baton.contract import WorkerView
 from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy
-from router.workers import WorkerView
 
 
 class RoundRobinPolicy(RoutingPolicy):

@@ -11,9 +11,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from router.config import RouterConfig
+from baton.config.router import RouterConfig
+from baton.contract import WorkerView
 from router.policies.base import RouteChoice, RouteRequest, RoutingPolicy, least_loaded
-from router.workers import WorkerView
 
 
 class SessionPolicy(RoutingPolicy):

@@ -1,4 +1,4 @@
-"""The router over real gRPC, with scripted in-process fake workers (router/fake_workers.py)."""
+"""The router over real gRPC, with scripted in-process fake workers (tests/support/fake_workers.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from baton.config.router import RouterConfig
+from baton.contract import Role, SnapshotEvent, WorkerLoad
+from baton.contract.prefix_hash import snapshot_key
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
-from router.config import RouterConfig
-from router.fake_workers import Act, FakeWorker, Script, health_status
-from router.prefix_hash import snapshot_key
 from router.server import run_router
-from router.workers import Role, SnapshotEvent, WorkerLoad
+from tests.support.fake_workers import Act, FakeWorker, Script, health_status
 
 pytestmark = pytest.mark.integration
 

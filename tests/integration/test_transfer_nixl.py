@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.testbed import Testbed, check_pp_matrix, events_ok, tiny_model, two_handoffs
-from transfer.verify import Handoff
+from tests.support.testbed import Testbed, check_pp_matrix, events_ok, tiny_model, two_handoffs
+from tests.support.verify import Handoff
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

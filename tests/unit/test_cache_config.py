@@ -6,13 +6,13 @@ import logging
 
 import pytest
 
-from baton.cache.config import CacheConfig, MambaStateConfig
 from baton.cache.manager import HybridCacheManager
-from baton.cache.pools import Pools, PoolSpec
 from baton.config import BatonConfig
-from baton.config_base import from_dict
+from baton.config.base import from_dict
+from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.errors import CapacityError, ConfigError
 from baton.model.config import ModelConfig
+from baton.model.pools import Pools, PoolSpec
 
 MODEL = ModelConfig.from_dict(
     dict(vocab_size=64, hidden_size=32, hybrid_override_pattern="M*M-", num_attention_heads=2,

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.cache.config import CacheConfig, MambaStateConfig
 from baton.cache.manager import Admission, HybridCacheManager
-from baton.cache.pools import Pools, PoolSpec
+from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.errors import CapacityError, InvalidRequestError
 from baton.model.config import ModelConfig
+from baton.model.pools import Pools, PoolSpec
 
 MODEL = ModelConfig.from_dict(
     dict(vocab_size=64, hidden_size=32, hybrid_override_pattern="M*M-", num_attention_heads=2,
@@ -354,10 +354,10 @@ def test_restoring_a_partial_never_evicts_its_own_page():
 
 
 def test_snapshot_listener_sees_exact_tokens_of_adds_and_drops():
-    from baton.cache.config import CacheConfig, MambaStateConfig
     from baton.cache.manager import HybridCacheManager
-    from baton.cache.pools import Pools, PoolSpec
+    from baton.config.cache import CacheConfig, MambaStateConfig
     from baton.model.config import ModelConfig
+    from baton.model.pools import Pools, PoolSpec
 
     mcfg = ModelConfig.from_dict(dict(
         vocab_size=64, hidden_size=32, hybrid_override_pattern="M*M-", num_attention_heads=2,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from baton.cache.config import MambaStateConfig
 from baton.cache.policy import snapshot_points
+from baton.config.cache import MambaStateConfig
 
 
 def pol(interval=0, start=(), end=(0,), **kw) -> MambaStateConfig:

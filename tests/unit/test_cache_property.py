@@ -14,10 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.cache.config import CacheConfig, MambaStateConfig
 from baton.cache.manager import HybridCacheManager
-from baton.cache.pools import Pools, PoolSpec
+from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.errors import CapacityError
+from baton.model.pools import Pools, PoolSpec
 from tests.unit.test_cache_manager import MODEL
 
 TPB = 4

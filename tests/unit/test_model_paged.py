@@ -129,7 +129,7 @@ def test_short_block_table_is_rejected(model_tiny):
 
 
 def test_pools_missing_a_layer_are_rejected(model_tiny):
-    from baton.cache.pools import Pools, PoolSpec
+    from baton.model.pools import Pools, PoolSpec
 
     spec = PoolSpec.for_model(
         model_tiny.config, num_blocks=2, tokens_per_block=TPB, num_slots=1, layers=range(3)

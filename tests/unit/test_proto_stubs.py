@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from baton.config.cache import CacheConfig
+from baton.config.transfer import TransferConfig
+from baton.contract import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_TOKENS_PER_BLOCK,
+    DecodeChunk,
+    FinishReason,
+    GenerateChunk,
+    GenerateInput,
+    GenerateSummary,
+    PrefillInput,
+    PrefillResult,
+    Reservation,
+    ReserveInput,
+    Role,
+    SnapshotEvent,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerView,
+    wire,
+)
 from baton.proto_gen import baton_pb2, gen, router_pb2, worker_pb2
 from baton.sampling import SamplingParams
-from router import wire
-from router.types import PrefillInput, Reservation
 
 STUBS = Path(gen.__file__).parent
+PROTO = gen.PROTO_DIR
 
 
 def test_stubs_are_up_to_date_with_proto(tmp_path):
@@ -38,10 +59,43 @@ def test_public_services_and_streaming_shape():
 
 
 def test_unset_sampling_fields_take_documented_defaults():
+    # one definition: unset protobuf fields take the dataclass's defaults (temperature 0 =
+    # greedy), and proto/ documents the same values
     s = wire.sampling_from_pb(baton_pb2.SamplingParams())
-    assert s == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None)
-    greedy = wire.sampling_from_pb(baton_pb2.SamplingParams(temperature=0.0))
-    assert greedy.temperature == 0.0
+    assert s == SamplingParams()
+    assert s == SamplingParams(max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+    sampled = wire.sampling_from_pb(baton_pb2.SamplingParams(temperature=1.0))
+    assert sampled.temperature == 1.0
+    documented = _documented_defaults(PROTO / "baton.proto", "SamplingParams")
+    assert documented == {"max_tokens": "16", "temperature": "0.0", "top_p": "1.0",
+                          "top_k": "0", "seed": "unset"}
+    d = SamplingParams()
+    assert (d.max_tokens, d.temperature, d.top_p, d.top_k, d.seed) == (16, 0.0, 1.0, 0, None)
+
+
+def test_zero_lease_and_block_size_take_the_contract_defaults():
+    assert wire.reservation_from_pb(worker_pb2.ReserveReply()).lease_seconds == \
+        DEFAULT_LEASE_SECONDS == TransferConfig().lease_seconds == 30.0
+    assert wire.register_from_pb(router_pb2.RegisterRequest(role=1)).tokens_per_block == \
+        DEFAULT_TOKENS_PER_BLOCK == CacheConfig().tokens_per_block == 16
+    assert "(default 0 = 30.0)" in (PROTO / "worker.proto").read_text()
+    assert "(default 0 = 16)" in (PROTO / "router.proto").read_text()
+
+
+def _documented_defaults(path: Path, message: str) -> dict[str, str]:
+    """Field -> the `(default X` its comment in proto/ gives."""
+    body = path.read_text().split(f"message {message} {{", 1)[1].split("\n}", 1)[0]
+    out, comment = {}, ""
+    for line in body.splitlines():
+        line = line.strip()
+        if line.startswith("//"):
+            comment += line
+        elif "=" in line:
+            m = re.search(r"\(default ([^ ,)]+)", comment)
+            if m:
+                out[line.split("=")[0].split()[-1]] = m.group(1)
+            comment = ""
+    return out
 
 
 def test_sampling_round_trips_including_unset_optionals():
@@ -61,3 +115,60 @@ def test_prefill_request_carries_the_reservation():
     assert back == inp
     with_slot = Reservation("d1", "tcp://h:5", (1,), 0)
     assert wire.reservation_from_pb(wire.reservation_to_pb(with_slot)).slot == 0
+
+
+SAMPLED = SamplingParams(7, 0.75, 0.5, 40, 1234, (2, 9), True)  # float32-exact
+RES = Reservation("d1", "tcp://h:5", (4, 5, 6), 3, skip_blocks=1, lease_seconds=12.5)
+SUMMARY = GenerateSummary(FinishReason.STOP, 40, 32, "p1", "d1", 12.5, 80.25, 1)
+LOAD = WorkerLoad(1, 2, 3, 4, 5, 6)
+
+ROUND_TRIPS = [
+    # (value, to_pb, from_pb, protobuf class on the wire)
+    (GenerateInput("g1", (1, 2), None, SAMPLED, "s1"), wire.generate_to_pb,
+     wire.generate_from_pb, router_pb2.GenerateRequest),
+    (GenerateInput("g2", None, "hello", SamplingParams(), ""), wire.generate_to_pb,
+     wire.generate_from_pb, router_pb2.GenerateRequest),
+    (GenerateChunk("g1", (5, 6), "ab"), wire.chunk_to_pb, wire.chunk_from_pb,
+     router_pb2.GenerateResponse),
+    (GenerateChunk("g1", (7,), "c", SUMMARY), wire.chunk_to_pb, wire.chunk_from_pb,
+     router_pb2.GenerateResponse),
+    (ReserveInput("r1", (1, 2, 3), SAMPLED, "s"), wire.reserve_to_pb, wire.reserve_from_pb,
+     worker_pb2.ReserveRequest),
+    (RES, wire.reservation_to_pb, wire.reservation_from_pb, worker_pb2.ReserveReply),
+    (PrefillInput("r1", (1, 2), SAMPLED, "s", RES), wire.prefill_to_pb, wire.prefill_from_pb,
+     worker_pb2.PrefillRequest),
+    (PrefillResult(9, 16), wire.prefill_result_to_pb, wire.prefill_result_from_pb,
+     worker_pb2.PrefillReply),
+    (PrefillResult(9, 0, True, FinishReason.STOP), wire.prefill_result_to_pb,
+     wire.prefill_result_from_pb, worker_pb2.PrefillReply),
+    *[(DecodeChunk((1, 2), reason), wire.decode_chunk_to_pb, wire.decode_chunk_from_pb,
+       worker_pb2.DecodeResponse) for reason in (None, *FinishReason)],
+    (LOAD, wire.load_to_pb, wire.load_from_pb, baton_pb2.WorkerLoad),
+    (SnapshotEvent(True, 2**64 - 1, 7, 33), wire.event_to_pb, wire.event_from_pb,
+     baton_pb2.SnapshotEvent),
+    (SnapshotEvent(False, 1, 2**63, 16), wire.event_to_pb, wire.event_from_pb,
+     baton_pb2.SnapshotEvent),
+    *[(WorkerInfo(f"w-{role.value}", role, "h:1", 32, LOAD), wire.register_to_pb,
+       wire.register_from_pb, router_pb2.RegisterRequest) for role in Role],
+    (WorkerView("d1", Role.DECODE, "h:2", 16, LOAD, 3, 0.5, 9), wire.worker_view_to_pb,
+     wire.worker_view_from_pb, router_pb2.WorkerInfo),
+]
+
+
+def test_every_contract_type_round_trips_through_protobuf_bytes():
+    covered = set()
+    for value, to_pb, from_pb, cls in ROUND_TRIPS:
+        data = to_pb(value).SerializeToString()
+        assert from_pb(cls.FromString(data)) == value, value
+        covered.add(type(value))
+    assert covered == {GenerateInput, GenerateChunk, ReserveInput, Reservation, PrefillInput,
+                       PrefillResult, DecodeChunk, WorkerLoad, SnapshotEvent, WorkerInfo,
+                       WorkerView}
+    assert {DecodeChunk((1, 2), r).finish_reason for r in FinishReason} == set(FinishReason)
+
+
+def test_each_finish_reason_has_its_own_wire_value():
+    values = [wire.finish_to_pb(r) for r in FinishReason]
+    assert len(set(values)) == len(FinishReason) and baton_pb2.FINISH_REASON_UNSPECIFIED \
+        not in values
+    assert wire.finish_to_pb("stop") == baton_pb2.FINISH_REASON_STOP

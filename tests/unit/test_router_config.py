@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton.config_base import from_dict
+from baton.config.base import from_dict
+from baton.config.router import RouterConfig
 from baton.errors import ConfigError
-from router.config import RouterConfig
 
 
 def section(data):

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from baton.errors import InvalidRequestError
-from router.cancellation import Cancellation
-from router.config import RouterConfig
-from router.errors import NoWorkersError, RequestCancelled, WorkerFailed
-from router.orchestrator import Orchestrator
-from router.policies import make_policy
-from router.registry import Registry
-from router.types import (
+from baton.config.router import RouterConfig
+from baton.contract import (
     DecodeChunk,
     FinishReason,
     GenerateInput,
     PrefillResult,
     Reservation,
+    Role,
     SamplingParams,
+    WorkerInfo,
 )
-from router.workers import Role, WorkerInfo
+from baton.errors import InvalidRequestError, NoWorkersError, RequestCancelled, WorkerFailed
+from router.cancellation import Cancellation
+from router.orchestrator import Orchestrator
+from router.policies import make_policy
+from router.registry import Registry
 
 
 class FakeClient:

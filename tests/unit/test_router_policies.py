@@ -6,10 +6,10 @@ import typing
 
 import pytest
 
+from baton.config.router import RouterConfig
+from baton.contract import Role, WorkerLoad, WorkerView
 from baton.errors import ConfigError
-from router.config import RouterConfig
 from router.policies import POLICIES, RouteRequest, make_policy
-from router.workers import Role, WorkerLoad, WorkerView
 
 
 def view(wid, role=Role.PREFILL, running=0, waiting=0, free=0, inflight=0, tpb=16):

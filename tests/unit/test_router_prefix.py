@@ -7,11 +7,11 @@ import struct
 
 import pytest
 
-from router.config import RouterConfig
+from baton.config.router import RouterConfig
+from baton.contract import Role, SnapshotEvent, WorkerLoad, WorkerView
+from baton.contract.prefix_hash import ROOT_HASH, block_hashes, snapshot_key
 from router.policies import RouteRequest, make_policy
-from router.prefix_hash import ROOT_HASH, block_hashes, snapshot_key
 from router.prefix_index import PrefixIndex
-from router.workers import Role, SnapshotEvent, WorkerLoad, WorkerView
 
 TPB = 16
 PROMPT = tuple(range(100, 164))  # 64 tokens, 4 blocks

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from baton.contract import Role, SnapshotEvent, WorkerInfo, WorkerLoad
 from router.registry import Registry
-from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad
 
 
 class Clock:

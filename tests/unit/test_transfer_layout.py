@@ -6,12 +6,12 @@ import msgpack
 import pytest
 import torch
 
-from baton.cache.pools import Pools, PoolSpec
 from baton.errors import TransferError
 from baton.model.config import ModelConfig
+from baton.model.pools import Pools, PoolSpec
+from tests.support.testbed import tiny_model
 from transfer import fingerprint as fp
 from transfer.layout import StageLayout
-from transfer.testbed import tiny_model
 
 MODEL = ModelConfig.from_dict(tiny_model("MMMM--**"))
 

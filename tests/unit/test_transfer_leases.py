@@ -13,16 +13,16 @@ import time
 import pytest
 import torch
 
-from baton.cache.pools import Pools, PoolSpec
+from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
 from baton.model.config import ModelConfig
+from baton.model.pools import Pools, PoolSpec
+from tests.support.testbed import tiny_model
 from transfer import wire
 from transfer.base import RecvTransport, SendTransport, TransferEvent
-from transfer.config import TransferConfig
 from transfer.fingerprint import compute_fingerprint
 from transfer.receiver import Receiver
 from transfer.sender import Sender
-from transfer.testbed import tiny_model
 
 MODEL = ModelConfig.from_dict(tiny_model("MM-MM*-*M"))
 

@@ -8,11 +8,11 @@ from typing import Literal
 
 import yaml
 
-from baton.cache.config import CacheConfig
-from baton.config_base import from_dict
+from baton.config.base import from_dict
+from baton.config.cache import CacheConfig
+from baton.config.router import RouterConfig
+from baton.config.transfer import TransferConfig
 from baton.errors import ConfigError
-from router.config import RouterConfig
-from transfer.config import TransferConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ class BatonConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def __post_init__(self) -> None:
+        if self.transfer.layerwise:
+            # the transfer layer streams per layer, but no worker reports finished layers yet:
+            # accepting the key would end every handoff at lease expiry
+            raise ConfigError(
+                "transfer.layerwise: true is not supported by the workers yet (every handoff "
+                "would wait for its lease to expire); remove the key or set it to false"
+            )
 
     @classmethod
     def from_dict(cls, data: dict | None) -> BatonConfig:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from baton.cache.pools import PoolSpec
+from baton.model.pools import PoolSpec
 
 
 class Handoff(NamedTuple):

@@ -17,13 +17,21 @@ from enum import Enum
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton.contract import (
+    DecodeChunk,
+    FinishReason,
+    PrefillResult,
+    Reservation,
+    Role,
+    SnapshotEvent,
+    WorkerInfo,
+    WorkerLoad,
+    wire,
+)
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
 from baton.proto_gen import worker_pb2_grpc as wgrpc
-from router import wire
-from router.types import DecodeChunk, FinishReason, PrefillResult, Reservation
-from router.workers import Role, SnapshotEvent, WorkerLoad
 
 
 class Act(str, Enum):
@@ -95,9 +103,9 @@ class FakePrefill(_Base, wgrpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         wake = self._record("Prefill", request.request_id)
         self._act(self.script.prefill, context, wake)
-        first = request.prompt_ids[-1] + 1
-        sampling = wire.sampling_from_pb(request.sampling)
-        reason = _finish(1, first, sampling)
+        inp = wire.prefill_from_pb(request)
+        first = inp.prompt_ids[-1] + 1
+        reason = _finish(1, first, inp.sampling)
         if self.script.prefill == Act.FINISH:
             reason = FinishReason.STOP
         result = PrefillResult(first, self.script.cached_tokens, reason is not None, reason)
@@ -112,11 +120,12 @@ class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
     def Reserve(self, request, context):
         wake = self._record("Reserve", request.request_id)
         self._act(self.script.reserve, context, wake)
-        n_blocks = -(-len(request.prompt_ids) // 16)
+        inp = wire.reserve_from_pb(request)
+        n_blocks = -(-len(inp.prompt_ids) // 16)
         res = Reservation(self.worker_id, f"tcp://{self.worker_id}", tuple(range(n_blocks)), 0)
         with self._lock:
-            self.state.held[request.request_id] = res
-            self.sampling[request.request_id] = wire.sampling_from_pb(request.sampling)
+            self.state.held[inp.request_id] = res
+            self.sampling[inp.request_id] = inp.sampling
         return wire.reservation_to_pb(res)
 
     def Decode(self, request, context):
@@ -182,15 +191,8 @@ class FakeWorker:
     def register(self, router_address: str, load: WorkerLoad = _IDLE, tpb: int = 16):
         self._channel = grpc.insecure_channel(router_address)
         self._router = rgrpc.RegistryStub(self._channel)
-        return self._router.Register(
-            rpb.RegisterRequest(
-                worker_id=self.worker_id,
-                role=wire.ROLE_TO_PB[self.role],
-                address=self.address,
-                load=wire.load_to_pb(load),
-                tokens_per_block=tpb,
-            )
-        )
+        info = WorkerInfo(self.worker_id, self.role, self.address, tpb, load)
+        return self._router.Register(wire.register_to_pb(info))
 
     def heartbeat(self, load: WorkerLoad = _IDLE, events: tuple[SnapshotEvent, ...] = ()):
         return self._router.Heartbeat(

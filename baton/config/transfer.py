@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from baton.contract.types import DEFAULT_LEASE_SECONDS
+
 
 @dataclass(frozen=True)
 class TransferConfig:
     backend: Literal["nixl", "ucx"] = "nixl"
     """`nixl` (NIXL agent, UCX backend) or `ucx` (ucxx directly)."""
-    lease_seconds: float = 30.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     """Blocks/slots held for a pending transfer are freed on both sides after this."""
     layerwise: bool = False
     """Stream each layer's KV/state as soon as prefill finishes it."""

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from baton.cache.pools import PoolSpec
 from baton.model.config import ModelConfig
-from transfer.loopback import StageProc
-from transfer.verify import Handoff, expected_after, first_difference, split_layers, views
+from baton.model.pools import PoolSpec
+from tests.support.loopback import StageProc
+from tests.support.verify import Handoff, expected_after, first_difference, split_layers, views
 
 
 def tiny_model(pattern: str, **overrides) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from baton.contract.types import DEFAULT_TOKENS_PER_BLOCK
 from baton.errors import ConfigError
 
 _MSC = "cache.mamba_state_config"
@@ -103,7 +104,7 @@ class MambaStateConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    tokens_per_block: int = 16
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
     """Tokens per paged KV block."""
     num_blocks: int = 2048
     """KV blocks per attention layer, allocated at start."""

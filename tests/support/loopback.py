@@ -33,7 +33,7 @@ torch (seconds to import) loads once. `spawn` gives each stage a fresh interpret
 def context():
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(["torch", "numpy", "msgpack", "baton.cache.pools"])
+        ctx.set_forkserver_preload(["torch", "numpy", "msgpack", "baton.model.pools"])
     return ctx
 
 
@@ -108,8 +108,8 @@ class _Stage:
               layerwise: bool = False, env: dict | None = None):
         import torch
 
-        from baton.cache.pools import Pools, PoolSpec
         from baton.model.config import ModelConfig
+        from baton.model.pools import Pools, PoolSpec
         from transfer import TransferConfig, compute_fingerprint, make_receiver, make_sender
 
         os.environ.update(env or {})

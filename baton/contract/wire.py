@@ -1,45 +1,63 @@
-"""Protobuf <-> plain dataclass conversions for baton.v1 (the only module past the stubs that
-knows both). Used by the router's server.py and worker_client.py, and by worker servers."""
+"""Contract dataclasses <-> baton.v1 protobuf: the only module past the stubs that knows both.
+
+Used by every gRPC edge alike: the router's server and worker clients, both worker servers,
+the registration thread, the command-line client and the test fakes. Unset optional fields
+take the dataclass defaults (`SamplingParams()`, `DEFAULT_LEASE_SECONDS`, ...), so a default
+is defined once, in the contract, and proto/ documents the same values (a test checks).
+"""
 
 from __future__ import annotations
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from baton.errors import InvalidRequestError
-from baton.proto_gen import baton_pb2 as pb
-from baton.proto_gen import router_pb2 as rpb
-from baton.proto_gen import worker_pb2 as wpb
-from router.types import (
+from baton.contract.types import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_TOKENS_PER_BLOCK,
     DecodeChunk,
     FinishReason,
     GenerateChunk,
     GenerateInput,
+    GenerateSummary,
     PrefillInput,
     PrefillResult,
     Reservation,
     ReserveInput,
-    SamplingParams,
+    Role,
+    SnapshotEvent,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerView,
 )
-from router.workers import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
+from baton.errors import InvalidRequestError
+from baton.proto_gen import baton_pb2 as pb
+from baton.proto_gen import router_pb2 as rpb
+from baton.proto_gen import worker_pb2 as wpb
+from baton.sampling import SamplingParams
 
 ROLE_TO_PB = {Role.PREFILL: pb.WORKER_ROLE_PREFILL, Role.DECODE: pb.WORKER_ROLE_DECODE}
 ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
 FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+_SAMPLING_DEFAULTS = SamplingParams()
 
+
+# ---- shared pieces --------------------------------------------------------------------------
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
-    """Unset fields take the defaults baton.proto documents (temperature 1.0 among them)."""
+    """Unset optional fields take SamplingParams' defaults (proto/ documents the same)."""
+    d = _SAMPLING_DEFAULTS
     return SamplingParams(
-        max_tokens=m.max_tokens if m.HasField("max_tokens") else 16,
-        temperature=m.temperature if m.HasField("temperature") else 1.0,
-        top_p=m.top_p if m.HasField("top_p") else 1.0,
-        top_k=m.top_k if m.HasField("top_k") else 0,
-        seed=m.seed if m.HasField("seed") else None,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else d.max_tokens,
+        temperature=m.temperature if m.HasField("temperature") else d.temperature,
+        top_p=m.top_p if m.HasField("top_p") else d.top_p,
+        top_k=m.top_k if m.HasField("top_k") else d.top_k,
+        seed=m.seed if m.HasField("seed") else d.seed,
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
     )
@@ -58,6 +76,24 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     if s.seed is not None:
         m.seed = s.seed
     return m
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return FINISH_FROM_PB.get(value)
+
+
+def finish_to_pb(reason: FinishReason | str | None) -> int:
+    return FINISH_TO_PB[None if reason is None else FinishReason(reason)]
+
+
+def role_from_pb(value: int) -> Role:
+    if value not in ROLE_FROM_PB:
+        raise ValueError(f"worker role must be PREFILL or DECODE, got {value}")
+    return ROLE_FROM_PB[value]
+
+
+def role_to_pb(role: Role) -> int:
+    return ROLE_TO_PB[role]
 
 
 def load_from_pb(m: pb.WorkerLoad) -> WorkerLoad:
@@ -91,34 +127,55 @@ def event_to_pb(e: SnapshotEvent) -> pb.SnapshotEvent:
     )
 
 
-def role_from_pb(value: int) -> Role:
-    if value not in ROLE_FROM_PB:
-        raise ValueError(f"worker role must be PREFILL or DECODE, got {value}")
-    return ROLE_FROM_PB[value]
-
+# ---- Registry (worker -> router) ------------------------------------------------------------
 
 def register_from_pb(m: rpb.RegisterRequest) -> WorkerInfo:
     return WorkerInfo(
         worker_id=m.worker_id,
         role=role_from_pb(m.role),
         address=m.address,
-        tokens_per_block=m.tokens_per_block or 16,
+        tokens_per_block=m.tokens_per_block or DEFAULT_TOKENS_PER_BLOCK,
         load=load_from_pb(m.load),
     )
 
 
-def worker_info_to_pb(v: WorkerView, tracked_snapshots: int) -> rpb.WorkerInfo:
+def register_to_pb(w: WorkerInfo) -> rpb.RegisterRequest:
+    return rpb.RegisterRequest(
+        worker_id=w.worker_id,
+        role=role_to_pb(w.role),
+        address=w.address,
+        tokens_per_block=w.tokens_per_block,
+        load=load_to_pb(w.load),
+    )
+
+
+def worker_view_to_pb(v: WorkerView) -> rpb.WorkerInfo:
     return rpb.WorkerInfo(
         worker_id=v.worker_id,
-        role=ROLE_TO_PB[v.role],
+        role=role_to_pb(v.role),
         address=v.address,
         load=load_to_pb(v.load),
         seconds_since_heartbeat=v.seconds_since_heartbeat,
         inflight=v.inflight,
-        tracked_snapshots=tracked_snapshots,
+        tracked_snapshots=v.tracked_snapshots,
         tokens_per_block=v.tokens_per_block,
     )
 
+
+def worker_view_from_pb(m: rpb.WorkerInfo) -> WorkerView:
+    return WorkerView(
+        worker_id=m.worker_id,
+        role=role_from_pb(m.role),
+        address=m.address,
+        tokens_per_block=m.tokens_per_block or DEFAULT_TOKENS_PER_BLOCK,
+        load=load_from_pb(m.load),
+        inflight=m.inflight,
+        seconds_since_heartbeat=m.seconds_since_heartbeat,
+        tracked_snapshots=m.tracked_snapshots,
+    )
+
+
+# ---- Router.Generate (client <-> router) ----------------------------------------------------
 
 def generate_from_pb(m: rpb.GenerateRequest) -> GenerateInput:
     _refuse_unknown_fields(m, "GenerateRequest")
@@ -132,11 +189,22 @@ def generate_from_pb(m: rpb.GenerateRequest) -> GenerateInput:
     )
 
 
+def generate_to_pb(g: GenerateInput) -> rpb.GenerateRequest:
+    m = rpb.GenerateRequest(
+        request_id=g.request_id, sampling=sampling_to_pb(g.sampling), session_id=g.session_id
+    )
+    if g.prompt_ids is not None:
+        m.prompt_ids.extend(g.prompt_ids)
+    if g.prompt_text is not None:
+        m.prompt = g.prompt_text
+    return m
+
+
 def chunk_to_pb(c: GenerateChunk) -> rpb.GenerateResponse:
     m = rpb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text)
     s = c.summary
     if s is not None:
-        m.finish_reason = FINISH_TO_PB[s.finish_reason]
+        m.finish_reason = finish_to_pb(s.finish_reason)
         m.prompt_tokens = s.prompt_tokens
         m.cached_tokens = s.cached_tokens
         m.prefill_worker = s.prefill_worker
@@ -146,6 +214,25 @@ def chunk_to_pb(c: GenerateChunk) -> rpb.GenerateResponse:
         m.retries = s.retries
     return m
 
+
+def chunk_from_pb(m: rpb.GenerateResponse) -> GenerateChunk:
+    reason = finish_from_pb(m.finish_reason)
+    summary = None
+    if reason is not None:
+        summary = GenerateSummary(
+            finish_reason=reason,
+            prompt_tokens=m.prompt_tokens,
+            cached_tokens=m.cached_tokens,
+            prefill_worker=m.prefill_worker,
+            decode_worker=m.decode_worker,
+            ttft_ms=m.ttft_ms,
+            latency_ms=m.latency_ms,
+            retries=m.retries,
+        )
+    return GenerateChunk(m.request_id, tuple(m.token_ids), m.text, summary)
+
+
+# ---- DecodeWorker / PrefillWorker (router <-> workers) --------------------------------------
 
 def reserve_to_pb(r: ReserveInput) -> wpb.ReserveRequest:
     return wpb.ReserveRequest(
@@ -169,7 +256,7 @@ def reservation_from_pb(m: wpb.ReserveReply | wpb.Destination) -> Reservation:
         block_ids=tuple(m.block_ids),
         slot=m.slot if m.HasField("slot") else None,
         skip_blocks=m.skip_blocks,
-        lease_seconds=m.lease_seconds,
+        lease_seconds=m.lease_seconds or DEFAULT_LEASE_SECONDS,
     )
 
 
@@ -209,27 +296,25 @@ def prefill_from_pb(m: wpb.PrefillRequest) -> PrefillInput:
 
 def prefill_result_from_pb(m: wpb.PrefillReply) -> PrefillResult:
     return PrefillResult(
-        m.first_token_id, m.cached_tokens, m.finished, FINISH_FROM_PB.get(m.finish_reason)
+        m.first_token_id, m.cached_tokens, m.finished, finish_from_pb(m.finish_reason)
     )
 
 
 def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
-    reason = FINISH_TO_PB[r.finish_reason] if r.finish_reason else pb.FINISH_REASON_UNSPECIFIED
     return wpb.PrefillReply(
         first_token_id=r.first_token_id,
         cached_tokens=r.cached_tokens,
         finished=r.finished,
-        finish_reason=reason,
+        finish_reason=finish_to_pb(r.finish_reason),
     )
 
 
 def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
-    return DecodeChunk(tuple(m.token_ids), FINISH_FROM_PB.get(m.finish_reason))
+    return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason))
 
 
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
-    reason = FINISH_TO_PB[c.finish_reason] if c.finish_reason else pb.FINISH_REASON_UNSPECIFIED
-    return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=reason)
+    return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason))
 
 
 def _refuse_unknown_fields(m, where: str) -> None:

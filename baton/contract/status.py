@@ -1,0 +1,48 @@
+"""The one mapping from Baton's errors to gRPC status codes, for every server and client.
+
+    InvalidRequestError   INVALID_ARGUMENT     the request itself is bad; never retried
+    CapacityError         RESOURCE_EXHAUSTED   pools or queue full
+    NoWorkersError        UNAVAILABLE          transient: no live worker of a role
+    WorkerFailed          UNAVAILABLE          transient: retried on another worker pair
+    TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
+    RequestCancelled      CANCELLED            the client went away
+    anything else         INTERNAL
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from baton.errors import (
+    CapacityError,
+    InvalidRequestError,
+    NoWorkersError,
+    RequestCancelled,
+    TransferError,
+    WorkerFailed,
+)
+
+STATUS_OF = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NoWorkersError: grpc.StatusCode.UNAVAILABLE,
+    WorkerFailed: grpc.StatusCode.UNAVAILABLE,
+    TransferError: grpc.StatusCode.UNAVAILABLE,
+    RequestCancelled: grpc.StatusCode.CANCELLED,
+}
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    """The status for `exc`, or None for an error Baton did not raise on purpose."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return None
+
+
+def abort_with(context: grpc.ServicerContext, err: BaseException):
+    """Ends the RPC with the status that matches `err` (INTERNAL for the unexpected)."""
+    code = status_of(err)
+    if code is None:
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+    context.abort(code, str(err))

@@ -1,0 +1,180 @@
+"""Everything that crosses a process boundary, as plain frozen dataclasses and enums.
+
+One definition per concept, shared by the router, both worker roles, the client and the test
+fakes; `baton/contract/wire.py` is the only place that turns them into protobuf and back.
+
+Life of a request, in contract types:
+  client   GenerateInput ───────────────► router
+  router   ReserveInput ────────────────► decode worker ──► Reservation
+  router   PrefillInput(destination=Reservation) ► prefill worker ──► PrefillResult
+  router   request id + first token ────► decode worker ──► DecodeChunk ... (finish_reason)
+  router   GenerateChunk ... (summary on the last one) ──► client
+  workers  WorkerInfo / WorkerLoad / SnapshotEvent ──► router (Register, Heartbeat)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from baton.sampling import SamplingParams
+
+DEFAULT_LEASE_SECONDS = 30.0
+"""How long a decode reservation is held for its transfer (`transfer.lease_seconds`)."""
+DEFAULT_TOKENS_PER_BLOCK = 16
+"""Tokens per paged KV block (`cache.tokens_per_block`)."""
+
+
+class FinishReason(str, Enum):
+    """Why a request stopped; a `str` so that `FinishReason.STOP == "stop"`."""
+
+    LENGTH = "length"
+    """max_tokens reached."""
+    STOP = "stop"
+    """EOS or a stop token was generated."""
+    ABORT = "abort"
+    """Cancelled by the client or aborted on the worker."""
+    ERROR = "error"
+    """The engine failed the request (a worker turns this into an error status, not a chunk)."""
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    request_id: str
+    prompt_ids: tuple[int, ...] | None = None
+    """Token ids; exactly one of prompt_ids / prompt_text is set."""
+    prompt_text: str | None = None
+    """Text, tokenized by the router's tokenizer."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class ReserveInput:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where the prefill worker writes: the decode worker's leased blocks and slot."""
+
+    worker_id: str
+    transfer_endpoint: str
+    block_ids: tuple[int, ...]
+    """The prompt's whole block table; prefill writes all but the first `skip_blocks`."""
+    slot: int | None
+    """Live Mamba slot for the prompt-end state; None for a Mamba-free decode stage."""
+    skip_blocks: int = 0
+    """Leading prompt blocks the decode worker already holds."""
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    session_id: str
+    destination: Reservation
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    cached_tokens: int = 0
+    finished: bool = False
+    """The first token already ends the request; then nothing was transferred."""
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    """Set on the last chunk only."""
+
+
+@dataclass(frozen=True)
+class GenerateSummary:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_worker: str
+    decode_worker: str
+    ttft_ms: float
+    latency_ms: float
+    retries: int
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One message of the Generate stream; `summary` is set on the last one only."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    summary: GenerateSummary | None = None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    free_slots: int = 0
+    total_blocks: int = 0
+    total_slots: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker registers with."""
+
+    worker_id: str
+    role: Role
+    address: str
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    load: WorkerLoad = WorkerLoad()
+
+
+@dataclass(frozen=True)
+class SnapshotEvent:
+    """A snapshot inserted into or evicted from a worker; keys from contract/prefix_hash.py."""
+
+    inserted: bool
+    block_hash: int
+    snapshot_hash: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A worker as the router sees it (routing decisions, ListWorkers)."""
+
+    worker_id: str
+    role: Role
+    address: str
+    tokens_per_block: int
+    load: WorkerLoad
+    inflight: int
+    """Requests this router has in flight on the worker."""
+    seconds_since_heartbeat: float = 0.0
+    tracked_snapshots: int = 0
+    """Snapshots of this worker the router's policy indexes (ListWorkers only)."""
+
+    @property
+    def busy(self) -> int:
+        """Requests the worker has, counting routed ones its heartbeat has not shown yet."""
+        return max(self.load.running + self.load.waiting, self.inflight)
+
+    def load_key(self) -> tuple[int, int, str]:
+        """Sort key, least loaded first: busy, then more free blocks, then id (stable ties)."""
+        return (self.busy, -self.load.free_blocks, self.worker_id)

@@ -1,0 +1,84 @@
+"""Hosts one worker role in this process: engine loop, gRPC server, health, registration.
+
+The role packages (`prefill_worker/main.py`, `decode_worker/main.py`) supply what differs:
+their transfer endpoint, service and servicer, through `attach`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.config import BatonConfig
+from baton.contract import Role, WorkerInfo
+from baton.engine.builder import build_engine
+from baton.engine.engine import Engine
+from baton.engine.loop import EngineLoop
+from baton.worker.load import load_of
+from baton.worker.registration import Registration
+from baton.worker.snapshots import SnapshotEvents
+
+log = logging.getLogger("baton.worker")
+
+Attach = Callable[[BatonConfig, Engine, EngineLoop, grpc.Server, str, str], object]
+"""(config, engine, loop, server, worker_id, host) -> the role's service (has `close()`), its
+servicer already added to `server`."""
+
+
+class Worker:
+    def __init__(self, worker_id, address, server, service, registration, loop):
+        self.worker_id = worker_id
+        self.address = address
+        self.server = server
+        self.service = service
+        self.registration = registration
+        self.loop = loop
+
+    def stop(self) -> None:
+        self.registration.stop()
+        self.server.stop(grace=1).wait()
+        self.service.close()
+        self.loop.stop()
+
+
+def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
+                 host: str, port: int) -> Worker:
+    engine = build_engine(cfg, model)
+    events = SnapshotEvents(engine.cache)
+    loop = EngineLoop(engine)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{bound}"
+    worker_id = f"{role.value}-{socket.gethostname()}-{os.getpid()}-{bound}"
+    service = attach(cfg, engine, loop, server, worker_id, host)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block)
+    reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain)
+    reg.start()
+    return Worker(worker_id, address, server, service, reg, loop)
+
+
+def serve_until_signalled(args, role: Role, attach: Attach) -> int:
+    """`baton prefill-worker` / `baton decode-worker`: start, print the address, wait for a
+    signal, stop."""
+    cfg = BatonConfig.load(args.config)
+    host = args.host or cfg.worker.host
+    worker = start_worker(cfg, role, attach, args.router, args.model, host, args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"{role.value} worker {worker.worker_id} serving on {worker.address}", flush=True)
+    stop.wait()
+    worker.stop()
+    return 0

@@ -1,0 +1,24 @@
+"""The decode worker process: engine + NIXL/UCX receiver + DecodeWorker gRPC service."""
+
+from __future__ import annotations
+
+from baton.contract import Role
+from baton.proto_gen import worker_pb2_grpc
+from baton.worker.host import serve_until_signalled
+from decode_worker.server import DecodeServicer
+from decode_worker.service import DecodeService
+
+
+def attach(cfg, engine, loop, server, worker_id: str, host: str) -> DecodeService:
+    from transfer import compute_fingerprint, make_receiver
+
+    fp = compute_fingerprint(engine.model.config, engine.pools.spec)
+    receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host)
+    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(service), server)
+    return service
+
+
+def run(args) -> int:
+    """`baton decode-worker`."""
+    return serve_until_signalled(args, Role.DECODE, attach)
