@@ -25,7 +25,9 @@ class DecodeService:
         self.receiver = receiver
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
-        self.events = EventRouter(receiver.poll, on_failure=self._transfer_failed)
+        self.events = EventRouter(receiver.poll, receiver.poll_interval,
+                                  on_failure=self._transfer_failed)
+        receiver.on_activity = self.events.wake
         self._leases: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
 

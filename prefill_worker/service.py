@@ -26,7 +26,7 @@ class PrefillService:
         self.loop = loop
         self.sender = sender
         self.worker_id = worker_id
-        self.events = EventRouter(sender.poll)
+        self.events = EventRouter(sender.poll, sender.poll_interval)
         self.transfers_done = 0
 
     def prefill(self, inp: PrefillInput) -> PrefillResult:

@@ -56,7 +56,9 @@ def _agent(cfg: TransferConfig, role: str):
         logging.getLogger(name).setLevel(logging.WARNING)
 
     name = f"baton-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    # No progress thread: NIXL's spins a core even when idle. The owner's poll loop progresses
+    # the agent instead (check_xfer_state / get_new_notifs), only while transfers are due.
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     _live_agents += 1
     return agent
 

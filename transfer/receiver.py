@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,11 @@ from transfer.side_channel import Listener
 
 _MAX_EARLY = 4096
 """Notifications kept for requests not expected yet (bounded against a runaway peer)."""
+WATCH_INTERVAL_S = 0.0002
+"""Poll interval while a sender said its writes are under way: the landing is due any moment."""
+WAIT_INTERVAL_S = 0.05
+"""Poll interval while destinations are reserved but nothing was posted yet (leases, early
+notifications); a lost `posted` message costs at most this much latency."""
 
 
 @dataclass
@@ -53,6 +59,10 @@ class Receiver:
         self._expected: dict[str, _Expected] = {}
         self._early: dict[str, tuple[float, list[dict]]] = {}
         self._events: list[TransferEvent] = []
+        self._posted: set[str] = set()
+        """Expected requests whose sender said it started writing."""
+        self.on_activity: Callable[[], None] | None = None
+        """Called (listener thread) when a sender starts writing: poll fast now."""
         self._transport = transport_cls(cfg, pools, bind_host, self._authorize)
         self._welcome = None
         self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message)
@@ -92,6 +102,13 @@ class Receiver:
                     del self._early[rid]
             out, self._events = self._events, []
             return out
+
+    def poll_interval(self) -> float | None:
+        """How soon `poll()` should run again; None: nothing to watch until woken."""
+        with self._lock:
+            if self._posted:
+                return WATCH_INTERVAL_S
+            return WAIT_INTERVAL_S if self._expected or self._early else None
 
     @property
     def pending(self) -> list[str]:
@@ -144,9 +161,11 @@ class Receiver:
         e = self._expected.get(rid)
         if e is not None and not e.pending:
             del self._expected[rid]
+            self._posted.discard(rid)
             self._events.append(TransferEvent(rid, True, None))
 
     def _fail(self, rid: str, why: str) -> None:
+        self._posted.discard(rid)
         if self._expected.pop(rid, None) is not None:
             self._events.append(TransferEvent(rid, False, why))
 
@@ -155,6 +174,14 @@ class Receiver:
         if msg["op"] == "abort":
             with self._lock:
                 self._fail(msg["rid"], f"aborted by prefill: {msg['error']}")
+            return None
+        if msg["op"] == "posted":
+            with self._lock:
+                known = msg["rid"] in self._expected
+                if known:
+                    self._posted.add(msg["rid"])
+            if known and self.on_activity is not None:
+                self.on_activity()
             return None
         if msg["backend"] != self._transport.backend:
             return wire.encode("refused", field="backend", error=(

@@ -29,6 +29,9 @@ from transfer.layout import StageLayout
 from transfer.planner import Plan, plan
 from transfer.side_channel import Client
 
+WATCH_INTERVAL_S = 0.0002
+"""Poll interval while writes are in flight (progress happens only when we poll)."""
+
 
 @dataclass
 class _Peer:
@@ -48,6 +51,8 @@ class _InFlight:
     posts: list[tuple[_Peer, object]] = field(default_factory=list)
     unsent: set[int] = field(default_factory=set)
     """Layers still to post (layer-wise mode)."""
+    announced: list[_Peer] = field(default_factory=list)
+    """Decode stages told `posted` (once each: their pollers watch until it lands)."""
 
 
 class Sender:
@@ -106,6 +111,11 @@ class Sender:
         with self._lock:
             self._finish(request_id, reason)
 
+    def poll_interval(self) -> float | None:
+        """How soon `poll()` should run again; None: nothing in flight until woken."""
+        with self._lock:
+            return WATCH_INTERVAL_S if self._inflight else None
+
     def poll(self) -> list[TransferEvent]:
         """Delivered and failed requests since the last call."""
         with self._lock:
@@ -156,6 +166,9 @@ class Sender:
                 post = self._transport.post(peer.handle, part,
                                             wire.landed(rid, part.layers, slot, blocks))
                 fl.posts.append((peer, post))
+                if not any(p is peer for p in fl.announced):
+                    fl.announced.append(peer)
+                    peer.client.send(wire.encode("posted", rid=rid))  # wakes its poller
         fl.unsent -= layers
 
     def _progress(self, rid: str, fl: _InFlight, now: float) -> None:

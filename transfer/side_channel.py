@@ -3,6 +3,7 @@
     prefill Sender ── DEALER ──tcp──► ROUTER  Listener thread (decode Receiver)
                      hello  ───────►  handler(msg) -> welcome | refused
                      abort  ───────►  handler(msg) -> None (no reply)
+                     posted ───────►  handler(msg) -> None (no reply)
                             ◄───────  bye (on close, to every peer that said hello)
 
 The listener owns its socket in its own thread; the client is used only under
@@ -65,7 +66,7 @@ class Listener:
             return
         ident, data = frames
         try:
-            msg = wire.decode(data, self._max, ops=("hello", "abort"))
+            msg = wire.decode(data, self._max, ops=("hello", "abort", "posted"))
             reply = self._handler(ident, msg)
             if msg["op"] == "hello" and len(self._peers) < 1024:
                 self._peers.add(ident)

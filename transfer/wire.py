@@ -9,6 +9,7 @@ unknown op) into a TransferError that a listener reports and survives.
                           "transport": {...}}                  (transport: backend-specific)
                      or  {"v": 1, "op": "refused", "error": "...", "field": "dtype"}
     sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "..."}
+    sender -> receiver   {"v": 1, "op": "posted", "rid": "..."}   (writes started: watch now)
     receiver -> sender   {"v": 1, "op": "bye"}                 (receiver closing)
     ucx data header      {"v": 1, "op": "ucx_data", "seq": int, "notif": bytes, "ranges": bytes}
     data notification    {"v": 1, "op": "landed", "rid": "...", "layers": [..],
@@ -29,6 +30,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "welcome": {"layout": (dict,), "fingerprint": (dict,), "transport": (dict,)},
     "refused": {"error": (str,), "field": (str,)},
     "abort": {"rid": (str,), "error": (str,)},
+    "posted": {"rid": (str,)},
     "bye": {},
     "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},
     "landed": {"rid": (str,), "layers": (list,), "slot": (int, type(None)), "blocks": (bytes,)},

@@ -1,4 +1,10 @@
-"""Delivers transfer events (by request id) from a polling thread to the threads waiting on them."""
+"""Delivers transfer events (by request id) from a polling thread to the threads waiting on them.
+
+Without NIXL's own progress thread, the transport moves only when someone polls it, so this
+thread polls as often as the transfer endpoint asks (`interval()`): every few hundred
+microseconds while writes are in flight, rarely while waiting, never while idle (it sleeps
+until `wake()`, with a slow housekeeping tick).
+"""
 
 from __future__ import annotations
 
@@ -11,22 +17,22 @@ log = logging.getLogger("baton.worker")
 
 KEEP_SECONDS = 600.0
 """How long an unclaimed event is kept for a late waiter."""
+HOUSEKEEPING_S = 1.0
+"""Poll this often even when idle (peers that said bye, stale notifications)."""
 
 
 class EventRouter:
     """Polls `poll()` in a thread; `wait(request_id)` blocks until that request's event arrives.
 
     Events nobody waits for yet are kept (a decode may be requested after its transfer
-    landed); `on_unclaimed` sees failures of requests nobody waits for (lease expiry).
+    landed); `on_failure` sees failures as they arrive (lease expiry frees the reservation).
     """
 
-    def __init__(self, poll: Callable[[], list], on_failure: Callable[[str, str], None] | None = None,
-                 interval: float = 0.0005, idle_interval: float = 0.01):
+    def __init__(self, poll: Callable[[], list], interval: Callable[[], float | None],
+                 on_failure: Callable[[str, str], None] | None = None):
         self._poll = poll
-        self._on_failure = on_failure
-        self._fast = interval
-        self._idle = idle_interval
         self._interval = interval
+        self._on_failure = on_failure
         self._woken = threading.Event()
         self._events: dict[str, tuple[object, float]] = {}
         self._cond = threading.Condition()
@@ -46,8 +52,7 @@ class EventRouter:
             return self._events.pop(request_id)[0]
 
     def wake(self) -> None:
-        """A transfer was just started or reserved: poll fast again."""
-        self._interval = self._fast
+        """Something was reserved, sent or posted: ask the endpoint how often to poll now."""
         self._woken.set()
 
     def forget(self, request_id: str) -> None:
@@ -58,6 +63,7 @@ class EventRouter:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._woken.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -68,20 +74,21 @@ class EventRouter:
                 log.exception("transfer poll failed")
                 events = []
             if events:
-                self._interval = self._fast
-                now = time.monotonic()
-                with self._cond:
-                    for ev in events:
-                        self._events[ev.request_id] = (ev, now)
-                    # events nobody claimed (aborted requests) must not pile up forever
-                    for rid in [r for r, (_, t) in self._events.items() if now - t > KEEP_SECONDS]:
-                        del self._events[rid]
-                    self._cond.notify_all()
-                for ev in events:
-                    if not ev.ok and self._on_failure is not None:
-                        self._on_failure(ev.request_id, ev.error or "transfer failed")
-            else:
-                # back off while idle: polling NIXL every 0.5 ms costs most of a core
-                self._woken.wait(self._interval)
-                self._woken.clear()
-                self._interval = min(self._interval * 2, self._idle)
+                self._deliver(events)
+                continue
+            interval = self._interval()
+            self._woken.wait(HOUSEKEEPING_S if interval is None else interval)
+            self._woken.clear()
+
+    def _deliver(self, events: list) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for ev in events:
+                self._events[ev.request_id] = (ev, now)
+            # events nobody claimed (aborted requests) must not pile up forever
+            for rid in [r for r, (_, t) in self._events.items() if now - t > KEEP_SECONDS]:
+                del self._events[rid]
+            self._cond.notify_all()
+        for ev in events:
+            if not ev.ok and self._on_failure is not None:
+                self._on_failure(ev.request_id, ev.error or "transfer failed")
