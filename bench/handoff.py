@@ -1,0 +1,140 @@
+"""`baton bench handoff`: what the disaggregated path adds to one request's time to first token.
+
+One request at a time, prompts of 256, 2k and 8k tokens (fresh ones, so no prefix hit):
+TTFT through the router (1 prefill + 1 decode worker) minus the same prompts' TTFT in the
+colocated engine (`baton generate --local`), both with the same torch threads as one worker.
+Also the CPU time every cluster process spends in an idle window (idle must mean idle), and
+the prefill worker's own handoff timings (Stats counters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import checkpoint, prompts
+
+SIZES = (256, 2048, 8192)
+CONFIG = {
+    "cache": {"num_blocks": 2048, "num_state_slots": 16, "enable_prefix_reuse": False},
+    "worker": {"max_num_seqs": 4, "max_batch_tokens": 2048, "prefill_chunk_size": 2048,
+               "max_model_len": 8448},
+}
+THREADS = "1"
+"""torch threads per worker process, and for the colocated engine."""
+
+
+def _local_ttft(path: Path, cfg_file: Path, reqs: list[list[int]]) -> list[float]:
+    """TTFT (ms) of each prompt in one `baton generate --local` process, after a warm-up."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for i, ids in enumerate([reqs[0][:64], *reqs]):
+            f.write(json.dumps({"id": f"r{i}", "prompt_ids": ids, "max_tokens": 1}) + "\n")
+    env = {**os.environ, "BATON_NUM_THREADS": THREADS}
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "generate", "--local",
+         "--model", str(path), "--config", str(cfg_file), "--requests", f.name, "--json"],
+        capture_output=True, text=True, env=env, check=True,
+    )
+    os.unlink(f.name)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return [r["ttft_ms"] for r in rows[1:]]
+
+
+def _cluster_ttft(stub, reqs: list[list[int]], tag: str) -> list[float]:
+    from baton.contract import GenerateInput, SamplingParams, wire
+
+    out = []
+    for i, ids in enumerate(reqs):
+        msg = wire.generate_to_pb(
+            GenerateInput(f"{tag}-{i}", tuple(ids), None, SamplingParams(max_tokens=2)))
+        t0 = time.perf_counter()
+        first = None
+        for _ in stub.Generate(msg, timeout=600):  # 2 tokens: the handoff must happen
+            first = first or (time.perf_counter() - t0) * 1000
+        out.append(first)
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _idle_cpu(cluster, seconds: float) -> dict[str, float]:
+    """Share of one core each cluster process used while idle for `seconds`."""
+    names = {p.pid: p.args[p.args.index("--log-level") + 2] for p in cluster.procs}
+    before = {pid: _cpu_seconds(pid) for pid in names}
+    time.sleep(seconds)
+    return {f"{names[pid]}-{pid}": round((_cpu_seconds(pid) - before[pid]) / seconds, 4)
+            for pid in names}
+
+
+def _prefill_counters(cluster) -> dict[str, float]:
+    import grpc
+
+    from baton.contract import Role, wire
+    from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as ch:
+        workers = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest())
+    addr = next(w.address for w in workers.workers if wire.role_from_pb(w.role) is Role.PREFILL)
+    with grpc.insecure_channel(addr) as ch:
+        stats = worker_pb2_grpc.PrefillWorkerStub(ch).Stats(baton_pb2.StatsRequest())
+    return dict(stats.counters)
+
+
+def run(args) -> list[dict]:
+    import grpc
+    import yaml
+
+    from baton.cluster.local import LocalCluster, free_port
+    from baton.proto_gen import router_pb2_grpc
+
+    quick = getattr(args, "quick", False)
+    trials = 3 if quick else 7
+    idle_s = 10.0 if quick else 60.0
+    path = checkpoint("tiny")
+    vocab = 512
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_file = Path(tmp) / "handoff.yaml"
+        cfg_file.write_text(yaml.safe_dump(CONFIG))
+        sets = {n: prompts(trials, n, vocab, seed=n) for n in SIZES}
+        local = {n: _local_ttft(path, cfg_file, sets[n]) for n in SIZES}
+        os.environ["BATON_NUM_THREADS"] = THREADS
+        cluster = LocalCluster(str(path), 1, 1, free_port(), str(cfg_file), log_level="WARNING")
+        try:
+            cluster.wait_ready()
+            idle = _idle_cpu(cluster, idle_s)
+            with grpc.insecure_channel(cluster.address) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+                _cluster_ttft(stub, prompts(2, 64, vocab, seed=99), "warm")
+                remote = {n: _cluster_ttft(stub, sets[n], f"n{n}") for n in SIZES}
+            counters = _prefill_counters(cluster)
+        finally:
+            cluster.stop()
+    for n in SIZES:
+        over = [r - lo for r, lo in zip(remote[n], local[n], strict=True)]
+        p50_local = statistics.median(local[n])
+        rows.append({
+            "benchmark": "handoff", "label": f"{n} tokens", "prompt_tokens": n, "trials": trials,
+            "torch_threads": int(THREADS),
+            "local_ttft_p50_ms": round(p50_local, 2),
+            "cluster_ttft_p50_ms": round(statistics.median(remote[n]), 2),
+            "overhead_p50_ms": round(statistics.median(over), 2),
+            "overhead_pct_of_prefill": round(100 * statistics.median(over) / p50_local, 2),
+            "ratio": round(statistics.median(remote[n]) / p50_local, 3),
+            "ratio_note": "cluster TTFT p50 / colocated TTFT p50",
+        })
+    rows.append({"benchmark": "handoff", "label": "idle cpu", "idle_seconds": idle_s,
+                 "cores_used_per_process": idle,
+                 "max_idle_worker_cores": max(v for k, v in idle.items() if "worker" in k),
+                 "target": "< 0.02 cores per idle worker"})
+    rows.append({"benchmark": "handoff", "label": "prefill worker counters", **counters})
+    return rows
