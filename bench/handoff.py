@@ -89,52 +89,66 @@ def _prefill_counters(cluster) -> dict[str, float]:
     return dict(stats.counters)
 
 
-def run(args) -> list[dict]:
+def _cluster(path: Path, cfg_file: Path, sets: dict, idle_s: float) -> tuple:
+    """(TTFTs by size, idle CPU per process, prefill worker counters) of one fresh cluster."""
     import grpc
-    import yaml
 
     from baton.cluster.local import LocalCluster, free_port
     from baton.proto_gen import router_pb2_grpc
+
+    os.environ["BATON_NUM_THREADS"] = THREADS
+    cluster = LocalCluster(str(path), 1, 1, free_port(), str(cfg_file), log_level="WARNING")
+    try:
+        cluster.wait_ready()
+        idle = _idle_cpu(cluster, idle_s) if idle_s else {}
+        with grpc.insecure_channel(cluster.address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            _cluster_ttft(stub, prompts(2, 64, 512, seed=99), "warm")
+            remote = {n: _cluster_ttft(stub, sets[n], f"n{n}") for n in sets}
+        return remote, idle, _prefill_counters(cluster)
+    finally:
+        cluster.stop()
+
+
+def run(args) -> list[dict]:
+    import yaml
 
     quick = getattr(args, "quick", False)
     trials = 3 if quick else 7
     idle_s = 10.0 if quick else 60.0
     path = checkpoint("tiny")
-    vocab = 512
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cfg_file = Path(tmp) / "handoff.yaml"
-        cfg_file.write_text(yaml.safe_dump(CONFIG))
-        sets = {n: prompts(trials, n, vocab, seed=n) for n in SIZES}
-        local = {n: _local_ttft(path, cfg_file, sets[n]) for n in SIZES}
-        os.environ["BATON_NUM_THREADS"] = THREADS
-        cluster = LocalCluster(str(path), 1, 1, free_port(), str(cfg_file), log_level="WARNING")
-        try:
-            cluster.wait_ready()
-            idle = _idle_cpu(cluster, idle_s)
-            with grpc.insecure_channel(cluster.address) as ch:
-                stub = router_pb2_grpc.RouterStub(ch)
-                _cluster_ttft(stub, prompts(2, 64, vocab, seed=99), "warm")
-                remote = {n: _cluster_ttft(stub, sets[n], f"n{n}") for n in SIZES}
-            counters = _prefill_counters(cluster)
-        finally:
-            cluster.stop()
-    for n in SIZES:
-        over = [r - lo for r, lo in zip(remote[n], local[n], strict=True)]
-        p50_local = statistics.median(local[n])
-        rows.append({
-            "benchmark": "handoff", "label": f"{n} tokens", "prompt_tokens": n, "trials": trials,
-            "torch_threads": int(THREADS),
-            "local_ttft_p50_ms": round(p50_local, 2),
-            "cluster_ttft_p50_ms": round(statistics.median(remote[n]), 2),
-            "overhead_p50_ms": round(statistics.median(over), 2),
-            "overhead_pct_of_prefill": round(100 * statistics.median(over) / p50_local, 2),
-            "ratio": round(statistics.median(remote[n]) / p50_local, 3),
-            "ratio_note": "cluster TTFT p50 / colocated TTFT p50",
-        })
+        sets = {n: prompts(trials, n, 512, seed=n) for n in SIZES}
+        results = {}
+        for layerwise in (False, True):
+            cfg_file = Path(tmp) / f"handoff-{layerwise}.yaml"
+            cfg_file.write_text(yaml.safe_dump({**CONFIG, "transfer": {"layerwise": layerwise}}))
+            if not results:
+                local = {n: _local_ttft(path, cfg_file, sets[n]) for n in SIZES}
+            results[layerwise] = _cluster(path, cfg_file, sets, idle_s if not results else 0)
+    for layerwise, (remote, _, counters) in results.items():
+        for n in SIZES:
+            over = [r - lo for r, lo in zip(remote[n], local[n], strict=True)]
+            p50_local = statistics.median(local[n])
+            rows.append({
+                "benchmark": "handoff", "label": f"{n} tokens, layerwise {layerwise}",
+                "prompt_tokens": n, "layerwise": layerwise, "trials": trials,
+                "torch_threads": int(THREADS),
+                "local_ttft_p50_ms": round(p50_local, 2),
+                "cluster_ttft_p50_ms": round(statistics.median(remote[n]), 2),
+                "overhead_p50_ms": round(statistics.median(over), 2),
+                "overhead_pct_of_prefill": round(100 * statistics.median(over) / p50_local, 2),
+                "ratio": round(statistics.median(remote[n]) / p50_local, 3),
+                "ratio_note": "cluster TTFT p50 / colocated TTFT p50",
+            })
+        keep = ("handoffs", "streamed_handoffs", "compute_s_total", "handoff_s_total",
+                "tail_s_total", "last_handoff_ms", "last_tail_ms")
+        rows.append({"benchmark": "handoff", "label": f"prefill worker, layerwise {layerwise}",
+                     "last_is_8k_tokens": True, **{k: counters.get(k) for k in keep}})
+    idle = results[False][1]
     rows.append({"benchmark": "handoff", "label": "idle cpu", "idle_seconds": idle_s,
                  "cores_used_per_process": idle,
                  "max_idle_worker_cores": max(v for k, v in idle.items() if "worker" in k),
                  "target": "< 0.02 cores per idle worker"})
-    rows.append({"benchmark": "handoff", "label": "prefill worker counters", **counters})
     return rows

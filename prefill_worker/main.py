@@ -13,7 +13,8 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str) -> PrefillServi
     from transfer import compute_fingerprint, make_sender
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
-    service = PrefillService(loop, make_sender(cfg.transfer, engine.pools, fp), worker_id)
+    sender = make_sender(cfg.transfer, engine.pools, fp)
+    service = PrefillService(loop, sender, worker_id, layerwise=cfg.transfer.layerwise)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(service), server)
     return service
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 from baton.contract import Role, wire
 from baton.contract.status import abort_with
 from baton.errors import BatonError
@@ -18,13 +20,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, service: PrefillService):
         self.service = service
 
-    def Prefill(self, request, context):
-        inp = wire.prefill_from_pb(request)
+    def Prefill(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill stream carried no request")
+        inp = wire.prefill_from_pb(first)
         # runs when the RPC ends: a no-op after success, frees the request if the router cancelled
         context.add_callback(lambda: self.service.abort(inp.request_id))
+
+        def destination():
+            # the router sends it once its Reserve returned; the compute runs meanwhile
+            msg = next(request_iterator, None)
+            return None if msg is None else wire.destination_from_pb(msg)
+
         try:
-            return wire.prefill_result_to_pb(self.service.prefill(inp))
-        except (BatonError, ValueError) as e:
+            return wire.prefill_result_to_pb(self.service.prefill(inp, destination))
+        except (BatonError, ValueError, grpc.RpcError) as e:
             log.warning("prefill %s failed: %s", inp.request_id, e)
             abort_with(context, e)
 
@@ -36,5 +47,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.service.worker_id, role=wire.role_to_pb(Role.PREFILL),
             load=wire.load_to_pb(load_of(self.service.loop)),
             counters={**counters_of(self.service.loop),
-                      "transfers_done": float(self.service.transfers_done)},
+                      "transfers_done": float(self.service.transfers_done),
+                      **self.service.timings.counters()},
         )

@@ -1,6 +1,14 @@
 """Prefill worker logic: compute the prompt, hand KV + state to the decode worker, free the copy.
 
 Plain Python: `server.py` converts protobuf to these dataclasses and back.
+
+    prefill(inp, destination)
+      submit the prompt to the engine          compute starts at once
+      destination()                            blocks until the router reserved it (or None)
+      layer-wise: engine.stream_layers         the last chunk posts layer i as soon as it is
+                                               computed; the handoff ends with the forward
+      otherwise: after the first token, plan + post the whole request
+      wait for the sender's event               (the decode side has every byte), release
 """
 
 from __future__ import annotations
@@ -8,11 +16,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from baton.contract import PrefillInput, PrefillResult, Reservation
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
-from baton.errors import TransferError
+from baton.errors import RequestCancelled, TransferError
 from baton.worker.events import EventRouter
 
 log = logging.getLogger("baton.prefill")
@@ -21,73 +31,172 @@ LEASE_SAFETY = 0.8
 """Start a transfer only within this fraction of the destination's lease."""
 
 
+@dataclass
+class HandoffTimings:
+    """Where a prefill worker's time goes, for Stats counters and `bench handoff`."""
+
+    handoffs: int = 0
+    streamed_handoffs: int = 0
+    """Handoffs whose layers left during the last chunk's forward (layer-wise)."""
+    compute_s_total: float = 0.0
+    """Submit to first token (queueing + prompt compute)."""
+    handoff_s_total: float = 0.0
+    """First token to the decode side's acknowledgement (descriptors, post, copy, notify)."""
+    tail_s_total: float = 0.0
+    """Layer-wise: the last layer computed to the decode side's acknowledgement."""
+    last_compute_ms: float = 0.0
+    last_handoff_ms: float = 0.0
+    last_tail_ms: float = 0.0
+
+    def add(self, compute_s: float, handoff_s: float, tail_s: float | None) -> None:
+        self.handoffs += 1
+        self.compute_s_total += compute_s
+        self.handoff_s_total += handoff_s
+        self.last_compute_ms, self.last_handoff_ms = compute_s * 1000, handoff_s * 1000
+        if tail_s is not None:
+            self.streamed_handoffs += 1
+            self.tail_s_total += tail_s
+            self.last_tail_ms = tail_s * 1000
+
+    def counters(self) -> dict[str, float]:
+        return {k: float(v) for k, v in vars(self).items()}
+
+
+class _Stream:
+    """Engine-side half of a layer-wise handoff (runs on the engine loop thread)."""
+
+    def __init__(self, service: PrefillService, request_id: str, dest: Reservation,
+                 deadline: float):
+        self.service, self.rid, self.dest, self.deadline = service, request_id, dest, deadline
+        self.error: str | None = None
+        self.sent = False
+        self.last_layer_at = 0.0
+
+    def begin(self, block_table: list[int], slot: int | None) -> None:
+        if time.monotonic() > self.deadline:
+            self.error = _late(self.rid, self.dest)
+            return
+        self.service._send(self.rid, self.dest, block_table, slot, layerwise=True)
+        self.sent = True
+
+    def layers_done(self, layers: list[int]) -> None:
+        if self.sent:
+            self.last_layer_at = time.perf_counter()
+            self.service.sender.layers_done(self.rid, layers)
+
+
 class PrefillService:
-    def __init__(self, loop: EngineLoop, sender, worker_id: str):
+    def __init__(self, loop: EngineLoop, sender, worker_id: str, layerwise: bool = False):
         self.loop = loop
         self.sender = sender
         self.worker_id = worker_id
+        self.layerwise = layerwise
+        """Stream each layer of the last chunk as it is computed (`transfer.layerwise`)."""
         self.events = EventRouter(sender.poll, sender.poll_interval)
         self.transfers_done = 0
+        self.timings = HandoffTimings()
 
-    def prefill(self, inp: PrefillInput) -> PrefillResult:
-        request_id, dest = inp.request_id, inp.destination
-        # the decode side's lease runs from its Reserve, just before this call: past it, the
-        # reservation may be freed and reused, so writing into it would corrupt another request
-        deadline = time.monotonic() + dest.lease_seconds * LEASE_SAFETY
-        req = Request(request_id, list(inp.prompt_ids), inp.sampling, inp.session_id or None,
-                      prefill_only=True)
-        out = self._compute(req)
-        if out.error:
-            raise TransferError(f"prefill of {request_id} failed: {out.error}")
-        reason = out.finish_reason
-        result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None, reason)
+    def prefill(self, inp: PrefillInput,
+                destination: Callable[[], Reservation | None] = lambda: None) -> PrefillResult:
+        """Compute `inp` and hand it off; `destination()` blocks until the router reserved it
+        (only asked when `inp` carries none) and returns None if it never will."""
+        rid = inp.request_id
+        box: queue.Queue[RequestOutput] = queue.Queue()
+        t0 = time.perf_counter()
+        self.loop.submit(Request(rid, list(inp.prompt_ids), inp.sampling,
+                                 inp.session_id or None, prefill_only=True), box.put)
         try:
-            if not result.finished:
+            dest = inp.destination or destination()
+        except BaseException:
+            self.abort(rid)
+            raise
+        if dest is None:
+            self.abort(rid)
+            raise RequestCancelled(f"prefill of {rid}: the router sent no destination")
+        # the decode side's lease runs from its Reserve, just before the destination arrived:
+        # past it, the reservation may be freed and reused, so writing into it would corrupt
+        # another request
+        deadline = time.monotonic() + dest.lease_seconds * LEASE_SAFETY
+        stream = _Stream(self, rid, dest, deadline)
+        if self.layerwise:
+            self.loop.engine.stream_layers(rid, stream)  # picked up mid-forward if need be
+        out = _last(box)
+        streamed = self.layerwise and self.loop.engine.take_stream(rid) is None
+        t1 = time.perf_counter()
+        try:
+            if out.error:
+                raise TransferError(f"prefill of {rid} failed: {out.error}")
+            reason = out.finish_reason
+            result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None,
+                                   reason)
+            if result.finished:
+                if stream.sent:  # bytes already went out for a request that needs none
+                    self.sender.abort(rid, "the first token ended the request")
+                return result
+            if stream.error:
+                raise TransferError(stream.error)
+            if not stream.sent:
                 if time.monotonic() > deadline:
-                    raise TransferError(
-                        f"prefill of {request_id} finished after the destination's "
-                        f"{dest.lease_seconds:g}s lease; not writing into a freed reservation"
-                    )
-                self._hand_off(request_id, dest)
+                    raise TransferError(_late(rid, dest))
+                self.loop.call(self._send_whole, rid, dest)
+            self.events.wake()
+            landed = self._await_landing(rid, dest)
+            # layer-wise, the bytes can land before the forward's last (data-free) layers end
+            tail = max(0.0, landed - stream.last_layer_at) if streamed and stream.sent else None
+            self.timings.add(t1 - t0, time.perf_counter() - t1, tail)
+            return result
+        except BaseException:
+            self.sender.abort(rid, "the prefill worker gave up on the request")
+            raise
         finally:
-            self.loop.call(self.loop.engine.release, request_id)
-        return result
+            self.loop.call(self.loop.engine.release, rid)
 
     def abort(self, request_id: str) -> bool:
         self.events.forget(request_id)
+        self.sender.abort(request_id)
         return self.loop.abort(request_id)
 
     def close(self) -> None:
         self.events.stop()
 
-    def _compute(self, req: Request) -> RequestOutput:
-        box: queue.Queue[RequestOutput] = queue.Queue()
-        self.loop.submit(req, box.put)
-        out = box.get()
-        while not out.finished:
-            out = box.get()
-        return out
+    # -- internals ------------------------------------------------------------------------
 
-    def _hand_off(self, request_id: str, dest: Reservation) -> None:
-        engine = self.loop.engine
+    def _send_whole(self, rid: str, dest: Reservation) -> None:
+        """On the loop thread: the whole request at once (its prompt is complete)."""
+        cache = self.loop.engine.cache
+        blocks = cache.block_table(rid) if cache.pools.has_kv else []
+        slot = cache.slot(rid) if cache.pools.has_state else None
+        self._send(rid, dest, list(blocks), slot, layerwise=False)
 
-        def start():
-            cache = engine.cache
-            blocks = cache.block_table(request_id) if cache.pools.has_kv else []
-            slot = cache.slot(request_id) if cache.pools.has_state else None
-            self.sender.send(
-                request_id, dest.transfer_endpoint, list(blocks), slot,
-                list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
-            )
-
-        self.loop.call(start)
+    def _send(self, rid: str, dest: Reservation, blocks: list[int], slot: int | None,
+              layerwise: bool) -> None:
+        self.sender.send(rid, dest.transfer_endpoint, list(blocks), slot, list(dest.block_ids),
+                         dest.slot, skip_blocks=dest.skip_blocks, layerwise=layerwise)
         self.events.wake()
-        ev = self.events.wait(request_id, dest.lease_seconds)
+
+    def _await_landing(self, rid: str, dest: Reservation) -> float:
+        """Waits for the decode side's acknowledgement; returns when it was seen."""
+        ev, seen = self.events.wait_timed(rid, dest.lease_seconds)
         if ev is None:
             raise TransferError(
-                f"transfer of {request_id} to {dest.worker_id} did not finish within its "
+                f"transfer of {rid} to {dest.worker_id} did not finish within its "
                 f"{dest.lease_seconds:.0f}s lease"
             )
         if not ev.ok:
-            raise TransferError(f"transfer of {request_id} to {dest.worker_id} failed: {ev.error}")
+            raise TransferError(f"transfer of {rid} to {dest.worker_id} failed: {ev.error}")
         self.transfers_done += 1
+        return seen
+
+
+def _last(box: queue.Queue[RequestOutput]) -> RequestOutput:
+    out = box.get()
+    while not out.finished:
+        out = box.get()
+    return out
+
+
+def _late(rid: str, dest: Reservation) -> str:
+    return (f"prefill of {rid} finished after the destination's {dest.lease_seconds:g}s lease; "
+            "not writing into a freed reservation")
+
+

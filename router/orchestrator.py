@@ -2,8 +2,10 @@
 
 for each attempt (1 + max_retries pairs):
   policy.choose -> (P, D)
+  P.Prefill   stream opened: P computes from now on, while
   D.Reserve   -> Reservation          WorkerFailed -> Abort(P, D), exclude the failed one, retry
-  P.Prefill   -> first token          InvalidRequestError -> Abort(P, D), raise as is
+  P.Prefill   <- Reservation -> first token (after the handoff)
+                                      InvalidRequestError -> Abort(P, D), raise as is
   yield first token                   -- no retry past this point --
   D.Decode    -> chunks until finish_reason
 any exit before the finish (error, client cancel, generator closed) -> Abort(P, D)
@@ -45,7 +47,8 @@ class WorkerClient(Protocol):
 
     def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation: ...
 
-    def prefill(self, req: PrefillInput, cancel: Cancellation) -> PrefillResult: ...
+    def start_prefill(self, req: PrefillInput, cancel: Cancellation) -> PrefillCall:
+        """Starts computing `req` (destination None: it follows through `finish`)."""
 
     def decode(
         self, request_id: str, first_token_id: int, cancel: Cancellation
@@ -53,6 +56,14 @@ class WorkerClient(Protocol):
 
     def abort(self, request_id: str) -> bool:
         """Best effort: never raises; False when the worker held nothing or was unreachable."""
+
+
+class PrefillCall(Protocol):
+    def finish(self, destination: Reservation | None) -> PrefillResult:
+        """Hands over the destination and waits for the first token (the handoff is done)."""
+
+    def cancel(self) -> None:
+        """No destination will come; the worker drops the request."""
 
 
 class Tokenizer(Protocol):
@@ -155,13 +166,19 @@ class _Attempt:
         try:
             # A cancel while Reserve/Prefill block aborts both workers, which ends the calls.
             with cancel.hook(self._abort_in_background):
-                res = self.dc.reserve(
-                    ReserveInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
+                # Prefill computes while Reserve runs; the transfer waits only for the destination
+                call = self.pc.start_prefill(
+                    PrefillInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
                 )
-                self._check_cancelled("Reserve")
-                result = self.pc.prefill(
-                    PrefillInput(self.wid, self.prompt, inp.sampling, inp.session_id, res), cancel
-                )
+                try:
+                    res = self.dc.reserve(
+                        ReserveInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
+                    )
+                    self._check_cancelled("Reserve")
+                except BaseException:
+                    call.cancel()
+                    raise
+                result = call.finish(res)
                 self._check_cancelled("Prefill")
             return result
         except BaseException:

@@ -8,6 +8,7 @@ any other status / timeout  -> WorkerFailed (retried on another pair before the 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -48,11 +49,10 @@ class GrpcWorkerClient:
         res = wire.reservation_from_pb(reply)
         return res if res.worker_id else replace(res, worker_id=self.worker_id)
 
-    def prefill(self, req: PrefillInput, cancel: Cancellation) -> PrefillResult:
-        call = self._stub.Prefill
-        msg = wire.prefill_to_pb(req)
-        reply = self._unary("Prefill", call, msg, self.config.prefill_timeout_seconds, cancel)
-        return wire.prefill_result_from_pb(reply)
+    def start_prefill(self, req: PrefillInput, cancel: Cancellation) -> GrpcPrefillCall:
+        """Opens the Prefill stream now: the worker computes while the router still reserves
+        the destination, which `GrpcPrefillCall.finish` sends on the same stream."""
+        return GrpcPrefillCall(self, req, cancel)
 
     def decode(
         self, request_id: str, first_token_id: int, cancel: Cancellation
@@ -93,6 +93,41 @@ class GrpcWorkerClient:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequestError(e.details())
         return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
+
+
+class GrpcPrefillCall:
+    """One Prefill stream: the request now, the destination when the decode side reserved it."""
+
+    _END = object()
+
+    def __init__(self, client: GrpcWorkerClient, req: PrefillInput, cancel: Cancellation):
+        self._client, self._req, self._cancel = client, req, cancel
+        self._dest: queue.SimpleQueue = queue.SimpleQueue()
+        first = wire.prefill_to_pb(req)
+        self._future = client._stub.Prefill.future(
+            self._messages(first), timeout=client.config.prefill_timeout_seconds
+        )
+
+    def _messages(self, first):
+        yield first
+        if self._req.destination is None:
+            dest = self._dest.get()
+            if dest is not self._END:
+                yield wire.destination_to_pb(dest)
+
+    def finish(self, destination: Reservation | None) -> PrefillResult:
+        """Send the destination (None if it was in the request) and wait for the first token."""
+        if destination is not None:
+            self._dest.put(destination)
+        try:
+            return wire.prefill_result_from_pb(self._future.result())
+        except grpc.RpcError as e:
+            raise self._client._error("Prefill", self._req.request_id, e, self._cancel) from e
+
+    def cancel(self) -> None:
+        """No destination will come (Reserve failed): end the stream; the worker aborts."""
+        self._dest.put(self._END)
+        self._future.cancel()
 
 
 class WorkerClients:

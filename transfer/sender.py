@@ -76,8 +76,9 @@ class Sender:
 
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
-             skip_blocks: int = 0) -> None:
-        """Start moving one request to every decode stage in `endpoint`; never blocks on data."""
+             skip_blocks: int = 0, layerwise: bool | None = None) -> None:
+        """Start moving one request to every decode stage in `endpoint`; never blocks on data.
+        Layer-wise (default: `transfer.layerwise`), nothing leaves before `layer_done`."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         with self._lock:
             if request_id in self._inflight:
@@ -94,7 +95,7 @@ class Sender:
                     if p.layers:
                         fl.plans.append((peer, p))
                         fl.unsent |= set(p.layers)
-                if not self.cfg.layerwise:
+                if not (self.cfg.layerwise if layerwise is None else layerwise):
                     self._post_layers(request_id, fl, set(fl.unsent))
             except Exception as e:  # the request fails, the caller's thread does not
                 why = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
@@ -102,10 +103,16 @@ class Sender:
 
     def layer_done(self, request_id: str, layer: int) -> None:
         """Layer-wise mode: prefill finished global `layer`; its bytes leave now."""
+        self.layers_done(request_id, [layer])
+
+    def layers_done(self, request_id: str, layers: Sequence[int]) -> None:
+        """Layer-wise mode: these global layers are final; their bytes leave in one post per
+        decode stage."""
         with self._lock:
             fl = self._inflight.get(request_id)
-            if fl is not None and layer in fl.unsent:
-                self._post_layers(request_id, fl, {layer})
+            todo = fl.unsent.intersection(layers) if fl is not None else None
+            if todo:
+                self._post_layers(request_id, fl, todo)
 
     def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> None:
         with self._lock:

@@ -48,15 +48,6 @@ class BatonConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
-    def __post_init__(self) -> None:
-        if self.transfer.layerwise:
-            # the transfer layer streams per layer, but no worker reports finished layers yet:
-            # accepting the key would end every handoff at lease expiry
-            raise ConfigError(
-                "transfer.layerwise: true is not supported by the workers yet (every handoff "
-                "would wait for its lease to expire); remove the key or set it to false"
-            )
-
     @classmethod
     def from_dict(cls, data: dict | None) -> BatonConfig:
         return from_dict(cls, data, "config")

@@ -83,7 +83,8 @@ class PrefillInput:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     session_id: str
-    destination: Reservation
+    destination: Reservation | None = None
+    """None while the router is still reserving it (it follows on the same Prefill stream)."""
 
 
 @dataclass(frozen=True)

@@ -275,13 +275,15 @@ def reservation_to_pb(r: Reservation, cls=wpb.ReserveReply):
 
 
 def prefill_to_pb(p: PrefillInput) -> wpb.PrefillRequest:
-    return wpb.PrefillRequest(
+    m = wpb.PrefillRequest(
         request_id=p.request_id,
         prompt_ids=p.prompt_ids,
         sampling=sampling_to_pb(p.sampling),
         session_id=p.session_id,
-        destination=reservation_to_pb(p.destination, wpb.Destination),
     )
+    if p.destination is not None:
+        m.destination.CopyFrom(reservation_to_pb(p.destination, wpb.Destination))
+    return m
 
 
 def prefill_from_pb(m: wpb.PrefillRequest) -> PrefillInput:
@@ -290,8 +292,17 @@ def prefill_from_pb(m: wpb.PrefillRequest) -> PrefillInput:
         tuple(m.prompt_ids),
         sampling_from_pb(m.sampling),
         m.session_id,
-        reservation_from_pb(m.destination),
+        destination_from_pb(m),
     )
+
+
+def destination_to_pb(r: Reservation) -> wpb.PrefillRequest:
+    """The second message of a Prefill stream: the destination alone."""
+    return wpb.PrefillRequest(destination=reservation_to_pb(r, wpb.Destination))
+
+
+def destination_from_pb(m: wpb.PrefillRequest) -> Reservation | None:
+    return reservation_from_pb(m.destination) if m.HasField("destination") else None
 
 
 def prefill_result_from_pb(m: wpb.PrefillReply) -> PrefillResult:

@@ -8,7 +8,9 @@ worker admits requests whose prompt state arrives by transfer (`reserve_remote`)
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from typing import Protocol
 
 import torch
 
@@ -21,6 +23,17 @@ from baton.engine.scheduler import Scheduler
 from baton.errors import CapacityError, InvalidRequestError, TransferError
 
 log = logging.getLogger("baton.engine")
+
+
+class LayerStream(Protocol):
+    """Layer-wise handoff of one prefill request, driven from inside its last chunk's forward
+    (on the loop thread): `begin` with the request's complete block table, then
+    `layers_done(layers)` as soon as those global layers hold their final KV and state (the
+    layers already computed when the stream was picked up come in one call)."""
+
+    def begin(self, block_table: list[int], slot: int | None) -> None: ...
+
+    def layers_done(self, layers: list[int]) -> None: ...
 
 
 class Engine:
@@ -39,6 +52,9 @@ class Engine:
         mc = cache.cfg.mamba_state_config
         self.decode_end_snapshot = cache.reuse_enabled and mc.decode_end_snapshot
         self.device = self.pools.spec.device
+        self._streams: dict[str, LayerStream] = {}
+        """Layer streams not picked up yet, by request id; any thread adds, under the lock."""
+        self._streams_lock = threading.Lock()
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -66,6 +82,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free what it holds; False if unknown."""
+        self.take_stream(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -113,6 +130,18 @@ class Engine:
         self.scheduler.running.append(req)
         return self._append_tokens([(req, first_token)])
 
+    def stream_layers(self, request_id: str, stream: LayerStream) -> None:
+        """Any thread, even mid-step: stream the prefill request's last chunk layer by layer,
+        picked up at the next layer boundary of that chunk (layers already computed go at
+        once). If the chunk is over before that, `take_stream` gives the stream back."""
+        with self._streams_lock:
+            self._streams[request_id] = stream
+
+    def take_stream(self, request_id: str) -> LayerStream | None:
+        """The stream of `request_id` if no forward picked it up (then nothing was sent)."""
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
     def release(self, request_id: str) -> None:
         """Prefill side: the handoff is done (or failed); free the request's cache."""
         self.abort(request_id)
@@ -154,7 +183,33 @@ class Engine:
             [self.cache.block_table(req.id) for req, _ in group],
             [self.cache.slot(req.id) for req, _ in group],
             self.pools,
+            on_layer=self._begin_streams(group),
         )
+
+    def _begin_streams(self, group: list[tuple[Request, int]]):
+        """The per-layer callback of a forward that holds the last chunk of prefill-only
+        requests: it hands each layer to the request's stream, once the stream exists."""
+        last = {req.id: req for req, end in group if req.prefill_only and end == req.prompt_len}
+        if not last:
+            return None
+        active: dict[str, LayerStream] = {}
+        cuda = str(self.device).startswith("cuda")
+
+        def on_layer(layer: int) -> None:
+            if cuda:  # the layer's kernels must be done before its bytes leave
+                torch.cuda.current_stream().synchronize()
+            for stream in active.values():
+                stream.layers_done([layer])
+            for rid in [r for r in last if r not in active]:
+                stream = self.take_stream(rid)
+                if stream is not None:
+                    slot = self.cache.slot(rid) if self.pools.has_state else None
+                    table = self.cache.block_table(rid) if self.pools.has_kv else []
+                    stream.begin(list(table), slot)
+                    stream.layers_done(list(range(layer + 1)))
+                    active[rid] = stream
+
+        return on_layer
 
     def _commit_chunk(self, req: Request, end: int) -> bool:
         """Book a computed chunk; True when it completed the prompt (the request decodes next)."""

@@ -6,6 +6,8 @@ Module names mirror the HF checkpoint (`backbone.layers.{i}.mixer.*`, `lm_head.w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,10 +46,13 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
-    def forward(self, ids: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, ctx: StepContext, decode: bool,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         h = self.embeddings(ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, ctx, decode)
+            if on_layer is not None:
+                on_layer(i)  # layer i's KV and state for this call are final now
         return self.norm_f(h)
 
 
@@ -109,11 +114,13 @@ class NemotronHModel(nn.Module):
         slots: list[int],
         pools: Pools,
         all_logits: bool = False,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """`prefill` of n sequences with the same number of new tokens in one forward:
         input_ids[n, T], sequence i at start_positions[i] with its own table and slot. Returns
         float32 logits [n, vocab] ([n, T, vocab] if all_logits); each row is what `prefill` of
-        that sequence alone gives.
+        that sequence alone gives. `on_layer(i)` runs after global layer i has written its
+        KV and state (layer-wise handoff).
         """
         _check_pools(self.config, pools)
         n, T = input_ids.shape
@@ -121,7 +128,7 @@ class NemotronHModel(nn.Module):
             raise InvalidRequestError("prefill got no tokens: input_ids is empty")
         attn = prefill_meta(start_positions, T, block_tables, pools) if pools.has_kv else None
         ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in start_positions])
-        h = self.backbone(input_ids.to(self.device), ctx, decode=False)
+        h = self.backbone(input_ids.to(self.device), ctx, decode=False, on_layer=on_layer)
         return self.lm_head(h if all_logits else h[:, -1]).float()
 
     @torch.inference_mode()

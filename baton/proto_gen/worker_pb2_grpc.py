@@ -35,7 +35,7 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.stream_unary(
                 '/baton.v1.PrefillWorker/Prefill',
                 request_serializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.PrefillReply.FromString,
@@ -55,9 +55,12 @@ class PrefillWorkerStub:
 class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Prefill(self, request, context):
+    def Prefill(self, request_iterator, context):
         """Computes the prompt, writes KV/state into the destination, returns the first token
-        once the transfer into the decode worker completed.
+        once the transfer into the decode worker completed. The first message carries the
+        request and starts the compute at once; when it has no destination (the router is still
+        reserving one), a second message carries only the destination. A stream that ends
+        without a destination aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,7 +81,7 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.stream_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.PrefillReply.SerializeToString,
@@ -105,7 +108,7 @@ class PrefillWorker:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Prefill(request,
+    def Prefill(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -115,8 +118,8 @@ class PrefillWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/baton.v1.PrefillWorker/Prefill',
             baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,

@@ -34,7 +34,8 @@ class EventRouter:
         self._interval = interval
         self._on_failure = on_failure
         self._woken = threading.Event()
-        self._events: dict[str, tuple[object, float]] = {}
+        self._events: dict[str, tuple[object, float, float]] = {}
+        """request id -> (event, time.monotonic(), time.perf_counter()) of its arrival."""
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="transfer-events", daemon=True)
@@ -42,14 +43,19 @@ class EventRouter:
 
     def wait(self, request_id: str, timeout: float):
         """The event for `request_id`, or None after `timeout` seconds."""
+        return self.wait_timed(request_id, timeout)[0]
+
+    def wait_timed(self, request_id: str, timeout: float) -> tuple[object | None, float]:
+        """(event or None, time.perf_counter() when the poller saw it)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while request_id not in self._events:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop:
-                    return None
+                    return None, time.perf_counter()
                 self._cond.wait(left)
-            return self._events.pop(request_id)[0]
+            ev, _, seen = self._events.pop(request_id)
+            return ev, seen
 
     def wake(self) -> None:
         """Something was reserved, sent or posted: ask the endpoint how often to poll now."""
@@ -81,12 +87,12 @@ class EventRouter:
             self._woken.clear()
 
     def _deliver(self, events: list) -> None:
-        now = time.monotonic()
+        now, seen = time.monotonic(), time.perf_counter()
         with self._cond:
             for ev in events:
-                self._events[ev.request_id] = (ev, now)
+                self._events[ev.request_id] = (ev, now, seen)
             # events nobody claimed (aborted requests) must not pile up forever
-            for rid in [r for r, (_, t) in self._events.items() if now - t > KEEP_SECONDS]:
+            for rid in [r for r, (_, t, _) in self._events.items() if now - t > KEEP_SECONDS]:
                 del self._events[rid]
             self._cond.notify_all()
         for ev in events:

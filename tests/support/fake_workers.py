@@ -100,10 +100,16 @@ class _Base:
 
 
 class FakePrefill(_Base, wgrpc.PrefillWorkerServicer):
-    def Prefill(self, request, context):
-        wake = self._record("Prefill", request.request_id)
+    def Prefill(self, request_iterator, context):
+        # like a real worker, it needs the destination (the stream's second message) before
+        # it can hand anything off: the call counts from then on
+        inp = wire.prefill_from_pb(next(request_iterator))
+        if inp.destination is None:
+            nxt = next(request_iterator, None)
+            if nxt is None or wire.destination_from_pb(nxt) is None:
+                context.abort(grpc.StatusCode.CANCELLED, "Prefill stream ended without a destination")
+        wake = self._record("Prefill", inp.request_id)
         self._act(self.script.prefill, context, wake)
-        inp = wire.prefill_from_pb(request)
         first = inp.prompt_ids[-1] + 1
         reason = _finish(1, first, inp.sampling)
         if self.script.prefill == Act.FINISH:

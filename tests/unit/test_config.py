@@ -51,8 +51,3 @@ def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         BatonConfig.load(bad)
 
-
-def test_layerwise_is_refused_until_the_workers_stream_layers():
-    with pytest.raises(ConfigError, match="transfer.layerwise"):
-        BatonConfig.from_dict({"transfer": {"layerwise": True}})
-    assert BatonConfig.from_dict({"transfer": {"layerwise": False}}).transfer.layerwise is False

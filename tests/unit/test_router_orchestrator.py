@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from baton.config.router import RouterConfig
@@ -37,6 +39,9 @@ class FakeClient:
         self._enter("reserve", req.request_id)
         return Reservation(self.worker_id, "tcp://x", (0, 1), 0)
 
+    def start_prefill(self, req, cancel):
+        return _DeferredPrefill(self, req, cancel)
+
     def prefill(self, req, cancel):
         self._enter("prefill", req.request_id)
         assert req.destination.worker_id.startswith("d")
@@ -53,6 +58,19 @@ class FakeClient:
     def abort(self, rid):
         self.log.append((self.worker_id, "abort", rid))
         return True
+
+
+class _DeferredPrefill:
+    """The Prefill stream of an in-process fake: it runs once the destination arrives."""
+
+    def __init__(self, client, req, cancel):
+        self.client, self.req, self.cancel_ = client, req, cancel
+
+    def finish(self, destination):
+        return self.client.prefill(replace(self.req, destination=destination), self.cancel_)
+
+    def cancel(self):
+        pass
 
 
 class Tok:

@@ -1,0 +1,119 @@
+"""The prefill -> decode handoff through real processes: layer-wise streaming and the overlap of
+Prefill with Reserve."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from baton.client.local import run_local
+from baton.client.remote import run_remote, to_pb
+from baton.client.requests import RequestSpec
+from baton.config import BatonConfig
+from baton.config.router import RouterConfig
+from baton.contract import Role
+from baton.engine.builder import build_engine
+from baton.engine.request import SamplingParams
+from baton.proto_gen import router_pb2_grpc
+from router.server import run_router
+from tests.engine_helpers import make_checkpoint, prompt
+from tests.integration.cluster_helpers import (
+    list_workers,
+    start_cluster,
+    worker_counters,
+    write_config,
+)
+from tests.support.fake_workers import Act, FakeWorker, Script
+
+pytestmark = pytest.mark.integration
+
+LAYERWISE = {
+    "cache": {"num_blocks": 512, "num_state_slots": 32,
+              "mamba_state_config": {"periodic_snapshot_interval": 64}},
+    "worker": {"max_num_seqs": 8, "prefill_chunk_size": 64, "max_batch_tokens": 256,
+               "max_model_len": 2048},
+    "transfer": {"layerwise": True, "lease_seconds": 60.0},
+}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def by_role(address: str, role: Role) -> dict[str, float]:
+    (info,) = [w for w in list_workers(address) if w.role == (1 if role is Role.PREFILL else 2)]
+    return worker_counters(info)
+
+
+def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
+    model = make_checkpoint(tmp_path)
+    cluster = start_cluster(model, write_config(tmp_path / "lw.yaml", LAYERWISE), 1, 1)
+    try:
+        lengths = (1, 15, 16, 17, 64, 65, 200, 333, 700)
+        specs = [RequestSpec(f"lw{i}", prompt_ids=prompt(40 + i, n), sampling=greedy(12))
+                 for i, n in enumerate(lengths)]
+        t0 = time.monotonic()
+        remote = run_remote(cluster.address, specs, concurrency=3)
+        took = time.monotonic() - t0
+        engine = build_engine(BatonConfig.from_dict(LAYERWISE), str(model))
+        expected = run_local(engine, specs)
+        assert [r.get("token_ids", r.get("error")) for r in remote] == \
+            [r["token_ids"] for r in expected]
+        prefill = by_role(cluster.address, Role.PREFILL)
+        # every request went through a handoff, long prompts layer by layer during their last
+        # chunk's forward; none waited for a lease (60 s) to end it
+        assert prefill["handoffs"] == len(specs) == prefill["transfers_done"]
+        assert prefill["streamed_handoffs"] >= 1
+        assert took < LAYERWISE["transfer"]["lease_seconds"] / 2
+        decode = by_role(cluster.address, Role.DECODE)
+        assert decode["integrity_ok"] == 1.0 and prefill["integrity_ok"] == 1.0
+        assert decode["live_requests"] == 0 and prefill["live_requests"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_prefill_computes_before_reserve_returns(tmp_path):
+    """A decode worker whose Reserve blocks: the real prefill worker still computes the prompt
+    (its own counters show it) while that Reserve has not returned."""
+    model = make_checkpoint(tmp_path)
+    handle = run_router(0, RouterConfig(eject_after_seconds=600.0))  # the fake never beats
+    decode = FakeWorker(Role.DECODE, "d0", Script(reserve=Act.HANG, hang_limit_s=30.0))
+    decode.register(handle.address)
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "--log-level", "WARNING",
+                             "prefill-worker", "--router", handle.address, "--model", str(model)])
+    try:
+        deadline = time.monotonic() + 180
+        while len(handle.registry.workers(Role.PREFILL)) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        ids = prompt(7, 300)
+        spec = RequestSpec("ov1", prompt_ids=ids, sampling=greedy(4))
+        with grpc.insecure_channel(handle.address) as ch:
+            call = router_pb2_grpc.RouterStub(ch).Generate(to_pb(spec), timeout=60)
+            computed = 0.0
+            while computed < len(ids):
+                assert time.monotonic() < deadline
+                computed = by_role(handle.address, Role.PREFILL)["queried_tokens"]
+            # the whole prompt went through the prefill worker's cache while Reserve hangs
+            assert decode.calls() == [("Reserve", "ov1")]
+            call.cancel()
+        assert _wait(lambda: ("Abort", "ov1") in decode.calls())
+        assert _wait(lambda: by_role(handle.address, Role.PREFILL)["live_requests"] == 0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        decode.stop()
+        handle.stop()
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
