@@ -125,6 +125,7 @@ class _Stage:
         fp = compute_fingerprint(mc, spec)
         make = make_receiver if role == "decode" else make_sender
         self.end = make(cfg, self.pools, fp)
+        self.poller = _Poller(self.end)
         return {"endpoint": getattr(self.end, "endpoint", None)}
 
     def fill(self, seed: int):
@@ -156,6 +157,7 @@ class _Stage:
         self.end.send(rid, endpoints, src_blocks, src_slot, dst_blocks, dst_slot, skip)
         for g in layers_done:
             self.end.layer_done(rid, g)
+        self.poller.wake()
 
     def batch(self, calls: list[list]):
         """Several [op, kwargs] commands in one round trip (stops at the first error)."""
@@ -167,7 +169,7 @@ class _Stage:
         want, got = set(rids), []
         deadline = time.monotonic() + timeout
         while want and time.monotonic() < deadline:
-            for ev in self.end.poll():
+            for ev in self.poller.take():
                 got.append(list(ev))
                 want.discard(ev.request_id)
             time.sleep(0.0005)
@@ -204,9 +206,8 @@ class _Stage:
     def _timed(self, rid: str, endpoint: str, *args) -> float:
         t0 = time.perf_counter()
         self.end.send(rid, endpoint, *args)
-        evs = []
-        while not evs:
-            evs = self.end.poll()
+        self.poller.wake()
+        evs = self.poller.wait()
         if not evs[0].ok:
             raise RuntimeError(f"handoff {rid} failed: {evs[0].error}")
         return time.perf_counter() - t0
@@ -224,6 +225,7 @@ class _Stage:
 
     def close(self):
         if self.end is not None:
+            self.poller.stop()
             self.end.close()
             self.end = None
 
@@ -261,3 +263,52 @@ class _captured_output:
         text = self.file.read().decode(errors="replace")
         self.file.close()
         return text
+
+
+class _Poller:
+    """Progresses the endpoint the way a worker does (NIXL has no progress thread of its
+    own): a thread polls it as often as it asks, woken when a sender starts writing."""
+
+    def __init__(self, end):
+        import threading
+
+        self.end, self._events, self._lock = end, [], threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._woken, self._stop = threading.Event(), False
+        if hasattr(end, "on_activity"):
+            end.on_activity = self._woken.set
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def wake(self):
+        self._woken.set()
+
+    def take(self) -> list:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def wait(self) -> list:
+        """Blocks (GIL released: a spinning waiter would starve the poller) until events."""
+        with self._ready:
+            while not self._events:
+                self._ready.wait()
+            out, self._events = self._events, []
+        return out
+
+    def stop(self):
+        self._stop = True
+        self._woken.set()
+        self._thread.join(timeout=5)
+
+    def _run(self):
+        while not self._stop:
+            evs = self.end.poll()
+            if evs:
+                with self._ready:
+                    self._events.extend(evs)
+                    self._ready.notify_all()
+                continue
+            interval = self.end.poll_interval()
+            self._woken.wait(0.05 if interval is None else interval)
+            self._woken.clear()
