@@ -48,13 +48,29 @@ def _ucxx(cfg: TransferConfig):
     if cfg.ucx_tls:
         os.environ["UCX_TLS"] = cfg.ucx_tls
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # requests complete through ucxx's notifier thread (Python futures), not by yield-polling
+    # from the asyncio loop: the latter kept an idle decode worker at 100% of a core
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     import ucxx
 
     return ucxx
 
 
 class _Loop:
-    """A daemon thread running the asyncio loop that owns every ucxx object."""
+    """A daemon thread running the asyncio loop that owns every ucxx object.
+
+    One per process, for its whole life: ucxx's notifier completes requests on the loop it
+    first saw, so a second loop would get futures attached to the first one."""
+
+    _instance: _Loop | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> _Loop:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
@@ -104,7 +120,7 @@ class UcxReceiver(RecvTransport):
         self._authorize, self._max = authorize, cfg.max_message_bytes
         self._connect_s = cfg.handshake_timeout_s
         self._landed: collections.deque[bytes] = collections.deque()
-        self._loop = _Loop()
+        self._loop = _Loop.shared()
         self._listener = self._loop.run(self._listen(), 30)
         self._meta = {"host": bind_host, "port": self._listener.port}
 
@@ -151,7 +167,6 @@ class UcxReceiver(RecvTransport):
 
     def close(self) -> None:
         self._loop.submit(self._close_listener()).result(5)
-        self._loop.loop.call_soon_threadsafe(self._loop.loop.stop)
 
     async def _close_listener(self):
         self._listener.close()
@@ -186,7 +201,7 @@ class UcxSender(SendTransport):
     def __init__(self, cfg: TransferConfig, pools: Pools, layout: StageLayout):
         self._ucxx, self._cfg = _ucxx(cfg), cfg
         self._mem = _Memory(pools)
-        self._loop = _Loop()
+        self._loop = _Loop.shared()
 
     def add_peer(self, meta: dict, layout: StageLayout) -> _Peer:
         host, port = meta.get("host"), meta.get("port")
@@ -236,4 +251,4 @@ class UcxSender(SendTransport):
             fut.cancel()
 
     def close(self) -> None:
-        self._loop.loop.call_soon_threadsafe(self._loop.loop.stop)
+        """Peers are closed by remove_peer; the shared loop lives on with the process."""
