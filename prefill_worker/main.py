@@ -9,11 +9,13 @@ from prefill_worker.server import PrefillServicer
 from prefill_worker.service import PrefillService
 
 
-def attach(cfg, engine, loop, server, worker_id: str, host: str) -> PrefillService:
-    from transfer import compute_fingerprint, make_sender
+def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None) -> PrefillService:
+    from transfer import SIDE_CHANNEL, compute_fingerprint, make_sender
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
-    service = PrefillService(loop, make_sender(cfg.transfer, engine.pools, fp), worker_id)
+    key = None if secret is None else secret.key(SIDE_CHANNEL)
+    service = PrefillService(loop, make_sender(cfg.transfer, engine.pools, fp, key), worker_id,
+                             secret)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(service), server)
     return service
 

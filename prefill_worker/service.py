@@ -9,6 +9,8 @@ import logging
 import queue
 import time
 
+from baton.auth import ClusterSecret
+from baton.auth.reservations import verify_reservation
 from baton.contract import PrefillInput, PrefillResult, Reservation
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
@@ -22,8 +24,11 @@ LEASE_SAFETY = 0.8
 
 
 class PrefillService:
-    def __init__(self, loop: EngineLoop, sender, worker_id: str):
+    def __init__(self, loop: EngineLoop, sender, worker_id: str,
+                 secret: ClusterSecret | None = None):
         self.loop = loop
+        self.secret = secret
+        """Verifies every destination before anything is computed or written."""
         self.sender = sender
         self.worker_id = worker_id
         self.events = EventRouter(sender.poll, sender.poll_interval)
@@ -31,6 +36,7 @@ class PrefillService:
 
     def prefill(self, inp: PrefillInput) -> PrefillResult:
         request_id, dest = inp.request_id, inp.destination
+        verify_reservation(self.secret, request_id, dest)  # NotPermittedError: nothing moves
         # the decode side's lease runs from its Reserve, just before this call: past it, the
         # reservation may be freed and reused, so writing into it would corrupt another request
         deadline = time.monotonic() + dest.lease_seconds * LEASE_SAFETY
@@ -78,6 +84,7 @@ class PrefillService:
             self.sender.send(
                 request_id, dest.transfer_endpoint, list(blocks), slot,
                 list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
+                incarnation=dest.incarnation or None,
             )
 
         self.loop.call(start)
