@@ -27,10 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface the router listens on (default 127.0.0.1: this machine only)")
     p.add_argument("--config")
 
     p = sub.add_parser("router", help="the gRPC router alone")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default=None,
+                   help="interface to listen on (default: config router.host)")
     p.add_argument("--config")
     p.add_argument("--model", default=None,
                    help="checkpoint whose tokenizer encodes text prompts (default: config model.path)")

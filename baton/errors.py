@@ -17,6 +17,15 @@ class CapacityError(BatonError, RuntimeError):
     """Pools cannot hold what was asked (maps to RESOURCE_EXHAUSTED)."""
 
 
+class AuthError(BatonError):
+    """The caller did not prove the cluster secret or an API key (maps to UNAUTHENTICATED)."""
+
+
+class NotPermittedError(BatonError):
+    """An authenticated caller asked for something it may not do: a destination its decode
+    worker did not sign, a live worker id from another address (maps to PERMISSION_DENIED)."""
+
+
 class TransferError(BatonError, RuntimeError):
     """A KV/state handoff failed, was refused, or its lease expired."""
 

@@ -54,12 +54,22 @@ def block_table(n: int, run: int, seed: int, offset: int = 0) -> list[int]:
 
 
 def run(args) -> list[dict]:
-    # `baton bench transfer` passes its own namespace: fill what it lacks with our defaults
+    # `baton bench transfer` passes its own namespace: fill what it lacks with our defaults,
+    # and measure both backends
     defaults = vars(parser().parse_args([]))
     if getattr(args, "quick", False):
         defaults.update(sizes_mib=[1, 16, 64], reps=3)
+    backends = [args.backend] if hasattr(args, "backend") else ["nixl", "ucx"]
     args = argparse.Namespace(**{**defaults, **{k: v for k, v in vars(args).items()
                                                  if k in defaults and k != "json"}})
+    rows = []
+    for backend in backends:
+        args.backend = backend
+        rows += _run_backend(args)
+    return rows
+
+
+def _run_backend(args) -> list[dict]:
     sizes = [int(s * 2**20) for s in args.sizes_mib]
     nblocks = [max(1, round((s - STATE_BYTES) / KV_BYTES_PER_BLOCK)) for s in sizes]
     pool = -(-max(nblocks) // args.run_blocks) * args.run_blocks + args.run_blocks

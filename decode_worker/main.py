@@ -9,12 +9,13 @@ from decode_worker.server import DecodeServicer
 from decode_worker.service import DecodeService
 
 
-def attach(cfg, engine, loop, server, worker_id: str, host: str) -> DecodeService:
-    from transfer import compute_fingerprint, make_receiver
+def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None) -> DecodeService:
+    from transfer import SIDE_CHANNEL, compute_fingerprint, make_receiver
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
-    receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host)
-    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds)
+    key = None if secret is None else secret.key(SIDE_CHANNEL)
+    receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host, key=key)
+    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds, secret)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(service), server)
     return service
 

@@ -41,5 +41,5 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return baton_pb2.StatsReply(
             worker_id=self.service.worker_id, role=wire.role_to_pb(Role.DECODE),
             load=wire.load_to_pb(load_of(self.service.loop)),
-            counters=counters_of(self.service.loop),
+            counters=counters_of(self.service.loop, request.pool_checksum),
         )

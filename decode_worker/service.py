@@ -10,6 +10,8 @@ import queue
 import threading
 from collections.abc import Iterator
 
+from baton.auth import ClusterSecret
+from baton.auth.reservations import sign_reservation
 from baton.contract import DecodeChunk, Reservation, ReserveInput
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
@@ -20,8 +22,11 @@ log = logging.getLogger("baton.decode")
 
 
 class DecodeService:
-    def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float):
+    def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float,
+                 secret: ClusterSecret | None = None):
         self.loop = loop
+        self.secret = secret
+        """Signs every reservation (None: the cluster has no secret; nothing is signed)."""
         self.receiver = receiver
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
@@ -43,8 +48,9 @@ class DecodeService:
             blocks = tuple(adm.block_table) if engine.pools.has_kv else ()
             slot = adm.slot if engine.pools.has_state else None
             self.receiver.expect(request_id, list(blocks), slot, self.lease_seconds)
-            return Reservation(self.worker_id, self.receiver.endpoint, blocks, slot, skip,
-                               self.lease_seconds)
+            res = Reservation(self.worker_id, self.receiver.endpoint, blocks, slot, skip,
+                              self.lease_seconds, self.receiver.incarnation)
+            return sign_reservation(self.secret, request_id, res)
 
         res = self.loop.call(do_reserve)
         self.events.wake()

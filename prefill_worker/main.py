@@ -9,12 +9,14 @@ from prefill_worker.server import PrefillServicer
 from prefill_worker.service import PrefillService
 
 
-def attach(cfg, engine, loop, server, worker_id: str, host: str) -> PrefillService:
-    from transfer import compute_fingerprint, make_sender
+def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None) -> PrefillService:
+    from transfer import SIDE_CHANNEL, compute_fingerprint, make_sender
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
-    sender = make_sender(cfg.transfer, engine.pools, fp)
-    service = PrefillService(loop, sender, worker_id, layerwise=cfg.transfer.layerwise)
+    key = None if secret is None else secret.key(SIDE_CHANNEL)
+    sender = make_sender(cfg.transfer, engine.pools, fp, key)
+    service = PrefillService(loop, sender, worker_id, layerwise=cfg.transfer.layerwise,
+                             secret=secret)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(service), server)
     return service
 

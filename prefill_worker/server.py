@@ -46,7 +46,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return baton_pb2.StatsReply(
             worker_id=self.service.worker_id, role=wire.role_to_pb(Role.PREFILL),
             load=wire.load_to_pb(load_of(self.service.loop)),
-            counters={**counters_of(self.service.loop),
+            counters={**counters_of(self.service.loop, request.pool_checksum),
                       "transfers_done": float(self.service.transfers_done),
                       **self.service.timings.counters()},
         )

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from baton.auth import ClusterSecret
+from baton.auth.reservations import verify_reservation
 from baton.contract import PrefillInput, PrefillResult, Reservation
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
@@ -86,8 +88,11 @@ class _Stream:
 
 
 class PrefillService:
-    def __init__(self, loop: EngineLoop, sender, worker_id: str, layerwise: bool = False):
+    def __init__(self, loop: EngineLoop, sender, worker_id: str, layerwise: bool = False,
+                 secret: ClusterSecret | None = None):
         self.loop = loop
+        self.secret = secret
+        """Verifies every destination before anything is written into it."""
         self.sender = sender
         self.worker_id = worker_id
         self.layerwise = layerwise
@@ -101,6 +106,8 @@ class PrefillService:
         """Compute `inp` and hand it off; `destination()` blocks until the router reserved it
         (only asked when `inp` carries none) and returns None if it never will."""
         rid = inp.request_id
+        if inp.destination is not None:  # known already: nothing is computed for a forgery
+            verify_reservation(self.secret, rid, inp.destination)
         box: queue.Queue[RequestOutput] = queue.Queue()
         t0 = time.perf_counter()
         self.loop.submit(Request(rid, list(inp.prompt_ids), inp.sampling,
@@ -113,6 +120,11 @@ class PrefillService:
         if dest is None:
             self.abort(rid)
             raise RequestCancelled(f"prefill of {rid}: the router sent no destination")
+        try:  # the compute may already run; not one byte is written before this check
+            verify_reservation(self.secret, rid, dest)
+        except BaseException:
+            self.abort(rid)
+            raise
         # the decode side's lease runs from its Reserve, just before the destination arrived:
         # past it, the reservation may be freed and reused, so writing into it would corrupt
         # another request
@@ -171,7 +183,8 @@ class PrefillService:
     def _send(self, rid: str, dest: Reservation, blocks: list[int], slot: int | None,
               layerwise: bool) -> None:
         self.sender.send(rid, dest.transfer_endpoint, list(blocks), slot, list(dest.block_ids),
-                         dest.slot, skip_blocks=dest.skip_blocks, layerwise=layerwise)
+                         dest.slot, skip_blocks=dest.skip_blocks,
+                         incarnation=dest.incarnation or None, layerwise=layerwise)
         self.events.wake()
 
     def _await_landing(self, rid: str, dest: Reservation) -> float:

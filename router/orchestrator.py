@@ -88,23 +88,27 @@ class Orchestrator:
         self.tokenizer = tokenizer
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
-        """Validates, then streams the request's chunks; the last one carries the summary."""
-        rid = inp.request_id or uuid.uuid4().hex
+        """Validates, then streams the request's chunks; the last one carries the summary.
+
+        The client's request id is only a label echoed in the chunks: on the workers the
+        request has its own key, so two requests that share an id are two requests."""
+        key = uuid.uuid4().hex
+        rid = inp.request_id or key
         prompt = self._prompt_ids(inp)
         inp.sampling.validate()
         start = time.perf_counter()
         excluded: set[str] = set()
         failures: list[str] = []
         for attempt in range(self.config.max_retries + 1):
-            choice = self._route(RouteRequest(rid, prompt, inp.session_id), excluded, failures)
+            choice = self._route(RouteRequest(key, prompt, inp.session_id), excluded, failures)
             # each attempt has its own id on the workers: a late event of a failed attempt
             # (lease expiry, stray transfer) can then never touch the retry's reservation
-            wid = rid if attempt == 0 else f"{rid}~retry{attempt}"
+            wid = key if attempt == 0 else f"{key}~retry{attempt}"
             run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
             try:
                 first = run.start()
             except WorkerFailed as e:
-                log.warning("request %s attempt %d: %s", rid, attempt + 1, e)
+                log.warning("request %s (%s) attempt %d: %s", rid, wid, attempt + 1, e)
                 excluded.add(e.worker_id)
                 failures.append(str(e))
                 continue
@@ -150,7 +154,7 @@ class _Attempt:
     def __init__(self, orch, rid, wid, prompt, inp: GenerateInput, choice: RouteChoice, cancel):
         self.orch, self.rid, self.prompt, self.inp = orch, rid, prompt, inp
         self.wid = wid
-        """The request's id on the workers (differs from `rid` on retries)."""
+        """The request's key on the workers (the router's own; `rid` is the client's label)."""
         self.p, self.d = choice
         self.cancel = cancel
         self.pc, self.dc = orch.clients(self.p), orch.clients(self.d)

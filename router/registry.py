@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from baton.contract import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
+from baton.errors import NotPermittedError
 
 
 class WorkerListener(Protocol):
@@ -43,11 +44,23 @@ class Registry:
         """Called with the worker id after it left (e.g. to close its channel)."""
 
     def register(self, info: WorkerInfo) -> None:
-        """Adds or replaces a worker; a re-registration starts its snapshot set afresh."""
+        """Adds or replaces a worker; a re-registration starts its snapshot set afresh.
+
+        A live worker's id cannot move to another address (that would hijack its requests);
+        once it is silent past eject_after_seconds, or deregistered, the id is free again."""
         if not info.worker_id or not info.address:
             raise ValueError(f"worker_id and address are required, got {info!r}")
         with self._lock:
-            known = info.worker_id in self._workers
+            rec = self._workers.get(info.worker_id)
+            live = rec is not None and self._clock() - rec.last_seen <= self.eject_after_seconds
+            if live and rec.info.address != info.address:
+                raise NotPermittedError(
+                    f"worker id {info.worker_id!r} is registered and live at another address; "
+                    f"a worker keeps its id only from its own address (wait "
+                    f"{self.eject_after_seconds:g}s after it stops, or give this worker its "
+                    f"own id)"
+                )
+            known = rec is not None
             self._workers[info.worker_id] = _Record(info, info.load, self._clock())
         if known:
             self._notify_forget(info.worker_id)

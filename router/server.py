@@ -1,11 +1,14 @@
 """The router process's gRPC edge: baton.v1.Router, baton.v1.Registry and grpc.health.v1.
 
 Protobuf stops here (and in worker_client.py); everything behind is plain dataclasses.
-`run_router(port, config)` starts a server and returns a handle with `stop()`.
+`run_router(port, config, tokenizer, secret, api_keys)` starts a server and returns a handle
+with `stop()`. With a cluster secret, Registry calls must carry its bearer; with API keys,
+Router calls must carry one of them (or the cluster bearer); health is always open.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 from concurrent import futures
@@ -14,9 +17,12 @@ from dataclasses import dataclass, replace
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton.auth import ClusterSecret
+from baton.auth.grpc_auth import ServerGuard
 from baton.config.router import RouterConfig
 from baton.contract import wire
-from baton.contract.status import status_of
+from baton.contract.status import abort_with, status_of
+from baton.errors import NotPermittedError
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
@@ -76,8 +82,8 @@ class RegistryServicer(rgrpc.RegistryServicer):
     def Register(self, request, context):
         try:
             self._registry.register(wire.register_from_pb(request))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (ValueError, NotPermittedError) as e:
+            abort_with(context, e)
         log.info(
             "worker %s (%s) registered at %s", request.worker_id, request.role, request.address
         )
@@ -126,17 +132,20 @@ class RouterHandle:
 
 
 def run_router(
-    port: int, config: RouterConfig | None = None, tokenizer: Tokenizer | None = None
+    port: int, config: RouterConfig | None = None, tokenizer: Tokenizer | None = None,
+    secret: ClusterSecret | None = None, api_keys: frozenset[str] = frozenset(),
 ) -> RouterHandle:
     """Starts the router on `port` (0 = pick a free one) and returns at once."""
     config = config or RouterConfig()
     policy = make_policy(config)
     registry = Registry(config.eject_after_seconds, listeners=[policy])
-    clients = WorkerClients(config)
+    bearer = secret.bearer if secret is not None else None
+    clients = WorkerClients(config, bearer)
     registry.on_remove.append(clients.drop)
     orch = Orchestrator(config, registry, policy, clients, tokenizer)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads),
+                         interceptors=[_guard(bearer, api_keys)])
     rgrpc.add_RouterServicer_to_server(RouterServicer(orch), server)
     rgrpc.add_RegistryServicer_to_server(RegistryServicer(registry, config), server)
     health_servicer = health.HealthServicer()
@@ -144,6 +153,12 @@ def run_router(
     bound = server.add_insecure_port(f"{config.host}:{port}")
     if bound == 0:
         raise OSError(f"router could not bind {config.host}:{port}; pick another router port")
+    if not api_keys and not _is_loopback(config.host):
+        log.warning(
+            "the router listens on %s without API keys: anyone who reaches port %d can run "
+            "requests; set router.api_keys_file or BATON_API_KEY, or router.host: 127.0.0.1",
+            config.host, bound,
+        )
     server.start()
     for name in ("", *SERVICES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -154,6 +169,24 @@ def run_router(
     ).start()
     log.info("router serving on port %d (policy %s)", bound, config.policy)
     return RouterHandle(bound, server, registry, policy, orch, health_servicer, clients, stop_event)
+
+
+def _guard(bearer: str | None, api_keys: frozenset[str]) -> ServerGuard:
+    cluster = None if bearer is None else {bearer}
+    public = None if not api_keys else {*api_keys, *(cluster or ())}
+    return ServerGuard(
+        tokens={"baton.v1.Registry": cluster, "baton.v1.Router": public},
+        hints={"baton.v1.Router": "an API key (router.api_keys_file or BATON_API_KEY)"},
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _eject_loop(registry: Registry, config: RouterConfig, stop: threading.Event) -> None:

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import grpc
 
+from baton.auth.grpc_auth import authorized
 from baton.config.router import RouterConfig
 from baton.contract import (
     DecodeChunk,
@@ -133,8 +134,10 @@ class GrpcPrefillCall:
 class WorkerClients:
     """One channel per live worker, opened on first use and closed when the worker leaves."""
 
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, bearer: str | None = None):
         self.config = config
+        self._bearer = bearer
+        """The cluster secret's bearer, sent on every worker call (None: no secret)."""
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[str, grpc.Channel, GrpcWorkerClient]] = {}
 
@@ -144,7 +147,7 @@ class WorkerClients:
             if entry is None or entry[0] != view.address:
                 if entry is not None:
                     entry[1].close()
-                channel = grpc.insecure_channel(view.address)
+                channel = authorized(grpc.insecure_channel(view.address), self._bearer)
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
             return entry[2]

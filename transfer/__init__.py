@@ -6,8 +6,10 @@ Facade for single-stage workers (one Receiver / Sender per stage process):
 
     fingerprint = compute_fingerprint(model_cfg, pools.spec)       # same on both sides
 
+    key = secret.key(SIDE_CHANNEL)   # None without a cluster secret: unsealed side channel
+
     # decode side
-    receiver = make_receiver(cfg, pools, fingerprint, bind_host="127.0.0.1")
+    receiver = make_receiver(cfg, pools, fingerprint, bind_host="127.0.0.1", key=key)
     receiver.endpoint                    # "tcp://host:port", handed to prefill workers
     receiver.expect(rid, block_ids, slot, lease_s)   # destination reserved and leased
     receiver.poll() -> [TransferEvent(rid, ok, error)]   # landed / aborted / lease expired
@@ -15,7 +17,7 @@ Facade for single-stage workers (one Receiver / Sender per stage process):
     receiver.close()
 
     # prefill side
-    sender = make_sender(cfg, pools, fingerprint)
+    sender = make_sender(cfg, pools, fingerprint, key=key)
     sender.connect(endpoint)             # optional eager handshake; TransferError if refused
     sender.send(rid, endpoint_or_endpoints, src_block_ids, src_slot,
                 dst_block_ids, dst_slot, skip_blocks=0)   # starts, never waits for data
@@ -46,8 +48,11 @@ from transfer.fingerprint import compute_fingerprint
 _BACKENDS = {"nixl": ("transfer.nixl_backend", "NixlReceiver", "NixlSender"),
              "ucx": ("transfer.ucx_backend", "UcxReceiver", "UcxSender")}
 
-__all__ = ["TransferConfig", "TransferEvent", "compute_fingerprint", "make_receiver",
-           "make_sender"]
+__all__ = ["SIDE_CHANNEL", "TransferConfig", "TransferEvent", "compute_fingerprint",
+           "make_receiver", "make_sender"]
+
+SIDE_CHANNEL = "transfer-side-channel"
+"""The purpose name of the side-channel key derived from the cluster secret."""
 
 
 def _backend(cfg: TransferConfig, index: int):
@@ -56,15 +61,15 @@ def _backend(cfg: TransferConfig, index: int):
 
 
 def make_receiver(cfg: TransferConfig, pools: Pools, fingerprint: dict,
-                  bind_host: str = "127.0.0.1"):
-    """Decode-side endpoint of one stage (see module doc)."""
+                  bind_host: str = "127.0.0.1", key: bytes | None = None):
+    """Decode-side endpoint of one stage (see module doc); `key` seals the side channel."""
     from transfer.receiver import Receiver
 
-    return Receiver(cfg, pools, fingerprint, bind_host, _backend(cfg, 0))
+    return Receiver(cfg, pools, fingerprint, bind_host, _backend(cfg, 0), key)
 
 
-def make_sender(cfg: TransferConfig, pools: Pools, fingerprint: dict):
-    """Prefill-side endpoint of one stage (see module doc)."""
+def make_sender(cfg: TransferConfig, pools: Pools, fingerprint: dict, key: bytes | None = None):
+    """Prefill-side endpoint of one stage (see module doc); `key` seals the side channel."""
     from transfer.sender import Sender
 
-    return Sender(cfg, pools, fingerprint, _backend(cfg, 1))
+    return Sender(cfg, pools, fingerprint, _backend(cfg, 1), key)

@@ -12,6 +12,7 @@ The receiver never frees anything itself: the worker's cache manager owns the bl
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -51,10 +52,12 @@ class Receiver:
     """Thread-safe: one lock guards the transport and the lease table."""
 
     def __init__(self, cfg: TransferConfig, pools: Pools, fingerprint: dict, bind_host: str,
-                 transport_cls: type[RecvTransport]):
+                 transport_cls: type[RecvTransport], key: bytes | None = None):
         self.cfg = cfg
         self.layout = StageLayout.from_pools(pools)
         self.fingerprint = fingerprint
+        self.incarnation = secrets.token_hex(8)
+        """Random id of this receiver: reservations name it, senders check it at handshake."""
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
         self._early: dict[str, tuple[float, list[dict]]] = {}
@@ -65,7 +68,7 @@ class Receiver:
         """Called (listener thread) when a sender starts writing: poll fast now."""
         self._transport = transport_cls(cfg, pools, bind_host, self._authorize)
         self._welcome = None
-        self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message)
+        self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message, key)
         self.endpoint = self._listener.endpoint
         """`tcp://host:port` of the side channel, handed to prefill workers."""
 
@@ -183,17 +186,19 @@ class Receiver:
             if known and self.on_activity is not None:
                 self.on_activity()
             return None
+        # a refusal names the field only: it never shows this worker's own values to a peer
         if msg["backend"] != self._transport.backend:
             return wire.encode("refused", field="backend", error=(
-                f"incompatible peer: fingerprint field 'backend' differs (local "
-                f"{self._transport.backend!r}, peer {msg['backend']!r}); set transfer.backend"))
-        try:
-            fp.check(self.fingerprint, msg["fingerprint"], who="prefill peer")
-        except TransferError as e:
-            field_name = fp.mismatch(self.fingerprint, msg["fingerprint"])[0]
-            return wire.encode("refused", error=str(e), field=field_name)
+                "incompatible peer: fingerprint field 'backend' differs from this decode "
+                "worker's; set transfer.backend the same on both"))
+        diff = fp.mismatch(self.fingerprint, msg["fingerprint"])
+        if diff is not None:
+            return wire.encode("refused", field=diff[0], error=(
+                f"incompatible peer: fingerprint field '{diff[0]}' differs from this decode "
+                "worker's; prefill and decode must run the same model, dtype and cache settings"))
         if self._welcome is None:
             self._welcome = wire.encode("welcome", layout=self.layout.to_wire(),
                                         fingerprint=self.fingerprint,
-                                        transport=self._transport.metadata())
+                                        transport=self._transport.metadata(),
+                                        incarnation=self.incarnation)
         return self._welcome

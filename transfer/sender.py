@@ -38,6 +38,7 @@ class _Peer:
     client: Client
     layout: StageLayout
     handle: object
+    incarnation: str = ""
 
 
 @dataclass
@@ -59,10 +60,12 @@ class Sender:
     """Thread-safe: one lock guards the transport, the peers and the in-flight table."""
 
     def __init__(self, cfg: TransferConfig, pools: Pools, fingerprint: dict,
-                 transport_cls: type[SendTransport]):
+                 transport_cls: type[SendTransport], key: bytes | None = None):
         self.cfg = cfg
         self.layout = StageLayout.from_pools(pools)
         self.fingerprint = fingerprint
+        self._key = key
+        """Side-channel key from the cluster secret (None: messages go unsealed)."""
         self._lock = threading.Lock()
         self._transport = transport_cls(cfg, pools, self.layout)
         self._peers: dict[str, _Peer] = {}
@@ -76,9 +79,12 @@ class Sender:
 
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
-             skip_blocks: int = 0, layerwise: bool | None = None) -> None:
+             skip_blocks: int = 0, incarnation: str | None = None,
+             layerwise: bool | None = None) -> None:
         """Start moving one request to every decode stage in `endpoint`; never blocks on data.
-        Layer-wise (default: `transfer.layerwise`), nothing leaves before `layer_done`."""
+        `incarnation`: the receiver the destination was reserved on; another one (the decode
+        worker restarted at the same endpoint) fails the request before a byte moves.
+        Layer-wise (default: `transfer.layerwise`), nothing leaves before `layers_done`."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         with self._lock:
             if request_id in self._inflight:
@@ -88,7 +94,7 @@ class Sender:
             self._inflight[request_id] = fl
             try:
                 for ep in endpoints:
-                    peer = self._peer(ep)
+                    peer = self._peer_of(ep, incarnation, request_id)
                     fl.peers.append(peer)
                     p = plan(self.layout, peer.layout, src_block_ids, src_slot, dst_block_ids,
                              dst_slot, skip_blocks)
@@ -148,22 +154,45 @@ class Sender:
     def _peer(self, endpoint: str) -> _Peer:
         if endpoint in self._peers:
             return self._peers[endpoint]
-        client = Client(endpoint, self.cfg.max_message_bytes)
+        client = Client(endpoint, self.cfg.max_message_bytes, self._key)
         try:
             hello = wire.encode("hello", fingerprint=self.fingerprint,
                                 backend=self._transport.backend)
             reply = client.request(hello, self.cfg.handshake_timeout_s)
             if reply["op"] == "refused":
+                mine = self._own_value(reply["field"])
                 raise TransferError(f"decode peer {endpoint} refused the handshake "
-                                    f"(field '{reply['field']}'): {reply['error']}")
+                                    f"(field '{reply['field']}'): {reply['error']}{mine}")
             fp.check(self.fingerprint, reply["fingerprint"], who="decode peer")
             layout = StageLayout.from_wire(reply["layout"])
             handle = self._transport.add_peer(reply["transport"], layout)
         except BaseException:
             client.close()
             raise
-        self._peers[endpoint] = peer = _Peer(client, layout, handle)
+        self._peers[endpoint] = peer = _Peer(client, layout, handle, reply["incarnation"])
         return peer
+
+    def _peer_of(self, endpoint: str, incarnation: str | None, request_id: str) -> _Peer:
+        """The handshaken peer at `endpoint`, which must be the receiver that made the
+        reservation; a cached peer from before a restart there is handshaken afresh."""
+        peer = self._peer(endpoint)
+        if incarnation is None or peer.incarnation == incarnation:
+            return peer
+        self._drop_peer(endpoint, f"decode peer {endpoint} was replaced (new incarnation)")
+        peer = self._peer(endpoint)
+        if peer.incarnation != incarnation:
+            raise TransferError(
+                f"destination of {request_id} was reserved on another incarnation of the decode "
+                f"worker at {endpoint} (it restarted since); nothing was sent")
+        return peer
+
+    def _own_value(self, field_name: str) -> str:
+        """This side's value of a refused field (the decode side never shows its own)."""
+        if field_name == "backend":
+            return f" (this prefill worker uses {self._transport.backend!r})"
+        if field_name in self.fingerprint:
+            return f" (this prefill worker has {self.fingerprint[field_name]!r})"
+        return ""
 
     def _post_layers(self, rid: str, fl: _InFlight, layers: set[int]) -> None:
         slot, blocks = fl.notify

@@ -9,6 +9,9 @@
 The listener owns its socket in its own thread; the client is used only under
 its owner's lock. Oversized messages are dropped by ZeroMQ (MAXMSGSIZE) and
 everything else malformed is answered with `refused` while the loop keeps going.
+With a key (the cluster secret's side-channel key) every frame is sealed both ways
+(transfer/wire.py: seal); a frame whose MAC does not verify is dropped unread and
+unanswered, so an outsider learns nothing, not even that the message was malformed.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ Handler = Callable[[bytes, dict], bytes | None]
 class Listener:
     """ROUTER socket bound to `tcp://host:<free port>`, served by a daemon thread."""
 
-    def __init__(self, host: str, max_bytes: int, handler: Handler):
+    def __init__(self, host: str, max_bytes: int, handler: Handler, key: bytes | None = None):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -40,10 +43,13 @@ class Listener:
         self.endpoint = f"tcp://{host}:{port}"
         self._max = max_bytes
         self._handler = handler
+        self._key = key
         self._peers: set[bytes] = set()
         self._stop = threading.Event()
         self.rejected = 0
         """Messages refused as malformed (for tests and logs)."""
+        self.unauthenticated = 0
+        """Frames dropped because their MAC did not verify."""
         self._thread = threading.Thread(target=self._run, name="baton-side-channel", daemon=True)
         self._thread.start()
 
@@ -53,7 +59,8 @@ class Listener:
                 if self._sock.poll(50, zmq.POLLIN):
                     self._serve_one()
             for ident in self._peers:
-                self._sock.send_multipart([ident, wire.encode("bye")], zmq.NOBLOCK)
+                self._sock.send_multipart([ident, wire.seal(wire.encode("bye"), self._key)],
+                                          zmq.NOBLOCK)
         except Exception:  # the loop must outlive anything a peer sends
             log.exception("side-channel listener stopped")
         finally:
@@ -66,6 +73,15 @@ class Listener:
             return
         ident, data = frames
         try:
+            data = wire.unseal(data, self._key)
+        except wire.Unauthenticated:
+            self.unauthenticated += 1
+            if self.unauthenticated in (1, 10, 100) or self.unauthenticated % 1000 == 0:
+                log.warning("side channel %s dropped %d unauthenticated message(s); do all "
+                            "workers share the cluster secret?", self.endpoint,
+                            self.unauthenticated)
+            return
+        try:
             msg = wire.decode(data, self._max, ops=("hello", "abort", "posted"))
             reply = self._handler(ident, msg)
             if msg["op"] == "hello" and len(self._peers) < 1024:
@@ -73,12 +89,13 @@ class Listener:
         except TransferError as e:
             self.rejected += 1
             reply = wire.encode("refused", error=str(e), field="message")
-        except Exception as e:
+        except Exception:
             self.rejected += 1
             log.exception("side-channel handler failed")
-            reply = wire.encode("refused", error=f"internal error: {e}", field="message")
+            reply = wire.encode("refused", error="internal error (see the decode worker's log)",
+                                field="message")
         if reply is not None:
-            self._sock.send_multipart([ident, reply], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, wire.seal(reply, self._key)], zmq.NOBLOCK)
 
     def close(self) -> None:
         self._stop.set()
@@ -89,8 +106,9 @@ class Listener:
 class Client:
     """DEALER socket to one receiver's endpoint."""
 
-    def __init__(self, endpoint: str, max_bytes: int):
+    def __init__(self, endpoint: str, max_bytes: int, key: bytes | None = None):
         self.endpoint = endpoint
+        self._key = key
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -100,15 +118,21 @@ class Client:
 
     def request(self, data: bytes, timeout_s: float) -> dict:
         """Send and wait for the reply (welcome / refused); TransferError on timeout."""
-        self._sock.send(data)
+        self._sock.send(wire.seal(data, self._key))
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise TransferError(f"no handshake reply from {self.endpoint} within {timeout_s} s; "
-                                "is the decode worker up? (transfer.handshake_timeout_s)")
-        return wire.decode(self._sock.recv(), self._max, ops=("welcome", "refused"))
+                                "is the decode worker up, and does it hold the same cluster "
+                                "secret? (transfer.handshake_timeout_s)")
+        try:
+            reply = wire.unseal(self._sock.recv(), self._key)
+        except wire.Unauthenticated as e:
+            raise TransferError(f"the handshake reply from {self.endpoint} is not authenticated "
+                                f"({e}); prefill and decode must share the cluster secret") from None
+        return wire.decode(reply, self._max, ops=("welcome", "refused"))
 
     def send(self, data: bytes) -> None:
         try:
-            self._sock.send(data, zmq.NOBLOCK)
+            self._sock.send(wire.seal(data, self._key), zmq.NOBLOCK)
         except zmq.Again:
             pass  # best effort: the peer's lease covers a lost abort
 
@@ -117,7 +141,8 @@ class Client:
         out = []
         while self._sock.poll(0, zmq.POLLIN):
             try:
-                out.append(wire.decode(self._sock.recv(), self._max, ops=("bye",)))
+                data = wire.unseal(self._sock.recv(), self._key)
+                out.append(wire.decode(data, self._max, ops=("bye",)))
             except TransferError as e:
                 log.warning("ignoring malformed message from %s: %s", self.endpoint, e)
         return out

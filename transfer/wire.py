@@ -4,9 +4,14 @@ No pickle anywhere on the wire (pickle over ZeroMQ was a remote-code hole in
 vLLM). `decode` turns anything malformed (truncated, oversized, wrong types,
 unknown op) into a TransferError that a listener reports and survives.
 
+With a cluster secret every side-channel message is sealed: `seal` appends an
+HMAC-SHA256 of the encoded message under the side-channel key, `unseal` checks
+and strips it (Unauthenticated if it does not verify), before anything is parsed.
+
     sender -> receiver   {"v": 1, "op": "hello", "fingerprint": {...}, "backend": "nixl"}
     receiver -> sender   {"v": 1, "op": "welcome", "layout": {...}, "fingerprint": {...},
-                          "transport": {...}}                  (transport: backend-specific)
+                          "transport": {...}, "incarnation": "..."}
+                          (transport: backend-specific; incarnation: random per receiver)
                      or  {"v": 1, "op": "refused", "error": "...", "field": "dtype"}
     sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "..."}
     sender -> receiver   {"v": 1, "op": "posted", "rid": "..."}   (writes started: watch now)
@@ -18,6 +23,9 @@ unknown op) into a TransferError that a listener reports and survives.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import msgpack
 import numpy as np
 
@@ -27,7 +35,8 @@ VERSION = 1
 
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"fingerprint": (dict,), "backend": (str,)},
-    "welcome": {"layout": (dict,), "fingerprint": (dict,), "transport": (dict,)},
+    "welcome": {"layout": (dict,), "fingerprint": (dict,), "transport": (dict,),
+                "incarnation": (str,)},
     "refused": {"error": (str,), "field": (str,)},
     "abort": {"rid": (str,), "error": (str,)},
     "posted": {"rid": (str,)},
@@ -61,6 +70,30 @@ def decode(data: object, max_bytes: int, ops: tuple[str, ...] | None = None) -> 
         if v is _MISSING or not isinstance(v, types) or isinstance(v, bool):
             raise TransferError(f"message {op}.{key} is missing or malformed: {v!r}")
     return msg
+
+
+MAC_BYTES = 32
+
+
+class Unauthenticated(TransferError):
+    """A sealed channel got a message without a valid MAC (wrong or no cluster secret)."""
+
+
+def seal(data: bytes, key: bytes | None) -> bytes:
+    """`data` + its MAC under `key`; unchanged when there is no key (no cluster secret)."""
+    return data if key is None else data + hmac.new(key, data, hashlib.sha256).digest()
+
+
+def unseal(data: object, key: bytes | None) -> bytes:
+    """The message inside a sealed frame; Unauthenticated unless its MAC verifies."""
+    if key is None:
+        return data
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < MAC_BYTES:
+        raise Unauthenticated("message carries no MAC")
+    body, mac = bytes(data[:-MAC_BYTES]), bytes(data[-MAC_BYTES:])
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), mac):
+        raise Unauthenticated("message MAC does not verify")
+    return body
 
 
 def landed(rid: str, layers, slot: int | None, blocks) -> bytes:

@@ -12,6 +12,10 @@ import time
 
 import grpc
 
+from baton.auth import ENV_TOKEN, ClusterSecret
+from baton.auth.grpc_auth import authorized
+from baton.auth.secret import configured_token
+from baton.config import BatonConfig
 from baton.errors import BatonError
 from baton.proto_gen import router_pb2, router_pb2_grpc
 
@@ -32,22 +36,31 @@ def _cmd(*args: str) -> list[str]:
 
 
 class LocalCluster:
-    """The processes of one local cluster; `stop()` ends every one of them."""
+    """The processes of one local cluster; `stop()` ends every one of them.
+
+    They share one cluster secret: the configured one (`BATON_CLUSTER_TOKEN` or
+    `cluster.token_file`), else a fresh random one that only they know (`token`)."""
 
     def __init__(self, model: str, prefill: int, decode: int, port: int, config: str | None,
-                 log_level: str = "INFO"):
-        self.address = f"127.0.0.1:{port}"
+                 log_level: str = "INFO", host: str = "127.0.0.1"):
+        local = host in ("0.0.0.0", "::", "")
+        self.address = f"{'127.0.0.1' if local else host}:{port}"
+        self.token = configured_token(BatonConfig.load(config).cluster) or \
+            ClusterSecret.generate()
+        self.secret = ClusterSecret(self.token)
         extra = ["--config", config] if config else []
         base = ["--log-level", log_level]
         self.procs: list[subprocess.Popen] = []
         self.expected = prefill + decode
-        self._spawn(_cmd(*base, "router", "--port", str(port), "--model", model, *extra))
+        self._spawn(_cmd(*base, "router", "--port", str(port), "--host", host, "--model", model,
+                         *extra))
         for role, n in (("prefill-worker", prefill), ("decode-worker", decode)):
             for _ in range(n):
                 self._spawn(_cmd(*base, role, "--router", self.address, "--model", model, *extra))
 
     def _spawn(self, cmd: list[str]) -> None:
         env = dict(os.environ)
+        env[ENV_TOKEN] = self.token  # never on a command line, where `ps` would show it
         # several worker processes share this machine's cores: split them instead of oversubscribing
         env.setdefault("BATON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.expected)))
         # children's banners go to stderr: stdout stays for what the caller prints (JSON)
@@ -58,7 +71,7 @@ class LocalCluster:
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as ch:
+        with authorized(grpc.insecure_channel(self.address), self.secret.bearer) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             while time.monotonic() < deadline:
                 dead = [" ".join(p.args[5:7]) for p in self.procs if p.poll() is not None]
@@ -95,7 +108,8 @@ def serve_local(args) -> int:
     model = str(resolve_model(args.model))  # make `tiny` once, before the workers race for it
     # SIGTERM (a supervisor, `timeout`) must stop the workers too: they run in their own sessions
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config)
+    cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config,
+                           host=args.host)
     try:
         cluster.wait_ready()
         print(f"baton cluster ready: router at {cluster.address} "

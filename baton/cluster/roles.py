@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import replace
 
 from baton.config import BatonConfig
 
 
 def run_router_role(args) -> int:
+    from baton.auth import load_secret
+    from baton.auth.api_keys import load_api_keys
     from baton.model.registry import resolve_model
     from baton.model.tokenizer import load_tokenizer
     from router.server import run_router
 
     cfg = BatonConfig.load(args.config)
+    router_cfg = cfg.router if args.host is None else replace(cfg.router, host=args.host)
+    secret = load_secret(cfg.cluster, role="router")
+    api_keys = load_api_keys(router_cfg.api_keys_file)
     tokenizer = load_tokenizer(resolve_model(args.model or cfg.model.path))
-    handle = run_router(args.port, cfg.router, tokenizer)
+    handle = run_router(args.port, router_cfg, tokenizer, secret, api_keys)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"router serving on {cfg.router.host}:{handle.port}", flush=True)
+    print(f"router serving on {router_cfg.host}:{handle.port}", flush=True)
     stop.wait()
     handle.stop()
     return 0

@@ -1,4 +1,4 @@
-"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`."""
+"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`, `cluster`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import yaml
 
 from baton.config.base import from_dict
 from baton.config.cache import CacheConfig
+from baton.config.cluster import ClusterConfig
 from baton.config.router import RouterConfig
 from baton.config.transfer import TransferConfig
 from baton.errors import ConfigError
@@ -47,6 +48,16 @@ class BatonConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            if getattr(self.cluster, key):
+                raise ConfigError(
+                    f"cluster.{key} is set but TLS between cluster processes is not supported "
+                    "yet; remove the key and keep cluster traffic on a private network (the "
+                    "cluster secret authenticates every call, it does not encrypt)"
+                )
 
     @classmethod
     def from_dict(cls, data: dict | None) -> BatonConfig:

@@ -24,7 +24,11 @@ class RouterConfig:
     session_max_entries: int = 100_000
     """Bound on the session policy's session -> workers table (LRU)."""
     host: str = "0.0.0.0"
-    """Interface the router's gRPC server listens on."""
+    """Interface the router's gRPC server listens on (`baton serve` uses 127.0.0.1); on any
+    other than loopback without API keys the router logs a warning."""
+    api_keys_file: str = ""
+    """File of public API keys, one a line: Generate and ListWorkers then need
+    `authorization: Bearer <key>` (`BATON_API_KEY` adds one key). Unset: the public API is open."""
     server_threads: int = 256
     """gRPC server threads; each in-flight Generate stream holds one."""
     reserve_timeout_seconds: float = 10.0

@@ -2,6 +2,8 @@
 
     InvalidRequestError   INVALID_ARGUMENT     the request itself is bad; never retried
     CapacityError         RESOURCE_EXHAUSTED   pools or queue full
+    AuthError             UNAUTHENTICATED      no (valid) cluster secret or API key
+    NotPermittedError     PERMISSION_DENIED    unsigned destination, worker id takeover
     NoWorkersError        UNAVAILABLE          transient: no live worker of a role
     WorkerFailed          UNAVAILABLE          transient: retried on another worker pair
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
@@ -14,8 +16,10 @@ from __future__ import annotations
 import grpc
 
 from baton.errors import (
+    AuthError,
     CapacityError,
     InvalidRequestError,
+    NotPermittedError,
     NoWorkersError,
     RequestCancelled,
     TransferError,
@@ -25,6 +29,8 @@ from baton.errors import (
 STATUS_OF = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AuthError: grpc.StatusCode.UNAUTHENTICATED,
+    NotPermittedError: grpc.StatusCode.PERMISSION_DENIED,
     NoWorkersError: grpc.StatusCode.UNAVAILABLE,
     WorkerFailed: grpc.StatusCode.UNAVAILABLE,
     TransferError: grpc.StatusCode.UNAVAILABLE,

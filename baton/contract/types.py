@@ -75,6 +75,11 @@ class Reservation:
     skip_blocks: int = 0
     """Leading prompt blocks the decode worker already holds."""
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    incarnation: str = ""
+    """Random id of the decode worker's transfer endpoint process (a restart changes it)."""
+    signature: bytes = b""
+    """The decode worker's HMAC over the request id and every field above; the prefill worker
+    writes nothing unless it verifies (baton/auth/reservations.py). Empty without a secret."""
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,8 @@ def reservation_from_pb(m: wpb.ReserveReply | wpb.Destination) -> Reservation:
         slot=m.slot if m.HasField("slot") else None,
         skip_blocks=m.skip_blocks,
         lease_seconds=m.lease_seconds or DEFAULT_LEASE_SECONDS,
+        incarnation=m.incarnation,
+        signature=m.signature,
     )
 
 
@@ -268,6 +270,8 @@ def reservation_to_pb(r: Reservation, cls=wpb.ReserveReply):
         block_ids=r.block_ids,
         skip_blocks=r.skip_blocks,
         lease_seconds=r.lease_seconds,
+        incarnation=r.incarnation,
+        signature=r.signature,
     )
     if r.slot is not None:
         m.slot = r.slot

@@ -149,33 +149,70 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step. A failure is confined to the requests it concerns: a request the pools
+        can never hold, or whose blocks, snapshot or draw fail, ends alone with an ERROR
+        output; a forward pass that raises ends the requests of that forward only (their
+        state is half-updated), never the rest of the batch."""
         plan = self.scheduler.schedule()
-        sampled = self._prefill(plan.prefills)
+        failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
+        sampled = self._prefill(plan.prefills, failed)
         if plan.decodes:
-            logits = self._decode(plan.decodes)
-            sampled.extend(zip(plan.decodes, logits, strict=True))
+            sampled.extend(self._decode_step(plan.decodes, failed))
         if not sampled:
-            return []
+            return failed
         reqs = [r for r, _ in sampled]
-        toks = self.sampler.sample(
+        draws = self.sampler.sample(
             torch.stack([lg for _, lg in sampled]), [r.id for r in reqs], [r.sampling for r in reqs]
         )
-        return self._append_tokens(list(zip(reqs, toks, strict=True)))
+        pairs = []
+        for req, draw in zip(reqs, draws, strict=True):
+            if draw.error is None:
+                pairs.append((req, draw.token))
+            else:
+                failed.append(self._fail(req, draw.error))
+        return failed + self._append_tokens(pairs)
 
-    def _prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, torch.Tensor]]:
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End `req` alone: free what it holds and report an ERROR output naming why."""
+        log.warning("request %s failed: %s", req.id, why)
+        self.abort(req.id)
+        return RequestOutput(req.id, (), True, FinishReason.ERROR, req.prompt_len,
+                             req.cached_tokens, error=why)
+
+    def _guarded(self, req: Request, failed: list[RequestOutput], fn, *args) -> bool:
+        """Run a per-request operation; on error fail that request alone and return False."""
+        try:
+            fn(*args)
+            return True
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end its batch
+            failed.append(self._fail(req, f"{type(e).__name__}: {e}"))
+            return False
+
+    def _prefill(self, chunks: list[tuple[Request, int]],
+                 failed: list[RequestOutput]) -> list[tuple[Request, torch.Tensor]]:
         """Run the step's prompt chunks, one forward per group of equally long chunks; return
         the last-token logits of the requests whose prompt is now complete, in plan order."""
         groups: dict[int, list[tuple[Request, int]]] = {}
         for req, end in chunks:
-            groups.setdefault(end - req.num_computed, []).append((req, end))
+            if self._guarded(req, failed, self.cache.ensure_blocks, req.id, end):
+                groups.setdefault(end - req.num_computed, []).append((req, end))
         logits: dict[str, torch.Tensor] = {}
         for group in groups.values():
-            logits.update(zip([r.id for r, _ in group], self._prefill_group(group), strict=True))
-        return [(req, logits[req.id]) for req, end in chunks if self._commit_chunk(req, end)]
+            try:
+                out = self._prefill_group(group)
+            except Exception as e:  # noqa: BLE001 - fails this forward's requests only
+                log.exception("prefill forward of %d requests failed", len(group))
+                failed.extend(self._fail(r, f"prefill forward failed: {e}") for r, _ in group)
+                continue
+            logits.update(zip([r.id for r, _ in group], out, strict=True))
+        done = []
+        for req, end in chunks:
+            if req.id in logits and self._guarded(req, failed, self._commit_chunk, req, end) \
+                    and req.phase is Phase.DECODE:
+                done.append((req, logits[req.id]))
+        return done
 
     def _prefill_group(self, group: list[tuple[Request, int]]) -> torch.Tensor:
-        for req, end in group:
-            self.cache.ensure_blocks(req.id, end)
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
         return self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -211,17 +248,29 @@ class Engine:
 
         return on_layer
 
-    def _commit_chunk(self, req: Request, end: int) -> bool:
-        """Book a computed chunk; True when it completed the prompt (the request decodes next)."""
+    def _commit_chunk(self, req: Request, end: int) -> None:
+        """Book a computed chunk; a chunk that completes the prompt moves it to DECODE."""
         req.num_computed = end
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])
         except CapacityError as e:  # a snapshot is an optimisation: skip it, never fail the request
             log.warning("snapshot for %s at %d skipped: %s", req.id, end, e)
-        if end < req.prompt_len:
-            return False
-        req.phase = Phase.DECODE
-        return True
+        if end >= req.prompt_len:
+            req.phase = Phase.DECODE
+
+    def _decode_step(self, reqs: list[Request],
+                     failed: list[RequestOutput]) -> list[tuple[Request, torch.Tensor]]:
+        reqs = [r for r in reqs
+                if self._guarded(r, failed, self.cache.ensure_blocks, r.id, r.num_computed + 1)]
+        if not reqs:
+            return []
+        try:
+            logits = self._decode(reqs)
+        except Exception as e:  # noqa: BLE001 - fails this forward's requests only
+            log.exception("decode forward of %d requests failed", len(reqs))
+            failed.extend(self._fail(r, f"decode forward failed: {e}") for r in reqs)
+            return []
+        return list(zip(reqs, logits, strict=True))
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
         for r in reqs:
@@ -265,12 +314,23 @@ class Engine:
             self.scheduler.remove(r)
             r.phase = Phase.FINISHED
         keep = [r for r in reqs if not r.prefill_only]
+        broken = False
         if self.decode_end_snapshot and keep:
-            self._decode(keep)  # feed the last token so the snapshot covers prompt + answer
+            try:  # feed the last token so the snapshot covers prompt + answer
+                self._decode(keep)
+            except Exception:  # noqa: BLE001 - the answers are complete; only the snapshot is lost
+                log.exception("decode-end snapshot of %d requests failed; not kept", len(keep))
+                broken = True
         for r in keep:
-            self.cache.finish(r.id, r.all_ids[: r.num_computed])
             self.requests.pop(r.id, None)
             self.sampler.forget(r.id)
+            try:
+                if broken:  # a half-run forward leaves a state no snapshot may keep
+                    self.cache.abort(r.id)
+                else:
+                    self.cache.finish(r.id, r.all_ids[: r.num_computed])
+            except Exception:  # noqa: BLE001 - the request finished; its neighbours go on
+                log.exception("releasing finished request %s failed", r.id)
 
     def _output(self, req: Request, toks: tuple[int, ...], finished: bool) -> RequestOutput:
         ttft = latency = None

@@ -103,9 +103,12 @@ class EngineLoop:
         try:
             return self.engine.step()
         except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
-            log.exception("engine step failed; failing its requests")
+            # Engine.step confines request failures to their requests; reaching here means the
+            # engine itself is broken, so nothing in it can be trusted to continue
+            log.exception("engine step failed outside any request; failing every request")
             outs = []
-            for req in list(self.engine.scheduler.running):
+            sched = self.engine.scheduler
+            for req in [*sched.running, *sched.waiting]:
                 self.engine.abort(req.id)
                 outs.append(RequestOutput(req.id, (), True, FinishReason.ERROR, req.prompt_len,
                                           error=str(e)))

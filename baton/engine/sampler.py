@@ -1,10 +1,26 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+Safe for every value `SamplingParams.validate` accepts: logits are shifted so that their
+maximum is 0 before dividing by the temperature, so a tiny temperature (1e-38, even the
+smallest subnormal) gives -inf or a large negative number, never +inf or NaN, and the
+distribution collapses onto the argmax (greedy). A draw that still cannot be made (the
+model produced non-finite logits) fails that request alone (`Draw.error`).
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from baton.engine.request import SamplingParams
+
+
+class Draw(NamedTuple):
+    """One request's sampled token, or why it could not be drawn."""
+
+    token: int | None
+    error: str | None = None
 
 
 class Sampler:
@@ -16,16 +32,27 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """`logits` [B, vocab] float32 on any device; returns B token ids."""
-        out = logits.argmax(dim=-1).tolist()
+    def sample(self, logits: torch.Tensor, ids: list[str], params: list[SamplingParams]) -> list[Draw]:
+        """`logits` [B, vocab] float32 on any device; returns B draws, in order."""
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
         for i, p in enumerate(params):
-            if not p.greedy:
-                out[i] = self._sample_one(logits[i].float().cpu(), ids[i], p)
+            if p.greedy:
+                out.append(Draw(greedy[i]))
+                continue
+            try:
+                out.append(Draw(self._sample_one(logits[i].cpu(), ids[i], p)))
+            except (ValueError, RuntimeError) as e:
+                out.append(Draw(None, f"sampling failed: {e}"))
         return out
 
     def _sample_one(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> int:
-        logits = logits / p.temperature
+        logits = logits.double()
+        if not bool(torch.isfinite(logits).all()):
+            bad = int((~torch.isfinite(logits)).sum())
+            raise ValueError(f"the model produced {bad} non-finite logits for request {rid}")
+        # max -> exactly 0, the rest <= 0: dividing by any temperature > 0 cannot overflow
+        logits = (logits - logits.max()) / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -36,6 +36,7 @@ class Scheduler:
         self.tpb = cache.pools.spec.tokens_per_block
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._rejected: list[tuple[Request, str]] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -57,6 +58,11 @@ class Scheduler:
         return sum(
             max(0, self.blocks_needed(r) - len(self.cache.block_table(r.id))) for r in self.running
         )
+
+    def take_rejected(self) -> list[tuple[Request, str]]:
+        """Requests dropped from `waiting` because the pools can never hold them, with why."""
+        out, self._rejected = self._rejected, []
+        return out
 
     def schedule(self) -> StepPlan:
         self._admit()
@@ -86,17 +92,17 @@ class Scheduler:
                 continue
             need = self.blocks_needed(req)
             if need and not self.cache.can_allocate(self.outstanding_blocks() + need):
-                if not self.running:
-                    raise CapacityError(
-                        f"request {req.id} needs {need} KV blocks but the pool cannot free that "
-                        f"many; raise cache.num_blocks or lower max_tokens"
-                    )
+                if not self.running:  # nothing will free more: this request can never start
+                    self._reject(f"request {req.id} needs {need} KV blocks but the pool cannot "
+                                 "free that many; raise cache.num_blocks or lower max_tokens")
+                    continue
                 return
             try:
                 adm = self.cache.admit(req.id, req.prompt_ids, req.session)
-            except CapacityError:
+            except CapacityError as e:
                 if not self.running:
-                    raise
+                    self._reject(str(e))
+                    continue
                 return
             self.waiting.popleft()
             req.cached_tokens = req.num_computed = adm.cached_tokens
@@ -104,3 +110,6 @@ class Scheduler:
             req.phase = Phase.PREFILL
             req.holds_cache = True
             self.running.append(req)
+
+    def _reject(self, why: str) -> None:
+        self._rejected.append((self.waiting.popleft(), why))

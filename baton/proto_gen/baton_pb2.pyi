@@ -96,8 +96,10 @@ class AbortReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("pool_checksum",)
+    POOL_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    pool_checksum: bool
+    def __init__(self, pool_checksum: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("worker_id", "role", "load", "counters")

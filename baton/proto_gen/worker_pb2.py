@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.proto_gen import baton_pb2 as baton_dot_v1_dot_baton__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x14\x62\x61ton/v1/baton.proto\"x\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\x97\x01\n\x0cReserveReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x42\x07\n\x05_slot\"\x96\x01\n\x0b\x44\x65stination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x42\x07\n\x05_slot\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.baton.v1.Destination\"~\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\";\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\"R\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x16.baton.v1.FinishReason2\xbc\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x16.baton.v1.PrefillReply(\x01\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReply2\xf8\x01\n\x0c\x44\x65\x63odeWorker\x12;\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x16.baton.v1.ReserveReply\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x14\x62\x61ton/v1/baton.proto\"x\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xbf\x01\n\x0cReserveReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"\xbe\x01\n\x0b\x44\x65stination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.baton.v1.Destination\"~\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\";\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\"R\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x16.baton.v1.FinishReason2\xbc\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x16.baton.v1.PrefillReply(\x01\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReply2\xf8\x01\n\x0c\x44\x65\x63odeWorker\x12;\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x16.baton.v1.ReserveReply\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREQUEST']._serialized_start=57
   _globals['_RESERVEREQUEST']._serialized_end=177
   _globals['_RESERVEREPLY']._serialized_start=180
-  _globals['_RESERVEREPLY']._serialized_end=331
-  _globals['_DESTINATION']._serialized_start=334
-  _globals['_DESTINATION']._serialized_end=484
-  _globals['_PREFILLREQUEST']._serialized_start=487
-  _globals['_PREFILLREQUEST']._serialized_end=651
-  _globals['_PREFILLREPLY']._serialized_start=653
-  _globals['_PREFILLREPLY']._serialized_end=779
-  _globals['_DECODEREQUEST']._serialized_start=781
-  _globals['_DECODEREQUEST']._serialized_end=840
-  _globals['_DECODERESPONSE']._serialized_start=842
-  _globals['_DECODERESPONSE']._serialized_end=924
-  _globals['_PREFILLWORKER']._serialized_start=927
-  _globals['_PREFILLWORKER']._serialized_end=1115
-  _globals['_DECODEWORKER']._serialized_start=1118
-  _globals['_DECODEWORKER']._serialized_end=1366
+  _globals['_RESERVEREPLY']._serialized_end=371
+  _globals['_DESTINATION']._serialized_start=374
+  _globals['_DESTINATION']._serialized_end=564
+  _globals['_PREFILLREQUEST']._serialized_start=567
+  _globals['_PREFILLREQUEST']._serialized_end=731
+  _globals['_PREFILLREPLY']._serialized_start=733
+  _globals['_PREFILLREPLY']._serialized_end=859
+  _globals['_DECODEREQUEST']._serialized_start=861
+  _globals['_DECODEREQUEST']._serialized_end=920
+  _globals['_DECODERESPONSE']._serialized_start=922
+  _globals['_DECODERESPONSE']._serialized_end=1004
+  _globals['_PREFILLWORKER']._serialized_start=1007
+  _globals['_PREFILLWORKER']._serialized_end=1195
+  _globals['_DECODEWORKER']._serialized_start=1198
+  _globals['_DECODEWORKER']._serialized_end=1446
 # @@protoc_insertion_point(module_scope)

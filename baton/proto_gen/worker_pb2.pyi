@@ -20,36 +20,44 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds")
+    __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds", "incarnation", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slot: int
     skip_blocks: int
     lease_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    signature: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Destination(_message.Message):
-    __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds")
+    __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds", "incarnation", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slot: int
     skip_blocks: int
     lease_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    signature: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "destination")

@@ -17,6 +17,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton.auth import ClusterSecret, load_secret
+from baton.auth.grpc_auth import ServerGuard
 from baton.config import BatonConfig
 from baton.contract import Role, WorkerInfo
 from baton.engine.builder import build_engine
@@ -28,9 +30,11 @@ from baton.worker.snapshots import SnapshotEvents
 
 log = logging.getLogger("baton.worker")
 
-Attach = Callable[[BatonConfig, Engine, EngineLoop, grpc.Server, str, str], object]
-"""(config, engine, loop, server, worker_id, host) -> the role's service (has `close()`), its
-servicer already added to `server`."""
+Attach = Callable[
+    [BatonConfig, Engine, EngineLoop, grpc.Server, str, str, ClusterSecret | None], object
+]
+"""(config, engine, loop, server, worker_id, host, secret) -> the role's service (has
+`close()`), its servicer already added to `server`."""
 
 
 class Worker:
@@ -51,20 +55,25 @@ class Worker:
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
                  host: str, port: int) -> Worker:
+    secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     engine = build_engine(cfg, model)
     events = SnapshotEvents(engine.cache)
     loop = EngineLoop(engine)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    # every worker service needs the cluster secret's bearer; health stays open
+    tokens = None if secret is None else {secret.bearer}
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+                         interceptors=[ServerGuard(default=tokens)])
     bound = server.add_insecure_port(f"{host}:{port}")
     address = f"{host}:{bound}"
     worker_id = f"{role.value}-{socket.gethostname()}-{os.getpid()}-{bound}"
-    service = attach(cfg, engine, loop, server, worker_id, host)
+    service = attach(cfg, engine, loop, server, worker_id, host, secret)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block)
-    reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain)
+    reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
+                       bearer=None if secret is None else secret.bearer)
     reg.start()
     return Worker(worker_id, address, server, service, reg, loop)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
+
+import torch
+
 from baton.contract import WorkerLoad
 from baton.engine.loop import EngineLoop
 
@@ -18,8 +22,9 @@ def load_of(loop: EngineLoop) -> WorkerLoad:
     )
 
 
-def counters_of(loop: EngineLoop) -> dict[str, float]:
-    """Cache stats plus `integrity_ok` and `live_requests`, for Stats RPCs and tests."""
+def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, float]:
+    """Cache stats plus `integrity_ok` and `live_requests`, for Stats RPCs and tests;
+    `pool_crc32` too when asked (a CRC-32 over every pool byte)."""
 
     def read():
         cache = loop.engine.cache
@@ -31,6 +36,15 @@ def counters_of(loop: EngineLoop) -> dict[str, float]:
         out = {k: float(v) for k, v in vars(cache.stats()).items()}
         out.update(integrity_ok=ok, live_requests=float(len(cache.live_requests())),
                    engine_requests=float(len(loop.engine.requests)))
+        if pool_checksum:
+            out["pool_crc32"] = float(_pools_crc32(loop.engine.pools))
         return out
 
     return loop.call(read)
+
+
+def _pools_crc32(pools) -> int:
+    crc = 0
+    for t in (pools.kv, pools.conv, pools.ssm):
+        crc = zlib.crc32(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy(), crc)
+    return crc

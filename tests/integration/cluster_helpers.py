@@ -7,6 +7,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from baton.auth.grpc_auth import authorized
 from baton.cluster.local import LocalCluster, free_port
 from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
@@ -33,9 +34,10 @@ def list_workers(address: str) -> list:
         return list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)
 
 
-def worker_counters(info) -> dict[str, float]:
-    """A worker's Stats counters (cache stats, integrity_ok, live_requests)."""
-    with grpc.insecure_channel(info.address) as ch:
+def worker_counters(info, bearer: str | None = None) -> dict[str, float]:
+    """A worker's Stats counters (cache stats, integrity_ok, live_requests); `bearer`: the
+    cluster secret's (`cluster.secret.bearer`), which every worker RPC needs."""
+    with authorized(grpc.insecure_channel(info.address), bearer) as ch:
         if info.role == baton_pb2.WORKER_ROLE_PREFILL:
             stub = worker_pb2_grpc.PrefillWorkerStub(ch)
         else:

@@ -66,11 +66,12 @@ def tokens(results):
     return {r["id"]: r.get("token_ids", r.get("error")) for r in results}
 
 
-def assert_clean(address: str) -> None:
+def assert_clean(cluster) -> None:
     """Every worker: integrity holds and nothing is held for a request any more."""
     deadline = time.monotonic() + 15
     while True:
-        counters = {w.worker_id: worker_counters(w) for w in list_workers(address)}
+        counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
+                    for w in list_workers(cluster.address)}
         idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0 for c in counters.values())
         if idle or time.monotonic() > deadline:
             break
@@ -89,7 +90,7 @@ def test_32_concurrent_requests_equal_local(setup):
     assert tokens(remote) == tokens(local(setup, specs))
     used = {(r["prefill_worker"], r["decode_worker"]) for r in remote}
     assert len({p for p, _ in used}) == 2 and len({d for _, d in used}) == 2
-    assert_clean(setup["cluster"].address)
+    assert_clean(setup["cluster"])
 
 
 def test_six_turn_chat_reuses_prefix_with_session_routing(setup):
@@ -105,7 +106,7 @@ def test_six_turn_chat_reuses_prefix_with_session_routing(setup):
         history = ids + res["token_ids"]
     assert remote_toks == [r["token_ids"] for r in local(setup, specs)]
     assert remote_cached[0] == 0 and all(c > 0 for c in remote_cached[1:]), remote_cached
-    assert_clean(setup["cluster"].address)
+    assert_clean(setup["cluster"])
 
 
 def test_prefix_cache_hits_give_local_tokens(setup):
@@ -153,7 +154,7 @@ def test_cancel_mid_stream_frees_both_workers(setup):
                 break
         stream.cancel()
     assert got >= 5
-    assert_clean(setup["cluster"].address)
+    assert_clean(setup["cluster"])
 
 
 def test_unknown_fields_get_invalid_argument(setup):
@@ -193,4 +194,4 @@ def test_killing_a_prefill_worker_in_flight(setup):
             break
         time.sleep(0.3)
     assert roles.count(baton_pb2.WORKER_ROLE_PREFILL) == 1
-    assert_clean(cluster.address)
+    assert_clean(cluster)

@@ -3,6 +3,7 @@ Prefill with Reserve."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -44,9 +45,10 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def by_role(address: str, role: Role) -> dict[str, float]:
-    (info,) = [w for w in list_workers(address) if w.role == (1 if role is Role.PREFILL else 2)]
-    return worker_counters(info)
+def by_role(address: str, role: Role, bearer: str | None = None) -> dict[str, float]:
+    (info,) = [w for w in list_workers(address)
+               if w.role == (1 if role is Role.PREFILL else 2)]
+    return worker_counters(info, bearer)
 
 
 def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
@@ -63,13 +65,13 @@ def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
         expected = run_local(engine, specs)
         assert [r.get("token_ids", r.get("error")) for r in remote] == \
             [r["token_ids"] for r in expected]
-        prefill = by_role(cluster.address, Role.PREFILL)
+        prefill = by_role(cluster.address, Role.PREFILL, cluster.secret.bearer)
         # every request went through a handoff, long prompts layer by layer during their last
         # chunk's forward; none waited for a lease (60 s) to end it
         assert prefill["handoffs"] == len(specs) == prefill["transfers_done"]
         assert prefill["streamed_handoffs"] >= 1
         assert took < LAYERWISE["transfer"]["lease_seconds"] / 2
-        decode = by_role(cluster.address, Role.DECODE)
+        decode = by_role(cluster.address, Role.DECODE, cluster.secret.bearer)
         assert decode["integrity_ok"] == 1.0 and prefill["integrity_ok"] == 1.0
         assert decode["live_requests"] == 0 and prefill["live_requests"] == 0
     finally:
@@ -83,8 +85,10 @@ def test_prefill_computes_before_reserve_returns(tmp_path):
     handle = run_router(0, RouterConfig(eject_after_seconds=600.0))  # the fake never beats
     decode = FakeWorker(Role.DECODE, "d0", Script(reserve=Act.HANG, hang_limit_s=30.0))
     decode.register(handle.address)
+    env = {k: v for k, v in os.environ.items() if k != "BATON_CLUSTER_TOKEN"}  # no secret here
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "--log-level", "WARNING",
-                             "prefill-worker", "--router", handle.address, "--model", str(model)])
+                             "prefill-worker", "--router", handle.address, "--model", str(model)],
+                            env=env)
     try:
         deadline = time.monotonic() + 180
         while len(handle.registry.workers(Role.PREFILL)) < 1:
@@ -99,9 +103,11 @@ def test_prefill_computes_before_reserve_returns(tmp_path):
                 assert time.monotonic() < deadline
                 computed = by_role(handle.address, Role.PREFILL)["queried_tokens"]
             # the whole prompt went through the prefill worker's cache while Reserve hangs
-            assert decode.calls() == [("Reserve", "ov1")]
+            # (the router names the request by an id of its own on the workers)
+            [(method, wid)] = decode.calls()
+            assert method == "Reserve"
             call.cancel()
-        assert _wait(lambda: ("Abort", "ov1") in decode.calls())
+        assert _wait(lambda: ("Abort", wid) in decode.calls())
         assert _wait(lambda: by_role(handle.address, Role.PREFILL)["live_requests"] == 0)
     finally:
         proc.terminate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
@@ -49,6 +50,13 @@ def gen(stub, prompt_ids=(5, 6), request_id="r1", **sampling):
         request_id=request_id, prompt_ids=prompt_ids, sampling=pb.SamplingParams(**sampling)
     )
     return stub.Generate(req, timeout=10)
+
+
+def worker_key(decode: FakeWorker) -> str:
+    """The request's key on the workers (the router's own; the client's id is only a label)."""
+    key = decode.calls("Reserve")[0][1]
+    assert re.fullmatch(r"[0-9a-f]{32}", key), key
+    return key
 
 
 def wait_for(predicate, timeout=5.0):
@@ -106,7 +114,8 @@ def test_worker_invalid_argument_passes_through_unchanged_and_is_not_retried(clu
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == "p0: prompt too long"
     assert w["p1"].calls() == []
-    assert w["d0"].calls("Abort") == [("Abort", "r1")]
+    key = worker_key(w["d0"])
+    assert w["d0"].calls("Abort") == [("Abort", key)]
     assert w["d0"].state.held == {}
 
 
@@ -116,8 +125,10 @@ def test_failure_before_first_token_retries_on_another_pair(cluster):
     last = msgs[-1]
     assert [t for m in msgs for t in m.token_ids] == [7, 8, 9]
     assert (last.prefill_worker, last.decode_worker, last.retries) == ("p1", "d1", 1)
-    assert w["p0"].calls() == [("Prefill", "r1"), ("Abort", "r1")]
-    assert w["d0"].calls() == [("Reserve", "r1"), ("Abort", "r1")]
+    key = worker_key(w["d0"])
+    assert w["p0"].calls() == [("Prefill", key), ("Abort", key)]
+    assert w["d0"].calls() == [("Reserve", key), ("Abort", key)]
+    assert w["d1"].calls("Reserve") == [("Reserve", f"{key}~retry1")]
     assert w["d0"].state.held == {} and w["d1"].state.held == {}
 
 
@@ -131,8 +142,9 @@ def test_failure_after_first_token_is_not_retried(cluster):
     assert "d0 failed Decode" in e.value.details()
     assert got == [7, 8]
     assert w["d1"].calls() == []
-    assert wait_for(lambda: ("Abort", "r1") in w["p0"].calls())
-    assert ("Abort", "r1") in w["d0"].calls()
+    key = worker_key(w["d0"])
+    assert wait_for(lambda: ("Abort", key) in w["p0"].calls())
+    assert ("Abort", key) in w["d0"].calls()
 
 
 @pytest.mark.parametrize("hang", ["prefill", "decode"])
@@ -150,8 +162,9 @@ def test_client_cancel_propagates_abort_to_both_workers(cluster, hang):
     if hang == "decode":
         assert list(next(call).token_ids) == [7]
     call.cancel()
-    assert wait_for(lambda: ("Abort", "r1") in w["p0"].calls())
-    assert wait_for(lambda: ("Abort", "r1") in w["d0"].calls())
+    key = worker_key(w["d0"])
+    assert wait_for(lambda: ("Abort", key) in w["p0"].calls())
+    assert wait_for(lambda: ("Abort", key) in w["d0"].calls())
     assert w["d0"].state.held == {}
     assert wait_for(lambda: handle.registry.get("p0").inflight == 0)
 
@@ -214,3 +227,26 @@ def test_concurrent_requests_all_finish_and_spread_over_workers(cluster):
     assert [tokens for tokens, _ in results] == [list(range(i + 1, i + 6)) for i in range(100, 108)]
     assert {d for _, d in results} == {"d0", "d1"}
     assert w["d0"].state.held == {} and w["d1"].state.held == {}
+
+
+def test_two_requests_with_the_same_id_both_get_their_answers(cluster):
+    """Two clients that both say `req-1` (two `baton generate` runs do) are two requests:
+    both answered in full, nothing refused, nothing aborted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    scripts = {w: Script(token_delay_s=0.05) for w in ("p0", "d0")}  # the streams overlap
+    _, stub, w = cluster(**scripts)
+
+    def one(prompt):
+        msgs = list(gen(stub, prompt_ids=prompt, request_id="req-1", max_tokens=6))
+        return [t for m in msgs for t in m.token_ids], {m.request_id for m in msgs}
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(one, [(10,), (50,)])
+    assert a == ([11, 12, 13, 14, 15, 16], {"req-1"})
+    assert b == ([51, 52, 53, 54, 55, 56], {"req-1"})
+    keys = {rid for _, rid in w["d0"].calls("Reserve")}
+    assert len(keys) == 2 and "req-1" not in keys
+    assert {rid for _, rid in w["d0"].calls("Decode")} == keys
+    assert w["p0"].calls("Abort") == w["d0"].calls("Abort") == []
+    assert w["d0"].state.held == {}

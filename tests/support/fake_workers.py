@@ -130,6 +130,9 @@ class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
         n_blocks = -(-len(inp.prompt_ids) // 16)
         res = Reservation(self.worker_id, f"tcp://{self.worker_id}", tuple(range(n_blocks)), 0)
         with self._lock:
+            if inp.request_id in self.state.held:  # as the real engine refuses a live id
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"request id {inp.request_id!r} is already in use")
             self.state.held[inp.request_id] = res
             self.sampling[inp.request_id] = inp.sampling
         return wire.reservation_to_pb(res)

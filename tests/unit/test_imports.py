@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("baton.sampling", "baton.proto_gen"),
     ("baton.contract",),
     ("baton.config",),
+    ("baton.auth",),
     ("baton.model",),
     ("baton.cache",),
     ("baton.engine",),

@@ -118,7 +118,8 @@ def test_prefill_request_carries_the_reservation():
 
 
 SAMPLED = SamplingParams(7, 0.75, 0.5, 40, 1234, (2, 9), True)  # float32-exact
-RES = Reservation("d1", "tcp://h:5", (4, 5, 6), 3, skip_blocks=1, lease_seconds=12.5)
+RES = Reservation("d1", "tcp://h:5", (4, 5, 6), 3, skip_blocks=1, lease_seconds=12.5,
+                  incarnation="9f3a", signature=bytes(range(32)))
 SUMMARY = GenerateSummary(FinishReason.STOP, 40, 32, "p1", "d1", 12.5, 80.25, 1)
 LOAD = WorkerLoad(1, 2, 3, 4, 5, 6)
 
@@ -135,6 +136,10 @@ ROUND_TRIPS = [
     (ReserveInput("r1", (1, 2, 3), SAMPLED, "s"), wire.reserve_to_pb, wire.reserve_from_pb,
      worker_pb2.ReserveRequest),
     (RES, wire.reservation_to_pb, wire.reservation_from_pb, worker_pb2.ReserveReply),
+    (RES, lambda r: wire.reservation_to_pb(r, worker_pb2.Destination),
+     wire.reservation_from_pb, worker_pb2.Destination),
+    (Reservation("d2", "tcp://h:6", (), None), wire.reservation_to_pb,
+     wire.reservation_from_pb, worker_pb2.ReserveReply),
     (PrefillInput("r1", (1, 2), SAMPLED, "s", RES), wire.prefill_to_pb, wire.prefill_from_pb,
      worker_pb2.PrefillRequest),
     (PrefillResult(9, 16), wire.prefill_result_to_pb, wire.prefill_result_from_pb,

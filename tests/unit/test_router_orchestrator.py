@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -123,15 +124,33 @@ def test_failure_before_first_token_retries_on_another_pair_and_aborts_the_first
     chunks = run(orch)
     s = chunks[-1].summary
     assert (s.prefill_worker, s.decode_worker, s.retries) == ("p1", "d1", 1)
+    key = worker_key(log)
     assert log[:5] == [
-        ("d0", "reserve", "r1"),
-        ("p0", "prefill", "r1"),
-        ("p0", "abort", "r1"),
-        ("d0", "abort", "r1"),
+        ("d0", "reserve", key),
+        ("p0", "prefill", key),
+        ("p0", "abort", key),
+        ("d0", "abort", key),
         # the retry has its own id on the workers, so stale events of attempt 1 cannot hit it
-        ("d1", "reserve", "r1~retry1"),
+        ("d1", "reserve", f"{key}~retry1"),
     ]
     assert all(c.request_id == "r1" for c in chunks)
+
+
+def worker_key(log) -> str:
+    """The request's key on the workers: the router's own, never the client's label."""
+    key = log[0][2]
+    assert re.fullmatch(r"[0-9a-f]{32}", key), key
+    return key
+
+
+def test_the_client_id_is_a_label_two_requests_with_it_have_two_keys():
+    orch, log, _ = setup(["p0", "d0"])
+    a, b = run(orch, prompt=(5, 6)), run(orch, prompt=(9,))
+    assert [c.request_id for c in a + b] == ["r1"] * 6
+    assert [c.token_ids for c in b] == [(10,), (11,), (12,)]
+    keys = [rid for _, m, rid in log if m == "reserve"]
+    assert len(set(keys)) == 2 and "r1" not in keys
+    assert [m for _, m, _ in log] == ["reserve", "prefill", "decode"] * 2
 
 
 def test_failed_worker_is_excluded_even_if_policy_would_pick_it_again():
@@ -192,7 +211,8 @@ def test_closing_the_stream_early_aborts_both_workers():
     stream = orch.generate(GenerateInput("r1", prompt_ids=(5,)), Cancellation())
     next(stream)
     stream.close()
-    assert log[-2:] == [("p0", "abort", "r1"), ("d0", "abort", "r1")]
+    key = worker_key(log)
+    assert log[-2:] == [("p0", "abort", key), ("d0", "abort", key)]
     assert reg.get("p0").inflight == 0
 
 
