@@ -27,10 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
     p.add_argument("--config")
 
-    p = sub.add_parser("router", help="the gRPC router alone")
+    p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
     p.add_argument("--config")
     p.add_argument("--model", default=None,
                    help="checkpoint whose tokenizer encodes text prompts (default: config model.path)")
@@ -42,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config")
         p.add_argument("--port", type=int, default=0)
         p.add_argument("--host", default=None, help="address to advertise (default: config)")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="Prometheus /metrics port (default: config worker.metrics_port; "
+                            "0 = a free port)")
 
     p = sub.add_parser("generate", help="send requests to a router or a local engine")
     g = p.add_mutually_exclusive_group(required=True)

@@ -9,12 +9,12 @@ from decode_worker.server import DecodeServicer
 from decode_worker.service import DecodeService
 
 
-def attach(cfg, engine, loop, server, worker_id: str, host: str) -> DecodeService:
+def attach(cfg, engine, loop, server, worker_id: str, host: str, metrics) -> DecodeService:
     from transfer import compute_fingerprint, make_receiver
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
     receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host)
-    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds)
+    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds, metrics)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(service), server)
     return service
 

@@ -10,18 +10,21 @@ import queue
 import threading
 from collections.abc import Iterator
 
-from baton.contract import DecodeChunk, Reservation, ReserveInput
+from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError
 from baton.worker.events import EventRouter
+from baton.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.decode")
 
 
 class DecodeService:
-    def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float):
+    def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float,
+                 metrics: WorkerMetrics):
         self.loop = loop
+        self.metrics = metrics
         self.receiver = receiver
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
@@ -57,24 +60,33 @@ class DecodeService:
         self.events.wake()
         ev = self.events.wait(request_id, self.lease_seconds)
         if ev is None or not ev.ok:
+            self.metrics.transfer_failed()
+            self.metrics.request_ended("failed")
             self.loop.abort(request_id)
             why = "did not arrive within the lease" if ev is None else ev.error
             raise TransferError(f"prompt state of {request_id} {why}")
+        self.metrics.handoff(None, None)
         box: queue.Queue[RequestOutput] = queue.Queue()
         first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
                                         request_id, first_token)
+        outcome = "aborted"
         if first and first[0].finished:
+            self.metrics.request_ended(first[0].finish_reason.value)
             yield DecodeChunk((), first[0].finish_reason)
             return
         try:
             while True:
                 out = box.get()
+                self.metrics.generation_tokens.labels(self.metrics.role).inc(
+                    len(out.new_token_ids))
                 yield DecodeChunk(tuple(out.new_token_ids), out.finish_reason if out.finished else None)
                 if out.finished:
+                    outcome = _outcome(out)
                     if out.error:
                         raise RuntimeError(out.error)
                     return
         finally:
+            self.metrics.request_ended(outcome)
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
 
     def abort(self, request_id: str) -> bool:
@@ -110,3 +122,11 @@ class DecodeService:
         log.warning("transfer into %s failed: %s", request_id, error)
         self._end_lease(request_id)
         self.loop.abort(request_id)
+
+
+def _outcome(out: RequestOutput) -> str:
+    """The metrics label of a finished request: its finish reason, or `failed` on an error."""
+    reason = out.finish_reason
+    if reason is None or (out.error and reason is not FinishReason.ABORT):
+        return "failed"
+    return "aborted" if reason is FinishReason.ABORT else reason.value

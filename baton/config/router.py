@@ -24,7 +24,11 @@ class RouterConfig:
     session_max_entries: int = 100_000
     """Bound on the session policy's session -> workers table (LRU)."""
     host: str = "0.0.0.0"
-    """Interface the router's gRPC server listens on."""
+    """Interface the router's gRPC and HTTP servers listen on."""
+    http_port: int = 8000
+    """Port of the OpenAI-compatible HTTP API and `/metrics` (0 = pick a free one)."""
+    http_max_body_bytes: int = 4 * 2**20
+    """Largest HTTP request body accepted; bigger ones get 413 before they are read."""
     server_threads: int = 256
     """gRPC server threads; each in-flight Generate stream holds one."""
     reserve_timeout_seconds: float = 10.0

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h import NemotronHModel
 
@@ -82,7 +83,8 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
 
 
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0, **fields) -> Path:
-    """Write config.json + model.safetensors of a seeded random model into `out_dir`.
+    """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
+    of a seeded random model into `out_dir`.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
     """
@@ -93,6 +95,7 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     tensors = random_weights(cfg, seed)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     return out
 
 
