@@ -69,24 +69,27 @@ class DecodeService:
         box: queue.Queue[RequestOutput] = queue.Queue()
         first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
                                         request_id, first_token)
-        outcome = "aborted"
         if first and first[0].finished:
             self.metrics.request_ended(first[0].finish_reason.value)
             yield DecodeChunk((), first[0].finish_reason)
             return
+        ended = False
         try:
             while True:
                 out = box.get()
                 self.metrics.generation_tokens.labels(self.metrics.role).inc(
                     len(out.new_token_ids))
+                if out.finished:  # counted before the router can see the last chunk
+                    self.metrics.request_ended(_outcome(out))
+                    ended = True
                 yield DecodeChunk(tuple(out.new_token_ids), out.finish_reason if out.finished else None)
                 if out.finished:
-                    outcome = _outcome(out)
                     if out.error:
                         raise RuntimeError(out.error)
                     return
         finally:
-            self.metrics.request_ended(outcome)
+            if not ended:
+                self.metrics.request_ended("aborted")
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
 
     def abort(self, request_id: str) -> bool:

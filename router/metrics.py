@@ -114,6 +114,7 @@ class RequestTimer:
             self.m.prompt_tokens.inc(s.prompt_tokens)
             self.m.cached_tokens.inc(s.cached_tokens)
             self.m.retries.inc(s.retries)
+            self.end()  # counted before the client sees the last chunk
 
     def fail(self, exc: BaseException) -> None:
         if isinstance(exc, GeneratorExit):
