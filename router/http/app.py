@@ -82,8 +82,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("%s %s failed", request.method, request.url.path)
+    async def _unexpected(request: Request, e: Exception):  # starlette logs the traceback
         return baton_error_response(e)
 
     @app.post("/v1/completions")

@@ -36,11 +36,15 @@ class Chunks:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._done = False
+        self._failed: BaseException | None = None
         self._future = self._loop.run_in_executor(pool, self._pump, orchestrator, inp)
 
     async def next_batch(self) -> list[GenerateChunk]:
         """Every chunk that has arrived (at least one); [] once the stream ended. Raises the
         request's error."""
+        if self._failed is not None:
+            exc, self._failed = self._failed, None
+            raise exc
         if self._done:
             return []
         items = [await self._queue.get()]
@@ -52,7 +56,9 @@ class Chunks:
                 self._done = True
             elif isinstance(item, _Failed):
                 self._done = True
-                raise item.exc
+                if not out:
+                    raise item.exc
+                self._failed = item.exc  # the chunks before it go out first
             else:
                 out.append(item)
         return out
