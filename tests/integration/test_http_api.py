@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -81,12 +83,17 @@ def post(setup, path: str, body: bytes) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a /metrics page, parsed by the official parser: (name, labels) -> value."""
+def scrape(url: str, families: set | None = None) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, parsed by the official parser: (name, labels) -> value.
+    `families` collects the metric names, sampled or not."""
     with urllib.request.urlopen(url, timeout=30) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if families is not None:
+            families.add(fam.name)
+        out.update({(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples})
+    return out
 
 
 def metric_urls(setup) -> dict[str, str]:
@@ -239,7 +246,8 @@ def test_metrics_of_every_process_parse_and_count_a_known_batch(setup):
     prompts = [prompt(700 + i, n) for i, n in enumerate((40, 20, 33))]
     for p in prompts:
         setup["client"].completions.create(model="tiny", prompt=p, max_tokens=5, **greedy())
-    after = {k: scrape(u) for k, u in urls.items()}
+    names: set[str] = set()
+    after = {k: scrape(u, names) for k, u in urls.items()}
 
     def delta(proc: str, name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -272,6 +280,15 @@ def test_metrics_of_every_process_parse_and_count_a_known_batch(setup):
         assert s[("baton_kv_blocks_used", key)] + s[("baton_kv_blocks_free", key)] == 512
         assert s[("baton_state_slots_used", key)] + s[("baton_state_slots_free", key)] == 64
         assert s[("baton_requests_running", key)] == 0
+    assert all(n.startswith("baton_") for n in names)
+    assert dashboard_metrics() <= names
+
+
+def dashboard_metrics() -> set[str]:
+    """The metric families deploy/grafana/baton.json queries."""
+    text = (Path(__file__).parents[2] / "deploy" / "grafana" / "baton.json").read_text()
+    found = re.findall(r"baton_[a-z0-9_]+", text)
+    return {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in found}
 
 
 def handoff_bytes(model_dir, prompt_len: int) -> int:
