@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("engine", "reuse", "transfer", "router", "e2e")
+BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "http")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]

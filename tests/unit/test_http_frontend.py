@@ -257,3 +257,18 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     refusing = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(InvalidRequestError, match="messages: .*roles must alternate"):
         refusing.render(msgs)
+
+
+def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off():
+    """asyncio sets TCP_NODELAY only on connections of a socket made with IPPROTO_TCP; without
+    it each streamed token waits for the client's delayed ACK (~40 ms)."""
+    import socket
+
+    from router.http.server import _bind
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        assert (sock.family, sock.type, sock.proto) == (
+            socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    finally:
+        sock.close()
