@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h import NemotronHModel
+from baton.model.progress import progress
 
 TINY = dict(
     hybrid_override_pattern="M*M-M*M-",
@@ -106,7 +107,8 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     gen = torch.Generator().manual_seed(seed)
-    return {name: _init(name, shape, cfg, gen) for name, shape in sorted(shapes.items())}
+    items = progress(sorted(shapes.items()), "making weights", "tensor")
+    return {name: _init(name, shape, cfg, gen) for name, shape in items}
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen) -> torch.Tensor:
