@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from baton.contract import GenerateInput, Role, SamplingParams
-from baton.errors import BatonError
+from baton.errors import BatonError, InvalidRequestError
 from baton.model.chat_template import ChatTemplate
 from router.http.answer import Answer, ChatShape, CompletionShape, Shape
 from router.http.bridge import Chunks, watch_disconnect
@@ -35,6 +35,7 @@ from router.http.errors import (
     baton_error_response,
     error_body,
     from_validation,
+    param_of,
 )
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
 from router.http.stops import StopStrings
@@ -129,7 +130,9 @@ async def _parse(request: Request, cls, ctx: HttpContext):
     if body.model != ctx.model_name:
         raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
                        f"'{ctx.model_name}' (GET /v1/models)", "model", "model_not_found")
-    for name, why in body.unsupported():
+    refused = body.unsupported()
+    if refused:
+        name, why = refused[0]
         raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
     return body
 
@@ -207,7 +210,10 @@ def _sampling(body, max_tokens: int) -> SamplingParams:
         top_k=body.top_k or 0, seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
     )
-    s.validate()
+    try:
+        s.validate()
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param_of(str(e))) from None
     return s
 
 
