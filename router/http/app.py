@@ -89,14 +89,14 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest, ctx)
-        prompt = _completion_prompt(ctx, body.prompt)
+        prompt = await _off_loop(ctx, _completion_prompt, ctx, body.prompt)
         max_tokens = _fit(ctx, len(prompt), body.max_tokens, "prompt")
         return await _generate(ctx, request, body, prompt, max_tokens, CompletionShape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
-        prompt = _chat_prompt(ctx, body)
+        prompt = await _off_loop(ctx, _chat_prompt, ctx, body)
         max_tokens = _fit(ctx, len(prompt), body.limit, "messages")
         return await _generate(ctx, request, body, prompt, max_tokens, ChatShape)
 
@@ -119,6 +119,12 @@ def make_app(ctx: HttpContext) -> FastAPI:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _off_loop(ctx: HttpContext, fn, *args):
+    """Runs `fn` on a request thread: templating and tokenizing a long prompt would otherwise
+    stall every stream this event loop serves."""
+    return await asyncio.get_running_loop().run_in_executor(ctx.pool, fn, *args)
 
 
 async def _parse(request: Request, cls, ctx: HttpContext):
