@@ -117,7 +117,8 @@ def _row(label: str, ttfts: list[float], wall: float, clients: int) -> dict:
             "requests": len(ttfts), "requests_per_s": round(len(ttfts) / wall, 2),
             "output_tok_s": round(len(ttfts) * MAX_TOKENS / wall, 1),
             "ttft_p50_ms": round(percentile(ttfts, 50), 2),
-            "ttft_p99_ms": round(percentile(ttfts, 99), 2), "wall_s": round(wall, 2)}
+            "ttft_p99_ms": round(percentile(ttfts, 99), 2), "wall_s": round(wall, 2),
+            "ttft_samples_ms": [round(t, 2) for t in ttfts]}
 
 
 def _idle_ttft(paths: dict, n: int) -> dict[str, float]:
