@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from baton.contract import GenerateInput, Role, SamplingParams
 from baton.errors import BatonError, InvalidRequestError
@@ -45,7 +46,7 @@ from router.orchestrator import Orchestrator
 log = logging.getLogger("baton.http")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 OUTCOME_OF_HTTP = {400: "invalid", 404: "invalid", 413: "invalid", 429: "capacity",
-                   503: "unavailable"}
+                   499: "cancelled", 503: "unavailable"}
 DRAIN_FACTOR = 16
 """A body declared this many times over the limit is refused before it is read (the connection
 then closes); smaller excess is read and dropped, so the client gets its 413 cleanly."""
@@ -149,10 +150,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit * DRAIN_FACTOR:
         raise ApiError(413, too_big, code="body_too_large")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size <= limit:
-            parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size <= limit:
+                parts.append(part)
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the body") from None
     if size > limit:
         raise ApiError(413, too_big, code="body_too_large")
     return b"".join(parts)
@@ -167,9 +171,9 @@ def _completion_prompt(ctx: HttpContext, prompt) -> list[int]:
     ids = _encode(ctx, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ApiError(400, "prompt is empty: send a non-empty prompt", "prompt")
-    bad = [t for t in ids if t < 0]
+    bad = [t for t in ids if not 0 <= t < 2**31]
     if bad:
-        raise ApiError(400, f"prompt: token ids must be >= 0, got {bad[:5]}", "prompt")
+        raise ApiError(400, f"prompt: token ids must be in [0, 2^31), got {bad[:5]}", "prompt")
     return ids
 
 

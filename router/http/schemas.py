@@ -43,7 +43,7 @@ class _Common(_Strict):
     user: str | None = None
     # Baton's extras (vLLM's names)
     session_id: str | None = None
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=2**31)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False

@@ -226,10 +226,15 @@ def test_body_limit_and_refusals_name_the_field(api):
             "include_usage": True}}, "stream_options"),
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": 2**40}, "top_k"),
     ]
     for body, param in cases:
         code, raw = request(port, "/v1/chat/completions", {"model": "tiny", **body})
         assert (code, json.loads(raw)["error"]["param"]) == (400, param), body
+    # values the wire to the workers cannot carry are refused here, never a 500
+    for prompt in ([5, 2**40], [-1]):
+        code, raw = request(port, "/v1/completions", {"model": "tiny", "prompt": prompt})
+        assert (code, json.loads(raw)["error"]["param"]) == (400, "prompt")
 
 
 def test_stop_strings_hold_back_only_what_may_start_a_stop():
