@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.contract import Role
 from baton.engine.loop import EngineLoop
+from baton.errors import BatonError
 
 disable_created_metrics()  # `_created` series only double every counter's size
 log = logging.getLogger("baton.worker")
@@ -71,7 +72,12 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Starts `/metrics` on `host:port` (0 = a free port); returns the port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise BatonError(f"worker metrics could not bind {host}:{port} ({e}); set "
+                             "worker.metrics_port or --metrics-port to a free port (0 picks "
+                             "one)") from e
         return self._server.server_port
 
     def stop(self) -> None:
