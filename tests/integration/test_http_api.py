@@ -327,3 +327,33 @@ def test_client_disconnect_mid_stream_frees_both_workers(setup):
         time.sleep(0.1)
     key = ("baton_worker_generation_tokens_total", (("role", "decode"),))
     assert scrape(urls["decode"])[key] - decode_before.get(key, 0) < 1000  # stopped, not finished
+
+
+def test_baton_router_prints_both_addresses_and_is_not_ready_alone(setup):
+    import signal
+    import subprocess
+    import sys
+
+    from baton.cluster.local import free_port
+
+    grpc_port, http_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router", "--port",
+         str(grpc_port), "--http-port", str(http_port), "--model", str(setup["model"])],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line == (f"router serving gRPC on 0.0.0.0:{grpc_port} and HTTP on "
+                        f"http://0.0.0.0:{http_port}\n")
+        url = f"http://127.0.0.1:{http_port}"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{url}/health", timeout=10)
+        assert err.value.code == 503
+        assert json.loads(err.value.read()) == {"status": "not ready", "prefill_workers": 0,
+                                                "decode_workers": 0}
+        names: set[str] = set()
+        scrape(f"{url}/metrics", names)
+        assert {"baton_router_requests", "baton_router_workers"} <= names
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
