@@ -29,12 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1",
                    help="interface the router listens on (default 127.0.0.1: this machine only)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
     p.add_argument("--config")
 
-    p = sub.add_parser("router", help="the gRPC router alone")
+    p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--host", default=None,
                    help="interface to listen on (default: config router.host)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
     p.add_argument("--config")
     p.add_argument("--model", default=None,
                    help="checkpoint whose tokenizer encodes text prompts (default: config model.path)")
@@ -46,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config")
         p.add_argument("--port", type=int, default=0)
         p.add_argument("--host", default=None, help="address to advertise (default: config)")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="Prometheus /metrics port (default: config worker.metrics_port; "
+                            "0 = a free port)")
 
     p = sub.add_parser("generate", help="send requests to a router or a local engine")
     g = p.add_mutually_exclusive_group(required=True)
@@ -70,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help="tiny or 100m")
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
-    p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff", "all"])
+    p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
+                                     "http", "all"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

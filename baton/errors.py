@@ -38,6 +38,11 @@ class WorkerFailed(BatonError):
         self.worker_id = worker_id
 
 
+class WorkerFull(WorkerFailed):
+    """A worker refused for capacity (RESOURCE_EXHAUSTED); another pair may have room. When
+    every pair tried was full, the router answers CapacityError."""
+
+
 class NoWorkersError(BatonError):
     """No live worker of a needed role (maps to UNAVAILABLE)."""
 

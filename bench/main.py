@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff")
+from baton.model.progress import progress
+
+BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "http")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -22,7 +24,7 @@ def run_bench(args) -> int:
     out_dir = Path(args.out) if args.out else None
     all_rows: dict[str, list[dict]] = {}
     failed = []
-    for name in names:
+    for name in progress(names, "benchmarks", "benchmark"):
         mod = importlib.import_module(f"bench.{name}")
         t0 = time.monotonic()
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)

@@ -1,9 +1,12 @@
-"""Writes benchmark rows as JSON, one markdown table per benchmark, and PNG plots."""
+"""Writes benchmark rows as JSON, one markdown table per benchmark, and PNG plots
+(`bench/plots.py`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from bench.plots import draw
 
 
 def write_report(out_dir: Path, all_rows: dict[str, list[dict]]) -> None:
@@ -12,7 +15,7 @@ def write_report(out_dir: Path, all_rows: dict[str, list[dict]]) -> None:
     lines = ["# Baton benchmarks", ""]
     for name, rows in all_rows.items():
         lines += [f"## {name}", "", *_table(rows), ""]
-        _plot(out_dir / f"{name}.png", name, rows)
+        draw(out_dir / name, name, rows)  # {name}-{kind}.png, see bench/plots.py
     (out_dir / "results.md").write_text("\n".join(lines))
 
 
@@ -31,27 +34,3 @@ def _table(rows: list[dict]) -> list[str]:
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-
-def _plot(path: Path, name: str, rows: list[dict]) -> None:
-    """Bar chart of each row's `ratio` (or first numeric figure) against its label."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    pts = []
-    for r in rows:
-        val = r.get("ratio", r.get("ratio_to_memcpy", r.get("ratio_to_baseline")))
-        if isinstance(val, (int, float)):
-            pts.append((str(r.get("label", r.get("bytes", len(pts)))), float(val)))
-    if not pts:
-        return
-    fig, ax = plt.subplots(figsize=(max(4, len(pts) * 0.8), 3))
-    ax.bar([p[0] for p in pts], [p[1] for p in pts])
-    ax.set_title(f"{name}: ratio to baseline")
-    ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

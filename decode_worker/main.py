@@ -9,13 +9,15 @@ from decode_worker.server import DecodeServicer
 from decode_worker.service import DecodeService
 
 
-def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None) -> DecodeService:
+def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
+           metrics=None) -> DecodeService:
     from transfer import SIDE_CHANNEL, compute_fingerprint, make_receiver
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
     key = None if secret is None else secret.key(SIDE_CHANNEL)
     receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host, key=key)
-    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds, secret)
+    service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds, secret,
+                            metrics)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(service), server)
     return service
 

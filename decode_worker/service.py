@@ -12,21 +12,23 @@ from collections.abc import Iterator
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import sign_reservation
-from baton.contract import DecodeChunk, Reservation, ReserveInput
+from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError
 from baton.worker.events import EventRouter
+from baton.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.decode")
 
 
 class DecodeService:
     def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float,
-                 secret: ClusterSecret | None = None):
+                 secret: ClusterSecret | None = None, metrics: WorkerMetrics | None = None):
         self.loop = loop
         self.secret = secret
         """Signs every reservation (None: the cluster has no secret; nothing is signed)."""
+        self.metrics = metrics or WorkerMetrics(Role.DECODE, loop)
         self.receiver = receiver
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
@@ -63,24 +65,36 @@ class DecodeService:
         self.events.wake()
         ev = self.events.wait(request_id, self.lease_seconds)
         if ev is None or not ev.ok:
+            self.metrics.transfer_failed()
+            self.metrics.request_ended("failed")
             self.loop.abort(request_id)
             why = "did not arrive within the lease" if ev is None else ev.error
             raise TransferError(f"prompt state of {request_id} {why}")
+        self.metrics.handoff(None, None)
         box: queue.Queue[RequestOutput] = queue.Queue()
         first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
                                         request_id, first_token)
         if first and first[0].finished:
+            self.metrics.request_ended(first[0].finish_reason.value)
             yield DecodeChunk((), first[0].finish_reason)
             return
+        ended = False
         try:
             while True:
                 out = box.get()
+                self.metrics.generation_tokens.labels(self.metrics.role).inc(
+                    len(out.new_token_ids))
+                if out.finished:  # counted before the router can see the last chunk
+                    self.metrics.request_ended(_outcome(out))
+                    ended = True
                 yield DecodeChunk(tuple(out.new_token_ids), out.finish_reason if out.finished else None)
                 if out.finished:
                     if out.error:
                         raise RuntimeError(out.error)
                     return
         finally:
+            if not ended:
+                self.metrics.request_ended("aborted")
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
 
     def abort(self, request_id: str) -> bool:
@@ -116,3 +130,11 @@ class DecodeService:
         log.warning("transfer into %s failed: %s", request_id, error)
         self._end_lease(request_id)
         self.loop.abort(request_id)
+
+
+def _outcome(out: RequestOutput) -> str:
+    """The metrics label of a finished request: its finish reason, or `failed` on an error."""
+    reason = out.finish_reason
+    if reason is None or (out.error and reason is not FinishReason.ABORT):
+        return "failed"
+    return "aborted" if reason is FinishReason.ABORT else reason.value

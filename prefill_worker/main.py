@@ -9,14 +9,15 @@ from prefill_worker.server import PrefillServicer
 from prefill_worker.service import PrefillService
 
 
-def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None) -> PrefillService:
+def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
+           metrics=None) -> PrefillService:
     from transfer import SIDE_CHANNEL, compute_fingerprint, make_sender
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
     key = None if secret is None else secret.key(SIDE_CHANNEL)
     sender = make_sender(cfg.transfer, engine.pools, fp, key)
     service = PrefillService(loop, sender, worker_id, layerwise=cfg.transfer.layerwise,
-                             secret=secret)
+                             secret=secret, metrics=metrics)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(service), server)
     return service
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import verify_reservation
-from baton.contract import PrefillInput, PrefillResult, Reservation
+from baton.contract import FinishReason, PrefillInput, PrefillResult, Reservation, Role
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import RequestCancelled, TransferError
 from baton.worker.events import EventRouter
+from baton.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.prefill")
 
@@ -72,14 +73,15 @@ class _Stream:
         self.service, self.rid, self.dest, self.deadline = service, request_id, dest, deadline
         self.error: str | None = None
         self.sent = False
+        self.sent_at: float | None = None
+        self.nbytes: int | None = None
         self.last_layer_at = 0.0
 
     def begin(self, block_table: list[int], slot: int | None) -> None:
         if time.monotonic() > self.deadline:
             self.error = _late(self.rid, self.dest)
             return
-        self.service._send(self.rid, self.dest, block_table, slot, layerwise=True)
-        self.sent = True
+        self.service._send(self, block_table, slot, layerwise=True)
 
     def layers_done(self, layers: list[int]) -> None:
         if self.sent:
@@ -89,8 +91,9 @@ class _Stream:
 
 class PrefillService:
     def __init__(self, loop: EngineLoop, sender, worker_id: str, layerwise: bool = False,
-                 secret: ClusterSecret | None = None):
+                 secret: ClusterSecret | None = None, metrics: WorkerMetrics | None = None):
         self.loop = loop
+        self.metrics = metrics or WorkerMetrics(Role.PREFILL, loop)
         self.secret = secret
         """Verifies every destination before anything is written into it."""
         self.sender = sender
@@ -135,32 +138,43 @@ class PrefillService:
         out = _last(box)
         streamed = self.layerwise and self.loop.engine.take_stream(rid) is None
         t1 = time.perf_counter()
+        m, outcome = self.metrics, "failed"
+        m.prefill_seconds.labels(m.role).observe(t1 - t0)
         try:
             if out.error:
+                outcome = "aborted" if out.finish_reason == FinishReason.ABORT else "failed"
                 raise TransferError(f"prefill of {rid} failed: {out.error}")
+            m.generation_tokens.labels(m.role).inc(len(out.new_token_ids))
             reason = out.finish_reason
             result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None,
                                    reason)
             if result.finished:
+                outcome = reason.value
                 if stream.sent:  # bytes already went out for a request that needs none
                     self.sender.abort(rid, "the first token ended the request")
                 return result
             if stream.error:
+                m.transfer_failed()
                 raise TransferError(stream.error)
             if not stream.sent:
                 if time.monotonic() > deadline:
+                    m.transfer_failed()
                     raise TransferError(_late(rid, dest))
-                self.loop.call(self._send_whole, rid, dest)
+                self.loop.call(self._send_whole, stream)
             self.events.wake()
             landed = self._await_landing(rid, dest)
+            now = time.perf_counter()
             # layer-wise, the bytes can land before the forward's last (data-free) layers end
             tail = max(0.0, landed - stream.last_layer_at) if streamed and stream.sent else None
-            self.timings.add(t1 - t0, time.perf_counter() - t1, tail)
+            self.timings.add(t1 - t0, now - t1, tail)
+            m.handoff(stream.nbytes, now - (stream.sent_at or t1))
+            outcome = "handed_off"
             return result
         except BaseException:
             self.sender.abort(rid, "the prefill worker gave up on the request")
             raise
         finally:
+            m.request_ended(outcome)
             self.loop.call(self.loop.engine.release, rid)
 
     def abort(self, request_id: str) -> bool:
@@ -173,23 +187,29 @@ class PrefillService:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _send_whole(self, rid: str, dest: Reservation) -> None:
+    def _send_whole(self, stream: _Stream) -> None:
         """On the loop thread: the whole request at once (its prompt is complete)."""
         cache = self.loop.engine.cache
-        blocks = cache.block_table(rid) if cache.pools.has_kv else []
-        slot = cache.slot(rid) if cache.pools.has_state else None
-        self._send(rid, dest, list(blocks), slot, layerwise=False)
+        blocks = cache.block_table(stream.rid) if cache.pools.has_kv else []
+        slot = cache.slot(stream.rid) if cache.pools.has_state else None
+        self._send(stream, list(blocks), slot, layerwise=False)
 
-    def _send(self, rid: str, dest: Reservation, blocks: list[int], slot: int | None,
+    def _send(self, stream: _Stream, blocks: list[int], slot: int | None,
               layerwise: bool) -> None:
-        self.sender.send(rid, dest.transfer_endpoint, list(blocks), slot, list(dest.block_ids),
-                         dest.slot, skip_blocks=dest.skip_blocks,
+        dest = stream.dest
+        stream.sent_at = time.perf_counter()
+        self.sender.send(stream.rid, dest.transfer_endpoint, list(blocks), slot,
+                         list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
                          incarnation=dest.incarnation or None, layerwise=layerwise)
+        stream.sent = True
+        stream.nbytes = handoff_bytes(self.sender.layout, len(blocks) - dest.skip_blocks, slot)
         self.events.wake()
 
     def _await_landing(self, rid: str, dest: Reservation) -> float:
         """Waits for the decode side's acknowledgement; returns when it was seen."""
         ev, seen = self.events.wait_timed(rid, dest.lease_seconds)
+        if ev is None or not ev.ok:
+            self.metrics.transfer_failed()
         if ev is None:
             raise TransferError(
                 f"transfer of {rid} to {dest.worker_id} did not finish within its "
@@ -213,3 +233,11 @@ def _late(rid: str, dest: Reservation) -> str:
             "not writing into a freed reservation")
 
 
+def handoff_bytes(layout, num_blocks: int, slot: int | None) -> int:
+    """Bytes one handoff writes: `num_blocks` KV blocks of every attention layer, plus the conv
+    and SSM state of every Mamba layer when a slot moves (this stage's layers)."""
+    kv, st = layout.kv, layout.state
+    total = len(kv.layers) * kv.block_bytes * num_blocks if kv is not None else 0
+    if st is not None and slot is not None:
+        total += len(st.layers) * (st.conv_bytes + st.ssm_bytes)
+    return total

@@ -34,7 +34,14 @@ from baton.contract import (
     Role,
     WorkerView,
 )
-from baton.errors import InvalidRequestError, NoWorkersError, RequestCancelled, WorkerFailed
+from baton.errors import (
+    CapacityError,
+    InvalidRequestError,
+    NoWorkersError,
+    RequestCancelled,
+    WorkerFailed,
+    WorkerFull,
+)
 from router.cancellation import Cancellation
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
@@ -98,7 +105,7 @@ class Orchestrator:
         inp.sampling.validate()
         start = time.perf_counter()
         excluded: set[str] = set()
-        failures: list[str] = []
+        failures: list[WorkerFailed] = []
         for attempt in range(self.config.max_retries + 1):
             choice = self._route(RouteRequest(key, prompt, inp.session_id), excluded, failures)
             # each attempt has its own id on the workers: a late event of a failed attempt
@@ -110,13 +117,13 @@ class Orchestrator:
             except WorkerFailed as e:
                 log.warning("request %s (%s) attempt %d: %s", rid, wid, attempt + 1, e)
                 excluded.add(e.worker_id)
-                failures.append(str(e))
+                failures.append(e)
                 continue
             yield from run.stream(first, start, retries=attempt)
             return
-        raise NoWorkersError(
+        raise _unavailable(failures)(
             f"request {rid} failed on {len(failures)} worker pairs (max_retries="
-            f"{self.config.max_retries}): " + "; ".join(failures)
+            f"{self.config.max_retries}): " + "; ".join(map(str, failures))
         )
 
     def _prompt_ids(self, inp: GenerateInput) -> tuple[int, ...]:
@@ -137,15 +144,23 @@ class Orchestrator:
             raise InvalidRequestError(f"prompt_ids must be >= 0, got {bad[:5]}")
         return ids
 
-    def _route(self, req: RouteRequest, excluded: set[str], failures: list[str]) -> RouteChoice:
+    def _route(self, req: RouteRequest, excluded: set[str], failures: list[WorkerFailed]
+               ) -> RouteChoice:
         pools = {}
         for role in (Role.PREFILL, Role.DECODE):
             live = self.registry.workers(role)
             pools[role] = [w for w in live if w.worker_id not in excluded]
             if not pools[role]:
-                why = f" ({len(live)} live, all failed: {'; '.join(failures)})" if live else ""
-                raise NoWorkersError(f"no {role.value} worker available{why}")
+                why = f" ({len(live)} live, all failed: {'; '.join(map(str, failures))})" \
+                    if live else ""
+                raise _unavailable(failures)(f"no {role.value} worker available{why}")
         return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
+
+
+def _unavailable(failures: list[WorkerFailed]) -> type[Exception]:
+    """CapacityError (429) when every worker tried was full, else NoWorkersError (503)."""
+    full = failures and all(isinstance(f, WorkerFull) for f in failures)
+    return CapacityError if full else NoWorkersError
 
 
 class _Attempt:

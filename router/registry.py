@@ -42,6 +42,8 @@ class Registry:
         self._workers: dict[str, _Record] = {}
         self.on_remove: list[Callable[[str], None]] = []
         """Called with the worker id after it left (e.g. to close its channel)."""
+        self.ejected = 0
+        """Workers ejected for silence since start (a metric)."""
 
     def register(self, info: WorkerInfo) -> None:
         """Adds or replaces a worker; a re-registration starts its snapshot set afresh.
@@ -93,6 +95,7 @@ class Registry:
             ]
             for w in stale:
                 del self._workers[w]
+            self.ejected += len(stale)
         for w in stale:
             self._notify_forget(w)
         return stale

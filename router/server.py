@@ -27,6 +27,7 @@ from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
 from router.cancellation import Cancellation
+from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Tokenizer
 from router.policies import RoutingPolicy, make_policy
 from router.registry import Registry
@@ -37,15 +38,17 @@ SERVICES = ("baton.v1.Router", "baton.v1.Registry")
 
 
 class RouterServicer(rgrpc.RouterServicer):
-    def __init__(self, orchestrator: Orchestrator):
+    def __init__(self, orchestrator: Orchestrator, metrics: RouterMetrics):
         self._orch = orchestrator
+        self._metrics = metrics
 
     def Generate(self, request, context):
         cancel = Cancellation()
         context.add_callback(cancel.cancel)
         stream = None
         try:
-            stream = self._orch.generate(wire.generate_from_pb(request), cancel)
+            stream = self._metrics.track(
+                self._orch.generate(wire.generate_from_pb(request), cancel), "grpc")
             for chunk in stream:
                 yield wire.chunk_to_pb(chunk)
         except Exception as e:
@@ -116,6 +119,7 @@ class RouterHandle:
     health: health.HealthServicer
     _clients: WorkerClients
     _stop_event: threading.Event
+    metrics: RouterMetrics
 
     @property
     def address(self) -> str:
@@ -143,10 +147,11 @@ def run_router(
     clients = WorkerClients(config, bearer)
     registry.on_remove.append(clients.drop)
     orch = Orchestrator(config, registry, policy, clients, tokenizer)
+    metrics = RouterMetrics(registry)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads),
                          interceptors=[_guard(bearer, api_keys)])
-    rgrpc.add_RouterServicer_to_server(RouterServicer(orch), server)
+    rgrpc.add_RouterServicer_to_server(RouterServicer(orch, metrics), server)
     rgrpc.add_RegistryServicer_to_server(RegistryServicer(registry, config), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -168,7 +173,8 @@ def run_router(
         target=_eject_loop, args=(registry, config, stop_event), name="router-eject", daemon=True
     ).start()
     log.info("router serving on port %d (policy %s)", bound, config.policy)
-    return RouterHandle(bound, server, registry, policy, orch, health_servicer, clients, stop_event)
+    return RouterHandle(bound, server, registry, policy, orch, health_servicer, clients, stop_event,
+                        metrics)
 
 
 def _guard(bearer: str | None, api_keys: frozenset[str]) -> ServerGuard:

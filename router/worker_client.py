@@ -1,6 +1,7 @@
 """gRPC calls from the router to workers; turns RPC errors into the router's plain errors.
 
 INVALID_ARGUMENT            -> InvalidRequestError (passed to the client unchanged, no retry)
+RESOURCE_EXHAUSTED          -> WorkerFull (retried; CapacityError when every pair was full)
 cancelled by our client     -> RequestCancelled
 any other status / timeout  -> WorkerFailed (retried on another pair before the first token)
 """
@@ -27,7 +28,7 @@ from baton.contract import (
     WorkerView,
     wire,
 )
-from baton.errors import InvalidRequestError, RequestCancelled, WorkerFailed
+from baton.errors import InvalidRequestError, RequestCancelled, WorkerFailed, WorkerFull
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
@@ -93,7 +94,8 @@ class GrpcWorkerClient:
             return RequestCancelled(f"request {request_id} cancelled during {what}")
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequestError(e.details())
-        return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
+        failed = WorkerFull if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else WorkerFailed
+        return failed(self.worker_id, what, f"{e.code().name}: {e.details()}")
 
 
 class GrpcPrefillCall:

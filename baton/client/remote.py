@@ -9,6 +9,7 @@ import grpc
 
 from baton.client.requests import RequestSpec, result_dict
 from baton.contract import GenerateInput, wire
+from baton.errors import InvalidRequestError
 from baton.proto_gen import router_pb2_grpc
 
 
@@ -18,9 +19,17 @@ def to_input(spec: RequestSpec) -> GenerateInput:
     return GenerateInput(spec.id, ids, text, spec.sampling, spec.session or "")
 
 
+WIRE_RANGES = "max_tokens and top_k below 2^32, seed below 2^64, token ids below 2^31"
+
+
 def to_pb(spec: RequestSpec):
-    """The GenerateRequest for one request spec."""
-    return wire.generate_to_pb(to_input(spec))
+    """The GenerateRequest for one request spec; InvalidRequestError naming the field for a value
+    the router would refuse or the protocol cannot hold."""
+    spec.sampling.validate()
+    try:
+        return wire.generate_to_pb(to_input(spec))
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(f"a value does not fit the protocol ({e}): {WIRE_RANGES}") from e
 
 
 def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: float = 600) -> dict:
@@ -28,8 +37,12 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
     text = []
     t0 = time.perf_counter()
     try:
+        req = to_pb(spec)
+    except InvalidRequestError as e:
+        return {"id": spec.id, "error": f"invalid request: {e}"}
+    try:
         last = None
-        for msg in stub.Generate(to_pb(spec), timeout=timeout):
+        for msg in stub.Generate(req, timeout=timeout):
             last = wire.chunk_from_pb(msg)
             acc["token_ids"].extend(last.token_ids)
             text.append(last.text)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -39,24 +40,34 @@ class LocalCluster:
     """The processes of one local cluster; `stop()` ends every one of them.
 
     They share one cluster secret: the configured one (`BATON_CLUSTER_TOKEN` or
-    `cluster.token_file`), else a fresh random one that only they know (`token`)."""
+    `cluster.token_file`), else a fresh random one that only they know (`token`).
+    The router's HTTP API listens on `http_port` (None: a free port); every worker gets a free
+    Prometheus port of its own, listed in `metrics_ports` (role, port) in start order.
+    """
 
     def __init__(self, model: str, prefill: int, decode: int, port: int, config: str | None,
-                 log_level: str = "INFO", host: str = "127.0.0.1"):
+                 log_level: str = "INFO", host: str = "127.0.0.1", http_port: int | None = None):
         local = host in ("0.0.0.0", "::", "")
-        self.address = f"{'127.0.0.1' if local else host}:{port}"
+        reach = "127.0.0.1" if local else host
+        self.address = f"{reach}:{port}"
+        self.http_port = free_port() if http_port is None else http_port
+        self.http_address = f"http://{reach}:{self.http_port}"
         self.token = configured_token(BatonConfig.load(config).cluster) or \
             ClusterSecret.generate()
         self.secret = ClusterSecret(self.token)
         extra = ["--config", config] if config else []
         base = ["--log-level", log_level]
         self.procs: list[subprocess.Popen] = []
+        self.metrics_ports: list[tuple[str, int]] = []
         self.expected = prefill + decode
         self._spawn(_cmd(*base, "router", "--port", str(port), "--host", host, "--model", model,
-                         *extra))
+                         "--http-port", str(self.http_port), *extra))
         for role, n in (("prefill-worker", prefill), ("decode-worker", decode)):
             for _ in range(n):
-                self._spawn(_cmd(*base, role, "--router", self.address, "--model", model, *extra))
+                mport = free_port()
+                self.metrics_ports.append((role.removesuffix("-worker"), mport))
+                self._spawn(_cmd(*base, role, "--router", self.address, "--model", model,
+                                 "--metrics-port", str(mport), *extra))
 
     def _spawn(self, cmd: list[str]) -> None:
         env = dict(os.environ)
@@ -79,12 +90,19 @@ class LocalCluster:
                     raise BatonError(f"cluster process(es) exited during start: {dead}")
                 try:
                     n = len(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=2).workers)
-                    if n >= self.expected:
+                    if n >= self.expected and self._http_ready():
                         return
                 except grpc.RpcError:
                     pass
                 time.sleep(0.3)
         raise BatonError(f"cluster not ready after {timeout:.0f}s ({self.expected} workers expected)")
+
+    def _http_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_address}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def stop(self) -> None:
         for p in self.procs:
@@ -102,6 +120,15 @@ def _raise_interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def _http_port(args) -> int | None:
+    """--http-port, else router.http_port from the config; 0 (or None) picks a free port."""
+    if args.http_port is not None:
+        return args.http_port or None
+    from baton.config import BatonConfig
+
+    return BatonConfig.load(args.config).router.http_port or None
+
+
 def serve_local(args) -> int:
     from baton.model.registry import resolve_model
 
@@ -109,11 +136,13 @@ def serve_local(args) -> int:
     # SIGTERM (a supervisor, `timeout`) must stop the workers too: they run in their own sessions
     signal.signal(signal.SIGTERM, _raise_interrupt)
     cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config,
-                           host=args.host)
+                           host=args.host, http_port=_http_port(args))
     try:
         cluster.wait_ready()
-        print(f"baton cluster ready: router at {cluster.address} "
-              f"({args.prefill} prefill, {args.decode} decode); Ctrl-C stops it", flush=True)
+        metrics = ", ".join(f"{role} :{port}" for role, port in cluster.metrics_ports)
+        print(f"baton cluster ready: router gRPC at {cluster.address}, OpenAI-compatible HTTP "
+              f"at {cluster.http_address}/v1 ({args.prefill} prefill, {args.decode} decode; "
+              f"worker metrics on {metrics}); Ctrl-C stops it", flush=True)
         while all(p.poll() is None for p in cluster.procs):
             time.sleep(0.5)
         log.error("a cluster process exited; stopping the cluster")

@@ -1,4 +1,4 @@
-"""`baton router`: the router role as its own process."""
+"""`baton router`: the router role as its own process (gRPC and the OpenAI-compatible HTTP API)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,35 @@ from baton.config import BatonConfig
 def run_router_role(args) -> int:
     from baton.auth import load_secret
     from baton.auth.api_keys import load_api_keys
-    from baton.model.registry import resolve_model
+    from baton.model.chat_template import load_chat_template
+    from baton.model.config import ModelConfig
+    from baton.model.registry import resolve_model, served_name
     from baton.model.tokenizer import load_tokenizer
+    from router.http.server import start_http
     from router.server import run_router
 
     cfg = BatonConfig.load(args.config)
     router_cfg = cfg.router if args.host is None else replace(cfg.router, host=args.host)
     secret = load_secret(cfg.cluster, role="router")
     api_keys = load_api_keys(router_cfg.api_keys_file)
-    tokenizer = load_tokenizer(resolve_model(args.model or cfg.model.path))
-    handle = run_router(args.port, router_cfg, tokenizer, secret, api_keys)
+    model_dir = resolve_model(args.model or cfg.model.path)
+    handle = run_router(args.port, router_cfg, load_tokenizer(model_dir), secret, api_keys)
+    max_len = cfg.worker.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    http_port = router_cfg.http_port if args.http_port is None else args.http_port
+    try:
+        http = start_http(handle, router_cfg.host, http_port, served_name(model_dir),
+                          load_chat_template(model_dir), max_len, api_keys)
+    except BaseException:
+        handle.stop()
+        raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"router serving on {router_cfg.host}:{handle.port}", flush=True)
+    host = router_cfg.host
+    print(f"router serving gRPC on {host}:{handle.port} and HTTP on http://{host}:{http.port}",
+          flush=True)
     stop.wait()
+    http.stop()
     handle.stop()
     return 0
 

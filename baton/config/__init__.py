@@ -39,6 +39,9 @@ class WorkerConfig:
     """Address this worker advertises to the router and peers."""
     port: int = 0
     """gRPC port (0 = pick a free one)."""
+    metrics_port: int = 0
+    """Prometheus `/metrics` HTTP port (0 = pick a free one; the worker prints it on start).
+    Set a fixed port where Prometheus scrapes a known address (one worker per host or pod)."""
 
 
 @dataclass(frozen=True)

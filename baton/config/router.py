@@ -29,6 +29,11 @@ class RouterConfig:
     api_keys_file: str = ""
     """File of public API keys, one a line: Generate and ListWorkers then need
     `authorization: Bearer <key>` (`BATON_API_KEY` adds one key). Unset: the public API is open."""
+    """Interface the router's gRPC and HTTP servers listen on."""
+    http_port: int = 8000
+    """Port of the OpenAI-compatible HTTP API and `/metrics` (0 = pick a free one)."""
+    http_max_body_bytes: int = 4 * 2**20
+    """Largest HTTP request body accepted; bigger ones get 413 before they are read."""
     server_threads: int = 256
     """gRPC server threads; each in-flight Generate stream holds one."""
     reserve_timeout_seconds: float = 10.0

@@ -9,6 +9,8 @@
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
     RequestCancelled      CANCELLED            the client went away
     anything else         INTERNAL
+
+The HTTP API answers each status with the code in HTTP_STATUS (OpenAI's codes: 400, 429, 503).
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ STATUS_OF = {
     TransferError: grpc.StatusCode.UNAVAILABLE,
     RequestCancelled: grpc.StatusCode.CANCELLED,
 }
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INTERNAL: 500,
+}
+"""gRPC status -> HTTP status (499: the client closed the request, as nginx logs it)."""
+
+
+def http_status_of(exc: BaseException) -> int:
+    """The HTTP status for `exc` (500 for an error Baton did not raise on purpose)."""
+    return HTTP_STATUS.get(status_of(exc) or grpc.StatusCode.INTERNAL, 500)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from baton.errors import ConfigError
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h import NemotronHModel
+from baton.model.progress import progress
 
 log = logging.getLogger("baton.model")
 
@@ -68,7 +69,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
     state, unexpected = {}, []
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
                 ours = _canonical(name)
                 if ours not in expected:
                     unexpected.append(name)

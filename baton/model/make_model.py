@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h import NemotronHModel
+from baton.model.progress import progress
 
 TINY = dict(
     hybrid_override_pattern="M*M-M*M-",
@@ -82,7 +84,8 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
 
 
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0, **fields) -> Path:
-    """Write config.json + model.safetensors of a seeded random model into `out_dir`.
+    """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
+    of a seeded random model into `out_dir`.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
     """
@@ -93,6 +96,7 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     tensors = random_weights(cfg, seed)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     return out
 
 
@@ -103,7 +107,8 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     gen = torch.Generator().manual_seed(seed)
-    return {name: _init(name, shape, cfg, gen) for name, shape in sorted(shapes.items())}
+    items = progress(sorted(shapes.items()), "making weights", "tensor")
+    return {name: _init(name, shape, cfg, gen) for name, shape in items}
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen) -> torch.Tensor:

@@ -13,8 +13,8 @@ from baton.model.make_model import write_checkpoint
 # name -> (cache folder, write_checkpoint kwargs). Bump the folder's version when the recipe
 # changes so stale caches are never reused.
 NAMED = {
-    "tiny": ("tiny-v1", {"preset": "tiny", "seed": 0}),
-    "100m": ("100m-v1", {"preset": "100m", "seed": 0}),
+    "tiny": ("tiny-v2", {"preset": "tiny", "seed": 0}),
+    "100m": ("100m-v2", {"preset": "100m", "seed": 0}),
 }
 
 
@@ -35,6 +35,15 @@ def resolve_model(name_or_path: str | Path) -> Path:
             f"directory with config.json and *.safetensors"
         )
     return path
+
+
+def served_name(model_dir: str | Path) -> str:
+    """The name clients use for a checkpoint: `tiny` for the named model, else the folder name."""
+    path = Path(model_dir)
+    for name, (folder, _) in NAMED.items():
+        if path == cache_dir() / folder:
+            return name
+    return path.name
 
 
 def _ensure_generated(target: Path, kwargs: dict) -> Path:

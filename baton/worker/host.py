@@ -25,40 +25,49 @@ from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
 from baton.worker.load import load_of
+from baton.worker.metrics import WorkerMetrics
 from baton.worker.registration import Registration
 from baton.worker.snapshots import SnapshotEvents
 
 log = logging.getLogger("baton.worker")
 
 Attach = Callable[
-    [BatonConfig, Engine, EngineLoop, grpc.Server, str, str, ClusterSecret | None], object
+    [BatonConfig, Engine, EngineLoop, grpc.Server, str, str, ClusterSecret | None, WorkerMetrics],
+    object,
 ]
-"""(config, engine, loop, server, worker_id, host, secret) -> the role's service (has
+"""(config, engine, loop, server, worker_id, host, secret, metrics) -> the role's service (has
 `close()`), its servicer already added to `server`."""
 
 
 class Worker:
-    def __init__(self, worker_id, address, server, service, registration, loop):
+    def __init__(self, worker_id, address, server, service, registration, loop, metrics,
+                 metrics_port):
         self.worker_id = worker_id
         self.address = address
         self.server = server
         self.service = service
         self.registration = registration
         self.loop = loop
+        self.metrics = metrics
+        self.metrics_port = metrics_port
 
     def stop(self) -> None:
         self.registration.stop()
         self.server.stop(grace=1).wait()
         self.service.close()
+        self.metrics.stop()
         self.loop.stop()
 
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
-                 host: str, port: int) -> Worker:
+                 host: str, port: int, metrics_port: int | None = None) -> Worker:
+    """`metrics_port` None: the config's `worker.metrics_port`."""
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     engine = build_engine(cfg, model)
     events = SnapshotEvents(engine.cache)
     loop = EngineLoop(engine)
+    metrics = WorkerMetrics(role, loop)
+    mport = metrics.serve(host, cfg.worker.metrics_port if metrics_port is None else metrics_port)
     # every worker service needs the cluster secret's bearer; health stays open
     tokens = None if secret is None else {secret.bearer}
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
@@ -66,7 +75,7 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     bound = server.add_insecure_port(f"{host}:{port}")
     address = f"{host}:{bound}"
     worker_id = f"{role.value}-{socket.gethostname()}-{os.getpid()}-{bound}"
-    service = attach(cfg, engine, loop, server, worker_id, host, secret)
+    service = attach(cfg, engine, loop, server, worker_id, host, secret, metrics)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.start()
@@ -75,7 +84,7 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
                        bearer=None if secret is None else secret.bearer)
     reg.start()
-    return Worker(worker_id, address, server, service, reg, loop)
+    return Worker(worker_id, address, server, service, reg, loop, metrics, mport)
 
 
 def serve_until_signalled(args, role: Role, attach: Attach) -> int:
@@ -83,11 +92,13 @@ def serve_until_signalled(args, role: Role, attach: Attach) -> int:
     signal, stop."""
     cfg = BatonConfig.load(args.config)
     host = args.host or cfg.worker.host
-    worker = start_worker(cfg, role, attach, args.router, args.model, host, args.port)
+    worker = start_worker(cfg, role, attach, args.router, args.model, host, args.port,
+                          getattr(args, "metrics_port", None))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"{role.value} worker {worker.worker_id} serving on {worker.address}", flush=True)
+    print(f"{role.value} worker {worker.worker_id} serving on {worker.address}, metrics on "
+          f"http://{host}:{worker.metrics_port}/metrics", flush=True)
     stop.wait()
     worker.stop()
     return 0

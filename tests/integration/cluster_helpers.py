@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -43,3 +44,19 @@ def worker_counters(info, bearer: str | None = None) -> dict[str, float]:
         else:
             stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         return dict(stub.Stats(baton_pb2.StatsRequest(), timeout=10).counters)
+
+
+def assert_clean(cluster) -> None:
+    """Every worker of `cluster` (a LocalCluster): integrity holds and nothing is held for a
+    request any more."""
+    deadline = time.monotonic() + 15
+    while True:
+        counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
+                    for w in list_workers(cluster.address)}
+        idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0 for c in counters.values())
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for wid, c in counters.items():
+        assert c["integrity_ok"] == 1.0, wid
+        assert c["live_requests"] == 0 and c["engine_requests"] == 0, (wid, c)

@@ -20,9 +20,9 @@ from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc
 from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
+    assert_clean,
     list_workers,
     start_cluster,
-    worker_counters,
     write_config,
 )
 
@@ -64,21 +64,6 @@ def local(setup, specs, concurrency=1):
 
 def tokens(results):
     return {r["id"]: r.get("token_ids", r.get("error")) for r in results}
-
-
-def assert_clean(cluster) -> None:
-    """Every worker: integrity holds and nothing is held for a request any more."""
-    deadline = time.monotonic() + 15
-    while True:
-        counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
-                    for w in list_workers(cluster.address)}
-        idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0 for c in counters.values())
-        if idle or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for wid, c in counters.items():
-        assert c["integrity_ok"] == 1.0, wid
-        assert c["live_requests"] == 0 and c["engine_requests"] == 0, (wid, c)
 
 
 def test_32_concurrent_requests_equal_local(setup):

@@ -132,6 +132,20 @@ def test_failure_before_first_token_retries_on_another_pair(cluster):
     assert w["d0"].state.held == {} and w["d1"].state.held == {}
 
 
+def test_full_workers_are_retried_and_all_full_is_resource_exhausted(cluster):
+    _, stub, w = cluster(p0=Script(), d0=Script(reserve=Act.FULL), d1=Script())
+    assert list(gen(stub, max_tokens=2))[-1].decode_worker == "d1"
+    _, stub, w = cluster(p0=Script(), d0=Script(reserve=Act.FULL), d1=Script(reserve=Act.FULL))
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "d0: worker is full" in e.value.details() and "d1: worker is full" in e.value.details()
+    _, stub, w = cluster(p0=Script(), d0=Script(reserve=Act.FULL), d1=Script(reserve=Act.FAIL))
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # one of them is down, not full
+
+
 def test_failure_after_first_token_is_not_retried(cluster):
     _, stub, w = cluster(p0=Script(), d0=Script(decode=Act.FAIL_MID), d1=Script())
     got = []

@@ -46,6 +46,8 @@ class Act(str, Enum):
     """Prefill: the first token ends the request."""
     FAIL_MID = "fail_mid"
     """Decode: fail after its first message."""
+    FULL = "full"
+    """Return RESOURCE_EXHAUSTED (as a worker out of blocks or slots would)."""
 
 
 @dataclass
@@ -82,6 +84,8 @@ class _Base:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: scripted failure")
         if act == Act.INVALID:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.worker_id}: prompt too long")
+        if act == Act.FULL:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker_id}: worker is full")
         if act == Act.HANG:
             context.add_callback(wake.set)
             wake.wait(self.script.hang_limit_s)

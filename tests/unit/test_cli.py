@@ -92,3 +92,18 @@ def test_missing_model_directory_is_one_clear_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "nope" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "-3"], "max_tokens must be an integer >= 1, got -3"),
+    (["--max-tokens", str(2**32)], "a value does not fit the protocol (Value out of range: "
+                                   "4294967296): max_tokens and top_k below 2^32"),
+    (["--seed", str(2**64)], "a value does not fit the protocol (Value out of range: "
+                             "18446744073709551616)"),
+])
+def test_generate_router_refuses_unencodable_values_in_one_line(capsys, flags, message):
+    # nothing listens on port 1: the request is refused before any connection
+    rc = main(["generate", "--router", "127.0.0.1:1", "--prompt-ids", "5,6", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1
+    assert err[0].startswith(f"request req-1 failed: invalid request: {message}")

@@ -30,11 +30,12 @@ def test_tiny_is_generated_once_even_when_racing(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert not errors
-    assert set(results) == {tmp_path / "tiny-v1"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v1"]  # no temp dirs left
-    assert {p.name for p in (tmp_path / "tiny-v1").iterdir()} == {
+    assert set(results) == {tmp_path / "tiny-v2"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v2"]  # no temp dirs left
+    assert {p.name for p in (tmp_path / "tiny-v2").iterdir()} == {
         "config.json",
         "model.safetensors",
+        "tokenizer_config.json",
     }
 
 

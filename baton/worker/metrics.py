@@ -1,0 +1,135 @@
+"""A worker's Prometheus metrics, served on `worker.metrics_port` at `/metrics`.
+
+Engine and cache figures (running / waiting requests, KV blocks and state slots used and free,
+prefix hits, snapshots) are read from the engine loop at scrape time, so the hot path pays
+nothing for them; handoffs and requests are counted by the role's service as they happen.
+Every series carries `role` ("prefill" / "decode"). One `CollectorRegistry` per worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from baton.contract import Role
+from baton.engine.loop import EngineLoop
+from baton.errors import BatonError
+
+disable_created_metrics()  # `_created` series only double every counter's size
+log = logging.getLogger("baton.worker")
+
+BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(13))
+"""1 KiB .. 16 GiB, x4 apart."""
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    def __init__(self, role: Role, loop: EngineLoop):
+        self.role = role.value
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["role"]
+        self.requests = Counter("baton_worker_requests", "Requests this worker ended, by outcome "
+                                "(a finish reason, or aborted / failed)", ["role", "outcome"],
+                                registry=r)
+        self.handoffs = Counter("baton_handoffs", "KV/state handoffs completed (sent by prefill, "
+                                "received by decode)", lab, registry=r)
+        self.handoff_bytes = Histogram("baton_handoff_bytes", "Bytes moved per handoff", lab,
+                                       buckets=BYTES_BUCKETS, registry=r)
+        self.handoff_seconds = Histogram("baton_handoff_seconds", "Transfer start to delivery "
+                                         "per handoff", lab, buckets=SECONDS_BUCKETS, registry=r)
+        self.transfer_failures = Counter("baton_transfer_failures", "Handoffs that failed, "
+                                         "expired or were refused", lab, registry=r)
+        self.prefill_seconds = Histogram("baton_prefill_seconds", "Prompt compute per request, "
+                                         "queueing included", lab, buckets=SECONDS_BUCKETS,
+                                         registry=r)
+        self.generation_tokens = Counter("baton_worker_generation_tokens", "Tokens this worker "
+                                         "sampled", lab, registry=r)
+        r.register(_EngineCollector(self.role, loop))
+        self._server = None
+
+    def request_ended(self, outcome: str) -> None:
+        self.requests.labels(self.role, outcome).inc()
+
+    def handoff(self, nbytes: int | None, seconds: float | None) -> None:
+        """One handoff done; bytes and seconds where this side measured them."""
+        self.handoffs.labels(self.role).inc()
+        if nbytes is not None:
+            self.handoff_bytes.labels(self.role).observe(nbytes)
+        if seconds is not None:
+            self.handoff_seconds.labels(self.role).observe(seconds)
+
+    def transfer_failed(self) -> None:
+        self.transfer_failures.labels(self.role).inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts `/metrics` on `host:port` (0 = a free port); returns the port."""
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise BatonError(f"worker metrics could not bind {host}:{port} ({e}); set "
+                             "worker.metrics_port or --metrics-port to a free port (0 picks "
+                             "one)") from e
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+class _EngineCollector:
+    """Cache and scheduler figures, read between two engine steps."""
+
+    def __init__(self, role: str, loop: EngineLoop):
+        self.role, self.loop = role, loop
+
+    def collect(self):
+        try:
+            figures = self.loop.call(self._read)
+        except RuntimeError:  # the loop stopped (shutdown): nothing to report
+            return
+        for name, kind, doc, value in figures:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=["role"])
+            family.add_metric([self.role], value)
+            yield family
+
+    def _read(self) -> list[tuple[str, str, str, float]]:
+        eng = self.loop.engine
+        s = eng.cache.stats()
+        return [
+            ("baton_requests_running", "gauge", "Requests prefilling or decoding",
+             len(eng.scheduler.running)),
+            ("baton_requests_waiting", "gauge", "Requests queued for their first step",
+             len(eng.scheduler.waiting)),
+            ("baton_kv_blocks_used", "gauge", "KV blocks off the free list (requests and prefix "
+             "tree)", s.blocks_total - s.blocks_free),
+            ("baton_kv_blocks_free", "gauge", "KV blocks on the free list", s.blocks_free),
+            ("baton_kv_blocks_cached", "gauge", "KV blocks the prefix tree holds", s.blocks_cached),
+            ("baton_state_slots_used", "gauge", "Mamba state slots held by requests or snapshots",
+             s.slots_live + s.slots_snapshot),
+            ("baton_state_slots_free", "gauge", "Mamba state slots unused",
+             s.slots_total - s.slots_live - s.slots_snapshot),
+            ("baton_snapshots_held", "gauge", "Prefix snapshots held (slot snapshots)",
+             s.slots_snapshot),
+            ("baton_prefix_queried_tokens", "counter", "Prompt tokens looked up in the prefix "
+             "cache", s.queried_tokens + s.remote_queried_tokens),
+            ("baton_prefix_hit_tokens", "counter", "Prompt tokens served from the prefix cache",
+             s.hit_tokens + s.remote_hit_tokens),
+            ("baton_snapshots_taken", "counter", "Mamba state snapshots committed",
+             s.snapshots_taken),
+            ("baton_snapshots_evicted", "counter", "Snapshots evicted for room", s.snapshots_evicted),
+            ("baton_snapshots_retired", "counter", "Snapshots dropped past a session's "
+             "max_num_turns", s.snapshots_retired),
+            ("baton_kv_blocks_evicted", "counter", "KV blocks evicted from the prefix tree",
+             s.blocks_evicted),
+        ]
