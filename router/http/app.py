@@ -295,7 +295,7 @@ async def _events(chunks, watcher, answer: Answer, shape: Shape, batch: list, us
             batch = await chunks.next_batch()
         if usage:
             yield _sse(shape.usage_chunk(answer))
-    except BatonError as e:  # after the first token the status is sent: report in the stream
+    except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream
         yield _sse(json.loads(baton_error_response(e).body))
     finally:
         _end(chunks, watcher, answer)
