@@ -277,3 +277,30 @@ def test_the_listening_socket_is_tcp_so_asyncio_turns_nagle_off():
             socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     finally:
         sock.close()
+
+
+def test_api_keys_guard_the_v1_api_but_not_health_or_metrics():
+    orch = ScriptedOrchestrator()
+    orch.script = lambda inp, cancel: iter(chunks("a", "b"))
+    ctx = HttpContext(orch, RouterMetrics(orch.registry), "tiny", ChatTemplate(TINY_CHAT_TEMPLATE),
+                      max_model_len=64, max_body_bytes=4096, pool=ThreadPoolExecutor(2),
+                      api_keys=frozenset({"k-123"}))
+    server = HttpServer(ctx, "127.0.0.1", 0)
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        status, raw = request(server.port, "/v1/completions", body)
+        err = json.loads(raw)["error"]
+        assert (status, err["type"], err["code"]) == (401, "authentication_error",
+                                                      "invalid_api_key")
+        assert orch.calls == []  # refused before anything reached the router's core
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json", "Authorization": "Bearer k-123"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["choices"][0]["text"] == "ab"
+        conn.close()
+        assert len(orch.calls) == 1
+        assert request(server.port, "/metrics", None, "GET")[0] == 200
+        assert request(server.port, "/health", None, "GET")[0] == 503  # open; no workers
+    finally:
+        server.stop()
