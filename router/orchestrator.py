@@ -11,6 +11,7 @@ any exit before the finish (error, client cancel, generator closed) -> Abort(P, 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -32,7 +33,14 @@ from baton.contract import (
     Role,
     WorkerView,
 )
-from baton.errors import InvalidRequestError, NoWorkersError, RequestCancelled, WorkerFailed
+from baton.errors import (
+    InvalidRequestError,
+    NoWorkersError,
+    RequestCancelled,
+    WorkerBusy,
+    WorkerFailed,
+)
+from router.admission import AdmissionQueue, check_limits
 from router.cancellation import Cancellation
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
@@ -75,6 +83,8 @@ class Orchestrator:
         self.policy = policy
         self.clients = clients
         self.tokenizer = tokenizer
+        self.queue = AdmissionQueue(config)
+        """Requests waiting, in arrival order, while every decode worker is full."""
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
         """Validates, then streams the request's chunks; the last one carries the summary.
@@ -85,33 +95,62 @@ class Orchestrator:
         rid = inp.request_id or key
         prompt = self._prompt_ids(inp)
         inp.sampling.validate()
+        check_limits(prompt, inp.sampling, self.registry.workers())
         start = time.perf_counter()
+        ticket = self.queue.arrive(rid)
+        try:
+            run, first, retries = self._start(key, rid, prompt, inp, cancel, ticket)
+        finally:
+            self.queue.leave(ticket)
+        yield from run.stream(first, start, retries=retries)
+
+    def _start(self, key, rid, prompt, inp: GenerateInput, cancel: Cancellation, ticket):
+        """Pairs until one gives the first token: a failed worker is excluded (at most
+        max_retries times), a full one skipped; when all are full the request waits in the
+        queue (arrival order) and tries them all again."""
         excluded: set[str] = set()
+        full: set[str] = set()
         failures: list[str] = []
-        for attempt in range(self.config.max_retries + 1):
-            choice = self._route(RouteRequest(key, prompt, inp.session_id), excluded, failures)
+        self.queue.wait_turn(ticket, cancel)
+        for n in itertools.count():
+            try:
+                choice = self._route(RouteRequest(key, prompt, inp.session_id), excluded | full,
+                                     failures)
+            except NoWorkersError:
+                if not full:
+                    raise
+                self.queue.wait_for_capacity(ticket, cancel)
+                full.clear()
+                continue
             # each attempt has its own id on the workers: a late event of a failed attempt
             # (lease expiry, stray transfer) can then never touch the retry's reservation
-            wid = key if attempt == 0 else f"{key}~retry{attempt}"
+            wid = key if n == 0 else f"{key}~retry{n}"
             run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
             try:
-                first = run.start()
+                return run, run.start(), len(failures)
+            except WorkerBusy as e:
+                full.add(e.worker_id)
             except WorkerFailed as e:
-                log.warning("request %s (%s) attempt %d: %s", rid, wid, attempt + 1, e)
+                log.warning("request %s (%s) attempt %d: %s", rid, wid, n + 1, e)
                 excluded.add(e.worker_id)
                 failures.append(str(e))
-                continue
-            yield from run.stream(first, start, retries=attempt)
-            return
-        raise NoWorkersError(
-            f"request {rid} failed on {len(failures)} worker pairs (max_retries="
-            f"{self.config.max_retries}): " + "; ".join(failures)
-        )
+                if len(failures) > self.config.max_retries:
+                    raise NoWorkersError(
+                        f"request {rid} failed on {len(failures)} worker pairs (max_retries="
+                        f"{self.config.max_retries}): " + "; ".join(failures)
+                    ) from None
+        raise AssertionError("unreachable")
 
     def _prompt_ids(self, inp: GenerateInput) -> tuple[int, ...]:
         if inp.prompt_ids and inp.prompt_text:
             raise InvalidRequestError("send either prompt or prompt_ids, not both")
         if inp.prompt_text:
+            size = len(inp.prompt_text.encode("utf-8", "surrogatepass"))
+            if size > self.config.max_prompt_bytes:  # before paying for the tokenizer
+                raise InvalidRequestError(
+                    f"prompt text is {size} bytes, over the router's limit of "
+                    f"{self.config.max_prompt_bytes} (router.max_prompt_bytes); shorten it"
+                )
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "this router has no tokenizer: send prompt_ids instead of prompt text"
@@ -168,6 +207,9 @@ class _Attempt:
                 )
                 self._check_cancelled("Prefill")
             return result
+        except WorkerBusy as e:  # a worker that refused as full holds nothing of this attempt
+            self._finish(abort=e.worker_id != self.d.worker_id or self.cancel.cancelled)
+            raise
         except BaseException:
             self._finish(abort=True)
             raise
@@ -226,6 +268,7 @@ class _Attempt:
             self._abort_once()
         self.orch.registry.end(self.p.worker_id)
         self.orch.registry.end(self.d.worker_id)
+        self.orch.queue.capacity_freed()
 
     def _abort_once(self) -> None:
         with self._lock:

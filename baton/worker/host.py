@@ -71,7 +71,8 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block)
+    info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block,
+                      max_model_len=engine.max_model_len)
     reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
                        bearer=None if secret is None else secret.bearer)
     reg.start()
