@@ -65,6 +65,7 @@ class PrefillService:
 
     def close(self) -> None:
         self.events.stop()
+        self.sender.close()
 
     def _compute(self, req: Request) -> RequestOutput:
         box: queue.Queue[RequestOutput] = queue.Queue()

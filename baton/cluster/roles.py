@@ -7,6 +7,7 @@ import threading
 from dataclasses import replace
 
 from baton.config import BatonConfig
+from baton.worker.exit import exit_now
 
 
 def run_router_role(args) -> int:
@@ -27,8 +28,8 @@ def run_router_role(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"router serving on {router_cfg.host}:{handle.port}", flush=True)
     stop.wait()
-    handle.stop()
-    return 0
+    handle.stop(grace=0.5)
+    exit_now(0)
 
 
 def run_prefill_worker(args) -> int:

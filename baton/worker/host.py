@@ -24,6 +24,7 @@ from baton.contract import Role, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
+from baton.worker.exit import exit_now
 from baton.worker.load import load_of
 from baton.worker.registration import Registration
 from baton.worker.snapshots import SnapshotEvents
@@ -91,4 +92,4 @@ def serve_until_signalled(args, role: Role, attach: Attach) -> int:
     print(f"{role.value} worker {worker.worker_id} serving on {worker.address}", flush=True)
     stop.wait()
     worker.stop()
-    return 0
+    exit_now(0)
