@@ -383,3 +383,42 @@ def test_a_text_prompt_over_the_byte_limit_is_refused_before_tokenizing():
     assert e.value.details() == ("prompt text is 102 bytes, over the router's limit of 100 "
                                  "(router.max_prompt_bytes); shorten it")
     assert encoded == []
+
+
+def test_a_router_on_every_interface_without_api_keys_warns(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="router.server"):
+        handle = run_router(0, RouterConfig(host="0.0.0.0"))
+        handle.stop(grace=None)
+        quiet = run_router(0, RouterConfig(host="127.0.0.1"))
+        quiet.stop(grace=None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"the router listens on 0.0.0.0 without API keys: anyone who reaches port "
+        f"{handle.port} can run requests; set router.api_keys_file or BATON_API_KEY, or "
+        f"router.host: 127.0.0.1"
+    ]
+
+
+def test_the_command_line_client_sends_baton_api_key(monkeypatch):
+    from baton.client.remote import run_remote
+    from baton.client.requests import RequestSpec
+    from baton.engine.request import SamplingParams
+
+    handle = run_router(0, RouterConfig(host="127.0.0.1"), api_keys=frozenset({"key-1234567"}))
+    p0, d0 = FakeWorker(Role.PREFILL, "p0"), FakeWorker(Role.DECODE, "d0")
+    try:
+        p0.register(handle.address)
+        d0.register(handle.address)
+        spec = RequestSpec("c1", prompt_ids=[5], sampling=SamplingParams(max_tokens=2))
+        monkeypatch.delenv("BATON_API_KEY", raising=False)
+        (refused,) = run_remote(handle.address, [spec])
+        monkeypatch.setenv("BATON_API_KEY", "key-1234567")
+        (ok,) = run_remote(handle.address, [spec])
+    finally:
+        handle.stop(grace=None)
+        p0.stop()
+        d0.stop()
+    assert refused["error"].startswith("UNAUTHENTICATED: baton.v1.Router needs credentials")
+    assert ok["token_ids"] == [6, 7]
