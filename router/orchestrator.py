@@ -1,8 +1,12 @@
 """One request's path through the cluster: route -> Reserve -> Prefill -> Decode stream.
 
-for each attempt (1 + max_retries pairs):
-  policy.choose -> (P, D)
+key = the router's own id for the request (the client's request_id is only echoed back)
+check_limits                          what no worker could take -> InvalidRequestError
+wait_turn                             behind requests already queued, in arrival order
+for each attempt (until max_retries failed pairs):
+  policy.choose -> (P, D)             every candidate full -> wait in the queue, try all again
   D.Reserve   -> Reservation          WorkerFailed -> Abort(P, D), exclude the failed one, retry
+                                      WorkerBusy (full) -> skip that worker, try another
   P.Prefill   -> first token          InvalidRequestError -> Abort(P, D), raise as is
   yield first token                   -- no retry past this point --
   D.Decode    -> chunks until finish_reason
