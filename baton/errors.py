@@ -17,6 +17,15 @@ class CapacityError(BatonError, RuntimeError):
     """Pools cannot hold what was asked (maps to RESOURCE_EXHAUSTED)."""
 
 
+class WorkerBusy(CapacityError):
+    """A worker is full for now (it answered RESOURCE_EXHAUSTED); the router tries another
+    or queues the request."""
+
+    def __init__(self, worker_id: str, what: str, detail: str):
+        super().__init__(f"worker {worker_id} is full ({what}): {detail}")
+        self.worker_id = worker_id
+
+
 class AuthError(BatonError):
     """The caller did not prove the cluster secret or an API key (maps to UNAUTHENTICATED)."""
 
@@ -36,11 +45,6 @@ class WorkerFailed(BatonError):
     def __init__(self, worker_id: str, what: str, detail: str):
         super().__init__(f"worker {worker_id} failed {what}: {detail}")
         self.worker_id = worker_id
-
-
-class WorkerFull(WorkerFailed):
-    """A worker refused for capacity (RESOURCE_EXHAUSTED); another pair may have room. When
-    every pair tried was full, the router answers CapacityError."""
 
 
 class NoWorkersError(BatonError):

@@ -105,6 +105,7 @@ class DecodeService:
 
     def close(self) -> None:
         self.events.stop()
+        self.receiver.close()  # tells connected prefill workers `bye`
 
     def _start_lease(self, request_id: str) -> None:
         t = threading.Timer(self.lease_seconds, self._lease_expired, args=(request_id,))

@@ -184,6 +184,7 @@ class PrefillService:
 
     def close(self) -> None:
         self.events.stop()
+        self.sender.close()
 
     # -- internals ------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 """One request's path through the cluster: route -> Reserve -> Prefill -> Decode stream.
 
-for each attempt (1 + max_retries pairs):
-  policy.choose -> (P, D)
+key = the router's own id for the request (the client's request_id is only echoed back)
+check_limits                          what no worker could take -> InvalidRequestError
+wait_turn                             behind requests already queued, in arrival order
+for each attempt (until max_retries failed pairs):
+  policy.choose -> (P, D)             every candidate full -> wait in the queue, try all again
   P.Prefill   stream opened: P computes from now on, while
   D.Reserve   -> Reservation          WorkerFailed -> Abort(P, D), exclude the failed one, retry
+                                      WorkerBusy (full) -> skip that worker, try another
   P.Prefill   <- Reservation -> first token (after the handoff)
                                       InvalidRequestError -> Abort(P, D), raise as is
   yield first token                   -- no retry past this point --
@@ -13,6 +17,7 @@ any exit before the finish (error, client cancel, generator closed) -> Abort(P, 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -35,13 +40,13 @@ from baton.contract import (
     WorkerView,
 )
 from baton.errors import (
-    CapacityError,
     InvalidRequestError,
     NoWorkersError,
     RequestCancelled,
+    WorkerBusy,
     WorkerFailed,
-    WorkerFull,
 )
+from router.admission import AdmissionQueue, check_limits
 from router.cancellation import Cancellation
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
@@ -93,6 +98,8 @@ class Orchestrator:
         self.policy = policy
         self.clients = clients
         self.tokenizer = tokenizer
+        self.queue = AdmissionQueue(config)
+        """Requests waiting, in arrival order, while every decode worker is full."""
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
         """Validates, then streams the request's chunks; the last one carries the summary.
@@ -103,33 +110,62 @@ class Orchestrator:
         rid = inp.request_id or key
         prompt = self._prompt_ids(inp)
         inp.sampling.validate()
+        check_limits(prompt, inp.sampling, self.registry.workers())
         start = time.perf_counter()
+        ticket = self.queue.arrive(rid)
+        try:
+            run, first, retries = self._start(key, rid, prompt, inp, cancel, ticket)
+        finally:
+            self.queue.leave(ticket)
+        yield from run.stream(first, start, retries=retries)
+
+    def _start(self, key, rid, prompt, inp: GenerateInput, cancel: Cancellation, ticket):
+        """Pairs until one gives the first token: a failed worker is excluded (at most
+        max_retries times), a full one skipped; when all are full the request waits in the
+        queue (arrival order) and tries them all again."""
         excluded: set[str] = set()
-        failures: list[WorkerFailed] = []
-        for attempt in range(self.config.max_retries + 1):
-            choice = self._route(RouteRequest(key, prompt, inp.session_id), excluded, failures)
+        full: set[str] = set()
+        failures: list[str] = []
+        self.queue.wait_turn(ticket, cancel)
+        for n in itertools.count():
+            try:
+                choice = self._route(RouteRequest(key, prompt, inp.session_id), excluded | full,
+                                     failures)
+            except NoWorkersError:
+                if not full:
+                    raise
+                self.queue.wait_for_capacity(ticket, cancel)
+                full.clear()
+                continue
             # each attempt has its own id on the workers: a late event of a failed attempt
             # (lease expiry, stray transfer) can then never touch the retry's reservation
-            wid = key if attempt == 0 else f"{key}~retry{attempt}"
+            wid = key if n == 0 else f"{key}~retry{n}"
             run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
             try:
-                first = run.start()
+                return run, run.start(), len(failures)
+            except WorkerBusy as e:
+                full.add(e.worker_id)
             except WorkerFailed as e:
-                log.warning("request %s (%s) attempt %d: %s", rid, wid, attempt + 1, e)
+                log.warning("request %s (%s) attempt %d: %s", rid, wid, n + 1, e)
                 excluded.add(e.worker_id)
-                failures.append(e)
-                continue
-            yield from run.stream(first, start, retries=attempt)
-            return
-        raise _unavailable(failures)(
-            f"request {rid} failed on {len(failures)} worker pairs (max_retries="
-            f"{self.config.max_retries}): " + "; ".join(map(str, failures))
-        )
+                failures.append(str(e))
+                if len(failures) > self.config.max_retries:
+                    raise NoWorkersError(
+                        f"request {rid} failed on {len(failures)} worker pairs (max_retries="
+                        f"{self.config.max_retries}): " + "; ".join(failures)
+                    ) from None
+        raise AssertionError("unreachable")
 
     def _prompt_ids(self, inp: GenerateInput) -> tuple[int, ...]:
         if inp.prompt_ids and inp.prompt_text:
             raise InvalidRequestError("send either prompt or prompt_ids, not both")
         if inp.prompt_text:
+            size = len(inp.prompt_text.encode("utf-8", "surrogatepass"))
+            if size > self.config.max_prompt_bytes:  # before paying for the tokenizer
+                raise InvalidRequestError(
+                    f"prompt text is {size} bytes, over the router's limit of "
+                    f"{self.config.max_prompt_bytes} (router.max_prompt_bytes); shorten it"
+                )
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "this router has no tokenizer: send prompt_ids instead of prompt text"
@@ -144,23 +180,15 @@ class Orchestrator:
             raise InvalidRequestError(f"prompt_ids must be >= 0, got {bad[:5]}")
         return ids
 
-    def _route(self, req: RouteRequest, excluded: set[str], failures: list[WorkerFailed]
-               ) -> RouteChoice:
+    def _route(self, req: RouteRequest, excluded: set[str], failures: list[str]) -> RouteChoice:
         pools = {}
         for role in (Role.PREFILL, Role.DECODE):
             live = self.registry.workers(role)
             pools[role] = [w for w in live if w.worker_id not in excluded]
             if not pools[role]:
-                why = f" ({len(live)} live, all failed: {'; '.join(map(str, failures))})" \
-                    if live else ""
-                raise _unavailable(failures)(f"no {role.value} worker available{why}")
+                why = f" ({len(live)} live, all failed: {'; '.join(failures)})" if live else ""
+                raise NoWorkersError(f"no {role.value} worker available{why}")
         return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
-
-
-def _unavailable(failures: list[WorkerFailed]) -> type[Exception]:
-    """CapacityError (429) when every worker tried was full, else NoWorkersError (503)."""
-    full = failures and all(isinstance(f, WorkerFull) for f in failures)
-    return CapacityError if full else NoWorkersError
 
 
 class _Attempt:
@@ -200,6 +228,9 @@ class _Attempt:
                 result = call.finish(res)
                 self._check_cancelled("Prefill")
             return result
+        except WorkerBusy as e:  # a worker that refused as full holds nothing of this attempt
+            self._finish(abort=e.worker_id != self.d.worker_id or self.cancel.cancelled)
+            raise
         except BaseException:
             self._finish(abort=True)
             raise
@@ -258,6 +289,7 @@ class _Attempt:
             self._abort_once()
         self.orch.registry.end(self.p.worker_id)
         self.orch.registry.end(self.d.worker_id)
+        self.orch.queue.capacity_freed()
 
     def _abort_once(self) -> None:
         with self._lock:

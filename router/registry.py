@@ -143,4 +143,5 @@ def _view(rec: _Record, now: float) -> WorkerView:
         load=rec.load,
         inflight=rec.inflight,
         seconds_since_heartbeat=now - rec.last_seen,
+        max_model_len=info.max_model_len,
     )

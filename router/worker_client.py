@@ -1,7 +1,7 @@
 """gRPC calls from the router to workers; turns RPC errors into the router's plain errors.
 
 INVALID_ARGUMENT            -> InvalidRequestError (passed to the client unchanged, no retry)
-RESOURCE_EXHAUSTED          -> WorkerFull (retried; CapacityError when every pair was full)
+RESOURCE_EXHAUSTED          -> WorkerBusy (another worker is tried, else the request queues)
 cancelled by our client     -> RequestCancelled
 any other status / timeout  -> WorkerFailed (retried on another pair before the first token)
 """
@@ -28,7 +28,7 @@ from baton.contract import (
     WorkerView,
     wire,
 )
-from baton.errors import InvalidRequestError, RequestCancelled, WorkerFailed, WorkerFull
+from baton.errors import InvalidRequestError, RequestCancelled, WorkerBusy, WorkerFailed
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
@@ -94,8 +94,9 @@ class GrpcWorkerClient:
             return RequestCancelled(f"request {request_id} cancelled during {what}")
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequestError(e.details())
-        failed = WorkerFull if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else WorkerFailed
-        return failed(self.worker_id, what, f"{e.code().name}: {e.details()}")
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return WorkerBusy(self.worker_id, what, e.details())
+        return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
 
 
 class GrpcPrefillCall:

@@ -109,6 +109,12 @@ class HybridCacheManager:
         return self.blocks.num_free if self._kv else 0
 
     @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus those evicting the tree's unlocked units would free: what
+        `can_allocate` can hand out now (the `free_blocks` a worker reports)."""
+        return self.blocks.num_free + self.tree.num_evictable_blocks if self._kv else 0
+
+    @property
     def num_free_slots(self) -> int:
         """Slots not held by a running request (snapshot slots are always evictable)."""
         return self.slots.num_slots - len(self._live)

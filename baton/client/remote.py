@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from baton.auth.api_keys import ENV_API_KEY
+from baton.auth.grpc_auth import authorized
 from baton.client.requests import RequestSpec, result_dict
 from baton.contract import GenerateInput, wire
 from baton.errors import InvalidRequestError
@@ -60,8 +63,10 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
 
 
 def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1) -> list[dict]:
-    """Requests in file order, at most `concurrency` in flight; sessions keep their order."""
-    with grpc.insecure_channel(router) as ch:
+    """Requests in file order, at most `concurrency` in flight; sessions keep their order.
+    `BATON_API_KEY` in the environment is sent as the API key (routers with keys need it)."""
+    key = os.environ.get(ENV_API_KEY, "").strip() or None
+    with authorized(grpc.insecure_channel(router), key) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         if concurrency <= 1:
             return [generate_one(stub, s) for s in specs]

@@ -24,6 +24,9 @@ log = logging.getLogger("baton.serve")
 
 STDERR_FD = 2
 """The process's own fd 2 (not `sys.stderr`, which test runners replace with objects)."""
+STOP_GRACE_S = 3.0
+"""`stop()` waits this long for SIGTERMed processes, then kills what is left: a stop (and a
+SIGTERM to `baton serve`) ends every process within 5 s, however busy they are."""
 
 
 def free_port() -> int:
@@ -108,12 +111,15 @@ class LocalCluster:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + STOP_GRACE_S
         for p in self.procs:
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                p.wait(timeout=max(0.01, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs of SIGTERM; killing it",
+                            " ".join(p.args[5:6]), STOP_GRACE_S)
                 p.kill()
+                p.wait()
 
 
 def _raise_interrupt(*_) -> None:

@@ -7,6 +7,7 @@ import threading
 from dataclasses import replace
 
 from baton.config import BatonConfig
+from baton.worker.exit import exit_now
 
 
 def run_router_role(args) -> int:
@@ -41,8 +42,8 @@ def run_router_role(args) -> int:
           flush=True)
     stop.wait()
     http.stop()
-    handle.stop()
-    return 0
+    handle.stop(grace=0.5)
+    exit_now(0)
 
 
 def run_prefill_worker(args) -> int:

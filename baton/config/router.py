@@ -42,3 +42,11 @@ class RouterConfig:
     """Deadline of a Prefill call (prompt compute plus the KV/state transfer)."""
     abort_timeout_seconds: float = 2.0
     """Deadline of each Abort the router sends after a failure or a cancellation."""
+    max_queued_requests: int = 128
+    """Requests that wait, in arrival order, while every decode worker is full; one more is
+    refused at once with RESOURCE_EXHAUSTED (0 = no queue). Each holds a server thread."""
+    queue_timeout_s: float = 30.0
+    """Longest a request waits in that queue before RESOURCE_EXHAUSTED."""
+    max_prompt_bytes: int = 1 << 20
+    """Text prompts longer than this (UTF-8 bytes) are refused with INVALID_ARGUMENT before
+    they are tokenized."""

@@ -149,6 +149,8 @@ class WorkerInfo:
     address: str
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
     load: WorkerLoad = WorkerLoad()
+    max_model_len: int = 0
+    """Longest prompt + output the worker accepts (0 = not reported)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class WorkerView:
     seconds_since_heartbeat: float = 0.0
     tracked_snapshots: int = 0
     """Snapshots of this worker the router's policy indexes (ListWorkers only)."""
+    max_model_len: int = 0
+    """Longest prompt + output the worker accepts (0 = not reported)."""
 
     @property
     def busy(self) -> int:

@@ -136,6 +136,7 @@ def register_from_pb(m: rpb.RegisterRequest) -> WorkerInfo:
         address=m.address,
         tokens_per_block=m.tokens_per_block or DEFAULT_TOKENS_PER_BLOCK,
         load=load_from_pb(m.load),
+        max_model_len=m.max_model_len,
     )
 
 
@@ -146,6 +147,7 @@ def register_to_pb(w: WorkerInfo) -> rpb.RegisterRequest:
         address=w.address,
         tokens_per_block=w.tokens_per_block,
         load=load_to_pb(w.load),
+        max_model_len=w.max_model_len,
     )
 
 
@@ -159,6 +161,7 @@ def worker_view_to_pb(v: WorkerView) -> rpb.WorkerInfo:
         inflight=v.inflight,
         tracked_snapshots=v.tracked_snapshots,
         tokens_per_block=v.tokens_per_block,
+        max_model_len=v.max_model_len,
     )
 
 
@@ -172,6 +175,7 @@ def worker_view_from_pb(m: rpb.WorkerInfo) -> WorkerView:
         inflight=m.inflight,
         seconds_since_heartbeat=m.seconds_since_heartbeat,
         tracked_snapshots=m.tracked_snapshots,
+        max_model_len=m.max_model_len,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
 from baton.contract import FinishReason
+from baton.contract.limits import check_length, check_pool
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
@@ -66,12 +67,12 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens but the max model length is "
-                f"{self.max_model_len} (prompt + at least one output token); shorten the prompt"
-            )
         sampling.validate(vocab)
+        check_length(len(prompt_ids), sampling.max_tokens, self.max_model_len)
+        if self.pools.has_kv:  # as Scheduler.blocks_needed counts, for either role
+            spec = self.pools.spec
+            check_pool(len(prompt_ids) + sampling.max_tokens, spec.tokens_per_block,
+                       spec.num_blocks)
 
     def add_request(self, req: Request) -> None:
         if req.id in self.requests:

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 from baton.errors import ConfigError
-from baton.model.make_model import write_checkpoint
 
 # name -> (cache folder, write_checkpoint kwargs). Bump the folder's version when the recipe
 # changes so stale caches are never reused.
@@ -50,6 +49,10 @@ def _ensure_generated(target: Path, kwargs: dict) -> Path:
     """Write into a private temp dir, then rename: racing processes never see a half model."""
     if target.is_dir():
         return target
+    # imported here: `baton serve` resolves the model too, and torch (loaded by make_model)
+    # costs it seconds at start and at exit
+    from baton.model.make_model import write_checkpoint
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

@@ -54,7 +54,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "seconds_since_heartbeat", "inflight", "tracked_snapshots", "tokens_per_block")
+    __slots__ = ("worker_id", "role", "address", "load", "seconds_since_heartbeat", "inflight", "tracked_snapshots", "tokens_per_block", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class WorkerInfo(_message.Message):
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     TRACKED_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _baton_pb2.WorkerRole
     address: str
@@ -71,7 +72,8 @@ class WorkerInfo(_message.Message):
     inflight: int
     tracked_snapshots: int
     tokens_per_block: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_baton_pb2.WorkerLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., inflight: _Optional[int] = ..., tracked_snapshots: _Optional[int] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_baton_pb2.WorkerLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., inflight: _Optional[int] = ..., tracked_snapshots: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ListWorkersReply(_message.Message):
     __slots__ = ("workers",)
@@ -80,18 +82,20 @@ class ListWorkersReply(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "tokens_per_block")
+    __slots__ = ("worker_id", "role", "address", "load", "tokens_per_block", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _baton_pb2.WorkerRole
     address: str
     load: _baton_pb2.WorkerLoad
     tokens_per_block: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_baton_pb2.WorkerLoad, _Mapping]] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_baton_pb2.WorkerLoad, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_seconds", "eject_after_seconds")

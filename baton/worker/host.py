@@ -24,6 +24,7 @@ from baton.contract import Role, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
+from baton.worker.exit import exit_now
 from baton.worker.load import load_of
 from baton.worker.metrics import WorkerMetrics
 from baton.worker.registration import Registration
@@ -80,7 +81,8 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block)
+    info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block,
+                      max_model_len=engine.max_model_len)
     reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
                        bearer=None if secret is None else secret.bearer)
     reg.start()
@@ -101,4 +103,4 @@ def serve_until_signalled(args, role: Role, attach: Attach) -> int:
           f"http://{host}:{worker.metrics_port}/metrics", flush=True)
     stop.wait()
     worker.stop()
-    return 0
+    exit_now(0)

@@ -17,7 +17,7 @@ def load_of(loop: EngineLoop) -> WorkerLoad:
     spec = eng.pools.spec
     return WorkerLoad(
         running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
-        free_blocks=eng.cache.num_free_blocks, free_slots=eng.cache.num_free_slots,
+        free_blocks=eng.cache.num_available_blocks, free_slots=eng.cache.num_free_slots,
         total_blocks=spec.num_blocks, total_slots=spec.num_slots,
     )
 

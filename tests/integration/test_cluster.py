@@ -112,6 +112,7 @@ def test_prefix_cache_hits_give_local_tokens(setup):
     [
         (router_pb2.GenerateRequest(prompt_ids=[], sampling=baton_pb2.SamplingParams(max_tokens=4)), "empty"),
         (router_pb2.GenerateRequest(prompt_ids=[5] * 3000), "max model length"),
+        (router_pb2.GenerateRequest(prompt_ids=[5] * 10, sampling=baton_pb2.SamplingParams(max_tokens=2**32 - 1)), "lower max_tokens to at most 2038"),
         (router_pb2.GenerateRequest(prompt_ids=[5, 10**6]), "vocabulary"),
         (router_pb2.GenerateRequest(prompt_ids=[5], sampling=baton_pb2.SamplingParams(temperature=-1)), "temperature"),
         (router_pb2.GenerateRequest(prompt_ids=[5], sampling=baton_pb2.SamplingParams(top_p=2.0)), "top_p"),

@@ -135,15 +135,14 @@ def test_failure_before_first_token_retries_on_another_pair(cluster):
 def test_full_workers_are_retried_and_all_full_is_resource_exhausted(cluster):
     _, stub, w = cluster(p0=Script(), d0=Script(reserve=Act.FULL), d1=Script())
     assert list(gen(stub, max_tokens=2))[-1].decode_worker == "d1"
-    _, stub, w = cluster(p0=Script(), d0=Script(reserve=Act.FULL), d1=Script(reserve=Act.FULL))
+    # every decode worker full: the request waits in the router's queue, then gets 429
+    config = RouterConfig(queue_timeout_s=0.3)
+    _, stub, w = cluster(config, p0=Script(), d0=Script(reserve=Act.FULL),
+                         d1=Script(reserve=Act.FULL))
     with pytest.raises(grpc.RpcError) as e:
         list(gen(stub))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "d0: worker is full" in e.value.details() and "d1: worker is full" in e.value.details()
-    _, stub, w = cluster(p0=Script(), d0=Script(reserve=Act.FULL), d1=Script(reserve=Act.FAIL))
-    with pytest.raises(grpc.RpcError) as e:
-        list(gen(stub))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # one of them is down, not full
+    assert "router.queue_timeout_s" in e.value.details()
 
 
 def test_failure_after_first_token_is_not_retried(cluster):
@@ -264,3 +263,175 @@ def test_two_requests_with_the_same_id_both_get_their_answers(cluster):
     assert {rid for _, rid in w["d0"].calls("Decode")} == keys
     assert w["p0"].calls("Abort") == w["d0"].calls("Abort") == []
     assert w["d0"].state.held == {}
+
+
+def test_full_decode_workers_queue_requests_in_arrival_order(cluster):
+    """One decode worker that holds one request at a time: six requests sent 60 ms apart all
+    get their answers, decoded one after another in the order they arrived."""
+    import threading
+
+    handle, stub, w = cluster(p0=Script(), d0=Script(capacity=1, token_delay_s=0.05))
+    results, done, threads = {}, [], []
+    for i in range(6):
+        def one(i=i):
+            msgs = list(gen(stub, prompt_ids=(10 * i,), request_id=f"q{i}", max_tokens=4))
+            results[i] = [t for m in msgs for t in m.token_ids]
+            done.append(i)
+
+        threads.append(threading.Thread(target=one))
+        threads[-1].start()
+        time.sleep(0.06)
+    for t in threads:
+        t.join(20)
+    assert results == {i: [10 * i + k for k in range(1, 5)] for i in range(6)}
+    assert done == list(range(6))  # one at a time, in arrival order
+    assert len(w["d0"].calls("Decode")) == 6 and w["d0"].state.max_held == 1
+    assert w["d0"].state.held == {} and handle.orchestrator.queue.waiting == 0
+
+
+def test_queue_full_and_queue_timeout_are_resource_exhausted(cluster):
+    import threading
+
+    config = RouterConfig(max_queued_requests=1, queue_timeout_s=0.4)
+    handle, stub, w = cluster(config, p0=Script(), d0=Script(capacity=1, token_delay_s=0.15))
+    first = {}
+    runner = threading.Thread(target=lambda: first.update(
+        msgs=list(gen(stub, prompt_ids=(1,), request_id="busy", max_tokens=10))))
+    runner.start()
+    assert wait_for(lambda: w["d0"].calls("Decode"))
+    errors = {}
+
+    def queued():
+        with pytest.raises(grpc.RpcError) as e:
+            list(gen(stub, prompt_ids=(2,), request_id="waits", max_tokens=2))
+        errors["waits"] = e.value
+
+    waiter = threading.Thread(target=queued)
+    t0 = time.monotonic()
+    waiter.start()
+    assert wait_for(lambda: handle.orchestrator.queue.waiting == 1)
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub, prompt_ids=(3,), request_id="refused", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.details() == (
+        "every decode worker is full and the router queue holds 1 requests "
+        "(router.max_queued_requests=1); retry later")
+    waiter.join(10)
+    assert 0.4 <= time.monotonic() - t0 < 5.0
+    assert errors["waits"].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waited 0.4s in the router queue" in errors["waits"].details()
+    assert "router.queue_timeout_s" in errors["waits"].details()
+    runner.join(10)
+    assert [t for m in first["msgs"] for t in m.token_ids] == list(range(2, 12))
+    assert w["d0"].state.held == {} and handle.orchestrator.queue.waiting == 0
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, needle", [
+    (64, 1, "prompt has 64 tokens but the max model length is 64 (prompt + at least one "
+            "output token); shorten the prompt"),
+    (10, 60, "prompt (10 tokens) + max_tokens (60) is 70 tokens, beyond the max model length "
+             "64; lower max_tokens to at most 54 or shorten the prompt"),
+    (10, 2**32 - 1, "lower max_tokens to at most 54"),
+])
+def test_what_no_worker_can_take_is_invalid_before_any_worker_call(
+        cluster, prompt_len, max_tokens, needle):
+    handle, stub, w = cluster(p0=Script(), d0=Script())
+    for wid in ("p0", "d0"):
+        w[wid].register(handle.address, WorkerLoad(total_blocks=64), max_model_len=64)
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub, prompt_ids=(5,) * prompt_len, max_tokens=max_tokens))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == needle if needle.startswith("prompt") else \
+        needle in e.value.details()
+    assert w["p0"].calls() == w["d0"].calls() == []
+
+
+def test_a_prompt_larger_than_any_pool_is_invalid(cluster):
+    handle, stub, w = cluster(p0=Script(), d0=Script())
+    w["d0"].register(handle.address, WorkerLoad(total_blocks=4), max_model_len=4096)
+    with pytest.raises(grpc.RpcError) as e:
+        list(gen(stub, prompt_ids=(5,) * 60, max_tokens=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == (
+        "prompt + max_tokens (65 tokens) needs 5 KV blocks of 16 tokens but a worker's whole "
+        "pool has 4 (cache.num_blocks); shorten the prompt or lower max_tokens")
+    assert w["d0"].calls() == []
+
+
+def test_undecodable_requests_are_invalid_argument(cluster):
+    handle, _, _ = cluster(p0=Script(), d0=Script())
+    with grpc.insecure_channel(handle.address) as ch:
+        for method, streaming in (("/baton.v1.Router/Generate", True),
+                                  ("/baton.v1.Registry/Register", False)):
+            call = (ch.unary_stream if streaming else ch.unary_unary)(
+                method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as e:
+                result = call(b"\xff\xff\xff\xff", timeout=5)
+                list(result) if streaming else result
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert f"the request to {method} is not a valid message" in e.value.details()
+
+
+def test_a_text_prompt_over_the_byte_limit_is_refused_before_tokenizing():
+    encoded = []
+
+    class Tok:
+        def encode(self, text):
+            encoded.append(text)
+            return [ord(c) % 200 for c in text]
+
+        def decode(self, ids):
+            return ""
+
+    handle = run_router(0, RouterConfig(max_prompt_bytes=100), Tok())
+    try:
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = rgrpc.RouterStub(ch)
+            req = rpb.GenerateRequest(request_id="big", prompt="é" * 51)  # 102 UTF-8 bytes
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, timeout=5))
+    finally:
+        handle.stop(grace=None)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == ("prompt text is 102 bytes, over the router's limit of 100 "
+                                 "(router.max_prompt_bytes); shorten it")
+    assert encoded == []
+
+
+def test_a_router_on_every_interface_without_api_keys_warns(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="router.server"):
+        handle = run_router(0, RouterConfig(host="0.0.0.0"))
+        handle.stop(grace=None)
+        quiet = run_router(0, RouterConfig(host="127.0.0.1"))
+        quiet.stop(grace=None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"the router listens on 0.0.0.0 without API keys: anyone who reaches port "
+        f"{handle.port} can run requests; set router.api_keys_file or BATON_API_KEY, or "
+        f"router.host: 127.0.0.1"
+    ]
+
+
+def test_the_command_line_client_sends_baton_api_key(monkeypatch):
+    from baton.client.remote import run_remote
+    from baton.client.requests import RequestSpec
+    from baton.engine.request import SamplingParams
+
+    handle = run_router(0, RouterConfig(host="127.0.0.1"), api_keys=frozenset({"key-1234567"}))
+    p0, d0 = FakeWorker(Role.PREFILL, "p0"), FakeWorker(Role.DECODE, "d0")
+    try:
+        p0.register(handle.address)
+        d0.register(handle.address)
+        spec = RequestSpec("c1", prompt_ids=[5], sampling=SamplingParams(max_tokens=2))
+        monkeypatch.delenv("BATON_API_KEY", raising=False)
+        (refused,) = run_remote(handle.address, [spec])
+        monkeypatch.setenv("BATON_API_KEY", "key-1234567")
+        (ok,) = run_remote(handle.address, [spec])
+    finally:
+        handle.stop(grace=None)
+        p0.stop()
+        d0.stop()
+    assert refused["error"].startswith("UNAUTHENTICATED: baton.v1.Router needs credentials")
+    assert ok["token_ids"] == [6, 7]

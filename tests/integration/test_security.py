@@ -3,6 +3,7 @@
 Every internal RPC and side-channel message without the cluster secret is refused and changes
 nothing (worker Stats, pool bytes and the registry before == after); a forged or altered
 reservation moves no byte; a live worker id cannot be taken over; Generate needs an API key.
+The same small cluster (one decode worker running 4 requests) shows overload queueing.
 """
 
 from __future__ import annotations
@@ -240,3 +241,24 @@ def test_generate_needs_an_api_key(setup):
         msgs = list(rgrpc.RouterStub(ch).Generate(req, timeout=60))
     assert [t for m in msgs for t in m.token_ids] == local_tokens(setup, ids)
     assert {m.request_id for m in msgs} == {"k1"}
+
+
+def test_overload_waits_in_the_router_queue_instead_of_failing(setup):
+    """16 requests at once on a decode worker that runs 4: every one answered, exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = {f"o{i}": prompt(400 + i, 5 + 3 * i) for i in range(16)}
+    engine = build_engine(setup["config"], str(setup["model"]))
+    expected = {r["id"]: r["token_ids"] for r in run_local(
+        engine, [RequestSpec(k, prompt_ids=v, sampling=SAMPLING) for k, v in specs.items()])}
+
+    def one(item):
+        rid, ids = item
+        with channel(setup["cluster"].address, API_KEY) as ch:
+            msgs = list(rgrpc.RouterStub(ch).Generate(
+                wire.generate_to_pb(GenerateInput(rid, tuple(ids), None, SAMPLING)), timeout=120))
+        return rid, [t for m in msgs for t in m.token_ids]
+
+    with ThreadPoolExecutor(16) as pool:
+        got = dict(pool.map(one, specs.items()))
+    assert got == expected

@@ -58,6 +58,8 @@ class Script:
     cached_tokens: int = 0
     token_delay_s: float = 0.0
     hang_limit_s: float = 10.0
+    capacity: int | None = None
+    """Decode: reservations held at once; one more gets RESOURCE_EXHAUSTED (None: unbounded)."""
 
 
 @dataclass
@@ -68,6 +70,8 @@ class FakeState:
     held: dict[str, Reservation] = field(default_factory=dict)
     """Reservations not yet released by a finished Decode or an Abort."""
     wake: dict[str, threading.Event] = field(default_factory=dict)
+    max_held: int = 0
+    """Most reservations held at once."""
 
 
 class _Base:
@@ -137,7 +141,12 @@ class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
             if inp.request_id in self.state.held:  # as the real engine refuses a live id
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request id {inp.request_id!r} is already in use")
+            cap = self.script.capacity
+            if cap is not None and len(self.state.held) >= cap:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.worker_id}: decode worker is full ({cap} requests)")
             self.state.held[inp.request_id] = res
+            self.state.max_held = max(self.state.max_held, len(self.state.held))
             self.sampling[inp.request_id] = inp.sampling
         return wire.reservation_to_pb(res)
 
@@ -201,10 +210,11 @@ class FakeWorker:
         with self._lock:
             return [c for c in self.state.calls if method is None or c[0] == method]
 
-    def register(self, router_address: str, load: WorkerLoad = _IDLE, tpb: int = 16):
+    def register(self, router_address: str, load: WorkerLoad = _IDLE, tpb: int = 16,
+                 max_model_len: int = 0):
         self._channel = grpc.insecure_channel(router_address)
         self._router = rgrpc.RegistryStub(self._channel)
-        info = WorkerInfo(self.worker_id, self.role, self.address, tpb, load)
+        info = WorkerInfo(self.worker_id, self.role, self.address, tpb, load, max_model_len)
         return self._router.Register(wire.register_to_pb(info))
 
     def heartbeat(self, load: WorkerLoad = _IDLE, events: tuple[SnapshotEvent, ...] = ()):

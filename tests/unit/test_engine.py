@@ -116,6 +116,22 @@ def test_bad_requests_get_one_clear_error(model_dir, ids, sp, msg):
     eng.cache.check_integrity()
 
 
+def test_what_the_pool_or_model_can_never_hold_is_invalid(model_dir):
+    eng = engine_for(model_dir, cache={"num_blocks": 8}, worker={"max_model_len": 4096})
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request(Request("big", prompt(1, 200), greedy(4)))
+    assert str(e.value) == (
+        "prompt + max_tokens (204 tokens) needs 13 KV blocks of 16 tokens but a worker's whole "
+        "pool has 8 (cache.num_blocks); shorten the prompt or lower max_tokens")
+    with pytest.raises(InvalidRequestError) as e:
+        eng.reserve_remote(Request("long", prompt(1, 10), greedy(2**32 - 1)))
+    assert str(e.value) == (
+        f"prompt (10 tokens) + max_tokens ({2**32 - 1}) is {2**32 + 9} tokens, beyond the max "
+        "model length 4096; lower max_tokens to at most 4086 or shorten the prompt")
+    assert not eng.has_work and eng.requests == {}
+    eng.cache.check_integrity()
+
+
 def test_abort_frees_everything(model_dir):
     eng = engine_for(model_dir)
     blocks, slots = eng.cache.num_free_blocks, eng.cache.num_free_slots

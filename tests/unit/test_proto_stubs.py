@@ -153,9 +153,9 @@ ROUND_TRIPS = [
      baton_pb2.SnapshotEvent),
     (SnapshotEvent(False, 1, 2**63, 16), wire.event_to_pb, wire.event_from_pb,
      baton_pb2.SnapshotEvent),
-    *[(WorkerInfo(f"w-{role.value}", role, "h:1", 32, LOAD), wire.register_to_pb,
+    *[(WorkerInfo(f"w-{role.value}", role, "h:1", 32, LOAD, 4096), wire.register_to_pb,
        wire.register_from_pb, router_pb2.RegisterRequest) for role in Role],
-    (WorkerView("d1", Role.DECODE, "h:2", 16, LOAD, 3, 0.5, 9), wire.worker_view_to_pb,
+    (WorkerView("d1", Role.DECODE, "h:2", 16, LOAD, 3, 0.5, 9, 2048), wire.worker_view_to_pb,
      wire.worker_view_from_pb, router_pb2.WorkerInfo),
 ]
 

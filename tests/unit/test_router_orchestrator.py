@@ -18,7 +18,14 @@ from baton.contract import (
     SamplingParams,
     WorkerInfo,
 )
-from baton.errors import InvalidRequestError, NoWorkersError, RequestCancelled, WorkerFailed
+from baton.errors import (
+    CapacityError,
+    InvalidRequestError,
+    NoWorkersError,
+    RequestCancelled,
+    WorkerBusy,
+    WorkerFailed,
+)
 from router.cancellation import Cancellation
 from router.orchestrator import Orchestrator
 from router.policies import make_policy
@@ -283,3 +290,27 @@ def test_text_prompt_is_tokenized_and_text_deltas_streamed():
     assert [c.token_ids for c in chunks] == [(99,), (100,), (101,)]
     assert "".join(c.text for c in chunks) == "cde"
     assert chunks[-1].summary.prompt_tokens == 2
+
+
+def test_all_decode_workers_full_queues_until_cancel_or_timeout():
+    import threading
+
+    busy = WorkerBusy("d0", "Reserve", "decode worker is full (1 requests)")
+    config = RouterConfig(max_queued_requests=4, queue_timeout_s=0.3)
+    pol = make_policy(config)
+    reg = Registry(5.0, [pol])
+    log = []
+    clients = {w: FakeClient(w, log, {"reserve": busy} if w == "d0" else None)
+               for w in ("p0", "d0")}
+    for wid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
+        reg.register(WorkerInfo(wid, role, f"h:{wid}"))
+    orch = Orchestrator(config, reg, pol, lambda v: clients[v.worker_id])
+    with pytest.raises(CapacityError, match=r"waited 0.3s in the router queue"):
+        list(orch.generate(GenerateInput("r1", prompt_ids=(5,)), Cancellation()))
+    tries = [m for _, m, _ in log]
+    assert set(tries) == {"reserve"} and 3 <= len(tries) <= 8  # retried every RETRY_S
+    cancel = Cancellation()
+    threading.Timer(0.1, cancel.cancel).start()
+    with pytest.raises(RequestCancelled, match="cancelled while queued"):
+        list(orch.generate(GenerateInput("r2", prompt_ids=(5,)), cancel))
+    assert orch.queue.waiting == 0 and reg.get("d0").inflight == 0
