@@ -79,7 +79,7 @@ def test_serve_binds_loopback_makes_a_secret_and_stops_on_sigterm_within_5s(tmp_
         assert f"router serving gRPC on 127.0.0.1:{port} and HTTP on http://127.0.0.1:" in text
         assert "killing it" not in text  # every process stopped by itself
     finally:
-        for pid in [serve.pid, *procs]:
+        for pid in [*(procs or children(serve.pid)), serve.pid]:  # none left behind
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         serve.wait(timeout=10)
