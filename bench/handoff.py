@@ -78,13 +78,14 @@ def _idle_cpu(cluster, seconds: float) -> dict[str, float]:
 def _prefill_counters(cluster) -> dict[str, float]:
     import grpc
 
+    from baton.auth.grpc_auth import authorized
     from baton.contract import Role, wire
     from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
     with grpc.insecure_channel(cluster.address) as ch:
         workers = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest())
     addr = next(w.address for w in workers.workers if wire.role_from_pb(w.role) is Role.PREFILL)
-    with grpc.insecure_channel(addr) as ch:
+    with authorized(grpc.insecure_channel(addr), cluster.secret.bearer) as ch:
         stats = worker_pb2_grpc.PrefillWorkerStub(ch).Stats(baton_pb2.StatsRequest())
     return dict(stats.counters)
 
