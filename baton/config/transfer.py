@@ -14,8 +14,10 @@ class TransferConfig:
     """`nixl` (NIXL agent, UCX backend) or `ucx` (ucxx directly)."""
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     """Blocks/slots held for a pending transfer are freed on both sides after this."""
-    layerwise: bool = False
-    """Stream each layer's KV/state as soon as prefill finishes it."""
+    layerwise: bool = True
+    """The prefill worker posts each layer's KV/state as soon as its last chunk computed that
+    layer, so the handoff ends with the forward pass (`bench handoff`: 0.3 ms of handoff after
+    the first token against 4.5 ms without); false: the whole request after the first token."""
     handshake_timeout_s: float = 10.0
     """How long a sender waits for a decode side-channel reply before failing the request."""
     max_message_bytes: int = 16 * 1024 * 1024
