@@ -1,19 +1,17 @@
 """`baton bench handoff`: what the disaggregated path adds to one request's time to first token.
 
-One request at a time, prompts of 256, 2k and 8k tokens (fresh ones, so no prefix hit):
-TTFT through the router (1 prefill + 1 decode worker) minus the same prompts' TTFT in the
-colocated engine (`baton generate --local`), both with the same torch threads as one worker.
+One request at a time, prompts of 256, 2k and 8k tokens (prefix reuse off): TTFT through the
+router (1 prefill + 1 decode worker) minus the same prompt's TTFT in the colocated engine
+(`baton generate --local`, in this process), both with the same torch threads as one worker,
+measured alternately prompt by prompt. Both handoff modes: whole request, layer-wise.
 Also the CPU time every cluster process spends in an idle window (idle must mean idle), and
 the prefill worker's own handoff timings (Stats counters).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,20 +28,15 @@ THREADS = "1"
 """torch threads per worker process, and for the colocated engine."""
 
 
-def _local_ttft(path: Path, cfg_file: Path, reqs: list[list[int]]) -> list[float]:
-    """TTFT (ms) of each prompt in one `baton generate --local` process, after a warm-up."""
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        for i, ids in enumerate([reqs[0][:64], *reqs]):
-            f.write(json.dumps({"id": f"r{i}", "prompt_ids": ids, "max_tokens": 1}) + "\n")
-    env = {**os.environ, "BATON_NUM_THREADS": THREADS}
-    out = subprocess.run(
-        [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "generate", "--local",
-         "--model", str(path), "--config", str(cfg_file), "--requests", f.name, "--json"],
-        capture_output=True, text=True, env=env, check=True,
-    )
-    os.unlink(f.name)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return [r["ttft_ms"] for r in rows[1:]]
+def _local_ttft(engine, ids: list[int], rid: str) -> float:
+    """TTFT (ms) of one prompt in the colocated engine (what `baton generate --local` runs)."""
+    from baton.client.local import run_local
+    from baton.client.requests import RequestSpec
+    from baton.contract import SamplingParams
+
+    (res,) = run_local(engine, [RequestSpec(rid, prompt_ids=ids,
+                                            sampling=SamplingParams(max_tokens=1))])
+    return res["ttft_ms"]
 
 
 def _cluster_ttft(stub, reqs: list[list[int]], tag: str) -> list[float]:
@@ -95,18 +88,28 @@ def _cluster(path: Path, cfg_file: Path, sets: dict, idle_s: float) -> tuple:
     import grpc
 
     from baton.cluster.local import LocalCluster, free_port
+    from baton.config import BatonConfig
+    from baton.engine.builder import build_engine
     from baton.proto_gen import router_pb2_grpc
 
     os.environ["BATON_NUM_THREADS"] = THREADS
+    engine = build_engine(BatonConfig.load(cfg_file), str(path))  # the same threads as a worker
     cluster = LocalCluster(str(path), 1, 1, free_port(), str(cfg_file), log_level="WARNING")
     try:
         cluster.wait_ready()
         idle = _idle_cpu(cluster, idle_s) if idle_s else {}
         with grpc.insecure_channel(cluster.address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            _cluster_ttft(stub, prompts(2, 64, 512, seed=99), "warm")
-            remote = {n: _cluster_ttft(stub, sets[n], f"n{n}") for n in sets}
-        return remote, idle, _prefill_counters(cluster)
+            warm = prompts(2, 64, 512, seed=99)
+            _cluster_ttft(stub, warm, "warm")
+            _local_ttft(engine, warm[0], "warm")
+            # side by side, one prompt at a time, so drift on a shared machine hits both
+            local, remote = {}, {}
+            for n, reqs in sets.items():
+                for i, ids in enumerate(reqs):
+                    local.setdefault(n, []).append(_local_ttft(engine, ids, f"l{n}-{i}"))
+                    remote.setdefault(n, []).extend(_cluster_ttft(stub, [ids], f"n{n}-{i}"))
+        return local, remote, idle, _prefill_counters(cluster)
     finally:
         cluster.stop()
 
@@ -125,10 +128,8 @@ def run(args) -> list[dict]:
         for layerwise in (False, True):
             cfg_file = Path(tmp) / f"handoff-{layerwise}.yaml"
             cfg_file.write_text(yaml.safe_dump({**CONFIG, "transfer": {"layerwise": layerwise}}))
-            if not results:
-                local = {n: _local_ttft(path, cfg_file, sets[n]) for n in SIZES}
             results[layerwise] = _cluster(path, cfg_file, sets, idle_s if not results else 0)
-    for layerwise, (remote, _, counters) in results.items():
+    for layerwise, (local, remote, _, counters) in results.items():
         for n in SIZES:
             over = [r - lo for r, lo in zip(remote[n], local[n], strict=True)]
             p50_local = statistics.median(local[n])
@@ -147,7 +148,7 @@ def run(args) -> list[dict]:
                 "tail_s_total", "last_handoff_ms", "last_tail_ms")
         rows.append({"benchmark": "handoff", "label": f"prefill worker, layerwise {layerwise}",
                      "last_is_8k_tokens": True, **{k: counters.get(k) for k in keep}})
-    idle = results[False][1]
+    idle = results[False][2]
     rows.append({"benchmark": "handoff", "label": "idle cpu", "idle_seconds": idle_s,
                  "cores_used_per_process": idle,
                  "max_idle_worker_cores": max(v for k, v in idle.items() if "worker" in k),
