@@ -245,3 +245,22 @@ def test_text_prompt_is_tokenized_and_text_deltas_streamed():
     assert [c.token_ids for c in chunks] == [(99,), (100,), (101,)]
     assert "".join(c.text for c in chunks) == "cde"
     assert chunks[-1].summary.prompt_tokens == 2
+
+
+class EuroTok:
+    """Ids 7, 8, 9 are the three bytes of '€': the answer's only character spans all chunks."""
+
+    BYTES = {7: 0xE2, 8: 0x82, 9: 0xAC}
+
+    def encode(self, text):
+        raise AssertionError("prompt_ids only")
+
+    def decode(self, ids):
+        return bytes(self.BYTES.get(i, 0x3F) for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_character_split_across_chunks_is_sent_whole_once_complete():
+    orch, _, _ = setup(["p0", "d0"], tokenizer=EuroTok())
+    chunks = run(orch, prompt=(5, 6))
+    assert [c.token_ids for c in chunks] == [(7,), (8,), (9,)]
+    assert [c.text for c in chunks] == ["", "", "€"]
