@@ -19,6 +19,21 @@ from baton.worker.events import EventRouter
 log = logging.getLogger("baton.decode")
 
 
+def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOutput]:
+    """Waits for the request's next output, then takes every output already queued behind it:
+    one stream message carries all tokens that are ready (while the reader is slower than the
+    engine, messages grow instead of queueing up). Returns the chunk and the last output."""
+    out = box.get()
+    tokens = list(out.new_token_ids)
+    while not out.finished:
+        try:
+            out = box.get_nowait()
+        except queue.Empty:
+            break
+        tokens.extend(out.new_token_ids)
+    return DecodeChunk(tuple(tokens), out.finish_reason if out.finished else None), out
+
+
 class DecodeService:
     def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float):
         self.loop = loop
@@ -68,11 +83,11 @@ class DecodeService:
             return
         try:
             while True:
-                out = box.get()
-                yield DecodeChunk(tuple(out.new_token_ids), out.finish_reason if out.finished else None)
-                if out.finished:
-                    if out.error:
-                        raise RuntimeError(out.error)
+                chunk, last = drain_chunk(box)
+                yield chunk
+                if last.finished:
+                    if last.error:
+                        raise RuntimeError(last.error)
                     return
         finally:
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
