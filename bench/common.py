@@ -50,3 +50,15 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
             pass
+
+
+def runqueue_wait_seconds(pid: int) -> float:
+    """Seconds the live threads of process `pid` spent runnable but waiting for a CPU
+    (second field of /proc/PID/task/TID/schedstat): what other processes on its cores cost it."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # the thread ended meanwhile
+            pass
+    return total / 1e9

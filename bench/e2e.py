@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import checkpoint, cpu_seconds, percentile, pin
+from bench.common import checkpoint, cpu_seconds, percentile, pin, runqueue_wait_seconds
 from bench.workload import Workload
 
 TARGET_ITL_P99 = 0.5
@@ -93,8 +93,10 @@ def _layout(procs: dict[str, tuple[int, set[int]]]) -> dict[str, list[int]]:
     return {name: sorted(cpus) for name, (_, cpus) in procs.items()}
 
 
-def _cpu(procs: dict[str, tuple[int, set[int]]]) -> dict[str, float]:
-    return {name: cpu_seconds(pid) for name, (pid, _) in procs.items()}
+def _cpu(procs: dict[str, tuple[int, set[int]]]) -> dict[str, tuple[float, float]]:
+    """(CPU seconds, seconds runnable but waiting for a CPU) of each process."""
+    return {name: (cpu_seconds(pid), runqueue_wait_seconds(pid))
+            for name, (pid, _) in procs.items()}
 
 
 def _disaggregated(path: Path, cfg_file: Path, wl: Workload) -> dict:
@@ -130,7 +132,7 @@ def _disaggregated(path: Path, cfg_file: Path, wl: Workload) -> dict:
         t0 = time.perf_counter()
         recs = run_sessions(submit, wl, list(range(wl.sessions)))
         wall = time.perf_counter() - t0
-        cpu = {k: v - cpu0[k] for k, v in _cpu(procs).items()}
+        cpu = {k: (v[0] - cpu0[k][0], v[1] - cpu0[k][1]) for k, v in _cpu(procs).items()}
         ch.close()
         return {**summarize("disaggregated", recs, wall), **_usage(procs, cpu, wall)}
     finally:
@@ -159,16 +161,19 @@ def _colocated(path: Path, cfg_file: Path, wl: Workload, procs: int = 2) -> dict
     recs = [r for o in out for r in o["records"]]
     wall = max(o["wall"] for o in out)
     # each engine measures its own run (after loading the model) and reports its CPU seconds
-    cpu = {f"engine {i}": o["cpu_s"] for i, o in enumerate(out)}
+    cpu = {f"engine {i}": (o["cpu_s"], o["wait_s"]) for i, o in enumerate(out)}
     return {**summarize("colocated", recs, wall), **_usage(pinned, cpu, wall)}
 
 
-def _usage(procs, cpu: dict[str, float], wall: float) -> dict:
+def _usage(procs, cpu: dict[str, tuple[float, float]], wall: float) -> dict:
     return {
         "cores": len({x for _, cpus in procs.values() for x in cpus}),
         "layout": _layout(procs),
-        "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
-        "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()},
+        "cpu_s": {k: round(v[0], 2) for k, v in cpu.items()},
+        "cores_busy": {k: round(v[0] / wall, 2) for k, v in cpu.items()},
+        "runqueue_wait_s": {k: round(v[1], 2) for k, v in cpu.items()},
+        "runqueue_wait_note": "seconds each process's threads were ready to run but waited for "
+                              "a CPU (/proc/PID/task/*/schedstat): other processes on its cores",
     }
 
 
@@ -180,7 +185,9 @@ def _verdict(colo: dict, dis: dict) -> dict:
     note = (
         f"Equal budgets: {cores} cores a side (layout in each row). Share of a core each "
         f"process used: disaggregated {_shares(busy)} (together {total:.2f} of {cores}); "
-        f"colocated {_shares(colo['cores_busy'])}."
+        f"colocated {_shares(colo['cores_busy'])}. Seconds ready to run but waiting for a CPU: "
+        f"disaggregated {_shares(dis['runqueue_wait_s'])} in {dis['wall_s']} s; colocated "
+        f"{_shares(colo['runqueue_wait_s'])} in {colo['wall_s']} s."
     )
     if not met:
         note += (
