@@ -153,7 +153,7 @@ def _decision(args: argparse.Namespace) -> dict:
 @contextmanager
 def _processes(decode: Script, prefill: Script):
     """A router process (with the tiny model's tokenizer) and a fake-workers process:
-    yields (router address, prefill address, decode address, router pid)."""
+    yields (router address, prefill address, decode address, {process name: pid})."""
     ctx = multiprocessing.get_context("spawn")
     router_conn, router_child = ctx.Pipe()
     workers_conn, workers_child = ctx.Pipe()
@@ -165,7 +165,8 @@ def _processes(decode: Script, prefill: Script):
     procs[1].start()
     p_address, d_address = workers_conn.recv()
     try:
-        yield router_address, p_address, d_address, procs[0].pid
+        pids = {"router": procs[0].pid, "fake workers": procs[1].pid, "client": os.getpid()}
+        yield router_address, p_address, d_address, pids
     finally:
         for conn in (router_conn, workers_conn):
             conn.send("stop")
@@ -205,13 +206,14 @@ def _grpc(args: argparse.Namespace) -> dict:
 def _stream(args: argparse.Namespace) -> dict:
     threads = args.streams + 16
     decode = Script(step_s=args.step_ms / 1000, drain=not args.no_drain, server_threads=threads)
-    with _processes(decode, Script(server_threads=threads)) as (r_addr, p_addr, d_addr, pid):
+    with _processes(decode, Script(server_threads=threads)) as (r_addr, p_addr, d_addr, pids):
         with grpc.insecure_channel(r_addr) as ch:
             router = rgrpc.RouterStub(ch)
-            routed = _stream_load(args, lambda rid: _via_router(router, args, rid), pid)
+            routed = _stream_load(args, lambda rid: _via_router(router, args, rid), pids)
         with grpc.insecure_channel(p_addr) as pch, grpc.insecure_channel(d_addr) as dch:
             stubs = wgrpc.PrefillWorkerStub(pch), wgrpc.DecodeWorkerStub(dch)
-            direct = _stream_load(args, lambda rid: _direct(*stubs, args, rid), None)
+            pids.pop("router")
+            direct = _stream_load(args, lambda rid: _direct(*stubs, args, rid), pids)
     rate = routed["tokens"] / routed["wall_s"]
     return {
         "benchmark": "router",
@@ -225,13 +227,18 @@ def _stream(args: argparse.Namespace) -> dict:
         "streamed_tokens_per_s": round(rate),
         "messages_per_s": round(routed["messages"] / routed["wall_s"]),
         "tokens_per_message": round(routed["tokens"] / max(1, routed["messages"]), 2),
-        "router_cpu_s": routed["cpu_s"],
-        "router_cpu_us_per_token": round(routed["cpu_s"] / max(1, routed["tokens"]) * 1e6, 2),
-        "router_cores_busy": round(routed["cpu_s"] / routed["wall_s"], 2),
+        "router_cpu_s": routed["cpu_s"]["router"],
+        "router_cpu_us_per_token": round(
+            routed["cpu_s"]["router"] / max(1, routed["tokens"]) * 1e6, 2
+        ),
+        "cores_busy": _busy(routed),
+        "cores_busy_note": f"share of a core each process used; this machine has "
+                           f"{len(os.sched_getaffinity(0))} for all three",
         "text_equals_full_decode": routed["text_ok"],
         "baseline": "the same clients calling the fake workers directly (no router)",
         "baseline_tokens_per_s": round(direct["tokens"] / direct["wall_s"]),
         "baseline_tokens_per_message": round(direct["tokens"] / max(1, direct["messages"]), 2),
+        "baseline_cores_busy": _busy(direct),
         "target_tokens_per_s": TARGET_TOKENS_PER_S,
         "ratio": round(rate / TARGET_TOKENS_PER_S, 3),
         "ratio_note": "streamed tokens/s through the router / target (>= 1 meets it)",
@@ -265,7 +272,11 @@ def _direct(pre, dec, args, rid: str) -> tuple[list[int], None, int]:
     return ids, None, messages
 
 
-def _stream_load(args, call, pid: int | None) -> dict:
+def _busy(totals: dict) -> dict[str, float]:
+    return {name: round(cpu / totals["wall_s"], 2) for name, cpu in totals["cpu_s"].items()}
+
+
+def _stream_load(args, call, pids: dict[str, int]) -> dict:
     """`args.streams` threads each run requests back to back for `args.stream_seconds`."""
     tok, lock = ByteTokenizer(), threading.Lock()
     totals = {"tokens": 0, "messages": 0, "text_ok": True}
@@ -287,7 +298,7 @@ def _stream_load(args, call, pid: int | None) -> dict:
                 if text is not None and (text != tok.decode(ids) or len(ids) != args.stream_tokens):
                     totals["text_ok"] = False
 
-    cpu0 = cpu_seconds(pid) if pid else 0.0
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(args.streams)]
     for t in threads:
@@ -295,7 +306,7 @@ def _stream_load(args, call, pid: int | None) -> dict:
     for t in threads:
         t.join()
     totals["wall_s"] = time.perf_counter() - t0
-    totals["cpu_s"] = round(cpu_seconds(pid) - cpu0, 3) if pid else 0.0
+    totals["cpu_s"] = {name: round(cpu_seconds(pid) - cpu0[name], 3) for name, pid in pids.items()}
     if errors:
         raise RuntimeError(f"{len(errors)} of {args.streams} streams failed: {errors[0]!r}")
     if not totals["text_ok"]:
