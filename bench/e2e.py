@@ -190,25 +190,40 @@ def _verdict(colo: dict, dis: dict) -> dict:
         f"{_shares(colo['runqueue_wait_s'])} in {colo['wall_s']} s."
     )
     if not met:
-        note += (
-            " The disaggregated processes were mostly idle, so the gap is latency on the request "
-            "path (Reserve, Prefill, state handoff, two more gRPC hops), not a lack of CPU."
-            if total < 0.8 * cores else
-            f" The disaggregated side is CPU-bound: router and client alone use "
-            f"{busy.get('router', 0) + busy.get('client (this process)', 0):.2f} cores."
-        )
+        note += " " + _diagnosis(dis)
         note += (
             f" This {cores}-core machine cannot show the target: with one core per role a prompt "
             "is computed on one core where the colocated pair has two, and the decode worker's "
             "core also serves the router and the client, so decode is not isolated as it would "
-            "be with a device per role; other jobs on this shared machine also ran on these "
-            f"cores (load average {os.getloadavg()[0]:.1f})."
+            "be with a device per role."
         )
     return {
         "itl_p99_ratio": round(itl, 3), "ttft_p50_ratio": round(ttft, 3),
         "target": f"itl_p99_ratio <= {TARGET_ITL_P99}, ttft_p50_ratio <= {TARGET_TTFT_P50}",
         "meets_target": met, "note": note,
     }
+
+
+def _diagnosis(dis: dict) -> str:
+    """Why the disaggregated side was slow, read from its CPU and run-queue figures."""
+    ran, waited = sum(dis["cpu_s"].values()), sum(dis["runqueue_wait_s"].values())
+    if waited > ran:
+        return (
+            f"Its processes waited longer for a CPU ({waited:.1f} thread-seconds) than they ran "
+            f"({ran:.1f} s): the two cores were oversubscribed, by each worker's own threads "
+            f"(engine loop, gRPC, transfer) on its one core, the router and client beside them, "
+            f"and other jobs on this shared machine (load average {os.getloadavg()[0]:.1f})."
+        )
+    if sum(dis["cores_busy"].values()) < 0.8 * dis["cores"]:
+        return (
+            "Its processes were mostly idle, so the gap is latency on the request path (Reserve, "
+            "Prefill, state handoff, two more gRPC hops), not a lack of CPU."
+        )
+    busy = dis["cores_busy"]
+    return (
+        f"It is CPU-bound: router and client alone use "
+        f"{busy.get('router', 0) + busy.get('client (this process)', 0):.2f} cores."
+    )
 
 
 def _shares(busy: dict[str, float]) -> str:
