@@ -207,22 +207,22 @@ def _verdict(colo: dict, dis: dict) -> dict:
 def _diagnosis(dis: dict) -> str:
     """Why the disaggregated side was slow, read from its CPU and run-queue figures."""
     ran, waited = sum(dis["cpu_s"].values()), sum(dis["runqueue_wait_s"].values())
-    if waited > ran:
+    busy, cores = dis["cores_busy"], dis["cores"]
+    if waited > 0.5 * ran:
         return (
-            f"Its processes waited longer for a CPU ({waited:.1f} thread-seconds) than they ran "
-            f"({ran:.1f} s): the two cores were oversubscribed, by each worker's own threads "
-            f"(engine loop, gRPC, transfer) on its one core, the router and client beside them, "
-            f"and other jobs on this shared machine (load average {os.getloadavg()[0]:.1f})."
+            f"Its threads waited {waited:.1f} s for a CPU while running {ran:.1f} s: the two "
+            f"cores were oversubscribed, by each worker's own threads (engine loop, gRPC, "
+            f"transfer) on its one core, the router and client beside them, and other jobs on "
+            f"this shared machine (load average {os.getloadavg()[0]:.1f})."
         )
-    if sum(dis["cores_busy"].values()) < 0.8 * dis["cores"]:
+    if sum(busy.values()) < 0.5 * cores:
         return (
             "Its processes were mostly idle, so the gap is latency on the request path (Reserve, "
             "Prefill, state handoff, two more gRPC hops), not a lack of CPU."
         )
-    busy = dis["cores_busy"]
     return (
-        f"It is CPU-bound: router and client alone use "
-        f"{busy.get('router', 0) + busy.get('client (this process)', 0):.2f} cores."
+        f"It used {sum(busy.values()):.2f} of {cores} cores, router and client "
+        f"{busy.get('router', 0) + busy.get('client (this process)', 0):.2f} of them."
     )
 
 
