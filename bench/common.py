@@ -35,3 +35,30 @@ def percentile(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (/proc/PID/stat 14, 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Pins every thread of process `pid` to `cpus`; threads it starts later inherit that."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
+            pass
+
+
+def runqueue_wait_seconds(pid: int) -> float:
+    """Seconds the live threads of process `pid` spent runnable but waiting for a CPU
+    (second field of /proc/PID/task/TID/schedstat): what other processes on its cores cost it."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # the thread ended meanwhile
+            pass
+    return total / 1e9

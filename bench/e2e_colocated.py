@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sys
 import time
@@ -12,6 +13,7 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, SamplingParams
+from bench.common import cpu_seconds, runqueue_wait_seconds
 from bench.e2e import run_sessions
 from bench.workload import Workload
 
@@ -30,11 +32,13 @@ def main(model: str, cfg_file: str, out: str, wl_json: str, sessions_json: str) 
             if o.finished:
                 return
 
-    t0 = time.perf_counter()
+    me = os.getpid()
+    t0, cpu0, wait0 = time.perf_counter(), cpu_seconds(me), runqueue_wait_seconds(me)
     recs = run_sessions(submit, wl, json.loads(sessions_json))
     wall = time.perf_counter() - t0
+    cpu, wait = cpu_seconds(me) - cpu0, runqueue_wait_seconds(me) - wait0
     loop.stop()
-    Path(out).write_text(json.dumps({"records": recs, "wall": wall}))
+    Path(out).write_text(json.dumps({"records": recs, "wall": wall, "cpu_s": cpu, "wait_s": wait}))
 
 
 if __name__ == "__main__":

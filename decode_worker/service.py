@@ -22,6 +22,21 @@ from baton.worker.metrics import WorkerMetrics
 log = logging.getLogger("baton.decode")
 
 
+def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOutput]:
+    """Waits for the request's next output, then takes every output already queued behind it:
+    one stream message carries all tokens that are ready (while the reader is slower than the
+    engine, messages grow instead of queueing up). Returns the chunk and the last output."""
+    out = box.get()
+    tokens = list(out.new_token_ids)
+    while not out.finished:
+        try:
+            out = box.get_nowait()
+        except queue.Empty:
+            break
+        tokens.extend(out.new_token_ids)
+    return DecodeChunk(tuple(tokens), out.finish_reason if out.finished else None), out
+
+
 class DecodeService:
     def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float,
                  secret: ClusterSecret | None = None, metrics: WorkerMetrics | None = None):
@@ -81,16 +96,16 @@ class DecodeService:
         ended = False
         try:
             while True:
-                out = box.get()
+                chunk, last = drain_chunk(box)
                 self.metrics.generation_tokens.labels(self.metrics.role).inc(
-                    len(out.new_token_ids))
-                if out.finished:  # counted before the router can see the last chunk
-                    self.metrics.request_ended(_outcome(out))
+                    len(chunk.token_ids))
+                if last.finished:  # counted before the router can see the last chunk
+                    self.metrics.request_ended(_outcome(last))
                     ended = True
-                yield DecodeChunk(tuple(out.new_token_ids), out.finish_reason if out.finished else None)
-                if out.finished:
-                    if out.error:
-                        raise RuntimeError(out.error)
+                yield chunk
+                if last.finished:
+                    if last.error:
+                        raise RuntimeError(last.error)
                     return
         finally:
             if not ended:

@@ -46,6 +46,7 @@ from baton.errors import (
     WorkerBusy,
     WorkerFailed,
 )
+from baton.model.detokenizer import IncrementalDetokenizer
 from router.admission import AdmissionQueue, check_limits
 from router.cancellation import Cancellation
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
@@ -203,7 +204,8 @@ class _Attempt:
         self.pc, self.dc = orch.clients(self.p), orch.clients(self.d)
         self._lock = threading.Lock()
         self._aborted = False
-        self._text = ""
+        tok = orch.tokenizer
+        self._detok = IncrementalDetokenizer(tok) if tok is not None else None
 
     def start(self) -> PrefillResult:
         reg = self.orch.registry
@@ -239,18 +241,17 @@ class _Attempt:
         finished = False
         try:
             ttft_ms = (time.perf_counter() - start) * 1000
-            tokens = [first.first_token_id]
+            first_ids = (first.first_token_id,)
             if first.finished:
                 finished = True
                 reason = first.finish_reason or FinishReason.STOP
-                yield self._chunk(tokens, tokens, first, reason, start, ttft_ms, retries)
+                yield self._chunk(first_ids, first, reason, start, ttft_ms, retries)
                 return
-            yield self._chunk(tokens, tokens, first, None, start, ttft_ms, retries)
+            yield self._chunk(first_ids, first, None, start, ttft_ms, retries)
             for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
-                tokens.extend(chunk.token_ids)
                 finished = chunk.finish_reason is not None
                 yield self._chunk(
-                    chunk.token_ids, tokens, first, chunk.finish_reason, start, ttft_ms, retries
+                    chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
                 )
                 if finished:
                     return
@@ -260,12 +261,14 @@ class _Attempt:
                 self.dc.abort(self.wid)  # releases the reservation Decode would have used
             self._finish(abort=not finished)
 
-    def _chunk(self, new, tokens, first, reason: FinishReason | None, start, ttft_ms, retries):
+    def _chunk(self, new, first, reason: FinishReason | None, start, ttft_ms, retries):
         text = ""
-        if self.orch.tokenizer is not None:
-            # Decoding the whole answer each time keeps multi-token characters intact.
-            full = self.orch.tokenizer.decode(tokens)
-            text, self._text = full[len(self._text) :], full
+        if self._detok is not None:
+            # only the new tokens are decoded (with a little context); a character cut
+            # between two chunks is held back until complete, the rest flushed at the end
+            text = self._detok.push(new)
+            if reason is not None:
+                text += self._detok.flush()
         summary = None
         if reason is not None:
             summary = GenerateSummary(

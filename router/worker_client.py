@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
+import grpc.experimental
 
 from baton.auth.grpc_auth import authorized
 from baton.config.router import RouterConfig
@@ -36,6 +37,9 @@ from router.cancellation import Cancellation
 
 log = logging.getLogger(__name__)
 _STUBS = {Role.PREFILL: wgrpc.PrefillWorkerStub, Role.DECODE: wgrpc.DecodeWorkerStub}
+CHANNEL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+"""Decode streams are read on the thread that serves the request, not handed over by the
+channel's spin thread: one thread switch less per message."""
 
 
 class GrpcWorkerClient:
@@ -150,7 +154,8 @@ class WorkerClients:
             if entry is None or entry[0] != view.address:
                 if entry is not None:
                     entry[1].close()
-                channel = authorized(grpc.insecure_channel(view.address), self._bearer)
+                channel = authorized(grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS),
+                                     self._bearer)
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
             return entry[2]

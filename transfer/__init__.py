@@ -21,7 +21,8 @@ Facade for single-stage workers (one Receiver / Sender per stage process):
     sender.connect(endpoint)             # optional eager handshake; TransferError if refused
     sender.send(rid, endpoint_or_endpoints, src_block_ids, src_slot,
                 dst_block_ids, dst_slot, skip_blocks=0)   # starts, never waits for data
-    sender.layer_done(rid, layer)        # only with cfg.layerwise: layer `layer` is final
+    sender.send(..., layerwise=True)     # nothing leaves until the layers are reported:
+    sender.layers_done(rid, [layer])     # these layers are final: their bytes leave now
     sender.poll() -> [TransferEvent(rid, ok, error)]      # then free the prefill copy
     sender.abort(rid); sender.close()
 

@@ -80,11 +80,12 @@ class Sender:
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
              skip_blocks: int = 0, incarnation: str | None = None,
-             layerwise: bool | None = None) -> None:
+             layerwise: bool = False) -> None:
         """Start moving one request to every decode stage in `endpoint`; never blocks on data.
         `incarnation`: the receiver the destination was reserved on; another one (the decode
         worker restarted at the same endpoint) fails the request before a byte moves.
-        Layer-wise (default: `transfer.layerwise`), nothing leaves before `layers_done`."""
+        Layer-wise, nothing leaves before `layers_done` (the prefill worker asks for it when
+        `transfer.layerwise` is on and the request's last chunk is still to run)."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         with self._lock:
             if request_id in self._inflight:
@@ -101,7 +102,7 @@ class Sender:
                     if p.layers:
                         fl.plans.append((peer, p))
                         fl.unsent |= set(p.layers)
-                if not (self.cfg.layerwise if layerwise is None else layerwise):
+                if not layerwise:
                     self._post_layers(request_id, fl, set(fl.unsent))
             except Exception as e:  # the request fails, the caller's thread does not
                 why = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"

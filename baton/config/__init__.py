@@ -33,6 +33,15 @@ class WorkerConfig:
     """Most prompt tokens computed per request per step (chunks also end at snapshot points)."""
     max_batch_tokens: int = 2048
     """Most prompt tokens computed per engine step over all requests."""
+    prefill_schedule: Literal["fcfs", "fewest_uncached_first"] = "fewest_uncached_first"
+    """Which prefilling requests get the step's `max_batch_tokens` first: `fcfs` in admission
+    order; `fewest_uncached_first` those with the fewest prompt tokens left to compute, so a
+    mostly cached prompt is not stuck behind full prefills (see `prefill_max_wait_s`).
+    Policies by name: baton/engine/scheduler.py PREFILL_ORDERS."""
+    prefill_max_wait_s: float = 1.0
+    """Anti-starvation bound of `fewest_uncached_first`: a request that arrived this many
+    seconds ago or more is served before all younger ones, oldest first (`.inf`: no bound;
+    0: plain first come, first served)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's max_position_embeddings."""
     host: str = "127.0.0.1"
@@ -42,6 +51,13 @@ class WorkerConfig:
     metrics_port: int = 0
     """Prometheus `/metrics` HTTP port (0 = pick a free one; the worker prints it on start).
     Set a fixed port where Prometheus scrapes a known address (one worker per host or pod)."""
+
+    def __post_init__(self) -> None:
+        if not self.prefill_max_wait_s >= 0:
+            raise ConfigError(
+                f"worker.prefill_max_wait_s must be >= 0 seconds, got {self.prefill_max_wait_s}; "
+                f"use .inf for no anti-starvation bound"
+            )
 
 
 @dataclass(frozen=True)

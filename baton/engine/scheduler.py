@@ -1,8 +1,15 @@
-"""Continuous batching: which requests prefill (and up to where) and which decode this step."""
+"""Continuous batching: which requests prefill (and up to where) and which decode this step.
+
+Every running request in its decode phase decodes each step. Prefilling requests share the
+step's `max_batch_tokens` in the order of the `worker.prefill_schedule` policy (looked up in
+PREFILL_ORDERS); admission from the waiting queue is first come, first served.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.cache.manager import HybridCacheManager
@@ -22,6 +29,35 @@ class StepPlan:
         return bool(self.prefills or self.decodes)
 
 
+PrefillOrder = Callable[[list[Request], float, float], list[Request]]
+"""(prefilling requests in admission order, now, age bound in seconds) -> the order in which
+they get the step's prompt-token budget."""
+
+
+def fcfs(prefilling: list[Request], now: float, max_wait_s: float) -> list[Request]:
+    """Admission order: a short increment waits behind every full prefill admitted before it."""
+    return list(prefilling)
+
+
+def fewest_uncached_first(
+    prefilling: list[Request], now: float, max_wait_s: float
+) -> list[Request]:
+    """Requests that arrived `max_wait_s` ago or earlier first, oldest first (no request starves);
+    then the others by prompt tokens still to compute, fewest first (ties: admission order).
+    A prompt that is 95% cached then gets its first token before the full prefills around it."""
+    overdue = [r for r in prefilling if now - r.arrival >= max_wait_s]
+    fresh = [r for r in prefilling if now - r.arrival < max_wait_s]
+    overdue.sort(key=lambda r: r.arrival)
+    fresh.sort(key=lambda r: r.prompt_len - r.num_computed)
+    return overdue + fresh
+
+
+PREFILL_ORDERS: dict[str, PrefillOrder] = {
+    "fcfs": fcfs,
+    "fewest_uncached_first": fewest_uncached_first,
+}
+
+
 class Scheduler:
     """Admits waiting requests while their worst-case blocks fit, then plans one step.
 
@@ -29,11 +65,15 @@ class Scheduler:
     running request never has to be preempted for lack of blocks.
     """
 
-    def __init__(self, cfg: WorkerConfig, cache: HybridCacheManager, max_model_len: int):
+    def __init__(self, cfg: WorkerConfig, cache: HybridCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.cache = cache
         self.max_model_len = max_model_len
         self.tpb = cache.pools.spec.tokens_per_block
+        self.prefill_order = PREFILL_ORDERS[cfg.prefill_schedule]
+        self.clock = clock
+        """Time source for request ages (the clock of `Request.arrival`)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._rejected: list[tuple[Request, str]] = []
@@ -66,15 +106,15 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
-        plan = StepPlan()
+        plan = StepPlan(decodes=[r for r in self.running if r.phase is Phase.DECODE])
+        prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
         budget = self.cfg.max_batch_tokens
-        for req in self.running:
-            if req.phase is Phase.DECODE:
-                plan.decodes.append(req)
-            elif req.phase is Phase.PREFILL and budget > 0:
-                end = req.next_chunk_end(min(self.cfg.prefill_chunk_size, budget))
-                budget -= end - req.num_computed
-                plan.prefills.append((req, end))
+        for req in self.prefill_order(prefilling, self.clock(), self.cfg.prefill_max_wait_s):
+            if budget <= 0:
+                break
+            end = req.next_chunk_end(min(self.cfg.prefill_chunk_size, budget))
+            budget -= end - req.num_computed
+            plan.prefills.append((req, end))
         return plan
 
     def _admit(self) -> None:

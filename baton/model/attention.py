@@ -35,7 +35,7 @@ class Attention(nn.Module):
             q,
             keys.to(q.dtype),
             values.to(q.dtype),
-            attn_mask=mask,
+            attn_mask=None if mask is None else mask.to(q.dtype),
             is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,

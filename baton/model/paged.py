@@ -38,8 +38,9 @@ class AttnMeta:
     num_keys: int
     """Keys each sequence reads (padded to the longest in a batch)."""
     mask: torch.Tensor | None
-    """Bool [b, 1, q, num_keys] (prefill) or additive float [b, 1, num_keys] (decode); None =
-    plain causal from position 0."""
+    """Additive float, 0 or -inf: [b, 1, q, num_keys] (prefill) or [b, 1, num_keys] (decode);
+    None = plain causal from position 0. Built once per call, not converted in every layer
+    (SDPA turns a bool mask into exactly this float one, per call)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,9 @@ def prefill_meta(
     # From position 0 (all sequences) the mask is the plain causal one, which SDPA does natively.
     if any(starts):
         keys = torch.arange(num_keys, device=dev)
-        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]
+        hidden = (keys[None, None, :] > pos[:, :, None])[:, None]
+        mask = torch.zeros(hidden.shape, device=dev, dtype=pools.kv.dtype)
+        mask.masked_fill_(hidden, float("-inf"))
     return AttnMeta(_write_rows(tables, pos, pools), _read_rows(tables, num_keys, pools), num_keys, mask)
 
 

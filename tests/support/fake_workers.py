@@ -2,6 +2,8 @@
 
 Tokens are predictable: the first token is `prompt_ids[-1] + 1`, and Decode streams
 `first + 1, first + 2, ...` one per message until max_tokens (LENGTH) or a stop token (STOP).
+With `Script.step_s` set, Decode instead plays an engine that makes one token every `step_s`
+and, like the real decode worker, sends every token ready since its last message in one.
 Every call is recorded, and `held` lists reservations neither decoded to the end nor aborted,
 so tests can prove nothing leaks.
 """
@@ -57,9 +59,16 @@ class Script:
     decode: Act = Act.OK
     cached_tokens: int = 0
     token_delay_s: float = 0.0
+    step_s: float = 0.0
+    """Decode: a token every `step_s`, each message carrying all tokens ready (0 = one a message)."""
+    drain: bool = True
+    """With `step_s`: False sends one token a message, queueing the rest (the decode worker
+    before it drained its queue into each message)."""
     hang_limit_s: float = 10.0
     capacity: int | None = None
     """Decode: reservations held at once; one more gets RESOURCE_EXHAUSTED (None: unbounded)."""
+    server_threads: int = 16
+    """gRPC server threads: one per concurrent stream."""
 
 
 @dataclass
@@ -154,16 +163,17 @@ class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
         rid = request.request_id
         wake = self._record("Decode", rid)
         sampling = self.sampling[rid]
-        token = request.first_token_id
-        for i in range(1, sampling.max_tokens):
-            token += 1
-            if self.script.token_delay_s:
-                time.sleep(self.script.token_delay_s)
-            reason = _finish(i + 1, token, sampling)
+        token, sent = request.first_token_id, 1  # the first token came from Prefill
+        for i, ready in enumerate(self._ready_counts(sampling.max_tokens), 1):
+            tokens, reason = [], None
+            while sent < ready and reason is None:
+                token, sent = token + 1, sent + 1
+                tokens.append(token)
+                reason = _finish(sent, token, sampling)
             if reason is not None:
                 with self._lock:
                     self.state.held.pop(rid, None)
-            yield wire.decode_chunk_to_pb(DecodeChunk((token,), reason))
+            yield wire.decode_chunk_to_pb(DecodeChunk(tuple(tokens), reason))
             if reason is not None:
                 return
             if i == 1 and self.script.decode != Act.OK:
@@ -172,6 +182,26 @@ class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
                     context,
                     wake,
                 )
+
+
+    def _ready_counts(self, max_tokens: int):
+        """Yields, before each message, how many tokens (first one included) exist by then."""
+        step, n = self.script.step_s, 1
+        if not step:
+            for n in range(2, max_tokens + 1):
+                if self.script.token_delay_s:
+                    time.sleep(self.script.token_delay_s)
+                yield n
+            return
+        t0 = time.perf_counter()
+        while n < max_tokens:
+            now = time.perf_counter()
+            ready = min(max_tokens, 1 + int((now - t0) / step))
+            if ready > n:
+                n = ready if self.script.drain else n + 1
+                yield n
+            else:
+                time.sleep(t0 + n * step - now)
 
 
 def _finish(n_tokens: int, token: int, sampling) -> FinishReason | None:
@@ -197,7 +227,9 @@ class FakeWorker:
         self._lock = threading.Lock()
         cls, add = _SERVICERS[role]
         self.servicer = cls(worker_id, self.script, self.state, self._lock)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.script.server_threads)
+        )
         add(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")

@@ -154,7 +154,8 @@ class _Stage:
 
     def send(self, rid: str, endpoints: list[str], src_blocks: list[int], src_slot: int | None,
              dst_blocks: list[int], dst_slot: int | None, skip: int = 0, layers_done=()):
-        self.end.send(rid, endpoints, src_blocks, src_slot, dst_blocks, dst_slot, skip)
+        self.end.send(rid, endpoints, src_blocks, src_slot, dst_blocks, dst_slot, skip,
+                      layerwise=self.end.cfg.layerwise)
         for g in layers_done:
             self.end.layer_done(rid, g)
         self.poller.wake()

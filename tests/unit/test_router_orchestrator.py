@@ -314,3 +314,22 @@ def test_all_decode_workers_full_queues_until_cancel_or_timeout():
     with pytest.raises(RequestCancelled, match="cancelled while queued"):
         list(orch.generate(GenerateInput("r2", prompt_ids=(5,)), cancel))
     assert orch.queue.waiting == 0 and reg.get("d0").inflight == 0
+
+
+class EuroTok:
+    """Ids 7, 8, 9 are the three bytes of '€': the answer's only character spans all chunks."""
+
+    BYTES = {7: 0xE2, 8: 0x82, 9: 0xAC}
+
+    def encode(self, text):
+        raise AssertionError("prompt_ids only")
+
+    def decode(self, ids):
+        return bytes(self.BYTES.get(i, 0x3F) for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_character_split_across_chunks_is_sent_whole_once_complete():
+    orch, _, _ = setup(["p0", "d0"], tokenizer=EuroTok())
+    chunks = run(orch, prompt=(5, 6))
+    assert [c.token_ids for c in chunks] == [(7,), (8,), (9,)]
+    assert [c.text for c in chunks] == ["", "", "€"]
