@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ import yaml
 from baton.config.base import from_dict
 from baton.config.cache import CacheConfig
 from baton.config.cluster import ClusterConfig
+from baton.config.ports import PortRange, port_range
 from baton.config.router import RouterConfig
 from baton.config.transfer import TransferConfig
 from baton.errors import ConfigError
@@ -35,13 +37,23 @@ class WorkerConfig:
     """Most prompt tokens computed per engine step over all requests."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's max_position_embeddings."""
-    host: str = "127.0.0.1"
-    """Address this worker advertises to the router and peers."""
-    port: int = 0
-    """gRPC port (0 = pick a free one)."""
+    host: str = "auto"
+    """Address this worker advertises to the router and peers, and binds its gRPC server,
+    side channel and metrics to. `auto` (or ""): the address of this host's interface that
+    routes to the router (127.0.0.1 when the router is on loopback); `--host` overrides."""
+    port: int | str = 0
+    """gRPC port: 0 = any free port, N = exactly N, "FIRST-LAST" = the first free port of
+    that range (`--port` overrides)."""
     metrics_port: int = 0
     """Prometheus `/metrics` HTTP port (0 = pick a free one; the worker prints it on start).
     Set a fixed port where Prometheus scrapes a known address (one worker per host or pod)."""
+
+    def __post_init__(self) -> None:
+        _ = self.ports  # a bad port is refused when the config loads, not at bind time
+
+    @cached_property
+    def ports(self) -> PortRange:
+        return port_range(self.port, "worker.port")
 
 
 @dataclass(frozen=True)

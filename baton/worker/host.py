@@ -20,10 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from baton.auth import ClusterSecret, load_secret
 from baton.auth.grpc_auth import ServerGuard
 from baton.config import BatonConfig
+from baton.config.ports import PortRange, port_range
 from baton.contract import Role, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
+from baton.worker.address import advertised_host, bind_grpc, join_host_port
 from baton.worker.exit import exit_now
 from baton.worker.load import load_of
 from baton.worker.metrics import WorkerMetrics
@@ -61,8 +63,10 @@ class Worker:
 
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
-                 host: str, port: int, metrics_port: int | None = None) -> Worker:
-    """`metrics_port` None: the config's `worker.metrics_port`."""
+                 host: str | None, ports: PortRange, metrics_port: int | None = None) -> Worker:
+    """`host` None, "" or "auto": the address that routes to `router`; `metrics_port` None:
+    the config's `worker.metrics_port`."""
+    host = advertised_host(host, router)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     engine = build_engine(cfg, model)
     events = SnapshotEvents(engine.cache)
@@ -71,10 +75,12 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     mport = metrics.serve(host, cfg.worker.metrics_port if metrics_port is None else metrics_port)
     # every worker service needs the cluster secret's bearer; health stays open
     tokens = None if secret is None else {secret.bearer}
+    # no SO_REUSEPORT (gRPC's default): two workers on one host must not share a port of a range
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
-                         interceptors=[ServerGuard(default=tokens)])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    address = f"{host}:{bound}"
+                         interceptors=[ServerGuard(default=tokens)],
+                         options=[("grpc.so_reuseport", 0)])
+    bound = bind_grpc(server, host, ports)
+    address = join_host_port(host, bound)
     worker_id = f"{role.value}-{socket.gethostname()}-{os.getpid()}-{bound}"
     service = attach(cfg, engine, loop, server, worker_id, host, secret, metrics)
     health_servicer = health.HealthServicer()
@@ -93,14 +99,14 @@ def serve_until_signalled(args, role: Role, attach: Attach) -> int:
     """`baton prefill-worker` / `baton decode-worker`: start, print the address, wait for a
     signal, stop."""
     cfg = BatonConfig.load(args.config)
-    host = args.host or cfg.worker.host
-    worker = start_worker(cfg, role, attach, args.router, args.model, host, args.port,
-                          getattr(args, "metrics_port", None))
+    ports = cfg.worker.ports if args.port is None else port_range(args.port, "--port")
+    worker = start_worker(cfg, role, attach, args.router, args.model, args.host or cfg.worker.host,
+                          ports, getattr(args, "metrics_port", None))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"{role.value} worker {worker.worker_id} serving on {worker.address}, metrics on "
-          f"http://{host}:{worker.metrics_port}/metrics", flush=True)
+          f"http://{worker.address.rpartition(':')[0]}:{worker.metrics_port}/metrics", flush=True)
     stop.wait()
     worker.stop()
     exit_now(0)
