@@ -26,7 +26,7 @@ from baton.proto_gen import baton_pb2, router_pb2_grpc
 from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import assert_clean, list_workers, write_config
 from tests.support.netns import Network, Unavailable, unavailable
-from tests.support.netns_cluster import NetnsCluster
+from tests.support.netns_cluster import METRICS_PORT, NetnsCluster
 
 pytestmark = pytest.mark.integration
 
@@ -36,9 +36,11 @@ CONFIG = {
     "cache": {"num_blocks": 1024, "num_state_slots": 48},
     "router": {"policy": "round_robin", "heartbeat_seconds": 0.25, "eject_after_seconds": EJECT_S,
                "prefill_timeout_seconds": 60.0},
-    "worker": {"max_num_seqs": 16, "max_model_len": 2048},
-    "transfer": {"ucx_tls": "tcp", "lease_seconds": 8.0, "handshake_timeout_s": 3.0},
+    "worker": {"max_num_seqs": 16, "max_model_len": 2048, "port": "50100-50109"},
+    "transfer": {"ucx_tls": "tcp", "lease_seconds": 8.0, "handshake_timeout_s": 3.0,
+                 "side_channel_port": "50200-50209", "ucx_port": "50300-50309"},
 }
+"""Every port a worker opens is in a range a firewall could allow (METRICS_PORT aside)."""
 
 
 def _interrupt(*_):
@@ -104,6 +106,23 @@ def test_workers_without_host_advertise_their_own_hosts_address(hosts):
     got = sorted((roles[w.role], w.address.rpartition(":")[0]) for w in workers)
     net = hosts.net
     assert got == sorted((h.rstrip("01"), net.hosts[h].address) for h in HOSTS[1:])
+    assert {w.address.rpartition(":")[2] for w in workers} == {"50100"}
+
+
+def test_workers_listen_only_on_their_address_and_configured_ports(hosts):
+    """What a firewall between hosts must allow: nothing outside the configured ports; UCX
+    also listens on loopback, where no firewall applies."""
+    ucx = set(range(50300, 50310))
+    for h in HOSTS[1:]:
+        mine = hosts.net.hosts[h].address
+        seen = hosts.net.listening(h)
+        expected = {(mine, 50100), (mine, METRICS_PORT)}
+        if h.startswith("decode"):
+            expected.add((mine, 50200))  # the side channel
+        outside = {(a, p) for a, p in seen if (a, p) not in expected and p not in ucx}
+        assert not outside, (h, seen)
+        assert expected <= seen, (h, seen)
+        assert {a for a, p in seen if p in ucx} == {mine, "127.0.0.1"}, (h, seen)
 
 
 def test_16_concurrent_requests_equal_local_and_the_kv_crosses_the_prefill_links(hosts):

@@ -202,6 +202,20 @@ class Network:
         return int(Path(f"/sys/class/net/{self.hosts[host].link}/statistics/tx_bytes")
                    .read_text())
 
+    def listening(self, host: str) -> set[tuple[str, int]]:
+        """(address, port) of every TCP socket listening in `host`'s namespace (IPv4-mapped
+        addresses as IPv4)."""
+        done = subprocess.run(["ip", "netns", "exec", self.hosts[host].netns, "ss", "-ltnH"],
+                              capture_output=True, text=True, timeout=20, check=True)
+        out = set()
+        for line in done.stdout.splitlines():
+            addr, _, port = line.split()[3].rpartition(":")
+            addr = "0.0.0.0" if addr == "*" else addr.strip("[]").partition("%")[0]
+            ip = ipaddress.ip_address(addr)
+            mapped = getattr(ip, "ipv4_mapped", None)  # gRPC listens on ::ffff:a.b.c.d
+            out.add((str(mapped or ip), int(port)))
+        return out
+
     def rate_limit(self, host: str, rate: str) -> None:
         """Shape what `host` sends to `rate` (tc tbf, e.g. "16mbit"): a slow link."""
         done = subprocess.run(["tc", "-n", self.hosts[host].netns, "qdisc", "replace", "dev",
