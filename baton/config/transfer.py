@@ -24,7 +24,8 @@ class TransferConfig:
     """Largest side-channel message accepted; bigger ones are dropped unread."""
     ucx_tls: str = ""
     """UCX_TLS for the transport ("" = UCX's choice: cma + tcp on CPU hosts; "tcp" without ptrace
-    or between network namespaces of one host, where UCX would still use cma)."""
+    or between network namespaces of one host, where UCX would still use cma). TCP alone also
+    keeps UCX to the interface of the worker's advertised address (UCX_NET_DEVICES)."""
     side_channel_port: int | str = 0
     """Decode workers' ZeroMQ side-channel port: 0 = any free port, N, or "FIRST-LAST" (the
     first free port of the range)."""
@@ -42,6 +43,12 @@ class TransferConfig:
     @cached_property
     def ucx_ports(self) -> PortRange:
         return port_range(self.ucx_port, "transfer.ucx_port")
+
+    @cached_property
+    def tcp_only(self) -> bool:
+        """`ucx_tls` names TCP as UCX's only network transport (no RDMA, no shared memory)."""
+        names = {t.strip() for t in self.ucx_tls.split(",") if t.strip()}
+        return "tcp" in names and names <= {"tcp", "self"}
 
     @cached_property
     def ucx_env(self) -> dict[str, str]:

@@ -3,8 +3,10 @@ interface that routes to the router; its gRPC port: the first free one of the co
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import socket
+import struct
 
 import grpc
 
@@ -13,6 +15,8 @@ from baton.errors import ConfigError
 
 AUTO = ("", "auto")
 """`worker.host` values that mean: find the address yourself."""
+SIOCGIFADDR = 0x8915
+"""Linux ioctl: an interface's (primary) IPv4 address."""
 
 
 def advertised_host(configured: str | None, router: str) -> str:
@@ -54,6 +58,24 @@ def join_host_port(host: str, port: int) -> str:
     except ValueError:
         v6 = False
     return f"[{host}]:{port}" if v6 else f"{host}:{port}"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local interface whose IPv4 address is `address` (None: no interface has
+    it as its primary address, or it is not IPv4)."""
+    try:
+        packed = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()))
+            except OSError:  # no IPv4 address on this one
+                continue
+            if got[20:24] == packed:
+                return name
+    return None
 
 
 def bind_grpc(server: grpc.Server, host: str, ports: PortRange) -> int:

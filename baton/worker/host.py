@@ -25,7 +25,7 @@ from baton.contract import Role, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
-from baton.worker.address import advertised_host, bind_grpc, join_host_port
+from baton.worker.address import advertised_host, bind_grpc, interface_of, join_host_port
 from baton.worker.exit import exit_now
 from baton.worker.load import load_of
 from baton.worker.metrics import WorkerMetrics
@@ -67,6 +67,7 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     """`host` None, "" or "auto": the address that routes to `router`; `metrics_port` None:
     the config's `worker.metrics_port`."""
     host = advertised_host(host, router)
+    _pin_ucx_tcp(cfg, host)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     engine = build_engine(cfg, model)
     events = SnapshotEvents(engine.cache)
@@ -93,6 +94,16 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
                        bearer=None if secret is None else secret.bearer)
     reg.start()
     return Worker(worker_id, address, server, service, reg, loop, metrics, mport)
+
+
+def _pin_ucx_tcp(cfg: BatonConfig, host: str) -> None:
+    """Over TCP alone (`transfer.ucx_tls: tcp`), UCX uses only the advertised address's
+    interface: by default it listens on every one, loopback too, and could take loopback
+    towards a peer that merely looks local (another container or namespace of this kernel).
+    An operator's own UCX_NET_DEVICES wins."""
+    device = interface_of(host) if cfg.transfer.tcp_only else None
+    if device is not None:
+        os.environ.setdefault("UCX_NET_DEVICES", device)
 
 
 def serve_until_signalled(args, role: Role, attach: Attach) -> int:

@@ -11,7 +11,13 @@ import pytest
 from baton.config import BatonConfig
 from baton.config.ports import ANY_PORT, PortRange, port_range
 from baton.errors import ConfigError
-from baton.worker.address import advertised_host, bind_grpc, join_host_port, split_host_port
+from baton.worker.address import (
+    advertised_host,
+    bind_grpc,
+    interface_of,
+    join_host_port,
+    split_host_port,
+)
 from transfer.side_channel import Listener
 
 
@@ -173,3 +179,16 @@ def test_grpc_servers_on_one_host_never_share_a_port_of_a_range():
     finally:
         for s in servers:
             s.stop(0)
+
+
+def test_interface_of_an_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("::1") is None and interface_of("not-an-ip") is None
+
+
+@pytest.mark.parametrize("tls, tcp_only", [
+    ("tcp", True), ("tcp,self", True), (" tcp ", True), ("", False), ("sm,self", False),
+    ("tcp,cma", False), ("rc,tcp", False), ("cuda_copy,tcp", False),
+])
+def test_tcp_only_is_tcp_and_nothing_else_that_moves_data(tls, tcp_only):
+    assert BatonConfig.from_dict({"transfer": {"ucx_tls": tls}}).transfer.tcp_only is tcp_only
