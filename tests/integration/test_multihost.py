@@ -197,7 +197,7 @@ def test_a_decode_host_whose_link_goes_down_mid_stream(hosts):
     for s in cut:
         assert s.code == grpc.StatusCode.UNAVAILABLE
         assert f"worker {hosts.ids['decode0']} failed Decode: it was ejected" in s.details
-        assert s.ended - down < EJECT_S + 2.0, s.ended - down
+        assert s.ended - down < EJECT_S + 3.0, s.ended - down  # not TCP's minutes
     for spec, s in done:
         assert s.tokens == expected[spec.id] and s.decode_worker == hosts.ids["decode1"]
     wait_until(lambda: len(list_workers(cluster.address)) == 4, 30, "decode0 registered again")
@@ -225,7 +225,7 @@ def test_a_prefill_host_whose_link_goes_down_mid_transfer(hosts):
     took = time.monotonic() - down
     assert tokens(results["r"]) == expected
     assert {r["prefill_worker"] for r in results["r"]} == {hosts.ids["prefill1"]}
-    assert took < EJECT_S + 5.0, took
+    assert took < EJECT_S + 8.0, took  # not prefill_timeout_seconds (60)
     live = {w.worker_id for w in list_workers(cluster.address)}
     assert live == {hosts.ids[h] for h in ("prefill1", "decode0", "decode1")}
     assert_clean(cluster)
