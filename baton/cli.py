@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--router", required=True, help="HOST:PORT of the router")
         p.add_argument("--model", default="tiny")
         p.add_argument("--config")
-        p.add_argument("--port", type=int, default=0)
-        p.add_argument("--host", default=None, help="address to advertise (default: config)")
+        p.add_argument("--port", default=None,
+                       help="gRPC port: N, FIRST-LAST (the first free one) or 0 for any "
+                            "(default: config worker.port)")
+        p.add_argument("--host", default=None,
+                       help="address to advertise and bind (default: config worker.host; "
+                            "auto: the address that routes to --router)")
         p.add_argument("--metrics-port", type=int, default=None,
                        help="Prometheus /metrics port (default: config worker.metrics_port; "
                             "0 = a free port)")

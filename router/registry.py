@@ -42,6 +42,9 @@ class Registry:
         self._workers: dict[str, _Record] = {}
         self.on_remove: list[Callable[[str], None]] = []
         """Called with the worker id after it left (e.g. to close its channel)."""
+        self.on_eject: list[Callable[[str], None]] = []
+        """Called with the worker id after it was ejected for silence, before `on_remove`:
+        it is unreachable, so calls still waiting on it should fail now."""
         self.ejected = 0
         """Workers ejected for silence since start (a metric)."""
 
@@ -97,6 +100,8 @@ class Registry:
                 del self._workers[w]
             self.ejected += len(stale)
         for w in stale:
+            for callback in self.on_eject:
+                callback(w)
             self._notify_forget(w)
         return stale
 

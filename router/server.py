@@ -146,6 +146,7 @@ def run_router(
     bearer = secret.bearer if secret is not None else None
     clients = WorkerClients(config, bearer)
     registry.on_remove.append(clients.drop)
+    registry.on_eject.append(clients.eject)
     orch = Orchestrator(config, registry, policy, clients, tokenizer)
     metrics = RouterMetrics(registry)
 

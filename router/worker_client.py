@@ -4,6 +4,9 @@ INVALID_ARGUMENT            -> InvalidRequestError (passed to the client unchang
 RESOURCE_EXHAUSTED          -> WorkerBusy (another worker is tried, else the request queues)
 cancelled by our client     -> RequestCancelled
 any other status / timeout  -> WorkerFailed (retried on another pair before the first token)
+worker ejected (silent)     -> its channel is closed: every call still waiting on it fails now
+                               with WorkerFailed instead of waiting for TCP to give up (a host
+                               whose link went down answers nothing, not even a reset)
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class GrpcWorkerClient:
         self.worker_id = view.worker_id
         self.config = config
         self._stub = _STUBS[view.role](channel)
+        self.ejected = False
+        """Set before the router closes this worker's channel because it went silent."""
 
     def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
         call = self._stub.Reserve
@@ -63,9 +68,12 @@ class GrpcWorkerClient:
     def decode(
         self, request_id: str, first_token_id: int, cancel: Cancellation
     ) -> Iterator[DecodeChunk]:
-        call = self._stub.Decode(
-            wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id)
-        )
+        try:
+            call = self._stub.Decode(
+                wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id)
+            )
+        except ValueError as e:  # the channel closed: the worker was ejected meanwhile
+            raise self._closed("Decode", e) from e
         try:
             with cancel.hook(call.cancel):
                 for msg in call:
@@ -76,6 +84,8 @@ class GrpcWorkerClient:
             call.cancel()
 
     def abort(self, request_id: str) -> bool:
+        if self.ejected:
+            return False  # unreachable, channel closed: its leases free what it holds
         try:
             reply = self._stub.Abort(
                 pb.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_seconds
@@ -92,10 +102,20 @@ class GrpcWorkerClient:
             return call(msg, timeout=timeout)
         except grpc.RpcError as e:
             raise self._error(what, msg.request_id, e, cancel) from e
+        except ValueError as e:
+            raise self._closed(what, e) from e
+
+    def _closed(self, what: str, e: ValueError) -> WorkerFailed:
+        return WorkerFailed(self.worker_id, what, f"its channel is closed ({e}); it was ejected"
+                            if self.ejected else f"its channel is closed ({e})")
 
     def _error(self, what: str, request_id: str, e: grpc.RpcError, cancel: Cancellation):
         if cancel.cancelled:
             return RequestCancelled(f"request {request_id} cancelled during {what}")
+        if self.ejected:
+            return WorkerFailed(self.worker_id, what, (
+                f"it was ejected: no heartbeat for {self.config.eject_after_seconds:g} s "
+                f"(router.eject_after_seconds); the call ended with {e.code().name}"))
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequestError(e.details())
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -112,9 +132,12 @@ class GrpcPrefillCall:
         self._client, self._req, self._cancel = client, req, cancel
         self._dest: queue.SimpleQueue = queue.SimpleQueue()
         first = wire.prefill_to_pb(req)
-        self._future = client._stub.Prefill.future(
-            self._messages(first), timeout=client.config.prefill_timeout_seconds
-        )
+        try:
+            self._future = client._stub.Prefill.future(
+                self._messages(first), timeout=client.config.prefill_timeout_seconds
+            )
+        except ValueError as e:  # the channel closed: the worker was ejected meanwhile
+            raise client._closed("Prefill", e) from e
 
     def _messages(self, first):
         yield first
@@ -159,6 +182,17 @@ class WorkerClients:
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
             return entry[2]
+
+    def eject(self, worker_id: str) -> None:
+        """The worker went silent: close its channel, which ends every call still waiting on
+        it (they fail with WorkerFailed: retried before the first token, an error after)."""
+        with self._lock:
+            entry = self._clients.pop(worker_id, None)
+        if entry is not None:
+            entry[2].ejected = True
+            entry[1].close()
+            log.warning("worker %s ejected (silent for %g s); its calls in flight fail now",
+                        worker_id, self.config.eject_after_seconds)
 
     def drop(self, worker_id: str) -> None:
         """Forgets the worker; requests still using its channel keep it open until they end."""

@@ -47,8 +47,7 @@ def _agent(cfg: TransferConfig, role: str):
     if "ucxx" in sys.modules:
         raise TransferError("ucxx is loaded in this process; NIXL and ucxx must not share one "
                             "(two UCX copies): use one backend per process")
-    if cfg.ucx_tls:
-        os.environ["UCX_TLS"] = cfg.ucx_tls
+    os.environ.update(cfg.ucx_env)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 

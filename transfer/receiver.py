@@ -68,7 +68,8 @@ class Receiver:
         """Called (listener thread) when a sender starts writing: poll fast now."""
         self._transport = transport_cls(cfg, pools, bind_host, self._authorize)
         self._welcome = None
-        self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message, key)
+        self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message, key,
+                                  cfg.side_channel_ports)
         self.endpoint = self._listener.endpoint
         """`tcp://host:port` of the side channel, handed to prefill workers."""
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import zmq
 
+from baton.config.ports import ANY_PORT, PortRange
 from baton.errors import TransferError
 from transfer import wire
 
@@ -32,14 +33,19 @@ Handler = Callable[[bytes, dict], bytes | None]
 
 
 class Listener:
-    """ROUTER socket bound to `tcp://host:<free port>`, served by a daemon thread."""
+    """ROUTER socket bound to `tcp://host:<port>` (the first free one of `ports`; any free one
+    by default), served by a daemon thread."""
 
-    def __init__(self, host: str, max_bytes: int, handler: Handler, key: bytes | None = None):
+    def __init__(self, host: str, max_bytes: int, handler: Handler, key: bytes | None = None,
+                 ports: PortRange = ANY_PORT):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        if ports.any:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            port = ports.bind(lambda p: _bind(self._sock, host, p), "transfer.side_channel_port")
         self.endpoint = f"tcp://{host}:{port}"
         self._max = max_bytes
         self._handler = handler
@@ -101,6 +107,14 @@ class Listener:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
+
+
+def _bind(sock: zmq.Socket, host: str, port: int) -> int:
+    try:
+        sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        raise OSError(e.errno, f"tcp://{host}:{port}: {e}") from None
+    return port
 
 
 class Client:

@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 import torch
 
+from baton.config.ports import PortRange
 from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
 from baton.model.pools import Pools
@@ -45,8 +46,7 @@ def _ucxx(cfg: TransferConfig):
     if any(m.startswith("nixl") for m in sys.modules):
         raise TransferError("NIXL is loaded in this process; NIXL and ucxx must not share one "
                             "(two UCX copies): use one backend per process")
-    if cfg.ucx_tls:
-        os.environ["UCX_TLS"] = cfg.ucx_tls
+    os.environ.update(cfg.ucx_env)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     # requests complete through ucxx's notifier thread (Python futures), not by yield-polling
     # from the asyncio loop: the latter kept an idle decode worker at 100% of a core
@@ -121,11 +121,19 @@ class UcxReceiver(RecvTransport):
         self._connect_s = cfg.handshake_timeout_s
         self._landed: collections.deque[bytes] = collections.deque()
         self._loop = _Loop.shared()
-        self._listener = self._loop.run(self._listen(), 30)
+        self._listener = self._loop.run(self._listen(cfg.ucx_ports), 30)
         self._meta = {"host": bind_host, "port": self._listener.port}
 
-    async def _listen(self):
-        return self._ucxx.create_listener(self._serve, connect_timeout=self._connect_s)
+    async def _listen(self, ports: PortRange):
+        # ucxx listens on every interface: only the port can be chosen (transfer.ucx_port)
+        return ports.bind(self._listen_on, "transfer.ucx_port")
+
+    def _listen_on(self, port: int):
+        try:
+            return self._ucxx.create_listener(self._serve, port=port or None,
+                                              connect_timeout=self._connect_s)
+        except self._ucxx.UCXXBusyError as e:
+            raise OSError(f"UCX port {port} is taken: {e}") from None
 
     async def _serve(self, ep) -> None:
         try:

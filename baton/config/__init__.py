@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ import yaml
 from baton.config.base import from_dict
 from baton.config.cache import CacheConfig
 from baton.config.cluster import ClusterConfig
+from baton.config.ports import PortRange, port_range
 from baton.config.router import RouterConfig
 from baton.config.transfer import TransferConfig
 from baton.errors import ConfigError
@@ -44,10 +46,13 @@ class WorkerConfig:
     0: plain first come, first served)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's max_position_embeddings."""
-    host: str = "127.0.0.1"
-    """Address this worker advertises to the router and peers."""
-    port: int = 0
-    """gRPC port (0 = pick a free one)."""
+    host: str = "auto"
+    """Address this worker advertises to the router and peers, and binds its gRPC server,
+    side channel and metrics to. `auto` (or ""): the address of this host's interface that
+    routes to the router (127.0.0.1 when the router is on loopback); `--host` overrides."""
+    port: int | str = 0
+    """gRPC port: 0 = any free port, N = exactly N, "FIRST-LAST" = the first free port of
+    that range (`--port` overrides)."""
     metrics_port: int = 0
     """Prometheus `/metrics` HTTP port (0 = pick a free one; the worker prints it on start).
     Set a fixed port where Prometheus scrapes a known address (one worker per host or pod)."""
@@ -58,6 +63,11 @@ class WorkerConfig:
                 f"worker.prefill_max_wait_s must be >= 0 seconds, got {self.prefill_max_wait_s}; "
                 f"use .inf for no anti-starvation bound"
             )
+        _ = self.ports  # a bad port is refused when the config loads, not at bind time
+
+    @cached_property
+    def ports(self) -> PortRange:
+        return port_range(self.port, "worker.port")
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from baton.auth import ClusterSecret, load_secret
 from baton.auth.grpc_auth import ServerGuard
 from baton.config import BatonConfig
+from baton.config.ports import PortRange, port_range
 from baton.contract import Role, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
+from baton.worker.address import advertised_host, bind_grpc, interface_of, join_host_port
 from baton.worker.exit import exit_now
 from baton.worker.load import load_of
 from baton.worker.metrics import WorkerMetrics
@@ -61,8 +63,11 @@ class Worker:
 
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
-                 host: str, port: int, metrics_port: int | None = None) -> Worker:
-    """`metrics_port` None: the config's `worker.metrics_port`."""
+                 host: str | None, ports: PortRange, metrics_port: int | None = None) -> Worker:
+    """`host` None, "" or "auto": the address that routes to `router`; `metrics_port` None:
+    the config's `worker.metrics_port`."""
+    host = advertised_host(host, router)
+    _pin_ucx_tcp(cfg, host)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     engine = build_engine(cfg, model)
     events = SnapshotEvents(engine.cache)
@@ -71,10 +76,12 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     mport = metrics.serve(host, cfg.worker.metrics_port if metrics_port is None else metrics_port)
     # every worker service needs the cluster secret's bearer; health stays open
     tokens = None if secret is None else {secret.bearer}
+    # no SO_REUSEPORT (gRPC's default): two workers on one host must not share a port of a range
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
-                         interceptors=[ServerGuard(default=tokens)])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    address = f"{host}:{bound}"
+                         interceptors=[ServerGuard(default=tokens)],
+                         options=[("grpc.so_reuseport", 0)])
+    bound = bind_grpc(server, host, ports)
+    address = join_host_port(host, bound)
     worker_id = f"{role.value}-{socket.gethostname()}-{os.getpid()}-{bound}"
     service = attach(cfg, engine, loop, server, worker_id, host, secret, metrics)
     health_servicer = health.HealthServicer()
@@ -89,18 +96,28 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     return Worker(worker_id, address, server, service, reg, loop, metrics, mport)
 
 
+def _pin_ucx_tcp(cfg: BatonConfig, host: str) -> None:
+    """Over TCP alone (`transfer.ucx_tls: tcp`), UCX uses only the advertised address's
+    interface: by default it listens on every one, loopback too, and could take loopback
+    towards a peer that merely looks local (another container or namespace of this kernel).
+    An operator's own UCX_NET_DEVICES wins."""
+    device = interface_of(host) if cfg.transfer.tcp_only else None
+    if device is not None:
+        os.environ.setdefault("UCX_NET_DEVICES", device)
+
+
 def serve_until_signalled(args, role: Role, attach: Attach) -> int:
     """`baton prefill-worker` / `baton decode-worker`: start, print the address, wait for a
     signal, stop."""
     cfg = BatonConfig.load(args.config)
-    host = args.host or cfg.worker.host
-    worker = start_worker(cfg, role, attach, args.router, args.model, host, args.port,
-                          getattr(args, "metrics_port", None))
+    ports = cfg.worker.ports if args.port is None else port_range(args.port, "--port")
+    worker = start_worker(cfg, role, attach, args.router, args.model, args.host or cfg.worker.host,
+                          ports, getattr(args, "metrics_port", None))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"{role.value} worker {worker.worker_id} serving on {worker.address}, metrics on "
-          f"http://{host}:{worker.metrics_port}/metrics", flush=True)
+          f"http://{worker.address.rpartition(':')[0]}:{worker.metrics_port}/metrics", flush=True)
     stop.wait()
     worker.stop()
     exit_now(0)

@@ -435,3 +435,67 @@ def test_the_command_line_client_sends_baton_api_key(monkeypatch):
         d0.stop()
     assert refused["error"].startswith("UNAUTHENTICATED: baton.v1.Router needs credentials")
     assert ok["token_ids"] == [6, 7]
+
+
+class KeepAlive:
+    """Heartbeats `workers` every 50 ms until closed (the others fall silent)."""
+
+    def __init__(self, *workers: FakeWorker):
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(workers,), daemon=True)
+        self._thread.start()
+
+    def _run(self, workers) -> None:
+        while not self._stop.wait(0.05):
+            for w in workers:
+                w.heartbeat()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_decode_worker_that_falls_silent_mid_stream_fails_its_stream_at_ejection(cluster):
+    """A host whose link went down answers nothing: the stream must end when the router
+    ejects the worker, not when TCP gives up (here: long after d0's 8 s hang)."""
+    config = RouterConfig(heartbeat_seconds=0.05, eject_after_seconds=0.5)
+    handle, stub, w = cluster(config, p0=Script(), d0=Script(decode=Act.HANG, hang_limit_s=8))
+    got = []
+    with KeepAlive(w["p0"]), pytest.raises(grpc.RpcError) as e:
+        call = gen(stub, max_tokens=10)
+        got.extend(next(call).token_ids)
+        start = time.monotonic()
+        for m in call:
+            got.extend(m.token_ids)
+    waited = time.monotonic() - start
+    assert got == [7, 8]  # the prefill's token, then d0's first before it hung
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "worker d0 failed Decode: it was ejected: no heartbeat for 0.5 s" in e.value.details()
+    assert 0.4 < waited < 2.0, waited
+    assert handle.registry.ejected == 1
+
+
+def test_a_prefill_worker_that_falls_silent_is_ejected_and_the_request_retried(cluster):
+    config = RouterConfig(heartbeat_seconds=0.05, eject_after_seconds=0.5)
+    handle, stub, w = cluster(config, p0=Script(prefill=Act.HANG, hang_limit_s=8), d0=Script())
+    p1 = FakeWorker(Role.PREFILL, "p1", Script())
+    try:
+        with KeepAlive(w["d0"], p1):
+            call = gen(stub, max_tokens=3)
+            assert wait_for(lambda: w["p0"].calls("Prefill"))  # p0 took it, then went silent
+            p1.register(handle.address)
+            start = time.monotonic()
+            msgs = list(call)
+            waited = time.monotonic() - start
+    finally:
+        p1.stop()
+    assert [t for m in msgs for t in m.token_ids] == [7, 8, 9]
+    assert (msgs[-1].prefill_worker, msgs[-1].decode_worker, msgs[-1].retries) == ("p1", "d0", 1)
+    assert waited < 2.0, waited
+    assert [c for c in w["d0"].calls() if c[0] == "Abort"] == [("Abort", worker_key(w["d0"]))]
+    assert w["d0"].state.held == {}

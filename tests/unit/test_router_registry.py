@@ -98,3 +98,18 @@ def test_register_requires_id_and_address():
     reg, _, _ = make()
     with pytest.raises(ValueError, match="worker_id and address are required"):
         reg.register(WorkerInfo("", Role.DECODE, "h:1"))
+
+
+def test_only_ejection_for_silence_calls_on_eject_before_on_remove():
+    reg, clock, _ = make()
+    calls = []
+    reg.on_eject.append(lambda w: calls.append(("eject", w)))
+    reg.on_remove.append(lambda w: calls.append(("remove", w)))
+    for w in ("p0", "d0", "d1"):
+        reg.register(info(w, Role.DECODE if w.startswith("d") else Role.PREFILL))
+    reg.register(info("p0"))  # a re-registration is no ejection
+    assert reg.deregister("d1")  # nor is leaving
+    clock.now += 6.0
+    reg.heartbeat("d0", WorkerLoad(), [])
+    assert reg.eject_stale() == ["p0"]
+    assert calls == [("remove", "p0"), ("remove", "d1"), ("eject", "p0"), ("remove", "p0")]
