@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import checkpoint, prompts
+from bench.common import checkpoint, cpu_seconds, prompts
 
 SIZES = (256, 2048, 8192)
 CONFIG = {
@@ -54,17 +54,12 @@ def _cluster_ttft(stub, reqs: list[list[int]], tag: str) -> list[float]:
     return out
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _idle_cpu(cluster, seconds: float) -> dict[str, float]:
     """Share of one core each cluster process used while idle for `seconds`."""
     names = {p.pid: p.args[p.args.index("--log-level") + 2] for p in cluster.procs}
-    before = {pid: _cpu_seconds(pid) for pid in names}
+    before = {pid: cpu_seconds(pid) for pid in names}
     time.sleep(seconds)
-    return {f"{names[pid]}-{pid}": round((_cpu_seconds(pid) - before[pid]) / seconds, 4)
+    return {f"{names[pid]}-{pid}": round((cpu_seconds(pid) - before[pid]) / seconds, 4)
             for pid in names}
 
 
