@@ -125,6 +125,9 @@ class PrefillService:
             raise RequestCancelled(f"prefill of {rid}: the router sent no destination")
         try:  # the compute may already run; not one byte is written before this check
             verify_reservation(self.secret, rid, dest)
+            # a first contact's handshake happens here, on this RPC's thread, never on the
+            # engine loop thread (where it would stall every request for up to its timeout)
+            self.sender.connect(dest.transfer_endpoint)
         except BaseException:
             self.abort(rid)
             raise
