@@ -87,6 +87,7 @@ class _Stream:
         if self.sent:
             self.last_layer_at = time.perf_counter()
             self.service.sender.layers_done(self.rid, layers)
+            self.service.events.wake()  # once the last layer is posted, the poller goes fast
 
 
 class PrefillService:

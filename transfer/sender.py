@@ -31,6 +31,9 @@ from transfer.side_channel import Client
 
 WATCH_INTERVAL_S = 0.0002
 """Poll interval while writes are in flight (progress happens only when we poll)."""
+STREAMING_INTERVAL_S = 0.005
+"""Poll interval while layer-wise requests are still computing: early layers progress a little,
+the forward keeps the GIL; `layers_done` of the last layer wakes the poller (see the service)."""
 
 
 @dataclass
@@ -126,9 +129,14 @@ class Sender:
             self._finish(request_id, reason)
 
     def poll_interval(self) -> float | None:
-        """How soon `poll()` should run again; None: nothing in flight until woken."""
+        """How soon `poll()` should run again; None: nothing in flight until woken. Slowly while
+        every in-flight request still has layers to post (a layer-wise forward is running: a
+        fast poller would take the GIL from it, and nothing can finish before its last post)."""
         with self._lock:
-            return WATCH_INTERVAL_S if self._inflight else None
+            if not self._inflight:
+                return None
+            streaming = all(fl.unsent for fl in self._inflight.values())
+            return STREAMING_INTERVAL_S if streaming else WATCH_INTERVAL_S
 
     def poll(self) -> list[TransferEvent]:
         """Delivered and failed requests since the last call."""

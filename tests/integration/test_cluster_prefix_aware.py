@@ -27,7 +27,7 @@ CONFIG = {
     },
     "router": {"policy": "prefix_aware", "heartbeat_seconds": 0.3, "eject_after_seconds": 20.0},
     "worker": {"max_num_seqs": 8, "max_model_len": 1024},
-    # whole-request handoffs after the first token here; the other cluster tests stream layers
+    # whole-request handoffs after the first token (the default); test_handoff streams layers
     "transfer": {"layerwise": False},
 }
 
