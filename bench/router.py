@@ -263,8 +263,8 @@ def _direct(pre, dec, args, rid: str) -> tuple[list[int], None, int]:
     sampling = pb.SamplingParams(max_tokens=args.stream_tokens)
     res = dec.Reserve(wpb.ReserveRequest(request_id=rid, prompt_ids=prompt, sampling=sampling))
     dest = wpb.Destination(worker_id=res.worker_id, block_ids=res.block_ids)
-    first = pre.Prefill(wpb.PrefillRequest(request_id=rid, prompt_ids=prompt, sampling=sampling,
-                                           destination=dest)).first_token_id
+    first = pre.Prefill(iter([wpb.PrefillRequest(  # a stream of one: destination included
+        request_id=rid, prompt_ids=prompt, sampling=sampling, destination=dest)])).first_token_id
     ids, messages = [first], 1
     for msg in dec.Decode(wpb.DecodeRequest(request_id=rid, first_token_id=first), timeout=120):
         ids.extend(msg.token_ids)
@@ -328,11 +328,11 @@ def _time_both(args, router_ch, p_ch, d_ch) -> tuple[list[float], list[float]]:
         rid = f"x{i}"
         res = dec.Reserve(wpb.ReserveRequest(request_id=rid, prompt_ids=prompt, sampling=sampling))
         dest = wpb.Destination(worker_id=res.worker_id, block_ids=res.block_ids)
-        pre.Prefill(
+        pre.Prefill(iter([  # a stream of one message: the destination is already known
             wpb.PrefillRequest(
                 request_id=rid, prompt_ids=prompt, sampling=sampling, destination=dest
             )
-        )
+        ]))
         list(dec.Decode(wpb.DecodeRequest(request_id=rid, first_token_id=0)))
 
     n = args.grpc_requests
