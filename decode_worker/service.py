@@ -50,6 +50,7 @@ class DecodeService:
         self.events = EventRouter(receiver.poll, receiver.poll_interval,
                                   on_failure=self._transfer_failed)
         receiver.on_activity = self.events.wake
+        receiver.on_release = self._quarantine_over
         self._leases: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
 
@@ -64,7 +65,8 @@ class DecodeService:
             skip = adm.cached_tokens // tpb if engine.pools.has_kv else 0
             blocks = tuple(adm.block_table) if engine.pools.has_kv else ()
             slot = adm.slot if engine.pools.has_state else None
-            self.receiver.expect(request_id, list(blocks), slot, self.lease_seconds)
+            # prefill writes only the blocks after the shared prefix: those alone are leased
+            self.receiver.expect(request_id, list(blocks[skip:]), slot, self.lease_seconds)
             res = Reservation(self.worker_id, self.receiver.endpoint, blocks, slot, skip,
                               self.lease_seconds, self.receiver.incarnation)
             return sign_reservation(self.secret, request_id, res)
@@ -82,7 +84,9 @@ class DecodeService:
         if ev is None or not ev.ok:
             self.metrics.transfer_failed()
             self.metrics.request_ended("failed")
-            self.loop.abort(request_id)
+            if ev is None:
+                self.receiver.abort(request_id, "no transfer within the lease")
+            self._free(request_id)
             why = "did not arrive within the lease" if ev is None else ev.error
             raise TransferError(f"prompt state of {request_id} {why}")
         self.metrics.handoff(None, None)
@@ -116,7 +120,7 @@ class DecodeService:
         self._end_lease(request_id)
         self.receiver.abort(request_id)
         self.events.forget(request_id)
-        return self.loop.abort(request_id)
+        return self._free(request_id)
 
     def close(self) -> None:
         self.events.stop()
@@ -138,14 +142,34 @@ class DecodeService:
     def _lease_expired(self, request_id: str) -> None:
         with self._lock:
             self._leases.pop(request_id, None)
-        if self.loop.abort(request_id):
+        self.receiver.abort(request_id, "reservation expired without Decode")  # no new claim
+        if self._free(request_id):
             log.warning("reservation %s expired after %.1fs without Decode; freed",
                         request_id, self.lease_seconds)
 
     def _transfer_failed(self, request_id: str, error: str) -> None:
         log.warning("transfer into %s failed: %s", request_id, error)
         self._end_lease(request_id)
-        self.loop.abort(request_id)
+        self._free(request_id)
+
+    def _free(self, request_id: str) -> bool:
+        """Frees a reservation that will not be decoded, except what a failed transfer may
+        still write: the receiver's quarantine keeps those blocks and the slot out of
+        service until `_quarantine_over`."""
+
+        def hold():
+            q = self.receiver.held(request_id)
+            return None if q is None else (q.key, sorted(q.blocks), q.slot is not None)
+
+        return self.loop.abort(request_id, hold)
+
+    def _quarantine_over(self, key: str) -> None:
+        """Nothing more can land in a quarantine's blocks (receiver's polling thread)."""
+        try:
+            if self.loop.call(self.loop.engine.cache.release_quarantine, key):
+                log.info("quarantine %s released: the failed transfer's writes are over", key)
+        except RuntimeError:  # the loop stopped (shutdown)
+            pass
 
 
 def _outcome(out: RequestOutput) -> str:

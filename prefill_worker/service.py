@@ -129,6 +129,11 @@ class PrefillService:
             # a first contact's handshake happens here, on this RPC's thread, never on the
             # engine loop thread (where it would stall every request for up to its timeout)
             self.sender.connect(dest.transfer_endpoint)
+            # the right to write the reservation, asked while the prompt computes: the decode
+            # side grants it only while the reservation is held, and quarantines a failed one
+            # that was granted until the writes are over (transfer/receiver.py)
+            self.sender.claim(rid, dest.transfer_endpoint, list(dest.block_ids), dest.slot,
+                              dest.skip_blocks, dest.incarnation or None)
         except BaseException:
             self.abort(rid)
             raise
@@ -154,8 +159,8 @@ class PrefillService:
                                    reason)
             if result.finished:
                 outcome = reason.value
-                if stream.sent:  # bytes already went out for a request that needs none
-                    self.sender.abort(rid, "the first token ended the request")
+                # bytes may have gone out (or been granted) for a request that needs none
+                self.sender.abort(rid, "the first token ended the request")
                 return result
             if stream.error:
                 m.transfer_failed()

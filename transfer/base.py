@@ -31,6 +31,9 @@ class TransferEvent(NamedTuple):
     """True: the bytes landed (receiver) / were delivered (sender)."""
     error: str | None = None
     """Why it failed, expired or was aborted; None when ok."""
+    quarantined: bool = False
+    """Receiver, failed: a granted sender may still write into the reservation; its blocks
+    stay out of service until the receiver's `on_release` names the request."""
 
 
 class RecvTransport(ABC):

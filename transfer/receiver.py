@@ -2,11 +2,26 @@
 
 Life of a transfer on the decode side:
   1. the worker reserves blocks + a live slot, then `expect(rid, blocks, slot, lease_s)`;
-  2. prefill senders write into them and each sends a `landed` notification naming the
+  2. each prefill sender `claim`s the reservation before it writes a byte and is granted it
+     only while it is expected here: once a reservation failed, no new write can start;
+  3. granted senders write into it and each sends a `landed` notification naming the
      global layers it covered (one per prefill stage whose layers meet this stage's);
-  3. `poll()` reports `TransferEvent(rid, True)` once every layer of this stage landed,
+  4. `poll()` reports `TransferEvent(rid, True)` once every layer of this stage landed,
      or `(rid, False, why)` on abort by the sender, `abort()` here, or lease expiry;
      either way the worker then frees (failure) or adopts (success) the blocks.
+
+Quarantine. A one-sided write cannot be recalled: bytes a granted sender posted may still be
+on the wire when the request fails here (a link that went down mid-transfer delivers them
+when it comes back). So a failed reservation that was granted is reported with
+`quarantined=True`: the worker must keep its blocks and slot out of service until
+`on_release(rid)` is called, which happens only when nothing more can land there:
+  * every layer the granted senders posted has landed (the notification follows the data);
+  * or each granted sender said which layers it posted (abort `posted`) and those landed,
+    ([] = it never wrote: released at once);
+  * or a granted sender's side-channel connection closed (its process exited or closed the
+    endpoint; its host's kernel closed the UCX sockets with it) and QUARANTINE_GRACE_S passed.
+A link that stays down releases nothing: the blocks stay out of service, counted
+(`quarantined`), and are returned if the writes complete after all.
 The receiver never frees anything itself: the worker's cache manager owns the blocks.
 """
 
@@ -33,6 +48,9 @@ _MAX_EARLY = 4096
 """Notifications kept for requests not expected yet (bounded against a runaway peer)."""
 WATCH_INTERVAL_S = 0.0002
 """Poll interval while a sender said its writes are under way: the landing is due any moment."""
+QUARANTINE_GRACE_S = 2.0
+"""After a granted sender's side-channel connection closed: how long its host may still take
+to deliver bytes it had already sent (a few TCP retransmissions on a working link)."""
 WAIT_INTERVAL_S = 0.05
 """Poll interval while destinations are reserved but nothing was posted yet (leases, early
 notifications); a lost `posted` message costs at most this much latency."""
@@ -46,6 +64,34 @@ class _Expected:
     lease_s: float
     pending: set[int] = field(default_factory=set)
     """Global layers not yet landed."""
+    writers: dict[bytes, set[int] | None] = field(default_factory=dict)
+    """Granted senders (side-channel identity) -> the layers they said they posted here
+    (None: not said yet, any layer may still land)."""
+
+
+@dataclass
+class Quarantined:
+    """A failed reservation whose blocks may still be written (see the module doc)."""
+
+    key: str
+    """Unique among held quarantines (the request id, suffixed if that one is held twice)."""
+    rid: str
+    blocks: frozenset[int]
+    slot: int | None
+    since: float
+    pending: set[int]
+    writers: dict[bytes, set[int] | None]
+    gone: dict[bytes, float] = field(default_factory=dict)
+    """Writers whose connection closed -> when."""
+
+    def safe(self, now: float) -> bool:
+        for ident, posted in self.writers.items():
+            if posted is not None and not posted & self.pending:
+                continue  # it said what it posted and all of that landed
+            t = self.gone.get(ident)
+            if t is None or now - t < QUARANTINE_GRACE_S:
+                return False
+        return True
 
 
 class Receiver:
@@ -63,9 +109,19 @@ class Receiver:
         self._early: dict[str, tuple[float, list[dict]]] = {}
         self._events: list[TransferEvent] = []
         self._posted: set[str] = set()
-        """Expected requests whose sender said it started writing."""
+        """Expected requests granted to a sender (writes may be under way: poll fast)."""
+        self._quarantine: dict[str, Quarantined] = {}
+        """Quarantine key -> entry."""
+        self._held: dict[str, str] = {}
+        """Request id -> key of its latest quarantine."""
+        self._released: list[str] = []
+        self.quarantined_total = 0
+        """Failed reservations ever quarantined (each returned once released)."""
         self.on_activity: Callable[[], None] | None = None
         """Called (listener thread) when a sender starts writing: poll fast now."""
+        self.on_release: Callable[[str], None] | None = None
+        """Called (polling thread, no lock held) with a quarantine's key once nothing more can
+        land in its blocks: the worker frees them then."""
         self._transport = transport_cls(cfg, pools, bind_host, self._authorize)
         self._welcome = None
         self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message, key,
@@ -91,8 +147,29 @@ class Receiver:
         with self._lock:
             self._fail(request_id, reason)
 
+    def held(self, request_id: str) -> Quarantined | None:
+        """The quarantine of a failed reservation whose blocks may still be written, or None
+        (never granted, released, or unknown): the worker keeps these blocks out of service."""
+        with self._lock:
+            key = self._held.get(request_id)
+            return None if key is None else self._quarantine.get(key)
+
+    @property
+    def quarantined(self) -> dict[str, Quarantined]:
+        with self._lock:
+            return dict(self._quarantine)
+
     def poll(self) -> list[TransferEvent]:
         """Completed, failed and expired requests since the last call."""
+        out = self._poll()
+        with self._lock:
+            released, self._released = self._released, []
+        for rid in released:
+            if self.on_release is not None:
+                self.on_release(rid)
+        return out
+
+    def _poll(self) -> list[TransferEvent]:
         with self._lock:
             for data in self._transport.drain():
                 self._on_landed(data)
@@ -104,6 +181,9 @@ class Receiver:
             for rid, (t, _) in list(self._early.items()):
                 if now - t > self.cfg.lease_seconds:
                     del self._early[rid]
+            for key, q in list(self._quarantine.items()):
+                if q.safe(now):
+                    self._release(key)
             out, self._events = self._events, []
             return out
 
@@ -112,7 +192,8 @@ class Receiver:
         with self._lock:
             if self._posted:
                 return WATCH_INTERVAL_S
-            return WAIT_INTERVAL_S if self._expected or self._early else None
+            busy = self._expected or self._early or self._quarantine or self._released
+            return WAIT_INTERVAL_S if busy else None
 
     @property
     def pending(self) -> list[str]:
@@ -131,7 +212,13 @@ class Receiver:
             wire.landed_blocks(msg)
         except TransferError:
             return  # a notification we cannot read names no request we could fail
-        rid = msg["rid"]
+        rid, blocks = msg["rid"], wire.landed_blocks(msg)
+        e = self._expected.get(rid)
+        if rid in self._held and (e is None or self._check(e, msg["slot"], blocks)):
+            for q in self._quarantine.values():  # late bytes of a failed transfer
+                if q.rid == rid and not self._check(q, msg["slot"], blocks):
+                    q.pending -= set(msg["layers"])
+                    return
         if rid not in self._expected:
             if len(self._early) < _MAX_EARLY:
                 self._early.setdefault(rid, (time.monotonic(), []))[1].append(msg)
@@ -147,7 +234,7 @@ class Receiver:
         else:
             e.pending -= set(msg["layers"])
 
-    def _check(self, e: _Expected, slot: int | None, blocks: np.ndarray) -> str | None:
+    def _check(self, e: _Expected | Quarantined, slot: int | None, blocks: np.ndarray) -> str | None:
         stray = set(blocks.tolist()) - e.blocks if self.layout.kv else set()
         if stray:
             return f"sender wrote blocks {sorted(stray)[:8]} that were not reserved"
@@ -170,23 +257,81 @@ class Receiver:
 
     def _fail(self, rid: str, why: str) -> None:
         self._posted.discard(rid)
-        if self._expected.pop(rid, None) is not None:
-            self._events.append(TransferEvent(rid, False, why))
+        e = self._expected.pop(rid, None)
+        if e is None:
+            return
+        key = rid if rid not in self._quarantine else f"{rid}#{self.quarantined_total}"
+        q = Quarantined(key, rid, e.blocks, e.slot, time.monotonic(), set(e.pending),
+                        dict(e.writers))
+        held = bool(q.writers) and not q.safe(q.since)
+        if held:
+            self._quarantine[key] = q
+            self._held[rid] = key
+            self.quarantined_total += 1
+        self._events.append(TransferEvent(rid, False, why, held))
+
+    def _release(self, key: str) -> None:
+        q = self._quarantine.pop(key, None)
+        if q is not None:
+            if self._held.get(q.rid) == key:
+                del self._held[q.rid]
+            self._released.append(key)
+
+    def _abort_from(self, ident: bytes, msg: dict) -> None:
+        """A sender gave the request up, saying which layers it had posted here."""
+        rid, posted = msg["rid"], {g for g in msg["posted"] if isinstance(g, int)}
+        e = self._expected.get(rid)
+        if e is not None:
+            if ident in e.writers:
+                e.writers[ident] = posted
+            self._fail(rid, f"aborted by prefill: {msg['error']}")
+            return
+        for key, q in list(self._quarantine.items()):
+            if q.rid == rid and ident in q.writers and q.writers[ident] is None:
+                q.writers[ident] = posted
+                if q.safe(time.monotonic()):
+                    self._release(key)
+
+    def _claim(self, ident: bytes, msg: dict) -> bytes:
+        rid = msg["rid"]
+        e = self._expected.get(rid)
+        if e is None:
+            return wire.encode("deny", rid=rid, error=(
+                f"the reservation of {rid} is no longer held here (lease expired or aborted); "
+                "nothing may be written into it"))
+        try:
+            err = self._check(e, msg["slot"], wire.landed_blocks(msg))
+        except TransferError as ex:
+            err = str(ex)
+        if err:
+            return wire.encode("deny", rid=rid, error=err)
+        e.writers.setdefault(ident, None)
+        self._posted.add(rid)
+        return wire.encode("grant", rid=rid)
+
+    def _gone(self, ident: bytes) -> None:
+        """A sender's side-channel connection closed."""
+        now = time.monotonic()
+        for q in self._quarantine.values():
+            if ident in q.writers:
+                q.gone.setdefault(ident, now)
 
     def _on_message(self, ident: bytes, msg: dict) -> bytes | None:
         """Side-channel handler (listener thread)."""
         if msg["op"] == "abort":
             with self._lock:
-                self._fail(msg["rid"], f"aborted by prefill: {msg['error']}")
+                self._abort_from(ident, msg)
             return None
-        if msg["op"] == "posted":
+        if msg["op"] == "gone":
             with self._lock:
-                known = msg["rid"] in self._expected
-                if known:
-                    self._posted.add(msg["rid"])
-            if known and self.on_activity is not None:
-                self.on_activity()
+                self._gone(ident)
             return None
+        if msg["op"] == "claim":
+            with self._lock:
+                reply = self._claim(ident, msg)
+            if self.on_activity is not None:
+                self.on_activity()
+            return reply
         # a refusal names the field only: it never shows this worker's own values to a peer
         if msg["backend"] != self._transport.backend:
             return wire.encode("refused", field="backend", error=(

@@ -1,14 +1,22 @@
 """Prefill side of one stage: handshakes with decode stages, plans and posts writes, leases.
 
 Life of a transfer on the prefill side:
-  1. `send(rid, endpoint(s), src blocks/slot, dst blocks/slot, skip_blocks)`:
+  1. `claim(rid, endpoint(s), dst blocks/slot)` (optional, as soon as the destination is
+     known): asks each decode stage for the right to write the reservation; the grant comes
+     back while the prompt computes;
+  2. `send(rid, endpoint(s), src blocks/slot, dst blocks/slot, skip_blocks)`:
      first contact with an endpoint runs the handshake (fingerprint checked both ways,
-     the peer's layout and transport metadata kept, its memory prepped once);
-  2. per decode stage: `plan()` over the shared layers, one post with a `landed` notification
-     (layer-wise mode: one post per layer, as `layer_done()` reports layers finished);
-  3. `poll()` reports `(rid, True)` once every post is DONE, or `(rid, False, why)` on a
+     the peer's layout and transport metadata kept, its memory prepped once); unclaimed
+     destinations are claimed here (waiting for the grant, up to handshake_timeout_s);
+  3. per decode stage, once granted: `plan()` over the shared layers, one post with a `landed`
+     notification (layer-wise mode: one post per layer, as `layer_done()` reports layers);
+     a denied claim fails the request before a byte moves;
+  4. `poll()` reports `(rid, True)` once every post is DONE, or `(rid, False, why)` on a
      transport error, a closed peer, `abort()`, or lease expiry; failures also tell the
-     decode side (`abort` message) so it frees its blocks before its own lease runs out.
+     decode side (`abort` message, with the layers posted there) so it frees its blocks
+     before its own lease runs out. Posts still in flight are not cancelled but drained:
+     their bytes and `landed` notification still reach the decode side, which keeps the
+     blocks quarantined until then (see receiver.py).
 The prefill worker frees its copy of the blocks after either event.
 """
 
@@ -31,6 +39,8 @@ from transfer.side_channel import Client
 
 WATCH_INTERVAL_S = 0.0002
 """Poll interval while writes are in flight (progress happens only when we poll)."""
+DRAIN_INTERVAL_S = 0.05
+"""Poll interval while only failed requests' posts drain or claims wait for their send."""
 STREAMING_INTERVAL_S = 0.005
 """Poll interval while layer-wise requests are still computing: early layers progress a little,
 the forward keeps the GIL; `layers_done` of the last layer wakes the poller (see the service)."""
@@ -55,8 +65,12 @@ class _InFlight:
     posts: list[tuple[_Peer, object]] = field(default_factory=list)
     unsent: set[int] = field(default_factory=set)
     """Layers still to post (layer-wise mode)."""
-    announced: list[_Peer] = field(default_factory=list)
-    """Decode stages told `posted` (once each: their pollers watch until it lands)."""
+    waiting: list[_Peer] = field(default_factory=list)
+    """Decode stages whose grant has not arrived yet (nothing is posted before it does)."""
+    ready: set[int] = field(default_factory=set)
+    """Layers final on this side, waiting for the grants to be posted."""
+    posted: dict[int, set[int]] = field(default_factory=dict)
+    """id(peer) -> layers posted there (told in the abort message on failure)."""
 
 
 class Sender:
@@ -74,6 +88,27 @@ class Sender:
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._events: list[TransferEvent] = []
+        self._grants: dict[tuple[str, str], str | None] = {}
+        """(endpoint, rid) -> None: granted, "": claimed and no answer yet, else why denied."""
+        self._claims: dict[str, tuple[float, list[str]]] = {}
+        """rid -> (when, endpoints) claimed ahead of `send`."""
+        self._draining: list[tuple[_Peer, object, float]] = []
+        """Posts of failed requests still in flight: (peer, post, give-up time). Released once
+        done or failed, so their bytes and notification still reach the decode side."""
+
+    def claim(self, request_id: str, endpoint: str | Sequence[str],
+              dst_block_ids: Sequence[int], dst_slot: int | None, skip_blocks: int = 0,
+              incarnation: str | None = None) -> None:
+        """Ask each decode stage for the right to write this reservation, now (handshaking
+        first if need be); never waits for the grant, which `send` or `poll` picks up."""
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        with self._lock:
+            if request_id in self._inflight or request_id in self._claims:
+                return
+            self._claims[request_id] = (time.monotonic(), endpoints)
+            for ep in endpoints:
+                peer = self._peer_of(ep, incarnation, request_id)
+                self._send_claim(ep, peer, request_id, dst_slot, dst_block_ids[skip_blocks:])
 
     def connect(self, endpoint: str) -> StageLayout:
         """Handshake with a decode stage now (send() does it lazily); TransferError if refused."""
@@ -96,6 +131,7 @@ class Sender:
             fl = _InFlight(time.monotonic() + self.cfg.lease_seconds, [],
                            (dst_slot, list(dst_block_ids[skip_blocks:])))
             self._inflight[request_id] = fl
+            self._claims.pop(request_id, None)
             try:
                 for ep in endpoints:
                     peer = self._peer_of(ep, incarnation, request_id)
@@ -105,7 +141,16 @@ class Sender:
                     if p.layers:
                         fl.plans.append((peer, p))
                         fl.unsent |= set(p.layers)
-                if not layerwise:
+                    if (ep, request_id) not in self._grants:  # not claimed ahead: claim now
+                        self._send_claim(ep, peer, request_id, dst_slot,
+                                         dst_block_ids[skip_blocks:])
+                        self._await_grant(ep, peer, request_id)
+                    answer = self._grants.get((ep, request_id), "")
+                    if answer:
+                        raise TransferError(f"decode peer {ep} refused the write: {answer}")
+                    if answer == "":
+                        fl.waiting.append(peer)
+                if not layerwise and request_id in self._inflight:
                     self._post_layers(request_id, fl, set(fl.unsent))
             except Exception as e:  # the request fails, the caller's thread does not
                 why = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
@@ -127,6 +172,7 @@ class Sender:
     def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> None:
         with self._lock:
             self._finish(request_id, reason)
+            self._unclaim(request_id, reason)
 
     def poll_interval(self) -> float | None:
         """How soon `poll()` should run again; None: nothing in flight until woken. Slowly while
@@ -134,19 +180,27 @@ class Sender:
         fast poller would take the GIL from it, and nothing can finish before its last post)."""
         with self._lock:
             if not self._inflight:
-                return None
-            streaming = all(fl.unsent for fl in self._inflight.values())
+                return DRAIN_INTERVAL_S if self._draining or self._claims else None
+            streaming = all(fl.unsent and not fl.waiting for fl in self._inflight.values())
             return STREAMING_INTERVAL_S if streaming else WATCH_INTERVAL_S
 
     def poll(self) -> list[TransferEvent]:
         """Delivered and failed requests since the last call."""
         with self._lock:
             for ep, peer in list(self._peers.items()):
-                if any(m["op"] == "bye" for m in peer.client.incoming()):
-                    self._drop_peer(ep, f"decode peer {ep} closed")
+                self._read(ep, peer)
             now = time.monotonic()
             for rid, fl in list(self._inflight.items()):
-                self._progress(rid, fl, now)
+                if fl.waiting:
+                    self._check_grants(rid, fl)
+                    if rid in self._inflight and not fl.waiting and fl.ready:
+                        self._post_layers(rid, fl, set(fl.ready))
+                if rid in self._inflight:
+                    self._progress(rid, fl, now)
+            self._drain(now)
+            for rid, (t, _) in list(self._claims.items()):
+                if now - t > self.cfg.lease_seconds:
+                    self._unclaim(rid, "claimed but never sent within the lease")
             out, self._events = self._events, []
             return out
 
@@ -154,6 +208,11 @@ class Sender:
         with self._lock:
             for rid in list(self._inflight):
                 self._finish(rid, "sender closed")
+            for rid in list(self._claims):
+                self._unclaim(rid, "sender closed")
+            for _, post, _ in self._draining:
+                self._transport.release(post)
+            self._draining = []
             for ep in list(self._peers):
                 self._drop_peer(ep, "sender closed")
             self._transport.close()
@@ -203,18 +262,77 @@ class Sender:
             return f" (this prefill worker has {self.fingerprint[field_name]!r})"
         return ""
 
+    def _send_claim(self, ep: str, peer: _Peer, rid: str, slot: int | None, blocks) -> None:
+        self._grants[ep, rid] = ""
+        peer.client.send(wire.claim(rid, slot, blocks))
+
+    def _await_grant(self, ep: str, peer: _Peer, rid: str) -> None:
+        """The claim's answer, waited for here (a destination nobody claimed ahead)."""
+        deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        while self._grants.get((ep, rid)) == "" and ep in self._peers:
+            left = deadline - time.monotonic()
+            if left <= 0 or not peer.client.wait(left):
+                raise TransferError(f"decode peer {ep} did not answer the claim on {rid} within "
+                                    f"{self.cfg.handshake_timeout_s:g} s "
+                                    "(transfer.handshake_timeout_s); nothing was sent")
+            self._read(ep, peer)
+
+    def _read(self, ep: str, peer: _Peer) -> None:
+        """Messages from a decode stage: grants, denials, bye."""
+        for m in peer.client.incoming():
+            if m["op"] == "bye":
+                self._drop_peer(ep, f"decode peer {ep} closed")
+                return
+            if self._grants.get((ep, m["rid"])) == "":
+                self._grants[ep, m["rid"]] = None if m["op"] == "grant" else m["error"]
+
+    def _check_grants(self, rid: str, fl: _InFlight) -> None:
+        """Drops the peers that granted from `fl.waiting`; fails the request on a denial."""
+        waiting = []
+        for peer in fl.waiting:
+            ep = self._endpoint_of(peer)
+            answer = self._grants.get((ep, rid), "") if ep else "peer dropped"
+            if answer:
+                self._finish(rid, f"decode peer {ep} refused the write: {answer}")
+                return
+            if answer == "":
+                waiting.append(peer)
+        fl.waiting = waiting
+
+    def _endpoint_of(self, peer: _Peer) -> str | None:
+        return next((ep for ep, p in self._peers.items() if p is peer), None)
+
+    def _unclaim(self, rid: str, why: str) -> None:
+        """A claimed request that will never be sent: its decode stages may reuse it now."""
+        claimed = self._claims.pop(rid, None)
+        for ep in claimed[1] if claimed else ():
+            peer = self._peers.get(ep)
+            if self._grants.pop((ep, rid), 1) != 1 and peer is not None:
+                peer.client.send(wire.encode("abort", rid=rid, error=why, posted=[]))
+
+    def _drain(self, now: float) -> None:
+        keep = []
+        for peer, post, until in self._draining:
+            if self._transport.check(post)[0] == "PROC" and now < until:
+                keep.append((peer, post, until))
+            else:
+                self._transport.release(post)
+        self._draining = keep
+
     def _post_layers(self, rid: str, fl: _InFlight, layers: set[int]) -> None:
+        if fl.waiting:  # posted once every decode stage granted the write
+            fl.ready |= layers
+            return
         slot, blocks = fl.notify
         for peer, p in fl.plans:
             part = p if layers >= set(p.layers) else p.select(sorted(layers))
             if part.layers:
+                fl.posted.setdefault(id(peer), set()).update(part.layers)
                 post = self._transport.post(peer.handle, part,
                                             wire.landed(rid, part.layers, slot, blocks))
                 fl.posts.append((peer, post))
-                if not any(p is peer for p in fl.announced):
-                    fl.announced.append(peer)
-                    peer.client.send(wire.encode("posted", rid=rid))  # wakes its poller
         fl.unsent -= layers
+        fl.ready -= layers
 
     def _progress(self, rid: str, fl: _InFlight, now: float) -> None:
         states = [self._transport.check(post) for _, post in fl.posts]
@@ -232,11 +350,18 @@ class Sender:
         fl = self._inflight.pop(rid, None)
         if fl is None:
             return
-        for _, post in fl.posts:
-            self._transport.release(post)
+        until = time.monotonic() + self.cfg.lease_seconds
+        for peer, post in fl.posts:
+            if error is not None and self._transport.check(post)[0] == "PROC":
+                self._draining.append((peer, post, until))  # its bytes may still land there
+            else:
+                self._transport.release(post)
+        for ep in [self._endpoint_of(p) for p in fl.peers]:
+            self._grants.pop((ep, rid), None)
         if error is not None:
             for peer in fl.peers:
-                peer.client.send(wire.encode("abort", rid=rid, error=error))
+                peer.client.send(wire.encode("abort", rid=rid, error=error,
+                                             posted=sorted(fl.posted.get(id(peer), ()))))
             for ep, peer in list(self._peers.items()):
                 if any(peer is b for b in broken):
                     self._drop_peer(ep, error)
@@ -249,5 +374,10 @@ class Sender:
         for rid, fl in list(self._inflight.items()):
             if any(p is peer for p in fl.peers):
                 self._finish(rid, why)
+        for d in [d for d in self._draining if d[0] is peer]:
+            self._transport.release(d[1])
+            self._draining.remove(d)
+        for key in [k for k in self._grants if k[0] == endpoint]:
+            del self._grants[key]
         self._transport.remove_peer(peer.handle)
         peer.client.close()

@@ -3,8 +3,10 @@
     prefill Sender ── DEALER ──tcp──► ROUTER  Listener thread (decode Receiver)
                      hello  ───────►  handler(msg) -> welcome | refused
                      abort  ───────►  handler(msg) -> None (no reply)
-                     posted ───────►  handler(msg) -> None (no reply)
+                     claim  ───────►  handler(msg) -> grant | deny
                             ◄───────  bye (on close, to every peer that said hello)
+                  (disconnect)   ──►  handler(ident, {"op": "gone"}) (the peer's connection
+                                      closed: its process closed the socket or exited)
 
 The listener owns its socket in its own thread; the client is used only under
 its owner's lock. Oversized messages are dropped by ZeroMQ (MAXMSGSIZE) and
@@ -21,6 +23,7 @@ import threading
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from baton.config.ports import ANY_PORT, PortRange
 from baton.errors import TransferError
@@ -51,6 +54,10 @@ class Listener:
         self._handler = handler
         self._key = key
         self._peers: set[bytes] = set()
+        self._fds: dict[int, set[bytes]] = {}
+        """Connection (file descriptor) -> the peer identities heard on it, to tell the handler
+        which peers are gone when ZeroMQ's monitor reports that connection closed."""
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._stop = threading.Event()
         self.rejected = 0
         """Messages refused as malformed (for tests and logs)."""
@@ -61,23 +68,43 @@ class Listener:
 
     def _run(self) -> None:
         try:
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
             while not self._stop.is_set():
-                if self._sock.poll(50, zmq.POLLIN):
+                ready = dict(poller.poll(50))
+                if self._sock in ready:
                     self._serve_one()
+                if self._monitor in ready:
+                    self._disconnected()
             for ident in self._peers:
                 self._sock.send_multipart([ident, wire.seal(wire.encode("bye"), self._key)],
                                           zmq.NOBLOCK)
         except Exception:  # the loop must outlive anything a peer sends
             log.exception("side-channel listener stopped")
         finally:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
 
+    def _disconnected(self) -> None:
+        event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        for ident in self._fds.pop(event["value"], ()):
+            self._peers.discard(ident)
+            try:
+                self._handler(ident, {"op": "gone"})
+            except Exception:
+                log.exception("side-channel disconnect handler failed")
+
     def _serve_one(self) -> None:
-        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(frames) != 2:
             self.rejected += 1
             return
-        ident, data = frames
+        ident, data = frames[0].bytes, frames[1].bytes
+        fd = frames[1].get(zmq.SRCFD)
         try:
             data = wire.unseal(data, self._key)
         except wire.Unauthenticated:
@@ -88,7 +115,9 @@ class Listener:
                             self.unauthenticated)
             return
         try:
-            msg = wire.decode(data, self._max, ops=("hello", "abort", "posted"))
+            msg = wire.decode(data, self._max, ops=("hello", "abort", "claim"))
+            if len(self._fds) < 4096:
+                self._fds.setdefault(fd, set()).add(ident)
             reply = self._handler(ident, msg)
             if msg["op"] == "hello" and len(self._peers) < 1024:
                 self._peers.add(ident)
@@ -150,13 +179,17 @@ class Client:
         except zmq.Again:
             pass  # best effort: the peer's lease covers a lost abort
 
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a message arrived within `timeout_s` (read it with `incoming`)."""
+        return bool(self._sock.poll(int(timeout_s * 1000), zmq.POLLIN))
+
     def incoming(self) -> list[dict]:
-        """Unsolicited messages (bye) waiting on the socket; malformed ones are skipped."""
+        """Messages waiting on the socket (bye, grant, deny); malformed ones are skipped."""
         out = []
         while self._sock.poll(0, zmq.POLLIN):
             try:
                 data = wire.unseal(self._sock.recv(), self._key)
-                out.append(wire.decode(data, self._max, ops=("bye",)))
+                out.append(wire.decode(data, self._max, ops=("bye", "grant", "deny")))
             except TransferError as e:
                 log.warning("ignoring malformed message from %s: %s", self.endpoint, e)
         return out

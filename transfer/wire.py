@@ -13,8 +13,12 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
                           "transport": {...}, "incarnation": "..."}
                           (transport: backend-specific; incarnation: random per receiver)
                      or  {"v": 1, "op": "refused", "error": "...", "field": "dtype"}
-    sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "..."}
-    sender -> receiver   {"v": 1, "op": "posted", "rid": "..."}   (writes started: watch now)
+    sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "...",
+                          "posted": [layers]}   (layers posted to this receiver: [] = none)
+    sender -> receiver   {"v": 1, "op": "claim", "rid": "...", "slot": int | None,
+                          "blocks": bytes}        (asks to write the reservation: before any post)
+    receiver -> sender   {"v": 1, "op": "grant", "rid": "..."}    (write now; watched from now)
+                     or  {"v": 1, "op": "deny", "rid": "...", "error": "..."}  (never write it)
     receiver -> sender   {"v": 1, "op": "bye"}                 (receiver closing)
     ucx data header      {"v": 1, "op": "ucx_data", "seq": int, "notif": bytes, "ranges": bytes}
     data notification    {"v": 1, "op": "landed", "rid": "...", "layers": [..],
@@ -38,8 +42,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "welcome": {"layout": (dict,), "fingerprint": (dict,), "transport": (dict,),
                 "incarnation": (str,)},
     "refused": {"error": (str,), "field": (str,)},
-    "abort": {"rid": (str,), "error": (str,)},
-    "posted": {"rid": (str,)},
+    "abort": {"rid": (str,), "error": (str,), "posted": (list,)},
+    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,)},
+    "grant": {"rid": (str,)},
+    "deny": {"rid": (str,), "error": (str,)},
     "bye": {},
     "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},
     "landed": {"rid": (str,), "layers": (list,), "slot": (int, type(None)), "blocks": (bytes,)},
@@ -102,11 +108,16 @@ def landed(rid: str, layers, slot: int | None, blocks) -> bytes:
                   blocks=np.asarray(blocks, dtype="<i4").tobytes())
 
 
+def claim(rid: str, slot: int | None, blocks) -> bytes:
+    """A sender asks to write the reservation it was given (checked like `landed`)."""
+    return encode("claim", rid=rid, slot=slot, blocks=np.asarray(blocks, dtype="<i4").tobytes())
+
+
 def landed_blocks(msg: dict) -> np.ndarray:
     b = msg["blocks"]
     if len(b) % 4:
         raise TransferError("landed.blocks is not a whole number of int32 ids")
-    if not all(isinstance(g, int) and not isinstance(g, bool) for g in msg["layers"]):
+    if not all(isinstance(g, int) and not isinstance(g, bool) for g in msg.get("layers", ())):
         raise TransferError("landed.layers must be integers")
     return np.frombuffer(b, dtype="<i4")
 

@@ -2,7 +2,8 @@
 
 Owners: a live request owns its slot and one reference per block-table entry; a tree node
 owns one reference on its block and its snapshot's slot; a partial snapshot owns its slot
-and its copied page. Raises AssertionError naming the first id or count that disagrees.
+and its copied page; a quarantined reservation owns one reference per kept block and its
+slot (if kept). Raises AssertionError naming the first id or count that disagrees.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def _check_slots(m: HybridCacheManager, snaps: list[Snapshot]) -> None:
         own(r.slot, f"request {rid!r}")
     for s in snaps:
         own(s.slot, f"the snapshot at {s.num_tokens} tokens")
+    quarantined = m.quarantined()
+    for rid, (_, slot) in quarantined.items():
+        if slot is not None:
+            own(slot, f"the quarantine of {rid!r}")
     free = m.slots.free_ids()
     assert len(free) == len(set(free)), f"slot free queue has duplicates: {sorted(free)}"
     both = set(free) & set(owner)
@@ -98,7 +103,10 @@ def _check_slots(m: HybridCacheManager, snaps: list[Snapshot]) -> None:
     assert len(snaps) <= m.snapshot_budget, (
         f"{len(snaps)} snapshots exceed the budget of {m.snapshot_budget}"
     )
-    assert len(live) <= m.max_live, f"{len(live)} live requests exceed max_live {m.max_live}"
+    held = sum(1 for _, slot in quarantined.values() if slot is not None)
+    assert len(live) + held <= m.max_live, (
+        f"{len(live)} live requests and {held} quarantined slots exceed max_live {m.max_live}"
+    )
 
 
 def _check_blocks(m: HybridCacheManager, nodes: list[Node], snaps: list[Snapshot]) -> None:
@@ -115,6 +123,11 @@ def _check_blocks(m: HybridCacheManager, nodes: list[Node], snaps: list[Snapshot
         for b in r.table:
             want[b] += 1
             held_by_request[b] = rid
+    for rid, (blocks, _) in m.quarantined().items():
+        assert len(blocks) == len(set(blocks)), f"quarantine {rid!r} lists a block twice"
+        for b in blocks:
+            want[b] += 1
+            held_by_request[b] = f"the quarantine of {rid}"
     ref = m.blocks.ref
     for b in range(m.blocks.num_blocks):
         assert ref[b] == want[b], f"block {b} has ref count {ref[b]} but {want[b]} owners"

@@ -92,6 +92,10 @@ class HybridCacheManager:
         per_conv = self._reuse and self.policy.per_conversation
         self.sessions = SessionTurns(self.policy.max_num_turns) if per_conv else None
         self._live: dict[str, _Live] = {}
+        self._quarantine: dict[str, tuple[list[int], int | None]] = {}
+        """Failed remote reservations a late write may still reach: request id -> (blocks,
+        slot) kept out of service until `release_quarantine` (see transfer/receiver.py)."""
+        self.quarantined_total = 0
         self._queried = self._hit = self._rqueried = self._rhit = 0
 
     # ---- queries -----------------------------------------------------------------------
@@ -117,7 +121,10 @@ class HybridCacheManager:
     @property
     def num_free_slots(self) -> int:
         """Slots not held by a running request (snapshot slots are always evictable)."""
-        return self.slots.num_slots - len(self._live)
+        return self.slots.num_slots - len(self._live) - self._quarantined_slots()
+
+    def _quarantined_slots(self) -> int:
+        return sum(1 for _, slot in self._quarantine.values() if slot is not None)
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `num_blocks` blocks can be had now, counting evictable tree blocks."""
@@ -211,6 +218,40 @@ class HybridCacheManager:
         self._get(req_id)
         self._release(req_id)
 
+    def quarantine(self, req_id: str, blocks: list[int], keep_slot: bool,
+                   key: str | None = None) -> None:
+        """Release the request, committing nothing, but keep `blocks` (of its table) and, if
+        `keep_slot`, its slot out of service until `release_quarantine(key)` (`key` defaults
+        to the request id): a transfer into them failed and its bytes may still land.
+        KeyError if the request is unknown, ValueError if `key` is held already."""
+        live = self._get(req_id)
+        key = req_id if key is None else key
+        if key in self._quarantine:
+            raise ValueError(f"quarantine {key!r} is already held")
+        keep = set(blocks)
+        held = [b for b in live.table if b in keep]
+        for b in held:
+            self.blocks.incref(b)  # the quarantine's own reference
+        slot = live.slot if keep_slot else None
+        self._quarantine[key] = (held, slot)
+        self.quarantined_total += 1
+        self._release(req_id, keep_slot=keep_slot)
+
+    def release_quarantine(self, key: str) -> bool:
+        """Return a quarantine's blocks and slot; False if none is held under `key`."""
+        entry = self._quarantine.pop(key, None)
+        if entry is None:
+            return False
+        blocks, slot = entry
+        for b in blocks:
+            self.blocks.decref(b)
+        if slot is not None:
+            self.slots.release(slot)
+        return True
+
+    def quarantined(self) -> dict[str, tuple[list[int], int | None]]:
+        return dict(self._quarantine)
+
     # ---- reporting ---------------------------------------------------------------------
     def stats(self) -> CacheStats:
         t = self.tree
@@ -233,6 +274,9 @@ class HybridCacheManager:
             snapshot_budget=self.snapshot_budget,
             tree_nodes=t.num_nodes,
             partial_snapshots=t.num_partials,
+            blocks_quarantined=sum(len(b) for b, _ in self._quarantine.values()),
+            slots_quarantined=self._quarantined_slots(),
+            quarantined_total=self.quarantined_total,
         )
 
     def set_snapshot_listener(self, fn: Callable[[bool, list[int], int], None] | None) -> None:
@@ -264,9 +308,10 @@ class HybridCacheManager:
             raise InvalidRequestError(f"request id {req_id!r} is already admitted")
         if not prompt:
             raise InvalidRequestError(f"request {req_id!r} has an empty prompt")
-        if len(self._live) >= self.max_live:
+        if len(self._live) + self._quarantined_slots() >= self.max_live:
             raise CapacityError(
-                f"all {self.max_live} live slots are in use (worker.max_num_seqs); "
+                f"all {self.max_live} live slots are in use (worker.max_num_seqs; "
+                f"{self._quarantined_slots()} quarantined after failed transfers); "
                 "wait for a request to finish"
             )
 
@@ -289,12 +334,13 @@ class HybridCacheManager:
         if self.sessions is not None and session is not None:
             live.turn = self.sessions.start_turn(session, self.tree)
 
-    def _release(self, req_id: str) -> None:
+    def _release(self, req_id: str, keep_slot: bool = False) -> None:
         live = self._live.pop(req_id)
         self.tree.unlock(live.node)
         for b in live.table:
             self.blocks.decref(b)
-        self.slots.release(live.slot)
+        if not keep_slot:
+            self.slots.release(live.slot)
 
     def _snapshot(self, live: _Live, tokens: list[int]) -> bool:
         n, tpb = len(tokens), self.tpb

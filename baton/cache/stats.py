@@ -34,6 +34,11 @@ class CacheStats:
     """Slots snapshots may use: num_state_slots - max_live."""
     tree_nodes: int
     partial_snapshots: int
+    blocks_quarantined: int = 0
+    """KV blocks of failed transfers kept out of service until no late byte can land there."""
+    slots_quarantined: int = 0
+    quarantined_total: int = 0
+    """Failed reservations ever quarantined."""
 
     @property
     def hit_rate(self) -> float:

@@ -93,6 +93,20 @@ class Engine:
         self.sampler.forget(request_id)
         return True
 
+    def quarantine(self, request_id: str, key: str, blocks: list[int], keep_slot: bool) -> bool:
+        """Drop a reserved request whose transfer failed, keeping `blocks` and (if `keep_slot`)
+        its slot out of service under `key` until `cache.release_quarantine(key)`: bytes of
+        that transfer may still land there. False if unknown."""
+        self.take_stream(request_id)
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        if req.holds_cache:
+            self.cache.quarantine(request_id, blocks, keep_slot, key)
+        self.sampler.forget(request_id)
+        return True
+
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

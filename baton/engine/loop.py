@@ -62,12 +62,16 @@ class EngineLoop:
 
         return self.call(run)
 
-    def abort(self, request_id: str) -> bool:
-        """Free the request; a waiter still registered gets a final `abort` output."""
+    def abort(self, request_id: str, hold: Callable[[], tuple | None] | None = None) -> bool:
+        """Free the request; a waiter still registered gets a final `abort` output. `hold`
+        (asked on the loop thread): None to free everything, or (key, blocks, keep_slot) to
+        keep those out of service (`Engine.quarantine`)."""
 
         def run():
             cb = self._callbacks.pop(request_id, None)
-            found = self.engine.abort(request_id)
+            q = hold() if hold is not None else None
+            found = (self.engine.abort(request_id) if q is None
+                     else self.engine.quarantine(request_id, *q))
             if cb is not None and found:
                 cb(RequestOutput(request_id, (), True, FinishReason.ABORT, error="aborted"))
             return found

@@ -114,6 +114,8 @@ class _EngineCollector:
             ("baton_kv_blocks_used", "gauge", "KV blocks off the free list (requests and prefix "
              "tree)", s.blocks_total - s.blocks_free),
             ("baton_kv_blocks_free", "gauge", "KV blocks on the free list", s.blocks_free),
+            ("baton_kv_blocks_quarantined", "gauge", "KV blocks of failed transfers kept out of "
+             "service until no late byte can land there", s.blocks_quarantined),
             ("baton_kv_blocks_cached", "gauge", "KV blocks the prefix tree holds", s.blocks_cached),
             ("baton_state_slots_used", "gauge", "Mamba state slots held by requests or snapshots",
              s.slots_live + s.slots_snapshot),
