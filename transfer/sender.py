@@ -108,7 +108,8 @@ class Sender:
             self._claims[request_id] = (time.monotonic(), endpoints)
             for ep in endpoints:
                 peer = self._peer_of(ep, incarnation, request_id)
-                self._send_claim(ep, peer, request_id, dst_slot, dst_block_ids[skip_blocks:])
+                if set(self.layout.layers) & set(peer.layout.layers):
+                    self._send_claim(ep, peer, request_id, dst_slot, dst_block_ids[skip_blocks:])
 
     def connect(self, endpoint: str) -> StageLayout:
         """Handshake with a decode stage now (send() does it lazily); TransferError if refused."""
@@ -141,6 +142,8 @@ class Sender:
                     if p.layers:
                         fl.plans.append((peer, p))
                         fl.unsent |= set(p.layers)
+                    if not p.layers:
+                        continue  # no layer in common: nothing to write, nothing to claim
                     if (ep, request_id) not in self._grants:  # not claimed ahead: claim now
                         self._send_claim(ep, peer, request_id, dst_slot,
                                          dst_block_ids[skip_blocks:])

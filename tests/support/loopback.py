@@ -166,12 +166,13 @@ class _Stage:
             getattr(self, op)(**kw)
 
     def wait(self, rids: list[str], timeout: float = 20.0):
-        """Poll until every rid has an event (or timeout); events as [rid, ok, error]."""
+        """Poll until every rid has an event (or timeout); events as [rid, ok, error]
+        (`held` tells which failed reservations are quarantined)."""
         want, got = set(rids), []
         deadline = time.monotonic() + timeout
         while want and time.monotonic() < deadline:
             for ev in self.poller.take():
-                got.append(list(ev))
+                got.append(list(ev[:3]))
                 want.discard(ev.request_id)
             time.sleep(0.0005)
         return {"events": got, "elapsed": timeout - (deadline - time.monotonic())}
