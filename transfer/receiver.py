@@ -85,6 +85,8 @@ class Quarantined:
     """Writers whose connection closed -> when."""
 
     def safe(self, now: float) -> bool:
+        if not self.pending:
+            return True  # every layer landed: every post is over
         for ident, posted in self.writers.items():
             if posted is not None and not posted & self.pending:
                 continue  # it said what it posted and all of that landed

@@ -128,6 +128,85 @@ class _Stage:
         self.poller = _Poller(self.end)
         return {"endpoint": getattr(self.end, "endpoint", None)}
 
+    def decode_worker(self, model_dir: str, num_blocks: int, tokens_per_block: int,
+                      num_slots: int, max_num_seqs: int, lease_seconds: float = 30.0):
+        """A decode worker's service (engine loop + receiver + DecodeService, as `baton
+        decode-worker` builds them, without gRPC) on this stage; `dw_*` commands drive it."""
+        from baton.config import BatonConfig
+        from baton.engine.builder import build_engine
+        from baton.engine.loop import EngineLoop
+        from decode_worker.service import DecodeService
+        from transfer import compute_fingerprint, make_receiver
+
+        self.close()
+        cfg = BatonConfig.from_dict({
+            "worker": {"max_num_seqs": max_num_seqs},
+            "cache": {"num_blocks": num_blocks, "tokens_per_block": tokens_per_block,
+                      "num_state_slots": num_slots},
+            "transfer": {"lease_seconds": lease_seconds}})
+        engine = build_engine(cfg, model_dir)
+        self.pools = engine.pools
+        self.loop = EngineLoop(engine)
+        fp = compute_fingerprint(engine.model.config, engine.pools.spec)
+        self.end = make_receiver(cfg.transfer, engine.pools, fp)
+        self.service = DecodeService(self.loop, self.end, "dw", lease_seconds)
+        self.poller = None  # the service's own event thread polls the receiver
+        return {"endpoint": self.end.endpoint}
+
+    def dw_reserve(self, rid: str, prompt: list[int], max_tokens: int = 16):
+        from baton.contract import ReserveInput
+        from baton.sampling import SamplingParams
+
+        res = self.service.reserve(ReserveInput(rid, tuple(prompt),
+                                                SamplingParams(max_tokens=max_tokens)))
+        return {"blocks": list(res.block_ids), "slot": res.slot, "skip": res.skip_blocks}
+
+    def dw_abort(self, rid: str):
+        return {"found": self.service.abort(rid)}
+
+    def dw_counters(self):
+        from baton.worker.load import counters_of
+
+        return {"counters": counters_of(self.loop)}
+
+    def dw_granted(self, rid: str):
+        return {"granted": rid in self.end._posted}
+
+    def dw_bytes(self, blocks: list[int], slot: int):
+        """The KV bytes of `blocks` and the state bytes of `slot`, in that order."""
+        import torch
+
+        def raw(t):
+            return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+        p = self.pools
+        return {"kv": [raw(p.kv[:, b]) for b in blocks], "conv": raw(p.conv[:, slot]),
+                "ssm": raw(p.ssm[:, slot])}
+
+    def dw_fill(self, blocks: list[int], slot: int, value: float):
+        """Fill `blocks` and `slot` with a canary value (what another request holds)."""
+        p = self.pools
+
+        def put():
+            for b in blocks:
+                p.kv[:, b].fill_(value)
+            p.conv[:, slot].fill_(value)
+            p.ssm[:, slot].fill_(value)
+
+        self.loop.call(put)
+
+    def delay_posts(self, seconds: float):
+        """Test hook: every post of this sender waits `seconds` first, as bytes held up on a
+        link that went down and came back (the sender's lock is held meanwhile)."""
+        transport = self.end._transport
+        post = type(transport).post
+
+        def late(peer, plan, notif):
+            time.sleep(seconds)
+            return post(transport, peer, plan, notif)
+
+        transport.post = late
+
     def fill(self, seed: int):
         """Random bytes on prefill (seed >= 0), canary pattern on decode (seed < 0)."""
         import torch
@@ -226,6 +305,10 @@ class _Stage:
         return {"times": times[1:]}
 
     def close(self):
+        if getattr(self, "service", None) is not None:
+            self.service.close()
+            self.loop.stop()
+            self.service = self.end = None
         if self.end is not None:
             self.poller.stop()
             self.end.close()
