@@ -148,7 +148,10 @@ class DecodeService:
                         request_id, self.lease_seconds)
 
     def _transfer_failed(self, request_id: str, error: str) -> None:
-        log.warning("transfer into %s failed: %s", request_id, error)
+        held = self.receiver.held(request_id)
+        log.warning("transfer into %s failed: %s%s", request_id, error,
+                    f" (its {len(held.blocks)} blocks stay quarantined until its writes are "
+                    "over)" if held else "")
         self._end_lease(request_id)
         self._free(request_id)
 
@@ -166,8 +169,7 @@ class DecodeService:
     def _quarantine_over(self, key: str) -> None:
         """Nothing more can land in a quarantine's blocks (receiver's polling thread)."""
         try:
-            if self.loop.call(self.loop.engine.cache.release_quarantine, key):
-                log.info("quarantine %s released: the failed transfer's writes are over", key)
+            self.loop.call(self.loop.engine.cache.release_quarantine, key)
         except RuntimeError:  # the loop stopped (shutdown)
             pass
 

@@ -27,6 +27,7 @@ The receiver never frees anything itself: the worker's cache manager owns the bl
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -43,6 +44,8 @@ from transfer import wire
 from transfer.base import RecvTransport, TransferEvent
 from transfer.layout import StageLayout
 from transfer.side_channel import Listener
+
+log = logging.getLogger("baton.transfer")
 
 _MAX_EARLY = 4096
 """Notifications kept for requests not expected yet (bounded against a runaway peer)."""
@@ -85,15 +88,22 @@ class Quarantined:
     """Writers whose connection closed -> when."""
 
     def safe(self, now: float) -> bool:
+        return self.why_safe(now) is not None
+
+    def why_safe(self, now: float) -> str | None:
+        """Why nothing more can land in these blocks, or None while something may."""
         if not self.pending:
-            return True  # every layer landed: every post is over
+            return "every layer landed"
+        why = set()
         for ident, posted in self.writers.items():
             if posted is not None and not posted & self.pending:
-                continue  # it said what it posted and all of that landed
+                why.add("what the writer posted landed" if posted else "nothing was posted")
+                continue
             t = self.gone.get(ident)
             if t is None or now - t < QUARANTINE_GRACE_S:
-                return False
-        return True
+                return None
+            why.add(f"the writer's connection closed {QUARANTINE_GRACE_S:g} s ago")
+        return "; ".join(sorted(why))
 
 
 class Receiver:
@@ -184,7 +194,9 @@ class Receiver:
                 if now - t > self.cfg.lease_seconds:
                     del self._early[rid]
             for key, q in list(self._quarantine.items()):
-                if q.safe(now):
+                why = q.why_safe(now)
+                if why:
+                    log.warning("quarantine %s released after %.1f s: %s", key, now - q.since, why)
                     self._release(key)
             out, self._events = self._events, []
             return out
@@ -288,11 +300,9 @@ class Receiver:
                 e.writers[ident] = posted
             self._fail(rid, f"aborted by prefill: {msg['error']}")
             return
-        for key, q in list(self._quarantine.items()):
+        for q in self._quarantine.values():
             if q.rid == rid and ident in q.writers and q.writers[ident] is None:
-                q.writers[ident] = posted
-                if q.safe(time.monotonic()):
-                    self._release(key)
+                q.writers[ident] = posted  # released by the next poll if that was all
 
     def _claim(self, ident: bytes, msg: dict) -> bytes:
         rid = msg["rid"]

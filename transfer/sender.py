@@ -39,6 +39,9 @@ from transfer.side_channel import Client
 
 WATCH_INTERVAL_S = 0.0002
 """Poll interval while writes are in flight (progress happens only when we poll)."""
+DRAIN_LEASES = 4
+"""How long (in leases) a failed request's post may drain before its handle is released: its
+bytes and notification still release the decode side's quarantine when they arrive."""
 DRAIN_INTERVAL_S = 0.05
 """Poll interval while only failed requests' posts drain or claims wait for their send."""
 STREAMING_INTERVAL_S = 0.005
@@ -353,7 +356,7 @@ class Sender:
         fl = self._inflight.pop(rid, None)
         if fl is None:
             return
-        until = time.monotonic() + self.cfg.lease_seconds
+        until = time.monotonic() + DRAIN_LEASES * self.cfg.lease_seconds
         for peer, post in fl.posts:
             if error is not None and self._transport.check(post)[0] == "PROC":
                 self._draining.append((peer, post, until))  # its bytes may still land there

@@ -46,17 +46,27 @@ def worker_counters(info, bearer: str | None = None) -> dict[str, float]:
         return dict(stub.Stats(baton_pb2.StatsRequest(), timeout=10).counters)
 
 
-def assert_clean(cluster) -> None:
+def assert_clean(cluster, quarantine: bool = False) -> dict[str, dict[str, float]]:
     """Every worker of `cluster` (a LocalCluster): integrity holds and nothing is held for a
-    request any more."""
+    request any more, within 15 s. Blocks quarantined after a failed transfer count as held
+    (a dead writer's are released QUARANTINE_GRACE_S after its connection closed) unless
+    `quarantine` (a writer cut off by a link that is still down may yet write them). Returns
+    the workers' counters."""
     deadline = time.monotonic() + 15
     while True:
         counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
                     for w in list_workers(cluster.address)}
-        idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0 for c in counters.values())
+        idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0
+                   and (quarantine or c.get("slots_quarantined", 0) == 0
+                        and c.get("blocks_quarantined", 0) == 0)
+                   for c in counters.values())
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     for wid, c in counters.items():
         assert c["integrity_ok"] == 1.0, wid
         assert c["live_requests"] == 0 and c["engine_requests"] == 0, (wid, c)
+        if not quarantine:
+            assert c.get("blocks_quarantined", 0) == 0, (wid, c)
+            assert c.get("slots_quarantined", 0) == 0, (wid, c)
+    return counters
