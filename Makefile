@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 
-.PHONY: serve test bench lint venv clean
+.PHONY: serve test test-deploy bench lint venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# deploy/slurm/baton.sbatch under a real single-host Slurm (installs slurm-wlm + munge, root)
+test-deploy: $(STAMP)
+	$(BIN)/python -m tests.support.slurm
 
 bench: $(STAMP)
 	$(BIN)/baton bench all --out bench/results
