@@ -1,12 +1,12 @@
 """`make test-deploy`: deploy/slurm/baton.sbatch under a real Slurm on this one machine.
 
-    python -m tests.support.slurm
+    python -m tests.support.slurm [--nodes 1]
 
 Installs Debian's `slurm-wlm` and `munge` when missing (apt-get, root), starts a private
 munged and a single-host Slurm (slurmctld + one slurmd per node, NODES nodes named b0..,
 every NodeAddr 127.0.0.1, generated slurm.conf and state in a temporary folder), submits the
 batch script unchanged with `sbatch -N 3` (router, prefill and decode each on their own
-node), sends requests to the router it started and checks their tokens against the
+node; `--nodes 1`: every role on one node), sends requests to the router it started and checks their tokens against the
 colocated engine, `scancel`s the job, stops the daemons and checks that no process it
 caused is left. Prints one `SKIP: ...` line and exits 0 only where it cannot run here (not
 root and Slurm missing, no apt-get, packages not installable); any other failure exits 1
@@ -172,7 +172,7 @@ def list_workers(address: str) -> list:
         return list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)
 
 
-def check(tmp: Path) -> str:
+def check(tmp: Path, nodes: int) -> str:
     from baton.client.local import run_local
     from baton.client.remote import run_remote
     from baton.client.requests import RequestSpec
@@ -188,13 +188,13 @@ def check(tmp: Path) -> str:
     baton.write_text(f"#!/bin/sh\nexport PYTHONPATH={ROOT}\nexec {sys.executable} -m baton.cli "
                      '"$@"\n')
     baton.chmod(0o755)
-    slurm = LocalSlurm(tmp, NODES)
+    slurm = LocalSlurm(tmp, nodes)
     job = None
     try:
         port = free_port()
         env = dict(BATON_DIR=str(ROOT), MODEL=str(model), CONFIG=str(config), PORT=str(port),
                    HTTP_PORT=str(free_port()), METRICS_PORT="0", BATON=str(baton))
-        out = slurm.run("sbatch", "--parsable", f"-N{NODES}", f"--chdir={tmp}",
+        out = slurm.run("sbatch", "--parsable", f"-N{nodes}", f"--chdir={tmp}",
                         f"--output={tmp}/job-%j.out",
                         "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
                         str(ROOT / "deploy/slurm/baton.sbatch"))
@@ -208,10 +208,10 @@ def check(tmp: Path) -> str:
                 workers = list_workers(address)
             except Exception:  # the router is not up yet
                 workers = []
-            if len(workers) == NODES - 1:
+            if len(workers) == 2:
                 break
             if time.monotonic() > deadline or not slurm.run("squeue", "-h", "-j", job):
-                raise RuntimeError(f"the job's {NODES - 1} workers never registered")
+                raise RuntimeError("the job's 2 workers never registered")
             time.sleep(0.5)
         specs = [RequestSpec(f"s{i}", prompt_ids=[(7 * i + j) % 200 + 3 for j in range(30 + 40 * i)],
                              sampling=SamplingParams(max_tokens=8, ignore_eos=True))
@@ -225,8 +225,10 @@ def check(tmp: Path) -> str:
         served = sorted({r["prefill_worker"] for r in remote} | {r["decode_worker"] for r in remote})
         placed = next((ln for ln in (tmp / f"job-{job}.out").read_text().splitlines()
                        if ln.startswith("router at ")), "")
-        if "workers: b1 prefill-worker b2 decode-worker" not in placed:
-            raise RuntimeError(f"roles not one per node: {placed!r}")
+        want = ("workers: b1 prefill-worker b2 decode-worker" if nodes == 3 else
+                "workers: b0 prefill-worker b0 decode-worker")
+        if want not in placed:
+            raise RuntimeError(f"roles not placed as {want!r}: {placed!r}")
         slurm.run("scancel", job)
         cancelled = job
         deadline = time.monotonic() + 60
@@ -235,7 +237,8 @@ def check(tmp: Path) -> str:
                 raise RuntimeError(f"after scancel, still running: {ours(str(model))}")
             time.sleep(0.5)
         job = None
-        return (f"job {cancelled}: router on b0, prefill on b1, decode on b2 (served by "
+        where = "router on b0, prefill on b1, decode on b2" if nodes == 3 else "all on b0"
+        return (f"job {cancelled}: {where} (served by "
                 f"{', '.join(served)}); {len(specs)} requests equal the colocated engine; "
                 "scancel left nothing running")
     finally:
@@ -246,6 +249,11 @@ def check(tmp: Path) -> str:
 
 
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, choices=(1, NODES), default=NODES)
+    nodes = ap.parse_args().nodes
     t0 = time.monotonic()
     try:
         ensure_slurm()
@@ -254,7 +262,7 @@ def main() -> int:
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="baton-slurm-"))
     try:
-        summary = check(tmp)
+        summary = check(tmp, nodes)
         left = ours(str(tmp))
         if left:
             raise RuntimeError(f"processes left behind: {left}")
