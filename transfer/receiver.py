@@ -121,7 +121,7 @@ class Receiver:
         self._early: dict[str, tuple[float, list[dict]]] = {}
         self._events: list[TransferEvent] = []
         self._posted: set[str] = set()
-        """Expected requests granted to a sender (writes may be under way: poll fast)."""
+        """Expected requests whose sender said it started writing (poll fast)."""
         self._quarantine: dict[str, Quarantined] = {}
         """Quarantine key -> entry."""
         self._held: dict[str, str] = {}
@@ -318,7 +318,6 @@ class Receiver:
         if err:
             return wire.encode("deny", rid=rid, error=err)
         e.writers.setdefault(ident, None)
-        self._posted.add(rid)
         return wire.encode("grant", rid=rid)
 
     def _gone(self, ident: bytes) -> None:
@@ -340,10 +339,15 @@ class Receiver:
             return None
         if msg["op"] == "claim":
             with self._lock:
-                reply = self._claim(ident, msg)
-            if self.on_activity is not None:
+                return self._claim(ident, msg)
+        if msg["op"] == "posted":
+            with self._lock:
+                known = msg["rid"] in self._expected
+                if known:
+                    self._posted.add(msg["rid"])
+            if known and self.on_activity is not None:
                 self.on_activity()
-            return reply
+            return None
         # a refusal names the field only: it never shows this worker's own values to a peer
         if msg["backend"] != self._transport.backend:
             return wire.encode("refused", field="backend", error=(

@@ -73,7 +73,8 @@ class _InFlight:
     ready: set[int] = field(default_factory=set)
     """Layers final on this side, waiting for the grants to be posted."""
     posted: dict[int, set[int]] = field(default_factory=dict)
-    """id(peer) -> layers posted there (told in the abort message on failure)."""
+    """id(peer) -> layers posted there (told in the abort message on failure); a decode
+    stage is told `posted` at its first post (its poller watches until it lands)."""
 
 
 class Sender:
@@ -151,6 +152,7 @@ class Sender:
                         self._send_claim(ep, peer, request_id, dst_slot,
                                          dst_block_ids[skip_blocks:])
                         self._await_grant(ep, peer, request_id)
+                    self._read(ep, peer)  # a grant to a claim made ahead may be waiting
                     answer = self._grants.get((ep, request_id), "")
                     if answer:
                         raise TransferError(f"decode peer {ep} refused the write: {answer}")
@@ -333,10 +335,13 @@ class Sender:
         for peer, p in fl.plans:
             part = p if layers >= set(p.layers) else p.select(sorted(layers))
             if part.layers:
+                first = id(peer) not in fl.posted
                 fl.posted.setdefault(id(peer), set()).update(part.layers)
                 post = self._transport.post(peer.handle, part,
                                             wire.landed(rid, part.layers, slot, blocks))
                 fl.posts.append((peer, post))
+                if first:
+                    peer.client.send(wire.encode("posted", rid=rid))  # wakes its poller
         fl.unsent -= layers
         fl.ready -= layers
 

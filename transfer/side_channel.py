@@ -4,6 +4,7 @@
                      hello  ───────►  handler(msg) -> welcome | refused
                      abort  ───────►  handler(msg) -> None (no reply)
                      claim  ───────►  handler(msg) -> grant | deny
+                     posted ───────►  handler(msg) -> None (no reply)
                             ◄───────  bye (on close, to every peer that said hello)
                   (disconnect)   ──►  handler(ident, {"op": "gone"}) (the peer's connection
                                       closed: its process closed the socket or exited)
@@ -115,7 +116,7 @@ class Listener:
                             self.unauthenticated)
             return
         try:
-            msg = wire.decode(data, self._max, ops=("hello", "abort", "claim"))
+            msg = wire.decode(data, self._max, ops=("hello", "abort", "claim", "posted"))
             if len(self._fds) < 4096:
                 self._fds.setdefault(fd, set()).add(ident)
             reply = self._handler(ident, msg)

@@ -17,8 +17,9 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
                           "posted": [layers]}   (layers posted to this receiver: [] = none)
     sender -> receiver   {"v": 1, "op": "claim", "rid": "...", "slot": int | None,
                           "blocks": bytes}        (asks to write the reservation: before any post)
-    receiver -> sender   {"v": 1, "op": "grant", "rid": "..."}    (write now; watched from now)
+    receiver -> sender   {"v": 1, "op": "grant", "rid": "..."}    (write it now)
                      or  {"v": 1, "op": "deny", "rid": "...", "error": "..."}  (never write it)
+    sender -> receiver   {"v": 1, "op": "posted", "rid": "..."}   (writes started: watch now)
     receiver -> sender   {"v": 1, "op": "bye"}                 (receiver closing)
     ucx data header      {"v": 1, "op": "ucx_data", "seq": int, "notif": bytes, "ranges": bytes}
     data notification    {"v": 1, "op": "landed", "rid": "...", "layers": [..],
@@ -45,6 +46,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "abort": {"rid": (str,), "error": (str,), "posted": (list,)},
     "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,)},
     "grant": {"rid": (str,)},
+    "posted": {"rid": (str,)},
     "deny": {"rid": (str,), "error": (str,)},
     "bye": {},
     "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},

@@ -170,7 +170,8 @@ class _Stage:
         return {"counters": counters_of(self.loop)}
 
     def dw_granted(self, rid: str):
-        return {"granted": rid in self.end._posted}
+        e = self.end._expected.get(rid)
+        return {"granted": bool(e and e.writers)}
 
     def dw_bytes(self, blocks: list[int], slot: int):
         """The KV bytes of `blocks` and the state bytes of `slot`, in that order."""
