@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--hosts", choices=["local", "netns"], default="local",
+                   help="e2e: netns puts router, prefill and decode in network namespaces "
+                        "(KV over UCX TCP, link rates shaped with tc; root)")
     return ap
 
 

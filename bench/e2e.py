@@ -233,6 +233,10 @@ def _shares(busy: dict[str, float]) -> str:
 def run(args) -> list[dict]:
     import yaml
 
+    if getattr(args, "hosts", "local") == "netns":
+        from bench.e2e_netns import run as run_netns
+
+        return run_netns(args)
     wl = _workload(getattr(args, "quick", False))
     path = checkpoint("tiny")
     rows = []

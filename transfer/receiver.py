@@ -127,6 +127,9 @@ class Receiver:
         self._held: dict[str, str] = {}
         """Request id -> key of its latest quarantine."""
         self._released: list[str] = []
+        self._gone: dict[bytes, float] = {}
+        """Senders whose side-channel connection closed -> when (a reservation they were
+        granted may fail after that)."""
         self.quarantined_total = 0
         """Failed reservations ever quarantined (each returned once released)."""
         self.on_activity: Callable[[], None] | None = None
@@ -276,7 +279,7 @@ class Receiver:
             return
         key = rid if rid not in self._quarantine else f"{rid}#{self.quarantined_total}"
         q = Quarantined(key, rid, e.blocks, e.slot, time.monotonic(), set(e.pending),
-                        dict(e.writers))
+                        dict(e.writers), {i: self._gone[i] for i in e.writers if i in self._gone})
         held = bool(q.writers) and not q.safe(q.since)
         if held:
             self._quarantine[key] = q
@@ -320,9 +323,12 @@ class Receiver:
         e.writers.setdefault(ident, None)
         return wire.encode("grant", rid=rid)
 
-    def _gone(self, ident: bytes) -> None:
+    def _peer_gone(self, ident: bytes) -> None:
         """A sender's side-channel connection closed."""
         now = time.monotonic()
+        if len(self._gone) >= _MAX_EARLY:
+            del self._gone[next(iter(self._gone))]  # the oldest
+        self._gone[ident] = now
         for q in self._quarantine.values():
             if ident in q.writers:
                 q.gone.setdefault(ident, now)
@@ -335,7 +341,7 @@ class Receiver:
             return None
         if msg["op"] == "gone":
             with self._lock:
-                self._gone(ident)
+                self._peer_gone(ident)
             return None
         if msg["op"] == "claim":
             with self._lock:

@@ -216,9 +216,15 @@ class Network:
             out.add((str(mapped or ip), int(port)))
         return out
 
-    def rate_limit(self, host: str, rate: str) -> None:
-        """Shape what `host` sends to `rate` (tc tbf, e.g. "16mbit"): a slow link."""
-        done = subprocess.run(["tc", "-n", self.hosts[host].netns, "qdisc", "replace", "dev",
+    def rate_limit(self, host: str, rate: str | None) -> None:
+        """Shape what `host` sends to `rate` (tc tbf, e.g. "16mbit"): a slow link; None
+        removes the shaping."""
+        ns = self.hosts[host].netns
+        if rate is None:
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True, timeout=20)  # none set: nothing to remove
+            return
+        done = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev",
                                "eth0", "root", "tbf", "rate", rate, "burst", "32kb",
                                "latency", "200ms"], capture_output=True, text=True, timeout=20)
         if done.returncode:

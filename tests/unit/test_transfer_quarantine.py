@@ -126,6 +126,19 @@ def test_a_writer_whose_connection_closed_is_released_after_the_grace(held_pair,
     assert time.monotonic() - t0 >= 0.3
 
 
+def test_a_writer_gone_before_the_reservation_failed_is_released_after_the_grace(
+        held_pair, monkeypatch):
+    monkeypatch.setattr(receiver_mod, "QUARANTINE_GRACE_S", 0.3)
+    link, r, s, released = held_pair
+    r.expect("i", [2, 3], 1)
+    s.send("i", r.endpoint, [0, 1], 0, [2, 3], 1)
+    s.close()  # the prefill worker dies mid-transfer ...
+    until(lambda: r._gone)
+    r.abort("i")  # ... and only then does the decode side give the reservation up
+    assert r.poll()[0].quarantined
+    until(lambda: r.poll() == [] and released == ["i"])
+
+
 def test_an_unauthenticated_claim_is_dropped():
     link = Link()
     cfg, spec, rc, _ = make(link)
