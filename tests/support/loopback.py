@@ -291,9 +291,9 @@ class _Stage:
         src_blocks, src_slot, dst_blocks, dst_slot = args
         self.end.claim(rid, endpoint, dst_blocks, dst_slot)
         deadline = time.monotonic() + 5
+        self.poller.wake()  # its poll reads the grant
         while self.end._grants.get((endpoint, rid)) == "" and time.monotonic() < deadline:
-            time.sleep(0.0002)
-            self.end.poll()
+            time.sleep(0.001)
         t0 = time.perf_counter()
         self.end.send(rid, endpoint, *args)
         self.poller.wake()
