@@ -22,7 +22,7 @@ from baton.auth.grpc_auth import ServerGuard
 from baton.config.router import RouterConfig
 from baton.contract import wire
 from baton.contract.status import abort_with, status_of
-from baton.errors import NotPermittedError
+from baton.errors import InvalidRequestError, NotPermittedError
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
@@ -62,9 +62,11 @@ class RouterServicer(rgrpc.RouterServicer):
                 stream.close()
 
     def ListWorkers(self, request, context):
-        role = (
-            None if request.role == pb.WORKER_ROLE_UNSPECIFIED else wire.role_from_pb(request.role)
-        )
+        try:
+            role = None if request.role == pb.WORKER_ROLE_UNSPECIFIED else \
+                wire.role_from_pb(request.role)
+        except InvalidRequestError as e:
+            abort_with(context, e)
         policy = self._orch.policy
         views = self._orch.registry.workers(role)
         return rpb.ListWorkersReply(
@@ -85,7 +87,7 @@ class RegistryServicer(rgrpc.RegistryServicer):
     def Register(self, request, context):
         try:
             self._registry.register(wire.register_from_pb(request))
-        except (ValueError, NotPermittedError) as e:
+        except (InvalidRequestError, NotPermittedError) as e:
             abort_with(context, e)
         log.info(
             "worker %s (%s) registered at %s", request.worker_id, request.role, request.address

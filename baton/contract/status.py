@@ -4,6 +4,7 @@
     CapacityError         RESOURCE_EXHAUSTED   pools or queue full
     AuthError             UNAUTHENTICATED      no (valid) cluster secret or API key
     NotPermittedError     PERMISSION_DENIED    unsigned destination, worker id takeover
+    UnknownRequestError   NOT_FOUND            Decode of a request the worker does not hold
     NoWorkersError        UNAVAILABLE          transient: no live worker of a role
     WorkerFailed          UNAVAILABLE          transient: retried on another worker pair
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
@@ -25,6 +26,7 @@ from baton.errors import (
     NoWorkersError,
     RequestCancelled,
     TransferError,
+    UnknownRequestError,
     WorkerFailed,
 )
 
@@ -33,6 +35,7 @@ STATUS_OF = {
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     NotPermittedError: grpc.StatusCode.PERMISSION_DENIED,
+    UnknownRequestError: grpc.StatusCode.NOT_FOUND,
     NoWorkersError: grpc.StatusCode.UNAVAILABLE,
     WorkerFailed: grpc.StatusCode.UNAVAILABLE,
     TransferError: grpc.StatusCode.UNAVAILABLE,
@@ -43,6 +46,7 @@ STATUS_OF = {
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
