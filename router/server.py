@@ -22,7 +22,7 @@ from baton.auth.grpc_auth import ServerGuard
 from baton.auth.tls import ClusterTls, router_server_credentials, router_tls
 from baton.config.router import RouterConfig
 from baton.contract import wire
-from baton.contract.status import abort_with, status_of
+from baton.contract.status import abort_with, details_of, status_of
 from baton.errors import InvalidRequestError, NotPermittedError
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
@@ -57,7 +57,7 @@ class RouterServicer(rgrpc.RouterServicer):
             if code is None:
                 log.exception("Generate %s failed", request.request_id)
                 code = grpc.StatusCode.INTERNAL
-            context.abort(code, str(e))
+            context.abort(code, details_of(e))
         finally:
             if stream is not None:
                 stream.close()
@@ -102,7 +102,7 @@ class RegistryServicer(rgrpc.RegistryServicer):
         try:
             events = [wire.event_from_pb(e) for e in request.snapshot_events]
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, details_of(e))
         known = self._registry.heartbeat(request.worker_id, wire.load_from_pb(request.load), events)
         return rpb.HeartbeatReply(reregister=not known)
 
