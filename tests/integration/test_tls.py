@@ -20,6 +20,7 @@ import pytest
 
 from baton.auth.grpc_auth import open_channel
 from baton.auth.tls import ClusterTls, cluster_tls
+from baton.cli import main
 from baton.client.local import run_local
 from baton.client.requests import RequestSpec
 from baton.config import BatonConfig
@@ -72,11 +73,12 @@ def setup(tmp_path_factory, pki):
                       "tls_key_file": str(public.key)},
            "cluster": {"tls_cert_file": str(node.cert), "tls_key_file": str(node.key),
                        "tls_ca_file": str(pki["ca"].cert)}}
-    cluster = start_cluster(model, write_config(root / "baton.yaml", cfg), prefill=1, decode=1)
+    config = write_config(root / "baton.yaml", cfg)
+    cluster = start_cluster(model, config, prefill=1, decode=1)
     try:
         with public_channel(pki, cluster.address) as ch:
             listed = rgrpc.RouterStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=10)
-        yield {"cluster": cluster, "model": model,
+        yield {"cluster": cluster, "model": model, "config": config,
                "workers": {w.role: w.address for w in listed.workers}}
     finally:
         cluster.stop()
@@ -119,6 +121,18 @@ def test_tls_cluster_serves_exact_tokens_over_grpc_and_https(setup, pki):
     context = ssl.create_default_context(cafile=str(pki["ca"].cert))
     with urllib.request.urlopen(request, timeout=60, context=context) as r:
         assert json.loads(r.read())["choices"][0]["token_ids"] == expected
+
+
+def test_baton_generate_speaks_tls_as_its_config_says(setup, capsys):
+    ids = prompt(22, 12)
+    argv = ["generate", "--router", setup["cluster"].address, "--config", str(setup["config"]),
+            "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "5", "--json"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+    engine = build_engine(BatonConfig.from_dict(CONFIG), str(setup["model"]))
+    sampling = SamplingParams(max_tokens=5, temperature=0.0)
+    (ref,) = run_local(engine, [RequestSpec("ref", prompt_ids=ids, sampling=sampling)])
+    assert got == ref["token_ids"]
 
 
 def test_plaintext_is_refused_on_every_port(setup):
