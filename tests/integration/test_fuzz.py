@@ -72,7 +72,8 @@ def setup(tmp_path_factory):
     cluster = start_cluster(model, write_config(root / "baton.yaml", cfg), prefill=1, decode=1)
     bearer = cluster.secret.bearer
     channels = {"router": authorized(grpc.insecure_channel(cluster.address), API_KEY),
-                "registry": authorized(grpc.insecure_channel(cluster.address), bearer)}
+                "registry": authorized(grpc.insecure_channel(cluster.address), bearer),
+                "outsider": authorized(grpc.insecure_channel(cluster.address), "wrong-key-1234")}
     try:
         listed = rgrpc.RouterStub(channels["router"]).ListWorkers(rpb.ListWorkersRequest(),
                                                                    timeout=5)
@@ -137,7 +138,8 @@ def ids(h: Hostile) -> list[int]:
     return h.ids(VOCAB, MAX_MODEL_LEN)
 
 
-def generate_request(kind: str, h: Hostile) -> bytes:
+def generate_request(kind: str, h: Hostile) -> tuple[str, bytes]:
+    """(channel, message): mostly with the API key, some from an outsider with a wrong one."""
     m = rpb.GenerateRequest(request_id=h.text(), session_id=h.text())
     if kind == "ids":
         m.prompt_ids.extend(ids(h))
@@ -146,7 +148,8 @@ def generate_request(kind: str, h: Hostile) -> bytes:
     if h.chance(0.8):
         m.sampling.CopyFrom(sampling(h))
     data = m.SerializeToString()
-    return h.mutate(data) if kind == "mutated" else data
+    return ("outsider" if kind == "outsider" else "router",
+            h.mutate(data) if kind == "mutated" else data)
 
 
 VALID_GENERATE = rpb.GenerateRequest(
@@ -166,13 +169,17 @@ def consume_first(call) -> None:
 # ---- Router: Generate, ListWorkers, Registry ----------------------------------------------
 
 @fuzz_settings(CASES)
-@given(data=cases(generate_request, ("ids", "text", "mutated")))
-@example(data=rpb.GenerateRequest(prompt_ids=[5, 6], sampling=pb.SamplingParams(
-    temperature=float("nan"))).SerializeToString())
-def test_router_generate_fuzz(setup, data):
-    generate = raw(setup["channels"]["router"], "/baton.v1.Router/Generate", "unary_stream")
+@given(case=cases(generate_request, ("ids",) * 3 + ("text",) * 2 + ("mutated",) * 2 +
+                 ("outsider",)))
+@example(case=("router", rpb.GenerateRequest(prompt_ids=[5, 6], sampling=pb.SamplingParams(
+    temperature=float("nan"))).SerializeToString()))
+def test_router_generate_fuzz(setup, case):
+    channel, data = case
+    generate = raw(setup["channels"][channel], "/baton.v1.Router/Generate", "unary_stream")
     code = status_of_call(lambda: consume_first(generate(data, timeout=TIMEOUT)))
     check(code, data[:200], "Generate")
+    if channel == "outsider":
+        assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def load(h: Hostile) -> pb.WorkerLoad:
