@@ -30,7 +30,7 @@ from baton.auth.grpc_auth import authorized
 from baton.client.local import run_local
 from baton.client.requests import RequestSpec
 from baton.config import BatonConfig
-from baton.contract import GenerateInput, Reservation, ReserveInput, wire
+from baton.contract import GenerateInput, PrefillInput, Reservation, ReserveInput, wire
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2 as pb
@@ -361,6 +361,25 @@ def test_a_huge_request_id_gets_its_own_status(setup, genuine):
             wgrpc.PrefillWorkerStub(setup["channels"]["prefill"]).Prefill(iter([msg]),
                                                                            timeout=TIMEOUT)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("first", [-1, VOCAB, 2**31 - 1, -2**31])
+def test_decode_from_a_first_token_outside_the_vocabulary_is_refused(setup, first):
+    """An insider's Decode after a genuine Reserve + Prefill, with a first token the model has
+    no embedding for: refused, and the worker decodes the next request exactly."""
+    dec = wgrpc.DecodeWorkerStub(setup["channels"]["decode"])
+    pre = wgrpc.PrefillWorkerStub(setup["channels"]["prefill"])
+    ids = prompt(30, 10)
+    rid = f"first-{first}"
+    res = wire.reservation_from_pb(dec.Reserve(
+        wire.reserve_to_pb(ReserveInput(rid, tuple(ids), SAMPLING)), timeout=TIMEOUT))
+    pre.Prefill(iter([wire.prefill_to_pb(PrefillInput(rid, tuple(ids), SAMPLING, "", res))]),
+                timeout=TIMEOUT)
+    with pytest.raises(grpc.RpcError) as e:
+        list(dec.Decode(wpb.DecodeRequest(request_id=rid, first_token_id=first),
+                        timeout=TIMEOUT))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    alive(setup)
 
 
 # ---- the OpenAI-compatible HTTP API -------------------------------------------------------
