@@ -33,9 +33,13 @@ def cmd_generate(args) -> int:
 
         results = run_local(build_engine(cfg, args.model), specs, args.concurrency)
     else:
+        from baton.auth.tls import cluster_tls, router_channel_credentials
         from baton.client.remote import run_remote
 
-        results = run_remote(args.router, specs, args.concurrency)
+        # TLS as the config says: a router certificate is verified against cluster.tls_ca_file
+        # (presenting this host's cluster certificate) or the system trust store
+        credentials = router_channel_credentials(cfg.router, cluster_tls(cfg.cluster))
+        results = run_remote(args.router, specs, args.concurrency, credentials)
     return _print_results(results, args.json)
 
 

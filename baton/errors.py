@@ -26,6 +26,10 @@ class WorkerBusy(CapacityError):
         self.worker_id = worker_id
 
 
+class UnknownRequestError(BatonError):
+    """The request id names nothing this worker holds (maps to NOT_FOUND)."""
+
+
 class AuthError(BatonError):
     """The caller did not prove the cluster secret or an API key (maps to UNAUTHENTICATED)."""
 

@@ -31,7 +31,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             for chunk in self.service.decode(rid, request.first_token_id):
                 yield wire.decode_chunk_to_pb(chunk)
         except (BatonError, ValueError, RuntimeError) as e:
-            log.warning("decode %s failed: %s", rid, e)
+            log.warning("decode %.80r failed: %s", rid, e)
             abort_with(context, e)
 
     def Abort(self, request, context):

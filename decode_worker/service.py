@@ -15,7 +15,7 @@ from baton.auth.reservations import sign_reservation
 from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
-from baton.errors import TransferError
+from baton.errors import TransferError, UnknownRequestError
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 
@@ -78,7 +78,10 @@ class DecodeService:
 
     def decode(self, request_id: str, first_token: int) -> Iterator[DecodeChunk]:
         """Yields the new tokens of each step until a chunk with a finish reason."""
-        self._end_lease(request_id)
+        if not self._end_lease(request_id):  # else it would wait a whole lease for nothing
+            raise UnknownRequestError(
+                f"request {request_id!r} holds no reservation on this worker (never reserved, "
+                "already decoding, aborted, or its lease ran out); Reserve it first")
         self.events.wake()
         ev = self.events.wait(request_id, self.lease_seconds)
         if ev is None or not ev.ok:
@@ -133,11 +136,13 @@ class DecodeService:
             self._leases[request_id] = t
         t.start()
 
-    def _end_lease(self, request_id: str) -> None:
+    def _end_lease(self, request_id: str) -> bool:
+        """Stops the lease timer; False when `request_id` had no lease."""
         with self._lock:
             t = self._leases.pop(request_id, None)
         if t is not None:
             t.cancel()
+        return t is not None
 
     def _lease_expired(self, request_id: str) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             return wire.prefill_result_to_pb(self.service.prefill(inp, destination))
         except (BatonError, ValueError, grpc.RpcError) as e:
-            log.warning("prefill %s failed: %s", inp.request_id, e)
+            log.warning("prefill %.80r failed: %s", inp.request_id, e)
             abort_with(context, e)
 
     def Abort(self, request, context):

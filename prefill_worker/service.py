@@ -24,7 +24,7 @@ from baton.auth.reservations import verify_reservation
 from baton.contract import FinishReason, PrefillInput, PrefillResult, Reservation, Role
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
-from baton.errors import RequestCancelled, TransferError
+from baton.errors import InvalidRequestError, TransferError
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 
@@ -123,7 +123,11 @@ class PrefillService:
             raise
         if dest is None:
             self.abort(rid)
-            raise RequestCancelled(f"prefill of {rid}: the router sent no destination")
+            # a router that gives up cancels the call; a stream that simply ends without a
+            # destination is a malformed request
+            raise InvalidRequestError(
+                f"prefill of {rid}: the stream ended without a destination; send the decode "
+                "worker's reservation (DecodeWorker.Reserve) in the first or second message")
         try:  # the compute may already run; not one byte is written before this check
             verify_reservation(self.secret, rid, dest)
             # a first contact's handshake happens here, on this RPC's thread, never on the

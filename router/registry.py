@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from baton.contract import Role, SnapshotEvent, WorkerInfo, WorkerLoad, WorkerView
-from baton.errors import NotPermittedError
+from baton.errors import InvalidRequestError, NotPermittedError
 
 
 class WorkerListener(Protocol):
@@ -54,7 +54,7 @@ class Registry:
         A live worker's id cannot move to another address (that would hijack its requests);
         once it is silent past eject_after_seconds, or deregistered, the id is free again."""
         if not info.worker_id or not info.address:
-            raise ValueError(f"worker_id and address are required, got {info!r}")
+            raise InvalidRequestError(f"worker_id and address are required, got {info!r}")
         with self._lock:
             rec = self._workers.get(info.worker_id)
             live = rec is not None and self._clock() - rec.last_seen <= self.eject_after_seconds

@@ -19,10 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.auth import ClusterSecret
 from baton.auth.grpc_auth import ServerGuard
+from baton.auth.tls import ClusterTls, router_server_credentials, router_tls
 from baton.config.router import RouterConfig
 from baton.contract import wire
-from baton.contract.status import abort_with, status_of
-from baton.errors import NotPermittedError
+from baton.contract.status import abort_with, details_of, status_of
+from baton.errors import InvalidRequestError, NotPermittedError
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
@@ -56,15 +57,17 @@ class RouterServicer(rgrpc.RouterServicer):
             if code is None:
                 log.exception("Generate %s failed", request.request_id)
                 code = grpc.StatusCode.INTERNAL
-            context.abort(code, str(e))
+            context.abort(code, details_of(e))
         finally:
             if stream is not None:
                 stream.close()
 
     def ListWorkers(self, request, context):
-        role = (
-            None if request.role == pb.WORKER_ROLE_UNSPECIFIED else wire.role_from_pb(request.role)
-        )
+        try:
+            role = None if request.role == pb.WORKER_ROLE_UNSPECIFIED else \
+                wire.role_from_pb(request.role)
+        except InvalidRequestError as e:
+            abort_with(context, e)
         policy = self._orch.policy
         views = self._orch.registry.workers(role)
         return rpb.ListWorkersReply(
@@ -85,7 +88,7 @@ class RegistryServicer(rgrpc.RegistryServicer):
     def Register(self, request, context):
         try:
             self._registry.register(wire.register_from_pb(request))
-        except (ValueError, NotPermittedError) as e:
+        except (InvalidRequestError, NotPermittedError) as e:
             abort_with(context, e)
         log.info(
             "worker %s (%s) registered at %s", request.worker_id, request.role, request.address
@@ -99,7 +102,7 @@ class RegistryServicer(rgrpc.RegistryServicer):
         try:
             events = [wire.event_from_pb(e) for e in request.snapshot_events]
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, details_of(e))
         known = self._registry.heartbeat(request.worker_id, wire.load_from_pb(request.load), events)
         return rpb.HeartbeatReply(reregister=not known)
 
@@ -138,13 +141,18 @@ class RouterHandle:
 def run_router(
     port: int, config: RouterConfig | None = None, tokenizer: Tokenizer | None = None,
     secret: ClusterSecret | None = None, api_keys: frozenset[str] = frozenset(),
+    cluster_tls: ClusterTls | None = None,
 ) -> RouterHandle:
-    """Starts the router on `port` (0 = pick a free one) and returns at once."""
+    """Starts the router on `port` (0 = pick a free one) and returns at once. TLS: the port
+    serves `config.tls_cert_file` if set, else mutual TLS under `cluster_tls` if given
+    (baton/auth/tls.py); channels to workers are mutual TLS with `cluster_tls`."""
     config = config or RouterConfig()
     policy = make_policy(config)
     registry = Registry(config.eject_after_seconds, listeners=[policy])
     bearer = secret.bearer if secret is not None else None
-    clients = WorkerClients(config, bearer)
+    public = router_tls(config)  # a bad file fails here, before anything listens
+    clients = WorkerClients(config, bearer,
+                            None if cluster_tls is None else cluster_tls.channel_credentials())
     registry.on_remove.append(clients.drop)
     registry.on_eject.append(clients.eject)
     orch = Orchestrator(config, registry, policy, clients, tokenizer)
@@ -156,7 +164,10 @@ def run_router(
     rgrpc.add_RegistryServicer_to_server(RegistryServicer(registry, config), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{config.host}:{port}")
+    credentials = router_server_credentials(public, cluster_tls)
+    address = f"{config.host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else \
+        server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"router could not bind {config.host}:{port}; pick another router port")
     if not api_keys and not _is_loopback(config.host):
@@ -173,7 +184,8 @@ def run_router(
     threading.Thread(
         target=_eject_loop, args=(registry, config, stop_event), name="router-eject", daemon=True
     ).start()
-    log.info("router serving on port %d (policy %s)", bound, config.policy)
+    log.info("router serving on port %d (policy %s, %s)", bound, config.policy,
+             "TLS" if public else "mutual TLS" if cluster_tls else "plaintext")
     return RouterHandle(bound, server, registry, policy, orch, health_servicer, clients, stop_event,
                         metrics)
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 import grpc
 import grpc.experimental
 
-from baton.auth.grpc_auth import authorized
+from baton.auth.grpc_auth import open_channel
 from baton.config.router import RouterConfig
 from baton.contract import (
     DecodeChunk,
@@ -164,9 +164,12 @@ class GrpcPrefillCall:
 class WorkerClients:
     """One channel per live worker, opened on first use and closed when the worker leaves."""
 
-    def __init__(self, config: RouterConfig, bearer: str | None = None):
+    def __init__(self, config: RouterConfig, bearer: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.config = config
         self._bearer = bearer
+        self._credentials = credentials
+        """Mutual TLS towards the workers (cluster.tls_*; None: plaintext)."""
         """The cluster secret's bearer, sent on every worker call (None: no secret)."""
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[str, grpc.Channel, GrpcWorkerClient]] = {}
@@ -177,8 +180,8 @@ class WorkerClients:
             if entry is None or entry[0] != view.address:
                 if entry is not None:
                     entry[1].close()
-                channel = authorized(grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS),
-                                     self._bearer)
+                channel = open_channel(view.address, self._bearer, self._credentials,
+                                       CHANNEL_OPTIONS)
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
             return entry[2]

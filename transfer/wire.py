@@ -71,7 +71,7 @@ def decode(data: object, max_bytes: int, ops: tuple[str, ...] | None = None) -> 
     if not isinstance(msg, dict) or msg.get("v") != VERSION:
         raise TransferError(f"message must be a map with v={VERSION}")
     op = msg.get("op")
-    if op not in SCHEMAS or (ops is not None and op not in ops):
+    if not isinstance(op, str) or op not in SCHEMAS or (ops is not None and op not in ops):
         raise TransferError(f"unexpected message op {op!r}; expected one of {ops or list(SCHEMAS)}")
     for key, types in SCHEMAS[op].items():
         v = msg.get(key, _MISSING)

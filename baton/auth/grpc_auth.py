@@ -6,13 +6,15 @@
         change nothing. Every call whose message cannot be parsed ends with INVALID_ARGUMENT
         (gRPC's own answer would be INTERNAL).
     authorized(channel, token) -> a channel whose every call carries `authorization: Bearer`.
+    open_channel(address, token, credentials) -> the same over TLS when `credentials` are given
+        (baton/auth/tls.py makes them), plaintext otherwise.
 """
 
 from __future__ import annotations
 
 import collections
 import hmac
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import grpc
 
@@ -45,6 +47,17 @@ class ServerGuard(grpc.ServerInterceptor):
 def authorized(channel: grpc.Channel, token: str | None) -> grpc.Channel:
     """`channel` with `authorization: Bearer <token>` on every call (unchanged when None)."""
     return channel if not token else grpc.intercept_channel(channel, _Bearer(token))
+
+
+def open_channel(address: str, token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel to `address` (TLS with `credentials`, else plaintext) that sends `token`."""
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=list(options))
+    else:
+        channel = grpc.secure_channel(address, credentials, options=list(options))
+    return authorized(channel, token)
 
 
 def _frozen(tokens: Iterable[str] | None) -> frozenset[str] | None:

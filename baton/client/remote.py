@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from baton.auth.api_keys import ENV_API_KEY
-from baton.auth.grpc_auth import authorized
+from baton.auth.grpc_auth import open_channel
 from baton.client.requests import RequestSpec, result_dict
 from baton.contract import GenerateInput, wire
 from baton.errors import InvalidRequestError
@@ -62,11 +62,13 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
     return result_dict(spec.id, acc, "".join(text), s.prefill_worker, s.decode_worker)
 
 
-def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1) -> list[dict]:
+def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1,
+               credentials: grpc.ChannelCredentials | None = None) -> list[dict]:
     """Requests in file order, at most `concurrency` in flight; sessions keep their order.
-    `BATON_API_KEY` in the environment is sent as the API key (routers with keys need it)."""
+    `BATON_API_KEY` in the environment is sent as the API key (routers with keys need it);
+    `credentials`: TLS towards the router (baton/auth/tls.py), None: plaintext."""
     key = os.environ.get(ENV_API_KEY, "").strip() or None
-    with authorized(grpc.insecure_channel(router), key) as ch:
+    with open_channel(router, key, credentials) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         if concurrency <= 1:
             return [generate_one(stub, s) for s in specs]

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -14,8 +15,9 @@ import urllib.request
 import grpc
 
 from baton.auth import ENV_TOKEN, ClusterSecret
-from baton.auth.grpc_auth import authorized
+from baton.auth.grpc_auth import open_channel
 from baton.auth.secret import configured_token
+from baton.auth.tls import cluster_tls, router_channel_credentials
 from baton.config import BatonConfig
 from baton.errors import BatonError
 from baton.proto_gen import router_pb2, router_pb2_grpc
@@ -54,9 +56,13 @@ class LocalCluster:
         reach = "127.0.0.1" if local else host
         self.address = f"{reach}:{port}"
         self.http_port = free_port() if http_port is None else http_port
-        self.http_address = f"http://{reach}:{self.http_port}"
-        self.token = configured_token(BatonConfig.load(config).cluster) or \
-            ClusterSecret.generate()
+        cfg = BatonConfig.load(config)
+        self.tls = cluster_tls(cfg.cluster)
+        """Mutual TLS of the cluster (None: plaintext); `channel()` and the probes use it."""
+        self._router_credentials = router_channel_credentials(cfg.router, self.tls)
+        https = bool(cfg.router.tls_cert_file or self.tls)
+        self.http_address = f"http{'s' if https else ''}://{reach}:{self.http_port}"
+        self.token = configured_token(cfg.cluster) or ClusterSecret.generate()
         self.secret = ClusterSecret(self.token)
         extra = ["--config", config] if config else []
         base = ["--log-level", log_level]
@@ -85,7 +91,7 @@ class LocalCluster:
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""
         deadline = time.monotonic() + timeout
-        with authorized(grpc.insecure_channel(self.address), self.secret.bearer) as ch:
+        with self.channel() as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             while time.monotonic() < deadline:
                 dead = [" ".join(p.args[5:7]) for p in self.procs if p.poll() is not None]
@@ -100,9 +106,18 @@ class LocalCluster:
                 time.sleep(0.3)
         raise BatonError(f"cluster not ready after {timeout:.0f}s ({self.expected} workers expected)")
 
+    def channel(self, token: str | None = None) -> grpc.Channel:
+        """A channel to the router as a cluster process (TLS as configured) that sends `token`
+        (default: the cluster secret's bearer)."""
+        return open_channel(self.address, token or self.secret.bearer, self._router_credentials)
+
     def _http_ready(self) -> bool:
+        context = None
+        if self.http_address.startswith("https"):
+            context = self.tls.ssl_context() if self.tls else ssl.create_default_context()
         try:
-            with urllib.request.urlopen(f"{self.http_address}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.http_address}/health", timeout=2,
+                                        context=context) as r:
                 return r.status == 200
         except OSError:
             return False

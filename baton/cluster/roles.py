@@ -13,6 +13,7 @@ from baton.worker.exit import exit_now
 def run_router_role(args) -> int:
     from baton.auth import load_secret
     from baton.auth.api_keys import load_api_keys
+    from baton.auth.tls import cluster_tls, http_ssl_args, router_tls
     from baton.model.chat_template import load_chat_template
     from baton.model.config import ModelConfig
     from baton.model.registry import resolve_model, served_name
@@ -25,12 +26,14 @@ def run_router_role(args) -> int:
     secret = load_secret(cfg.cluster, role="router")
     api_keys = load_api_keys(router_cfg.api_keys_file)
     model_dir = resolve_model(args.model or cfg.model.path)
-    handle = run_router(args.port, router_cfg, load_tokenizer(model_dir), secret, api_keys)
+    tls = cluster_tls(cfg.cluster)
+    handle = run_router(args.port, router_cfg, load_tokenizer(model_dir), secret, api_keys, tls)
     max_len = cfg.worker.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
     http_port = router_cfg.http_port if args.http_port is None else args.http_port
+    ssl_args = http_ssl_args(router_tls(router_cfg), tls)
     try:
         http = start_http(handle, router_cfg.host, http_port, served_name(model_dir),
-                          load_chat_template(model_dir), max_len, api_keys)
+                          load_chat_template(model_dir), max_len, api_keys, ssl_args)
     except BaseException:
         handle.stop()
         raise
@@ -38,7 +41,8 @@ def run_router_role(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     host = router_cfg.host
-    print(f"router serving gRPC on {host}:{handle.port} and HTTP on http://{host}:{http.port}",
+    print(f"router serving gRPC on {host}:{handle.port} and HTTP on "
+          f"http{'s' if ssl_args else ''}://{host}:{http.port}",
           flush=True)
     stop.wait()
     http.stop()

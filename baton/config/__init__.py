@@ -79,15 +79,6 @@ class BatonConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def __post_init__(self) -> None:
-        for key in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
-            if getattr(self.cluster, key):
-                raise ConfigError(
-                    f"cluster.{key} is set but TLS between cluster processes is not supported "
-                    "yet; remove the key and keep cluster traffic on a private network (the "
-                    "cluster secret authenticates every call, it does not encrypt)"
-                )
-
     @classmethod
     def from_dict(cls, data: dict | None) -> BatonConfig:
         return from_dict(cls, data, "config")

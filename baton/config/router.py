@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from baton.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -29,7 +31,12 @@ class RouterConfig:
     api_keys_file: str = ""
     """File of public API keys, one a line: Generate and ListWorkers then need
     `authorization: Bearer <key>` (`BATON_API_KEY` adds one key). Unset: the public API is open."""
-    """Interface the router's gRPC and HTTP servers listen on."""
+    tls_cert_file: str = ""
+    """Certificate (PEM) the router's gRPC port and HTTP API serve over TLS; clients need no
+    certificate of their own. Set it with tls_key_file. Unset, with `cluster.tls_*` set: the
+    router's port is mutual TLS under the cluster CA; both unset: plaintext."""
+    tls_key_file: str = ""
+    """Private key of tls_cert_file (PEM)."""
     http_port: int = 8000
     """Port of the OpenAI-compatible HTTP API and `/metrics` (0 = pick a free one)."""
     http_max_body_bytes: int = 4 * 2**20
@@ -50,3 +57,10 @@ class RouterConfig:
     max_prompt_bytes: int = 1 << 20
     """Text prompts longer than this (UTF-8 bytes) are refused with INVALID_ARGUMENT before
     they are tokenized."""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = (("tls_cert_file", "tls_key_file") if self.tls_cert_file else
+                              ("tls_key_file", "tls_cert_file"))
+            raise ConfigError(f"router.{given} is set but router.{missing} is not: TLS needs "
+                              "the certificate and its private key; set both or neither")

@@ -4,6 +4,7 @@
     CapacityError         RESOURCE_EXHAUSTED   pools or queue full
     AuthError             UNAUTHENTICATED      no (valid) cluster secret or API key
     NotPermittedError     PERMISSION_DENIED    unsigned destination, worker id takeover
+    UnknownRequestError   NOT_FOUND            Decode of a request the worker does not hold
     NoWorkersError        UNAVAILABLE          transient: no live worker of a role
     WorkerFailed          UNAVAILABLE          transient: retried on another worker pair
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
@@ -25,6 +26,7 @@ from baton.errors import (
     NoWorkersError,
     RequestCancelled,
     TransferError,
+    UnknownRequestError,
     WorkerFailed,
 )
 
@@ -33,6 +35,7 @@ STATUS_OF = {
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AuthError: grpc.StatusCode.UNAUTHENTICATED,
     NotPermittedError: grpc.StatusCode.PERMISSION_DENIED,
+    UnknownRequestError: grpc.StatusCode.NOT_FOUND,
     NoWorkersError: grpc.StatusCode.UNAVAILABLE,
     WorkerFailed: grpc.StatusCode.UNAVAILABLE,
     TransferError: grpc.StatusCode.UNAVAILABLE,
@@ -43,6 +46,7 @@ STATUS_OF = {
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
@@ -65,9 +69,25 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+MAX_DETAILS_BYTES = 1024
+"""Status details travel in trailing metadata, percent-encoded (up to 3 bytes a byte), which
+clients cap at 8 KiB by default: a message quoting a huge request id would otherwise turn the
+status into the client's own RESOURCE_EXHAUSTED."""
+
+
+def details_of(err: BaseException | str) -> str:
+    """`err`'s message for a status, cut to MAX_DETAILS_BYTES of UTF-8."""
+    text = str(err)
+    data = text.encode("utf-8", "replace")
+    if len(data) <= MAX_DETAILS_BYTES:
+        return text
+    kept = data[:MAX_DETAILS_BYTES].decode("utf-8", "ignore")
+    return f"{kept}... ({len(text) - len(kept)} more characters)"
+
+
 def abort_with(context: grpc.ServicerContext, err: BaseException):
     """Ends the RPC with the status that matches `err` (INTERNAL for the unexpected)."""
     code = status_of(err)
     if code is None:
-        context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
-    context.abort(code, str(err))
+        context.abort(grpc.StatusCode.INTERNAL, details_of(f"{type(err).__name__}: {err}"))
+    context.abort(code, details_of(err))

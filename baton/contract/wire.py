@@ -88,7 +88,7 @@ def finish_to_pb(reason: FinishReason | str | None) -> int:
 
 def role_from_pb(value: int) -> Role:
     if value not in ROLE_FROM_PB:
-        raise ValueError(f"worker role must be PREFILL or DECODE, got {value}")
+        raise InvalidRequestError(f"worker role must be PREFILL or DECODE, got {value}")
     return ROLE_FROM_PB[value]
 
 
@@ -115,7 +115,8 @@ def load_to_pb(w: WorkerLoad) -> pb.WorkerLoad:
 
 def event_from_pb(m: pb.SnapshotEvent) -> SnapshotEvent:
     if m.kind not in (pb.SnapshotEvent.KIND_INSERTED, pb.SnapshotEvent.KIND_EVICTED):
-        raise ValueError(f"snapshot event kind must be INSERTED or EVICTED, got {m.kind}")
+        raise InvalidRequestError(
+            f"snapshot event kind must be INSERTED or EVICTED, got {m.kind}")
     inserted = m.kind == pb.SnapshotEvent.KIND_INSERTED
     return SnapshotEvent(inserted, m.block_hash, m.snapshot_hash, m.num_tokens)
 

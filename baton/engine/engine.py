@@ -140,6 +140,12 @@ class Engine:
                 f"request {request_id} holds no reservation here (its lease expired or it was "
                 f"aborted); the router retries or reports it"
             )
+        vocab = self.model.config.vocab_size
+        if not 0 <= first_token < vocab:  # it would fail the whole decode batch's forward
+            raise InvalidRequestError(
+                f"first token id {first_token} of request {request_id} is outside the "
+                f"vocabulary [0, {vocab}); send the token the prefill worker returned"
+            )
         req.phase = Phase.DECODE
         req.first_token_time = time.monotonic()
         self.scheduler.running.append(req)

@@ -78,11 +78,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def bind_grpc(server: grpc.Server, host: str, ports: PortRange) -> int:
-    """Bind `server` to the first free port of `ports` on `host`; the port bound. Make the
-    server with `("grpc.so_reuseport", 0)`: with gRPC's default two servers share a port."""
+def bind_grpc(server: grpc.Server, host: str, ports: PortRange,
+              credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `server` to the first free port of `ports` on `host` (TLS with `credentials`);
+    the port bound. Make the server with `("grpc.so_reuseport", 0)`: with gRPC's default two
+    servers share a port."""
     def add(port: int) -> int:
-        bound = server.add_insecure_port(join_host_port(host, port))
+        address = join_host_port(host, port)
+        bound = server.add_insecure_port(address) if credentials is None else \
+            server.add_secure_port(address, credentials)
         if not bound:  # older grpcio answers 0 instead of raising
             raise OSError(f"cannot bind {join_host_port(host, port)}")
         return bound

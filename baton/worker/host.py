@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.auth import ClusterSecret, load_secret
 from baton.auth.grpc_auth import ServerGuard
+from baton.auth.tls import cluster_tls, router_channel_credentials
 from baton.config import BatonConfig
 from baton.config.ports import PortRange, port_range
 from baton.contract import Role, WorkerInfo
@@ -69,6 +70,7 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     host = advertised_host(host, router)
     _pin_ucx_tcp(cfg, host)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
+    tls = cluster_tls(cfg.cluster)  # before the model loads: a bad file fails at once
     engine = build_engine(cfg, model)
     events = SnapshotEvents(engine.cache)
     loop = EngineLoop(engine)
@@ -80,7 +82,7 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                          interceptors=[ServerGuard(default=tokens)],
                          options=[("grpc.so_reuseport", 0)])
-    bound = bind_grpc(server, host, ports)
+    bound = bind_grpc(server, host, ports, None if tls is None else tls.server_credentials())
     address = join_host_port(host, bound)
     worker_id = f"{role.value}-{socket.gethostname()}-{os.getpid()}-{bound}"
     service = attach(cfg, engine, loop, server, worker_id, host, secret, metrics)
@@ -91,7 +93,8 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block,
                       max_model_len=engine.max_model_len)
     reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
-                       bearer=None if secret is None else secret.bearer)
+                       bearer=None if secret is None else secret.bearer,
+                       credentials=router_channel_credentials(cfg.router, tls))
     reg.start()
     return Worker(worker_id, address, server, service, reg, loop, metrics, mport)
 

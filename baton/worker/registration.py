@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import grpc
 
-from baton.auth.grpc_auth import authorized
+from baton.auth.grpc_auth import open_channel
 from baton.contract import SnapshotEvent, WorkerInfo, WorkerLoad, wire
 from baton.proto_gen import router_pb2, router_pb2_grpc
 
@@ -21,12 +21,13 @@ class Registration:
 
     def __init__(self, router: str, info: WorkerInfo, load: Callable[[], WorkerLoad],
                  snapshot_events: Callable[[bool], list[SnapshotEvent]],
-                 bearer: str | None = None):
+                 bearer: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.worker_id = info.worker_id
         self._info = info
         self._load = load
         self._events = snapshot_events
-        self._channel = authorized(grpc.insecure_channel(router), bearer)
+        self._channel = open_channel(router, bearer, credentials)
         self._stub = router_pb2_grpc.RegistryStub(self._channel)
         self._period = 1.0
         self._pending: list[SnapshotEvent] = []

@@ -20,12 +20,12 @@ log = logging.getLogger("baton.http")
 class HttpServer:
     """A running HTTP API: `port` and `stop()`."""
 
-    def __init__(self, ctx: HttpContext, host: str, port: int):
+    def __init__(self, ctx: HttpContext, host: str, port: int, ssl: dict | None = None):
         self._ctx = ctx
         self._sock = _bind(host, port)
         self.port = self._sock.getsockname()[1]
         config = uvicorn.Config(make_app(ctx), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1)
+                                lifespan="off", timeout_graceful_shutdown=1, **(ssl or {}))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="router-http", daemon=True)
@@ -44,14 +44,16 @@ class HttpServer:
 
 
 def start_http(router, host: str, port: int, model_name: str, chat_template: ChatTemplate | None,
-               max_model_len: int, api_keys: frozenset[str] = frozenset()) -> HttpServer:
-    """The OpenAI-compatible API for a running router (`router.server.RouterHandle`)."""
+               max_model_len: int, api_keys: frozenset[str] = frozenset(),
+               ssl: dict | None = None) -> HttpServer:
+    """The OpenAI-compatible API for a running router (`router.server.RouterHandle`); `ssl`:
+    uvicorn's TLS arguments (baton/auth/tls.py `http_ssl_args`)."""
     cfg = router.orchestrator.config
     pool = ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="http-request")
     ctx = HttpContext(router.orchestrator, router.metrics, model_name, chat_template,
                       max_model_len, cfg.http_max_body_bytes, pool, api_keys)
-    server = HttpServer(ctx, host, port)
-    log.info("HTTP API on %s:%d (model %s)", host, server.port, model_name)
+    server = HttpServer(ctx, host, port, ssl)
+    log.info("HTTP%s API on %s:%d (model %s)", "S" if ssl else "", host, server.port, model_name)
     return server
 
 

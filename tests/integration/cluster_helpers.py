@@ -29,8 +29,10 @@ def start_cluster(model_dir: Path, config: Path, prefill: int, decode: int) -> L
     return cluster
 
 
-def list_workers(address: str) -> list:
-    with grpc.insecure_channel(address) as ch:
+def list_workers(address: str, bearer: str | None = None) -> list:
+    """The router's ListWorkers; `bearer`: an API key or the cluster bearer, which the router
+    needs when API keys are configured."""
+    with authorized(grpc.insecure_channel(address), bearer) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         return list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)
 
@@ -55,7 +57,7 @@ def assert_clean(cluster, quarantine: bool = False) -> dict[str, dict[str, float
     deadline = time.monotonic() + 15
     while True:
         counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
-                    for w in list_workers(cluster.address)}
+                    for w in list_workers(cluster.address, cluster.secret.bearer)}
         idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0
                    and (quarantine or c.get("slots_quarantined", 0) == 0
                         and c.get("blocks_quarantined", 0) == 0)

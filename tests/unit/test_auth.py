@@ -11,12 +11,15 @@ import zmq
 from baton.auth import ClusterSecret, load_secret
 from baton.auth.api_keys import load_api_keys
 from baton.auth.reservations import sign_reservation, verify_reservation
+from baton.auth.tls import cluster_tls, router_tls
 from baton.config import BatonConfig
 from baton.config.cluster import ClusterConfig
+from baton.config.router import RouterConfig
 from baton.contract import Reservation, Role, WorkerInfo
 from baton.errors import ConfigError, NotPermittedError, TransferError
 from baton.model.pools import Pools
 from router.registry import Registry
+from tests.support.tls import issue, make_ca
 from tests.unit.test_transfer_leases import MODEL, Link, make, poll_until
 from transfer import SIDE_CHANNEL, wire
 from transfer.base import TransferEvent
@@ -64,10 +67,27 @@ def test_derived_keys_differ_per_purpose_and_never_equal_the_token():
     assert len(ClusterSecret.generate()) >= 40
 
 
-def test_cluster_tls_keys_are_refused_by_name():
-    with pytest.raises(ConfigError, match="cluster.tls_cert_file is set but TLS"):
+def test_tls_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="cluster.tls_cert_file is set but cluster.tls_key_file, "
+                                          "cluster.tls_ca_file is not"):
         BatonConfig.from_dict({"cluster": {"tls_cert_file": "/x.pem"}})
+    with pytest.raises(ConfigError, match="router.tls_key_file is set but router.tls_cert_file"):
+        BatonConfig.from_dict({"router": {"tls_key_file": "/x.key"}})
     assert BatonConfig.from_dict({"cluster": {"token_file": "/t"}}).cluster.token_file == "/t"
+    ca = make_ca(tmp_path)
+    node, other = issue(ca, tmp_path, "node"), issue(ca, tmp_path, "other")
+    def cfg(cert, key, ca):
+        return ClusterConfig(tls_cert_file=str(cert), tls_key_file=str(key), tls_ca_file=str(ca))
+
+    with pytest.raises(ConfigError, match="cluster.tls_ca_file .*missing.pem.* cannot be read"):
+        cluster_tls(cfg(node.cert, node.key, tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match="cluster.tls_cert_file .* holds no PEM certificate"):
+        cluster_tls(cfg(node.key, node.key, ca.cert))
+    with pytest.raises(ConfigError, match="router.tls_key_file .* is not the private key of"):
+        router_tls(RouterConfig(tls_cert_file=str(node.cert), tls_key_file=str(other.key)))
+    tls = cluster_tls(cfg(node.cert, node.key, ca.cert))
+    assert tls.ca == ca.cert.read_bytes() and tls.own.cert == node.cert.read_bytes()
+    assert router_tls(RouterConfig()) is None and cluster_tls(ClusterConfig()) is None
 
 
 def test_api_keys_from_file_and_env(tmp_path):

@@ -28,6 +28,9 @@ GARBAGE = [
                    "blocks": b""}),
     msgpack.packb({1: 2}),
     "not bytes",
+    # found by tests/integration/test_fuzz.py: an unhashable op was an internal error
+    msgpack.packb({"v": 1, "op": []}), msgpack.packb({"v": 1, "op": {"a": 1}}),
+    msgpack.packb({"v": 1, "op": b"hello"}),
 ]
 
 
