@@ -382,6 +382,24 @@ def test_decode_from_a_first_token_outside_the_vocabulary_is_refused(setup, firs
     alive(setup)
 
 
+@pytest.mark.parametrize("length", [5, 36])
+def test_prefill_of_another_length_than_reserved_is_refused(setup, length):
+    """A genuine reservation for a 20-token prompt, used for a prompt of another length: the
+    blocks do not fit it; refused without a write, and nothing is held afterwards."""
+    dec = wgrpc.DecodeWorkerStub(setup["channels"]["decode"])
+    pre = wgrpc.PrefillWorkerStub(setup["channels"]["prefill"])
+    rid = f"len-{length}"
+    res = wire.reservation_from_pb(dec.Reserve(
+        wire.reserve_to_pb(ReserveInput(rid, tuple(prompt(31, 20)), SAMPLING)), timeout=TIMEOUT))
+    other = tuple(prompt(32, length))
+    with pytest.raises(grpc.RpcError) as e:
+        pre.Prefill(iter([wire.prefill_to_pb(PrefillInput(rid, other, SAMPLING, "", res))]),
+                    timeout=TIMEOUT)
+    assert e.value.code() in CLIENT_ERRORS, (e.value.code(), e.value.details())
+    dec.Abort(pb.AbortRequest(request_id=rid), timeout=TIMEOUT)
+    alive(setup)
+
+
 # ---- the OpenAI-compatible HTTP API -------------------------------------------------------
 
 VALID_BODY = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
