@@ -57,8 +57,9 @@ CONFIG = {
     "transfer": {"lease_seconds": 5.0},
 }
 CASES = 1000
-"""Per test; the router API (gRPC + HTTP), the worker APIs (prefill + decode) and the side
-channel get 2,000 cases each."""
+"""Cases of the larger tests: the router API gets 2,000 (Generate 1,000, Registry and
+ListWorkers 500, HTTP 500), the worker APIs 2,000 (prefill 1,000, decode 1,000) and the side
+channel 2,000."""
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 TIMEOUT = 20.0
 
