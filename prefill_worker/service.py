@@ -72,6 +72,8 @@ class _Stream:
                  deadline: float):
         self.service, self.rid, self.dest, self.deadline = service, request_id, dest, deadline
         self.error: str | None = None
+        self.misfit: str | None = None
+        """Why the destination cannot hold this prompt (nothing was sent): INVALID_ARGUMENT."""
         self.sent = False
         self.sent_at: float | None = None
         self.nbytes: int | None = None
@@ -169,11 +171,13 @@ class PrefillService:
             if stream.error:
                 m.transfer_failed()
                 raise TransferError(stream.error)
-            if not stream.sent:
+            if not stream.sent and not stream.misfit:
                 if time.monotonic() > deadline:
                     m.transfer_failed()
                     raise TransferError(_late(rid, dest))
                 self.loop.call(self._send_whole, stream)
+            if stream.misfit:
+                raise InvalidRequestError(stream.misfit)
             self.events.wake()
             landed = self._await_landing(rid, dest)
             now = time.perf_counter()
@@ -211,6 +215,9 @@ class PrefillService:
     def _send(self, stream: _Stream, blocks: list[int], slot: int | None,
               layerwise: bool) -> None:
         dest = stream.dest
+        stream.misfit = _misfit(stream.rid, dest, len(blocks))
+        if stream.misfit:  # a genuine reservation made for another prompt: nothing is written
+            return
         stream.sent_at = time.perf_counter()
         self.sender.send(stream.rid, dest.transfer_endpoint, list(blocks), slot,
                          list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
@@ -240,6 +247,16 @@ def _last(box: queue.Queue[RequestOutput]) -> RequestOutput:
     while not out.finished:
         out = box.get()
     return out
+
+
+def _misfit(rid: str, dest: Reservation, num_blocks: int) -> str | None:
+    """Why `dest` cannot take this prompt's `num_blocks` KV blocks (the planner's own rule,
+    checked before the handoff so that it is the request's fault, not a transfer fault)."""
+    if len(dest.block_ids) != num_blocks or not 0 <= dest.skip_blocks <= num_blocks:
+        return (f"the destination of {rid} holds {len(dest.block_ids)} KV blocks (skipping "
+                f"{dest.skip_blocks}) but its prompt fills {num_blocks}; reserve the destination "
+                "for the same prompt (DecodeWorker.Reserve) as the one sent to Prefill")
+    return None
 
 
 def _late(rid: str, dest: Reservation) -> str:

@@ -57,8 +57,9 @@ CONFIG = {
     "transfer": {"lease_seconds": 5.0},
 }
 CASES = 1000
-"""Per test; the router API (gRPC + HTTP), the worker APIs (prefill + decode) and the side
-channel get 2,000 cases each."""
+"""Cases of the larger tests: the router API gets 2,000 (Generate 1,000, Registry and
+ListWorkers 500, HTTP 500), the worker APIs 2,000 (prefill 1,000, decode 1,000) and the side
+channel 2,000."""
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 TIMEOUT = 20.0
 
@@ -379,6 +380,24 @@ def test_decode_from_a_first_token_outside_the_vocabulary_is_refused(setup, firs
         list(dec.Decode(wpb.DecodeRequest(request_id=rid, first_token_id=first),
                         timeout=TIMEOUT))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    alive(setup)
+
+
+@pytest.mark.parametrize("length", [5, 36])
+def test_prefill_of_another_length_than_reserved_is_refused(setup, length):
+    """A genuine reservation for a 20-token prompt, used for a prompt of another length: the
+    blocks do not fit it; refused without a write, and nothing is held afterwards."""
+    dec = wgrpc.DecodeWorkerStub(setup["channels"]["decode"])
+    pre = wgrpc.PrefillWorkerStub(setup["channels"]["prefill"])
+    rid = f"len-{length}"
+    res = wire.reservation_from_pb(dec.Reserve(
+        wire.reserve_to_pb(ReserveInput(rid, tuple(prompt(31, 20)), SAMPLING)), timeout=TIMEOUT))
+    other = tuple(prompt(32, length))
+    with pytest.raises(grpc.RpcError) as e:
+        pre.Prefill(iter([wire.prefill_to_pb(PrefillInput(rid, other, SAMPLING, "", res))]),
+                    timeout=TIMEOUT)
+    assert e.value.code() in CLIENT_ERRORS, (e.value.code(), e.value.details())
+    dec.Abort(pb.AbortRequest(request_id=rid), timeout=TIMEOUT)
     alive(setup)
 
 
