@@ -12,12 +12,13 @@ from collections.abc import Iterator
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import sign_reservation
-from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role
+from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role, ServeInput
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
+from decode_worker.local import LocalServe
 
 log = logging.getLogger("baton.decode")
 
@@ -52,6 +53,8 @@ class DecodeService:
         receiver.on_activity = self.events.wake
         self._leases: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
+        self.local = LocalServe(loop, self.metrics, drain_chunk)
+        """Requests served here alone, prompt included (conditional disaggregation)."""
 
     def reserve(self, inp: ReserveInput) -> Reservation:
         request_id = inp.request_id
@@ -111,6 +114,10 @@ class DecodeService:
             if not ended:
                 self.metrics.request_ended("aborted")
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
+
+    def serve(self, inp: ServeInput) -> Iterator[DecodeChunk]:
+        """Conditional disaggregation: the whole request here (decode_worker/local.py)."""
+        return self.local.serve(inp)
 
     def abort(self, request_id: str) -> bool:
         self._end_lease(request_id)

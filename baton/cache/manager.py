@@ -99,6 +99,13 @@ class HybridCacheManager:
     def reuse_enabled(self) -> bool:
         return self._reuse
 
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Prompt tokens `admit` would restore now: its deepest snapshot whose KV blocks are all
+        present (never the last token; 0 when reuse is off)."""
+        if not self._reuse or len(prompt) < 2:
+            return 0
+        return self.tree.match(prompt, len(prompt) - 1).cached_tokens
+
     def snapshot_points(self, prompt_len: int) -> list[int]:
         """Where a prompt of this length is snapshotted ([] when reuse is off)."""
         return snapshot_points(self.policy, prompt_len) if self._reuse else []

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from baton.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -50,3 +52,16 @@ class RouterConfig:
     max_prompt_bytes: int = 1 << 20
     """Text prompts longer than this (UTF-8 bytes) are refused with INVALID_ARGUMENT before
     they are tokenized."""
+    local_prefill_max_tokens: int = 512
+    """Conditional disaggregation: when the decode worker holding the deepest snapshot of a
+    prompt (a decode-end snapshot of the previous turn, say) has at most this many prompt
+    tokens left to compute, the request runs on that decode worker alone, which prefills the
+    increment between its decode steps; otherwise through a prefill worker (0 = never)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.local_prefill_max_tokens, int)
+                and self.local_prefill_max_tokens >= 0):
+            raise ConfigError(
+                f"router.local_prefill_max_tokens must be an integer >= 0 (0 = always through a "
+                f"prefill worker), got {self.local_prefill_max_tokens!r}"
+            )

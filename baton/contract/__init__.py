@@ -14,6 +14,7 @@ from baton.contract.types import (
     Reservation,
     ReserveInput,
     Role,
+    ServeInput,
     SnapshotEvent,
     WorkerInfo,
     WorkerLoad,
@@ -24,6 +25,6 @@ from baton.sampling import SamplingParams
 __all__ = [
     "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
-    "Reservation", "ReserveInput", "Role", "SamplingParams", "SnapshotEvent", "WorkerInfo",
-    "WorkerLoad", "WorkerView",
+    "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent",
+    "WorkerInfo", "WorkerLoad", "WorkerView",
 ]

@@ -8,6 +8,7 @@
     WorkerFailed          UNAVAILABLE          transient: retried on another worker pair
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
     RequestCancelled      CANCELLED            the client went away
+    LocalPrefillDeclined  FAILED_PRECONDITION  a decode worker will not prefill that much alone
     anything else         INTERNAL
 
 The HTTP API answers each status with the code in HTTP_STATUS (OpenAI's codes: 400, 429, 503).
@@ -21,6 +22,7 @@ from baton.errors import (
     AuthError,
     CapacityError,
     InvalidRequestError,
+    LocalPrefillDeclined,
     NotPermittedError,
     NoWorkersError,
     RequestCancelled,
@@ -37,6 +39,7 @@ STATUS_OF = {
     WorkerFailed: grpc.StatusCode.UNAVAILABLE,
     TransferError: grpc.StatusCode.UNAVAILABLE,
     RequestCancelled: grpc.StatusCode.CANCELLED,
+    LocalPrefillDeclined: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

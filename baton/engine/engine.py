@@ -56,6 +56,9 @@ class Engine:
         self._streams: dict[str, LayerStream] = {}
         """Layer streams not picked up yet, by request id; any thread adds, under the lock."""
         self._streams_lock = threading.Lock()
+        self.prefilled_tokens = 0
+        """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
+        decode worker, the increments it prefilled itself (conditional disaggregation)."""
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -251,6 +254,7 @@ class Engine:
 
     def _commit_chunk(self, req: Request, end: int) -> None:
         """Book a computed chunk; a chunk that completes the prompt moves it to DECODE."""
+        self.prefilled_tokens += end - req.num_computed
         req.num_computed = end
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])

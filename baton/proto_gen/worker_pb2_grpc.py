@@ -208,6 +208,11 @@ class DecodeWorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.unary_stream(
+                '/baton.v1.DecodeWorker/Serve',
+                request_serializer=baton_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/baton.v1.DecodeWorker/Abort',
                 request_serializer=baton_dot_v1_dot_baton__pb2.AbortRequest.SerializeToString,
@@ -237,6 +242,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Serve(self, request, context):
+        """Conditional disaggregation: runs the request on this worker alone. It restores the
+        deepest snapshot of the prompt it holds (its own match decides, whatever the router
+        believed), prefills the rest itself in chunks between its decode steps, and streams every
+        token from the first on; the first message carries cached_tokens. Refused with
+        FAILED_PRECONDITION, before anything is computed, when more than max_uncached_tokens
+        prompt tokens would be left to compute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -260,6 +277,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Serve': grpc.unary_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.ServeRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -326,6 +348,33 @@ class DecodeWorker:
             target,
             '/baton.v1.DecodeWorker/Decode',
             baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/Serve',
+            baton_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
