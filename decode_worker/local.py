@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Iterator
+from dataclasses import replace
 
 from baton.contract import DecodeChunk, ServeInput
 from baton.engine.loop import EngineLoop
@@ -51,7 +52,7 @@ class LocalServe:
                     raise RuntimeError(last.error)
                 self.metrics.generation_tokens.labels(self.metrics.role).inc(len(chunk.token_ids))
                 if first:
-                    chunk = DecodeChunk(chunk.token_ids, chunk.finish_reason, last.cached_tokens)
+                    chunk = replace(chunk, cached_tokens=last.cached_tokens)
                     first = False
                 if last.finished:
                     self.metrics.request_ended(last.finish_reason.value)

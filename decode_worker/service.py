@@ -35,7 +35,9 @@ def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOu
         except queue.Empty:
             break
         tokens.extend(out.new_token_ids)
-    return DecodeChunk(tuple(tokens), out.finish_reason if out.finished else None), out
+    if not out.finished:
+        return DecodeChunk(tuple(tokens)), out
+    return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens), out
 
 
 class DecodeService:

@@ -121,8 +121,13 @@ class LocalAttempt:
             ttft_ms = (time.perf_counter() - start) * 1000
             cached = first.cached_tokens
             chunk = first
+            output: list[int] = []
             while True:
                 finished = chunk.finish_reason is not None
+                output.extend(chunk.token_ids)
+                if finished:
+                    self.orch.locator.hint(self.d, self.prompt + tuple(output),
+                                           chunk.snapshot_tokens)
                 yield self._chunk(chunk, cached, start, ttft_ms, retries)
                 if finished:
                     return

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from baton.config.router import RouterConfig
 from baton.contract import SnapshotEvent, WorkerView
+from baton.contract.prefix_hash import snapshot_key
 from router.prefix_index import PrefixIndex
 
 
@@ -40,6 +41,19 @@ class SnapshotLocator:
                     if worker_id in ids:
                         best[worker_id] = max(best.get(worker_id, 0), n)
         return best
+
+    def hint(self, worker: WorkerView, tokens: Sequence[int], num_tokens: int) -> None:
+        """`worker` said (last Decode or Serve message) that it now holds a decode-end snapshot
+        of `tokens[:num_tokens]`: index it now, so the conversation's next turn, which may
+        arrive before the worker's next heartbeat, finds it. Heartbeats confirm or evict it."""
+        if num_tokens <= 0 or num_tokens > len(tokens):
+            return
+        k = snapshot_key(tokens, num_tokens, worker.tokens_per_block)
+        ev = [SnapshotEvent(True, k.block_hash, k.snapshot_hash, num_tokens)]
+        if self._policy is not None:
+            self._policy.observe(worker.worker_id, ev)
+        else:
+            self.observe(worker.worker_id, ev)
 
     def observe(self, worker_id: str, events: Sequence[SnapshotEvent]) -> None:
         with self._lock:

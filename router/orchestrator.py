@@ -280,8 +280,13 @@ class _Attempt:
                 yield self._chunk(first_ids, first, reason, start, ttft_ms, retries)
                 return
             yield self._chunk(first_ids, first, None, start, ttft_ms, retries)
+            output = list(first_ids)
             for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
                 finished = chunk.finish_reason is not None
+                output.extend(chunk.token_ids)
+                if finished:  # the decode-end snapshot, known before the next turn arrives
+                    self.orch.locator.hint(self.d, self.prompt + tuple(output),
+                                           chunk.snapshot_tokens)
                 yield self._chunk(
                     chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
                 )

@@ -204,12 +204,14 @@ class HybridCacheManager:
             raise ValueError(f"commit for {req_id!r}: token_ids are not the prompt's first {n}")
         return self._snapshot(live, token_ids)
 
-    def finish(self, req_id: str, token_ids: list[int]) -> None:
-        """The request is done: commit its decode-end snapshot if configured, then release."""
+    def finish(self, req_id: str, token_ids: list[int]) -> bool:
+        """The request is done: commit its decode-end snapshot if configured, then release.
+        True when that snapshot is held now."""
         live = self._get(req_id)
         try:
             if self._reuse and self.policy.decode_end_snapshot and token_ids:
-                self._snapshot(live, token_ids)
+                return self._snapshot(live, token_ids)
+            return False
         finally:
             self._release(req_id)
 

@@ -122,6 +122,9 @@ class DecodeChunk:
     """Set on the last chunk only."""
     cached_tokens: int = 0
     """Serve only, on the first chunk: prompt tokens the worker restored from a snapshot."""
+    snapshot_tokens: int = 0
+    """Last chunk only: the decode-end snapshot the worker now holds covers this many tokens
+    of prompt + output (0: none taken)."""
 
 
 @dataclass(frozen=True)

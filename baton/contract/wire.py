@@ -330,12 +330,13 @@ def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
 
 
 def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
-    return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason), m.cached_tokens)
+    return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason), m.cached_tokens,
+                       m.snapshot_tokens)
 
 
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
     return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason),
-                              cached_tokens=c.cached_tokens)
+                              cached_tokens=c.cached_tokens, snapshot_tokens=c.snapshot_tokens)
 
 
 def serve_to_pb(r: ServeInput) -> wpb.ServeRequest:

@@ -291,7 +291,7 @@ class Engine:
 
     def _append_tokens(self, pairs: list[tuple[Request, int]]) -> list[RequestOutput]:
         now = time.monotonic()
-        outs, done = [], []
+        done = []
         for req, tok in pairs:
             req.output_ids.append(tok)
             if req.first_token_time is None:
@@ -301,10 +301,10 @@ class Engine:
                 req.finish_reason = reason
                 req.finish_time = now
                 done.append(req)
-            outs.append(self._output(req, (tok,), finished=bool(reason) or req.prefill_only))
-        if done:
+        if done:  # before the outputs: a last output says which decode-end snapshot it left
             self._finish(done)
-        return outs
+        return [self._output(req, (tok,), finished=req.finish_reason is not None
+                             or req.prefill_only) for req, tok in pairs]
 
     def _finish_reason(self, req: Request, tok: int) -> FinishReason | None:
         s = req.sampling
@@ -333,7 +333,8 @@ class Engine:
                 if broken:  # a half-run forward leaves a state no snapshot may keep
                     self.cache.abort(r.id)
                 else:
-                    self.cache.finish(r.id, r.all_ids[: r.num_computed])
+                    if self.cache.finish(r.id, r.all_ids[: r.num_computed]):
+                        r.end_snapshot_tokens = r.num_computed
             except Exception:  # noqa: BLE001 - the request finished; its neighbours go on
                 log.exception("releasing finished request %s failed", r.id)
 
@@ -352,4 +353,5 @@ class Engine:
             cached_tokens=req.cached_tokens,
             ttft_ms=ttft,
             latency_ms=latency,
+            snapshot_tokens=req.end_snapshot_tokens if finished else 0,
         )
