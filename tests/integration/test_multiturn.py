@@ -124,12 +124,12 @@ def test_eight_six_turn_chats_reuse_the_decode_end_state(setup):
     for s in range(8):
         (spec0, first), *rest = results[s]
         assert first["cached_tokens"] == 0 and first["prefill_worker"], first
-        prev_spec, prev = spec0, first
+        prev_spec = spec0
         for spec, res in rest:
             # the whole previous turn (prompt + answer) was restored on the serving worker
             assert res["cached_tokens"] >= len(prev_spec.prompt_ids) + 8 - 1, (spec.id, res)
             assert res["prefill_worker"] == "" and res["decode_worker"] == first["decode_worker"]
-            prev_spec, prev = spec, res
+            prev_spec = spec
     counts = path_counts(cluster)
     assert counts[("decode_only", "decode_snapshot")] >= 40, counts
     decode = [w for w in list_workers(cluster.address) if w.role == baton_pb2.WORKER_ROLE_DECODE]
