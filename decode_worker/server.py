@@ -45,8 +45,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     "serve %s: %s", rid, e)
             abort_with(context, e)
 
+    def HoldSnapshot(self, request, context):
+        try:
+            res = self.service.shipper.hold(wire.reserve_from_pb(request))
+            return wire.reservation_to_pb(res)
+        except (BatonError, ValueError) as e:
+            log.info("hold snapshot %s: %s", request.request_id, e)
+            abort_with(context, e)
+
     def Abort(self, request, context):
-        return baton_pb2.AbortReply(found=self.service.abort(request.request_id))
+        rid = request.request_id
+        held = self.service.shipper is not None and self.service.shipper.release(rid)
+        return baton_pb2.AbortReply(found=self.service.abort(rid) or held)
 
     def Stats(self, request, context):
         return baton_pb2.StatsReply(
@@ -54,5 +64,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             load=wire.load_to_pb(load_of(self.service.loop)),
             counters={**counters_of(self.service.loop, request.pool_checksum),
                       "local_requests": float(self.service.local.requests),
-                      "local_declined": float(self.service.local.declined)},
+                      "local_declined": float(self.service.local.declined),
+                      "snapshots_held_for_pull": float(self.service.shipper.holds
+                                                       if self.service.shipper else 0)},
         )

@@ -57,6 +57,8 @@ class DecodeService:
         self._lock = threading.Lock()
         self.local = LocalServe(loop, self.metrics, drain_chunk)
         """Requests served here alone, prompt included (conditional disaggregation)."""
+        self.shipper = None
+        """HoldSnapshot (decode_worker/ship.py), set by the role's `attach`."""
 
     def reserve(self, inp: ReserveInput) -> Reservation:
         request_id = inp.request_id
@@ -130,6 +132,8 @@ class DecodeService:
     def close(self) -> None:
         self.events.stop()
         self.receiver.close()  # tells connected prefill workers `bye`
+        if self.shipper is not None:
+            self.shipper.close()
 
     def _start_lease(self, request_id: str) -> None:
         t = threading.Timer(self.lease_seconds, self._lease_expired, args=(request_id,))

@@ -126,8 +126,8 @@ class LocalAttempt:
                 finished = chunk.finish_reason is not None
                 output.extend(chunk.token_ids)
                 if finished:
-                    self.orch.locator.hint(self.d, self.prompt + tuple(output),
-                                           chunk.snapshot_tokens)
+                    self.orch.turn_ended(self.d, self.prompt + tuple(output),
+                                         chunk.snapshot_tokens)
                 yield self._chunk(chunk, cached, start, ttft_ms, retries)
                 if finished:
                     return

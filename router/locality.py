@@ -31,9 +31,10 @@ class SnapshotLocator:
     def matched_tokens(self, tokens: Sequence[int],
                        candidates: Sequence[WorkerView]) -> dict[str, int]:
         """Per candidate, the prompt tokens its deepest reported snapshot covers (0: none)."""
-        if self._policy is not None:
-            return self._policy.matched_tokens(tokens, candidates)
         ids = {w.worker_id for w in candidates}
+        if self._policy is not None:  # its index holds every worker's: keep the candidates'
+            got = self._policy.matched_tokens(tokens, candidates)
+            return {w: n for w, n in got.items() if w in ids}
         best: dict[str, int] = {}
         with self._lock:
             for tpb in sorted({w.tokens_per_block for w in candidates}):

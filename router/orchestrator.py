@@ -57,6 +57,7 @@ from router.conditional import DISAGGREGATED, LOCAL, LocalAttempt, PathCounts, d
 from router.locality import SnapshotLocator
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
+from router.shipping import DecodeEndShipper
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class Orchestrator:
             registry.add_listener(self.locator)
         self.paths = PathCounts()
         """Requests by path (decode worker alone or prefill + decode) and reason."""
+        self.shipper = DecodeEndShipper(self)
+        """Decode-end snapshots shipped back to prefill workers (router/shipping.py)."""
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
         """Validates, then streams the request's chunks; the last one carries the summary.
@@ -205,6 +208,13 @@ class Orchestrator:
             raise InvalidRequestError(f"prompt_ids must be >= 0, got {bad[:5]}")
         return ids
 
+    def turn_ended(self, decode: WorkerView, tokens: tuple[int, ...], snapshot_tokens: int):
+        """A request finished on `decode`, leaving a decode-end snapshot of
+        `tokens[:snapshot_tokens]` (0: none): index it now and ship it back if no prefill
+        worker has it."""
+        self.locator.hint(decode, tokens, snapshot_tokens)
+        self.shipper.after_turn(decode, tokens, snapshot_tokens)
+
     def _local_decode(self, prompt, choice: RouteChoice, skip: set[str]):
         """(decode worker to serve the request alone or None, the reason): conditional.decide."""
         if self.config.local_prefill_max_tokens == 0:
@@ -285,8 +295,8 @@ class _Attempt:
                 finished = chunk.finish_reason is not None
                 output.extend(chunk.token_ids)
                 if finished:  # the decode-end snapshot, known before the next turn arrives
-                    self.orch.locator.hint(self.d, self.prompt + tuple(output),
-                                           chunk.snapshot_tokens)
+                    self.orch.turn_ended(self.d, self.prompt + tuple(output),
+                                         chunk.snapshot_tokens)
                 yield self._chunk(
                     chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
                 )

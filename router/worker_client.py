@@ -31,6 +31,7 @@ from baton.contract import (
     ReserveInput,
     Role,
     ServeInput,
+    SnapshotShipment,
     WorkerView,
     wire,
 )
@@ -105,6 +106,20 @@ class GrpcWorkerClient:
             raise self._error("Serve", req.request_id, e, cancel) from e
         finally:
             call.cancel()
+
+    def hold_snapshot(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
+        """Decode worker: hold its snapshot of exactly `req.prompt_ids` for a pull."""
+        reply = self._unary("HoldSnapshot", self._stub.HoldSnapshot, wire.reserve_to_pb(req),
+                            self.config.reserve_timeout_seconds, cancel)
+        res = wire.reservation_from_pb(reply)
+        return res if res.worker_id else replace(res, worker_id=self.worker_id)
+
+    def pull_snapshot(self, shipment: SnapshotShipment, cancel: Cancellation) -> int:
+        """Prefill worker: read the held snapshot in and commit it; returns blocks read."""
+        reply = self._unary("PullSnapshot", self._stub.PullSnapshot,
+                            wire.shipment_to_pb(shipment),
+                            shipment.source.lease_seconds + 5, cancel)
+        return reply.blocks_pulled
 
     def abort(self, request_id: str) -> bool:
         if self.ejected:

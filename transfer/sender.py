@@ -57,6 +57,8 @@ class _InFlight:
     """Layers still to post (layer-wise mode)."""
     announced: list[_Peer] = field(default_factory=list)
     """Decode stages told `posted` (once each: their pollers watch until it lands)."""
+    read: bool = False
+    """The other way round: READ the peer's units into the local ones (nothing to tell it)."""
 
 
 class Sender:
@@ -83,18 +85,20 @@ class Sender:
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
              skip_blocks: int = 0, incarnation: str | None = None,
-             layerwise: bool = False) -> None:
+             layerwise: bool = False, read: bool = False) -> None:
         """Start moving one request to every decode stage in `endpoint`; never blocks on data.
         `incarnation`: the receiver the destination was reserved on; another one (the decode
         worker restarted at the same endpoint) fails the request before a byte moves.
         Layer-wise, nothing leaves before `layers_done` (the prefill worker asks for it when
-        `transfer.layerwise` is on and the request's last chunk is still to run)."""
+        `transfer.layerwise` is on and the request's last chunk is still to run).
+        `read`: the other way round, one-sided: the peer's `dst` blocks and slot (a decode
+        worker's held snapshot) are read into the local `src` ones; done when they are here."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         with self._lock:
             if request_id in self._inflight:
                 raise TransferError(f"request {request_id!r} is already being sent")
             fl = _InFlight(time.monotonic() + self.cfg.lease_seconds, [],
-                           (dst_slot, list(dst_block_ids[skip_blocks:])))
+                           (dst_slot, list(dst_block_ids[skip_blocks:])), read=read)
             self._inflight[request_id] = fl
             try:
                 for ep in endpoints:
@@ -207,7 +211,9 @@ class Sender:
         slot, blocks = fl.notify
         for peer, p in fl.plans:
             part = p if layers >= set(p.layers) else p.select(sorted(layers))
-            if part.layers:
+            if part.layers and fl.read:
+                fl.posts.append((peer, self._transport.read(peer.handle, part)))
+            elif part.layers:
                 post = self._transport.post(peer.handle, part,
                                             wire.landed(rid, part.layers, slot, blocks))
                 fl.posts.append((peer, post))

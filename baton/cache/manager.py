@@ -173,6 +173,24 @@ class HybridCacheManager:
         self._rhit += cached
         return Admission(cached, list(live.table), live.slot, ())
 
+    def hold_snapshot(self, req_id: str, tokens: list[int]) -> Admission | None:
+        """To ship a snapshot of exactly `tokens` to another worker: restore it into a fresh
+        live slot, its blocks locked (shared full blocks, a private copy of a partial page),
+        until `abort(req_id)`. None, holding nothing, when no such snapshot is held now."""
+        self._check_new(req_id, tokens)
+        if not self._reuse:
+            return None
+        m = self.tree.match(tokens, len(tokens))
+        if m.cached_tokens != len(tokens):
+            return None
+        live = self._register(req_id, tokens, m.node)
+        try:
+            self._restore(live, m.snapshot)
+        except CapacityError:
+            self._release(req_id)
+            raise
+        return Admission(m.cached_tokens, list(live.table), live.slot, ())
+
     def ensure_blocks(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's block table to cover `num_tokens` tokens, evicting if needed."""
         live = self._get(req_id)
@@ -212,6 +230,15 @@ class HybridCacheManager:
             if self._reuse and self.policy.decode_end_snapshot and token_ids:
                 return self._snapshot(live, token_ids)
             return False
+        finally:
+            self._release(req_id)
+
+    def adopt(self, req_id: str, token_ids: list[int]) -> bool:
+        """A snapshot shipped in by transfer (`admit_remote` reserved it) has landed: commit
+        it as this worker's own snapshot of `token_ids`, then release. True when held now."""
+        live = self._get(req_id)
+        try:
+            return self._reuse and self._snapshot(live, token_ids)
         finally:
             self._release(req_id)
 

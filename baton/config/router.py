@@ -58,6 +58,12 @@ class RouterConfig:
     tokens left to compute, the request runs on that decode worker alone, which prefills the
     increment between its decode steps; otherwise through a prefill worker (0 = never)."""
 
+    ship_decode_end_state: bool = True
+    """After a turn leaves a decode-end snapshot on its decode worker that no prefill worker
+    holds, the router has it shipped (KV + Mamba state, over the transfer layer, in the
+    background) to the prefill worker holding the deepest part of it, so a later turn routed
+    through a prefill worker restores the whole previous turn instead of recomputing it."""
+
     def __post_init__(self) -> None:
         if not (isinstance(self.local_prefill_max_tokens, int)
                 and self.local_prefill_max_tokens >= 0):

@@ -16,6 +16,7 @@ from baton.contract.types import (
     Role,
     ServeInput,
     SnapshotEvent,
+    SnapshotShipment,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -25,6 +26,6 @@ from baton.sampling import SamplingParams
 __all__ = [
     "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
-    "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent",
+    "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent", "SnapshotShipment",
     "WorkerInfo", "WorkerLoad", "WorkerView",
 ]

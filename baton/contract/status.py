@@ -9,6 +9,7 @@
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
     RequestCancelled      CANCELLED            the client went away
     LocalPrefillDeclined  FAILED_PRECONDITION  a decode worker will not prefill that much alone
+    SnapshotGone          FAILED_PRECONDITION  the snapshot to ship was evicted meanwhile
     anything else         INTERNAL
 
 The HTTP API answers each status with the code in HTTP_STATUS (OpenAI's codes: 400, 429, 503).
@@ -26,6 +27,7 @@ from baton.errors import (
     NotPermittedError,
     NoWorkersError,
     RequestCancelled,
+    SnapshotGone,
     TransferError,
     WorkerFailed,
 )
@@ -40,6 +42,7 @@ STATUS_OF = {
     TransferError: grpc.StatusCode.UNAVAILABLE,
     RequestCancelled: grpc.StatusCode.CANCELLED,
     LocalPrefillDeclined: grpc.StatusCode.FAILED_PRECONDITION,
+    SnapshotGone: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

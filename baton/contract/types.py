@@ -10,6 +10,9 @@ Life of a request, in contract types:
   router   request id + first token ────► decode worker ──► DecodeChunk ... (finish_reason)
   or, conditional disaggregation (the decode worker holds the prompt's deepest snapshot):
   router   ServeInput ──────────────────► decode worker ──► DecodeChunk ... (first: cached_tokens)
+  decode-end state shipped back, in the background after a turn:
+  router   ReserveInput ────────────────► decode worker (HoldSnapshot) ──► Reservation (source)
+  router   SnapshotShipment ────────────► prefill worker (PullSnapshot) ──► NIXL READ, commit
   router   GenerateChunk ... (summary on the last one) ──► client
   workers  WorkerInfo / WorkerLoad / SnapshotEvent ──► router (Register, Heartbeat)
 """
@@ -113,6 +116,17 @@ class ServeInput:
     sampling: SamplingParams
     session_id: str = ""
     max_uncached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SnapshotShipment:
+    """A decode worker's held snapshot of exactly `token_ids` (a whole finished turn), for a
+    prefill worker to pull (the decode-end state shipped back); `source` is the decode
+    worker's signed HoldSnapshot reply: where the blocks and the state slot lie."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    source: Reservation
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from baton.contract.types import (
     Role,
     ServeInput,
     SnapshotEvent,
+    SnapshotShipment,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -347,6 +348,17 @@ def serve_to_pb(r: ServeInput) -> wpb.ServeRequest:
         session_id=r.session_id,
         max_uncached_tokens=r.max_uncached_tokens,
     )
+
+
+def shipment_to_pb(s: SnapshotShipment) -> wpb.PullSnapshotRequest:
+    return wpb.PullSnapshotRequest(request_id=s.request_id, token_ids=s.token_ids,
+                                   source=reservation_to_pb(s.source, wpb.Destination))
+
+
+def shipment_from_pb(m: wpb.PullSnapshotRequest) -> SnapshotShipment:
+    if not m.HasField("source"):
+        raise InvalidRequestError("PullSnapshot needs a source (a HoldSnapshot reply)")
+    return SnapshotShipment(m.request_id, tuple(m.token_ids), reservation_from_pb(m.source))
 
 
 def serve_from_pb(m: wpb.ServeRequest) -> ServeInput:

@@ -118,3 +118,19 @@ class ServeRequest(_message.Message):
     session_id: str
     max_uncached_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., max_uncached_tokens: _Optional[int] = ...) -> None: ...
+
+class PullSnapshotRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "source")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    source: Destination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[Destination, _Mapping]] = ...) -> None: ...
+
+class PullSnapshotReply(_message.Message):
+    __slots__ = ("blocks_pulled",)
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    blocks_pulled: int
+    def __init__(self, blocks_pulled: _Optional[int] = ...) -> None: ...

@@ -141,15 +141,40 @@ def test_eight_six_turn_chats_reuse_the_decode_end_state(setup):
     assert_clean(cluster)
 
 
+def adopted(cluster) -> float:
+    """Decode-end snapshots the prefill workers adopted (shipped back by decode workers)."""
+    return sum(worker_counters(w, cluster.secret.bearer)["snapshots_adopted"]
+               for w in list_workers(cluster.address) if w.role == baton_pb2.WORKER_ROLE_PREFILL)
+
+
+def wait_adopted(cluster, n: float) -> None:
+    deadline = time.monotonic() + 20
+    while adopted(cluster) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert adopted(cluster) >= n
+
+
 def test_an_increment_over_the_limit_goes_through_a_prefill_worker(setup):
-    turns = chat(setup, "big", [prompt(77, 30), prompt(78, 20), prompt(79, LIMIT + 36)])
-    (s0, r0), (s1, r1), (s2, r2) = turns
+    cluster = setup["cluster"]
+    before = adopted(cluster)
+    # turn 2 runs on the decode worker alone; its decode-end state is shipped back to the
+    # prefill worker of turn 1 in the background (after each turn: two shipments)
+    turns = chat(setup, "big", [prompt(77, 30), prompt(78, 20)],
+                 between=lambda t: wait_adopted(cluster, before + t))
+    wait_adopted(cluster, before + 2)
+    history = turns[1][0].prompt_ids + turns[1][1]["token_ids"]
+    spec = RequestSpec("big-t2", prompt_ids=history + prompt(79, LIMIT + 36), session="big",
+                       sampling=greedy(8))
+    r2 = generate_one(setup["stub"], spec)
+    (s0, r0), (s1, r1) = turns
     assert r1["prefill_worker"] == "" and r1["cached_tokens"] == 30 + 8
     assert r2["prefill_worker"] != "", r2
-    # the prefill worker that served turn 1 holds its prompt-end snapshot: 30 tokens
-    assert r2["prefill_worker"] == r0["prefill_worker"] and r2["cached_tokens"] == 30
-    assert {s.id: r["token_ids"] for s, r in turns} == local_tokens(setup, [s0, s1, s2])
-    assert path_counts(setup["cluster"])[("prefill_decode", "increment_too_large")] >= 1
+    # the prefill worker restores the whole of turn 2 (30 + 8 + 20 + 8 tokens), shipped back
+    assert r2["cached_tokens"] == 66, r2
+    assert {s.id: r["token_ids"] for s, r in [*turns, (spec, r2)]} == \
+        local_tokens(setup, [s0, s1, spec])
+    assert path_counts(cluster)[("prefill_decode", "increment_too_large")] >= 1
+    assert_clean(cluster)
 
 
 def test_decodes_keep_pace_while_their_worker_prefills_increments(setup):
@@ -170,15 +195,16 @@ def test_decodes_keep_pace_while_their_worker_prefills_increments(setup):
 
     def gaps(stream_spec, during=None) -> list[float]:
         from baton.client.remote import to_pb
-        times = []
-        started = False
+        gaps, last, n = [], None, 0
         for msg in stub.Generate(to_pb(stream_spec), timeout=120):
-            now = time.perf_counter()
-            times.extend([now] * len(msg.token_ids))
-            if during is not None and not started and len(times) >= 20:
-                started = True
+            now, k = time.perf_counter(), len(msg.token_ids)
+            if last is not None and k and n >= 20:  # a message of k tokens covers k gaps
+                gaps.extend([(now - last) / k] * k)
+            if k:
+                last, n = now, n + k
+            if during is not None and not during.is_alive() and n >= 20 and not gaps:
                 during.start()
-        return [b - a for a, b in zip(times[20:], times[21:], strict=False)]
+        return gaps
 
     history = owner[0][0].prompt_ids + owner[0][1]["token_ids"]
     alone = gaps(RequestSpec("long-a", prompt_ids=history + prompt(601, 20), session="long",
@@ -201,9 +227,15 @@ def test_decodes_keep_pace_while_their_worker_prefills_increments(setup):
     def p99(xs):
         return sorted(xs)[int(0.99 * (len(xs) - 1))]
 
-    # 2x, plus 30 ms for a shared, loaded machine: on this CPU tiny model a step that also
-    # prefills a chunk runs a second forward, so its gap alone is 2-3x a decode step's
-    assert p99(busy) <= 2 * p99(alone) + 0.03, (p99(busy), p99(alone))
+    def p50(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    print(f"ITL alone p50 {p50(alone) * 1e3:.1f} ms p99 {p99(alone) * 1e3:.1f} ms; with local "
+          f"prefills p50 {p50(busy) * 1e3:.1f} ms p99 {p99(busy) * 1e3:.1f} ms")
+    # generous bounds for a shared, loaded 2-core machine: on this CPU tiny model a step that
+    # also prefills a chunk runs a second forward, so its gap alone is 2-5x a decode step's
+    assert p50(busy) <= 3 * p50(alone) + 0.01, (p50(busy), p50(alone))
+    assert p99(busy) <= 2 * p99(alone) + 0.06, (p99(busy), p99(alone))
 
 
 def test_a_killed_decode_worker_moves_the_session(setup):
@@ -212,9 +244,12 @@ def test_a_killed_decode_worker_moves_the_session(setup):
     cluster = setup["cluster"]
     messages = [prompt(900 + t, 20) for t in range(4)]
 
+    before = adopted(cluster)
+
     def kill_holder(turn):
         if turn != 2:
             return
+        wait_adopted(cluster, before + 2)  # turn 2's decode-end state reached a prefill worker
         holder = done[1][1]["decode_worker"]
         pid = int(holder.split("-")[-2])
         victim = next(p for p in cluster.procs if p.pid == pid)
@@ -233,8 +268,9 @@ def test_a_killed_decode_worker_moves_the_session(setup):
         history = spec.prompt_ids + res["token_ids"]
     (s0, r0), (s1, r1), (s2, r2), (s3, r3) = done
     assert r1["prefill_worker"] == "" and r1["cached_tokens"] == 20 + 8
-    # turn 3: the holder is gone; the prefill worker of turn 1 still has its 20-token prompt
-    assert r2["prefill_worker"] == r0["prefill_worker"] and r2["cached_tokens"] == 20, r2
+    # turn 3: the holder is gone; a prefill worker holds turn 2's decode-end state, shipped
+    # back before the kill: 20 + 8 + 20 + 8 tokens
+    assert r2["prefill_worker"] and r2["cached_tokens"] == 56, r2
     assert r2["decode_worker"] != r1["decode_worker"]
     # turn 4: back on the surviving decode worker, from turn 3's decode-end snapshot
     assert r3["prefill_worker"] == "" and r3["decode_worker"] == r2["decode_worker"]
