@@ -195,14 +195,15 @@ def test_decodes_keep_pace_while_their_worker_prefills_increments(setup):
 
     def gaps(stream_spec, during=None) -> list[float]:
         from baton.client.remote import to_pb
-        gaps, last, n = [], None, 0
+        gaps, last, n, started = [], None, 0, False
         for msg in stub.Generate(to_pb(stream_spec), timeout=120):
             now, k = time.perf_counter(), len(msg.token_ids)
             if last is not None and k and n >= 20:  # a message of k tokens covers k gaps
                 gaps.extend([(now - last) / k] * k)
             if k:
                 last, n = now, n + k
-            if during is not None and not during.is_alive() and n >= 20 and not gaps:
+            if during is not None and n >= 20 and not started:
+                started = True
                 during.start()
         return gaps
 
