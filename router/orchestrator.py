@@ -208,12 +208,13 @@ class Orchestrator:
             raise InvalidRequestError(f"prompt_ids must be >= 0, got {bad[:5]}")
         return ids
 
-    def turn_ended(self, decode: WorkerView, tokens: tuple[int, ...], snapshot_tokens: int):
-        """A request finished on `decode`, leaving a decode-end snapshot of
-        `tokens[:snapshot_tokens]` (0: none): index it now and ship it back if no prefill
-        worker has it."""
+    def turn_ended(self, decode: WorkerView, tokens: tuple[int, ...], snapshot_tokens: int,
+                   prefill: WorkerView | None = None):
+        """A request finished on `decode` (its prompt computed by `prefill`, None: by the
+        decode worker), leaving a decode-end snapshot of `tokens[:snapshot_tokens]` (0: none):
+        index it now and ship it back if no prefill worker has it."""
         self.locator.hint(decode, tokens, snapshot_tokens)
-        self.shipper.after_turn(decode, tokens, snapshot_tokens)
+        self.shipper.after_turn(decode, tokens, snapshot_tokens, prefill)
 
     def _local_decode(self, prompt, choice: RouteChoice, skip: set[str]):
         """(decode worker to serve the request alone or None, the reason): conditional.decide."""
@@ -296,7 +297,7 @@ class _Attempt:
                 output.extend(chunk.token_ids)
                 if finished:  # the decode-end snapshot, known before the next turn arrives
                     self.orch.turn_ended(self.d, self.prompt + tuple(output),
-                                         chunk.snapshot_tokens)
+                                         chunk.snapshot_tokens, self.p)
                 yield self._chunk(
                     chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
                 )

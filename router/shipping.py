@@ -39,13 +39,15 @@ class DecodeEndShipper:
         self._slots = threading.BoundedSemaphore(MAX_INFLIGHT)
         self.shipped = self.failed = self.skipped = 0
 
-    def after_turn(self, decode: WorkerView, tokens: Sequence[int], num_tokens: int) -> None:
+    def after_turn(self, decode: WorkerView, tokens: Sequence[int], num_tokens: int,
+                   prefill: WorkerView | None = None) -> None:
         """`decode` now holds a snapshot of `tokens[:num_tokens]`: ship it if no prefill
-        worker has it. Returns at once; the shipment runs in a thread."""
+        worker has it (preferring `prefill`, which computed this turn's prompt, on a tie: its
+        heartbeat may not have reported that yet). Returns at once; a thread ships it."""
         if not self.orch.config.ship_decode_end_state or num_tokens <= 0:
             return
         snap = tuple(tokens[:num_tokens])
-        target = self._target(snap)
+        target = self._target(snap, prefill.worker_id if prefill is not None else "")
         if target is None:
             return
         if not self._slots.acquire(blocking=False):
@@ -54,7 +56,7 @@ class DecodeEndShipper:
         threading.Thread(target=self._ship, args=(decode, target, snap), daemon=True,
                          name="ship-decode-end").start()
 
-    def _target(self, snap: tuple[int, ...]) -> WorkerView | None:
+    def _target(self, snap: tuple[int, ...], preferred: str) -> WorkerView | None:
         prefill = self.orch.registry.workers(Role.PREFILL)
         if not prefill:
             return None
@@ -62,7 +64,8 @@ class DecodeEndShipper:
         matched = self.orch.locator.matched_tokens(snap + (0,), prefill)
         if any(n >= len(snap) for n in matched.values()):
             return None
-        return min(prefill, key=lambda w: (-matched.get(w.worker_id, 0), *w.load_key()))
+        return min(prefill, key=lambda w: (-matched.get(w.worker_id, 0),
+                                           w.worker_id != preferred, *w.load_key()))
 
     def _ship(self, decode: WorkerView, target: WorkerView, snap: tuple[int, ...]) -> None:
         rid = f"ship-{uuid.uuid4().hex}"

@@ -169,8 +169,9 @@ def test_an_increment_over_the_limit_goes_through_a_prefill_worker(setup):
     (s0, r0), (s1, r1) = turns
     assert r1["prefill_worker"] == "" and r1["cached_tokens"] == 30 + 8
     assert r2["prefill_worker"] != "", r2
-    # the prefill worker restores the whole of turn 2 (30 + 8 + 20 + 8 tokens), shipped back
-    assert r2["cached_tokens"] == 66, r2
+    # the prefill worker of turn 1 restores the whole of turn 2 (30 + 8 + 20 + 8 tokens),
+    # shipped back to it
+    assert r2["prefill_worker"] == r0["prefill_worker"] and r2["cached_tokens"] == 66, r2
     assert {s.id: r["token_ids"] for s, r in [*turns, (spec, r2)]} == \
         local_tokens(setup, [s0, s1, spec])
     assert path_counts(cluster)[("prefill_decode", "increment_too_large")] >= 1
@@ -269,9 +270,9 @@ def test_a_killed_decode_worker_moves_the_session(setup):
         history = spec.prompt_ids + res["token_ids"]
     (s0, r0), (s1, r1), (s2, r2), (s3, r3) = done
     assert r1["prefill_worker"] == "" and r1["cached_tokens"] == 20 + 8
-    # turn 3: the holder is gone; a prefill worker holds turn 2's decode-end state, shipped
-    # back before the kill: 20 + 8 + 20 + 8 tokens
-    assert r2["prefill_worker"] and r2["cached_tokens"] == 56, r2
+    # turn 3: the holder is gone; the prefill worker of turn 1 holds turn 2's decode-end
+    # state, shipped back before the kill: 20 + 8 + 20 + 8 tokens
+    assert r2["prefill_worker"] == r0["prefill_worker"] and r2["cached_tokens"] == 56, r2
     assert r2["decode_worker"] != r1["decode_worker"]
     # turn 4: back on the surviving decode worker, from turn 3's decode-end snapshot
     assert r3["prefill_worker"] == "" and r3["decode_worker"] == r2["decode_worker"]
