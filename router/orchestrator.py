@@ -161,6 +161,7 @@ class Orchestrator:
             if local is not None:
                 run = LocalAttempt(self, rid, wid, prompt, inp, local, cancel)
             else:
+                self.shipper.wait_for(choice.prefill, prompt)  # a turn on its way there
                 run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
             try:
                 first = run.start()

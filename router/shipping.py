@@ -14,7 +14,9 @@ since. So, when no prefill worker holds that snapshot yet:
     D.Abort                        releases the hold (its lease would otherwise)
 
 At most MAX_INFLIGHT shipments run at once; past that a turn's shipment is skipped (a later
-turn's covers it). A failure is logged and costs nothing but the missed reuse.
+turn's covers it). A failure is logged and costs nothing but the missed reuse. A request about
+to go through a prefill worker that a shipment of a prefix of its prompt is still heading to
+waits for it (at most WAIT_S): a pull is far cheaper than recomputing the turn it carries.
 """
 
 from __future__ import annotations
@@ -30,14 +32,27 @@ from router.cancellation import Cancellation
 
 log = logging.getLogger(__name__)
 
-MAX_INFLIGHT = 4
+MAX_INFLIGHT = 32
+WAIT_S = 2.0
 
 
 class DecodeEndShipper:
     def __init__(self, orch):
         self.orch = orch
         self._slots = threading.BoundedSemaphore(MAX_INFLIGHT)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, list[tuple[tuple[int, ...], threading.Event]]] = {}
+        """Per target prefill worker, the snapshots on their way there."""
         self.shipped = self.failed = self.skipped = 0
+
+    def wait_for(self, prefill: WorkerView, prompt: Sequence[int]) -> None:
+        """Before `prompt` goes through `prefill`: wait (at most WAIT_S) for a shipment of a
+        prefix of it still heading there."""
+        with self._lock:
+            pending = [done for snap, done in self._inflight.get(prefill.worker_id, ())
+                       if len(snap) < len(prompt) and tuple(prompt[:len(snap)]) == snap]
+        for done in pending:
+            done.wait(WAIT_S)
 
     def after_turn(self, decode: WorkerView, tokens: Sequence[int], num_tokens: int,
                    prefill: WorkerView | None = None) -> None:
@@ -53,7 +68,10 @@ class DecodeEndShipper:
         if not self._slots.acquire(blocking=False):
             self.skipped += 1
             return
-        threading.Thread(target=self._ship, args=(decode, target, snap), daemon=True,
+        done = threading.Event()
+        with self._lock:
+            self._inflight.setdefault(target.worker_id, []).append((snap, done))
+        threading.Thread(target=self._ship, args=(decode, target, snap, done), daemon=True,
                          name="ship-decode-end").start()
 
     def _target(self, snap: tuple[int, ...], preferred: str) -> WorkerView | None:
@@ -67,7 +85,8 @@ class DecodeEndShipper:
         return min(prefill, key=lambda w: (-matched.get(w.worker_id, 0),
                                            w.worker_id != preferred, *w.load_key()))
 
-    def _ship(self, decode: WorkerView, target: WorkerView, snap: tuple[int, ...]) -> None:
+    def _ship(self, decode: WorkerView, target: WorkerView, snap: tuple[int, ...],
+              done: threading.Event) -> None:
         rid = f"ship-{uuid.uuid4().hex}"
         pc, dc = self.orch.clients(target), self.orch.clients(decode)
         cancel = Cancellation()
@@ -85,4 +104,10 @@ class DecodeEndShipper:
                      decode.worker_id, target.worker_id, e)
         finally:
             dc.abort(rid)  # releases the hold
+            with self._lock:
+                mine = self._inflight.get(target.worker_id, [])
+                mine[:] = [x for x in mine if x[1] is not done]
+                if not mine:
+                    self._inflight.pop(target.worker_id, None)
+            done.set()
             self._slots.release()
