@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from baton.config import BatonConfig
 from baton.config.router import RouterConfig
-from baton.contract import DecodeChunk, FinishReason, Role, ServeInput, WorkerLoad, WorkerView, wire
+from baton.contract import (
+    DecodeChunk,
+    FinishReason,
+    Reservation,
+    Role,
+    ServeInput,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerView,
+    wire,
+)
 from baton.errors import ConfigError
 from baton.sampling import SamplingParams
 from router.conditional import decide
 from router.locality import SnapshotLocator
+from router.orchestrator import Orchestrator
 from router.policies import make_policy
+from router.registry import Registry
 
 TPB = 16
 
@@ -66,3 +81,49 @@ def test_serve_and_its_chunks_cross_the_wire_unchanged():
     assert wire.serve_from_pb(wire.serve_to_pb(inp)) == inp
     chunk = DecodeChunk((8, 9), FinishReason.LENGTH, cached_tokens=3, snapshot_tokens=11)
     assert wire.decode_chunk_from_pb(wire.decode_chunk_to_pb(chunk)) == chunk
+
+
+class _Client:
+    """A worker as the shipper calls it; `gate` holds PullSnapshot until set."""
+
+    def __init__(self, wid, log, gate):
+        self.wid, self.log, self.gate = wid, log, gate
+
+    def hold_snapshot(self, req, cancel):
+        self.log.append(("hold", self.wid, len(req.prompt_ids)))
+        return Reservation(self.wid, "tcp://x", (1, 2), 3)
+
+    def pull_snapshot(self, shipment, cancel):
+        self.gate.wait(5)
+        self.log.append(("pull", self.wid, shipment.source.worker_id))
+        return 1
+
+    def abort(self, rid):
+        self.log.append(("abort", self.wid))
+        return True
+
+
+def test_the_decode_end_state_is_shipped_to_the_prefill_worker_of_the_turn():
+    cfg = RouterConfig(policy="prefix_aware")
+    reg = Registry(cfg.eject_after_seconds)
+    for wid, role in (("p1", Role.PREFILL), ("p2", Role.PREFILL), ("d1", Role.DECODE)):
+        reg.register(WorkerInfo(wid, role, f"h:{wid}"))
+    log, gate = [], threading.Event()
+    clients = {w: _Client(w, log, gate) for w in ("p1", "p2", "d1")}
+    orch = Orchestrator(cfg, reg, make_policy(cfg), lambda v: clients[v.worker_id])
+    views = {v.worker_id: v for v in reg.workers()}
+    history = tuple(range(3, 43))
+    orch.turn_ended(views["d1"], history, 40, views["p2"])
+    waiter = threading.Thread(target=orch.shipper.wait_for, args=(views["p2"], history + (7,)))
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive()  # the next turn waits for the shipment heading to its worker
+    gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert log == [("hold", "d1", 40), ("pull", "p2", "d1"), ("abort", "d1")]
+    assert orch.locator.matched_tokens(history + (7,), [views["p2"]]) == {"p2": 40}
+    log.clear()
+    orch.turn_ended(views["d1"], history, 40)  # p2 holds it now: nothing to ship
+    time.sleep(0.1)
+    assert log == []
