@@ -2,7 +2,7 @@
 
     pull(tokens, source)                     source: the decode worker's signed HoldSnapshot
       verify the source's signature          nothing moves for a forgery
-      cache.admit_remote(tokens)             on the loop thread: blocks for the tokens (the
+      cache.admit_pull(tokens)               on the loop thread: blocks for the tokens (the
                                              leading ones held here are shared, not read)
                                              and a live slot
       sender.send(read=True)                 one-sided READ of the held blocks and state slot
@@ -36,7 +36,7 @@ class SnapshotPulls:
         loop, sender, events = self.service.loop, self.service.sender, self.service.events
         cache, pools = loop.engine.cache, loop.engine.pools
         tokens = list(s.token_ids)
-        adm = loop.call(cache.admit_remote, rid, tokens)
+        adm = loop.call(cache.admit_pull, rid, tokens)
         ok = False
         try:
             blocks = adm.block_table if pools.has_kv else []

@@ -158,6 +158,17 @@ class HybridCacheManager:
 
     def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None) -> Admission:
         """Decode side: blocks for the whole prompt (leading full tree blocks shared) + a slot."""
+        adm = self._admit_blocks(req_id, prompt, session)
+        self._rqueried += len(prompt)
+        self._rhit += adm.cached_tokens
+        return adm
+
+    def admit_pull(self, req_id: str, tokens: list[int]) -> Admission:
+        """Like `admit_remote`, for another worker's snapshot of `tokens` to be pulled in and
+        then `adopt`ed; not a prompt, so the prefix hit counters do not see it."""
+        return self._admit_blocks(req_id, tokens, None)
+
+    def _admit_blocks(self, req_id: str, prompt: list[int], session: str | None) -> Admission:
         self._check_new(req_id, prompt)
         node = self.tree.match_blocks(prompt, len(prompt)) if self._reuse else self.tree.root
         live = self._register(req_id, prompt, node)
@@ -169,8 +180,6 @@ class HybridCacheManager:
             self._release(req_id)
             raise
         self._start_turn(live, session)
-        self._rqueried += len(prompt)
-        self._rhit += cached
         return Admission(cached, list(live.table), live.slot, ())
 
     def hold_snapshot(self, req_id: str, tokens: list[int]) -> Admission | None:

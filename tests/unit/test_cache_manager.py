@@ -392,7 +392,7 @@ def test_snapshot_listener_sees_exact_tokens_of_adds_and_drops():
 
 def test_a_snapshot_moves_between_managers_by_hold_and_adopt():
     """Decode side: hold the decode-end snapshot (state in a fresh live slot, blocks locked);
-    prefill side: admit_remote the same tokens, the bytes arrive (copied here as a transfer
+    prefill side: admit_pull the same tokens, the bytes arrive (copied here as a transfer
     would), adopt commits them as its own snapshot; both sides end with nothing held."""
     d, p = make(decode_end=True, slots=6), make(decode_end=True, slots=6)
     history = [1, 2, 3, 4, 5, 6] + [7, 8, 9]  # a turn of 6 prompt tokens, 3 answered
@@ -409,7 +409,9 @@ def test_a_snapshot_moves_between_managers_by_hold_and_adopt():
     held = d.hold_snapshot("ship", history)
     assert held.cached_tokens == 9 and len(held.block_table) == 3
     assert torch.all(d.pools.conv[:, held.slot] == 9.0)
-    dst = p.admit_remote("ship", history)
+    queried = p.stats().remote_queried_tokens
+    dst = p.admit_pull("ship", history)
+    assert p.stats().remote_queried_tokens == queried  # not a prompt: not counted
     assert dst.cached_tokens == 4 and len(dst.block_table) == 3  # block 0 is held: skipped
     for src, dst_b in zip(held.block_table[1:], dst.block_table[1:], strict=True):
         p.pools.kv[:, dst_b] = d.pools.kv[:, src]
