@@ -95,7 +95,7 @@ class DecodeEndShipper:
             n = pc.pull_snapshot(SnapshotShipment(rid, snap, src), cancel)
             self.orch.locator.hint(target, snap, len(snap))
             self.shipped += 1
-            log.info("decode-end snapshot of %d tokens pulled %s -> %s (%d blocks)",
+            log.debug("decode-end snapshot of %d tokens pulled %s -> %s (%d blocks)",
                      len(snap), decode.worker_id, target.worker_id, n)
         except BatonError as e:
             self.failed += 1
