@@ -96,7 +96,7 @@ class DecodeEndShipper:
             self.orch.locator.hint(target, snap, len(snap))
             self.shipped += 1
             log.debug("decode-end snapshot of %d tokens pulled %s -> %s (%d blocks)",
-                     len(snap), decode.worker_id, target.worker_id, n)
+                      len(snap), decode.worker_id, target.worker_id, n)
         except BatonError as e:
             self.failed += 1
             pc.abort(rid)
