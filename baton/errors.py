@@ -57,3 +57,15 @@ class NoWorkersError(BatonError):
 
 class RequestCancelled(BatonError):
     """The client cancelled the request; both workers were told to abort."""
+
+
+class LocalPrefillDeclined(BatonError):
+    """A decode worker asked to serve a request alone (conditional disaggregation) found more
+    prompt tokens to compute than the router's bound allows (its snapshot was evicted since
+    the router's view): nothing was computed; the router sends the request through a prefill
+    worker instead (maps to FAILED_PRECONDITION)."""
+
+
+class SnapshotGone(BatonError):
+    """A worker asked to ship a snapshot no longer holds it (evicted since it was reported);
+    nothing was written (maps to FAILED_PRECONDITION)."""

@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.agentic import run as run_agentic
 from bench.common import checkpoint, cpu_seconds, percentile, pin, runqueue_wait_seconds
 from bench.workload import Workload
 
@@ -246,6 +247,7 @@ def run(args) -> list[dict]:
         os.environ.setdefault("BATON_NUM_THREADS", "1")
         colo = _colocated(path, cfg_file, wl)
         dis = _disaggregated(path, cfg_file, wl)
+        agentic = run_agentic(path, Path(tmp), getattr(args, "quick", False))
     for r in (colo, dis):
         r.update(benchmark="e2e", label=r["mode"], sessions=wl.sessions, turns=wl.turns,
                  torch_threads=int(os.environ["BATON_NUM_THREADS"]))
@@ -253,5 +255,6 @@ def run(args) -> list[dict]:
     dis.update(_verdict(colo, dis))
     dis["ratio"] = dis["itl_p99_ratio"]
     dis["ratio_note"] = "disaggregated p99 ITL / colocated p99 ITL (target <= 0.5)"
+    rows.extend(agentic)
     print(f"[bench e2e] {rows}", file=sys.stderr)
     return rows

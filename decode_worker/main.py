@@ -7,6 +7,7 @@ from baton.proto_gen import worker_pb2_grpc
 from baton.worker.host import serve_until_signalled
 from decode_worker.server import DecodeServicer
 from decode_worker.service import DecodeService
+from decode_worker.ship import SnapshotHolds
 
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
@@ -18,6 +19,9 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
     receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host, key=key)
     service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds, secret,
                             metrics)
+    # HoldSnapshot: decode-end snapshots held for prefill workers to pull back
+    service.shipper = SnapshotHolds(loop, receiver, worker_id, cfg.transfer.lease_seconds,
+                                    secret)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(service), server)
     return service
 

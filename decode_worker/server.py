@@ -6,7 +6,7 @@ import logging
 
 from baton.contract import Role, wire
 from baton.contract.status import abort_with
-from baton.errors import BatonError
+from baton.errors import BatonError, LocalPrefillDeclined
 from baton.proto_gen import baton_pb2, worker_pb2_grpc
 from baton.worker.load import counters_of, load_of
 from decode_worker.service import DecodeService
@@ -34,12 +34,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             log.warning("decode %.80r failed: %s", rid, e)
             abort_with(context, e)
 
+    def Serve(self, request, context):
+        rid = request.request_id
+        context.add_callback(lambda: self.service.abort(rid))
+        try:
+            for chunk in self.service.serve(wire.serve_from_pb(request)):
+                yield wire.decode_chunk_to_pb(chunk)
+        except (BatonError, ValueError, RuntimeError) as e:
+            log.log(logging.INFO if isinstance(e, LocalPrefillDeclined) else logging.WARNING,
+                    "serve %s: %s", rid, e)
+            abort_with(context, e)
+
+    def HoldSnapshot(self, request, context):
+        try:
+            res = self.service.shipper.hold(wire.reserve_from_pb(request))
+            return wire.reservation_to_pb(res)
+        except (BatonError, ValueError) as e:
+            log.info("hold snapshot %s: %s", request.request_id, e)
+            abort_with(context, e)
+
     def Abort(self, request, context):
-        return baton_pb2.AbortReply(found=self.service.abort(request.request_id))
+        rid = request.request_id
+        held = self.service.shipper is not None and self.service.shipper.release(rid)
+        return baton_pb2.AbortReply(found=self.service.abort(rid) or held)
 
     def Stats(self, request, context):
         return baton_pb2.StatsReply(
             worker_id=self.service.worker_id, role=wire.role_to_pb(Role.DECODE),
             load=wire.load_to_pb(load_of(self.service.loop)),
-            counters=counters_of(self.service.loop, request.pool_checksum),
+            counters={**counters_of(self.service.loop, request.pool_checksum),
+                      "local_requests": float(self.service.local.requests),
+                      "local_declined": float(self.service.local.declined),
+                      "snapshots_held_for_pull": float(self.service.shipper.holds
+                                                       if self.service.shipper else 0)},
         )

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import sign_reservation
-from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role
+from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role, ServeInput
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError, UnknownRequestError
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
+from decode_worker.local import LocalServe
 
 log = logging.getLogger("baton.decode")
 
@@ -34,7 +35,9 @@ def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOu
         except queue.Empty:
             break
         tokens.extend(out.new_token_ids)
-    return DecodeChunk(tuple(tokens), out.finish_reason if out.finished else None), out
+    if not out.finished:
+        return DecodeChunk(tuple(tokens)), out
+    return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens), out
 
 
 class DecodeService:
@@ -53,6 +56,10 @@ class DecodeService:
         receiver.on_release = self._quarantine_over
         self._leases: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
+        self.local = LocalServe(loop, self.metrics, drain_chunk)
+        """Requests served here alone, prompt included (conditional disaggregation)."""
+        self.shipper = None
+        """HoldSnapshot (decode_worker/ship.py), set by the role's `attach`."""
 
     def reserve(self, inp: ReserveInput) -> Reservation:
         request_id = inp.request_id
@@ -119,6 +126,10 @@ class DecodeService:
                 self.metrics.request_ended("aborted")
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
 
+    def serve(self, inp: ServeInput) -> Iterator[DecodeChunk]:
+        """Conditional disaggregation: the whole request here (decode_worker/local.py)."""
+        return self.local.serve(inp)
+
     def abort(self, request_id: str) -> bool:
         self._end_lease(request_id)
         self.receiver.abort(request_id)
@@ -128,6 +139,8 @@ class DecodeService:
     def close(self) -> None:
         self.events.stop()
         self.receiver.close()  # tells connected prefill workers `bye`
+        if self.shipper is not None:
+            self.shipper.close()
 
     def _start_lease(self, request_id: str) -> None:
         t = threading.Timer(self.lease_seconds, self._lease_expired, args=(request_id,))

@@ -7,6 +7,7 @@ from baton.proto_gen import worker_pb2_grpc
 from baton.worker.host import serve_until_signalled
 from prefill_worker.server import PrefillServicer
 from prefill_worker.service import PrefillService
+from prefill_worker.snapshots import SnapshotPulls
 
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
@@ -18,6 +19,8 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
     sender = make_sender(cfg.transfer, engine.pools, fp, key)
     service = PrefillService(loop, sender, worker_id, layerwise=cfg.transfer.layerwise,
                              secret=secret, metrics=metrics)
+    # PullSnapshot: decode-end state pulled back from decode workers
+    service.snapshots = SnapshotPulls(service, secret)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(service), server)
     return service
 

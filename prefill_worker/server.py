@@ -9,7 +9,7 @@ import grpc
 from baton.contract import Role, wire
 from baton.contract.status import abort_with
 from baton.errors import BatonError
-from baton.proto_gen import baton_pb2, worker_pb2_grpc
+from baton.proto_gen import baton_pb2, worker_pb2, worker_pb2_grpc
 from baton.worker.load import counters_of, load_of
 from prefill_worker.service import PrefillService
 
@@ -39,6 +39,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             log.warning("prefill %.80r failed: %s", inp.request_id, e)
             abort_with(context, e)
 
+    def PullSnapshot(self, request, context):
+        try:
+            n = self.service.snapshots.pull(wire.shipment_from_pb(request))
+            return worker_pb2.PullSnapshotReply(blocks_pulled=n)
+        except (BatonError, ValueError) as e:
+            log.info("pull snapshot %s: %s", request.request_id, e)
+            abort_with(context, e)
+
     def Abort(self, request, context):
         return baton_pb2.AbortReply(found=self.service.abort(request.request_id))
 
@@ -48,5 +56,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             load=wire.load_to_pb(load_of(self.service.loop)),
             counters={**counters_of(self.service.loop, request.pool_checksum),
                       "transfers_done": float(self.service.transfers_done),
+                      "snapshots_adopted": float(self.service.snapshots.adopted
+                                                 if self.service.snapshots else 0),
                       **self.service.timings.counters()},
         )

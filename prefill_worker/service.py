@@ -106,6 +106,8 @@ class PrefillService:
         self.events = EventRouter(sender.poll, sender.poll_interval)
         self.transfers_done = 0
         self.timings = HandoffTimings()
+        self.snapshots = None
+        """PullSnapshot (prefill_worker/snapshots.py), set by the role's `attach`."""
 
     def prefill(self, inp: PrefillInput,
                 destination: Callable[[], Reservation | None] = lambda: None) -> PrefillResult:

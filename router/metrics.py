@@ -37,7 +37,7 @@ OUTCOME_OF_STATUS = {
 
 
 class RouterMetrics:
-    def __init__(self, workers: Registry):
+    def __init__(self, workers: Registry, paths=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -62,6 +62,8 @@ class RouterMetrics:
         self.retries = Counter("baton_router_retries", "Requests moved to another worker pair "
                                "after a failure before their first token", registry=r)
         r.register(_RegistryCollector(workers))
+        if paths is not None:
+            r.register(_PathCollector(paths))
 
     def timer(self, api: str) -> RequestTimer:
         return RequestTimer(self, api)
@@ -147,3 +149,19 @@ class _RegistryCollector:
                                  "missing heartbeats")
         ej.add_metric([], self.workers.ejected)
         yield ej
+
+
+class _PathCollector:
+    """Requests by path: `decode_only` (conditional disaggregation) or `prefill_decode`, with
+    the reason of the choice (router/conditional.py)."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def collect(self):
+        fam = CounterMetricFamily("baton_router_request_paths", "Requests by the path they took "
+                                  "(decode_only: the decode worker alone; prefill_decode) and "
+                                  "why", labels=["path", "reason"])
+        for (path, reason), n in sorted(self.paths.snapshot().items()):
+            fam.add_metric([path, reason], n)
+        yield fam

@@ -5,6 +5,9 @@ check_limits                          what no worker could take -> InvalidReques
 wait_turn                             behind requests already queued, in arrival order
 for each attempt (until max_retries failed pairs):
   policy.choose -> (P, D)             every candidate full -> wait in the queue, try all again
+  conditional.decide                  a decode worker holds the prompt up to a short increment:
+    D.Serve -> first token            it runs the request alone (router/conditional.py);
+                                      LocalPrefillDeclined (its own match says no) -> P+D
   P.Prefill   stream opened: P computes from now on, while
   D.Reserve   -> Reservation          WorkerFailed -> Abort(P, D), exclude the failed one, retry
                                       WorkerBusy (full) -> skip that worker, try another
@@ -41,6 +44,7 @@ from baton.contract import (
 )
 from baton.errors import (
     InvalidRequestError,
+    LocalPrefillDeclined,
     NoWorkersError,
     RequestCancelled,
     WorkerBusy,
@@ -49,8 +53,11 @@ from baton.errors import (
 from baton.model.detokenizer import IncrementalDetokenizer
 from router.admission import AdmissionQueue, check_limits
 from router.cancellation import Cancellation
+from router.conditional import DISAGGREGATED, LOCAL, LocalAttempt, PathCounts, decide
+from router.locality import SnapshotLocator
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
+from router.shipping import DecodeEndShipper
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,13 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.queue = AdmissionQueue(config)
         """Requests waiting, in arrival order, while every decode worker is full."""
+        self.locator = SnapshotLocator(config, policy)
+        if self.locator.listens:
+            registry.add_listener(self.locator)
+        self.paths = PathCounts()
+        """Requests by path (decode worker alone or prefill + decode) and reason."""
+        self.shipper = DecodeEndShipper(self)
+        """Decode-end snapshots shipped back to prefill workers (router/shipping.py)."""
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
         """Validates, then streams the request's chunks; the last one carries the summary.
@@ -127,6 +141,7 @@ class Orchestrator:
         excluded: set[str] = set()
         full: set[str] = set()
         failures: list[str] = []
+        declined = False
         self.queue.wait_turn(ticket, cancel)
         for n in itertools.count():
             try:
@@ -141,9 +156,22 @@ class Orchestrator:
             # each attempt has its own id on the workers: a late event of a failed attempt
             # (lease expiry, stray transfer) can then never touch the retry's reservation
             wid = key if n == 0 else f"{key}~retry{n}"
-            run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
+            local, reason = (None, "worker_declined") if declined else \
+                self._local_decode(prompt, choice, excluded | full)
+            if local is not None:
+                run = LocalAttempt(self, rid, wid, prompt, inp, local, cancel)
+            else:
+                self.shipper.wait_for(choice.prefill, prompt)  # a turn on its way there
+                run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
             try:
-                return run, run.start(), len(failures)
+                first = run.start()
+                self.paths.add(LOCAL if local is not None else DISAGGREGATED, reason)
+                log.info("request %s: %s (%s)", rid, "decode worker alone" if local is not None
+                          else "prefill + decode", reason)
+                return run, first, len(failures)
+            except LocalPrefillDeclined as e:
+                log.info("request %s: %s; through a prefill worker instead", rid, e)
+                declined = True
             except WorkerBusy as e:
                 full.add(e.worker_id)
             except WorkerFailed as e:
@@ -180,6 +208,22 @@ class Orchestrator:
         if bad:
             raise InvalidRequestError(f"prompt_ids must be >= 0, got {bad[:5]}")
         return ids
+
+    def turn_ended(self, decode: WorkerView, tokens: tuple[int, ...], snapshot_tokens: int,
+                   prefill: WorkerView | None = None):
+        """A request finished on `decode` (its prompt computed by `prefill`, None: by the
+        decode worker), leaving a decode-end snapshot of `tokens[:snapshot_tokens]` (0: none):
+        index it now and ship it back if no prefill worker has it."""
+        self.locator.hint(decode, tokens, snapshot_tokens)
+        self.shipper.after_turn(decode, tokens, snapshot_tokens, prefill)
+
+    def _local_decode(self, prompt, choice: RouteChoice, skip: set[str]):
+        """(decode worker to serve the request alone or None, the reason): conditional.decide."""
+        if self.config.local_prefill_max_tokens == 0:
+            return None, "disabled"
+        decode = [w for w in self.registry.workers(Role.DECODE) if w.worker_id not in skip]
+        matched = self.locator.matched_tokens(prompt, decode)
+        return decide(len(prompt), matched, decode, choice.decode, self.config)
 
     def _route(self, req: RouteRequest, excluded: set[str], failures: list[str]) -> RouteChoice:
         pools = {}
@@ -248,8 +292,13 @@ class _Attempt:
                 yield self._chunk(first_ids, first, reason, start, ttft_ms, retries)
                 return
             yield self._chunk(first_ids, first, None, start, ttft_ms, retries)
+            output = list(first_ids)
             for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
                 finished = chunk.finish_reason is not None
+                output.extend(chunk.token_ids)
+                if finished:  # the decode-end snapshot, known before the next turn arrives
+                    self.orch.turn_ended(self.d, self.prompt + tuple(output),
+                                         chunk.snapshot_tokens, self.p)
                 yield self._chunk(
                     chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
                 )

@@ -48,6 +48,10 @@ class Registry:
         self.ejected = 0
         """Workers ejected for silence since start (a metric)."""
 
+    def add_listener(self, listener: WorkerListener) -> None:
+        """Also tell `listener` about snapshot events and departures from now on."""
+        self._listeners.append(listener)
+
     def register(self, info: WorkerInfo) -> None:
         """Adds or replaces a worker; a re-registration starts its snapshot set afresh.
 

@@ -156,7 +156,7 @@ def run_router(
     registry.on_remove.append(clients.drop)
     registry.on_eject.append(clients.eject)
     orch = Orchestrator(config, registry, policy, clients, tokenizer)
-    metrics = RouterMetrics(registry)
+    metrics = RouterMetrics(registry, orch.paths)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads),
                          interceptors=[_guard(bearer, api_keys)])

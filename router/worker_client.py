@@ -1,6 +1,7 @@
 """gRPC calls from the router to workers; turns RPC errors into the router's plain errors.
 
 INVALID_ARGUMENT            -> InvalidRequestError (passed to the client unchanged, no retry)
+FAILED_PRECONDITION (Serve) -> LocalPrefillDeclined (the request goes through a prefill worker)
 RESOURCE_EXHAUSTED          -> WorkerBusy (another worker is tried, else the request queues)
 cancelled by our client     -> RequestCancelled
 any other status / timeout  -> WorkerFailed (retried on another pair before the first token)
@@ -29,10 +30,18 @@ from baton.contract import (
     Reservation,
     ReserveInput,
     Role,
+    ServeInput,
+    SnapshotShipment,
     WorkerView,
     wire,
 )
-from baton.errors import InvalidRequestError, RequestCancelled, WorkerBusy, WorkerFailed
+from baton.errors import (
+    InvalidRequestError,
+    LocalPrefillDeclined,
+    RequestCancelled,
+    WorkerBusy,
+    WorkerFailed,
+)
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
@@ -83,6 +92,35 @@ class GrpcWorkerClient:
         finally:
             call.cancel()
 
+    def serve(self, req: ServeInput, cancel: Cancellation) -> Iterator[DecodeChunk]:
+        """The whole request on this decode worker (conditional disaggregation)."""
+        try:
+            call = self._stub.Serve(wire.serve_to_pb(req))
+        except ValueError as e:  # the channel closed: the worker was ejected meanwhile
+            raise self._closed("Serve", e) from e
+        try:
+            with cancel.hook(call.cancel):
+                for msg in call:
+                    yield wire.decode_chunk_from_pb(msg)
+        except grpc.RpcError as e:
+            raise self._error("Serve", req.request_id, e, cancel) from e
+        finally:
+            call.cancel()
+
+    def hold_snapshot(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
+        """Decode worker: hold its snapshot of exactly `req.prompt_ids` for a pull."""
+        reply = self._unary("HoldSnapshot", self._stub.HoldSnapshot, wire.reserve_to_pb(req),
+                            self.config.reserve_timeout_seconds, cancel)
+        res = wire.reservation_from_pb(reply)
+        return res if res.worker_id else replace(res, worker_id=self.worker_id)
+
+    def pull_snapshot(self, shipment: SnapshotShipment, cancel: Cancellation) -> int:
+        """Prefill worker: read the held snapshot in and commit it; returns blocks read."""
+        reply = self._unary("PullSnapshot", self._stub.PullSnapshot,
+                            wire.shipment_to_pb(shipment),
+                            shipment.source.lease_seconds + 5, cancel)
+        return reply.blocks_pulled
+
     def abort(self, request_id: str) -> bool:
         if self.ejected:
             return False  # unreachable, channel closed: its leases free what it holds
@@ -120,6 +158,8 @@ class GrpcWorkerClient:
             return InvalidRequestError(e.details())
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return WorkerBusy(self.worker_id, what, e.details())
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION and what == "Serve":
+            return LocalPrefillDeclined(e.details())
         return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
 
 

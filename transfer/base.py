@@ -21,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
+from baton.errors import TransferError
 from transfer.layout import StageLayout
 from transfer.planner import Plan
 
@@ -60,6 +61,12 @@ class SendTransport(ABC):
 
     @abstractmethod
     def post(self, peer: object, plan: Plan, notif: bytes) -> object: ...
+
+    def read(self, peer: object, plan: Plan) -> object:
+        """One-sided READ of the plan's peer units into the local ones (a decode worker's
+        snapshot pulled back into this prefill worker); `check` / `release` as for `post`."""
+        raise TransferError(f"the {self.backend!r} transfer backend cannot pull a snapshot "
+                            "back from a decode worker; use transfer.backend: nixl")
 
     @abstractmethod
     def check(self, post: object) -> tuple[str, str | None]: ...

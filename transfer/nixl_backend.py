@@ -140,6 +140,17 @@ class NixlSender(SendTransport):
             return _Failed(f"NIXL post to {peer.name} failed: {type(e).__name__}: {e}")
         return _Failed(f"NIXL post to {peer.name} returned ERR") if state == "ERR" else h
 
+    def read(self, peer: _Peer, plan: Plan):
+        try:
+            if plan.length.size == 0:
+                return None
+            h = self._agent.make_prepped_xfer("READ", self._local, plan.src_units.astype("i4"),
+                                              peer.dlist, plan.dst_units.astype("i4"))
+            state = self._agent.transfer(h)
+        except Exception as e:
+            return _Failed(f"NIXL read from {peer.name} failed: {type(e).__name__}: {e}")
+        return _Failed(f"NIXL read from {peer.name} returned ERR") if state == "ERR" else h
+
     def check(self, post) -> tuple[str, str | None]:
         if post is None:
             return "DONE", None

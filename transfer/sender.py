@@ -75,6 +75,9 @@ class _InFlight:
     posted: dict[int, set[int]] = field(default_factory=dict)
     """id(peer) -> layers posted there (told in the abort message on failure); a decode
     stage is told `posted` at its first post (its poller watches until it lands)."""
+    read: bool = False
+    """The other way round: READ the peer's units into the local ones (nothing to claim, nothing
+    posted to tell it)."""
 
 
 class Sender:
@@ -123,18 +126,20 @@ class Sender:
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
              skip_blocks: int = 0, incarnation: str | None = None,
-             layerwise: bool = False) -> None:
+             layerwise: bool = False, read: bool = False) -> None:
         """Start moving one request to every decode stage in `endpoint`; never blocks on data.
         `incarnation`: the receiver the destination was reserved on; another one (the decode
         worker restarted at the same endpoint) fails the request before a byte moves.
         Layer-wise, nothing leaves before `layers_done` (the prefill worker asks for it when
-        `transfer.layerwise` is on and the request's last chunk is still to run)."""
+        `transfer.layerwise` is on and the request's last chunk is still to run).
+        `read`: the other way round, one-sided: the peer's `dst` blocks and slot (a decode
+        worker's held snapshot) are read into the local `src` ones; done when they are here."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         with self._lock:
             if request_id in self._inflight:
                 raise TransferError(f"request {request_id!r} is already being sent")
             fl = _InFlight(time.monotonic() + self.cfg.lease_seconds, [],
-                           (dst_slot, list(dst_block_ids[skip_blocks:])))
+                           (dst_slot, list(dst_block_ids[skip_blocks:])), read=read)
             self._inflight[request_id] = fl
             self._claims.pop(request_id, None)
             try:
@@ -146,8 +151,8 @@ class Sender:
                     if p.layers:
                         fl.plans.append((peer, p))
                         fl.unsent |= set(p.layers)
-                    if not p.layers:
-                        continue  # no layer in common: nothing to write, nothing to claim
+                    if not p.layers or fl.read:
+                        continue  # nothing to write (no layer in common, or a READ): no claim
                     if (ep, request_id) not in self._grants:  # not claimed ahead: claim now
                         self._send_claim(ep, peer, request_id, dst_slot,
                                          dst_block_ids[skip_blocks:])
@@ -334,7 +339,9 @@ class Sender:
         slot, blocks = fl.notify
         for peer, p in fl.plans:
             part = p if layers >= set(p.layers) else p.select(sorted(layers))
-            if part.layers:
+            if part.layers and fl.read:
+                fl.posts.append((peer, self._transport.read(peer.handle, part)))
+            elif part.layers:
                 first = id(peer) not in fl.posted
                 fl.posted.setdefault(id(peer), set()).update(part.layers)
                 post = self._transport.post(peer.handle, part,

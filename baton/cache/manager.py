@@ -103,6 +103,13 @@ class HybridCacheManager:
     def reuse_enabled(self) -> bool:
         return self._reuse
 
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Prompt tokens `admit` would restore now: its deepest snapshot whose KV blocks are all
+        present (never the last token; 0 when reuse is off)."""
+        if not self._reuse or len(prompt) < 2:
+            return 0
+        return self.tree.match(prompt, len(prompt) - 1).cached_tokens
+
     def snapshot_points(self, prompt_len: int) -> list[int]:
         """Where a prompt of this length is snapshotted ([] when reuse is off)."""
         return snapshot_points(self.policy, prompt_len) if self._reuse else []
@@ -158,6 +165,17 @@ class HybridCacheManager:
 
     def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None) -> Admission:
         """Decode side: blocks for the whole prompt (leading full tree blocks shared) + a slot."""
+        adm = self._admit_blocks(req_id, prompt, session)
+        self._rqueried += len(prompt)
+        self._rhit += adm.cached_tokens
+        return adm
+
+    def admit_pull(self, req_id: str, tokens: list[int]) -> Admission:
+        """Like `admit_remote`, for another worker's snapshot of `tokens` to be pulled in and
+        then `adopt`ed; not a prompt, so the prefix hit counters do not see it."""
+        return self._admit_blocks(req_id, tokens, None)
+
+    def _admit_blocks(self, req_id: str, prompt: list[int], session: str | None) -> Admission:
         self._check_new(req_id, prompt)
         node = self.tree.match_blocks(prompt, len(prompt)) if self._reuse else self.tree.root
         live = self._register(req_id, prompt, node)
@@ -169,9 +187,25 @@ class HybridCacheManager:
             self._release(req_id)
             raise
         self._start_turn(live, session)
-        self._rqueried += len(prompt)
-        self._rhit += cached
         return Admission(cached, list(live.table), live.slot, ())
+
+    def hold_snapshot(self, req_id: str, tokens: list[int]) -> Admission | None:
+        """To ship a snapshot of exactly `tokens` to another worker: restore it into a fresh
+        live slot, its blocks locked (shared full blocks, a private copy of a partial page),
+        until `abort(req_id)`. None, holding nothing, when no such snapshot is held now."""
+        self._check_new(req_id, tokens)
+        if not self._reuse:
+            return None
+        m = self.tree.match(tokens, len(tokens))
+        if m.cached_tokens != len(tokens):
+            return None
+        live = self._register(req_id, tokens, m.node)
+        try:
+            self._restore(live, m.snapshot)
+        except CapacityError:
+            self._release(req_id)
+            raise
+        return Admission(m.cached_tokens, list(live.table), live.slot, ())
 
     def ensure_blocks(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's block table to cover `num_tokens` tokens, evicting if needed."""
@@ -204,12 +238,23 @@ class HybridCacheManager:
             raise ValueError(f"commit for {req_id!r}: token_ids are not the prompt's first {n}")
         return self._snapshot(live, token_ids)
 
-    def finish(self, req_id: str, token_ids: list[int]) -> None:
-        """The request is done: commit its decode-end snapshot if configured, then release."""
+    def finish(self, req_id: str, token_ids: list[int]) -> bool:
+        """The request is done: commit its decode-end snapshot if configured, then release.
+        True when that snapshot is held now."""
         live = self._get(req_id)
         try:
             if self._reuse and self.policy.decode_end_snapshot and token_ids:
-                self._snapshot(live, token_ids)
+                return self._snapshot(live, token_ids)
+            return False
+        finally:
+            self._release(req_id)
+
+    def adopt(self, req_id: str, token_ids: list[int]) -> bool:
+        """A snapshot shipped in by transfer (`admit_remote` reserved it) has landed: commit
+        it as this worker's own snapshot of `token_ids`, then release. True when held now."""
+        live = self._get(req_id)
+        try:
+            return self._reuse and self._snapshot(live, token_ids)
         finally:
             self._release(req_id)
 

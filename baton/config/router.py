@@ -57,8 +57,25 @@ class RouterConfig:
     max_prompt_bytes: int = 1 << 20
     """Text prompts longer than this (UTF-8 bytes) are refused with INVALID_ARGUMENT before
     they are tokenized."""
+    local_prefill_max_tokens: int = 512
+    """Conditional disaggregation: when the decode worker holding the deepest snapshot of a
+    prompt (a decode-end snapshot of the previous turn, say) has at most this many prompt
+    tokens left to compute, the request runs on that decode worker alone, which prefills the
+    increment between its decode steps; otherwise through a prefill worker (0 = never)."""
+
+    ship_decode_end_state: bool = True
+    """After a turn leaves a decode-end snapshot on its decode worker that no prefill worker
+    holds, the router has it shipped (KV + Mamba state, over the transfer layer, in the
+    background) to the prefill worker holding the deepest part of it, so a later turn routed
+    through a prefill worker restores the whole previous turn instead of recomputing it."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.local_prefill_max_tokens, int)
+                and self.local_prefill_max_tokens >= 0):
+            raise ConfigError(
+                f"router.local_prefill_max_tokens must be an integer >= 0 (0 = always through a "
+                f"prefill worker), got {self.local_prefill_max_tokens!r}"
+            )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             given, missing = (("tls_cert_file", "tls_key_file") if self.tls_cert_file else
                               ("tls_key_file", "tls_cert_file"))

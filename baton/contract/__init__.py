@@ -14,7 +14,9 @@ from baton.contract.types import (
     Reservation,
     ReserveInput,
     Role,
+    ServeInput,
     SnapshotEvent,
+    SnapshotShipment,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -24,6 +26,6 @@ from baton.sampling import SamplingParams
 __all__ = [
     "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
-    "Reservation", "ReserveInput", "Role", "SamplingParams", "SnapshotEvent", "WorkerInfo",
-    "WorkerLoad", "WorkerView",
+    "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent", "SnapshotShipment",
+    "WorkerInfo", "WorkerLoad", "WorkerView",
 ]

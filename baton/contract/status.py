@@ -9,6 +9,8 @@
     WorkerFailed          UNAVAILABLE          transient: retried on another worker pair
     TransferError         UNAVAILABLE          transient: the handoff failed or its lease ran out
     RequestCancelled      CANCELLED            the client went away
+    LocalPrefillDeclined  FAILED_PRECONDITION  a decode worker will not prefill that much alone
+    SnapshotGone          FAILED_PRECONDITION  the snapshot to ship was evicted meanwhile
     anything else         INTERNAL
 
 The HTTP API answers each status with the code in HTTP_STATUS (OpenAI's codes: 400, 429, 503).
@@ -22,9 +24,11 @@ from baton.errors import (
     AuthError,
     CapacityError,
     InvalidRequestError,
+    LocalPrefillDeclined,
     NotPermittedError,
     NoWorkersError,
     RequestCancelled,
+    SnapshotGone,
     TransferError,
     UnknownRequestError,
     WorkerFailed,
@@ -40,6 +44,8 @@ STATUS_OF = {
     WorkerFailed: grpc.StatusCode.UNAVAILABLE,
     TransferError: grpc.StatusCode.UNAVAILABLE,
     RequestCancelled: grpc.StatusCode.CANCELLED,
+    LocalPrefillDeclined: grpc.StatusCode.FAILED_PRECONDITION,
+    SnapshotGone: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -8,6 +8,11 @@ Life of a request, in contract types:
   router   ReserveInput ────────────────► decode worker ──► Reservation
   router   PrefillInput(destination=Reservation) ► prefill worker ──► PrefillResult
   router   request id + first token ────► decode worker ──► DecodeChunk ... (finish_reason)
+  or, conditional disaggregation (the decode worker holds the prompt's deepest snapshot):
+  router   ServeInput ──────────────────► decode worker ──► DecodeChunk ... (first: cached_tokens)
+  decode-end state shipped back, in the background after a turn:
+  router   ReserveInput ────────────────► decode worker (HoldSnapshot) ──► Reservation (source)
+  router   SnapshotShipment ────────────► prefill worker (PullSnapshot) ──► NIXL READ, commit
   router   GenerateChunk ... (summary on the last one) ──► client
   workers  WorkerInfo / WorkerLoad / SnapshotEvent ──► router (Register, Heartbeat)
 """
@@ -102,10 +107,38 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class ServeInput:
+    """A request run on one decode worker alone: it restores its own deepest snapshot of the
+    prompt and prefills the rest itself, unless that is more than `max_uncached_tokens`."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    session_id: str = ""
+    max_uncached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SnapshotShipment:
+    """A decode worker's held snapshot of exactly `token_ids` (a whole finished turn), for a
+    prefill worker to pull (the decode-end state shipped back); `source` is the decode
+    worker's signed HoldSnapshot reply: where the blocks and the state slot lie."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    source: Reservation
+
+
+@dataclass(frozen=True)
 class DecodeChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     """Set on the last chunk only."""
+    cached_tokens: int = 0
+    """Serve only, on the first chunk: prompt tokens the worker restored from a snapshot."""
+    snapshot_tokens: int = 0
+    """Last chunk only: the decode-end snapshot the worker now holds covers this many tokens
+    of prompt + output (0: none taken)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +146,9 @@ class GenerateSummary:
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
+    """Prompt tokens the worker that computed the prompt skipped (prefill or decode worker)."""
     prefill_worker: str
+    """Empty when the request ran on its decode worker alone (conditional disaggregation)."""
     decode_worker: str
     ttft_ms: float
     latency_ms: float

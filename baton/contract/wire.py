@@ -23,7 +23,9 @@ from baton.contract.types import (
     Reservation,
     ReserveInput,
     Role,
+    ServeInput,
     SnapshotEvent,
+    SnapshotShipment,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -330,11 +332,39 @@ def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
 
 
 def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
-    return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason))
+    return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason), m.cached_tokens,
+                       m.snapshot_tokens)
 
 
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
-    return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason))
+    return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason),
+                              cached_tokens=c.cached_tokens, snapshot_tokens=c.snapshot_tokens)
+
+
+def serve_to_pb(r: ServeInput) -> wpb.ServeRequest:
+    return wpb.ServeRequest(
+        request_id=r.request_id,
+        prompt_ids=r.prompt_ids,
+        sampling=sampling_to_pb(r.sampling),
+        session_id=r.session_id,
+        max_uncached_tokens=r.max_uncached_tokens,
+    )
+
+
+def shipment_to_pb(s: SnapshotShipment) -> wpb.PullSnapshotRequest:
+    return wpb.PullSnapshotRequest(request_id=s.request_id, token_ids=s.token_ids,
+                                   source=reservation_to_pb(s.source, wpb.Destination))
+
+
+def shipment_from_pb(m: wpb.PullSnapshotRequest) -> SnapshotShipment:
+    if not m.HasField("source"):
+        raise InvalidRequestError("PullSnapshot needs a source (a HoldSnapshot reply)")
+    return SnapshotShipment(m.request_id, tuple(m.token_ids), reservation_from_pb(m.source))
+
+
+def serve_from_pb(m: wpb.ServeRequest) -> ServeInput:
+    return ServeInput(m.request_id, tuple(m.prompt_ids), sampling_from_pb(m.sampling),
+                      m.session_id, m.max_uncached_tokens)
 
 
 def _refuse_unknown_fields(m, where: str) -> None:

@@ -56,6 +56,9 @@ class Engine:
         self._streams: dict[str, LayerStream] = {}
         """Layer streams not picked up yet, by request id; any thread adds, under the lock."""
         self._streams_lock = threading.Lock()
+        self.prefilled_tokens = 0
+        """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
+        decode worker, the increments it prefilled itself (conditional disaggregation)."""
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -271,6 +274,7 @@ class Engine:
 
     def _commit_chunk(self, req: Request, end: int) -> None:
         """Book a computed chunk; a chunk that completes the prompt moves it to DECODE."""
+        self.prefilled_tokens += end - req.num_computed
         req.num_computed = end
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])
@@ -307,7 +311,7 @@ class Engine:
 
     def _append_tokens(self, pairs: list[tuple[Request, int]]) -> list[RequestOutput]:
         now = time.monotonic()
-        outs, done = [], []
+        done = []
         for req, tok in pairs:
             req.output_ids.append(tok)
             if req.first_token_time is None:
@@ -317,10 +321,10 @@ class Engine:
                 req.finish_reason = reason
                 req.finish_time = now
                 done.append(req)
-            outs.append(self._output(req, (tok,), finished=bool(reason) or req.prefill_only))
-        if done:
+        if done:  # before the outputs: a last output says which decode-end snapshot it left
             self._finish(done)
-        return outs
+        return [self._output(req, (tok,), finished=req.finish_reason is not None
+                             or req.prefill_only) for req, tok in pairs]
 
     def _finish_reason(self, req: Request, tok: int) -> FinishReason | None:
         s = req.sampling
@@ -349,7 +353,8 @@ class Engine:
                 if broken:  # a half-run forward leaves a state no snapshot may keep
                     self.cache.abort(r.id)
                 else:
-                    self.cache.finish(r.id, r.all_ids[: r.num_computed])
+                    if self.cache.finish(r.id, r.all_ids[: r.num_computed]):
+                        r.end_snapshot_tokens = r.num_computed
             except Exception:  # noqa: BLE001 - the request finished; its neighbours go on
                 log.exception("releasing finished request %s failed", r.id)
 
@@ -368,4 +373,5 @@ class Engine:
             cached_tokens=req.cached_tokens,
             ttft_ms=ttft,
             latency_ms=latency,
+            snapshot_tokens=req.end_snapshot_tokens if finished else 0,
         )

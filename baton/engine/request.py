@@ -36,6 +36,8 @@ class Request:
     cached_tokens: int = 0
     snapshot_points: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
+    end_snapshot_tokens: int = 0
+    """Tokens (prompt + answer) of the decode-end snapshot it left on finishing (0: none)."""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -70,3 +72,6 @@ class RequestOutput:
     ttft_ms: float | None = None
     latency_ms: float | None = None
     error: str | None = None
+    snapshot_tokens: int = 0
+    """Last output only: the prompt + answer tokens its decode-end snapshot covers (0: none
+    taken), so that the router knows of it before the next turn arrives."""

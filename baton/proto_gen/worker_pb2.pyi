@@ -94,9 +94,43 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "snapshot_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _baton_pb2.FinishReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ...) -> None: ...
+    cached_tokens: int
+    snapshot_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., snapshot_tokens: _Optional[int] = ...) -> None: ...
+
+class ServeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "max_uncached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _baton_pb2.SamplingParams
+    session_id: str
+    max_uncached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., max_uncached_tokens: _Optional[int] = ...) -> None: ...
+
+class PullSnapshotRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "source")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    source: Destination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[Destination, _Mapping]] = ...) -> None: ...
+
+class PullSnapshotReply(_message.Message):
+    __slots__ = ("blocks_pulled",)
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    blocks_pulled: int
+    def __init__(self, blocks_pulled: _Optional[int] = ...) -> None: ...

@@ -40,6 +40,11 @@ class PrefillWorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.PrefillReply.FromString,
                 _registered_method=True)
+        self.PullSnapshot = channel.unary_unary(
+                '/baton.v1.PrefillWorker/PullSnapshot',
+                request_serializer=baton_dot_v1_dot_worker__pb2.PullSnapshotRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.PullSnapshotReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/baton.v1.PrefillWorker/Abort',
                 request_serializer=baton_dot_v1_dot_baton__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,17 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullSnapshot(self, request, context):
+        """Decode-end state shipped back: pulls a decode worker's held snapshot (HoldSnapshot) of
+        exactly token_ids (a whole finished turn, prompt + answer) into this worker with a
+        one-sided READ over the transfer layer (leading blocks it already holds are skipped),
+        and commits it as a snapshot of its own, so a later turn routed here restores it.
+        Returns once it is committed. The source's signature is verified before anything moves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -85,6 +101,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.PrefillReply.SerializeToString,
+            ),
+            'PullSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullSnapshot,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.PullSnapshotRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.PullSnapshotReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -124,6 +145,33 @@ class PrefillWorker:
             '/baton.v1.PrefillWorker/Prefill',
             baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillWorker/PullSnapshot',
+            baton_dot_v1_dot_worker__pb2.PullSnapshotRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.PullSnapshotReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -208,6 +256,16 @@ class DecodeWorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.unary_stream(
+                '/baton.v1.DecodeWorker/Serve',
+                request_serializer=baton_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                _registered_method=True)
+        self.HoldSnapshot = channel.unary_unary(
+                '/baton.v1.DecodeWorker/HoldSnapshot',
+                request_serializer=baton_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.ReserveReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/baton.v1.DecodeWorker/Abort',
                 request_serializer=baton_dot_v1_dot_baton__pb2.AbortRequest.SerializeToString,
@@ -237,6 +295,28 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Serve(self, request, context):
+        """Conditional disaggregation: runs the request on this worker alone. It restores the
+        deepest snapshot of the prompt it holds (its own match decides, whatever the router
+        believed), prefills the rest itself in chunks between its decode steps, and streams every
+        token from the first on; the first message carries cached_tokens. Refused with
+        FAILED_PRECONDITION, before anything is computed, when more than max_uncached_tokens
+        prompt tokens would be left to compute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldSnapshot(self, request, context):
+        """Holds this worker's snapshot of exactly prompt_ids (its state copied into a live slot,
+        its blocks locked) for a prefill worker's PullSnapshot, under a lease, until Abort;
+        replies where it lies (signed like a reservation). FAILED_PRECONDITION when this worker
+        no longer holds that snapshot. sampling and session_id are unused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -261,6 +341,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Serve': grpc.unary_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.ServeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'HoldSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldSnapshot,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.ReserveReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -327,6 +417,60 @@ class DecodeWorker:
             '/baton.v1.DecodeWorker/Decode',
             baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/Serve',
+            baton_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/HoldSnapshot',
+            baton_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.ReserveReply.FromString,
             options,
             channel_credentials,
             insecure,

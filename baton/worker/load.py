@@ -23,7 +23,8 @@ def load_of(loop: EngineLoop) -> WorkerLoad:
 
 
 def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, float]:
-    """Cache stats plus `integrity_ok` and `live_requests`, for Stats RPCs and tests;
+    """Cache stats plus `integrity_ok`, `live_requests` and `prefilled_tokens` (prompt tokens
+    this worker computed), for Stats RPCs and tests;
     `pool_crc32` too when asked (a CRC-32 over every pool byte)."""
 
     def read():
@@ -35,7 +36,8 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
             ok = 0.0
         out = {k: float(v) for k, v in vars(cache.stats()).items()}
         out.update(integrity_ok=ok, live_requests=float(len(cache.live_requests())),
-                   engine_requests=float(len(loop.engine.requests)))
+                   engine_requests=float(len(loop.engine.requests)),
+                   prefilled_tokens=float(loop.engine.prefilled_tokens))
         if pool_checksum:
             out["pool_crc32"] = float(_pools_crc32(loop.engine.pools))
         return out

@@ -127,6 +127,11 @@ class _EngineCollector:
              "cache", s.queried_tokens + s.remote_queried_tokens),
             ("baton_prefix_hit_tokens", "counter", "Prompt tokens served from the prefix cache",
              s.hit_tokens + s.remote_hit_tokens),
+            ("baton_prefix_snapshot_hit_tokens", "counter", "Prompt tokens restored from a "
+             "Mamba snapshot and its KV (skipped by this worker's own prefill; KV blocks a "
+             "decode worker shares for a transfer are not counted)", s.hit_tokens),
+            ("baton_prefill_computed_tokens", "counter", "Prompt tokens this worker computed "
+             "(on a decode worker: increments it prefilled itself)", eng.prefilled_tokens),
             ("baton_snapshots_taken", "counter", "Mamba state snapshots committed",
              s.snapshots_taken),
             ("baton_snapshots_evicted", "counter", "Snapshots evicted for room", s.snapshots_evicted),

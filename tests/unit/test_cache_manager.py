@@ -388,3 +388,41 @@ def test_snapshot_listener_sees_exact_tokens_of_adds_and_drops():
     dropped = [(t, n) for a, t, n in seen if not a]
     assert dropped == [(prompt[:4], 4)]
     mgr.check_integrity()
+
+
+def test_a_snapshot_moves_between_managers_by_hold_and_adopt():
+    """Decode side: hold the decode-end snapshot (state in a fresh live slot, blocks locked);
+    prefill side: admit_pull the same tokens, the bytes arrive (copied here as a transfer
+    would), adopt commits them as its own snapshot; both sides end with nothing held."""
+    d, p = make(decode_end=True, slots=6), make(decode_end=True, slots=6)
+    history = [1, 2, 3, 4, 5, 6] + [7, 8, 9]  # a turn of 6 prompt tokens, 3 answered
+    p.admit("t0", history[:6])  # the prefill worker computed the prompt's first block
+    run_prefill(p, "t0", history[:6])
+    p.finish("t0", history[:6])
+    adm = d.admit("t0", history[:6])
+    d.ensure_blocks("t0", 9)
+    for b in range(3):
+        fill_block(d, b, 10.0 * (b + 1))
+    fill_slot(d, adm.slot, 9.0)
+    d.finish("t0", history)
+    assert d.hold_snapshot("gone", history[:8]) is None and not d.live_requests()
+    held = d.hold_snapshot("ship", history)
+    assert held.cached_tokens == 9 and len(held.block_table) == 3
+    assert torch.all(d.pools.conv[:, held.slot] == 9.0)
+    queried = p.stats().remote_queried_tokens
+    dst = p.admit_pull("ship", history)
+    assert p.stats().remote_queried_tokens == queried  # not a prompt: not counted
+    assert dst.cached_tokens == 4 and len(dst.block_table) == 3  # block 0 is held: skipped
+    for src, dst_b in zip(held.block_table[1:], dst.block_table[1:], strict=True):
+        p.pools.kv[:, dst_b] = d.pools.kv[:, src]
+    p.pools.conv[:, dst.slot] = d.pools.conv[:, held.slot]
+    p.pools.ssm[:, dst.slot] = d.pools.ssm[:, held.slot]
+    d.abort("ship")
+    assert p.adopt("ship", history)
+    nxt = p.admit("t1", history + [10, 11])
+    assert nxt.cached_tokens == 9 and torch.all(p.pools.conv[:, nxt.slot] == 9.0)
+    assert torch.equal(p.pools.kv[:, nxt.block_table[1]], d.pools.kv[:, held.block_table[1]])
+    p.abort("t1")
+    for m in (d, p):
+        m.check_integrity()
+        assert not m.live_requests()

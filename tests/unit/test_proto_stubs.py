@@ -51,10 +51,12 @@ def test_public_services_and_streaming_shape():
     registry = router_pb2.DESCRIPTOR.services_by_name["Registry"]
     assert set(registry.methods_by_name) == {"Register", "Heartbeat", "Deregister"}
     decode = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
-    assert set(decode.methods_by_name) == {"Reserve", "Decode", "Abort", "Stats"}
+    assert set(decode.methods_by_name) == {"Reserve", "Decode", "Serve", "HoldSnapshot", "Abort",
+                                           "Stats"}
     assert decode.methods_by_name["Decode"].server_streaming
+    assert decode.methods_by_name["Serve"].server_streaming
     prefill = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"]
-    assert set(prefill.methods_by_name) == {"Prefill", "Abort", "Stats"}
+    assert set(prefill.methods_by_name) == {"Prefill", "PullSnapshot", "Abort", "Stats"}
     assert baton_pb2.DESCRIPTOR.package == "baton.v1"
 
 

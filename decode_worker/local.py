@@ -1,0 +1,90 @@
+"""Conditional disaggregation on the decode worker: serve a request alone, prompt included.
+
+    serve(inp)
+      on the loop thread, between two steps:
+        room for one more request?           no  -> CapacityError (the router tries elsewhere)
+        own match: prompt - cached_prefix    > max_uncached_tokens -> LocalPrefillDeclined
+        submit the whole request             the engine's admit restores the same snapshot
+      the engine prefills the increment in chunks within `worker.max_batch_tokens` per step,
+      beside the decodes already running, then decodes; every token streams back, the first
+      chunk carrying cached_tokens (what admit restored)
+
+The router's view of this worker's snapshots may be stale: the match here decides. A snapshot
+whose KV blocks were evicted is never matched (the tree drops it with its blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Iterator
+from dataclasses import replace
+
+from baton.contract import DecodeChunk, ServeInput
+from baton.engine.loop import EngineLoop
+from baton.engine.request import Request, RequestOutput
+from baton.errors import CapacityError, LocalPrefillDeclined
+from baton.worker.metrics import WorkerMetrics
+
+log = logging.getLogger("baton.decode")
+
+
+class LocalServe:
+    """Requests this decode worker prefills itself; `requests` / `declined` count them."""
+
+    def __init__(self, loop: EngineLoop, metrics: WorkerMetrics, drain):
+        self.loop, self.metrics, self._drain = loop, metrics, drain
+        self.requests = 0
+        self.declined = 0
+
+    def serve(self, inp: ServeInput) -> Iterator[DecodeChunk]:
+        rid = inp.request_id
+        box: queue.Queue[RequestOutput] = queue.Queue()
+        req = Request(rid, list(inp.prompt_ids), inp.sampling, inp.session_id or None)
+        self.loop.call_watching(rid, box.put, self._admit, req, inp.max_uncached_tokens)
+        first, ended = True, False
+        try:
+            while True:
+                chunk, last = self._drain(box)
+                if last.error and last.finished:
+                    self.metrics.request_ended("failed")
+                    ended = True
+                    raise RuntimeError(last.error)
+                self.metrics.generation_tokens.labels(self.metrics.role).inc(len(chunk.token_ids))
+                if first:
+                    chunk = replace(chunk, cached_tokens=last.cached_tokens)
+                    first = False
+                if last.finished:
+                    self.metrics.request_ended(last.finish_reason.value)
+                    ended = True
+                yield chunk
+                if last.finished:
+                    return
+        finally:
+            if not ended:
+                self.metrics.request_ended("aborted")
+            self.loop.abort(rid)  # no-op when finished; frees on client cancel
+
+    def _admit(self, req: Request, max_uncached: int) -> None:
+        """On the loop thread: refuse what this worker cannot hold or should not compute."""
+        engine = self.loop.engine
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        reserved = sum(1 for r in engine.requests.values() if r not in engine.scheduler.running
+                       and r not in engine.scheduler.waiting)
+        if running + reserved >= engine.cfg.max_num_seqs:
+            raise CapacityError(f"decode worker is full ({engine.cfg.max_num_seqs} requests)")
+        engine.validate(req.prompt_ids, req.sampling)
+        need = engine.scheduler.blocks_needed(req)
+        if need and not engine.cache.can_allocate(engine.scheduler.outstanding_blocks() + need):
+            raise CapacityError(f"decode worker has no room for {need} KV blocks")
+        cached = engine.cache.cached_prefix(req.prompt_ids)
+        left = req.prompt_len - cached
+        if left > max_uncached:
+            self.declined += 1
+            raise LocalPrefillDeclined(
+                f"request {req.id}: this decode worker holds a snapshot of {cached} of its "
+                f"{req.prompt_len} prompt tokens, leaving {left} to compute, over the router's "
+                f"router.local_prefill_max_tokens={max_uncached}"
+            )
+        self.requests += 1
+        engine.add_request(req)

@@ -1,0 +1,72 @@
+"""HoldSnapshot: this decode worker's decode-end snapshot of a finished turn, held for a
+prefill worker to pull back (PullSnapshot, a one-sided READ through the transfer layer), so
+that a later turn routed through that prefill worker restores the whole turn.
+
+    hold(tokens)          on the loop thread: cache.hold_snapshot copies the snapshot's state
+                          into a fresh live slot and locks its blocks (gone -> SnapshotGone)
+                          -> a signed Reservation naming this worker's transfer endpoint,
+                          blocks and slot: the prefill worker reads from there
+    release(rid)          the router's Abort once the pull is over, or the lease's end
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from baton.auth import ClusterSecret
+from baton.auth.reservations import sign_reservation
+from baton.contract import Reservation, ReserveInput
+from baton.engine.loop import EngineLoop
+from baton.errors import SnapshotGone
+
+log = logging.getLogger("baton.decode")
+
+
+class SnapshotHolds:
+    def __init__(self, loop: EngineLoop, receiver, worker_id: str, lease_seconds: float,
+                 secret: ClusterSecret | None):
+        self.loop, self.receiver, self.worker_id = loop, receiver, worker_id
+        self.lease_seconds, self.secret = lease_seconds, secret
+        self._lock = threading.Lock()
+        self._held: dict[str, threading.Timer] = {}
+        self.holds = 0
+
+    def hold(self, inp: ReserveInput) -> Reservation:
+        rid, tokens = inp.request_id, list(inp.prompt_ids)
+        engine = self.loop.engine
+        held = self.loop.call(engine.cache.hold_snapshot, rid, tokens)
+        if held is None:
+            raise SnapshotGone(f"this decode worker no longer holds a snapshot of the "
+                               f"{len(tokens)} tokens of {rid}")
+        timer = threading.Timer(self.lease_seconds, self.release, args=(rid,))
+        timer.daemon = True
+        with self._lock:
+            self._held[rid] = timer
+        timer.start()
+        self.holds += 1
+        pools = engine.pools
+        res = Reservation(self.worker_id, self.receiver.endpoint,
+                          tuple(held.block_table) if pools.has_kv else (),
+                          held.slot if pools.has_state else None, 0, self.lease_seconds,
+                          self.receiver.incarnation)
+        return sign_reservation(self.secret, rid, res)
+
+    def release(self, request_id: str) -> bool:
+        """Frees the hold (the pull is over, or its lease ended); False if none."""
+        with self._lock:
+            timer = self._held.pop(request_id, None)
+        if timer is None:
+            return False
+        timer.cancel()
+        try:
+            self.loop.call(self.loop.engine.cache.abort, request_id)
+        except RuntimeError:  # the loop stopped: shutting down
+            pass
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            timers, self._held = list(self._held.values()), {}
+        for t in timers:
+            t.cancel()
