@@ -3,7 +3,8 @@
 Router, one prefill and one decode host, each a network namespace on one bridge
 (tests/support/netns.py), KV over UCX TCP (`transfer.ucx_tls: tcp`; between namespaces UCX
 would otherwise copy with cma). The prefill host's link (the KV's way out) is shaped with
-`tc tbf` to each rate in RATES; per rate: throughput, TTFT and ITL p50/p99, bytes per request
+`tc tbf` to each rate in RATES (after a warm-up run; every rate on sessions of its own, whose
+prompts no earlier run cached); per rate: throughput, TTFT and ITL p50/p99, bytes per request
 the prefill host sent on its link and the handoff bytes the workers counted. The same runs
 with `transfer.layerwise` on show how much of the transfer layer-wise streaming hides
 (TTFT whole vs layer-wise at the same rate). Needs root and `ip`; says why not otherwise.
@@ -28,7 +29,8 @@ def _config(layerwise: bool) -> dict:
             "transfer": {"ucx_tls": "tcp", "layerwise": layerwise, "lease_seconds": 60}}
 
 
-def _run_rate(net, cluster, wl, rate: str, tag: str) -> dict:
+def _run_rate(net, cluster, wl, rate: str, tag: str, first: int) -> dict:
+    """The workload's sessions `first`.. (prompts no earlier run saw) at `rate`."""
     import grpc
 
     from baton.client.remote import to_pb
@@ -50,7 +52,7 @@ def _run_rate(net, cluster, wl, rate: str, tag: str) -> dict:
                 yield list(msg.token_ids), time.perf_counter()
 
         t0 = time.perf_counter()
-        recs = run_sessions(submit, wl, list(range(wl.sessions)))
+        recs = run_sessions(submit, wl, list(range(first, first + wl.sessions)))
         wall = time.perf_counter() - t0
     n = len(recs)
     wire = net.tx_bytes("prefill0") - sent0
@@ -81,8 +83,12 @@ def run(args) -> list[dict]:
             try:
                 cluster = NetnsCluster(net, Path(path), cfg, Path(tmp))
                 cluster.wait_ready(2, timeout=180)
-                for rate in RATES:
-                    row = _run_rate(net, cluster, wl, rate, f"{rate}-{int(layerwise)}")
+                # warm-up (first contacts, UCX wire-up), not counted; then every rate on
+                # sessions of its own, so no prefix is cached from an earlier rate
+                _run_rate(net, cluster, wl, "unlimited", "warmup", 10_000)
+                for i, rate in enumerate(RATES):
+                    row = _run_rate(net, cluster, wl, rate, f"{rate}-{int(layerwise)}",
+                                    (i + 1) * 1000)
                     row.update(benchmark="e2e", label=f"netns {rate} "
                                f"{'layer-wise' if layerwise else 'whole'}",
                                layerwise=layerwise, sessions=wl.sessions, turns=wl.turns)

@@ -54,7 +54,7 @@ def test_requests_follow_the_worker_holding_the_snapshot(cluster):
     (first,) = run_remote(cluster.address, [RequestSpec("a", prompt_ids=base + [7, 8], sampling=sp)])
     holder = first["prefill_worker"]
     deadline = time.monotonic() + 20
-    while _tracked(cluster.address).get(holder, 0) < 3 and time.monotonic() < deadline:
+    while _tracked(cluster.address).get(holder, 0) < 4 and time.monotonic() < deadline:
         time.sleep(0.2)
     tracked = _tracked(cluster.address)
     # snapshots at 32, 64, 96 and the prompt end (98) reached the router by heartbeat
