@@ -71,7 +71,8 @@ class LocalServe:
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         reserved = sum(1 for r in engine.requests.values() if r not in engine.scheduler.running
                        and r not in engine.scheduler.waiting)
-        if running + reserved >= engine.cfg.max_num_seqs:
+        if running + reserved >= engine.cfg.max_num_seqs or engine.cache.live_room() <= 0:
+            # live_room also counts snapshots held for a pull and quarantined slots
             raise CapacityError(f"decode worker is full ({engine.cfg.max_num_seqs} requests)")
         engine.validate(req.prompt_ids, req.sampling)
         need = engine.scheduler.blocks_needed(req)

@@ -340,6 +340,10 @@ class HybridCacheManager:
     def live_requests(self) -> dict[str, _Live]:
         return dict(self._live)
 
+    def live_room(self) -> int:
+        """Requests (or snapshot holds) that can still be admitted before `max_live`."""
+        return self.max_live - len(self._live) - self._quarantined_slots()
+
     # ---- internals ---------------------------------------------------------------------
     def _get(self, req_id: str) -> _Live:
         try:
