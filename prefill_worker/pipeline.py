@@ -1,0 +1,77 @@
+"""The prefill side of a pipeline-parallel worker: every stage sends its own layers.
+
+Stage 0 (this worker's service) holds a `PipelineSender`, used exactly like a Sender: a
+`send` posts stage 0's layers and tells every other stage (control call, in order after its
+last forward of the request) to post its layers to every decode stage. The decode side's
+stages are the comma-separated endpoints of the reservation's `transfer_endpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from baton.worker.staged import StagedAgent, stage_events
+
+
+def endpoints_of(endpoint: str | Sequence[str]) -> list[str]:
+    """A reservation's endpoint string names every decode stage, comma-separated."""
+    if isinstance(endpoint, str):
+        return [e for e in endpoint.split(",") if e]
+    return [e for ep in endpoint for e in endpoints_of(ep)]
+
+
+class PipelineSender(StagedAgent):
+    @property
+    def layout(self):
+        return self.local.layout
+
+    def connect(self, endpoint: str):
+        """Stage 0's handshakes (the other stages shake hands on their first send)."""
+        for ep in endpoints_of(endpoint):
+            self.local.connect(ep)
+        return self.local.layout
+
+    def send(self, request_id, endpoint, src_block_ids, src_slot, dst_block_ids, dst_slot,
+             skip_blocks=0, incarnation=None, layerwise=False) -> None:
+        eps = endpoints_of(endpoint)
+        args = {"rid": request_id, "endpoints": eps, "src_blocks": [int(b) for b in src_block_ids],
+                "src_slot": src_slot, "dst_blocks": [int(b) for b in dst_block_ids],
+                "dst_slot": dst_slot, "skip": int(skip_blocks), "incarnation": incarnation}
+        self.track(request_id)
+        self.local.send(request_id, eps, src_block_ids, src_slot, dst_block_ids, dst_slot,
+                        skip_blocks=skip_blocks, incarnation=incarnation)
+        self.remote("send", args)
+
+    def layers_done(self, request_id, layers) -> None:
+        pass  # layer-wise handoff is off with pipeline parallelism
+
+    def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> None:
+        self.forget(request_id)
+        self.abort_stages(request_id, reason)
+
+    def close(self) -> None:
+        self.local.close()
+
+
+def stage_handlers(cfg, secret):
+    """The handlers of a prefill stage other than 0: its own Sender on its own pools."""
+
+    def make(model, pools, channel):
+        from transfer import SIDE_CHANNEL, compute_fingerprint, make_sender
+
+        key = None if secret is None else secret.key(SIDE_CHANNEL)
+        sender = make_sender(cfg.transfer, pools, compute_fingerprint(model.config, pools.spec),
+                             key)
+
+        def send(a):
+            sender.send(a["rid"], a["endpoints"], a["src_blocks"], a["src_slot"],
+                        a["dst_blocks"], a["dst_slot"], skip_blocks=a["skip"],
+                        incarnation=a["incarnation"])
+
+        return {
+            "send": send,
+            "abort": lambda a: sender.abort(a["rid"], a["reason"]),
+            "poll": lambda a: stage_events(sender),
+        }
+
+    return make
