@@ -14,10 +14,8 @@ from baton.worker.staged import StagedAgent, stage_events
 
 
 def endpoints_of(endpoint: str | Sequence[str]) -> list[str]:
-    """A reservation's endpoint string names every decode stage, comma-separated."""
-    if isinstance(endpoint, str):
-        return [e for e in endpoint.split(",") if e]
-    return [e for ep in endpoint for e in endpoints_of(ep)]
+    """One endpoint or a list of them (`Reservation.endpoints`)."""
+    return [endpoint] if isinstance(endpoint, str) else list(endpoint)
 
 
 class PipelineSender(StagedAgent):
@@ -26,10 +24,8 @@ class PipelineSender(StagedAgent):
         return self.local.layout
 
     def connect(self, endpoint: str):
-        """Stage 0's handshakes (the other stages shake hands on their first send)."""
-        for ep in endpoints_of(endpoint):
-            self.local.connect(ep)
-        return self.local.layout
+        """Stage 0's handshake (the other stages shake hands on their first send)."""
+        return self.local.connect(endpoint)
 
     def send(self, request_id, endpoint, src_block_ids, src_slot, dst_block_ids, dst_slot,
              skip_blocks=0, incarnation=None, layerwise=False) -> None:

@@ -128,7 +128,8 @@ class PrefillService:
             verify_reservation(self.secret, rid, dest)
             # a first contact's handshake happens here, on this RPC's thread, never on the
             # engine loop thread (where it would stall every request for up to its timeout)
-            self.sender.connect(dest.transfer_endpoint)
+            for endpoint in dest.endpoints:  # every stage of a pipeline-parallel decode worker
+                self.sender.connect(endpoint)
         except BaseException:
             self.abort(rid)
             raise
@@ -203,7 +204,7 @@ class PrefillService:
               layerwise: bool) -> None:
         dest = stream.dest
         stream.sent_at = time.perf_counter()
-        self.sender.send(stream.rid, dest.transfer_endpoint, list(blocks), slot,
+        self.sender.send(stream.rid, dest.endpoints, list(blocks), slot,
                          list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
                          incarnation=dest.incarnation or None, layerwise=layerwise)
         stream.sent = True

@@ -81,6 +81,13 @@ class Reservation:
     """The decode worker's HMAC over the request id and every field above; the prefill worker
     writes nothing unless it verifies (baton/auth/reservations.py). Empty without a secret."""
 
+    @property
+    def endpoints(self) -> list[str]:
+        """Every decode stage's side channel: a pipeline-parallel decode worker lists its
+        stages' endpoints in `transfer_endpoint`, comma-separated, in stage order (one
+        signature covers them all)."""
+        return [e for e in self.transfer_endpoint.split(",") if e]
+
 
 @dataclass(frozen=True)
 class PrefillInput:

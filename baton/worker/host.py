@@ -110,8 +110,10 @@ def _stage_argv(role: Role, router: str, model: str, host: str):
     from baton.model.registry import resolve_model
 
     path = str(resolve_model(model))
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     return lambda rank, master: [
-        sys.executable, "-m", "baton.cli", f"{role.value}-worker", "--router", router,
+        sys.executable, "-m", "baton.cli", "--log-level", level, f"{role.value}-worker",
+        "--router", router,
         "--model", path, "--host", host, "--pp-rank", str(rank), "--pp-master", master]
 
 
