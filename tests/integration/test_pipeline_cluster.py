@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _retries(cluster) -> float:
+    with urllib.request.urlopen(f"{cluster.http_address}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith("baton_router_retries_total"))
+
+
 def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     cluster = setup["cluster"]
     stage0 = cluster.procs[1]  # `baton serve`'s prefill worker: PP 3
@@ -163,12 +171,14 @@ def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     out: list = []
     runner = threading.Thread(target=lambda: out.extend(
         run_remote(cluster.address, specs, concurrency=12)))
+    retries = _retries(cluster)
     runner.start()
     time.sleep(0.3)
     os.kill(stages[-1], signal.SIGKILL)
     killed_at = time.monotonic()
     runner.join(timeout=120)
     assert tokens(out) == tokens(local(setup, specs))
+    assert _retries(cluster) > retries  # requests in flight on the dead worker moved
     while any(_alive(p) for p in [stage0.pid, *stages]) and time.monotonic() - killed_at < 5:
         time.sleep(0.05)
     assert not any(_alive(p) for p in [stage0.pid, *stages])
