@@ -15,6 +15,7 @@ from baton.contract.types import (
     ReserveInput,
     Role,
     SnapshotEvent,
+    StageInfo,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -24,6 +25,7 @@ from baton.sampling import SamplingParams
 __all__ = [
     "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
-    "Reservation", "ReserveInput", "Role", "SamplingParams", "SnapshotEvent", "WorkerInfo",
+    "Reservation", "ReserveInput", "Role", "SamplingParams", "SnapshotEvent", "StageInfo",
+    "WorkerInfo",
     "WorkerLoad", "WorkerView",
 ]

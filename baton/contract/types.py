@@ -148,6 +148,16 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True)
+class StageInfo:
+    """One pipeline stage of a worker: global layers first_layer.. (num_layers of them) and
+    its transfer side channel (decode workers; "" on prefill workers)."""
+
+    first_layer: int
+    num_layers: int
+    transfer_endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """What a worker registers with."""
 
@@ -158,6 +168,8 @@ class WorkerInfo:
     load: WorkerLoad = WorkerLoad()
     max_model_len: int = 0
     """Longest prompt + output the worker accepts (0 = not reported)."""
+    stages: tuple[StageInfo, ...] = ()
+    """Every pipeline stage, in order (empty: not reported)."""
 
 
 @dataclass(frozen=True)

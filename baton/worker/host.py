@@ -23,7 +23,7 @@ from baton.auth import ClusterSecret, load_secret
 from baton.auth.grpc_auth import ServerGuard
 from baton.config import BatonConfig
 from baton.config.ports import PortRange, port_range
-from baton.contract import Role, WorkerInfo
+from baton.contract import Role, StageInfo, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
@@ -99,11 +99,19 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block,
-                      max_model_len=engine.max_model_len)
+                      max_model_len=engine.max_model_len, stages=_stages(engine, service))
     reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
                        bearer=None if secret is None else secret.bearer)
     reg.start()
     return Worker(worker_id, address, server, service, reg, loop, metrics, mport)
+
+
+def _stages(engine: Engine, service) -> tuple[StageInfo, ...]:
+    """Every stage's layers and (decode workers) transfer side channel, for the registration."""
+    layers = getattr(engine.model, "layers", None) or [range(engine.model.config.num_layers)]
+    receiver = getattr(service, "receiver", None)
+    endpoints = receiver.endpoint.split(",") if receiver is not None else [""] * len(layers)
+    return tuple(StageInfo(r.start, len(r), ep) for r, ep in zip(layers, endpoints, strict=True))
 
 
 def _stage_argv(role: Role, router: str, model: str, host: str):
