@@ -101,7 +101,7 @@ def handoff_bytes(path, prompt_len: int) -> list[dict]:
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    preset, prompt_len, n, chunk = ("tiny", 1024, 4, 256) if quick else ("100m", 4096, 4, 512)
+    preset, prompt_len, n, chunk = ("tiny", 1024, 8, 256) if quick else ("100m", 4096, 8, 512)
     os.environ["BATON_NUM_THREADS"] = "1"  # one torch thread per stage process
     path = checkpoint(preset)
     import json

@@ -27,7 +27,13 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import Request, SamplingParams
 from tests.engine_helpers import make_checkpoint, prompt
-from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
+from tests.integration.cluster_helpers import (
+    assert_clean,
+    list_workers,
+    start_cluster,
+    worker_counters,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -166,18 +172,23 @@ def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     stage0 = cluster.procs[1]  # `baton serve`'s prefill worker: PP 3
     stages = _children(stage0.pid)
     assert len(stages) == 2
-    specs = [RequestSpec(f"k{i}", prompt_ids=prompt(50 + i, 40 + 9 * i), sampling=greedy(8))
+    specs = [RequestSpec(f"k{i}", prompt_ids=prompt(50 + i, 200 + 10 * i), sampling=greedy(8))
              for i in range(12)]
+    expected = tokens(local(setup, specs))
+    info = next(w for w in list_workers(cluster.address) if pp_of(setup, w.worker_id) == 3)
     out: list = []
     runner = threading.Thread(target=lambda: out.extend(
         run_remote(cluster.address, specs, concurrency=12)))
     retries = _retries(cluster)
     runner.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 20  # kill while the PP-3 worker holds a request
+    while worker_counters(info, cluster.secret.bearer)["engine_requests"] == 0:
+        assert time.monotonic() < deadline, "the PP-3 prefill worker never got a request"
+        time.sleep(0.01)
     os.kill(stages[-1], signal.SIGKILL)
     killed_at = time.monotonic()
     runner.join(timeout=120)
-    assert tokens(out) == tokens(local(setup, specs))
+    assert tokens(out) == expected
     assert _retries(cluster) > retries  # requests in flight on the dead worker moved
     while any(_alive(p) for p in [stage0.pid, *stages]) and time.monotonic() - killed_at < 5:
         time.sleep(0.05)

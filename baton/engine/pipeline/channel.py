@@ -32,7 +32,7 @@ class Channel:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        t = t.contiguous()
+        t = t.detach().cpu().contiguous()  # gloo moves host memory (CUDA stages stage it)
         self._pending.append((dist.isend(t, dst, tag=tag), t))
         if len(self._pending) > 64:
             self.flush(keep=16)

@@ -44,6 +44,8 @@ class PipelineModel:
         """Global layer range of every stage."""
         self.size = channel.size
         self.micro_batches = micro_batches or 2 * self.size
+        """Most micro-batches of a decode forward (a prefill forward may use one per sequence,
+        up to twice this: its sequences are long enough to keep each micro-batch efficient)."""
         self.busy_s = 0.0
         self.closed = False
         self.local_stages = local_stages
@@ -63,10 +65,12 @@ class PipelineModel:
         if all_logits:
             raise NotImplementedError("all_logits is not available with pipeline parallelism")
         n, T = input_ids.shape
-        return self._run(False, input_ids, list(start_positions), block_tables, list(slots), T)
+        return self._run(False, input_ids, list(start_positions), block_tables, list(slots), T,
+                         2 * self.micro_batches)
 
     def decode(self, input_ids, positions, block_tables, slots, pools=None) -> torch.Tensor:
-        return self._run(True, input_ids, positions.tolist(), block_tables, slots.tolist(), 1)
+        return self._run(True, input_ids, positions.tolist(), block_tables, slots.tolist(), 1,
+                         self.micro_batches)
 
     # ---- control --------------------------------------------------------------------------
     def sync(self) -> None:
@@ -107,9 +111,9 @@ class PipelineModel:
         for k in range(1, self.size):
             self.ch.send_msg(msg, k, TAG_CTRL)
 
-    def _run(self, decode, ids, starts, tables, slots, T) -> torch.Tensor:
+    def _run(self, decode, ids, starts, tables, slots, T, parts) -> torch.Tensor:
         mbs = []
-        for i, r in enumerate(split(len(starts), self.micro_batches)):
+        for i, r in enumerate(split(len(starts), parts)):
             mb = {"op": "fwd", "decode": decode, "T": T, "starts": starts[r.start:r.stop],
                   "tables": [list(t) for t in tables[r.start:r.stop]],
                   "slots": slots[r.start:r.stop]}

@@ -34,8 +34,7 @@ def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> to
     """This stage's layers over micro-batch `mb` (input hidden states, or token ids on the
     first stage)."""
     decode, starts, tables, slots = mb["decode"], mb["starts"], mb["tables"], mb["slots"]
-    if model.first:
-        h = model.embed(h)
+    h = model.embed(h) if model.first else h.to(model.device)
     if decode:
         attn = decode_meta(torch.tensor(starts), tables, pools) if pools.has_kv else None
         ctx = slot_context(pools, attn, slots)
