@@ -34,7 +34,7 @@ def reference(model_dir):
     return first, second
 
 
-@pytest.fixture(scope="module", params=[(3, [3, 3, 2]), (2, [])], ids=["pp3-332", "pp2-even"])
+@pytest.fixture(scope="module", params=[(3, [3, 3, 2])], ids=["pp3-332"])
 def pp_engine(request, model_dir, monkeypatch_module):
     size, partition = request.param
     eng = engine_for(model_dir, worker={**WORKER, "pipeline_parallel_size": size,
