@@ -101,7 +101,8 @@ def handoff_bytes(path, prompt_len: int) -> list[dict]:
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    preset, prompt_len, n, chunk = ("tiny", 1024, 8, 256) if quick else ("100m", 4096, 8, 512)
+    # a full batch: one micro-batch per prompt, so stage k+1 always has one from stage k
+    preset, prompt_len, n, chunk = ("tiny", 1024, 8, 256) if quick else ("100m", 4096, 4, 512)
     os.environ["BATON_NUM_THREADS"] = "1"  # one torch thread per stage process
     path = checkpoint(preset)
     import json
