@@ -2,7 +2,7 @@
 weights and pools, and the loop of a stage other than 0.
 
 By default stage 0 starts stages 1..N-1 itself (`LocalStages`), each a child process that
-dies with it (PR_SET_PDEATHSIG) and is watched: a stage that exits takes the worker down.
+dies with it (PR_SET_PDEATHSIG, armed by the child) and is watched: a stage that exits takes the worker down.
 Launchers that place stages on other hosts start each stage with `--pp-rank R
 --pp-master HOST:PORT` (stage 0 hosts the rendezvous store at that address).
 """
@@ -33,6 +33,8 @@ log = logging.getLogger("baton.pipeline")
 
 CONFIG_ENV = "BATON_PP_CONFIG_JSON"
 """A locally spawned stage's config (stage 0's, as JSON): identical on every stage."""
+PARENT_ENV = "BATON_PP_PARENT_PID"
+"""Set on locally spawned stages: the stage dies with this process (stage 0)."""
 GROUP_TIMEOUT = timedelta(seconds=600)
 
 
@@ -85,9 +87,8 @@ class LocalStages:
 
     def __init__(self, cfg: BatonConfig, argv: StageArgv, master: str, size: int,
                  on_death: Callable[[int, int], None] | None = None):
-        env = {**os.environ, CONFIG_ENV: json.dumps(to_dict(cfg))}
-        self.procs = {r: subprocess.Popen(argv(r, master), env=env, preexec_fn=_die_with_parent)
-                      for r in range(1, size)}
+        env = {**os.environ, CONFIG_ENV: json.dumps(to_dict(cfg)), PARENT_ENV: str(os.getpid())}
+        self.procs = {r: subprocess.Popen(argv(r, master), env=env) for r in range(1, size)}
         self.on_death = on_death
         self._stopping = False
         threading.Thread(target=self._watch, name="pp-stage-watch", daemon=True).start()
@@ -130,6 +131,7 @@ def serve_stage(cfg: BatonConfig, model_path, rank: int, master: str,
     from baton.engine.pipeline.channel import Channel
     from baton.engine.pipeline.stage import StageLoop
 
+    _die_with_parent()
     threads = os.environ.get("BATON_NUM_THREADS")
     if threads:
         import torch
@@ -162,8 +164,14 @@ def _split(address: str) -> tuple[str, int]:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the parent dies (no orphaned stages)."""
+    """A stage that stage 0 spawned gets SIGKILL when stage 0 dies (no orphaned stages), and
+    leaves at once if stage 0 died before that was armed."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return  # started by a launcher: the broken process group ends it
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os._exit(1)
 
 
 def main(argv: list[str]) -> int:
