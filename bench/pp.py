@@ -38,6 +38,16 @@ def _busy(engine) -> list[float]:
     return [model.busy_s] + [r["busy_s"] for r in model.call("stats", lambda k: {})]
 
 
+def _cpu(engine) -> list[float]:
+    """CPU seconds of every stage process (stage 0 is this one): on a loaded host, wall-clock
+    busy time also counts time a stage waited for a core."""
+    from bench.common import cpu_seconds
+
+    stages = getattr(engine.model, "local_stages", None)
+    pids = [os.getpid(), *(stages.pids().values() if stages is not None else [])]
+    return [cpu_seconds(p) for p in pids]
+
+
 def _prefill(engine, reqs: list[list[int]], tag: str) -> tuple[float, list[float]]:
     """Wall seconds until every prompt has its first token, and each request's TTFT (ms)."""
     from baton.engine.request import Request, SamplingParams
@@ -60,16 +70,19 @@ def _measure(path, pp: int, n: int, prompt_len: int, chunk: int, vocab: int) -> 
     engine = _engine(path, pp, n, prompt_len, chunk)
     try:
         _prefill(engine, prompts(n, 2 * chunk, vocab, seed=99), "w")  # warm-up
-        before = _busy(engine)
+        before, cpu0 = _busy(engine), _cpu(engine)
         wall, ttft = _prefill(engine, prompts(n, prompt_len, vocab, seed=pp), "m")
         busy = [b - a for a, b in zip(before, _busy(engine), strict=True)]
+        cpu = [b - a for a, b in zip(cpu0, _cpu(engine), strict=True)]
     finally:
         close = getattr(engine.model, "close", None)
         if close is not None:
             close()
     return {"wall_s": wall, "tok_s": n * prompt_len / wall,
             "ttft_ms_mean": sum(ttft) / len(ttft), "ttft_ms_max": max(ttft),
-            "stage_utilisation": [round(b / wall, 3) for b in busy] or [1.0]}
+            "stage_utilisation": [round(b / wall, 3) for b in busy] or [1.0],
+            "stage_cpu_s": [round(c, 2) for c in cpu],
+            "tok_per_cpu_s": n * prompt_len / sum(cpu)}
 
 
 def handoff_bytes(path, prompt_len: int) -> list[dict]:
@@ -116,7 +129,9 @@ def run(args) -> list[dict]:
                "pipeline_parallel_size": pp, "prompts": n, "prompt_tokens": prompt_len,
                "prefill_chunk_size": chunk, "prefill_tok_s": round(r["tok_s"], 1),
                "ttft_ms_mean": round(r["ttft_ms_mean"], 1), "ttft_ms_max": round(r["ttft_ms_max"], 1),
-               "stage_utilisation": r["stage_utilisation"], "baseline": "pp1",
+               "stage_utilisation": r["stage_utilisation"], "stage_cpu_s": r["stage_cpu_s"],
+               "tok_per_cpu_s": round(r["tok_per_cpu_s"], 1),
+               "load_avg_1m": round(os.getloadavg()[0], 2), "baseline": "pp1",
                "baseline_tok_s": round(base, 1), "ratio": round(r["tok_s"] / base, 3),
                "cpu_count": os.cpu_count()}
         if pp == 2:
