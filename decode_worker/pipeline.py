@@ -48,6 +48,9 @@ class PipelineReceiver(StagedAgent):
         except BaseException:
             self.forget(request_id)
             self.abort_stages(request_id, "reservation failed")
+            # Reserve fails: the engine's hold on the blocks and slot (taken just before, on
+            # this same loop thread) must not outlive it
+            self.loop.engine.abort(request_id)
             raise
 
     def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
