@@ -113,3 +113,36 @@ def test_one_failed_stage_fails_the_request_and_aborts_it_everywhere():
     assert ("abort", {"rid": "r", "reason": "stage 2: lease expired"}) in model.calls
     local.events = [SimpleNamespace(request_id="r", ok=True, error=None)]
     assert agent.poll() == []  # a late report of the failed request is dropped
+
+
+def test_a_decode_stage_refusing_a_reservation_frees_it_on_every_stage_and_the_engine():
+    from decode_worker.pipeline import PipelineReceiver
+
+    class Model(_Model):
+        size = 2
+
+        def call(self, name, args_of, reply):
+            self.calls.append((name, args_of(1)))
+            if name == "init":
+                return [{"ok": True, "endpoint": "tcp://h:2"}]
+            if name == "expect":
+                return [{"ok": False, "error": "TransferError: already expected"}]
+            return []
+
+    local = _Agent()
+    local.incarnation, local.endpoint, local.expected = "inc", "tcp://h:1", []
+    local.expect = lambda rid, blocks, slot, lease: local.expected.append(rid)
+    aborted = []
+    engine = SimpleNamespace(model=Model(), abort=aborted.append)
+    loop = SimpleNamespace(engine=engine, call=lambda fn, *a: fn(*a))
+    rx = PipelineReceiver(loop, local, lambda *a: a)
+    assert rx.endpoint == "tcp://h:1,tcp://h:2"
+    assert ("init", {"incarnation": "inc"}) in engine.model.calls
+    try:
+        rx.expect("r", [3, 4], 1, 30.0)
+        raise AssertionError("expect must fail")
+    except RuntimeError as e:
+        assert "a decode stage refused r" in str(e)
+    assert local.expected == ["r"] and local.aborted == ["r"] and aborted == ["r"]
+    assert engine.model.calls[-1] == ("abort", {"rid": "r", "reason": "reservation failed"})
+    assert rx.poll_interval() is None  # nothing left tracked
