@@ -62,6 +62,7 @@ def load_stage(
         model = StageModel(cfg, layers, first, last)
     expected = model.state_dict()
     state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype)
+    state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()

@@ -146,3 +146,20 @@ def test_a_decode_stage_refusing_a_reservation_frees_it_on_every_stage_and_the_e
     assert local.expected == ["r"] and local.aborted == ["r"] and aborted == ["r"]
     assert engine.model.calls[-1] == ("abort", {"rid": "r", "reason": "reservation failed"})
     assert rx.poll_interval() is None  # nothing left tracked
+
+
+def test_a_stage_loads_exactly_its_tensors_tied_head_included(tmp_path):
+    from baton.model.loader import load_model, load_stage
+    from baton.model.make_model import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "tied", pattern="MMM*-M*-", tie_word_embeddings=True)
+    full = dict(load_model(path).named_parameters())
+    full["lm_head.weight"] = full["backbone.embeddings.weight"]  # tied: listed once in full
+    last = load_stage(path, range(6, 8), first=False, last=True)
+    got = dict(last.named_parameters())
+    want = {n for n in full if n.startswith(("backbone.layers.6.", "backbone.layers.7.",
+                                              "backbone.norm_f.", "lm_head."))}
+    assert set(got) == want
+    assert all(torch.equal(got[n], full[n]) for n in want)
+    first = load_stage(path, range(0, 3), first=True, last=False)
+    assert {n.split(".")[1] for n in dict(first.named_parameters())} == {"layers", "embeddings"}
