@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics-port", type=int, default=None,
                        help="Prometheus /metrics port (default: config worker.metrics_port; "
                             "0 = a free port)")
+        p.add_argument("--pipeline-parallel-size", type=int, default=None,
+                       help="stage processes to split the layers over (default: config "
+                            "worker.pipeline_parallel_size); stage 0 starts the others")
+        p.add_argument("--pp-rank", type=int, default=None,
+                       help="run only this pipeline stage (with --pp-master), for launchers "
+                            "that place stages on different hosts; 0 serves gRPC")
+        p.add_argument("--pp-master", default=None,
+                       help="HOST:PORT of the stages' rendezvous, hosted by stage 0")
 
     p = sub.add_parser("generate", help="send requests to a router or a local engine")
     g = p.add_mutually_exclusive_group(required=True)
@@ -82,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "http", "all"])
+                                     "pp", "http", "all"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

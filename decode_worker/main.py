@@ -16,7 +16,14 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
     key = None if secret is None else secret.key(SIDE_CHANNEL)
-    receiver = make_receiver(cfg.transfer, engine.pools, fp, bind_host=host, key=key)
+    pipelined = cfg.worker.pipeline_parallel_size > 1
+    receiver = make_receiver(cfg.transfer, engine.pools.local if pipelined else engine.pools, fp,
+                             bind_host=host, key=key)
+    if pipelined:
+        from decode_worker.pipeline import PipelineReceiver
+        from transfer.base import TransferEvent
+
+        receiver = PipelineReceiver(loop, receiver, TransferEvent)
     service = DecodeService(loop, receiver, worker_id, cfg.transfer.lease_seconds, secret,
                             metrics)
     # HoldSnapshot: decode-end snapshots held for prefill workers to pull back
@@ -27,5 +34,7 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
 
 
 def run(args) -> int:
-    """`baton decode-worker`."""
-    return serve_until_signalled(args, Role.DECODE, attach)
+    """`baton decode-worker` (one stage of it with --pp-rank)."""
+    from decode_worker.pipeline import stage_handlers
+
+    return serve_until_signalled(args, Role.DECODE, attach, stage_handlers)

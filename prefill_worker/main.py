@@ -16,8 +16,15 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
 
     fp = compute_fingerprint(engine.model.config, engine.pools.spec)
     key = None if secret is None else secret.key(SIDE_CHANNEL)
-    sender = make_sender(cfg.transfer, engine.pools, fp, key)
-    service = PrefillService(loop, sender, worker_id, layerwise=cfg.transfer.layerwise,
+    pipelined = cfg.worker.pipeline_parallel_size > 1
+    sender = make_sender(cfg.transfer, engine.pools.local if pipelined else engine.pools, fp, key)
+    if pipelined:
+        from prefill_worker.pipeline import PipelineSender
+        from transfer.base import TransferEvent
+
+        sender = PipelineSender(loop, sender, TransferEvent)
+    service = PrefillService(loop, sender, worker_id,
+                             layerwise=cfg.transfer.layerwise and not pipelined,
                              secret=secret, metrics=metrics)
     # PullSnapshot: decode-end state pulled back from decode workers
     service.snapshots = SnapshotPulls(service, secret)
@@ -26,5 +33,8 @@ def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
 
 
 def run(args) -> int:
-    """`baton prefill-worker`."""
-    return serve_until_signalled(args, Role.PREFILL, attach)
+    """`baton prefill-worker` (one stage of it with --pp-rank)."""
+    from prefill_worker.pipeline import stage_handlers
+
+    return serve_until_signalled(args, Role.PREFILL, attach,
+                                 lambda cfg, secret, host: stage_handlers(cfg, secret))

@@ -136,11 +136,12 @@ class PrefillService:
             verify_reservation(self.secret, rid, dest)
             # a first contact's handshake happens here, on this RPC's thread, never on the
             # engine loop thread (where it would stall every request for up to its timeout)
-            self.sender.connect(dest.transfer_endpoint)
+            for endpoint in dest.endpoints:  # every stage of a pipeline-parallel decode worker
+                self.sender.connect(endpoint)
             # the right to write the reservation, asked while the prompt computes: the decode
             # side grants it only while the reservation is held, and quarantines a failed one
             # that was granted until the writes are over (transfer/receiver.py)
-            self.sender.claim(rid, dest.transfer_endpoint, list(dest.block_ids), dest.slot,
+            self.sender.claim(rid, dest.endpoints, list(dest.block_ids), dest.slot,
                               dest.skip_blocks, dest.incarnation or None)
         except BaseException:
             self.abort(rid)
@@ -221,7 +222,7 @@ class PrefillService:
         if stream.misfit:  # a genuine reservation made for another prompt: nothing is written
             return
         stream.sent_at = time.perf_counter()
-        self.sender.send(stream.rid, dest.transfer_endpoint, list(blocks), slot,
+        self.sender.send(stream.rid, dest.endpoints, list(blocks), slot,
                          list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
                          incarnation=dest.incarnation or None, layerwise=layerwise)
         stream.sent = True

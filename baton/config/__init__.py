@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Literal
 
 import yaml
 
-from baton.config.base import from_dict
+from baton.config.base import from_dict, to_dict
 from baton.config.cache import CacheConfig
 from baton.config.cluster import ClusterConfig
 from baton.config.ports import PortRange, port_range
@@ -56,6 +57,12 @@ class WorkerConfig:
     metrics_port: int = 0
     """Prometheus `/metrics` HTTP port (0 = pick a free one; the worker prints it on start).
     Set a fixed port where Prometheus scrapes a known address (one worker per host or pod)."""
+    pipeline_parallel_size: int = 1
+    """Stage processes this worker's layers are split over (`--pipeline-parallel-size`).
+    Stage 0 serves gRPC and schedules; every stage holds only its layers' weights and pools."""
+    pp_layer_partition: tuple[int, ...] = ()
+    """Layers per stage, in order, summing to the model's layer count; empty = as even as
+    possible (earlier stages take the remainder). Checked against the model when it loads."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:
@@ -64,6 +71,22 @@ class WorkerConfig:
                 f"use .inf for no anti-starvation bound"
             )
         _ = self.ports  # a bad port is refused when the config loads, not at bind time
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(
+                f"worker.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pp_layer_partition and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise ConfigError(
+                f"worker.pp_layer_partition {list(self.pp_layer_partition)} has "
+                f"{len(self.pp_layer_partition)} stages but worker.pipeline_parallel_size is "
+                f"{self.pipeline_parallel_size}; give one layer count per stage or leave it empty"
+            )
+        zero = [i for i, n in enumerate(self.pp_layer_partition) if n < 1]
+        if zero:
+            raise ConfigError(
+                f"worker.pp_layer_partition {list(self.pp_layer_partition)} gives stage {zero[0]} "
+                f"no layers; every stage needs at least one layer"
+            )
 
     @cached_property
     def ports(self) -> PortRange:
@@ -78,6 +101,24 @@ class BatonConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    prefill: dict | None = None
+    """Per-role overrides of any `worker` key for prefill workers (`baton serve`)."""
+    decode: dict | None = None
+    """Per-role overrides of any `worker` key for decode workers (`baton serve`)."""
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            self.for_role(role)  # a bad override is refused when the config loads
+
+    def for_role(self, role: str) -> BatonConfig:
+        """This config with the `prefill:` or `decode:` section's keys over `worker`."""
+        override = getattr(self, role, None)
+        if not override:
+            return self
+        if not isinstance(override, dict):
+            raise ConfigError(f"{role} must be a mapping of worker keys, got {override!r}")
+        worker = from_dict(WorkerConfig, {**to_dict(self.worker), **override}, role)
+        return dataclasses.replace(self, worker=worker, prefill=None, decode=None)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> BatonConfig:

@@ -17,6 +17,7 @@ from baton.contract.types import (
     ServeInput,
     SnapshotEvent,
     SnapshotShipment,
+    StageInfo,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -26,6 +27,6 @@ from baton.sampling import SamplingParams
 __all__ = [
     "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
-    "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent", "SnapshotShipment",
-    "WorkerInfo", "WorkerLoad", "WorkerView",
+    "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent",
+    "SnapshotShipment", "StageInfo", "WorkerInfo", "WorkerLoad", "WorkerView",
 ]

@@ -86,6 +86,13 @@ class Reservation:
     """The decode worker's HMAC over the request id and every field above; the prefill worker
     writes nothing unless it verifies (baton/auth/reservations.py). Empty without a secret."""
 
+    @property
+    def endpoints(self) -> list[str]:
+        """Every decode stage's side channel: a pipeline-parallel decode worker lists its
+        stages' endpoints in `transfer_endpoint`, comma-separated, in stage order (one
+        signature covers them all)."""
+        return [e for e in self.transfer_endpoint.split(",") if e]
+
 
 @dataclass(frozen=True)
 class PrefillInput:
@@ -176,6 +183,16 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True)
+class StageInfo:
+    """One pipeline stage of a worker: global layers first_layer.. (num_layers of them) and
+    its transfer side channel (decode workers; "" on prefill workers)."""
+
+    first_layer: int
+    num_layers: int
+    transfer_endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """What a worker registers with."""
 
@@ -186,6 +203,8 @@ class WorkerInfo:
     load: WorkerLoad = WorkerLoad()
     max_model_len: int = 0
     """Longest prompt + output the worker accepts (0 = not reported)."""
+    stages: tuple[StageInfo, ...] = ()
+    """Every pipeline stage, in order (empty: not reported)."""
 
 
 @dataclass(frozen=True)

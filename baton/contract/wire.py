@@ -26,6 +26,7 @@ from baton.contract.types import (
     ServeInput,
     SnapshotEvent,
     SnapshotShipment,
+    StageInfo,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -140,6 +141,8 @@ def register_from_pb(m: rpb.RegisterRequest) -> WorkerInfo:
         tokens_per_block=m.tokens_per_block or DEFAULT_TOKENS_PER_BLOCK,
         load=load_from_pb(m.load),
         max_model_len=m.max_model_len,
+        stages=tuple(StageInfo(s.first_layer, s.num_layers, s.transfer_endpoint)
+                     for s in m.stages),
     )
 
 
@@ -151,6 +154,8 @@ def register_to_pb(w: WorkerInfo) -> rpb.RegisterRequest:
         tokens_per_block=w.tokens_per_block,
         load=load_to_pb(w.load),
         max_model_len=w.max_model_len,
+        stages=[rpb.StageInfo(first_layer=s.first_layer, num_layers=s.num_layers,
+                              transfer_endpoint=s.transfer_endpoint) for s in w.stages],
     )
 
 

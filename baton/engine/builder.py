@@ -17,7 +17,10 @@ log = logging.getLogger("baton.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(cfg: BatonConfig, model_path: str | None = None) -> Engine:
+def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=None,
+                 on_stage_death=None, pp_master: str | None = None) -> Engine:
+    """The engine of a worker (stage 0 of it when `worker.pipeline_parallel_size` > 1: see
+    `build_pipeline_engine` for the other arguments)."""
     from baton.model.loader import load_model
     from baton.model.registry import resolve_model
     from baton.model.tokenizer import load_tokenizer
@@ -26,6 +29,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None) -> Engine:
     if threads:
         torch.set_num_threads(int(threads))
     path = resolve_model(model_path or cfg.model.path)
+    if cfg.worker.pipeline_parallel_size > 1:
+        return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master)
     dtype = DTYPES[cfg.model.dtype]
     model = load_model(path, device=cfg.model.device, dtype=dtype)
     spec = PoolSpec.for_model(
@@ -43,4 +48,52 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None) -> Engine:
         path, model.config.pattern, spec.num_blocks, spec.tokens_per_block, spec.num_slots,
         "on" if cache.reuse_enabled else "off",
     )
+    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))
+
+
+def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
+                          pp_master: str | None = None) -> Engine:
+    """Stage 0 of a pipeline-parallel worker: joins (and hosts) the stages' process group,
+    loads its own layers, and runs the scheduler and cache manager for every stage.
+
+    `pp_master` None: start stages 1..N-1 here (`stage_argv(rank, master)`, default a bare
+    stage process) and call `on_stage_death(rank, exit_code)` if one exits; else the stages
+    are started elsewhere and join the store this stage hosts at that HOST:PORT.
+    """
+    from baton.engine.pipeline.channel import Channel
+    from baton.engine.pipeline.launch import (
+        LocalStages,
+        build_stage,
+        engine_stage_argv,
+        join_group,
+        open_store,
+        stage_layers,
+    )
+    from baton.engine.pipeline.mirror import MirroredPools
+    from baton.engine.pipeline.model import PipelineModel
+    from baton.model.tokenizer import load_tokenizer
+
+    layers = stage_layers(cfg, path)
+    size = len(layers)
+    store = open_store(0, size, pp_master)
+    stages = None
+    if pp_master is None:
+        argv = stage_argv or engine_stage_argv(str(path))
+        stages = LocalStages(cfg, argv, f"127.0.0.1:{store.port}", size, on_stage_death)
+    try:
+        join_group(store, 0, size)
+        stage, local = build_stage(cfg, path, layers, 0)
+    except BaseException:
+        if stages is not None:
+            stages.kill()
+        raise
+    full = PoolSpec.for_model(stage.config, num_blocks=cfg.cache.num_blocks,
+                              tokens_per_block=cfg.cache.tokens_per_block,
+                              num_slots=cfg.cache.num_state_slots, dtype=local.spec.dtype,
+                              device=cfg.model.device)
+    pools = MirroredPools(full, local)
+    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages)
+    log.info("pipeline engine ready: %d stages, layers %s", size,
+             [[r.start, r.stop] for r in layers])
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

@@ -13,6 +13,7 @@ from baton.errors import ConfigError
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h import NemotronHModel
 from baton.model.progress import progress
+from baton.model.stage import StageModel
 
 log = logging.getLogger("baton.model")
 
@@ -49,6 +50,24 @@ def load_model(
     return model.eval()
 
 
+def load_stage(
+    path: str | Path, layers: range, first: bool, last: bool,
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+) -> StageModel:
+    """Only one pipeline stage's tensors: global `layers`, the embeddings if `first`, the final
+    norm and LM head if `last`. Other stages' tensors are skipped silently."""
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = StageModel(cfg, layers, first, last)
+    expected = model.state_dict()
+    state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype)
+    state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those named by the shard index, else all of them."""
     index = path / "model.safetensors.index.json"
@@ -71,6 +90,9 @@ def _read_tensors(path, expected, cfg, device, dtype):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
                 ours = _canonical(name)
+                if ours == "backbone.embeddings.weight" and cfg.tie_word_embeddings \
+                        and ours not in expected and "lm_head.weight" in expected:
+                    ours = "lm_head.weight"  # a last stage without embeddings, tied head
                 if ours not in expected:
                     unexpected.append(name)
                     continue

@@ -82,20 +82,32 @@ class ListWorkersReply(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "tokens_per_block", "max_model_len")
+    __slots__ = ("worker_id", "role", "address", "load", "tokens_per_block", "max_model_len", "stages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _baton_pb2.WorkerRole
     address: str
     load: _baton_pb2.WorkerLoad
     tokens_per_block: int
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_baton_pb2.WorkerLoad, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_baton_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_baton_pb2.WorkerLoad, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("first_layer", "num_layers", "transfer_endpoint")
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    first_layer: int
+    num_layers: int
+    transfer_endpoint: str
+    def __init__(self, first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_seconds", "eject_after_seconds")

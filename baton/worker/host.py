@@ -6,10 +6,12 @@ their transfer endpoint, service and servicer, through `attach`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -22,10 +24,11 @@ from baton.auth.grpc_auth import ServerGuard
 from baton.auth.tls import cluster_tls, router_channel_credentials
 from baton.config import BatonConfig
 from baton.config.ports import PortRange, port_range
-from baton.contract import Role, WorkerInfo
+from baton.contract import Role, StageInfo, WorkerInfo
 from baton.engine.builder import build_engine
 from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
+from baton.errors import ConfigError
 from baton.worker.address import advertised_host, bind_grpc, interface_of, join_host_port
 from baton.worker.exit import exit_now
 from baton.worker.load import load_of
@@ -61,17 +64,24 @@ class Worker:
         self.service.close()
         self.metrics.stop()
         self.loop.stop()
+        close = getattr(self.loop.engine.model, "close", None)
+        if close is not None:  # a pipeline's other stages stop with stage 0
+            close()
 
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
-                 host: str | None, ports: PortRange, metrics_port: int | None = None) -> Worker:
+                 host: str | None, ports: PortRange, metrics_port: int | None = None,
+                 pp_master: str | None = None) -> Worker:
     """`host` None, "" or "auto": the address that routes to `router`; `metrics_port` None:
-    the config's `worker.metrics_port`."""
+    the config's `worker.metrics_port`. With `worker.pipeline_parallel_size` > 1 this is
+    stage 0: it starts the other stages (`baton <role>-worker --pp-rank R`) unless
+    `pp_master` says they are started elsewhere and meet at that HOST:PORT."""
     host = advertised_host(host, router)
     _pin_ucx_tcp(cfg, host)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     tls = cluster_tls(cfg.cluster)  # before the model loads: a bad file fails at once
-    engine = build_engine(cfg, model)
+    engine = build_engine(cfg, model, stage_argv=_stage_argv(role, router, model, host),
+                          on_stage_death=_stage_died, pp_master=pp_master)
     events = SnapshotEvents(engine.cache)
     loop = EngineLoop(engine)
     metrics = WorkerMetrics(role, loop)
@@ -91,12 +101,52 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, role, address, engine.pools.spec.tokens_per_block,
-                      max_model_len=engine.max_model_len)
+                      max_model_len=engine.max_model_len, stages=_stages(engine, service))
     reg = Registration(router, info, load=lambda: load_of(loop), snapshot_events=events.drain,
                        bearer=None if secret is None else secret.bearer,
                        credentials=router_channel_credentials(cfg.router, tls))
     reg.start()
     return Worker(worker_id, address, server, service, reg, loop, metrics, mport)
+
+
+def _stages(engine: Engine, service) -> tuple[StageInfo, ...]:
+    """Every stage's layers and (decode workers) transfer side channel, for the registration."""
+    layers = getattr(engine.model, "layers", None) or [range(engine.model.config.num_layers)]
+    receiver = getattr(service, "receiver", None)
+    endpoints = receiver.endpoint.split(",") if receiver is not None else [""] * len(layers)
+    return tuple(StageInfo(r.start, len(r), ep) for r, ep in zip(layers, endpoints, strict=True))
+
+
+def _stage_argv(role: Role, router: str, model: str, host: str):
+    from baton.model.registry import resolve_model
+
+    path = str(resolve_model(model))
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    return lambda rank, master: [
+        sys.executable, "-m", "baton.cli", "--log-level", level, f"{role.value}-worker",
+        "--router", router,
+        "--model", path, "--host", host, "--pp-rank", str(rank), "--pp-master", master]
+
+
+def _stage_died(rank: int, code: int) -> None:
+    """A stage of this worker is gone: the worker cannot compute any more. Leave at once, so
+    the router ejects it and retries its requests elsewhere (the other stages were killed)."""
+    log.error("pipeline stage %d exited (%s): this worker stops serving", rank, code)
+    exit_now(1)
+
+
+def _worker_config(args, role: Role) -> BatonConfig:
+    """The config file (or, in a stage that stage 0 started, stage 0's own config) with the
+    role's section (`prefill:` / `decode:`) over `worker`, and `--pipeline-parallel-size`
+    over `worker.pipeline_parallel_size`."""
+    from baton.engine.pipeline.launch import config_from_env
+
+    cfg = config_from_env(args.config).for_role(role.value)
+    size = getattr(args, "pipeline_parallel_size", None)
+    if size is not None and size != cfg.worker.pipeline_parallel_size:
+        worker = dataclasses.replace(cfg.worker, pipeline_parallel_size=size)
+        cfg = dataclasses.replace(cfg, worker=worker)
+    return cfg
 
 
 def _pin_ucx_tcp(cfg: BatonConfig, host: str) -> None:
@@ -109,13 +159,27 @@ def _pin_ucx_tcp(cfg: BatonConfig, host: str) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", device)
 
 
-def serve_until_signalled(args, role: Role, attach: Attach) -> int:
+def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None) -> int:
     """`baton prefill-worker` / `baton decode-worker`: start, print the address, wait for a
-    signal, stop."""
-    cfg = BatonConfig.load(args.config)
+    signal, stop. With `--pp-rank R` (R > 0) run only that pipeline stage:
+    `stage_handlers(cfg, secret, host)` makes its transfer agent's control handlers."""
+    cfg = _worker_config(args, role)
+    rank = getattr(args, "pp_rank", None)
+    if rank:
+        from baton.engine.pipeline.launch import serve_stage
+        from baton.model.registry import resolve_model
+
+        if not args.pp_master:
+            raise ConfigError("--pp-rank needs --pp-master HOST:PORT (stage 0's rendezvous)")
+        host = advertised_host(args.host or cfg.worker.host, args.router)
+        _pin_ucx_tcp(cfg, host)
+        secret = load_secret(cfg.cluster, role=f"{role.value} worker stage {rank}")
+        make = None if stage_handlers is None else stage_handlers(cfg, secret, host)
+        exit_now(serve_stage(cfg, resolve_model(args.model), rank, args.pp_master, make))
     ports = cfg.worker.ports if args.port is None else port_range(args.port, "--port")
     worker = start_worker(cfg, role, attach, args.router, args.model, args.host or cfg.worker.host,
-                          ports, getattr(args, "metrics_port", None))
+                          ports, getattr(args, "metrics_port", None),
+                          pp_master=args.pp_master if rank == 0 else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

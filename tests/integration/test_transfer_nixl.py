@@ -20,6 +20,18 @@ def test_pp_matrix_bit_exact(bed):
     check_pp_matrix(bed, "nixl")
 
 
+@pytest.mark.parametrize("pp,dp", [(p, d) for p in (1, 2, 3) for d in (1, 2)])
+def test_unequal_worker_splits_bit_exact(bed, pp, dp):
+    """The pipeline-parallel workers' case: `MMM*-M*-` with prefill [3, 3, 2] (attention-free
+    stage 0, Mamba-free stage 2) and decode [5, 3]; canaries prove nothing else changed."""
+    parts = ({1: [], 2: [4, 4], 3: [3, 3, 2]}[pp], {1: [], 2: [5, 3]}[dp])
+    bed.configure("nixl", tiny_model("MMM*-M*-"), pp, dp, seed=3 + pp * 10 + dp,
+                  partitions=parts)
+    hs = two_handoffs(f"split-{pp}x{dp}")
+    assert events_ok(bed.run(hs), [h.rid for h in hs]) is None
+    assert bed.mismatch(hs) is None
+
+
 def test_layerwise_streaming_bit_exact(bed):
     bed.configure("nixl", tiny_model("MM-MM*-*M"), 3, 2, seed=7, layerwise=True)
     hs = two_handoffs("layerwise")

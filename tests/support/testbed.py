@@ -15,6 +15,7 @@ import torch
 
 from baton.model.config import ModelConfig
 from baton.model.pools import PoolSpec
+from baton.model.stage import partition_layers
 from tests.support.loopback import StageProc
 from tests.support.verify import Handoff, expected_after, first_difference, split_layers, views
 
@@ -54,16 +55,20 @@ class Testbed:
 
     def configure(self, backend: str, model: dict, pp_prefill: int, pp_decode: int,
                   num_blocks: int = 12, tokens_per_block: int = 4, num_slots: int = 3,
-                  seed: int = 0, **cfg) -> None:
+                  seed: int = 0, partitions: tuple[list[int], list[int]] = ((), ()),
+                  **cfg) -> None:
+        """`partitions`: layers per stage of each side (empty: the even split)."""
         mc = ModelConfig.from_dict(model)
         self.pp, self.dp = pp_prefill, pp_decode
         kw = dict(backend=backend, model=model, num_blocks=num_blocks,
                   tokens_per_block=tokens_per_block, num_slots=num_slots, **cfg)
         self.layerwise = cfg.get("layerwise", False)
         self.specs = {}
-        for role, procs, pp in (("prefill", self.prefill, pp_prefill),
-                                ("decode", self.decode, pp_decode)):
-            for i, layers in enumerate(split_layers(mc.num_layers, pp)):
+        for role, procs, pp, part in (("prefill", self.prefill, pp_prefill, partitions[0]),
+                                      ("decode", self.decode, pp_decode, partitions[1])):
+            splits = [list(r) for r in partition_layers(mc.num_layers, pp, tuple(part))] \
+                if part else split_layers(mc.num_layers, pp)
+            for i, layers in enumerate(splits):
                 self.specs[role, i] = PoolSpec.for_model(
                     mc, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
                     num_slots=num_slots, layers=layers,

@@ -51,3 +51,38 @@ def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         BatonConfig.load(bad)
 
+
+
+# ---- pipeline parallelism -----------------------------------------------------------------
+
+def test_pp_partition_errors_name_the_field():
+    from baton.model.stage import partition_layers
+
+    with pytest.raises(ConfigError, match=r"worker.pp_layer_partition \[3, 3, 1\] sums to 7"):
+        partition_layers(8, 3, (3, 3, 1))
+    with pytest.raises(ConfigError, match="worker.pipeline_parallel_size=9 is larger than"):
+        partition_layers(8, 9)
+    with pytest.raises(ConfigError, match=r"worker.pp_layer_partition \[4, 0, 4\] gives stage 1"):
+        BatonConfig.from_dict({"worker": {"pipeline_parallel_size": 3,
+                                          "pp_layer_partition": [4, 0, 4]}})
+    with pytest.raises(ConfigError, match="worker.pipeline_parallel_size must be >= 1"):
+        BatonConfig.from_dict({"worker": {"pipeline_parallel_size": 0}})
+    with pytest.raises(ConfigError, match="has 2 stages but worker.pipeline_parallel_size is 3"):
+        BatonConfig.from_dict({"decode": {"pipeline_parallel_size": 3,
+                                          "pp_layer_partition": [4, 4]}})
+    assert [list(r) for r in partition_layers(8, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [list(r) for r in partition_layers(8, 3, (3, 3, 2))] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_per_role_worker_overrides():
+    cfg = BatonConfig.from_dict({
+        "worker": {"max_num_seqs": 8},
+        "prefill": {"pipeline_parallel_size": 3, "pp_layer_partition": [3, 3, 2]},
+        "decode": {"pipeline_parallel_size": 2},
+    })
+    assert cfg.worker.pipeline_parallel_size == 1
+    p, d = cfg.for_role("prefill").worker, cfg.for_role("decode").worker
+    assert (p.pipeline_parallel_size, p.pp_layer_partition, p.max_num_seqs) == (3, (3, 3, 2), 8)
+    assert (d.pipeline_parallel_size, d.pp_layer_partition) == (2, ())
+    with pytest.raises(ConfigError, match="unknown config key prefill.bogus"):
+        BatonConfig.from_dict({"prefill": {"bogus": 1}})

@@ -58,3 +58,26 @@ def test_gpus_are_requested_exactly_where_the_config_asks_for_cuda():
             continue
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         assert (gpus is not None) == device.startswith("cuda"), (name, device, gpus)
+
+
+PP_DOCS = [d for d in yaml.safe_load_all((ROOT / "deploy/k8s/baton-pp.yaml").read_text()) if d]
+
+
+@pytest.mark.parametrize("doc", PP_DOCS, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_the_pp_prefill_example_passes_the_kubernetes_schema(doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_pp_prefill_example_puts_its_two_stages_on_two_nodes():
+    sts = next(d for d in PP_DOCS if d["kind"] == "StatefulSet")
+    spec = sts["spec"]["template"]["spec"]
+    assert sts["spec"]["replicas"] == 2
+    rule = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    (c,) = spec["containers"]
+    args = " ".join(c["args"])
+    assert "--pipeline-parallel-size 2 --pp-rank $PP_RANK --pp-master baton-prefill-pp-0." in args
+    env = {e["name"]: e for e in c["env"]}
+    assert "pod-index" in env["PP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    ref = env["BATON_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("baton-cluster", "token")

@@ -21,6 +21,7 @@ from baton.contract import (
     ReserveInput,
     Role,
     SnapshotEvent,
+    StageInfo,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -157,6 +158,9 @@ ROUND_TRIPS = [
      baton_pb2.SnapshotEvent),
     *[(WorkerInfo(f"w-{role.value}", role, "h:1", 32, LOAD, 4096), wire.register_to_pb,
        wire.register_from_pb, router_pb2.RegisterRequest) for role in Role],
+    (WorkerInfo("d-pp", Role.DECODE, "h:1", 16, LOAD, 4096,
+                (StageInfo(0, 5, "tcp://h:7001"), StageInfo(5, 3, "tcp://h:7002"))),
+     wire.register_to_pb, wire.register_from_pb, router_pb2.RegisterRequest),
     (WorkerView("d1", Role.DECODE, "h:2", 16, LOAD, 3, 0.5, 9, 2048), wire.worker_view_to_pb,
      wire.worker_view_from_pb, router_pb2.WorkerInfo),
 ]

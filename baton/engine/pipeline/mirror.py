@@ -1,0 +1,70 @@
+"""Stage 0's pools as the cache manager sees them: the whole model's spec (so block and slot
+accounting covers every stage, even when stage 0 itself is attention-free or Mamba-free),
+stage 0's own tensors, and every copy/zero the manager makes recorded for the other stages.
+
+The other stages apply the recorded operations in order before their next forward (they
+travel ahead of it on the same channel), or at once when `PipelineModel.sync` is called
+(before a reservation is given out, so no mirrored copy lands after a transfer's bytes).
+"""
+
+from __future__ import annotations
+
+from baton.model.pools import Pools, PoolSpec
+
+Op = tuple[str, int, int]
+"""("slot", src, dst) | ("block", src, dst) | ("zero", slot, 0)."""
+
+
+class MirroredPools:
+    def __init__(self, spec: PoolSpec, local: Pools):
+        self.spec = spec
+        """Every layer of the model (counts, block size); the tensors are `local`'s."""
+        self.local = local
+        self.ops: list[Op] = []
+
+    @property
+    def has_kv(self) -> bool:
+        return bool(self.spec.attn_layers)
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.spec.mamba_layers)
+
+    @property
+    def kv(self):
+        return self.local.kv
+
+    @property
+    def conv(self):
+        return self.local.conv
+
+    @property
+    def ssm(self):
+        return self.local.ssm
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.local.copy_slot(src, dst)
+        self.ops.append(("slot", src, dst))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.local.copy_block(src, dst)
+        self.ops.append(("block", src, dst))
+
+    def zero_slot(self, slot: int) -> None:
+        self.local.zero_slot(slot)
+        self.ops.append(("zero", slot, 0))
+
+    def take_ops(self) -> list[Op]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def apply_ops(pools: Pools, ops: list) -> None:
+    """A stage's copy of stage 0's operations, on the layers it holds."""
+    for kind, a, b in ops:
+        if kind == "slot":
+            pools.copy_slot(a, b)
+        elif kind == "block":
+            pools.copy_block(a, b)
+        else:
+            pools.zero_slot(a)

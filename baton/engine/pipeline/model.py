@@ -1,0 +1,147 @@
+"""Stage 0's stand-in for NemotronHModel: the engine calls `prefill_batch` / `decode` as
+always; the call is split into micro-batches that flow through every stage.
+
+    stage 0   [mb0][mb1][mb2][mb3]                 (embeddings + its layers, then sends)
+    stage 1        [mb0][mb1][mb2][mb3]
+    stage 2             [mb0][mb1][mb2][mb3] -> logits of each micro-batch back to stage 0
+
+The plan of every micro-batch goes to every stage first (non-blocking), so stage k works on
+micro-batch i+1 while stage k+1 works on micro-batch i. Cache operations recorded by the
+mirrored pools ride ahead of the first micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from baton.engine.pipeline.channel import TAG_CTRL, TAG_HIDDEN, TAG_OUT, TAG_REPLY, Channel
+from baton.engine.pipeline.mirror import MirroredPools
+from baton.engine.pipeline.stage import run_layers
+from baton.model.stage import StageModel
+
+
+def split(n: int, parts: int) -> list[range]:
+    """[0, n) in `parts` contiguous, nearly equal ranges (no empty one)."""
+    parts = max(1, min(n, parts))
+    q, r = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = q + (1 if i < r else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class PipelineModel:
+    def __init__(self, stage: StageModel, pools: MirroredPools, channel: Channel,
+                 layers: list[range], micro_batches: int | None = None, local_stages=None):
+        self.stage, self.pools, self.ch = stage, pools, channel
+        self.config = stage.config
+        self.layers = layers
+        """Global layer range of every stage."""
+        self.size = channel.size
+        self.micro_batches = micro_batches or 2 * self.size
+        """Most micro-batches of a decode forward (a prefill forward may use one per sequence,
+        up to twice this: its sequences are long enough to keep each micro-batch efficient)."""
+        self.busy_s = 0.0
+        self.closed = False
+        self.local_stages = local_stages
+        """The child processes of stages 1..N-1 (None: started by another launcher)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.stage.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stage.dtype
+
+    # ---- the NemotronHModel contract the engine uses --------------------------------------
+    def prefill_batch(self, input_ids, start_positions, block_tables, slots, pools=None,
+                      all_logits: bool = False, on_layer=None) -> torch.Tensor:
+        if all_logits:
+            raise NotImplementedError("all_logits is not available with pipeline parallelism")
+        n, T = input_ids.shape
+        return self._run(False, input_ids, list(start_positions), block_tables, list(slots), T,
+                         2 * self.micro_batches)
+
+    def decode(self, input_ids, positions, block_tables, slots, pools=None) -> torch.Tensor:
+        return self._run(True, input_ids, positions.tolist(), block_tables, slots.tolist(), 1,
+                         self.micro_batches)
+
+    # ---- control --------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Every stage has applied every cache operation so far (a barrier)."""
+        self._broadcast({"op": "sync"})
+        for k in range(1, self.size):
+            self.ch.recv_msg(k, TAG_REPLY)
+
+    def call(self, name: str, args_of, reply: bool = True) -> list[dict]:
+        """Run a role handler on stages 1..N-1 (`args_of(k)`: that stage's arguments, None to
+        skip it); returns the replies of the stages called, in stage order."""
+        ops = self.pools.take_ops()
+        called = []
+        for k in range(1, self.size):
+            args = args_of(k)
+            msg = {"op": "ops", "ops": ops} if args is None else \
+                {"op": "call", "name": name, "args": args, "reply": reply, "ops": ops}
+            self.ch.send_msg(msg, k, TAG_CTRL)
+            if args is not None:
+                called.append(k)
+        return [self.ch.recv_msg(k, TAG_REPLY) for k in called] if reply else []
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._broadcast({"op": "stop"})
+            self.ch.flush()
+        finally:
+            if self.local_stages is not None:
+                self.local_stages.stop()
+            dist.destroy_process_group()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _broadcast(self, msg: dict) -> None:
+        msg["ops"] = self.pools.take_ops()
+        for k in range(1, self.size):
+            self.ch.send_msg(msg, k, TAG_CTRL)
+
+    def _run(self, decode, ids, starts, tables, slots, T, parts) -> torch.Tensor:
+        mbs = []
+        for i, r in enumerate(split(len(starts), parts)):
+            mb = {"op": "fwd", "decode": decode, "T": T, "starts": starts[r.start:r.stop],
+                  "tables": [list(t) for t in tables[r.start:r.stop]],
+                  "slots": slots[r.start:r.stop]}
+            if i == 0:
+                self._broadcast(mb)
+            else:
+                mb["ops"] = []
+                for k in range(1, self.size):
+                    self.ch.send_msg(mb, k, TAG_CTRL)
+            mbs.append((r, mb))
+        error = None
+        for r, mb in mbs:
+            t0 = time.perf_counter()
+            try:
+                h = run_layers(self.stage, self.pools.local, mb, ids[r.start:r.stop])
+            except Exception as e:  # noqa: BLE001 - the later stages still expect an input
+                error = error or e
+                shape = (len(r), self.config.hidden_size) if decode else \
+                    (len(r), T, self.config.hidden_size)
+                h = torch.full(shape, float("nan"), dtype=self.dtype)
+            self.busy_s += time.perf_counter() - t0
+            self.ch.isend(h, 1, TAG_HIDDEN)
+        vocab = self.config.vocab_size
+        out = torch.cat([self.ch.recv((len(r), vocab), torch.float32, self.size - 1, TAG_OUT)
+                         for r, _ in mbs])
+        self.ch.flush()
+        if error is not None:
+            raise error
+        if torch.isnan(out).any():
+            raise RuntimeError("a pipeline stage's forward failed (see that stage's log)")
+        return out

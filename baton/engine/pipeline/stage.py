@@ -1,0 +1,115 @@
+"""What one pipeline stage computes for a micro-batch, and the loop of stages 1..N-1.
+
+A micro-batch's plan (msgpack, from stage 0):
+    {"op": "fwd", "decode": bool, "T": tokens per sequence (prefill), "starts": [position],
+     "tables": [[block]], "slots": [slot], "ops": [mirrored cache operations]}
+A stage other than 0 receives its input hidden states from the stage before it and sends
+its output to the stage after it; the last stage sends float32 logits (last token of each
+sequence) to stage 0. Other control ops: "sync" (apply ops, reply), "call" (a role's
+handler, e.g. a transfer agent's; replies when asked), "stop".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from baton.engine.pipeline.channel import TAG_CTRL, TAG_HIDDEN, TAG_OUT, TAG_REPLY, Channel
+from baton.engine.pipeline.mirror import apply_ops
+from baton.model.paged import decode_meta, prefill_meta, slot_context
+from baton.model.pools import Pools
+from baton.model.stage import StageModel
+
+log = logging.getLogger("baton.pipeline")
+
+Handler = Callable[[dict], dict | None]
+"""A role's extra control op: gets the message, returns the reply (or None)."""
+
+
+@torch.inference_mode()
+def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> torch.Tensor:
+    """This stage's layers over micro-batch `mb` (input hidden states, or token ids on the
+    first stage)."""
+    decode, starts, tables, slots = mb["decode"], mb["starts"], mb["tables"], mb["slots"]
+    h = model.embed(h) if model.first else h.to(model.device)
+    if decode:
+        attn = decode_meta(torch.tensor(starts), tables, pools) if pools.has_kv else None
+        ctx = slot_context(pools, attn, slots)
+    else:
+        attn = prefill_meta(starts, mb["T"], tables, pools) if pools.has_kv else None
+        ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in starts])
+    return model.run_layers(h, ctx, decode)
+
+
+@torch.inference_mode()
+def last_logits(model: StageModel, h: torch.Tensor, decode: bool) -> torch.Tensor:
+    return model.logits(h if decode else h[:, -1])
+
+
+def hidden_shape(model: StageModel, mb: dict) -> tuple[int, ...]:
+    n, hs = len(mb["starts"]), model.config.hidden_size
+    return (n, hs) if mb["decode"] else (n, mb["T"], hs)
+
+
+class StageLoop:
+    """Stages 1..N-1: obey stage 0's control messages until "stop" (or the group breaks)."""
+
+    def __init__(self, model: StageModel, pools: Pools, channel: Channel,
+                 handlers: dict[str, Handler] | None = None):
+        self.model, self.pools, self.ch = model, pools, channel
+        self.handlers = dict(handlers or {})
+        self.last = channel.rank == channel.size - 1
+        self.busy_s = 0.0
+        self.handlers["stats"] = lambda msg: {"busy_s": self.busy_s}
+
+    def run(self) -> None:
+        while True:
+            msg = self.ch.recv_msg(0, TAG_CTRL)
+            apply_ops(self.pools, msg.get("ops", ()))
+            op = msg["op"]
+            if op == "stop":
+                self.ch.flush()
+                return
+            if op == "fwd":
+                self._forward(msg)
+            elif op == "sync":
+                self.ch.send_msg({"ok": True}, 0, TAG_REPLY)
+            elif op == "call":
+                self._call(msg)
+            elif op == "ops":
+                pass  # applied above
+            else:
+                log.error("stage %d: unknown control op %r ignored", self.ch.rank, op)
+
+    def _forward(self, mb: dict) -> None:
+        h = self.ch.recv(hidden_shape(self.model, mb), self.model.dtype, self.ch.rank - 1,
+                         TAG_HIDDEN)
+        t0 = time.perf_counter()
+        try:
+            h = run_layers(self.model, self.pools, mb, h)
+            if self.last:
+                h = last_logits(self.model, h, mb["decode"])
+        except Exception:  # noqa: BLE001 - stage 0 fails this forward's requests (NaN out)
+            log.exception("stage %d: forward failed", self.ch.rank)
+            shape = (len(mb["starts"]), self.model.config.vocab_size) if self.last else h.shape
+            h = torch.full(shape, float("nan"), dtype=torch.float32 if self.last else h.dtype)
+        self.busy_s += time.perf_counter() - t0
+        if self.last:
+            self.ch.isend(h, 0, TAG_OUT)
+        else:
+            self.ch.isend(h, self.ch.rank + 1, TAG_HIDDEN)
+
+    def _call(self, msg: dict) -> None:
+        handler = self.handlers.get(msg["name"])
+        try:
+            if handler is None:
+                raise KeyError(f"stage {self.ch.rank} has no handler {msg['name']!r}")
+            reply = {"ok": True, **(handler(msg.get("args") or {}) or {})}
+        except Exception as e:  # noqa: BLE001 - reported to stage 0, which decides
+            log.exception("stage %d: %s failed", self.ch.rank, msg["name"])
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if msg.get("reply"):
+            self.ch.send_msg(reply, 0, TAG_REPLY)

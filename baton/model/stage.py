@@ -1,0 +1,93 @@
+"""One pipeline stage of a NemotronH model: a contiguous range of global layers, plus the
+embeddings on the first stage and the final norm + LM head on the last.
+
+    pattern  M M M * - M * -      partition [3, 3, 2]
+    stage    0 0 0 1 1 1 2 2      stage 0 attention-free (no KV pool), stage 2 Mamba-free
+
+Module names are the full model's (`backbone.layers.{i}.*` with global i), so a stage loads
+its tensors straight from the checkpoint and skips the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.errors import ConfigError
+from baton.model.config import ModelConfig
+from baton.model.nemotron_h import Block
+from baton.model.norms import RMSNorm
+from baton.model.paged import StepContext
+
+
+def partition_layers(num_layers: int, size: int, partition: tuple[int, ...] = ()) -> list[range]:
+    """The global layer range of each of `size` stages; errors name the config field."""
+    if size > num_layers:
+        raise ConfigError(
+            f"worker.pipeline_parallel_size={size} is larger than the model's {num_layers} "
+            f"layers; every stage needs at least one layer"
+        )
+    if partition:
+        if len(partition) != size or any(n < 1 for n in partition):
+            raise ConfigError(
+                f"worker.pp_layer_partition {list(partition)} must give each of the "
+                f"{size} stages at least one layer"
+            )
+        if sum(partition) != num_layers:
+            raise ConfigError(
+                f"worker.pp_layer_partition {list(partition)} sums to {sum(partition)} layers "
+                f"but the model has {num_layers}; make the counts add up to {num_layers}"
+            )
+        counts = list(partition)
+    else:
+        q, r = divmod(num_layers, size)
+        counts = [q + (1 if i < r else 0) for i in range(size)]
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class _Layers(nn.Module):
+    """Holds `backbone.layers.{i}` for the stage's global ids i (a ModuleDict keyed by id)."""
+
+    def __init__(self, cfg: ModelConfig, layers: range):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
+
+
+class StageModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.config, self.layer_ids, self.first, self.last = config, layers, first, last
+        self.backbone = _Layers(config, layers)
+        if first:
+            self.backbone.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        if last:
+            self.backbone.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def param(self) -> torch.Tensor:
+        return next(self.parameters())
+
+    @property
+    def device(self) -> torch.device:
+        return self.param.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.layers[str(self.layer_ids[0])].norm.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embeddings(ids.to(self.device))
+
+    def run_layers(self, h: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
+        for block in self.backbone.layers.values():
+            h = block(h, ctx, decode)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final hidden states `h` (last stage only)."""
+        return self.lm_head(self.backbone.norm_f(h)).float()
