@@ -19,7 +19,7 @@ import logging
 from baton.auth import ClusterSecret
 from baton.auth.reservations import verify_reservation
 from baton.contract import SnapshotShipment
-from baton.errors import TransferError
+from baton.errors import SnapshotGone, TransferError
 
 log = logging.getLogger("baton.prefill")
 
@@ -34,6 +34,10 @@ class SnapshotPulls:
         rid, src = s.request_id, s.source
         verify_reservation(self.secret, rid, src)
         loop, sender, events = self.service.loop, self.service.sender, self.service.events
+        if len(src.endpoints) > 1 or getattr(loop.engine.model, "size", 1) > 1:
+            # every prefill stage would READ its layers from every decode stage: not built yet
+            raise SnapshotGone(f"snapshot {rid} not pulled: pulling between pipeline-parallel "
+                               "workers is not supported yet (the next turn recomputes it)")
         cache, pools = loop.engine.cache, loop.engine.pools
         tokens = list(s.token_ids)
         adm = loop.call(cache.admit_pull, rid, tokens)

@@ -40,7 +40,9 @@ pytestmark = pytest.mark.integration
 PATTERN = "MMM*-M*-"
 BASE = {
     "cache": {"num_blocks": 512, "num_state_slots": 64},
-    "router": {"policy": "round_robin", "eject_after_seconds": 3.0, "heartbeat_seconds": 0.5},
+    "router": {"policy": "round_robin", "eject_after_seconds": 3.0, "heartbeat_seconds": 0.5,
+               # the P+D path on every turn (conditional disaggregation has its own tests)
+               "local_prefill_max_tokens": 0, "ship_decode_end_state": False},
     "worker": {"max_num_seqs": 16, "max_model_len": 1024, "prefill_chunk_size": 64},
     "transfer": {"lease_seconds": 60.0},
 }
