@@ -17,6 +17,9 @@ import uuid
 from baton.worker.staged import StagedAgent, stage_events
 from transfer.receiver import Quarantined
 
+RECHECK_S = 0.2
+"""How often the stages are asked whether they still hold a quarantine."""
+
 
 class PipelineReceiver(StagedAgent):
     def __init__(self, loop, local, make_event):
@@ -32,6 +35,7 @@ class PipelineReceiver(StagedAgent):
         """rid -> (the worker's quarantine over every stage, stage -> that stage's key still
         held): released to the worker once no stage holds anything of it."""
         self._release_cb = None
+        self._recheck_at = 0.0
         local.on_release = lambda key: self._stage_released(0, key)
 
     # ---- quarantine over every stage (transfer/receiver.py's, per stage) ----------------
@@ -73,9 +77,42 @@ class PipelineReceiver(StagedAgent):
 
     def remote_pending(self) -> bool:
         with self._qlock:
-            remote_held = any(stage != 0 for _, keys in self._quarantines.values()
-                              for stage in keys)
-        return super().remote_pending() or remote_held
+            held = bool(self._quarantines)
+        return super().remote_pending() or held
+
+    def poll_interval(self) -> float | None:
+        if self._oks:
+            return super().poll_interval()
+        with self._qlock:
+            held = bool(self._quarantines)
+        local = self.local.poll_interval()
+        if not held:
+            return local
+        return RECHECK_S if local is None else min(local, RECHECK_S)
+
+    def poll(self) -> list:
+        out = super().poll()
+        now = time.monotonic()
+        if now >= self._recheck_at:
+            self._recheck_at = now + RECHECK_S
+            self._recheck()
+        return out
+
+    def _recheck(self) -> None:
+        """A stage whose quarantine is gone (released, its notice missed: it can come before
+        the worker asked) no longer holds the request."""
+        with self._qlock:
+            pending = {rid: dict(keys) for rid, (_, keys) in self._quarantines.items()}
+        for rid, keys in pending.items():
+            if 0 in keys:
+                q0 = self.local.held(rid)
+                if q0 is None or q0.key != keys[0]:
+                    self._stage_released(0, keys[0])
+            if any(k != 0 for k in keys):
+                replies = self.remote("held", {"rid": rid}, reply=True)
+                for k, key in keys.items():
+                    if k != 0 and replies[k - 1].get("key") != key:
+                        self._stage_released(k, key)
 
     def stage_reply(self, stage: int, reply: dict) -> None:
         for key in reply.get("released", ()):
