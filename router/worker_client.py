@@ -7,6 +7,9 @@ any other status / timeout  -> WorkerFailed (retried on another pair before the 
 worker ejected (silent)     -> its channel is closed: every call still waiting on it fails now
                                with WorkerFailed instead of waiting for TCP to give up (a host
                                whose link went down answers nothing, not even a reset)
+worker process died         -> its connection drops; a probe (Stats) that finds nobody listening
+                               (UNAVAILABLE) reports it lost at once (`on_lost`): the router
+                               ejects it and cancels the prefills working for it
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import grpc
@@ -154,11 +157,50 @@ class GrpcPrefillCall:
             return wire.prefill_result_from_pb(self._future.result())
         except grpc.RpcError as e:
             raise self._client._error("Prefill", self._req.request_id, e, self._cancel) from e
+        except grpc.FutureCancelledError as e:  # `cancel()` ran meanwhile
+            if self._cancel.cancelled:
+                raise RequestCancelled(f"request {self._req.request_id} cancelled during "
+                                       "Prefill") from e
+            raise WorkerFailed(self._client.worker_id, "Prefill", "the call was cancelled") from e
 
     def cancel(self) -> None:
         """No destination will come (Reserve failed): end the stream; the worker aborts."""
         self._dest.put(self._END)
         self._future.cancel()
+
+
+PROBE_TIMEOUT_S = 2.0
+"""A liveness probe's deadline; only UNAVAILABLE (nobody listening) counts as dead: a slow
+answer on a loaded host is no proof of death."""
+
+
+class _Liveness:
+    """Watches one worker's channel: when a READY connection drops, probes the worker once
+    and reports it lost if nothing listens at its address any more (its process died)."""
+
+    def __init__(self, worker_id: str, stub, on_lost: Callable[[str, str], None]):
+        self.worker_id, self._stub, self._on_lost = worker_id, stub, on_lost
+        self._ready = False
+        self.closed = False
+
+    def __call__(self, state: grpc.ChannelConnectivity) -> None:  # on gRPC's thread: no blocking
+        if state == grpc.ChannelConnectivity.READY:
+            self._ready = True
+        elif self._ready and state in (grpc.ChannelConnectivity.IDLE,
+                                       grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            self._ready = False
+            threading.Thread(target=self._probe, name=f"probe-{self.worker_id}",
+                             daemon=True).start()
+
+    def _probe(self) -> None:
+        try:
+            self._stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, wait_for_ready=False)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not self.closed:
+                self._on_lost(self.worker_id, f"its connection dropped and nothing answers at "
+                                              f"its address ({e.details()})")
+        except ValueError:  # the channel closed meanwhile: the worker left already
+            pass
 
 
 class WorkerClients:
@@ -170,24 +212,46 @@ class WorkerClients:
         """The cluster secret's bearer, sent on every worker call (None: no secret)."""
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[str, grpc.Channel, GrpcWorkerClient]] = {}
+        self._watches: dict[str, _Liveness] = {}
+        self.on_lost: list[Callable[[str, str], None]] = []
+        """Called with (worker id, why) when a worker's process is found dead."""
 
     def __call__(self, view: WorkerView) -> GrpcWorkerClient:
         with self._lock:
             entry = self._clients.get(view.worker_id)
             if entry is None or entry[0] != view.address:
                 if entry is not None:
+                    self._unwatch(view.worker_id)
                     entry[1].close()
                 channel = authorized(grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS),
                                      self._bearer)
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
+                watch = _Liveness(view.worker_id, entry[2]._stub, self._lost)
+                self._watches[view.worker_id] = watch
+                channel.subscribe(watch)
             return entry[2]
+
+    def _lost(self, worker_id: str, why: str) -> None:
+        log.warning("worker %s lost: %s", worker_id, why)
+        for callback in self.on_lost:
+            try:
+                callback(worker_id, why)
+            except Exception:  # noqa: BLE001 - the others must still hear of it
+                log.exception("on_lost callback for %s failed", worker_id)
+
+    def _unwatch(self, worker_id: str) -> None:
+        """Lock held."""
+        watch = self._watches.pop(worker_id, None)
+        if watch is not None:
+            watch.closed = True
 
     def eject(self, worker_id: str) -> None:
         """The worker went silent: close its channel, which ends every call still waiting on
         it (they fail with WorkerFailed: retried before the first token, an error after)."""
         with self._lock:
             entry = self._clients.pop(worker_id, None)
+            self._unwatch(worker_id)
         if entry is not None:
             entry[2].ejected = True
             entry[1].close()
@@ -198,9 +262,12 @@ class WorkerClients:
         """Forgets the worker; requests still using its channel keep it open until they end."""
         with self._lock:
             self._clients.pop(worker_id, None)
+            self._unwatch(worker_id)
 
     def close(self) -> None:
         with self._lock:
             entries, self._clients = list(self._clients.values()), {}
+            for worker_id in list(self._watches):
+                self._unwatch(worker_id)
         for _, channel, _ in entries:
             channel.close()
