@@ -48,5 +48,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             load=wire.load_to_pb(load_of(self.service.loop)),
             counters={**counters_of(self.service.loop, request.pool_checksum),
                       "transfers_done": float(self.service.transfers_done),
+                      "transfers_in_flight": float(self.service.sender.in_flight),
                       **self.service.timings.counters()},
         )

@@ -14,6 +14,7 @@ The prefill worker frees its copy of the blocks after either event.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +35,16 @@ WATCH_INTERVAL_S = 0.0002
 STREAMING_INTERVAL_S = 0.005
 """Poll interval while layer-wise requests are still computing: early layers progress a little,
 the forward keeps the GIL; `layers_done` of the last layer wakes the poller (see the service)."""
+TEST_HOLD_ENV = "BATON_TEST_TRANSFER_HOLD_S"
+"""Tests only (the chaos matrix): a transfer is reported done no sooner than this many seconds
+after it started, so that a process can be killed while transfers are in flight."""
+
+
+def _test_hold_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(TEST_HOLD_ENV, "0") or 0))
+    except ValueError:
+        return 0.0
 
 
 @dataclass
@@ -57,6 +68,8 @@ class _InFlight:
     """Layers still to post (layer-wise mode)."""
     announced: list[_Peer] = field(default_factory=list)
     """Decode stages told `posted` (once each: their pollers watch until it lands)."""
+    hold_until: float = 0.0
+    """Not done before this time.monotonic() (TEST_HOLD_ENV)."""
 
 
 class Sender:
@@ -74,6 +87,13 @@ class Sender:
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._events: list[TransferEvent] = []
+        self._hold_s = _test_hold_s()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being sent now (posted or waiting for layers, not yet done or failed)."""
+        with self._lock:
+            return len(self._inflight)
 
     def connect(self, endpoint: str) -> StageLayout:
         """Handshake with a decode stage now (send() does it lazily); TransferError if refused."""
@@ -93,8 +113,10 @@ class Sender:
         with self._lock:
             if request_id in self._inflight:
                 raise TransferError(f"request {request_id!r} is already being sent")
-            fl = _InFlight(time.monotonic() + self.cfg.lease_seconds, [],
-                           (dst_slot, list(dst_block_ids[skip_blocks:])))
+            now = time.monotonic()
+            fl = _InFlight(now + self.cfg.lease_seconds, [],
+                           (dst_slot, list(dst_block_ids[skip_blocks:])),
+                           hold_until=now + self._hold_s)
             self._inflight[request_id] = fl
             try:
                 for ep in endpoints:
@@ -136,7 +158,9 @@ class Sender:
             if not self._inflight:
                 return None
             streaming = all(fl.unsent for fl in self._inflight.values())
-            return STREAMING_INTERVAL_S if streaming else WATCH_INTERVAL_S
+            if streaming or self._hold_s:  # held (tests): no need to spin meanwhile
+                return STREAMING_INTERVAL_S
+            return WATCH_INTERVAL_S
 
     def poll(self) -> list[TransferEvent]:
         """Delivered and failed requests since the last call."""
@@ -222,7 +246,7 @@ class Sender:
         if errors:
             broken = [p for (p, _), (st, _) in zip(fl.posts, states, strict=True) if st == "ERR"]
             self._finish(rid, errors[0], broken=broken)
-        elif not fl.unsent and all(st == "DONE" for st, _ in states):
+        elif not fl.unsent and all(st == "DONE" for st, _ in states) and now >= fl.hold_until:
             self._finish(rid, None)
         elif now > fl.deadline:
             self._finish(rid, f"lease expired after {self.cfg.lease_seconds:g} s before the "
