@@ -195,6 +195,8 @@ class PrefillService:
     def _send_whole(self, stream: _Stream) -> None:
         """On the loop thread: the whole request at once (its prompt is complete)."""
         cache = self.loop.engine.cache
+        if stream.rid not in cache.live_requests():  # aborted meanwhile (the router gave up)
+            raise RequestCancelled(f"prefill of {stream.rid} was aborted before its transfer")
         blocks = cache.block_table(stream.rid) if cache.pools.has_kv else []
         slot = cache.slot(stream.rid) if cache.pools.has_state else None
         self._send(stream, list(blocks), slot, layerwise=False)

@@ -240,6 +240,12 @@ class Orchestrator:
         return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
 
 
+def _alive(client) -> bool:
+    """Whether the worker behind `client` still runs (clients without a probe: assume so)."""
+    probe = getattr(client, "alive", None)
+    return True if probe is None else probe()
+
+
 class _Attempt:
     """One worker pair's try at a request; aborts both workers unless it finished."""
 
@@ -286,7 +292,10 @@ class _Attempt:
                     try:
                         result = call.finish(res)
                     except (WorkerFailed, RequestCancelled) as e:
-                        if lost.is_set() and not cancel.cancelled:
+                        # a prefill that failed because its destination died is D's failure
+                        if not cancel.cancelled and (lost.is_set() or (
+                                isinstance(e, WorkerFailed) and e.worker_id == self.p.worker_id
+                                and not _alive(self.dc))):
                             raise WorkerFailed(self.d.worker_id, "Reserve", (
                                 "it died while the prefill worked for it; the prefill was "
                                 "cancelled")) from e

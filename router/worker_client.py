@@ -55,6 +55,8 @@ class GrpcWorkerClient:
         self._stub = _STUBS[view.role](channel)
         self.ejected = False
         """Set before the router closes this worker's channel because it went silent."""
+        self.lost = False
+        """Set when its process was found dead: nothing to abort there any more."""
 
     def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
         call = self._stub.Reserve
@@ -86,9 +88,22 @@ class GrpcWorkerClient:
         finally:
             call.cancel()
 
+    def alive(self) -> bool:
+        """False when nothing answers at the worker's address (its process died); a slow or
+        failing answer still counts as alive."""
+        if self.lost:
+            return False
+        try:
+            self._stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, wait_for_ready=False)
+            return True
+        except grpc.RpcError as e:
+            return e.code() != grpc.StatusCode.UNAVAILABLE
+        except ValueError:  # channel closed: ejected or gone
+            return False
+
     def abort(self, request_id: str) -> bool:
-        if self.ejected:
-            return False  # unreachable, channel closed: its leases free what it holds
+        if self.ejected or self.lost:
+            return False  # unreachable (channel closed, or the process died): nothing to free
         try:
             reply = self._stub.Abort(
                 pb.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_seconds
@@ -234,6 +249,10 @@ class WorkerClients:
 
     def _lost(self, worker_id: str, why: str) -> None:
         log.warning("worker %s lost: %s", worker_id, why)
+        with self._lock:
+            entry = self._clients.get(worker_id)
+        if entry is not None:
+            entry[2].lost = True
         for callback in self.on_lost:
             try:
                 callback(worker_id, why)

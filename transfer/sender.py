@@ -88,6 +88,11 @@ class Sender:
         self._inflight: dict[str, _InFlight] = {}
         self._events: list[TransferEvent] = []
         self._hold_s = _test_hold_s()
+        self._connecting: dict[str, threading.Lock] = {}
+        """One lock per endpoint: its handshake runs once, outside `_lock`."""
+        self._dropped: set[str] = set()
+        """Endpoints whose peer was dropped (it failed or left): `send` fails at once there
+        instead of handshaking again under the lock (only `connect` brings them back)."""
 
     @property
     def in_flight(self) -> int:
@@ -96,9 +101,21 @@ class Sender:
             return len(self._inflight)
 
     def connect(self, endpoint: str) -> StageLayout:
-        """Handshake with a decode stage now (send() does it lazily); TransferError if refused."""
+        """Handshake with a decode stage now (send() does it lazily); TransferError if refused.
+        The wait for the reply holds no lock of the sender: a decode peer that does not answer
+        (it died) holds up this caller alone for up to handshake_timeout_s, never the
+        transfers to other peers (their polls need the lock)."""
         with self._lock:
-            return self._peer(endpoint).layout
+            if endpoint in self._peers:
+                return self._peers[endpoint].layout
+            gate = self._connecting.setdefault(endpoint, threading.Lock())
+        with gate:  # one handshake per endpoint at a time
+            with self._lock:
+                if endpoint in self._peers:
+                    return self._peers[endpoint].layout
+            client, reply = self._hello(endpoint)
+            with self._lock:
+                return self._adopt(endpoint, client, reply).layout
 
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
@@ -187,6 +204,12 @@ class Sender:
     def _peer(self, endpoint: str) -> _Peer:
         if endpoint in self._peers:
             return self._peers[endpoint]
+        client, reply = self._hello(endpoint)
+        return self._adopt(endpoint, client, reply)
+
+    def _hello(self, endpoint: str) -> tuple[Client, dict]:
+        """The handshake's exchange (no lock needed): a client of its own and the checked
+        welcome."""
         client = Client(endpoint, self.cfg.max_message_bytes, self._key)
         try:
             hello = wire.encode("hello", fingerprint=self.fingerprint,
@@ -197,17 +220,32 @@ class Sender:
                 raise TransferError(f"decode peer {endpoint} refused the handshake "
                                     f"(field '{reply['field']}'): {reply['error']}{mine}")
             fp.check(self.fingerprint, reply["fingerprint"], who="decode peer")
+        except BaseException:
+            client.close()
+            raise
+        return client, reply
+
+    def _adopt(self, endpoint: str, client: Client, reply: dict) -> _Peer:
+        """Lock held: the welcomed peer joins the transport (or the one that beat it is kept)."""
+        if endpoint in self._peers:
+            client.close()
+            return self._peers[endpoint]
+        try:
             layout = StageLayout.from_wire(reply["layout"])
             handle = self._transport.add_peer(reply["transport"], layout)
         except BaseException:
             client.close()
             raise
         self._peers[endpoint] = peer = _Peer(client, layout, handle, reply["incarnation"])
+        self._dropped.discard(endpoint)
         return peer
 
     def _peer_of(self, endpoint: str, incarnation: str | None, request_id: str) -> _Peer:
         """The handshaken peer at `endpoint`, which must be the receiver that made the
         reservation; a cached peer from before a restart there is handshaken afresh."""
+        if endpoint not in self._peers and endpoint in self._dropped:
+            raise TransferError(f"decode peer {endpoint} failed or left since the handshake "
+                                f"(its transfers failed); nothing was sent for {request_id}")
         peer = self._peer(endpoint)
         if incarnation is None or peer.incarnation == incarnation:
             return peer
@@ -270,6 +308,7 @@ class Sender:
         peer = self._peers.pop(endpoint, None)
         if peer is None:
             return
+        self._dropped.add(endpoint)
         for rid, fl in list(self._inflight.items()):
             if any(p is peer for p in fl.peers):
                 self._finish(rid, why)
