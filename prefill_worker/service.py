@@ -207,7 +207,8 @@ class PrefillService:
         stream.sent_at = time.perf_counter()
         self.sender.send(stream.rid, dest.transfer_endpoint, list(blocks), slot,
                          list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
-                         incarnation=dest.incarnation or None, layerwise=layerwise)
+                         incarnation=dest.incarnation or None, layerwise=layerwise,
+                         handshake=False)
         stream.sent = True
         stream.nbytes = handoff_bytes(self.sender.layout, len(blocks) - dest.skip_blocks, slot)
         self.events.wake()

@@ -90,9 +90,6 @@ class Sender:
         self._hold_s = _test_hold_s()
         self._connecting: dict[str, threading.Lock] = {}
         """One lock per endpoint: its handshake runs once, outside `_lock`."""
-        self._dropped: set[str] = set()
-        """Endpoints whose peer was dropped (it failed or left): `send` fails at once there
-        instead of handshaking again under the lock (only `connect` brings them back)."""
 
     @property
     def in_flight(self) -> int:
@@ -120,13 +117,26 @@ class Sender:
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
              skip_blocks: int = 0, incarnation: str | None = None,
-             layerwise: bool = False) -> None:
+             layerwise: bool = False, handshake: bool = True) -> None:
         """Start moving one request to every decode stage in `endpoint`; never blocks on data.
+        `handshake`: first contact with an endpoint handshakes here (outside the lock, so
+        only this caller waits); False: an endpoint not connected already fails the request at
+        once (the prefill worker connects on its RPC thread first and calls this on its engine
+        loop thread, which must never wait for a peer that died meanwhile).
         `incarnation`: the receiver the destination was reserved on; another one (the decode
         worker restarted at the same endpoint) fails the request before a byte moves.
         Layer-wise, nothing leaves before `layers_done` (the prefill worker asks for it when
         `transfer.layerwise` is on and the request's last chunk is still to run)."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        unreachable = None
+        if handshake:
+            for ep in endpoints:
+                try:
+                    self.connect(ep)
+                except Exception as e:  # noqa: BLE001 - the request fails, not the caller
+                    unreachable = str(e) if isinstance(e, TransferError) else \
+                        f"{type(e).__name__}: {e}"
+                    break
         with self._lock:
             if request_id in self._inflight:
                 raise TransferError(f"request {request_id!r} is already being sent")
@@ -136,6 +146,8 @@ class Sender:
                            hold_until=now + self._hold_s)
             self._inflight[request_id] = fl
             try:
+                if unreachable is not None:
+                    raise TransferError(unreachable)
                 for ep in endpoints:
                     peer = self._peer_of(ep, incarnation, request_id)
                     fl.peers.append(peer)
@@ -237,16 +249,15 @@ class Sender:
             client.close()
             raise
         self._peers[endpoint] = peer = _Peer(client, layout, handle, reply["incarnation"])
-        self._dropped.discard(endpoint)
         return peer
 
     def _peer_of(self, endpoint: str, incarnation: str | None, request_id: str) -> _Peer:
         """The handshaken peer at `endpoint`, which must be the receiver that made the
         reservation; a cached peer from before a restart there is handshaken afresh."""
-        if endpoint not in self._peers and endpoint in self._dropped:
-            raise TransferError(f"decode peer {endpoint} failed or left since the handshake "
-                                f"(its transfers failed); nothing was sent for {request_id}")
-        peer = self._peer(endpoint)
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            raise TransferError(f"decode peer {endpoint} is not connected: it failed or left "
+                                f"since the handshake; nothing was sent for {request_id}")
         if incarnation is None or peer.incarnation == incarnation:
             return peer
         self._drop_peer(endpoint, f"decode peer {endpoint} was replaced (new incarnation)")
@@ -308,7 +319,6 @@ class Sender:
         peer = self._peers.pop(endpoint, None)
         if peer is None:
             return
-        self._dropped.add(endpoint)
         for rid, fl in list(self._inflight.items()):
             if any(p is peer for p in fl.peers):
                 self._finish(rid, why)

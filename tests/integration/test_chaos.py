@@ -25,17 +25,13 @@ from baton.auth.grpc_auth import authorized
 from baton.client.local import run_local
 from baton.client.remote import to_pb
 from baton.client.requests import RequestSpec
+from baton.cluster.local import LocalCluster, free_port
 from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2, router_pb2_grpc, worker_pb2_grpc
 from tests.engine_helpers import make_checkpoint, prompt
-from tests.integration.cluster_helpers import (
-    assert_clean,
-    list_workers,
-    start_cluster,
-    write_config,
-)
+from tests.integration.cluster_helpers import assert_clean, list_workers, write_config
 from transfer.sender import TEST_HOLD_ENV
 
 pytestmark = pytest.mark.integration
@@ -68,14 +64,21 @@ def setup(tmp_path_factory):
     cfg_path = write_config(root / "baton.yaml", CONFIG)
     old = os.environ.get(TEST_HOLD_ENV)
     os.environ[TEST_HOLD_ENV] = str(HOLD_S)  # the children (and their restarts) inherit it
+    cluster = LocalCluster(str(model), 2, 2, free_port(), str(cfg_path), log_level="WARNING")
     try:
-        cluster = start_cluster(model, cfg_path, prefill=2, decode=2)
+        # the local engine's tokens for every case, computed while the cluster starts
+        engine = build_engine(BatonConfig.from_dict(CONFIG), str(model))
+        expected = {}
+        for case, (_, phase) in enumerate(CASES):
+            for r in run_local(engine, specs_for(case, phase), concurrency=N):
+                expected[r["id"]] = (r["token_ids"], r["text"])
+        cluster.wait_ready(timeout=240)
     except BaseException:
+        cluster.stop()
         _restore(old)
         raise
     cluster.supervise()
-    engine = build_engine(BatonConfig.from_dict(CONFIG), str(model))
-    yield {"cluster": cluster, "engine": engine}
+    yield {"cluster": cluster, "expected": expected}
     cluster.stop()
     _restore(old)
 
@@ -179,8 +182,7 @@ def run_case(setup, case: int, victim: str, phase: str):
     bearer = cluster.secret.bearer
     workers = wait_for_workers(cluster, {"prefill": PREFILL, "decode": DECODE}.get(victim))
     specs = specs_for(case, phase)
-    expected = {r["id"]: (r["token_ids"], r["text"])
-                for r in run_local(setup["engine"], specs, concurrency=N)}
+    expected = setup["expected"]
     results: list[dict] = [None] * N
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(
         i, stream(cluster.address, specs[i]))) for i in range(N)]
