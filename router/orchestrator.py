@@ -296,7 +296,7 @@ class _Attempt:
                         if not cancel.cancelled and (lost.is_set() or (
                                 isinstance(e, WorkerFailed) and e.worker_id == self.p.worker_id
                                 and not _alive(self.dc))):
-                            raise WorkerFailed(self.d.worker_id, "Reserve", (
+                            raise WorkerFailed(self.d.worker_id, "the handoff", (
                                 "it died while the prefill worked for it; the prefill was "
                                 "cancelled")) from e
                         raise
