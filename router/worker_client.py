@@ -79,14 +79,17 @@ class GrpcWorkerClient:
             )
         except ValueError as e:  # the channel closed: the worker was ejected meanwhile
             raise self._closed("Decode", e) from e
+        finished = False
         try:
             with cancel.hook(call.cancel):
                 for msg in call:
-                    yield wire.decode_chunk_from_pb(msg)
+                    chunk = wire.decode_chunk_from_pb(msg)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
         except grpc.RpcError as e:
             raise self._error("Decode", request_id, e, cancel) from e
         finally:
-            call.cancel()
+            _end(call, finished)
 
     def alive(self) -> bool:
         """False when nothing answers at the worker's address (its process died); a slow or
@@ -139,6 +142,21 @@ class GrpcWorkerClient:
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return WorkerBusy(self.worker_id, what, e.details())
         return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
+
+
+def _end(call, finished: bool) -> None:
+    """Ends a stream call. After its last chunk the worker ends the stream at once: read its
+    status, for a single-threaded stream (CHANNEL_OPTIONS) whose status is never read keeps
+    its call state for good, cancelled or not (the router leaked ~1 KiB a request). Unfinished
+    streams are cancelled."""
+    if finished:
+        try:
+            for _ in call:
+                pass
+            return
+        except grpc.RpcError:
+            return
+    call.cancel()
 
 
 class GrpcPrefillCall:
