@@ -245,7 +245,7 @@ class WorkerClients:
         """The cluster secret's bearer, sent on every worker call (None: no secret)."""
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[str, grpc.Channel, GrpcWorkerClient]] = {}
-        self._watches: dict[str, _Liveness] = {}
+        self._watches: dict[str, tuple[grpc.Channel, _Liveness]] = {}
         self.on_lost: list[Callable[[str, str], None]] = []
         """Called with (worker id, why) when a worker's process is found dead."""
 
@@ -255,13 +255,13 @@ class WorkerClients:
             if entry is None or entry[0] != view.address:
                 if entry is not None:
                     self._unwatch(view.worker_id)
-                    entry[1].close()
+                    _close_later(entry[1])
                 channel = authorized(grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS),
                                      self._bearer)
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
                 watch = _Liveness(view.worker_id, entry[2]._stub, self._lost)
-                self._watches[view.worker_id] = watch
+                self._watches[view.worker_id] = (channel, watch)
                 channel.subscribe(watch)
             return entry[2]
 
@@ -278,10 +278,12 @@ class WorkerClients:
                 log.exception("on_lost callback for %s failed", worker_id)
 
     def _unwatch(self, worker_id: str) -> None:
-        """Lock held."""
-        watch = self._watches.pop(worker_id, None)
-        if watch is not None:
+        """Lock held. gRPC's watching thread stops at its next poll (within 0.2 s)."""
+        entry = self._watches.pop(worker_id, None)
+        if entry is not None:
+            channel, watch = entry
             watch.closed = True
+            channel.unsubscribe(watch)
 
     def eject(self, worker_id: str) -> None:
         """The worker went silent: close its channel, which ends every call still waiting on
@@ -307,4 +309,15 @@ class WorkerClients:
             for worker_id in list(self._watches):
                 self._unwatch(worker_id)
         for _, channel, _ in entries:
-            channel.close()
+            _close_later(channel)
+
+
+WATCH_STOP_S = 0.5
+"""gRPC's connectivity thread polls every 0.2 s and raises if its channel closed meanwhile:
+a channel no call needs at once is closed this long after its watch was removed."""
+
+
+def _close_later(channel: grpc.Channel) -> None:
+    timer = threading.Timer(WATCH_STOP_S, channel.close)
+    timer.daemon = True
+    timer.start()
