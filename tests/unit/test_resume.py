@@ -53,3 +53,20 @@ def test_prefilling_the_tokens_so_far_continues_identically(model_dir, sampling)
         # a fresh engine (another worker), another request id: only seed and position matter
         got = run_all(engine_for(model_dir), [Request(f"m{k}", ids + whole[:k], rest)])
         assert got["tokens"][f"m{k}"] == whole[k:], k
+
+
+def test_a_prefill_waits_for_slots_held_by_handoffs_instead_of_failing(model_dir):
+    """Prefill side: a finished prefill keeps its live slot until its handoff is released;
+    with every slot so held and nothing running, a new request waits, it is not refused."""
+    eng = engine_for(model_dir, worker={"max_num_seqs": 1})
+    first = Request("h1", prompt(50, 20), GREEDY, prefill_only=True)
+    out = run_all(eng, [first])
+    assert len(out["tokens"]["h1"]) == 1  # computed; its slot is held for the handoff
+    eng.add_request(Request("h2", prompt(51, 20), GREEDY, prefill_only=True))
+    for _ in range(3):
+        assert [o for o in eng.step() if o.request_id == "h2"] == []  # waiting, not failed
+    eng.release("h1")
+    got = []
+    while not got:
+        got = [o for o in eng.step() if o.request_id == "h2" and o.finished]
+    assert got[0].error is None and len(got[0].new_token_ids) == 1
