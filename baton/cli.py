@@ -90,13 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "pp", "http", "all"])
+                                     "pp", "http", "soak", "all"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--hosts", choices=["local", "netns"], default="local",
                    help="e2e: netns puts router, prefill and decode in network namespaces "
                         "(KV over UCX TCP, link rates shaped with tc; root)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="soak: how long to run (default 2; --quick: 0.25)")
     return ap
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from baton.model.progress import progress
 
-BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "http")
+BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "http", "soak")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]

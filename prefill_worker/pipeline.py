@@ -23,6 +23,11 @@ class PipelineSender(StagedAgent):
     def layout(self):
         return self.local.layout
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being sent by any stage."""
+        return max(self.local.in_flight, len(self._oks))
+
     def connect(self, endpoint: str):
         """Stage 0's handshake (the other stages shake hands on their first send)."""
         return self.local.connect(endpoint)
@@ -35,14 +40,14 @@ class PipelineSender(StagedAgent):
                          skip_blocks, incarnation)
 
     def send(self, request_id, endpoint, src_block_ids, src_slot, dst_block_ids, dst_slot,
-             skip_blocks=0, incarnation=None, layerwise=False) -> None:
+             skip_blocks=0, incarnation=None, layerwise=False, handshake=True) -> None:
         eps = endpoints_of(endpoint)
         args = {"rid": request_id, "endpoints": eps, "src_blocks": [int(b) for b in src_block_ids],
                 "src_slot": src_slot, "dst_blocks": [int(b) for b in dst_block_ids],
                 "dst_slot": dst_slot, "skip": int(skip_blocks), "incarnation": incarnation}
         self.track(request_id)
         self.local.send(request_id, eps, src_block_ids, src_slot, dst_block_ids, dst_slot,
-                        skip_blocks=skip_blocks, incarnation=incarnation)
+                        skip_blocks=skip_blocks, incarnation=incarnation, handshake=handshake)
         self.remote("send", args)
 
     def layers_done(self, request_id, layers) -> None:

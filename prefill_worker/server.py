@@ -58,5 +58,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       "transfers_done": float(self.service.transfers_done),
                       "snapshots_adopted": float(self.service.snapshots.adopted
                                                  if self.service.snapshots else 0),
+                      "transfers_in_flight": float(self.service.sender.in_flight),
                       **self.service.timings.counters()},
         )

@@ -24,7 +24,7 @@ from baton.auth.reservations import verify_reservation
 from baton.contract import FinishReason, PrefillInput, PrefillResult, Reservation, Role
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
-from baton.errors import InvalidRequestError, TransferError
+from baton.errors import InvalidRequestError, RequestCancelled, TransferError
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 
@@ -211,6 +211,8 @@ class PrefillService:
     def _send_whole(self, stream: _Stream) -> None:
         """On the loop thread: the whole request at once (its prompt is complete)."""
         cache = self.loop.engine.cache
+        if stream.rid not in cache.live_requests():  # aborted meanwhile (the router gave up)
+            raise RequestCancelled(f"prefill of {stream.rid} was aborted before its transfer")
         blocks = cache.block_table(stream.rid) if cache.pools.has_kv else []
         slot = cache.slot(stream.rid) if cache.pools.has_state else None
         self._send(stream, list(blocks), slot, layerwise=False)
@@ -224,7 +226,8 @@ class PrefillService:
         stream.sent_at = time.perf_counter()
         self.sender.send(stream.rid, dest.endpoints, list(blocks), slot,
                          list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
-                         incarnation=dest.incarnation or None, layerwise=layerwise)
+                         incarnation=dest.incarnation or None, layerwise=layerwise,
+                         handshake=False)
         stream.sent = True
         stream.nbytes = handoff_bytes(self.sender.layout, len(blocks) - dest.skip_blocks, slot)
         self.events.wake()

@@ -13,8 +13,12 @@ for each attempt (until max_retries failed pairs):
                                       WorkerBusy (full) -> skip that worker, try another
   P.Prefill   <- Reservation -> first token (after the handoff)
                                       InvalidRequestError -> Abort(P, D), raise as is
-  yield first token                   -- no retry past this point --
+  yield first token
   D.Decode    -> chunks until finish_reason
+                                      D dies mid-stream (WorkerFailed) -> the request moves:
+                                      a new pair prefills prompt + tokens sent, decoding goes
+                                      on in the same client stream (router/failover.py)
+while P works for D, D's loss (worker_client's liveness probe) cancels P's call at once
 any exit before the finish (error, client cancel, generator closed) -> Abort(P, D)
 """
 
@@ -26,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from baton.config.router import RouterConfig
@@ -51,9 +56,10 @@ from baton.errors import (
     WorkerFailed,
 )
 from baton.model.detokenizer import IncrementalDetokenizer
-from router.admission import AdmissionQueue, check_limits
+from router.admission import AdmissionQueue, Ticket, check_limits
 from router.cancellation import Cancellation
 from router.conditional import DISAGGREGATED, LOCAL, LocalAttempt, PathCounts, decide
+from router.failover import PeerWatch, resumed
 from router.locality import SnapshotLocator
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
@@ -115,6 +121,8 @@ class Orchestrator:
         """Requests by path (decode worker alone or prefill + decode) and reason."""
         self.shipper = DecodeEndShipper(self)
         """Decode-end snapshots shipped back to prefill workers (router/shipping.py)."""
+        self.peers = PeerWatch()
+        """Attempts whose prefill works for a decode worker: cancelled when it is lost."""
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
         """Validates, then streams the request's chunks; the last one carries the summary.
@@ -132,13 +140,53 @@ class Orchestrator:
             run, first, retries = self._start(key, rid, prompt, inp, cancel, ticket)
         finally:
             self.queue.leave(ticket)
-        yield from run.stream(first, start, retries=retries)
+        yield from self._stream(key, rid, prompt, inp, cancel, ticket.seq, run, first, start,
+                                retries)
 
-    def _start(self, key, rid, prompt, inp: GenerateInput, cancel: Cancellation, ticket):
+    def _stream(self, key, rid, prompt, inp: GenerateInput, cancel: Cancellation, seq: int,
+                run: _Attempt, first: PrefillResult, start: float, retries: int):
+        """The attempt's chunks; if its decode worker dies mid-stream, the request moves to a
+        new pair that prefills prompt + the tokens sent (at most max_retries moves) and the
+        stream goes on: same detokenizer, one summary counting every token once."""
+        sent: list[int] = []
+        cached, ttft_ms = first.cached_tokens, None
+        for moves in itertools.count():
+            try:
+                for chunk in run.stream(first, start, retries=retries):
+                    sent.extend(chunk.token_ids)
+                    if ttft_ms is None:
+                        ttft_ms = (time.perf_counter() - start) * 1000
+                    if moves and chunk.summary is not None:  # as if it had never moved
+                        chunk = replace(chunk, summary=replace(
+                            chunk.summary, prompt_tokens=len(prompt), cached_tokens=cached,
+                            ttft_ms=ttft_ms))
+                    yield chunk
+                return
+            except WorkerFailed as e:
+                if e.worker_id != run.d.worker_id or not sent or moves >= self.config.max_retries:
+                    raise
+                log.warning("request %s: decode worker %s died after %d tokens; moving it to a "
+                            "new pair (%s)", rid, e.worker_id, len(sent), e)
+                detok, ticket = run._detok, Ticket(seq, rid)  # its place: its arrival
+                try:
+                    moved_prompt, moved_inp = resumed(inp, prompt, sent)
+                    run, first, more = self._start(
+                        f"{key}~move{moves + 1}", rid, moved_prompt, moved_inp, cancel, ticket,
+                        excluded={e.worker_id})
+                except (WorkerFailed, NoWorkersError, ValueError) as moving:
+                    raise WorkerFailed(e.worker_id, "Decode", f"{str(e).split(': ', 1)[-1]}; "
+                                       f"moving the request failed: {moving}") from moving
+                finally:
+                    self.queue.leave(ticket)
+                run._detok = detok
+                retries += more + 1
+
+    def _start(self, key, rid, prompt, inp: GenerateInput, cancel: Cancellation, ticket,
+               excluded: set[str] | None = None):
         """Pairs until one gives the first token: a failed worker is excluded (at most
         max_retries times), a full one skipped; when all are full the request waits in the
         queue (arrival order) and tries them all again."""
-        excluded: set[str] = set()
+        excluded = set(excluded or ())
         full: set[str] = set()
         failures: list[str] = []
         declined = False
@@ -236,6 +284,12 @@ class Orchestrator:
         return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
 
 
+def _alive(client) -> bool:
+    """Whether the worker behind `client` still runs (clients without a probe: assume so)."""
+    probe = getattr(client, "alive", None)
+    return True if probe is None else probe()
+
+
 class _Attempt:
     """One worker pair's try at a request; aborts both workers unless it finished."""
 
@@ -263,15 +317,33 @@ class _Attempt:
                 call = self.pc.start_prefill(
                     PrefillInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
                 )
-                try:
-                    res = self.dc.reserve(
-                        ReserveInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
-                    )
-                    self._check_cancelled("Reserve")
-                except BaseException:
+                lost = threading.Event()
+
+                def on_lost():  # P works for a dead D: end P's call now, not at lease expiry
+                    lost.set()
                     call.cancel()
-                    raise
-                result = call.finish(res)
+
+                with self.orch.peers.watching(self.d.worker_id, on_lost):
+                    try:
+                        res = self.dc.reserve(
+                            ReserveInput(self.wid, self.prompt, inp.sampling, inp.session_id),
+                            cancel,
+                        )
+                        self._check_cancelled("Reserve")
+                    except BaseException:
+                        call.cancel()
+                        raise
+                    try:
+                        result = call.finish(res)
+                    except (WorkerFailed, RequestCancelled) as e:
+                        # a prefill that failed because its destination died is D's failure
+                        if not cancel.cancelled and (lost.is_set() or (
+                                isinstance(e, WorkerFailed) and e.worker_id == self.p.worker_id
+                                and not _alive(self.dc))):
+                            raise WorkerFailed(self.d.worker_id, "the handoff", (
+                                "it died while the prefill worked for it; the prefill was "
+                                "cancelled")) from e
+                        raise
                 self._check_cancelled("Prefill")
             return result
         except WorkerBusy as e:  # a worker that refused as full holds nothing of this attempt

@@ -93,6 +93,17 @@ class Registry:
             self._notify_forget(worker_id)
         return found
 
+    def lost(self, worker_id: str) -> bool:
+        """The worker's process died (nothing listens at its address any more): removed now,
+        counted as ejected, without waiting eject_after_seconds. A live worker wrongly taken
+        for dead is only asked to register again by its next heartbeat."""
+        with self._lock:
+            found = self._workers.pop(worker_id, None) is not None
+            self.ejected += found
+        if found:
+            self._notify_forget(worker_id)
+        return found
+
     def eject_stale(self) -> list[str]:
         """Removes workers silent longer than eject_after_seconds; returns their ids."""
         now = self._clock()

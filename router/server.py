@@ -156,6 +156,9 @@ def run_router(
     registry.on_remove.append(clients.drop)
     registry.on_eject.append(clients.eject)
     orch = Orchestrator(config, registry, policy, clients, tokenizer)
+    # a dead worker leaves the registry at once, and the prefills working for it end now
+    clients.on_lost.append(lambda worker_id, why: registry.lost(worker_id))
+    clients.on_lost.append(lambda worker_id, why: orch.peers.lost(worker_id))
     metrics = RouterMetrics(registry, orch.paths)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads),

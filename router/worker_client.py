@@ -8,6 +8,9 @@ any other status / timeout  -> WorkerFailed (retried on another pair before the 
 worker ejected (silent)     -> its channel is closed: every call still waiting on it fails now
                                with WorkerFailed instead of waiting for TCP to give up (a host
                                whose link went down answers nothing, not even a reset)
+worker process died         -> its connection drops; a probe (Stats) that finds nobody listening
+                               (UNAVAILABLE) reports it lost at once (`on_lost`): the router
+                               ejects it and cancels the prefills working for it
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import grpc
@@ -61,6 +64,8 @@ class GrpcWorkerClient:
         self._stub = _STUBS[view.role](channel)
         self.ejected = False
         """Set before the router closes this worker's channel because it went silent."""
+        self.lost = False
+        """Set when its process was found dead: nothing to abort there any more."""
 
     def reserve(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
         call = self._stub.Reserve
@@ -83,14 +88,30 @@ class GrpcWorkerClient:
             )
         except ValueError as e:  # the channel closed: the worker was ejected meanwhile
             raise self._closed("Decode", e) from e
+        finished = False
         try:
             with cancel.hook(call.cancel):
                 for msg in call:
-                    yield wire.decode_chunk_from_pb(msg)
+                    chunk = wire.decode_chunk_from_pb(msg)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
         except grpc.RpcError as e:
             raise self._error("Decode", request_id, e, cancel) from e
         finally:
-            call.cancel()
+            _end(call, finished)
+
+    def alive(self) -> bool:
+        """False when nothing answers at the worker's address (its process died); a slow or
+        failing answer still counts as alive."""
+        if self.lost:
+            return False
+        try:
+            self._stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, wait_for_ready=False)
+            return True
+        except grpc.RpcError as e:
+            return e.code() != grpc.StatusCode.UNAVAILABLE
+        except ValueError:  # channel closed: ejected or gone
+            return False
 
     def serve(self, req: ServeInput, cancel: Cancellation) -> Iterator[DecodeChunk]:
         """The whole request on this decode worker (conditional disaggregation)."""
@@ -98,14 +119,17 @@ class GrpcWorkerClient:
             call = self._stub.Serve(wire.serve_to_pb(req))
         except ValueError as e:  # the channel closed: the worker was ejected meanwhile
             raise self._closed("Serve", e) from e
+        finished = False
         try:
             with cancel.hook(call.cancel):
                 for msg in call:
-                    yield wire.decode_chunk_from_pb(msg)
+                    chunk = wire.decode_chunk_from_pb(msg)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
         except grpc.RpcError as e:
             raise self._error("Serve", req.request_id, e, cancel) from e
         finally:
-            call.cancel()
+            _end(call, finished)
 
     def hold_snapshot(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
         """Decode worker: hold its snapshot of exactly `req.prompt_ids` for a pull."""
@@ -122,8 +146,8 @@ class GrpcWorkerClient:
         return reply.blocks_pulled
 
     def abort(self, request_id: str) -> bool:
-        if self.ejected:
-            return False  # unreachable, channel closed: its leases free what it holds
+        if self.ejected or self.lost:
+            return False  # unreachable (channel closed, or the process died): nothing to free
         try:
             reply = self._stub.Abort(
                 pb.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_seconds
@@ -163,6 +187,21 @@ class GrpcWorkerClient:
         return WorkerFailed(self.worker_id, what, f"{e.code().name}: {e.details()}")
 
 
+def _end(call, finished: bool) -> None:
+    """Ends a stream call. After its last chunk the worker ends the stream at once: read its
+    status, for a single-threaded stream (CHANNEL_OPTIONS) whose status is never read keeps
+    its call state for good, cancelled or not (the router leaked ~1 KiB a request). Unfinished
+    streams are cancelled."""
+    if finished:
+        try:
+            for _ in call:
+                pass
+            return
+        except grpc.RpcError:
+            return
+    call.cancel()
+
+
 class GrpcPrefillCall:
     """One Prefill stream: the request now, the destination when the decode side reserved it."""
 
@@ -194,11 +233,50 @@ class GrpcPrefillCall:
             return wire.prefill_result_from_pb(self._future.result())
         except grpc.RpcError as e:
             raise self._client._error("Prefill", self._req.request_id, e, self._cancel) from e
+        except grpc.FutureCancelledError as e:  # `cancel()` ran meanwhile
+            if self._cancel.cancelled:
+                raise RequestCancelled(f"request {self._req.request_id} cancelled during "
+                                       "Prefill") from e
+            raise WorkerFailed(self._client.worker_id, "Prefill", "the call was cancelled") from e
 
     def cancel(self) -> None:
         """No destination will come (Reserve failed): end the stream; the worker aborts."""
         self._dest.put(self._END)
         self._future.cancel()
+
+
+PROBE_TIMEOUT_S = 2.0
+"""A liveness probe's deadline; only UNAVAILABLE (nobody listening) counts as dead: a slow
+answer on a loaded host is no proof of death."""
+
+
+class _Liveness:
+    """Watches one worker's channel: when a READY connection drops, probes the worker once
+    and reports it lost if nothing listens at its address any more (its process died)."""
+
+    def __init__(self, worker_id: str, stub, on_lost: Callable[[str, str], None]):
+        self.worker_id, self._stub, self._on_lost = worker_id, stub, on_lost
+        self._ready = False
+        self.closed = False
+
+    def __call__(self, state: grpc.ChannelConnectivity) -> None:  # on gRPC's thread: no blocking
+        if state == grpc.ChannelConnectivity.READY:
+            self._ready = True
+        elif self._ready and state in (grpc.ChannelConnectivity.IDLE,
+                                       grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            self._ready = False
+            threading.Thread(target=self._probe, name=f"probe-{self.worker_id}",
+                             daemon=True).start()
+
+    def _probe(self) -> None:
+        try:
+            self._stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, wait_for_ready=False)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not self.closed:
+                self._on_lost(self.worker_id, f"its connection dropped and nothing answers at "
+                                              f"its address ({e.details()})")
+        except ValueError:  # the channel closed meanwhile: the worker left already
+            pass
 
 
 class WorkerClients:
@@ -213,24 +291,52 @@ class WorkerClients:
         """The cluster secret's bearer, sent on every worker call (None: no secret)."""
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[str, grpc.Channel, GrpcWorkerClient]] = {}
+        self._watches: dict[str, tuple[grpc.Channel, _Liveness]] = {}
+        self.on_lost: list[Callable[[str, str], None]] = []
+        """Called with (worker id, why) when a worker's process is found dead."""
 
     def __call__(self, view: WorkerView) -> GrpcWorkerClient:
         with self._lock:
             entry = self._clients.get(view.worker_id)
             if entry is None or entry[0] != view.address:
                 if entry is not None:
-                    entry[1].close()
+                    self._unwatch(view.worker_id)
+                    _close_later(entry[1])
                 channel = open_channel(view.address, self._bearer, self._credentials,
                                        CHANNEL_OPTIONS)
                 entry = (view.address, channel, GrpcWorkerClient(view, channel, self.config))
                 self._clients[view.worker_id] = entry
+                watch = _Liveness(view.worker_id, entry[2]._stub, self._lost)
+                self._watches[view.worker_id] = (channel, watch)
+                channel.subscribe(watch)
             return entry[2]
+
+    def _lost(self, worker_id: str, why: str) -> None:
+        log.warning("worker %s lost: %s", worker_id, why)
+        with self._lock:
+            entry = self._clients.get(worker_id)
+        if entry is not None:
+            entry[2].lost = True
+        for callback in self.on_lost:
+            try:
+                callback(worker_id, why)
+            except Exception:  # noqa: BLE001 - the others must still hear of it
+                log.exception("on_lost callback for %s failed", worker_id)
+
+    def _unwatch(self, worker_id: str) -> None:
+        """Lock held. gRPC's watching thread stops at its next poll (within 0.2 s)."""
+        entry = self._watches.pop(worker_id, None)
+        if entry is not None:
+            channel, watch = entry
+            watch.closed = True
+            channel.unsubscribe(watch)
 
     def eject(self, worker_id: str) -> None:
         """The worker went silent: close its channel, which ends every call still waiting on
         it (they fail with WorkerFailed: retried before the first token, an error after)."""
         with self._lock:
             entry = self._clients.pop(worker_id, None)
+            self._unwatch(worker_id)
         if entry is not None:
             entry[2].ejected = True
             entry[1].close()
@@ -241,9 +347,23 @@ class WorkerClients:
         """Forgets the worker; requests still using its channel keep it open until they end."""
         with self._lock:
             self._clients.pop(worker_id, None)
+            self._unwatch(worker_id)
 
     def close(self) -> None:
         with self._lock:
             entries, self._clients = list(self._clients.values()), {}
+            for worker_id in list(self._watches):
+                self._unwatch(worker_id)
         for _, channel, _ in entries:
-            channel.close()
+            _close_later(channel)
+
+
+WATCH_STOP_S = 0.5
+"""gRPC's connectivity thread polls every 0.2 s and raises if its channel closed meanwhile:
+a channel no call needs at once is closed this long after its watch was removed."""
+
+
+def _close_later(channel: grpc.Channel) -> None:
+    timer = threading.Timer(WATCH_STOP_S, channel.close)
+    timer.daemon = True
+    timer.start()

@@ -22,6 +22,7 @@ The prefill worker frees its copy of the blocks after either event.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -47,6 +48,16 @@ DRAIN_INTERVAL_S = 0.05
 STREAMING_INTERVAL_S = 0.005
 """Poll interval while layer-wise requests are still computing: early layers progress a little,
 the forward keeps the GIL; `layers_done` of the last layer wakes the poller (see the service)."""
+TEST_HOLD_ENV = "BATON_TEST_TRANSFER_HOLD_S"
+"""Tests only (the chaos matrix): a transfer is reported done no sooner than this many seconds
+after it started, so that a process can be killed while transfers are in flight."""
+
+
+def _test_hold_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(TEST_HOLD_ENV, "0") or 0))
+    except ValueError:
+        return 0.0
 
 
 @dataclass
@@ -78,6 +89,8 @@ class _InFlight:
     read: bool = False
     """The other way round: READ the peer's units into the local ones (nothing to claim, nothing
     posted to tell it)."""
+    hold_until: float = 0.0
+    """Not done before this time.monotonic() (TEST_HOLD_ENV)."""
 
 
 class Sender:
@@ -102,12 +115,22 @@ class Sender:
         self._draining: list[tuple[_Peer, object, float]] = []
         """Posts of failed requests still in flight: (peer, post, give-up time). Released once
         done or failed, so their bytes and notification still reach the decode side."""
+        self._hold_s = _test_hold_s()
+        self._connecting: dict[str, threading.Lock] = {}
+        """One lock per endpoint: its handshake runs once, outside `_lock`."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being sent now (posted or waiting for layers, not yet done or failed)."""
+        with self._lock:
+            return len(self._inflight)
 
     def claim(self, request_id: str, endpoint: str | Sequence[str],
               dst_block_ids: Sequence[int], dst_slot: int | None, skip_blocks: int = 0,
               incarnation: str | None = None) -> None:
-        """Ask each decode stage for the right to write this reservation, now (handshaking
-        first if need be); never waits for the grant, which `send` or `poll` picks up."""
+        """Ask each decode stage for the right to write this reservation, now (the caller
+        `connect`ed first: an endpoint not connected fails with TransferError); never waits
+        for the grant, which `send` or `poll` picks up."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         with self._lock:
             if request_id in self._inflight or request_id in self._claims:
@@ -119,15 +142,31 @@ class Sender:
                     self._send_claim(ep, peer, request_id, dst_slot, dst_block_ids[skip_blocks:])
 
     def connect(self, endpoint: str) -> StageLayout:
-        """Handshake with a decode stage now (send() does it lazily); TransferError if refused."""
+        """Handshake with a decode stage now (send() does it lazily); TransferError if refused.
+        The wait for the reply holds no lock of the sender: a decode peer that does not answer
+        (it died) holds up this caller alone for up to handshake_timeout_s, never the
+        transfers to other peers (their polls need the lock)."""
         with self._lock:
-            return self._peer(endpoint).layout
+            if endpoint in self._peers:
+                return self._peers[endpoint].layout
+            gate = self._connecting.setdefault(endpoint, threading.Lock())
+        with gate:  # one handshake per endpoint at a time
+            with self._lock:
+                if endpoint in self._peers:
+                    return self._peers[endpoint].layout
+            client, reply = self._hello(endpoint)
+            with self._lock:
+                return self._adopt(endpoint, client, reply).layout
 
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
              skip_blocks: int = 0, incarnation: str | None = None,
-             layerwise: bool = False, read: bool = False) -> None:
+             layerwise: bool = False, read: bool = False, handshake: bool = True) -> None:
         """Start moving one request to every decode stage in `endpoint`; never blocks on data.
+        `handshake`: first contact with an endpoint handshakes here (outside the lock, so
+        only this caller waits); False: an endpoint not connected already fails the request at
+        once (the prefill worker connects on its RPC thread first and calls this on its engine
+        loop thread, which must never wait for a peer that died meanwhile).
         `incarnation`: the receiver the destination was reserved on; another one (the decode
         worker restarted at the same endpoint) fails the request before a byte moves.
         Layer-wise, nothing leaves before `layers_done` (the prefill worker asks for it when
@@ -135,14 +174,27 @@ class Sender:
         `read`: the other way round, one-sided: the peer's `dst` blocks and slot (a decode
         worker's held snapshot) are read into the local `src` ones; done when they are here."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        unreachable = None
+        if handshake:
+            for ep in endpoints:
+                try:
+                    self.connect(ep)
+                except Exception as e:  # noqa: BLE001 - the request fails, not the caller
+                    unreachable = str(e) if isinstance(e, TransferError) else \
+                        f"{type(e).__name__}: {e}"
+                    break
         with self._lock:
             if request_id in self._inflight:
                 raise TransferError(f"request {request_id!r} is already being sent")
-            fl = _InFlight(time.monotonic() + self.cfg.lease_seconds, [],
-                           (dst_slot, list(dst_block_ids[skip_blocks:])), read=read)
+            now = time.monotonic()
+            fl = _InFlight(now + self.cfg.lease_seconds, [],
+                           (dst_slot, list(dst_block_ids[skip_blocks:])), read=read,
+                           hold_until=now + self._hold_s)
             self._inflight[request_id] = fl
             self._claims.pop(request_id, None)
             try:
+                if unreachable is not None:
+                    raise TransferError(unreachable)
                 for ep in endpoints:
                     peer = self._peer_of(ep, incarnation, request_id)
                     fl.peers.append(peer)
@@ -195,7 +247,9 @@ class Sender:
             if not self._inflight:
                 return DRAIN_INTERVAL_S if self._draining or self._claims else None
             streaming = all(fl.unsent and not fl.waiting for fl in self._inflight.values())
-            return STREAMING_INTERVAL_S if streaming else WATCH_INTERVAL_S
+            if streaming or self._hold_s:  # held (tests): no need to spin meanwhile
+                return STREAMING_INTERVAL_S
+            return WATCH_INTERVAL_S
 
     def poll(self) -> list[TransferEvent]:
         """Delivered and failed requests since the last call."""
@@ -235,6 +289,12 @@ class Sender:
     def _peer(self, endpoint: str) -> _Peer:
         if endpoint in self._peers:
             return self._peers[endpoint]
+        client, reply = self._hello(endpoint)
+        return self._adopt(endpoint, client, reply)
+
+    def _hello(self, endpoint: str) -> tuple[Client, dict]:
+        """The handshake's exchange (no lock needed): a client of its own and the checked
+        welcome."""
         client = Client(endpoint, self.cfg.max_message_bytes, self._key)
         try:
             hello = wire.encode("hello", fingerprint=self.fingerprint,
@@ -245,6 +305,17 @@ class Sender:
                 raise TransferError(f"decode peer {endpoint} refused the handshake "
                                     f"(field '{reply['field']}'): {reply['error']}{mine}")
             fp.check(self.fingerprint, reply["fingerprint"], who="decode peer")
+        except BaseException:
+            client.close()
+            raise
+        return client, reply
+
+    def _adopt(self, endpoint: str, client: Client, reply: dict) -> _Peer:
+        """Lock held: the welcomed peer joins the transport (or the one that beat it is kept)."""
+        if endpoint in self._peers:
+            client.close()
+            return self._peers[endpoint]
+        try:
             layout = StageLayout.from_wire(reply["layout"])
             handle = self._transport.add_peer(reply["transport"], layout)
         except BaseException:
@@ -256,7 +327,10 @@ class Sender:
     def _peer_of(self, endpoint: str, incarnation: str | None, request_id: str) -> _Peer:
         """The handshaken peer at `endpoint`, which must be the receiver that made the
         reservation; a cached peer from before a restart there is handshaken afresh."""
-        peer = self._peer(endpoint)
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            raise TransferError(f"decode peer {endpoint} is not connected: it failed or left "
+                                f"since the handshake; nothing was sent for {request_id}")
         if incarnation is None or peer.incarnation == incarnation:
             return peer
         self._drop_peer(endpoint, f"decode peer {endpoint} was replaced (new incarnation)")
@@ -358,7 +432,7 @@ class Sender:
         if errors:
             broken = [p for (p, _), (st, _) in zip(fl.posts, states, strict=True) if st == "ERR"]
             self._finish(rid, errors[0], broken=broken)
-        elif not fl.unsent and all(st == "DONE" for st, _ in states):
+        elif not fl.unsent and all(st == "DONE" for st, _ in states) and now >= fl.hold_until:
             self._finish(rid, None)
         elif now > fl.deadline:
             self._finish(rid, f"lease expired after {self.cfg.lease_seconds:g} s before the "

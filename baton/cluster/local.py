@@ -1,4 +1,9 @@
-"""`baton serve`: router + N prefill + M decode workers, each its own process, on this machine."""
+"""`baton serve`: router + N prefill + M decode workers, each its own process, on this machine.
+
+Supervised: a process that exits is started again with the same command line (a worker
+registers anew under a new id, the router comes back on its port and the workers find it),
+after a backoff that doubles while it keeps dying young; the cluster keeps serving meanwhile.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -29,6 +35,13 @@ STDERR_FD = 2
 STOP_GRACE_S = 3.0
 """`stop()` waits this long for SIGTERMed processes, then kills what is left: a stop (and a
 SIGTERM to `baton serve`) ends every process within 5 s, however busy they are."""
+RESTART_FIRST_S = 0.5
+"""Backoff before the first restart of a process that died; doubled for every further death
+within STABLE_S of its start, up to RESTART_MAX_S."""
+RESTART_MAX_S = 30.0
+STABLE_S = 60.0
+"""A process that ran this long before dying restarts after RESTART_FIRST_S again."""
+SUPERVISE_PERIOD_S = 0.2
 
 
 def free_port() -> int:
@@ -67,6 +80,16 @@ class LocalCluster:
         extra = ["--config", config] if config else []
         base = ["--log-level", log_level]
         self.procs: list[subprocess.Popen] = []
+        """The current process of each role instance (a restart replaces its entry)."""
+        self.restarts: list[int] = []
+        """How often each entry of `procs` was restarted."""
+        self._started: list[float] = []
+        self._deaths: list[int] = []
+        """Deaths in a row, each within STABLE_S of its start (the backoff's exponent)."""
+        self._due: dict[int, float] = {}
+        """Entries that died, and when they start again."""
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
         self.metrics_ports: list[tuple[str, int]] = []
         self.expected = prefill + decode
         self._spawn(_cmd(*base, "router", "--port", str(port), "--host", host, "--model", model,
@@ -79,14 +102,53 @@ class LocalCluster:
                                  "--metrics-port", str(mport), *extra))
 
     def _spawn(self, cmd: list[str]) -> None:
+        self.procs.append(self._popen(cmd))
+        self.restarts.append(0)
+        self._started.append(time.monotonic())
+        self._deaths.append(0)
+
+    def _popen(self, cmd: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
         env[ENV_TOKEN] = self.token  # never on a command line, where `ps` would show it
         # several worker processes share this machine's cores: split them instead of oversubscribing
         env.setdefault("BATON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.expected)))
         # children's banners go to stderr: stdout stays for what the caller prints (JSON)
-        self.procs.append(
-            subprocess.Popen(cmd, start_new_session=True, env=env, stdout=STDERR_FD)
-        )
+        return subprocess.Popen(cmd, start_new_session=True, env=env, stdout=STDERR_FD)
+
+    # -- supervision ------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """Restart dead processes from a background thread until `stop()`."""
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise_loop, name="supervisor",
+                                                daemon=True)
+            self._supervisor.start()
+
+    def _supervise_loop(self) -> None:
+        while not self._stopping.wait(SUPERVISE_PERIOD_S):
+            self.check_children()
+
+    def check_children(self, now: float | None = None) -> None:
+        """One supervision pass: schedules the restart of a process that exited (logged, with
+        its backoff) and starts those whose backoff is over."""
+        now = time.monotonic() if now is None else now
+        for i, p in enumerate(self.procs):
+            if self._stopping.is_set() or p.poll() is None:
+                continue
+            if i not in self._due:
+                ran = now - self._started[i]
+                self._deaths[i] = self._deaths[i] + 1 if ran < STABLE_S else 1
+                delay = min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (self._deaths[i] - 1))
+                self._due[i] = now + delay
+                log.warning("%s (pid %d) exited with code %s after %.1fs; restarting it in "
+                            "%.1fs", _name(p), p.pid, p.returncode, ran, delay)
+            elif now >= self._due[i]:
+                del self._due[i]
+                self.procs[i] = self._popen(list(p.args))
+                self._started[i] = now
+                self.restarts[i] += 1
+                log.warning("restarted %s as pid %d (restart %d)", _name(p), self.procs[i].pid,
+                            self.restarts[i])
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""
@@ -123,6 +185,9 @@ class LocalCluster:
             return False
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -132,9 +197,15 @@ class LocalCluster:
                 p.wait(timeout=max(0.01, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0fs of SIGTERM; killing it",
-                            " ".join(p.args[5:6]), STOP_GRACE_S)
+                            _name(p), STOP_GRACE_S)
                 p.kill()
                 p.wait()
+
+
+def _name(p: subprocess.Popen) -> str:
+    """The role of a cluster process ("router", "prefill-worker", ...)."""
+    return next((a for a in p.args if a in ("router", "prefill-worker", "decode-worker")),
+                " ".join(map(str, p.args[3:6])))
 
 
 def _raise_interrupt(*_) -> None:
@@ -164,10 +235,9 @@ def serve_local(args) -> int:
         print(f"baton cluster ready: router gRPC at {cluster.address}, OpenAI-compatible HTTP "
               f"at {cluster.http_address}/v1 ({args.prefill} prefill, {args.decode} decode; "
               f"worker metrics on {metrics}); Ctrl-C stops it", flush=True)
-        while all(p.poll() is None for p in cluster.procs):
-            time.sleep(0.5)
-        log.error("a cluster process exited; stopping the cluster")
-        return 1
+        while True:  # a process that exits is restarted (with backoff); the cluster goes on
+            cluster.check_children()
+            time.sleep(SUPERVISE_PERIOD_S)
     except KeyboardInterrupt:
         return 0
     finally:

@@ -186,7 +186,8 @@ class Engine:
             return failed
         reqs = [r for r, _ in sampled]
         draws = self.sampler.sample(
-            torch.stack([lg for _, lg in sampled]), [r.id for r in reqs], [r.sampling for r in reqs]
+            torch.stack([lg for _, lg in sampled]), [r.id for r in reqs], [r.sampling for r in reqs],
+            [len(r.prompt_ids) + len(r.output_ids) for r in reqs],
         )
         pairs = []
         for req, draw in zip(reqs, draws, strict=True):

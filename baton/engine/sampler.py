@@ -5,6 +5,12 @@ maximum is 0 before dividing by the temperature, so a tiny temperature (1e-38, e
 smallest subnormal) gives -inf or a large negative number, never +inf or NaN, and the
 distribution collapses onto the argmax (greedy). A draw that still cannot be made (the
 model produced non-finite logits) fails that request alone (`Draw.error`).
+
+A seeded request's draw for the token at sequence position p (the number of tokens before
+it, prompt included) depends only on (seed, p): a request moved to another worker, which
+prefills prompt + the tokens so far, draws exactly what the first worker would have drawn,
+and the prefill worker's first token and the decode worker's later ones agree with one
+engine that ran the whole request.
 """
 
 from __future__ import annotations
@@ -23,17 +29,33 @@ class Draw(NamedTuple):
     error: str | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at sequence `position` (splitmix64 of
+    both, so nearby seeds and positions give unrelated streams); < 2^63."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 class Sampler:
-    """Keeps one generator per seeded request so its tokens do not depend on its batch."""
+    """Seeded draws depend only on (seed, position), never on the batch or on earlier draws;
+    an unseeded request keeps one randomly seeded generator."""
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._seeded = torch.Generator()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, ids: list[str], params: list[SamplingParams]) -> list[Draw]:
-        """`logits` [B, vocab] float32 on any device; returns B draws, in order."""
+    def sample(self, logits: torch.Tensor, ids: list[str], params: list[SamplingParams],
+               positions: list[int] | None = None) -> list[Draw]:
+        """`logits` [B, vocab] float32 on any device; `positions`: the sequence position of
+        each token drawn (tokens before it; None: all 0); returns B draws, in order."""
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for i, p in enumerate(params):
@@ -41,12 +63,13 @@ class Sampler:
                 out.append(Draw(greedy[i]))
                 continue
             try:
-                out.append(Draw(self._sample_one(logits[i].cpu(), ids[i], p)))
+                pos = 0 if positions is None else positions[i]
+                out.append(Draw(self._sample_one(logits[i].cpu(), ids[i], p, pos)))
             except (ValueError, RuntimeError) as e:
                 out.append(Draw(None, f"sampling failed: {e}"))
         return out
 
-    def _sample_one(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> int:
+    def _sample_one(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
         logits = logits.double()
         if not bool(torch.isfinite(logits).all()):
             bad = int((~torch.isfinite(logits)).sum())
@@ -64,15 +87,14 @@ class Sampler:
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
             probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p)).item())
+        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p, pos)).item())
 
-    def _generator(self, rid: str, p: SamplingParams) -> torch.Generator:
+    def _generator(self, rid: str, p: SamplingParams, pos: int) -> torch.Generator:
+        if p.seed is not None:
+            return self._seeded.manual_seed(draw_seed(p.seed, pos))
         g = self._generators.get(rid)
         if g is None:
             g = torch.Generator()
-            if p.seed is not None:
-                g.manual_seed(p.seed)
-            else:
-                g.seed()
+            g.seed()
             self._generators[rid] = g
         return g

@@ -140,7 +140,9 @@ class Scheduler:
             try:
                 adm = self.cache.admit(req.id, req.prompt_ids, req.session)
             except CapacityError as e:
-                if not self.running:
+                # live slots held outside `running` (a prefill handing off, a reservation
+                # waiting for its transfer) are freed by release or lease expiry: wait for them
+                if not self.running and not self.cache.live_requests():
                     self._reject(str(e))
                     continue
                 return

@@ -145,19 +145,56 @@ def test_full_workers_are_retried_and_all_full_is_resource_exhausted(cluster):
     assert "router.queue_timeout_s" in e.value.details()
 
 
-def test_failure_after_first_token_is_not_retried(cluster):
+def test_decode_failure_after_first_token_moves_the_request_to_a_new_pair(cluster):
+    """d0 dies after streaming 2 tokens: a new pair prefills prompt + those tokens and the
+    client's stream goes on with the rest of max_tokens, counted once in the summary."""
     _, stub, w = cluster(p0=Script(), d0=Script(decode=Act.FAIL_MID), d1=Script())
+    msgs = list(gen(stub, max_tokens=10))
+    assert [t for m in msgs for t in m.token_ids] == list(range(7, 17))
+    last = msgs[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (last.prompt_tokens, last.decode_worker, last.retries) == (2, "d1", 1)
+    key = worker_key(w["d0"])
+    assert w["p0"].calls("Prefill") == [("Prefill", key), ("Prefill", f"{key}~move1")]
+    assert w["d1"].calls("Reserve") == [("Reserve", f"{key}~move1")]
+    assert w["d1"].servicer.sampling[f"{key}~move1"].max_tokens == 8
+    assert ("Abort", key) in w["d0"].calls()
+    assert w["d0"].state.held == {} and w["d1"].state.held == {}
+
+
+def test_decode_failure_with_no_decode_worker_left_fails_the_stream(cluster):
+    _, stub, w = cluster(p0=Script(), d0=Script(decode=Act.FAIL_MID))
     got = []
     with pytest.raises(grpc.RpcError) as e:
         for m in gen(stub, max_tokens=10):
             got.extend(m.token_ids)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "d0 failed Decode" in e.value.details()
+    assert "worker d0 failed Decode: UNAVAILABLE: d0: scripted failure; moving the request " \
+           "failed: no decode worker available" in e.value.details()
     assert got == [7, 8]
-    assert w["d1"].calls() == []
     key = worker_key(w["d0"])
     assert wait_for(lambda: ("Abort", key) in w["p0"].calls())
     assert ("Abort", key) in w["d0"].calls()
+
+
+def test_a_dead_decode_worker_cancels_the_prefill_working_for_it_within_a_second(cluster):
+    """d0's process dies while p0 computes for it: the router finds nothing listening at d0's
+    address, drops d0 and cancels p0's call at once (not at lease expiry or ejection)."""
+    handle, stub, w = cluster(p0=Script(prefill=Act.HANG, hang_limit_s=20), d0=Script())
+    call = gen(stub, max_tokens=3)
+    assert wait_for(lambda: w["p0"].calls("Prefill"))
+    key = worker_key(w["d0"])
+    start = time.monotonic()
+    w["d0"].server.stop(None)  # as a killed process: its port closes, its connections drop
+    assert wait_for(lambda: w["p0"].state.wake[key].is_set(), timeout=5)
+    cancelled = time.monotonic() - start
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert cancelled < 1.0, cancelled
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details() == "no decode worker available"  # the retry found d0 gone
+    assert handle.registry.get("d0") is None and handle.registry.ejected == 1
+    assert wait_for(lambda: ("Abort", key) in w["p0"].calls())
 
 
 @pytest.mark.parametrize("hang", ["prefill", "decode"])

@@ -36,7 +36,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_serve_binds_loopback_makes_a_secret_and_stops_on_sigterm_within_5s(tmp_path):
+def role_of(pid: int) -> str:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return next(a.decode() for a in args if a in (b"router", b"prefill-worker", b"decode-worker"))
+
+
+def test_serve_binds_loopback_makes_a_secret_restarts_the_dead_and_stops_on_sigterm_within_5s(
+        tmp_path):
     model = make_checkpoint(tmp_path)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("BATON_CLUSTER_TOKEN",
@@ -52,10 +58,10 @@ def test_serve_binds_loopback_makes_a_secret_and_stops_on_sigterm_within_5s(tmp_
         assert banner.startswith(f"baton cluster ready: router gRPC at 127.0.0.1:{port}"), banner
         procs = children(serve.pid)
         assert len(procs) == 3
-        (res,) = run_remote(f"127.0.0.1:{port}", [RequestSpec(
+        (first,) = run_remote(f"127.0.0.1:{port}", [RequestSpec(
             "s1", prompt_ids=[5, 6, 7, 8], sampling=SamplingParams(max_tokens=4,
                                                                    ignore_eos=True))])
-        assert len(res["token_ids"]) == 4, res
+        assert len(first["token_ids"]) == 4, first
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # a secret is in force
             with pytest.raises(grpc.RpcError) as e:
                 rgrpc.RegistryStub(ch).Deregister(
@@ -65,6 +71,29 @@ def test_serve_binds_loopback_makes_a_secret_and_stops_on_sigterm_within_5s(tmp_
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             assert b"TOKEN" not in cmdline and b"--token" not in cmdline
             assert b"BATON_CLUSTER_TOKEN=" in Path(f"/proc/{pid}/environ").read_bytes()
+        # supervision: a killed decode worker is started again and the cluster goes on serving
+        victim = next(p for p in procs if role_of(p) == "decode-worker")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            procs = children(serve.pid)
+            if len(procs) == 3 and victim not in procs:
+                break
+            time.sleep(0.1)
+        assert sorted(map(role_of, procs)) == ["decode-worker", "prefill-worker", "router"]
+        reborn = next(p for p in procs if role_of(p) == "decode-worker")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            while time.monotonic() < deadline:  # registered under its new id (pid in it)
+                ids = [w.worker_id for w in rgrpc.RouterStub(ch).ListWorkers(
+                    rpb.ListWorkersRequest(), timeout=5).workers]
+                if any(f"-{reborn}-" in w for w in ids) and len(ids) == 2:
+                    break
+                time.sleep(0.1)
+        assert len(ids) == 2 and any(f"-{reborn}-" in w for w in ids), ids
+        (res,) = run_remote(f"127.0.0.1:{port}", [RequestSpec(
+            "s2", prompt_ids=[5, 6, 7, 8], sampling=SamplingParams(max_tokens=4,
+                                                                   ignore_eos=True))])
+        assert res.get("token_ids") == first["token_ids"], res  # the new worker, same tokens
         t0 = time.monotonic()
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=10)
@@ -78,6 +107,8 @@ def test_serve_binds_loopback_makes_a_secret_and_stops_on_sigterm_within_5s(tmp_
         text = log.read()
         assert f"router serving gRPC on 127.0.0.1:{port} and HTTP on http://127.0.0.1:" in text
         assert "killing it" not in text  # every process stopped by itself
+        assert f"decode-worker (pid {victim}) exited with code -9" in text
+        assert "restarting it in 0.5s" in text and "restarted decode-worker as pid" in text
     finally:
         for pid in [*(procs or children(serve.pid)), serve.pid]:  # none left behind
             if alive(pid):

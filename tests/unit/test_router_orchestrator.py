@@ -197,19 +197,34 @@ def test_worker_invalid_argument_passes_through_without_retry():
     ]
 
 
-def test_failure_after_first_token_is_not_retried_and_aborts_both():
+def test_decode_failure_after_first_token_aborts_both_and_moves_the_request():
     fail = {"d0": {"decode_mid": WorkerFailed("d0", "Decode", "UNAVAILABLE")}}
     orch, log, reg = setup(["p0", "p1", "d0", "d1"], fail=fail)
+    chunks = list(orch.generate(GenerateInput("r1", prompt_ids=(5,)), Cancellation()))
+    # 6 from p0, 7 from d0 before it failed; then prompt (5, 6, 7) on a new pair: 8, 9, 10
+    assert [c.token_ids for c in chunks] == [(6,), (7,), (8,), (9,), (10,)]
+    key = worker_key(log)
+    assert [(w, m, r) for w, m, r in log if m in ("reserve", "abort")] == [
+        ("d0", "reserve", key),
+        ("p0", "abort", key),
+        ("d0", "abort", key),
+        ("d1", "reserve", f"{key}~move1"),
+    ]
+    summary = chunks[-1].summary
+    assert (summary.prompt_tokens, summary.cached_tokens, summary.decode_worker,
+            summary.retries) == (1, 3, "d1", 1)
+    assert reg.get("d0").inflight == 0 and reg.get("d1").inflight == 0
+
+
+def test_decode_failure_with_no_other_decode_worker_raises_after_the_tokens_sent():
+    fail = {"d0": {"decode_mid": WorkerFailed("d0", "Decode", "UNAVAILABLE")}}
+    orch, log, reg = setup(["p0", "d0"], fail=fail)
     got = []
-    with pytest.raises(WorkerFailed):
+    with pytest.raises(WorkerFailed, match="moving the request failed: no decode worker "
+                                           "available"):
         for chunk in orch.generate(GenerateInput("r1", prompt_ids=(5,)), Cancellation()):
             got.append(chunk.token_ids)
     assert got == [(6,), (7,)]
-    assert [(w, m) for w, m, _ in log if m in ("reserve", "abort")] == [
-        ("d0", "reserve"),
-        ("p0", "abort"),
-        ("d0", "abort"),
-    ]
     assert reg.get("d0").inflight == 0
 
 
