@@ -71,7 +71,16 @@ def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
         assert prefill["handoffs"] == len(specs) == prefill["transfers_done"]
         assert prefill["streamed_handoffs"] >= 1
         assert took < LAYERWISE["transfer"]["lease_seconds"] / 2
-        decode = by_role(cluster.address, Role.DECODE, cluster.secret.bearer)
+        # the decode-end snapshots shipped back in the background (router/shipping.py) hold
+        # a live slot on the decode worker while the prefill worker reads them
+        deadline = time.monotonic() + 15
+        while True:
+            decode = by_role(cluster.address, Role.DECODE, cluster.secret.bearer)
+            prefill = by_role(cluster.address, Role.PREFILL, cluster.secret.bearer)
+            if (decode["live_requests"] == 0 and prefill["live_requests"] == 0) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert decode["integrity_ok"] == 1.0 and prefill["integrity_ok"] == 1.0
         assert decode["live_requests"] == 0 and prefill["live_requests"] == 0
     finally:
