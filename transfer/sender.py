@@ -128,10 +128,12 @@ class Sender:
     def claim(self, request_id: str, endpoint: str | Sequence[str],
               dst_block_ids: Sequence[int], dst_slot: int | None, skip_blocks: int = 0,
               incarnation: str | None = None) -> None:
-        """Ask each decode stage for the right to write this reservation, now (the caller
-        `connect`ed first: an endpoint not connected fails with TransferError); never waits
-        for the grant, which `send` or `poll` picks up."""
+        """Ask each decode stage for the right to write this reservation, now (handshaking
+        first, outside the lock, with an endpoint not connected yet: TransferError if
+        refused); never waits for the grant, which `send` or `poll` picks up."""
         endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        for ep in endpoints:
+            self.connect(ep)
         with self._lock:
             if request_id in self._inflight or request_id in self._claims:
                 return
