@@ -18,7 +18,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=None,
-                 on_stage_death=None, pp_master: str | None = None) -> Engine:
+                 on_stage_death=None, pp_master: str | None = None,
+                 on_link_lost=None) -> Engine:
     """The engine of a worker (stage 0 of it when `worker.pipeline_parallel_size` > 1: see
     `build_pipeline_engine` for the other arguments)."""
     from baton.model.loader import load_model
@@ -30,7 +31,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         torch.set_num_threads(int(threads))
     path = resolve_model(model_path or cfg.model.path)
     if cfg.worker.pipeline_parallel_size > 1:
-        return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master)
+        return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master,
+                                     on_link_lost)
     dtype = DTYPES[cfg.model.dtype]
     model = load_model(path, device=cfg.model.device, dtype=dtype)
     spec = PoolSpec.for_model(
@@ -52,13 +54,15 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
 
 
 def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
-                          pp_master: str | None = None) -> Engine:
+                          pp_master: str | None = None, on_link_lost=None) -> Engine:
     """Stage 0 of a pipeline-parallel worker: joins (and hosts) the stages' process group,
     loads its own layers, and runs the scheduler and cache manager for every stage.
 
     `pp_master` None: start stages 1..N-1 here (`stage_argv(rank, master)`, default a bare
     stage process) and call `on_stage_death(rank, exit_code)` if one exits; else the stages
     are started elsewhere and join the store this stage hosts at that HOST:PORT.
+    `on_link_lost(error)`: a message to or from another stage failed (it died, on any
+    launcher); None: the forward's requests just fail.
     """
     from baton.engine.pipeline.channel import Channel
     from baton.engine.pipeline.launch import (
@@ -93,7 +97,8 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
                               device=cfg.model.device)
     pools = MirroredPools(full, local)
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
-    model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages)
+    model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages,
+                          on_link_lost=on_link_lost)
     log.info("pipeline engine ready: %d stages, layers %s", size,
              [[r.start, r.stop] for r in layers])
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

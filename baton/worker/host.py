@@ -81,7 +81,8 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
     tls = cluster_tls(cfg.cluster)  # before the model loads: a bad file fails at once
     engine = build_engine(cfg, model, stage_argv=_stage_argv(role, router, model, host),
-                          on_stage_death=_stage_died, pp_master=pp_master)
+                          on_stage_death=_stage_died, pp_master=pp_master,
+                          on_link_lost=_stage_link_lost)
     events = SnapshotEvents(engine.cache)
     loop = EngineLoop(engine)
     metrics = WorkerMetrics(role, loop)
@@ -132,6 +133,12 @@ def _stage_died(rank: int, code: int) -> None:
     """A stage of this worker is gone: the worker cannot compute any more. Leave at once, so
     the router ejects it and retries its requests elsewhere (the other stages were killed)."""
     log.error("pipeline stage %d exited (%s): this worker stops serving", rank, code)
+    exit_now(1)
+
+
+def _stage_link_lost(error: BaseException) -> None:
+    """A message to or from another stage failed (it died, wherever it ran): as above."""
+    log.error("pipeline stage link lost (%s): this worker stops serving", error)
     exit_now(1)
 
 

@@ -4,7 +4,8 @@ One cluster for the module: prefill workers with PP 1, 2 and 3 and decode worker
 and 2, on pattern `MMM*-M*-` (prefill PP 3 splits it [3, 3, 2]: stage 0 attention-free,
 stage 2 Mamba-free; decode PP 2 splits it [5, 3]). Round-robin routing gives request number
 t the pair (t mod 3, t mod 2), so every six consecutive requests cover all six pairs. The
-stage-kill test runs last because it takes a worker away.
+stage-kill tests run last, in file order, because each takes a worker away: the prefill one
+leaves prefill PP 1 and 2 with both decode workers, the decode one then leaves decode PP 1.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from baton.client.requests import RequestSpec
 from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import Request, SamplingParams
+from baton.proto_gen import baton_pb2
 from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
     assert_clean,
@@ -162,11 +164,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _retries(cluster) -> float:
+def _metric(cluster, name: str) -> float:
     with urllib.request.urlopen(f"{cluster.http_address}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines
-               if line.startswith("baton_router_retries_total"))
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def _retries(cluster) -> float:
+    return _metric(cluster, "baton_router_retries_total")
+
+
+def _await_gone(pids: list[int], since: float) -> None:
+    """Every pid exits (or is a zombie) within 5 s of `since`."""
+    while any(_alive(p) for p in pids) and time.monotonic() - since < 5:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
 
 
 def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
@@ -192,10 +204,48 @@ def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     runner.join(timeout=120)
     assert tokens(out) == expected
     assert _retries(cluster) > retries  # requests in flight on the dead worker moved
-    while any(_alive(p) for p in [stage0.pid, *stages]) and time.monotonic() - killed_at < 5:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in [stage0.pid, *stages])
+    _await_gone([stage0.pid, *stages], killed_at)
     cluster.procs.remove(stage0)  # gone: the cluster's stop has nothing to stop there
     cluster.expected -= 1
     time.sleep(BASE["router"]["eject_after_seconds"] + 1)  # the router ejects the dead worker
+    assert_clean(cluster)
+
+
+def test_killing_one_decode_stage_mid_stream_moves_requests_and_leaves_no_orphans(setup):
+    """Runs after the prefill-stage kill: prefill PP 1 and 2 are left, with decode PP 1 and 2."""
+    cluster = setup["cluster"]
+    info = next(w for w in list_workers(cluster.address)
+                if w.role == baton_pb2.WORKER_ROLE_DECODE and pp_of(setup, w.worker_id) == 2)
+    # `baton serve`'s decode worker (PP 2); the earlier kill shifted the list
+    stage0 = next(p for p in cluster.procs if p.pid == int(info.worker_id.split("-")[-2]))
+    stages = _children(stage0.pid)
+    assert len(stages) == 1
+    specs = [RequestSpec(f"dk{i}", prompt_ids=prompt(90 + i, 40 + 13 * i), sampling=greedy(48))
+             for i in range(12)]
+    expected = tokens(local(setup, specs))
+    out: list = []
+    runner = threading.Thread(target=lambda: out.extend(
+        run_remote(cluster.address, specs, concurrency=12)))
+    retries = _retries(cluster)
+    streamed = _metric(cluster, "baton_router_generation_tokens_total")
+    runner.start()
+    # kill while the PP-2 decode worker holds requests and tokens are streaming
+    deadline = time.monotonic() + 30
+    while (worker_counters(info, cluster.secret.bearer)["engine_requests"] == 0
+           or _metric(cluster, "baton_router_generation_tokens_total") < streamed + 12):
+        assert time.monotonic() < deadline and runner.is_alive(), \
+            "the PP-2 decode worker never decoded a request"
+        time.sleep(0.01)
+    os.kill(stages[-1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert tokens(out) == expected
+    assert _retries(cluster) > retries  # requests in flight on the dead worker moved
+    _await_gone([stage0.pid, *stages], killed_at)
+    cluster.procs.remove(stage0)  # gone: the cluster's stop has nothing to stop there
+    cluster.expected -= 1
+    time.sleep(BASE["router"]["eject_after_seconds"] + 1)  # the router ejects the dead worker
+    assert all(pp_of(setup, w.worker_id) != 2 or w.role != baton_pb2.WORKER_ROLE_DECODE
+               for w in list_workers(cluster.address))
     assert_clean(cluster)

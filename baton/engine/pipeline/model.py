@@ -13,6 +13,8 @@ mirrored pools ride ahead of the first micro-batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,8 @@ def split(n: int, parts: int) -> list[range]:
 
 class PipelineModel:
     def __init__(self, stage: StageModel, pools: MirroredPools, channel: Channel,
-                 layers: list[range], micro_batches: int | None = None, local_stages=None):
+                 layers: list[range], micro_batches: int | None = None, local_stages=None,
+                 on_link_lost: Callable[[BaseException], None] | None = None):
         self.stage, self.pools, self.ch = stage, pools, channel
         self.config = stage.config
         self.layers = layers
@@ -50,6 +53,10 @@ class PipelineModel:
         self.closed = False
         self.local_stages = local_stages
         """The child processes of stages 1..N-1 (None: started by another launcher)."""
+        self.on_link_lost = on_link_lost
+        """Called when a message to or from another stage fails: the pipeline is broken for
+        good, so the worker must leave (the router then moves its requests) rather than end
+        them one by one as failed, which a client would see as finished."""
 
     @property
     def device(self) -> torch.device:
@@ -75,23 +82,25 @@ class PipelineModel:
     # ---- control --------------------------------------------------------------------------
     def sync(self) -> None:
         """Every stage has applied every cache operation so far (a barrier)."""
-        self._broadcast({"op": "sync"})
-        for k in range(1, self.size):
-            self.ch.recv_msg(k, TAG_REPLY)
+        with self._link():
+            self._broadcast({"op": "sync"})
+            for k in range(1, self.size):
+                self.ch.recv_msg(k, TAG_REPLY)
 
     def call(self, name: str, args_of, reply: bool = True) -> list[dict]:
         """Run a role handler on stages 1..N-1 (`args_of(k)`: that stage's arguments, None to
         skip it); returns the replies of the stages called, in stage order."""
         ops = self.pools.take_ops()
         called = []
-        for k in range(1, self.size):
-            args = args_of(k)
-            msg = {"op": "ops", "ops": ops} if args is None else \
-                {"op": "call", "name": name, "args": args, "reply": reply, "ops": ops}
-            self.ch.send_msg(msg, k, TAG_CTRL)
-            if args is not None:
-                called.append(k)
-        return [self.ch.recv_msg(k, TAG_REPLY) for k in called] if reply else []
+        with self._link():
+            for k in range(1, self.size):
+                args = args_of(k)
+                msg = {"op": "ops", "ops": ops} if args is None else \
+                    {"op": "call", "name": name, "args": args, "reply": reply, "ops": ops}
+                self.ch.send_msg(msg, k, TAG_CTRL)
+                if args is not None:
+                    called.append(k)
+            return [self.ch.recv_msg(k, TAG_REPLY) for k in called] if reply else []
 
     def close(self) -> None:
         if self.closed:
@@ -106,12 +115,32 @@ class PipelineModel:
             dist.destroy_process_group()
 
     # ---- internals --------------------------------------------------------------------------
+    @contextmanager
+    def _link(self) -> Iterator[None]:
+        """Around messages between stages: a failure there is the pipeline's, not a request's."""
+        try:
+            yield
+        except Exception as e:
+            if self.on_link_lost is not None and not self.closed:
+                self.on_link_lost(e)
+            raise
+
     def _broadcast(self, msg: dict) -> None:
         msg["ops"] = self.pools.take_ops()
         for k in range(1, self.size):
             self.ch.send_msg(msg, k, TAG_CTRL)
 
     def _run(self, decode, ids, starts, tables, slots, T, parts) -> torch.Tensor:
+        with self._link():
+            out, error = self._exchange(decode, ids, starts, tables, slots, T, parts)
+        if error is not None:
+            raise error
+        if torch.isnan(out).any():
+            raise RuntimeError("a pipeline stage's forward failed (see that stage's log)")
+        return out
+
+    def _exchange(self, decode, ids, starts, tables, slots, T, parts):
+        """Every micro-batch through every stage: (logits, this stage's forward error)."""
         mbs = []
         for i, r in enumerate(split(len(starts), parts)):
             mb = {"op": "fwd", "decode": decode, "T": T, "starts": starts[r.start:r.stop],
@@ -140,8 +169,4 @@ class PipelineModel:
         out = torch.cat([self.ch.recv((len(r), vocab), torch.float32, self.size - 1, TAG_OUT)
                          for r, _ in mbs])
         self.ch.flush()
-        if error is not None:
-            raise error
-        if torch.isnan(out).any():
-            raise RuntimeError("a pipeline stage's forward failed (see that stage's log)")
-        return out
+        return out, error
