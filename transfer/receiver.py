@@ -307,6 +307,16 @@ class Receiver:
             if q.rid == rid and ident in q.writers and q.writers[ident] is None:
                 q.writers[ident] = posted  # released by the next poll if that was all
 
+    def _sent_from(self, ident: bytes, msg: dict) -> None:
+        """A writer's transfer completed on its side: it will write nothing more, so a
+        quarantine waiting on it needs only what it posted to land (a pipeline-parallel
+        prefill's other writers may never write: a stage that finished says so here, one that
+        gave up says so in its abort)."""
+        rid, posted = msg["rid"], {g for g in msg["posted"] if isinstance(g, int)}
+        for q in self._quarantine.values():
+            if q.rid == rid and ident in q.writers and q.writers[ident] is None:
+                q.writers[ident] = posted  # released by the next poll if that was all
+
     def _claim(self, ident: bytes, msg: dict) -> bytes:
         rid = msg["rid"]
         e = self._expected.get(rid)
@@ -338,6 +348,12 @@ class Receiver:
         if msg["op"] == "abort":
             with self._lock:
                 self._abort_from(ident, msg)
+            return None
+        if msg["op"] == "sent":
+            with self._lock:
+                self._sent_from(ident, msg)
+            if self.on_activity is not None:
+                self.on_activity()
             return None
         if msg["op"] == "gone":
             with self._lock:

@@ -459,6 +459,10 @@ class Sender:
             for ep, peer in list(self._peers.items()):
                 if any(peer is b for b in broken):
                     self._drop_peer(ep, error)
+        elif not fl.read:  # done: nothing more comes from here (frees a quarantine sooner)
+            for peer, _ in fl.plans:
+                peer.client.send(wire.encode("sent", rid=rid,
+                                             posted=sorted(fl.posted.get(id(peer), ()))))
         self._events.append(TransferEvent(rid, error is None, error))
 
     def _drop_peer(self, endpoint: str, why: str) -> None:

@@ -116,7 +116,7 @@ class Listener:
                             self.unauthenticated)
             return
         try:
-            msg = wire.decode(data, self._max, ops=("hello", "abort", "claim", "posted"))
+            msg = wire.decode(data, self._max, ops=("hello", "abort", "claim", "posted", "sent"))
             if len(self._fds) < 4096:
                 self._fds.setdefault(fd, set()).add(ident)
             reply = self._handler(ident, msg)

@@ -20,6 +20,9 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
     receiver -> sender   {"v": 1, "op": "grant", "rid": "..."}    (write it now)
                      or  {"v": 1, "op": "deny", "rid": "...", "error": "..."}  (never write it)
     sender -> receiver   {"v": 1, "op": "posted", "rid": "..."}   (writes started: watch now)
+    sender -> receiver   {"v": 1, "op": "sent", "rid": "...", "posted": [layers]}
+                          (every write of the request completed on the sender: nothing more
+                          comes from it; releases a quarantine once those layers landed)
     receiver -> sender   {"v": 1, "op": "bye"}                 (receiver closing)
     ucx data header      {"v": 1, "op": "ucx_data", "seq": int, "notif": bytes, "ranges": bytes}
     data notification    {"v": 1, "op": "landed", "rid": "...", "layers": [..],
@@ -47,6 +50,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,)},
     "grant": {"rid": (str,)},
     "posted": {"rid": (str,)},
+    "sent": {"rid": (str,), "posted": (list,)},
     "deny": {"rid": (str,), "error": (str,)},
     "bye": {},
     "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},

@@ -190,3 +190,35 @@ def test_cache_integrity_names_a_block_both_quarantined_and_free():
     m.blocks.decref(adm.block_table[0])  # a bug that frees a quarantined block
     with pytest.raises(AssertionError, match=f"block {adm.block_table[0]}"):
         m.check_integrity()
+
+
+def test_a_writer_whose_transfer_completed_says_so_and_the_quarantine_goes():
+    """Pipeline-parallel prefill: several writers claim one reservation, each for its own
+    layers. One finished (its layers landed), another never wrote; the decode side failed the
+    reservation meanwhile. The finished one's `sent` (and the other's abort) release it; before,
+    it stayed out of service for as long as the finished writer's connection lived."""
+    link = Link()
+    cfg, spec, rc, _ = make(link)
+    r = Receiver(cfg, Pools(spec), compute_fingerprint(MODEL, spec), "127.0.0.1", rc)
+    released: list[str] = []
+    r.on_release = released.append
+    done, idle = (Client(r.endpoint, cfg.max_message_bytes, None) for _ in range(2))
+    try:
+        r.expect("s", [2], 1)
+        for c in (done, idle):
+            c.send(wire.claim("s", 1, [2]))
+            until(lambda c=c: c.wait(0.05))  # granted
+        assert len(r._expected["s"].writers) == 2
+        r.abort("s")
+        (ev,) = r.poll()
+        assert ev.quarantined and r.held("s") is not None
+        idle.send(wire.encode("abort", rid="s", error="gave up", posted=[]))
+        time.sleep(0.2)
+        assert r.poll() == [] and released == []  # the other writer may still write
+        done.send(wire.encode("sent", rid="s", posted=[]))
+        until(lambda: r.poll() == [] and released == ["s"])
+        assert r.held("s") is None and r.quarantined == {}
+    finally:
+        done.close()
+        idle.close()
+        r.close()
