@@ -25,6 +25,8 @@ from baton.contract import (
     Reservation,
     ReserveInput,
     Role,
+    ServeInput,
+    SnapshotShipment,
     WorkerInfo,
     wire,
 )
@@ -136,10 +138,16 @@ def outsider_calls(setup, bearer: str | None) -> dict[str, object]:
             wpb.DecodeRequest(request_id="evil", first_token_id=3), timeout=5)),
         "DecodeWorker.Abort": lambda: dec.Abort(pb.AbortRequest(request_id="evil"), timeout=5),
         "DecodeWorker.Stats": lambda: dec.Stats(pb.StatsRequest(pool_checksum=True), timeout=5),
+        "DecodeWorker.Serve": lambda: list(dec.Serve(wire.serve_to_pb(
+            ServeInput("evil", (5, 6, 7), SAMPLING, "", 512)), timeout=5)),
+        "DecodeWorker.HoldSnapshot": lambda: dec.HoldSnapshot(
+            wire.reserve_to_pb(ReserveInput("evil", (5, 6, 7), SAMPLING)), timeout=5),
         "PrefillWorker.Prefill": lambda: pre.Prefill(iter([wire.prefill_to_pb(
             PrefillInput("evil", (5, 6, 7), SAMPLING, "", victim))]), timeout=5),
         "PrefillWorker.Abort": lambda: pre.Abort(pb.AbortRequest(request_id="evil"), timeout=5),
         "PrefillWorker.Stats": lambda: pre.Stats(pb.StatsRequest(), timeout=5),
+        "PrefillWorker.PullSnapshot": lambda: pre.PullSnapshot(wire.shipment_to_pb(
+            SnapshotShipment("evil", (5, 6, 7), victim)), timeout=5),
         "Registry.Register": lambda: reg.Register(wire.register_to_pb(info), timeout=5),
         "Registry.Heartbeat": lambda: reg.Heartbeat(rpb.HeartbeatRequest(
             worker_id=info.worker_id, load=pb.WorkerLoad(running=99)), timeout=5),
@@ -164,6 +172,18 @@ def test_every_internal_rpc_without_the_secret_is_refused_and_changes_nothing(se
             ch.close()
     assert codes == {name: UNAUTH for name in calls}
     assert stats(setup) == before
+
+
+def test_the_outsider_list_covers_every_internal_rpc(setup):
+    """A new worker or registry method must join `outsider_calls` (and so be shown refused)."""
+    services = [wpb.DESCRIPTOR.services_by_name["DecodeWorker"],
+                wpb.DESCRIPTOR.services_by_name["PrefillWorker"],
+                rpb.DESCRIPTOR.services_by_name["Registry"]]
+    every = {f"{s.name}.{m.name}" for s in services for m in s.methods}
+    calls = outsider_calls(setup, None)
+    for ch in calls.pop("_channels"):
+        ch.close()
+    assert set(calls) == every
 
 
 def test_registry_takeover_is_refused_even_with_the_secret(setup):
