@@ -313,6 +313,10 @@ class Receiver:
         prefill's other writers may never write: a stage that finished says so here, one that
         gave up says so in its abort)."""
         rid, posted = msg["rid"], {g for g in msg["posted"] if isinstance(g, int)}
+        e = self._expected.get(rid)
+        if e is not None and e.writers.get(ident, 1) is None:
+            e.writers[ident] = posted  # before a failure: its quarantine starts knowing it
+            return
         for q in self._quarantine.values():
             if q.rid == rid and ident in q.writers and q.writers[ident] is None:
                 q.writers[ident] = posted  # released by the next poll if that was all

@@ -222,3 +222,33 @@ def test_a_writer_whose_transfer_completed_says_so_and_the_quarantine_goes():
         done.close()
         idle.close()
         r.close()
+
+
+def test_a_writer_that_said_sent_before_the_failure_holds_nothing_up():
+    """Out of order: the finished writer's `sent` arrives while the reservation is still held;
+    the failure after it must not wait on that writer. Twice, or for a gone request: no-op."""
+    link = Link()
+    cfg, spec, rc, _ = make(link)
+    r = Receiver(cfg, Pools(spec), compute_fingerprint(MODEL, spec), "127.0.0.1", rc)
+    released: list[str] = []
+    r.on_release = released.append
+    done, idle = (Client(r.endpoint, cfg.max_message_bytes, None) for _ in range(2))
+    try:
+        r.expect("t", [2], 1)
+        for c in (done, idle):
+            c.send(wire.claim("t", 1, [2]))
+            until(lambda c=c: c.wait(0.05))  # granted
+        for _ in range(2):
+            done.send(wire.encode("sent", rid="t", posted=[]))
+        done.send(wire.encode("sent", rid="gone", posted=[0]))
+        until(lambda: set() in r._expected["t"].writers.values())  # `sent` was read
+        r.abort("t")
+        (ev,) = r.poll()
+        assert ev.quarantined  # the idle writer has said nothing yet
+        idle.send(wire.encode("abort", rid="t", error="gave up", posted=[]))
+        until(lambda: r.poll() == [] and released == ["t"])
+        assert r.quarantined == {}
+    finally:
+        done.close()
+        idle.close()
+        r.close()
