@@ -82,21 +82,25 @@ class GrpcWorkerClient:
     def decode(
         self, request_id: str, first_token_id: int, cancel: Cancellation
     ) -> Iterator[DecodeChunk]:
+        msg = wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id)
+        return self._chunks("Decode", self._stub.Decode, msg, request_id, cancel)
+
+    def _chunks(self, name: str, method, msg, request_id: str,
+                cancel: Cancellation) -> Iterator[DecodeChunk]:
+        """A stream of DecodeChunks (Decode, Serve), ended as `_end` says."""
         try:
-            call = self._stub.Decode(
-                wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id)
-            )
+            call = method(msg)
         except ValueError as e:  # the channel closed: the worker was ejected meanwhile
-            raise self._closed("Decode", e) from e
+            raise self._closed(name, e) from e
         finished = False
         try:
             with cancel.hook(call.cancel):
-                for msg in call:
-                    chunk = wire.decode_chunk_from_pb(msg)
+                for m in call:
+                    chunk = wire.decode_chunk_from_pb(m)
                     finished = chunk.finish_reason is not None
                     yield chunk
         except grpc.RpcError as e:
-            raise self._error("Decode", request_id, e, cancel) from e
+            raise self._error(name, request_id, e, cancel) from e
         finally:
             _end(call, finished)
 
@@ -115,21 +119,8 @@ class GrpcWorkerClient:
 
     def serve(self, req: ServeInput, cancel: Cancellation) -> Iterator[DecodeChunk]:
         """The whole request on this decode worker (conditional disaggregation)."""
-        try:
-            call = self._stub.Serve(wire.serve_to_pb(req))
-        except ValueError as e:  # the channel closed: the worker was ejected meanwhile
-            raise self._closed("Serve", e) from e
-        finished = False
-        try:
-            with cancel.hook(call.cancel):
-                for msg in call:
-                    chunk = wire.decode_chunk_from_pb(msg)
-                    finished = chunk.finish_reason is not None
-                    yield chunk
-        except grpc.RpcError as e:
-            raise self._error("Serve", req.request_id, e, cancel) from e
-        finally:
-            _end(call, finished)
+        return self._chunks("Serve", self._stub.Serve, wire.serve_to_pb(req), req.request_id,
+                            cancel)
 
     def hold_snapshot(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
         """Decode worker: hold its snapshot of exactly `req.prompt_ids` for a pull."""
