@@ -93,7 +93,7 @@ def _restore(old: str | None) -> None:
 def specs_for(case: int, phase: str) -> list[RequestSpec]:
     """Greedy and seeded requests; longer prompts when the kill is to land in the prefill."""
     base = 120 if phase == "prefill" else 20
-    n_tokens = 40 if phase == "decode" else 16
+    n_tokens = 120 if phase == "decode" else 16  # long enough for a kill to land mid-stream
     out = []
     for i in range(N):
         sampling = SamplingParams(max_tokens=n_tokens, ignore_eos=True, temperature=0.8 * (i % 2),
