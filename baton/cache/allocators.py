@@ -7,6 +7,7 @@ they were freed (a FIFO queue), so tests can predict exact ids.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 
 class BlockAllocator:
@@ -20,6 +21,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.on_free: Callable[[int], None] | None = None
+        """Called with each block that becomes free (test canaries)."""
 
     @property
     def num_free(self) -> int:
@@ -44,6 +47,8 @@ class BlockAllocator:
         if self.ref[b]:
             return False
         self._free.append(b)
+        if self.on_free is not None:
+            self.on_free(b)
         return True
 
     def free_ids(self) -> list[int]:
@@ -57,6 +62,8 @@ class SlotAllocator:
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
         self._used: set[int] = set()
+        self.on_free: Callable[[int], None] | None = None
+        """Called with each slot that becomes free (test canaries)."""
 
     @property
     def num_free(self) -> int:
@@ -73,6 +80,8 @@ class SlotAllocator:
         assert s in self._used, f"release of slot {s}, which is not in use"
         self._used.remove(s)
         self._free.append(s)
+        if self.on_free is not None:
+            self.on_free(s)
 
     def free_ids(self) -> list[int]:
         return list(self._free)

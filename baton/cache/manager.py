@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from baton.cache.canary import CANARY
 from baton.cache.integrity import check_manager
 from baton.cache.policy import snapshot_points
 from baton.cache.sessions import SessionTurns
@@ -296,6 +297,27 @@ class HybridCacheManager:
 
     def quarantined(self) -> dict[str, tuple[list[int], int | None]]:
         return dict(self._quarantine)
+
+    # ---- test canaries (baton/cache/canary.py) -----------------------------------------
+    def arm_canaries(self) -> None:
+        """Write CANARY into every free block and slot now and into each one freed later."""
+        pools = self.pools
+        if self._kv:
+            self.blocks.on_free = lambda b: pools.fill_block(b, CANARY)
+            for b in self.blocks.free_ids():
+                pools.fill_block(b, CANARY)
+        if pools.has_state:
+            self.slots.on_free = lambda s: pools.fill_slot(s, CANARY)
+            for s in self.slots.free_ids():
+                pools.fill_slot(s, CANARY)
+        self.canaries = True
+
+    canaries = False
+    """Whether `arm_canaries` ran: free blocks and slots must hold CANARY."""
+
+    def free_ids(self) -> tuple[list[int], list[int]]:
+        """(free KV block ids, free state slot ids): what the canaries cover."""
+        return (self.blocks.free_ids() if self._kv else []), self.slots.free_ids()
 
     # ---- reporting ---------------------------------------------------------------------
     def stats(self) -> CacheStats:

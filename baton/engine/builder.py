@@ -45,12 +45,22 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     )
     pools = Pools(spec)
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    _maybe_arm_canaries(cache)
     log.info(
         "engine ready: model %s (%s), %d KV blocks x %d tokens, %d state slots, reuse %s",
         path, model.config.pattern, spec.num_blocks, spec.tokens_per_block, spec.num_slots,
         "on" if cache.reuse_enabled else "off",
     )
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))
+
+
+def _maybe_arm_canaries(cache: HybridCacheManager) -> None:
+    from baton.cache import canary
+
+    if canary.wanted():
+        log.warning("test canaries armed (%s=1): every freed block and slot is overwritten",
+                    canary.ENV)
+        cache.arm_canaries()
 
 
 def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
@@ -97,6 +107,7 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
                               device=cfg.model.device)
     pools = MirroredPools(full, local)
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    _maybe_arm_canaries(cache)  # the fills reach stages 1..N-1 as mirrored operations
     model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages,
                           on_link_lost=on_link_lost)
     log.info("pipeline engine ready: %d stages, layers %s", size,

@@ -129,3 +129,14 @@ class Pools:
         if self.has_state:
             self.conv[:, slot].zero_()
             self.ssm[:, slot].zero_()
+
+    def fill_block(self, block: int, value: float) -> None:
+        """Every element of one KV block (every attention layer) set to `value`."""
+        if self.has_kv:
+            self.kv[:, block].fill_(value)
+
+    def fill_slot(self, slot: int, value: float) -> None:
+        """Every element of one state slot (conv and SSM, every Mamba layer) set to `value`."""
+        if self.has_state:
+            self.conv[:, slot].fill_(value)
+            self.ssm[:, slot].fill_(value)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import zlib
 
 import torch
 
+from baton.cache.canary import bad_blocks, bad_slots
 from baton.contract import WorkerLoad
 from baton.engine.loop import EngineLoop
+
+log = logging.getLogger("baton.worker")
 
 
 def load_of(loop: EngineLoop) -> WorkerLoad:
@@ -40,9 +44,32 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
                    prefilled_tokens=float(loop.engine.prefilled_tokens))
         if pool_checksum:
             out["pool_crc32"] = float(_pools_crc32(loop.engine.pools))
+        if cache.canaries:
+            out.update(canary_audit(loop.engine))
         return out
 
     return loop.call(read)
+
+
+def canary_audit(engine) -> dict[str, float]:
+    """Read back every free block and slot on every stage (test canaries armed): how many
+    were checked and how many lost their canary (a stray write landed there)."""
+    cache = engine.cache
+    blocks, slots = cache.free_ids()
+    local = getattr(engine.pools, "local", engine.pools)  # stage 0's own tensors under PP
+    bad_b, bad_s = set(bad_blocks(local, blocks)), set(bad_slots(local, slots))
+    call = getattr(engine.model, "call", None)  # the other pipeline stages
+    if call is not None:
+        for reply in call("canaries", lambda k: {"blocks": blocks, "slots": slots}):
+            if not reply.get("ok"):
+                raise RuntimeError(f"a stage's canary audit failed: {reply.get('error')}")
+            bad_b.update(reply.get("bad_blocks", ()))
+            bad_s.update(reply.get("bad_slots", ()))
+    if bad_b or bad_s:
+        log.error("canaries: free blocks %s and free slots %s took a stray write",
+                  sorted(bad_b), sorted(bad_s))
+    return {"canary_blocks_checked": float(len(blocks)), "canary_slots_checked": float(len(slots)),
+            "canary_bad_blocks": float(len(bad_b)), "canary_bad_slots": float(len(bad_s))}
 
 
 def _pools_crc32(pools) -> int:

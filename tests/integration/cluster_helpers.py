@@ -67,6 +67,8 @@ def assert_clean(cluster, quarantine: bool = False) -> dict[str, dict[str, float
         time.sleep(0.2)
     for wid, c in counters.items():
         assert c["integrity_ok"] == 1.0, wid
+        # test canaries (BATON_TEST_CANARIES=1): no free block or slot took a stray write
+        assert c.get("canary_bad_blocks", 0) == 0 and c.get("canary_bad_slots", 0) == 0, (wid, c)
         assert c["live_requests"] == 0 and c["engine_requests"] == 0, (wid, c)
         if not quarantine:
             assert c.get("blocks_quarantined", 0) == 0, (wid, c)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from baton.cache import canary
 from baton.client.local import run_local
 from baton.client.remote import run_remote
 from baton.client.requests import RequestSpec
@@ -58,8 +59,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def _spawn(cluster, role: str, pp: int, model: Path, config: Path) -> None:
-    env = {**os.environ, "BATON_CLUSTER_TOKEN": cluster.token, "BATON_NUM_THREADS": "1"}
+def _spawn(cluster, role: str, pp: int, model: Path, config: Path, extra_env: dict) -> None:
+    env = {**os.environ, "BATON_CLUSTER_TOKEN": cluster.token, "BATON_NUM_THREADS": "1",
+           **extra_env}
     cmd = [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", role, "--router",
            cluster.address, "--model", str(model), "--config", str(config),
            "--pipeline-parallel-size", str(pp)]
@@ -72,10 +74,15 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppcluster")
     model = make_checkpoint(root, pattern=PATTERN)
     base = write_config(root / "base.yaml", BASE)
-    cluster = start_cluster(model, write_config(root / "pp.yaml", {**BASE, **ROLES}), 1, 1)
+    env = pytest.MonkeyPatch()
+    env.setenv(canary.ENV, "1")  # every worker and stage: free blocks and slots hold canaries
+    try:
+        cluster = start_cluster(model, write_config(root / "pp.yaml", {**BASE, **ROLES}), 1, 1)
+    finally:
+        env.undo()
     try:
         for role, pp in EXTRA:
-            _spawn(cluster, role, pp, model, base)
+            _spawn(cluster, role, pp, model, base, {canary.ENV: "1"})
         cluster.wait_ready(timeout=240)
         # worker id -> PP, from the pid in the id (`role-host-pid-port`)
         pp_of = {cluster.procs[1].pid: 3, cluster.procs[2].pid: 2}
@@ -105,7 +112,14 @@ def test_every_prefill_decode_pp_pair_equals_local(setup):
     assert tokens(remote) == tokens(local(setup, specs))
     pairs = {(pp_of(setup, r["prefill_worker"]), pp_of(setup, r["decode_worker"])) for r in remote}
     assert pairs == {(p, d) for p in (1, 2, 3) for d in (1, 2)}
-    assert_clean(setup["cluster"])
+    counters = assert_clean(setup["cluster"])
+    # canaries: every block and slot free now (all of them, on every stage of every worker)
+    # still holds the canary written when it was freed: no transfer wrote outside its
+    # reservation, on the decode side or anywhere else
+    for wid, c in counters.items():
+        assert c["canary_bad_blocks"] == 0 and c["canary_bad_slots"] == 0, (wid, c)
+        assert c["canary_blocks_checked"] == c["blocks_free"] > 0, (wid, c)
+        assert c["canary_slots_checked"] > 0, (wid, c)
 
 
 def test_six_turn_chat_with_pp_on_both_sides_equals_local(setup):

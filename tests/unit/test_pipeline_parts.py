@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from baton.engine.pipeline.mirror import MirroredPools, apply_ops
-from baton.engine.pipeline.model import split
+from baton.engine.pipeline.model import PipelineModel, split, token_split
 from baton.model.config import ModelConfig
 from baton.model.make_model import checkpoint_config
 from baton.model.pools import Pools, PoolSpec
@@ -26,6 +26,31 @@ def test_split_gives_contiguous_nearly_equal_micro_batches():
     assert split(5, 2) == [range(0, 3), range(3, 5)]
     assert split(2, 8) == [range(0, 1), range(1, 2)]
     assert split(7, 1) == [range(0, 7)]
+
+
+def test_token_split_keeps_ranges_at_scan_chunks_and_at_least_the_minimum():
+    assert token_split(512, 2, 128) == [range(0, 256), range(256, 512)]
+    # 3 asked, 4 divide the 4 chunks evenly
+    assert token_split(512, 3, 128) == [range(0, 128), range(128, 256), range(256, 384),
+                                        range(384, 512)]
+    assert token_split(100, 4, 32) == [range(0, 100)]  # under two minimum ranges: whole
+    assert token_split(256, 8, 128) == [range(0, 128), range(128, 256)]
+    assert token_split(500, 2, 128) == [range(0, 256), range(256, 500)]
+    assert token_split(1024, 1, 32) == [range(0, 1024)]
+
+
+def test_plan_splits_tokens_only_when_a_prefill_has_too_few_sequences():
+    pm = PipelineModel.__new__(PipelineModel)
+    pm.config, pm.min_tokens, pm.token_split_forwards = CFG, 128, 0  # tiny: scan chunk 32
+    # 2 sequences, 8 micro-batches wanted: each sequence's 512 tokens in 4 ranges, in order
+    plan = pm.plan(2, 512, 8, decode=False)
+    assert plan == [(g, range(a, a + 128)) for a in (0, 128, 256, 384)
+                    for g in (range(0, 1), range(1, 2))]
+    # enough sequences, or a decode: by sequence only
+    assert pm.plan(8, 512, 8, decode=False) == [(range(i, i + 1), range(0, 512)) for i in range(8)]
+    assert pm.plan(2, 1, 8, decode=True) == [(range(0, 1), range(0, 1)), (range(1, 2), range(0, 1))]
+    # a short chunk stays whole
+    assert pm.plan(1, 64, 8, decode=False) == [(range(0, 1), range(0, 64))]
 
 
 def test_mirrored_operations_replay_on_a_stage_in_order():

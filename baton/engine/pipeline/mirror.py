@@ -12,7 +12,8 @@ from __future__ import annotations
 from baton.model.pools import Pools, PoolSpec
 
 Op = tuple[str, int, int]
-"""("slot", src, dst) | ("block", src, dst) | ("zero", slot, 0)."""
+"""("slot", src, dst) | ("block", src, dst) | ("zero", slot, 0) | ("fill_block", block, value)
+| ("fill_slot", slot, value)."""
 
 
 class MirroredPools:
@@ -54,6 +55,14 @@ class MirroredPools:
         self.local.zero_slot(slot)
         self.ops.append(("zero", slot, 0))
 
+    def fill_block(self, block: int, value: int) -> None:
+        self.local.fill_block(block, value)
+        self.ops.append(("fill_block", block, value))
+
+    def fill_slot(self, slot: int, value: int) -> None:
+        self.local.fill_slot(slot, value)
+        self.ops.append(("fill_slot", slot, value))
+
     def take_ops(self) -> list[Op]:
         ops, self.ops = self.ops, []
         return ops
@@ -66,5 +75,9 @@ def apply_ops(pools: Pools, ops: list) -> None:
             pools.copy_slot(a, b)
         elif kind == "block":
             pools.copy_block(a, b)
+        elif kind == "fill_block":
+            pools.fill_block(a, b)
+        elif kind == "fill_slot":
+            pools.fill_slot(a, b)
         else:
             pools.zero_slot(a)

@@ -8,6 +8,13 @@ always; the call is split into micro-batches that flow through every stage.
 The plan of every micro-batch goes to every stage first (non-blocking), so stage k works on
 micro-batch i+1 while stage k+1 works on micro-batch i. Cache operations recorded by the
 mirrored pools ride ahead of the first micro-batch.
+
+A prefill forward with fewer sequences than micro-batches also splits its tokens: sequences
+[0, n) x tokens [0, T) become micro-batches (sequence group, token range), the token ranges
+in order, at multiples of the Mamba scan chunk. Every stage runs a sequence's token ranges in
+order, as chunked prefill does (the scan is exact for any split), and only the last range of
+each group sends logits back. With m micro-batches and N stages each stage is busy for about
+m / (m + N - 1) of a forward.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from baton.engine.pipeline.mirror import MirroredPools
 from baton.engine.pipeline.stage import run_layers
 from baton.model.stage import StageModel
 
+MIN_TOKENS = 128
+"""The fewest tokens per sequence a token-split prefill micro-batch gets: smaller ones cost
+more in per-forward overhead than the overlap gains."""
+
 
 def split(n: int, parts: int) -> list[range]:
     """[0, n) in `parts` contiguous, nearly equal ranges (no empty one)."""
@@ -37,6 +48,22 @@ def split(n: int, parts: int) -> list[range]:
     return out
 
 
+def token_split(T: int, parts: int, align: int, least: int = MIN_TOKENS) -> list[range]:
+    """[0, T) in at most `parts` contiguous ranges of at least `least` tokens, every inner
+    boundary a multiple of `align` (the scan's chunk, so no range pads a chunk it shares)."""
+    align = max(1, align)
+    unit = align * max(1, -(-least // align))
+    most = max(1, T // unit)
+    parts = max(1, min(parts, most))
+    if parts == 1:
+        return [range(0, T)]
+    chunks = -(-T // align)
+    # equal ranges when a count a little above the asked one divides the chunks evenly
+    parts = next((p for p in range(parts, min(2 * parts, most) + 1) if chunks % p == 0), parts)
+    bounds = [0] + [min(T, round(chunks * i / parts) * align) for i in range(1, parts)] + [T]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
 class PipelineModel:
     def __init__(self, stage: StageModel, pools: MirroredPools, channel: Channel,
                  layers: list[range], micro_batches: int | None = None, local_stages=None,
@@ -47,9 +74,13 @@ class PipelineModel:
         """Global layer range of every stage."""
         self.size = channel.size
         self.micro_batches = micro_batches or 2 * self.size
-        """Most micro-batches of a decode forward (a prefill forward may use one per sequence,
-        up to twice this: its sequences are long enough to keep each micro-batch efficient)."""
+        """Most micro-batches of a decode forward. A prefill forward may use up to twice this:
+        one per sequence, or token ranges of each sequence when it has fewer sequences (its
+        sequences are long enough to keep each micro-batch efficient)."""
         self.busy_s = 0.0
+        self.min_tokens = MIN_TOKENS
+        self.token_split_forwards = 0
+        """Prefill forwards whose sequences were also split by tokens."""
         self.closed = False
         self.local_stages = local_stages
         """The child processes of stages 1..N-1 (None: started by another launcher)."""
@@ -139,34 +170,48 @@ class PipelineModel:
             raise RuntimeError("a pipeline stage's forward failed (see that stage's log)")
         return out
 
+    def plan(self, n: int, T: int, parts: int, decode: bool) -> list[tuple[range, range]]:
+        """The micro-batches of a forward: (sequences, tokens), each sequence's token ranges
+        in order."""
+        groups = split(n, parts)
+        if decode or len(groups) >= parts:
+            return [(r, range(0, T)) for r in groups]
+        tokens = token_split(T, -(-parts // len(groups)), self.config.chunk_size,
+                             self.min_tokens)
+        self.token_split_forwards += len(tokens) > 1
+        return [(r, t) for t in tokens for r in groups]
+
     def _exchange(self, decode, ids, starts, tables, slots, T, parts):
         """Every micro-batch through every stage: (logits, this stage's forward error)."""
         mbs = []
-        for i, r in enumerate(split(len(starts), parts)):
-            mb = {"op": "fwd", "decode": decode, "T": T, "starts": starts[r.start:r.stop],
-                  "tables": [list(t) for t in tables[r.start:r.stop]],
-                  "slots": slots[r.start:r.stop]}
+        plan = self.plan(len(starts), T, parts, decode)
+        for i, (r, t) in enumerate(plan):
+            mb = {"op": "fwd", "decode": decode, "T": len(t),
+                  "starts": [p + t.start for p in starts[r.start:r.stop]],
+                  "tables": [list(b) for b in tables[r.start:r.stop]],
+                  "slots": slots[r.start:r.stop], "out": t.stop == T}
             if i == 0:
                 self._broadcast(mb)
             else:
                 mb["ops"] = []
                 for k in range(1, self.size):
                     self.ch.send_msg(mb, k, TAG_CTRL)
-            mbs.append((r, mb))
+            mbs.append((r, t, mb))
         error = None
-        for r, mb in mbs:
+        for r, t, mb in mbs:
             t0 = time.perf_counter()
             try:
-                h = run_layers(self.stage, self.pools.local, mb, ids[r.start:r.stop])
+                part = ids[r.start:r.stop] if decode else ids[r.start:r.stop, t.start:t.stop]
+                h = run_layers(self.stage, self.pools.local, mb, part)
             except Exception as e:  # noqa: BLE001 - the later stages still expect an input
                 error = error or e
                 shape = (len(r), self.config.hidden_size) if decode else \
-                    (len(r), T, self.config.hidden_size)
+                    (len(r), len(t), self.config.hidden_size)
                 h = torch.full(shape, float("nan"), dtype=self.dtype)
             self.busy_s += time.perf_counter() - t0
             self.ch.isend(h, 1, TAG_HIDDEN)
         vocab = self.config.vocab_size
         out = torch.cat([self.ch.recv((len(r), vocab), torch.float32, self.size - 1, TAG_OUT)
-                         for r, _ in mbs])
+                         for r, _, mb in mbs if mb["out"]])
         self.ch.flush()
         return out, error

@@ -2,11 +2,13 @@
 
 A micro-batch's plan (msgpack, from stage 0):
     {"op": "fwd", "decode": bool, "T": tokens per sequence (prefill), "starts": [position],
-     "tables": [[block]], "slots": [slot], "ops": [mirrored cache operations]}
+     "tables": [[block]], "slots": [slot], "out": whether the last stage returns logits
+     (False for a token range before a sequence's last), "ops": [mirrored cache operations]}
 A stage other than 0 receives its input hidden states from the stage before it and sends
 its output to the stage after it; the last stage sends float32 logits (last token of each
 sequence) to stage 0. Other control ops: "sync" (apply ops, reply), "call" (a role's
-handler, e.g. a transfer agent's; replies when asked), "stop".
+handler, e.g. a transfer agent's; replies when asked; built in: "stats" (busy seconds) and
+"canaries" (which of the given free blocks/slots lost their canary)), "stop".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from baton.cache.canary import bad_blocks, bad_slots
 from baton.engine.pipeline.channel import TAG_CTRL, TAG_HIDDEN, TAG_OUT, TAG_REPLY, Channel
 from baton.engine.pipeline.mirror import apply_ops
 from baton.model.paged import decode_meta, prefill_meta, slot_context
@@ -63,7 +66,10 @@ class StageLoop:
         self.handlers = dict(handlers or {})
         self.last = channel.rank == channel.size - 1
         self.busy_s = 0.0
+        self._failed = False
         self.handlers["stats"] = lambda msg: {"busy_s": self.busy_s}
+        self.handlers["canaries"] = lambda a: {"bad_blocks": bad_blocks(pools, a["blocks"]),
+                                               "bad_slots": bad_slots(pools, a["slots"])}
 
     def run(self) -> None:
         while True:
@@ -87,20 +93,30 @@ class StageLoop:
     def _forward(self, mb: dict) -> None:
         h = self.ch.recv(hidden_shape(self.model, mb), self.model.dtype, self.ch.rank - 1,
                          TAG_HIDDEN)
+        out = mb.get("out", True)
         t0 = time.perf_counter()
         try:
             h = run_layers(self.model, self.pools, mb, h)
-            if self.last:
+            if self.last and out:
                 h = last_logits(self.model, h, mb["decode"])
+            failed = False
         except Exception:  # noqa: BLE001 - stage 0 fails this forward's requests (NaN out)
             log.exception("stage %d: forward failed", self.ch.rank)
-            shape = (len(mb["starts"]), self.model.config.vocab_size) if self.last else h.shape
-            h = torch.full(shape, float("nan"), dtype=torch.float32 if self.last else h.dtype)
+            failed = True
         self.busy_s += time.perf_counter() - t0
-        if self.last:
-            self.ch.isend(h, 0, TAG_OUT)
-        else:
-            self.ch.isend(h, self.ch.rank + 1, TAG_HIDDEN)
+        if not self.last:
+            self.ch.isend(torch.full_like(h, float("nan")) if failed else h, self.ch.rank + 1,
+                          TAG_HIDDEN)
+            return
+        # the last stage: a failed token range poisons its forward's logits (sent with the
+        # forward's last range; stage 0 fails the forward's requests on NaN)
+        self._failed = self._failed or failed
+        if not out:
+            return
+        if self._failed:
+            h = torch.full((len(mb["starts"]), self.model.config.vocab_size), float("nan"))
+        self._failed = False
+        self.ch.isend(h, 0, TAG_OUT)
 
     def _call(self, msg: dict) -> None:
         handler = self.handlers.get(msg["name"])

@@ -1,0 +1,44 @@
+"""Test-only canaries in free memory (`BATON_TEST_CANARIES=1` in a worker's environment).
+
+Armed, the cache manager writes CANARY into every element of each KV block and state slot
+when it becomes free (and into every free one at start), on every pipeline stage (the write
+is a mirrored operation). An audit then reads the free ones back: any that no longer holds
+CANARY took a stray write (a transfer outside its reservation, a late write after the
+reservation was given up), which nothing else would notice until a later request read
+garbage. Off by default: the fills cost a memset per freed block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV = "BATON_TEST_CANARIES"
+CANARY = 12288
+"""Exact in float32, bfloat16 and float16 (1.5 * 2**13), and never a plausible KV value."""
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+def bad_blocks(pools, ids: list[int]) -> list[int]:
+    """Those of `ids` (free KV blocks) whose bytes are not all CANARY on these pools."""
+    if not pools.has_kv or not ids:
+        return []
+    idx = torch.tensor(ids, dtype=torch.long)
+    ok = (pools.kv.index_select(1, idx) == CANARY).transpose(0, 1).flatten(1).all(dim=1)
+    return [b for b, good in zip(ids, ok.tolist(), strict=True) if not good]
+
+
+def bad_slots(pools, ids: list[int]) -> list[int]:
+    """Those of `ids` (free state slots) whose conv or SSM state is not all CANARY."""
+    if not pools.has_state or not ids:
+        return []
+    idx = torch.tensor(ids, dtype=torch.long)
+    ok = None
+    for t in (pools.conv, pools.ssm):
+        good = (t.index_select(1, idx) == CANARY).transpose(0, 1).flatten(1).all(dim=1)
+        ok = good if ok is None else ok & good
+    return [s for s, good in zip(ids, ok.tolist(), strict=True) if not good]
