@@ -1,4 +1,10 @@
-"""A per-request cancellation flag that also cancels whichever worker call is in flight."""
+"""A per-request cancellation flag that also cancels whichever worker call is in flight.
+
+`cancel()`: the client gave up (disconnected, deadline): the request just ends.
+`stop()`:   the client ended the answer itself (the HTTP API's stop strings): the workers are
+            cancelled all the same, but the stream still ends with the request's summary
+            (finish_reason STOP), as an answer ended by max_tokens or EOS does.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +17,30 @@ class Cancellation:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cancelled = False
+        self._stopped = False
         self._hooks: list[Callable[[], None]] = []
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled
 
+    @property
+    def stopped(self) -> bool:
+        """Cancelled by `stop()`: the answer is whole and its summary is still wanted."""
+        return self._stopped
+
     def cancel(self) -> None:
+        self._end(stopped=False)
+
+    def stop(self) -> None:
+        """Ends the request as complete (no-op once cancelled: nobody waits for a summary)."""
+        self._end(stopped=True)
+
+    def _end(self, stopped: bool) -> None:
         with self._lock:
             if self._cancelled:
                 return
+            self._stopped = stopped  # set before anyone can see `cancelled`
             self._cancelled = True
             hooks = list(self._hooks)
         for hook in hooks:

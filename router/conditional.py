@@ -13,7 +13,7 @@
 
 `LocalAttempt` is the D-alone counterpart of the orchestrator's `_Attempt`: one Serve stream
 whose first message carries the first token (no retry past it) and cached_tokens; any exit
-before the finish aborts the worker.
+before the finish aborts the worker (an answer the client stopped still ends with its summary).
 """
 
 from __future__ import annotations
@@ -131,7 +131,13 @@ class LocalAttempt:
                 yield self._chunk(chunk, cached, start, ttft_ms, retries)
                 if finished:
                     return
-                chunk = next(self._stream, None)
+                chunk = self._next()
+                if chunk is None and self.cancel.stopped:
+                    # the client ended the answer (a stop string): Serve was cancelled and the
+                    # worker is aborted below, but the request still ends with its summary
+                    summary = self._summary(FinishReason.STOP, cached, start, ttft_ms, retries)
+                    yield GenerateChunk(self.rid, (), "", summary)
+                    return
                 if chunk is None:
                     raise WorkerFailed(self.d.worker_id, "Serve",
                                        "stream ended without a finish_reason")
@@ -147,12 +153,27 @@ class LocalAttempt:
                 text += self._detok.flush()
         summary = None
         if reason is not None:
-            summary = GenerateSummary(
-                finish_reason=reason, prompt_tokens=len(self.prompt), cached_tokens=cached,
-                prefill_worker="", decode_worker=self.d.worker_id, ttft_ms=ttft_ms,
-                latency_ms=(time.perf_counter() - start) * 1000, retries=retries,
-            )
+            summary = self._summary(reason, cached, start, ttft_ms, retries)
         return GenerateChunk(self.rid, tuple(c.token_ids), text, summary)
+
+    def _next(self) -> DecodeChunk | None:
+        """The stream's next message; None at its end, or once the client stopped the answer."""
+        if self.cancel.stopped:
+            return None
+        try:
+            return next(self._stream, None)
+        except (RequestCancelled, WorkerFailed):
+            if self.cancel.stopped:
+                return None
+            raise
+
+    def _summary(self, reason: FinishReason, cached: int, start, ttft_ms,
+                 retries) -> GenerateSummary:
+        return GenerateSummary(
+            finish_reason=reason, prompt_tokens=len(self.prompt), cached_tokens=cached,
+            prefill_worker="", decode_worker=self.d.worker_id, ttft_ms=ttft_ms,
+            latency_ms=(time.perf_counter() - start) * 1000, retries=retries,
+        )
 
     def _finish(self, abort: bool) -> None:
         if abort:

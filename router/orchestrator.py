@@ -20,6 +20,8 @@ for each attempt (until max_retries failed pairs):
                                       on in the same client stream (router/failover.py)
 while P works for D, D's loss (worker_client's liveness probe) cancels P's call at once
 any exit before the finish (error, client cancel, generator closed) -> Abort(P, D)
+the client ends the answer itself (cancel.stop(): an HTTP stop string) -> Abort(P, D) too, but
+                                      the stream still ends with the summary (finish STOP)
 """
 
 from __future__ import annotations
@@ -365,18 +367,29 @@ class _Attempt:
                 return
             yield self._chunk(first_ids, first, None, start, ttft_ms, retries)
             output = list(first_ids)
-            for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
-                finished = chunk.finish_reason is not None
-                output.extend(chunk.token_ids)
-                if finished:  # the decode-end snapshot, known before the next turn arrives
-                    self.orch.turn_ended(self.d, self.prompt + tuple(output),
-                                         chunk.snapshot_tokens, self.p)
-                yield self._chunk(
-                    chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
-                )
-                if finished:
-                    return
-            raise WorkerFailed(self.d.worker_id, "Decode", "stream ended without a finish_reason")
+            try:
+                if not self.cancel.stopped:  # else the answer ended with its first token
+                    for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
+                        finished = chunk.finish_reason is not None
+                        output.extend(chunk.token_ids)
+                        if finished:  # the decode-end snapshot, known before the next turn
+                            self.orch.turn_ended(self.d, self.prompt + tuple(output),
+                                                 chunk.snapshot_tokens, self.p)
+                        yield self._chunk(
+                            chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
+                        )
+                        if finished:
+                            return
+            except (RequestCancelled, WorkerFailed):
+                if not self.cancel.stopped:
+                    raise
+            if not self.cancel.stopped:
+                raise WorkerFailed(self.d.worker_id, "Decode",
+                                   "stream ended without a finish_reason")
+            # the client ended the answer (a stop string): Decode was cancelled and both
+            # workers are aborted below, but the request still ends with its summary
+            yield GenerateChunk(self.rid, (), "", self._summary(
+                FinishReason.STOP, first, start, ttft_ms, retries))
         finally:
             if first.finished:
                 self.dc.abort(self.wid)  # releases the reservation Decode would have used
@@ -392,17 +405,21 @@ class _Attempt:
                 text += self._detok.flush()
         summary = None
         if reason is not None:
-            summary = GenerateSummary(
-                finish_reason=reason,
-                prompt_tokens=len(self.prompt),
-                cached_tokens=first.cached_tokens,
-                prefill_worker=self.p.worker_id,
-                decode_worker=self.d.worker_id,
-                ttft_ms=ttft_ms,
-                latency_ms=(time.perf_counter() - start) * 1000,
-                retries=retries,
-            )
+            summary = self._summary(reason, first, start, ttft_ms, retries)
         return GenerateChunk(self.rid, tuple(new), text, summary)
+
+    def _summary(self, reason: FinishReason, first: PrefillResult, start, ttft_ms,
+                 retries) -> GenerateSummary:
+        return GenerateSummary(
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt),
+            cached_tokens=first.cached_tokens,
+            prefill_worker=self.p.worker_id,
+            decode_worker=self.d.worker_id,
+            ttft_ms=ttft_ms,
+            latency_ms=(time.perf_counter() - start) * 1000,
+            retries=retries,
+        )
 
     def _check_cancelled(self, what: str) -> None:
         if self.cancel.cancelled:

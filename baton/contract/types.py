@@ -36,7 +36,8 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     """max_tokens reached."""
     STOP = "stop"
-    """EOS or a stop token was generated."""
+    """EOS or a stop token was generated, or the client ended the answer (an HTTP stop
+    string: the request is cancelled on the workers, its summary still reported)."""
     ABORT = "abort"
     """Cancelled by the client or aborted on the worker."""
     ERROR = "error"

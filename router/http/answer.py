@@ -1,14 +1,16 @@
 """One answer as it streams in, and its OpenAI response shapes (completion or chat).
 
-`Answer` folds GenerateChunks into text, token ids and a finish reason (a stop string ends it
-early); `Shape` words it as `text_completion` or `chat.completion` objects, whole or as
-stream chunks.
+`Answer` folds GenerateChunks into text, token ids and a finish reason. A stop string ends it
+early: the text before the stop string, the tokens through the one that completed it, and the
+summary that the stopped request still ends with. `Shape` words it as `text_completion` or
+`chat.completion` objects, whole or as stream chunks.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.contract import GenerateChunk, GenerateSummary
@@ -20,6 +22,9 @@ class Answer:
     stops: StopStrings
     prompt_tokens: int
     session_id: str = ""
+    decode: Callable[[Sequence[int]], str] | None = None
+    """The router tokenizer's decode: finds the token that completed a stop string inside a
+    chunk of several (None: the whole chunk counts)."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -29,20 +34,45 @@ class Answer:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def complete(self) -> bool:
+        """Done, with the request's summary: a stop string ends the answer before it comes."""
+        return self.done and self.summary is not None
+
     def add(self, chunk: GenerateChunk) -> tuple[str, list[int]]:
-        """Folds in one chunk; returns the text and token ids it adds to the answer."""
+        """Folds in one chunk; returns the text and token ids it adds to the answer. After a stop
+        string only the summary is taken (the request ends with it, the tokens are past the
+        answer)."""
+        if chunk.summary is not None:
+            self.summary = chunk.summary
         if self.done:
             return "", []
-        self.token_ids.extend(chunk.token_ids)
+        ids = list(chunk.token_ids)
         text, hit = self.stops.feed(chunk.text)
         if hit:
             self.finish_reason = "stop"
+            ids = ids[: self._through_stop(ids)]
         elif chunk.summary is not None:
-            self.summary = chunk.summary
             self.finish_reason = chunk.summary.finish_reason.value
             text += self.stops.flush()
         self.text += text
-        return text, list(chunk.token_ids)
+        self.token_ids.extend(ids)
+        return text, ids
+
+    def _through_stop(self, ids: list[int]) -> int:
+        """How many of a chunk's tokens the answer keeps when a stop string ended it there: up
+        to the token that completed the stop string, as if generation had stopped at it."""
+        if len(ids) <= 1 or self.decode is None:
+            return len(ids)
+        want = self.text + self.stops.through_stop  # the chunks' text, up to the stop's end
+        lo, hi = 1, len(ids)  # the first k whose text covers `want`; len(ids) always counts
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.decode(self.token_ids + ids[:mid]).startswith(want):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def usage(self) -> dict:
         n = len(self.token_ids)
@@ -56,7 +86,7 @@ class Answer:
         s = self.summary
         out = {"session_id": self.session_id or None,
                "cached_tokens": s.cached_tokens if s else 0}
-        if s is not None:  # a stop string cancels the request before its summary
+        if s is not None:  # None only when the request failed after a stop string ended it
             out.update(prefill_worker=s.prefill_worker, decode_worker=s.decode_worker,
                        retries=s.retries, ttft_ms=round(s.ttft_ms, 3))
         return out

@@ -6,7 +6,8 @@ Life of an HTTP request:
   2. the prompt is tokenized here (chat: rendered with the checkpoint's template first) and its
      length checked against the model's context;
   3. `bridge.Chunks` runs `Orchestrator.generate` on a thread, the same path as gRPC's Generate;
-  4. `answer.Answer` folds the chunks (stop strings end it early) and `answer.Shape` words them;
+  4. `answer.Answer` folds the chunks and `answer.Shape` words them; a stop string ends the
+     answer early: the request is stopped on both workers and its summary awaited (`_settle`);
   5. a client that disconnects cancels the request, which aborts it on both workers.
 """
 
@@ -251,7 +252,9 @@ async def _generate(ctx: HttpContext, request: Request, body, prompt: list[int],
     inp = GenerateInput(shape.id, tuple(prompt), None, _sampling(body, max_tokens),
                         body.session_id or "")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    answer = Answer(StopStrings(stops), len(prompt), body.session_id or "")
+    tok = ctx.orchestrator.tokenizer
+    answer = Answer(StopStrings(stops), len(prompt), body.session_id or "",
+                    tok.decode if tok is not None else None)
     chunks = Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"), ctx.pool)
     watcher = asyncio.create_task(watch_disconnect(request, chunks.cancel))
     try:
@@ -276,8 +279,28 @@ async def _fold(chunks: Chunks, answer: Answer, batch: list) -> None:
         for c in batch:
             answer.add(c)
         if answer.done:
-            return
+            break
         batch = await chunks.next_batch()
+    await _settle(chunks, answer)
+
+
+async def _settle(chunks: Chunks, answer: Answer) -> None:
+    """When a stop string ended the answer before the request's summary: stops the request
+    (both workers are cancelled) and waits for the summary, which follows at once, so the
+    answer reports its cached tokens and workers like one ended by max_tokens. An error
+    meanwhile ends the wait: the answer is whole, only without its summary."""
+    if not answer.done or answer.complete:
+        return
+    chunks.stop()
+    try:
+        while not answer.complete:
+            batch = await chunks.next_batch()
+            if not batch:
+                return
+            for c in batch:
+                answer.add(c)
+    except Exception as e:  # noqa: BLE001 - the answer is whole: it goes out without summary
+        log.warning("a request ended by a stop string failed before its summary: %s", e)
 
 
 async def _events(chunks, watcher, answer: Answer, shape: Shape, batch: list, usage: bool):
@@ -288,6 +311,7 @@ async def _events(chunks, watcher, answer: Answer, shape: Shape, batch: list, us
             for c in batch:
                 t, i = answer.add(c)
                 text, ids = text + t, ids + i
+            await _settle(chunks, answer)  # the last event carries the summary's fields
             yield _sse(shape.chunk(text, ids, answer, first))
             first = False
             if answer.done:

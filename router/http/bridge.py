@@ -4,6 +4,8 @@
     Chunks.next() ◄── asyncio.Queue ◄── for chunk in orchestrator.generate(inp, cancel)
     Chunks.close() ── cancel.cancel() ──► the in-flight worker call ends; generate() aborts
                                           both workers as it unwinds
+    Chunks.stop()  ── cancel.stop() ────► the same, but generate() still ends with the summary
+                                          (a stop string ended the answer), which is passed on
 
 A client that disconnects is seen by `watch_disconnect`, which cancels the same way.
 """
@@ -63,6 +65,11 @@ class Chunks:
                 out.append(item)
         return out
 
+    def stop(self) -> None:
+        """The answer is whole (a stop string): the request is cancelled on the workers, and
+        its summary still comes as the last chunk."""
+        self.cancel.stop()
+
     def close(self, outcome: str | None = None) -> None:
         """Ends the request: counted with `outcome` when given, cancelled if still running."""
         if outcome is not None:
@@ -76,8 +83,8 @@ class Chunks:
             for chunk in stream:
                 self.timer.chunk(chunk)
                 self._put(chunk)
-                if self.cancel.cancelled:
-                    break
+                if self.cancel.cancelled and not self.cancel.stopped:
+                    break  # a stopped request runs on to its summary (at once)
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - handed to the event loop
             self.timer.fail(e)
@@ -85,7 +92,8 @@ class Chunks:
         finally:
             if stream is not None:
                 stream.close()  # aborts both workers unless the request finished
-            self.timer.end()
+            # stopped (a stop string) yet no summary: the answer was whole all the same
+            self.timer.end("stop" if self.cancel.stopped else None)
 
     def _put(self, item) -> None:
         try:

@@ -1,5 +1,9 @@
 """Stop strings over streamed text: text is released only once it cannot be the start of a
-stop string, and the answer ends before the first stop string found (OpenAI's `stop`)."""
+stop string, and the answer ends before the first stop string completed (OpenAI's `stop`).
+
+"First completed" is the one that ends first, as when the text is checked token by token: with
+stops `abcdef` and `cd`, `abcdef` ends the answer at `cd`, leaving `ab`, however it is chunked.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,21 @@ class StopStrings:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self._held = ""
+        self.through_stop = ""
+        """After a hit: the text fed since the last release, up to the end of the stop string
+        (what the answer's tokens had to produce for the stop string to complete)."""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string ended the answer)."""
         buf = self._held + text
         if not self.stops:
             return buf, False
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            end, start = min(hits)
             self._held = ""
-            return buf[: min(hits)], True
+            self.through_stop = buf[:end]
+            return buf[:start], True
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False

@@ -7,12 +7,15 @@ fallback (one id a byte; ids past 258 decode to nothing) and answers are compare
 
 from __future__ import annotations
 
+import functools
 import http.client
+import itertools
 import json
 import re
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -27,8 +30,14 @@ from baton.engine.request import SamplingParams
 from baton.model.chat_template import load_chat_template
 from baton.model.config import ModelConfig
 from baton.model.tokenizer import ByteTokenizer
+from baton.proto_gen import baton_pb2
 from tests.engine_helpers import make_checkpoint, prompt
-from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
+from tests.integration.cluster_helpers import (
+    assert_clean,
+    list_workers,
+    start_cluster,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -184,6 +193,132 @@ def test_stop_string_ends_the_answer_before_it(setup):
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 40
+
+
+@dataclass
+class Reply:
+    """One answer as the official client parsed it (streamed: joined from its chunks)."""
+
+    text: str
+    token_ids: list[int]
+    finish: str
+    usage: openai.types.CompletionUsage
+    baton: dict
+
+
+def ask(setup, api: str, prompt_of: list[int] | str, stream: bool, **kw) -> Reply:
+    """A greedy request for 40 tokens through the `openai` client: /v1/completions of the
+    prompt ids `prompt_of`, or (`api` "chat") /v1/chat/completions of one user message."""
+    client = setup["client"]
+    if api == "chat":
+        create = functools.partial(client.chat.completions.create,
+                                   messages=[{"role": "user", "content": prompt_of}])
+    else:
+        create = functools.partial(client.completions.create, prompt=prompt_of)
+    if stream:
+        kw["stream_options"] = {"include_usage": True}
+    r = create(model="tiny", max_tokens=40, stream=stream, **kw, **greedy())
+    if not stream:
+        (c,) = r.choices
+        text = c.message.content if api == "chat" else c.text
+        return Reply(text, c.token_ids, c.finish_reason, r.usage, r.baton)
+    *answer, last = list(r)
+    assert last.choices == [] and all(len(c.choices) == 1 for c in answer)
+    finishes = [c.choices[0].finish_reason for c in answer]
+    assert finishes[:-1] == [None] * (len(answer) - 1) and finishes[-1] is not None
+    assert [hasattr(c, "baton") for c in answer] == [False] * (len(answer) - 1) + [True]
+    pieces = [c.choices[0].delta.content if api == "chat" else c.choices[0].text
+              for c in answer]
+    return Reply("".join(p or "" for p in pieces),
+                 [t for c in answer for t in c.choices[0].token_ids], finishes[-1],
+                 last.usage, answer[-1].baton)
+
+
+def early_stop(ids: list[int]) -> tuple[str, int]:
+    """A stop string the answer `ids` provably contains, and the tokens it takes to complete
+    it: printable ASCII characters (one byte token each), two when some pair has only tokens
+    without text between them, at the point where that text first occurs, at least 5 tokens
+    before the end."""
+    tok = ByteTokenizer()
+    full = tok.decode(ids)
+    chars = [k for k in range(2, len(ids) - 5)
+             if len(c := tok.decode(ids[k:k + 1])) == 1 and c.isascii() and c.isprintable()]
+    pairs = [(a, b) for a, b in itertools.pairwise(chars) if tok.decode(ids[a + 1:b]) == ""]
+    for a, b in pairs + [(k, k) for k in chars]:
+        stop = tok.decode([ids[a], ids[b]] if a != b else [ids[a]])
+        if full.find(stop) == len(tok.decode(ids[:a])):
+            return stop, b + 1
+    raise AssertionError(f"no printable character to stop at in {full!r}")
+
+
+def stop_like_a_finish(setup, api: str, prompt_of, stream: bool, cached: int) -> tuple:
+    """The request `prompt_of` three times: as is (after any earlier turn: the answer to cut),
+    ended early by a stop string taken from that answer, and as is again (the reference).
+    The stopped answer is the first cut before the stop string, with the tokens through the
+    one that completed it, and reports `cached` prompt tokens and the workers the reference
+    reports; nothing stays held anywhere. Returns (prefill worker, decode worker) it names."""
+    cluster = setup["cluster"]
+    first = ask(setup, api, prompt_of, stream)
+    assert (first.finish, first.usage.completion_tokens) == ("length", 40)
+    stop, upto = early_stop(first.token_ids)
+    stopped = ask(setup, api, prompt_of, stream, stop=[stop])
+    again = ask(setup, api, prompt_of, stream)
+    assert again.token_ids == first.token_ids and again.finish == "length"
+
+    assert stopped.finish == "stop"
+    assert stopped.text == first.text[: first.text.index(stop)]
+    assert stopped.token_ids == first.token_ids[:upto]
+    n_prompt = first.usage.prompt_tokens
+    assert (stopped.usage.prompt_tokens, stopped.usage.completion_tokens,
+            stopped.usage.total_tokens) == (n_prompt, upto, n_prompt + upto)
+    assert stopped.usage.prompt_tokens_details.cached_tokens == cached
+    assert again.usage.prompt_tokens_details.cached_tokens == cached
+    assert stopped.baton["cached_tokens"] == cached
+    served = (stopped.baton["prefill_worker"], stopped.baton["decode_worker"])
+    assert served == (again.baton["prefill_worker"], again.baton["decode_worker"])
+    assert_clean(cluster)
+    return served
+
+
+def roles(cluster) -> dict[str, int]:
+    """Worker id -> role, as the router's ListWorkers reports them."""
+    return {w.worker_id: w.role for w in list_workers(cluster.address, cluster.secret.bearer)}
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_ended_by_a_stop_string_keeps_its_accounting(setup, api, stream):
+    """A stop string cancels the request on both workers, yet the answer reports what one that
+    ended by max_tokens does: the cached prompt tokens, the workers that served it, the tokens
+    through the one that completed the stop string; nothing stays held on any worker."""
+    seed = 600 + 2 * (api == "chat") + stream
+    if api == "chat":
+        prompt_of = f"Message {seed}: " + "what comes next after all these words? " * 2
+        n_prompt = len(load_chat_template(setup["model"]).render(
+            [{"role": "user", "content": prompt_of}]).encode())
+    else:
+        prompt_of = prompt(seed, 70)
+        n_prompt = 70
+    # the first of the three requests leaves the prompt's snapshots on the prefill worker
+    # (every 32 tokens and at its end); an exact repeat reuses the deepest one before its last
+    # token, whose logits are needed (shared/DOMAIN.md, "Snapshot points")
+    cached = (n_prompt - 1) // 32 * 32
+    served = stop_like_a_finish(setup, api, prompt_of, stream, cached)
+    workers = roles(setup["cluster"])
+    assert workers[served[0]] == baton_pb2.WORKER_ROLE_PREFILL
+    assert workers[served[1]] == baton_pb2.WORKER_ROLE_DECODE
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_on_the_decode_worker_alone_keeps_its_accounting(setup, stream):
+    """The next turn of a conversation runs on the decode worker alone (it holds the turn's
+    decode-end snapshot): stopped, it still names that worker and the tokens it reused."""
+    turn = prompt(620 + stream, 70)
+    answer = ask(setup, "completions", turn, stream).token_ids
+    cached = len(turn) + len(answer)  # the decode-end snapshot: prompt and answer
+    served = stop_like_a_finish(setup, "completions", turn + answer + prompt(630 + stream, 6),
+                                stream, cached)
+    assert served[0] == "" and roles(setup["cluster"])[served[1]] == baton_pb2.WORKER_ROLE_DECODE
 
 
 def test_models_and_health(setup):

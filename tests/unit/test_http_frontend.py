@@ -183,6 +183,79 @@ def test_a_stop_string_split_across_chunks_ends_the_answer_and_the_request(api):
     assert reply["usage"]["completion_tokens"] == 3
 
 
+def _stops_then_summarises(first):
+    """As the orchestrator does when the answer is stopped: the stream ends with a STOP summary
+    (6 cached prompt tokens, served by p0 and d0)."""
+    def script(inp, cancel):
+        yield from first
+        assert wait_for(lambda: cancel.cancelled, 10) and cancel.stopped
+        s = GenerateSummary(FinishReason.STOP, 9, 6, "p0", "d0", 1.0, 2.0, 0)
+        yield GenerateChunk("r", (), "", s)
+    return script
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_a_chunk_of_several_tokens_keeps_the_summary(api, stream):
+    """The stop string completes at the 4th token of a 7-token chunk (one with no text after
+    it): the answer keeps tokens through that one, and reports the summary the stopped request
+    still ends with, counted once as `stop`."""
+    orch, ctx, port = api
+    enc = ByteTokenizer().encode
+    before = requests_total(ctx, "stop")
+    second = enc("cSTOP") + [300] + enc("de")  # 300 decodes to no text
+    orch.script = _stops_then_summarises([GenerateChunk("r", tuple(enc("ab")), "ab"),
+                                          GenerateChunk("r", tuple(second), "cSTOPde")])
+    body = {"model": "tiny", "prompt": [5] * 9, "stream": stream, "stop": ["STOP", "xy"],
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if not stream:
+        del body["stream_options"]
+    code, raw = request(port, "/v1/completions", body)
+    assert code == 200
+    if stream:
+        *events, usage_event, done = sse(raw)
+        assert done == "[DONE]" and usage_event["choices"] == []
+        usage, last = usage_event["usage"], events[-1]
+        n = len(events)  # 1 or 2: the chunks may arrive together
+        assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (n - 1) + ["stop"]
+        assert ["baton" in e for e in events] == [False] * (n - 1) + [True]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+    else:
+        last = json.loads(raw)
+        (choice,) = last["choices"]
+        usage, text, ids = last["usage"], choice["text"], choice["token_ids"]
+        assert choice["finish_reason"] == "stop"
+    assert text == "abc" and ids == enc("abcSTOP")
+    assert usage == {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16,
+                     "prompt_tokens_details": {"cached_tokens": 6}}
+    assert last["baton"] == {"session_id": None, "cached_tokens": 6, "prefill_worker": "p0",
+                             "decode_worker": "d0", "retries": 0, "ttft_ms": 1.0}
+    assert orch.calls[-1][1].stopped
+    assert wait_for(lambda: requests_total(ctx, "stop") == before + 1)
+    time.sleep(0.05)
+    assert requests_total(ctx, "stop") == before + 1
+
+
+def test_the_first_stop_string_to_complete_ends_the_answer():
+    """As if checked token by token, however the text is chunked: `cd` completes before
+    `abcdef` does, so the answer is `ab` and the text through the stop is `abcd`."""
+    for pieces in (["abcdef"], ["a", "b", "c", "d", "e", "f"], ["xabc", "def"]):
+        s = StopStrings(["abcdef", "cd"])
+        out, hit = "", False
+        for p in pieces:
+            released = out
+            text, hit = s.feed(p)
+            out += text
+            if hit:
+                break
+        assert (out.removeprefix("x"), hit) == ("ab", True), pieces
+        fed = "".join(pieces)
+        assert released + s.through_stop == fed[: fed.index("cd") + 2]  # fed through the stop
+    s = StopStrings(["cd"])
+    assert s.feed("xc") == ("x", False)
+    assert s.feed("dy") == ("", True) and s.through_stop == "cd"
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_cancels_its_request(api, stream):
     orch, ctx, port = api

@@ -59,6 +59,8 @@ class FakeClient:
     def decode(self, rid, first, cancel):
         self._enter("decode", rid)
         yield DecodeChunk((first + 1,))
+        if cancel.cancelled:  # as the gRPC client: the call was cancelled under the reader
+            raise RequestCancelled(f"request {rid} cancelled during Decode")
         if "decode_mid" in self.fail:
             raise self.fail["decode_mid"]
         yield DecodeChunk((first + 2,), FinishReason.LENGTH)
@@ -236,6 +238,37 @@ def test_closing_the_stream_early_aborts_both_workers():
     key = worker_key(log)
     assert log[-2:] == [("p0", "abort", key), ("d0", "abort", key)]
     assert reg.get("p0").inflight == 0
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_a_stopped_answer_ends_with_its_summary_and_both_workers_aborted(after):
+    """`cancel.stop()` (an HTTP stop string) after the first token or in the decode stream:
+    the workers are aborted as for a cancel, but the stream ends with a STOP summary naming
+    the cached tokens and the workers; `cancel.cancel()` ends it with RequestCancelled."""
+    orch, log, reg = setup(["p0", "d0"])
+    cancel = Cancellation()
+    stream = orch.generate(GenerateInput("r1", prompt_ids=(5, 6)), cancel)
+    got = [next(stream) for _ in range(after)]
+    cancel.stop()
+    (last,) = list(stream)
+    assert [c.token_ids for c in got] == [(7,), (8,)][:after] and last.token_ids == ()
+    assert last.text == "" and all(c.summary is None for c in got)
+    s = last.summary
+    assert (s.finish_reason, s.prompt_tokens, s.cached_tokens, s.prefill_worker,
+            s.decode_worker, s.retries) == (FinishReason.STOP, 2, 3, "p0", "d0", 0)
+    key = worker_key(log)
+    decoded = [("d0", "decode", key)] if after == 2 else []  # stopped at the first token:
+    assert log[2:] == decoded + [("p0", "abort", key), ("d0", "abort", key)]  # no Decode
+    assert reg.get("p0").inflight == reg.get("d0").inflight == 0
+
+    cancel = Cancellation()
+    stream = orch.generate(GenerateInput("r2", prompt_ids=(5, 6)), cancel)
+    next(stream), next(stream)
+    cancel.cancel()
+    cancel.stop()  # too late: the client is gone, nobody waits for a summary
+    assert not cancel.stopped
+    with pytest.raises(RequestCancelled):
+        next(stream)
 
 
 def test_cancelled_during_prefill_aborts_both_and_does_not_retry():
