@@ -10,7 +10,6 @@ import torch
 from baton.cache.canary import bad_blocks, bad_slots
 from baton.contract import WorkerLoad
 from baton.engine.loop import EngineLoop
-from baton.worker.threads import thread_census
 
 log = logging.getLogger("baton.worker")
 
@@ -54,11 +53,9 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
 
 def tracked_counters(*parts) -> dict[str, float]:
     """Stats counters `tracked_<name>`: the per-request bookkeeping of a worker's parts (any
-    with a `tracked()` dict of sizes), `threads` and `threads_busy` (all but idle pool
-    threads: baton/worker/threads.py). Once the worker holds no request, the `tracked_*` and
-    `threads_busy` are back at their idle values (tests assert it after cancellations)."""
-    census = thread_census()
-    out = {"threads": float(census.total), "threads_busy": float(census.busy)}
+    with a `tracked()` dict of sizes). Once the worker holds no request they are all back at
+    0 (tests assert it after cancellations; busy threads: metric `baton_worker_threads`)."""
+    out = {}
     for part in parts:
         tracked = getattr(part, "tracked", None)
         if tracked is not None:
