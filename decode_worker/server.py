@@ -8,7 +8,7 @@ from baton.contract import Role, wire
 from baton.contract.status import abort_with
 from baton.errors import BatonError, LocalPrefillDeclined
 from baton.proto_gen import baton_pb2, worker_pb2_grpc
-from baton.worker.load import counters_of, load_of
+from baton.worker.load import counters_of, load_of, tracked_counters
 from decode_worker.service import DecodeService
 
 log = logging.getLogger("baton.decode")
@@ -66,5 +66,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                       "local_requests": float(self.service.local.requests),
                       "local_declined": float(self.service.local.declined),
                       "snapshots_held_for_pull": float(self.service.shipper.holds
-                                                       if self.service.shipper else 0)},
+                                                       if self.service.shipper else 0),
+                      **tracked_counters(self.service.loop, self.service, self.service.events,
+                                         self.service.receiver, self.service.shipper)},
         )

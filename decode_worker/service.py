@@ -136,6 +136,12 @@ class DecodeService:
         self.events.forget(request_id)
         return self._free(request_id)
 
+    def tracked(self) -> dict[str, int]:
+        """Per-request bookkeeping sizes (Stats `tracked_*`): reservations waiting for
+        Decode (each with a lease timer)."""
+        with self._lock:
+            return {"leases": len(self._leases)}
+
     def close(self) -> None:
         self.events.stop()
         self.receiver.close()  # tells connected prefill workers `bye`
@@ -161,6 +167,7 @@ class DecodeService:
         with self._lock:
             self._leases.pop(request_id, None)
         self.receiver.abort(request_id, "reservation expired without Decode")  # no new claim
+        self.events.forget(request_id)  # its transfer's event, landed or failed: none will ask
         if self._free(request_id):
             log.warning("reservation %s expired after %.1fs without Decode; freed",
                         request_id, self.lease_seconds)

@@ -65,6 +65,11 @@ class SnapshotHolds:
             pass
         return True
 
+    def tracked(self) -> dict[str, int]:
+        """Snapshots held for a pull now (Stats `tracked_snapshot_holds`)."""
+        with self._lock:
+            return {"snapshot_holds": len(self._held)}
+
     def close(self) -> None:
         with self._lock:
             timers, self._held = list(self._held.values()), {}

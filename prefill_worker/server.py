@@ -10,7 +10,7 @@ from baton.contract import Role, wire
 from baton.contract.status import abort_with
 from baton.errors import BatonError
 from baton.proto_gen import baton_pb2, worker_pb2, worker_pb2_grpc
-from baton.worker.load import counters_of, load_of
+from baton.worker.load import counters_of, load_of, tracked_counters
 from prefill_worker.service import PrefillService
 
 log = logging.getLogger("baton.prefill")
@@ -59,5 +59,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       "snapshots_adopted": float(self.service.snapshots.adopted
                                                  if self.service.snapshots else 0),
                       "transfers_in_flight": float(self.service.sender.in_flight),
-                      **self.service.timings.counters()},
+                      **self.service.timings.counters(),
+                      **tracked_counters(self.service.loop, self.service.events,
+                                         self.service.sender)},
         )

@@ -196,11 +196,17 @@ class PrefillService:
         finally:
             m.request_ended(outcome)
             self.loop.call(self.loop.engine.release, rid)
+            self.events.forget(rid)  # nothing waits for its transfer's event any more
 
     def abort(self, request_id: str) -> bool:
-        self.events.forget(request_id)
-        self.sender.abort(request_id)
-        return self.loop.abort(request_id)
+        # the engine first: once the request left it, no forward starts its transfer (and
+        # `_send_whole` refuses), so the sender's abort below is its last word to the decode
+        # side; the other way round, a send could claim the reservation anew after it. Its
+        # transfer's event is left to `prefill`, which may still be about to wait for it.
+        try:
+            return self.loop.abort(request_id)
+        finally:
+            self.sender.abort(request_id)
 
     def close(self) -> None:
         self.events.stop()

@@ -191,4 +191,7 @@ class LocalAttempt:
         self.dc.abort(self.wid)
 
     def _abort_in_background(self) -> None:
-        threading.Thread(target=self._abort_once, name=f"abort-{self.rid}", daemon=True).start()
+        """Cancelled before the first token: abort now; `_finish` aborts again once Serve
+        returned, as `_Attempt._abort_in_background` says."""
+        threading.Thread(target=self.dc.abort, args=(self.wid,), name=f"abort-{self.rid}",
+                         daemon=True).start()

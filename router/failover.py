@@ -50,6 +50,11 @@ class PeerWatch:
         with self._lock:
             return len(self._watchers.get(worker_id, ()))
 
+    def total(self) -> int:
+        """Attempts watching any worker."""
+        with self._lock:
+            return sum(len(w) for w in self._watchers.values())
+
     def lost(self, worker_id: str) -> int:
         """`worker_id` died: runs every watcher's callback; returns how many there were."""
         with self._lock:

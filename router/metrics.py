@@ -9,7 +9,7 @@ metrics through a `RequestTimer`, labelled by `api`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.contract import GenerateChunk, Role
 from baton.contract.status import status_of
+from baton.worker.threads import thread_census
 from router.registry import Registry
 
 disable_created_metrics()  # `_created` series only double every counter's size
@@ -37,7 +38,8 @@ OUTCOME_OF_STATUS = {
 
 
 class RouterMetrics:
-    def __init__(self, workers: Registry, paths=None):
+    def __init__(self, workers: Registry, paths=None,
+                 tracked: Callable[[], dict[str, int]] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -64,6 +66,8 @@ class RouterMetrics:
         r.register(_RegistryCollector(workers))
         if paths is not None:
             r.register(_PathCollector(paths))
+        if tracked is not None:
+            r.register(_TrackedCollector(tracked))
 
     def timer(self, api: str) -> RequestTimer:
         return RequestTimer(self, api)
@@ -165,3 +169,28 @@ class _PathCollector:
         for (path, reason), n in sorted(self.paths.snapshot().items()):
             fam.add_metric([path, reason], n)
         yield fam
+
+
+class _TrackedCollector:
+    """Debug gauges, read at scrape time: the router's per-request bookkeeping and its threads.
+    At rest (no request running, no shipment on its way) every `baton_router_tracked` is 0 and
+    `baton_router_threads{kind="busy"}` is back at its resting value, however many requests
+    were cancelled (the pools keep their idle threads: `kind="idle_pool"`)."""
+
+    def __init__(self, tracked: Callable[[], dict[str, int]]):
+        self.tracked = tracked
+
+    def collect(self):
+        fam = GaugeMetricFamily("baton_router_tracked", "Per-request state the router holds "
+                                "now, by kind (worker_streams, prefill_calls, registry_inflight, "
+                                "peer_watches, queued, shipments); 0 at rest", labels=["what"])
+        for what, n in sorted(self.tracked().items()):
+            fam.add_metric([what], n)
+        yield fam
+        census = thread_census()
+        threads = GaugeMetricFamily("baton_router_threads", "Threads of the router process: "
+                                    "idle_pool (waiting in a thread pool) or busy (all others)",
+                                    labels=["kind"])
+        threads.add_metric(["busy"], census.busy)
+        threads.add_metric(["idle_pool"], census.idle_pool)
+        yield threads

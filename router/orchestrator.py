@@ -235,6 +235,12 @@ class Orchestrator:
                     ) from None
         raise AssertionError("unreachable")
 
+    def tracked(self) -> dict[str, int]:
+        """Per-request bookkeeping sizes (the debug gauge `baton_router_tracked`): each is 0
+        once no request runs and no decode-end shipment is on its way."""
+        return {"registry_inflight": self.registry.inflight(), "peer_watches": self.peers.total(),
+                "queued": self.queue.waiting, "shipments": self.shipper.in_flight}
+
     def _prompt_ids(self, inp: GenerateInput) -> tuple[int, ...]:
         if inp.prompt_ids and inp.prompt_text:
             raise InvalidRequestError("send either prompt or prompt_ids, not both")
@@ -437,8 +443,15 @@ class _Attempt:
             if self._aborted:
                 return
             self._aborted = True
+        self._abort()
+
+    def _abort(self) -> None:
         for client in (self.pc, self.dc):
             client.abort(self.wid)
 
     def _abort_in_background(self) -> None:
-        threading.Thread(target=self._abort_once, name=f"abort-{self.rid}", daemon=True).start()
+        """Cancelled while Reserve / Prefill run: the Abort ends the prefill now. It does not
+        count as the attempt's abort: a Reserve still on its way makes its reservation after
+        this Abort found nothing, so `_finish` aborts again once the calls returned (else the
+        blocks stayed held until the lease ran out)."""
+        threading.Thread(target=self._abort, name=f"abort-{self.rid}", daemon=True).start()

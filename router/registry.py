@@ -140,6 +140,11 @@ class Registry:
             if worker_id in self._workers:
                 self._workers[worker_id].inflight += 1
 
+    def inflight(self) -> int:
+        """Requests counted by `begin` and not yet ended, over every live worker."""
+        with self._lock:
+            return sum(r.inflight for r in self._workers.values())
+
     def end(self, worker_id: str) -> None:
         with self._lock:
             rec = self._workers.get(worker_id)

@@ -159,7 +159,8 @@ def run_router(
     # a dead worker leaves the registry at once, and the prefills working for it end now
     clients.on_lost.append(lambda worker_id, why: registry.lost(worker_id))
     clients.on_lost.append(lambda worker_id, why: orch.peers.lost(worker_id))
-    metrics = RouterMetrics(registry, orch.paths)
+    metrics = RouterMetrics(registry, orch.paths,
+                            tracked=lambda: {**orch.tracked(), **clients.calls.snapshot()})
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads),
                          interceptors=[_guard(bearer, api_keys)])

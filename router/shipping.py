@@ -45,6 +45,12 @@ class DecodeEndShipper:
         """Per target prefill worker, the snapshots on their way there."""
         self.shipped = self.failed = self.skipped = 0
 
+    @property
+    def in_flight(self) -> int:
+        """Shipments on their way."""
+        with self._lock:
+            return sum(len(v) for v in self._inflight.values())
+
     def wait_for(self, prefill: WorkerView, prompt: Sequence[int]) -> None:
         """Before `prompt` goes through `prefill`: wait (at most WAIT_S) for a shipment of a
         prefix of it still heading there."""

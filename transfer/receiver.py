@@ -217,6 +217,13 @@ class Receiver:
         with self._lock:
             return sorted(self._expected)
 
+    def tracked(self) -> dict[str, int]:
+        """Per-request bookkeeping sizes (worker Stats `tracked_*`; quarantines are counted
+        by the cache stats)."""
+        with self._lock:
+            return {"receiver_expected": len(self._expected), "receiver_early": len(self._early),
+                    "receiver_posted": len(self._posted), "receiver_events": len(self._events)}
+
     def close(self) -> None:
         self._listener.close()
         self._transport.close()  # not under the lock: a UCX loop may be waiting in _authorize
@@ -322,10 +329,10 @@ class Receiver:
                 q.writers[ident] = posted  # released by the next poll if that was all
 
     def _claim(self, ident: bytes, msg: dict) -> bytes:
-        rid = msg["rid"]
+        rid, cid = msg["rid"], msg["cid"]
         e = self._expected.get(rid)
         if e is None:
-            return wire.encode("deny", rid=rid, error=(
+            return wire.encode("deny", rid=rid, cid=cid, error=(
                 f"the reservation of {rid} is no longer held here (lease expired or aborted); "
                 "nothing may be written into it"))
         try:
@@ -333,9 +340,9 @@ class Receiver:
         except TransferError as ex:
             err = str(ex)
         if err:
-            return wire.encode("deny", rid=rid, error=err)
+            return wire.encode("deny", rid=rid, cid=cid, error=err)
         e.writers.setdefault(ident, None)
-        return wire.encode("grant", rid=rid)
+        return wire.encode("grant", rid=rid, cid=cid)
 
     def _peer_gone(self, ident: bytes) -> None:
         """A sender's side-channel connection closed."""

@@ -22,6 +22,7 @@ The prefill worker frees its copy of the blocks after either event.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -110,6 +111,10 @@ class Sender:
         self._events: list[TransferEvent] = []
         self._grants: dict[tuple[str, str], str | None] = {}
         """(endpoint, rid) -> None: granted, "": claimed and no answer yet, else why denied."""
+        self._claim_ids: dict[tuple[str, str], int] = {}
+        """(endpoint, rid) -> the number of its claim awaiting an answer: the answer to a claim
+        given up on (aborted before its grant came) must not pass for the next one's."""
+        self._next_claim = itertools.count(1)
         self._claims: dict[str, tuple[float, list[str]]] = {}
         """rid -> (when, endpoints) claimed ahead of `send`."""
         self._draining: list[tuple[_Peer, object, float]] = []
@@ -124,6 +129,14 @@ class Sender:
         """Requests being sent now (posted or waiting for layers, not yet done or failed)."""
         with self._lock:
             return len(self._inflight)
+
+    def tracked(self) -> dict[str, int]:
+        """Per-request bookkeeping sizes (worker Stats `tracked_*`)."""
+        with self._lock:
+            return {"sender_in_flight": len(self._inflight), "sender_claims": len(self._claims),
+                    "sender_grants": len(self._grants), "sender_claim_ids": len(self._claim_ids),
+                    "sender_draining": len(self._draining),
+                    "sender_events": len(self._events)}
 
     def claim(self, request_id: str, endpoint: str | Sequence[str],
               dst_block_ids: Sequence[int], dst_slot: int | None, skip_blocks: int = 0,
@@ -352,8 +365,10 @@ class Sender:
         return ""
 
     def _send_claim(self, ep: str, peer: _Peer, rid: str, slot: int | None, blocks) -> None:
+        cid = next(self._next_claim)
         self._grants[ep, rid] = ""
-        peer.client.send(wire.claim(rid, slot, blocks))
+        self._claim_ids[ep, rid] = cid
+        peer.client.send(wire.claim(rid, slot, blocks, cid))
 
     def _await_grant(self, ep: str, peer: _Peer, rid: str) -> None:
         """The claim's answer, waited for here (a destination nobody claimed ahead)."""
@@ -372,8 +387,10 @@ class Sender:
             if m["op"] == "bye":
                 self._drop_peer(ep, f"decode peer {ep} closed")
                 return
-            if self._grants.get((ep, m["rid"])) == "":
-                self._grants[ep, m["rid"]] = None if m["op"] == "grant" else m["error"]
+            key = (ep, m["rid"])
+            if self._grants.get(key) == "" and self._claim_ids.get(key) == m["cid"]:
+                del self._claim_ids[key]
+                self._grants[key] = None if m["op"] == "grant" else m["error"]
 
     def _check_grants(self, rid: str, fl: _InFlight) -> None:
         """Drops the peers that granted from `fl.waiting`; fails the request on a denial."""
@@ -396,6 +413,7 @@ class Sender:
         claimed = self._claims.pop(rid, None)
         for ep in claimed[1] if claimed else ():
             peer = self._peers.get(ep)
+            self._claim_ids.pop((ep, rid), None)
             if self._grants.pop((ep, rid), 1) != 1 and peer is not None:
                 peer.client.send(wire.encode("abort", rid=rid, error=why, posted=[]))
 
@@ -452,6 +470,7 @@ class Sender:
                 self._transport.release(post)
         for ep in [self._endpoint_of(p) for p in fl.peers]:
             self._grants.pop((ep, rid), None)
+            self._claim_ids.pop((ep, rid), None)
         if error is not None:
             for peer in fl.peers:
                 peer.client.send(wire.encode("abort", rid=rid, error=error,
@@ -477,5 +496,6 @@ class Sender:
             self._draining.remove(d)
         for key in [k for k in self._grants if k[0] == endpoint]:
             del self._grants[key]
+            self._claim_ids.pop(key, None)
         self._transport.remove_peer(peer.handle)
         peer.client.close()

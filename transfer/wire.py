@@ -16,9 +16,14 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
     sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "...",
                           "posted": [layers]}   (layers posted to this receiver: [] = none)
     sender -> receiver   {"v": 1, "op": "claim", "rid": "...", "slot": int | None,
-                          "blocks": bytes}        (asks to write the reservation: before any post)
-    receiver -> sender   {"v": 1, "op": "grant", "rid": "..."}    (write it now)
-                     or  {"v": 1, "op": "deny", "rid": "...", "error": "..."}  (never write it)
+                          "blocks": bytes, "cid": int}
+                          (asks to write the reservation: before any post; cid: the sender's
+                          number for this claim, unique per sender)
+    receiver -> sender   {"v": 1, "op": "grant", "rid": "...", "cid": int}    (write it now)
+                     or  {"v": 1, "op": "deny", "rid": "...", "cid": int, "error": "..."}
+                          (never write it; cid: the claim answered. An answer to a claim the
+                          sender gave up on must not pass for one to its next claim of the
+                          same request: the reservation may be gone by then)
     sender -> receiver   {"v": 1, "op": "posted", "rid": "..."}   (writes started: watch now)
     sender -> receiver   {"v": 1, "op": "sent", "rid": "...", "posted": [layers]}
                           (every write of the request completed on the sender: nothing more
@@ -47,11 +52,11 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                 "incarnation": (str,)},
     "refused": {"error": (str,), "field": (str,)},
     "abort": {"rid": (str,), "error": (str,), "posted": (list,)},
-    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,)},
-    "grant": {"rid": (str,)},
+    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,), "cid": (int,)},
+    "grant": {"rid": (str,), "cid": (int,)},
     "posted": {"rid": (str,)},
     "sent": {"rid": (str,), "posted": (list,)},
-    "deny": {"rid": (str,), "error": (str,)},
+    "deny": {"rid": (str,), "cid": (int,), "error": (str,)},
     "bye": {},
     "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},
     "landed": {"rid": (str,), "layers": (list,), "slot": (int, type(None)), "blocks": (bytes,)},
@@ -114,9 +119,11 @@ def landed(rid: str, layers, slot: int | None, blocks) -> bytes:
                   blocks=np.asarray(blocks, dtype="<i4").tobytes())
 
 
-def claim(rid: str, slot: int | None, blocks) -> bytes:
-    """A sender asks to write the reservation it was given (checked like `landed`)."""
-    return encode("claim", rid=rid, slot=slot, blocks=np.asarray(blocks, dtype="<i4").tobytes())
+def claim(rid: str, slot: int | None, blocks, cid: int = 0) -> bytes:
+    """A sender asks to write the reservation it was given (checked like `landed`); its
+    answer names `cid`."""
+    return encode("claim", rid=rid, slot=slot, blocks=np.asarray(blocks, dtype="<i4").tobytes(),
+                  cid=cid)
 
 
 def landed_blocks(msg: dict) -> np.ndarray:

@@ -110,6 +110,12 @@ class Engine:
         self.sampler.forget(request_id)
         return True
 
+    def tracked(self) -> dict[str, int]:
+        """Per-request bookkeeping besides `requests`: sampler generators, layer streams."""
+        with self._streams_lock:
+            streams = len(self._streams)
+        return {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

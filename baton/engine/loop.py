@@ -78,6 +78,10 @@ class EngineLoop:
 
         return self.call(run)
 
+    def tracked(self) -> dict[str, int]:
+        """Per-request bookkeeping sizes (worker Stats `tracked_*`)."""
+        return {"output_callbacks": len(self._callbacks), **self.engine.tracked()}
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True

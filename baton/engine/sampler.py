@@ -52,6 +52,11 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    @property
+    def tracked(self) -> int:
+        """Requests holding a generator of their own (unseeded sampling)."""
+        return len(self._generators)
+
     def sample(self, logits: torch.Tensor, ids: list[str], params: list[SamplingParams],
                positions: list[int] | None = None) -> list[Draw]:
         """`logits` [B, vocab] float32 on any device; `positions`: the sequence position of

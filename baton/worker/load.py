@@ -51,6 +51,18 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
     return loop.call(read)
 
 
+def tracked_counters(*parts) -> dict[str, float]:
+    """Stats counters `tracked_<name>`: the per-request bookkeeping of a worker's parts (any
+    with a `tracked()` dict of sizes). Once the worker holds no request they are all back at
+    0 (tests assert it after cancellations; busy threads: metric `baton_worker_threads`)."""
+    out = {}
+    for part in parts:
+        tracked = getattr(part, "tracked", None)
+        if tracked is not None:
+            out.update({f"tracked_{k}": float(v) for k, v in tracked().items()})
+    return out
+
+
 def canary_audit(engine) -> dict[str, float]:
     """Read back every free block and slot on every stage (test canaries armed): how many
     were checked and how many lost their canary (a stray write landed there)."""

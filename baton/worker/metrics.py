@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from baton.contract import Role
 from baton.engine.loop import EngineLoop
 from baton.errors import BatonError
+from baton.worker.threads import thread_census
 
 disable_created_metrics()  # `_created` series only double every counter's size
 log = logging.getLogger("baton.worker")
@@ -54,6 +55,7 @@ class WorkerMetrics:
         self.generation_tokens = Counter("baton_worker_generation_tokens", "Tokens this worker "
                                          "sampled", lab, registry=r)
         r.register(_EngineCollector(self.role, loop))
+        r.register(_ThreadCollector(self.role))
         self._server = None
 
     def request_ended(self, outcome: str) -> None:
@@ -84,6 +86,23 @@ class WorkerMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _ThreadCollector:
+    """The process's threads: `idle_pool` (waiting in a thread pool, which keeps them) or
+    `busy` (every other: back at its resting value once the worker holds no request)."""
+
+    def __init__(self, role: str):
+        self.role = role
+
+    def collect(self):
+        census = thread_census()
+        fam = GaugeMetricFamily("baton_worker_threads", "Threads of the worker process: "
+                                "idle_pool (waiting in a thread pool) or busy (all others)",
+                                labels=["role", "kind"])
+        fam.add_metric([self.role, "busy"], census.busy)
+        fam.add_metric([self.role, "idle_pool"], census.idle_pool)
+        yield fam
 
 
 class _EngineCollector:

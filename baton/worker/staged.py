@@ -43,6 +43,10 @@ class StagedAgent:
     def forget(self, request_id: str) -> None:
         self._oks.pop(request_id, None)
 
+    def tracked(self) -> dict[str, int]:
+        """Stage 0's agent's bookkeeping, plus requests in flight on the stages."""
+        return {**self.local.tracked(), "stage_requests": len(self._oks)}
+
     def remote_pending(self) -> bool:
         """Whether the other stages may still report something (polled while True)."""
         return bool(self._oks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -282,6 +283,37 @@ def test_cancelled_during_prefill_aborts_both_and_does_not_retry():
         ("p0", "abort"),
         ("d0", "abort"),
     ]
+
+
+def test_a_reservation_made_after_the_cancels_abort_is_aborted_too():
+    """The client cancels while Reserve is on its way: the cancel's Abort reaches the decode
+    worker first and finds nothing, then Reserve makes the reservation. It is aborted once
+    Reserve returned (before, it stayed held until its lease ran out, 30 s by default)."""
+    orch, log, _ = setup(["p0", "d0"])
+    cancel = Cancellation()
+    decode = orch.clients(orch.registry.get("d0"))
+    held = set()
+
+    def reserve(req, c):
+        log.append(("d0", "reserve", req.request_id))
+        cancel.cancel()  # the background Abort runs now, while Reserve is still "on its way"
+        deadline = time.monotonic() + 5
+        while ("d0", "abort", req.request_id) not in log and time.monotonic() < deadline:
+            time.sleep(0.001)
+        held.add(req.request_id)  # ... and then the worker reserves
+        return Reservation("d0", "tcp://x", (0, 1), 0)
+
+    def abort(rid):
+        log.append(("d0", "abort", rid))
+        found = rid in held
+        held.discard(rid)
+        return found
+
+    decode.reserve, decode.abort = reserve, abort
+    with pytest.raises(RequestCancelled):
+        list(orch.generate(GenerateInput("r1", prompt_ids=(5, 6)), cancel))
+    assert held == set()
+    assert [m for w, m, _ in log if w == "d0"] == ["reserve", "abort", "abort"]
 
 
 def test_first_token_that_finishes_releases_the_reservation():

@@ -252,3 +252,24 @@ def test_a_writer_that_said_sent_before_the_failure_holds_nothing_up():
         done.close()
         idle.close()
         r.close()
+
+
+def test_a_grant_to_a_claim_given_up_never_lets_a_later_send_write(held_pair):
+    """A claim made ahead was granted, the request aborted before the sender read the grant
+    (it said it posted nothing: the decode side released the blocks at once), then a send of
+    the same request started late (the router's cancel raced the prefill's handoff). The
+    stale grant answered the first claim, not the send's own: not one byte may go (before,
+    every layer was written into blocks the decode side had freed)."""
+    link, r, s, released = held_pair
+    r.expect("g", [2, 3], 1)
+    s.claim("g", r.endpoint, [2, 3], 1)
+    until(lambda: r._expected.get("g") is not None and r._expected["g"].writers)  # granted
+    s.abort("g")  # nothing posted: posted = []
+    until(lambda: "g" not in r.pending)
+    (ev,) = r.poll()
+    assert (ev.ok, ev.quarantined, r.held("g"), released) == (False, False, None, [])  # freed
+    s.send("g", r.endpoint, [0, 1], 0, [2, 3], 1)
+    (ev,) = poll_until(s)
+    assert not ev.ok and "no longer held here" in ev.error
+    assert link.posts == []
+    assert s.tracked()["sender_claim_ids"] == 0 and s.tracked()["sender_grants"] == 0
