@@ -97,6 +97,8 @@ class HybridCacheManager:
         """Failed remote reservations a late write may still reach: request id -> (blocks,
         slot) kept out of service until `release_quarantine` (see transfer/receiver.py)."""
         self.quarantined_total = 0
+        self.canaries = False
+        """Whether `arm_canaries` ran: free blocks and slots must hold CANARY (tests only)."""
         self._queried = self._hit = self._rqueried = self._rhit = 0
 
     # ---- queries -----------------------------------------------------------------------
@@ -311,9 +313,6 @@ class HybridCacheManager:
             for s in self.slots.free_ids():
                 pools.fill_slot(s, CANARY)
         self.canaries = True
-
-    canaries = False
-    """Whether `arm_canaries` ran: free blocks and slots must hold CANARY."""
 
     def free_ids(self) -> tuple[list[int], list[int]]:
         """(free KV block ids, free state slot ids): what the canaries cover."""
