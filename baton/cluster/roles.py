@@ -15,7 +15,7 @@ def run_router_role(args) -> int:
     from baton.auth.api_keys import load_api_keys
     from baton.auth.tls import cluster_tls, http_ssl_args, router_tls
     from baton.model.chat_template import load_chat_template
-    from baton.model.config import ModelConfig
+    from baton.model.config import load_config
     from baton.model.registry import resolve_model, served_name
     from baton.model.tokenizer import load_tokenizer
     from router.http.server import start_http
@@ -28,7 +28,7 @@ def run_router_role(args) -> int:
     model_dir = resolve_model(args.model or cfg.model.path)
     tls = cluster_tls(cfg.cluster)
     handle = run_router(args.port, router_cfg, load_tokenizer(model_dir), secret, api_keys, tls)
-    max_len = cfg.worker.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    max_len = cfg.worker.max_model_len or load_config(model_dir).max_position_embeddings
     http_port = router_cfg.http_port if args.http_port is None else args.http_port
     ssl_args = http_ssl_args(router_tls(router_cfg), tls)
     try:

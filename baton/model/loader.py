@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from baton.errors import ConfigError
-from baton.model.config import ModelConfig
-from baton.model.nemotron_h import NemotronHModel
+from baton.model.config import load_config
+from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
 from baton.model.stage import StageModel
 
@@ -32,7 +32,7 @@ def load_model(
     use (e.g. multi-token-prediction heads) are ignored with a warning.
     """
     path = Path(path)
-    cfg = ModelConfig.from_dir(path)
+    cfg = load_config(path)
     with torch.device("meta"):
         model = NemotronHModel(cfg)
     expected = model.state_dict()
@@ -57,7 +57,7 @@ def load_stage(
     """Only one pipeline stage's tensors: global `layers`, the embeddings if `first`, the final
     norm and LM head if `last`. Other stages' tensors are skipped silently."""
     path = Path(path)
-    cfg = ModelConfig.from_dir(path)
+    cfg = load_config(path)
     with torch.device("meta"):
         model = StageModel(cfg, layers, first, last)
     expected = model.state_dict()

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
-from baton.model.nemotron_h import NemotronHModel
+from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
 
 TINY = dict(

@@ -15,8 +15,8 @@ from torch import nn
 
 from baton.errors import ConfigError
 from baton.model.config import ModelConfig
-from baton.model.nemotron_h import Block
-from baton.model.norms import RMSNorm
+from baton.model.layers.norms import RMSNorm
+from baton.model.nemotron_h.model import Block
 from baton.model.paged import StepContext
 
 

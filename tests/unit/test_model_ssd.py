@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.model.ssd import segment_sum, ssd_scan, ssd_step
+from baton.model.layers.ssd import segment_sum, ssd_scan, ssd_step
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 

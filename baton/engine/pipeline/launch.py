@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from baton.config import BatonConfig
 from baton.config.base import to_dict
-from baton.model.config import ModelConfig
+from baton.model.config import load_config
 from baton.model.pools import Pools, PoolSpec
 from baton.model.stage import StageModel, partition_layers
 
@@ -39,7 +39,7 @@ GROUP_TIMEOUT = timedelta(seconds=600)
 
 
 def stage_layers(cfg: BatonConfig, model_path) -> list[range]:
-    mcfg = ModelConfig.from_dir(model_path)
+    mcfg = load_config(model_path)
     w = cfg.worker
     return partition_layers(mcfg.num_layers, w.pipeline_parallel_size, w.pp_layer_partition)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.errors import ConfigError
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:

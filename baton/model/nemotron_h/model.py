@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from baton.errors import ConfigError, InvalidRequestError
-from baton.model.attention import Attention
-from baton.model.config import ModelConfig
-from baton.model.mamba2 import Mamba2Mixer
-from baton.model.mlp import MLP
-from baton.model.norms import RMSNorm
+from baton.model.layers.attention import Attention
+from baton.model.layers.mamba2 import Mamba2Mixer
+from baton.model.layers.mlp import MLP
+from baton.model.layers.norms import RMSNorm
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools, PoolSpec
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.config import ModelConfig
-from baton.model.norms import GatedRMSNorm
+from baton.model.layers.norms import GatedRMSNorm
+from baton.model.layers.ssd import ssd_scan, ssd_step_
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext
-from baton.model.ssd import ssd_scan, ssd_step_
 
 
 class Mamba2Mixer(nn.Module):
