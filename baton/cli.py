@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--peer", choices=["llamacpp"], default=None,
+                   help="engine: compare with llama.cpp on the same checkpoint (builds "
+                        "llama-cpp-python into its own cached venv on first use)")
     p.add_argument("--hosts", choices=["local", "netns"], default="local",
                    help="e2e: netns puts router, prefill and decode in network namespaces "
                         "(KV over UCX TCP, link rates shaped with tc; root)")

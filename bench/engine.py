@@ -1,4 +1,5 @@
-"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`."""
+"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`;
+with `--peer llamacpp`, side by side with llama.cpp on the same checkpoint (bench/engine_peer.py)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def _hf(path, reqs, out_len: int) -> float:
 
 
 def run(args) -> list[dict]:
+    if getattr(args, "peer", None) == "llamacpp":
+        from bench.engine_peer import run as run_peer
+
+        return run_peer(args)
     quick = getattr(args, "quick", False)
     prompt_len, out_len = (128, 32) if quick else (512, 128)
     presets = ("tiny",) if quick else ("tiny", "100m")

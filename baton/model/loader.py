@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from baton.errors import ConfigError
 from baton.model.config import load_config
+from baton.model.layers.linear import install as install_linears
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
 from baton.model.stage import StageModel
@@ -47,7 +48,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     model.requires_grad_(False)
-    return model.eval()
+    return install_linears(model.eval())
 
 
 def load_stage(
@@ -65,7 +66,7 @@ def load_stage(
     state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
-    return model.eval()
+    return install_linears(model.eval())
 
 
 def checkpoint_files(path: Path) -> list[Path]:

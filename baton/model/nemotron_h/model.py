@@ -71,7 +71,8 @@ class NemotronHModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype (linear weights may be stored narrower: model.weight_dtype)."""
+        return self.backbone.norm_f.weight.dtype
 
     def make_pools(self, num_blocks: int, tokens_per_block: int, num_slots: int) -> Pools:
         """Pools for every layer of this model, in its dtype and on its device."""

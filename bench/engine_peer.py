@@ -1,0 +1,235 @@
+"""`baton bench engine --peer llamacpp`: Baton and llama.cpp side by side on one checkpoint.
+
+First greedy agreement (3 prompts; the first divergence and both engines' logit margin there),
+then, engines alternating, the same thread count (1 and 2) for both: prefill of a 2,048-token
+prompt, and decode at batch 1, 8 and 32 (one batched forward per step in both engines; the
+prompts' prefill is outside the timed steps), each as wall time and CPU seconds per token,
+median of `repeats`. `ratio` = Baton speed / llama.cpp speed (above 1: Baton is faster);
+`cpu_ratio` the same in CPU time per token. Rooflines are in bench/roofline.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from bench import llamacpp_peer as peer
+from bench.common import checkpoint, prompts
+from bench.roofline import roofline_rows
+
+FAMILIES = {"nemotron_h": "100m"}
+"""Family -> bench checkpoint preset. Qwen3.5 and MoE join once their loaders land."""
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return dict(prefill=256, decode={1: (64, 16), 8: (64, 16)}, repeats=1,
+                    greedy=((16, 8), (64, 8)), threads=(1,))
+    # batch: (prompt tokens, timed steps); batch 32 uses shorter prompts to keep the run short
+    return dict(prefill=2048, decode={1: (512, 128), 8: (512, 128), 32: (128, 64)}, repeats=3,
+                greedy=((16, 32), (200, 32), (1000, 32)), threads=(1, 2))
+
+
+def run(args) -> list[dict]:
+    sz = sizes(getattr(args, "quick", False))
+    try:
+        py = peer.ensure_venv()
+    except peer.PeerUnavailable as e:
+        print(f"[bench engine] peer llamacpp skipped: {e}", file=sys.stderr, flush=True)
+        return [{"benchmark": "engine", "peer": "llamacpp", "skipped": str(e)}]
+    rows = []
+    for family, preset in FAMILIES.items():
+        path = checkpoint(preset)
+        try:
+            rows += _family(family, preset, path, py, sz)
+        except peer.PeerUnavailable as e:
+            print(f"[bench engine] {family} skipped: {e}", file=sys.stderr, flush=True)
+            rows.append({"benchmark": "engine", "peer": "llamacpp", "family": family,
+                         "skipped": str(e)})
+    return rows
+
+
+def _family(family: str, preset: str, path, py, sz) -> list[dict]:
+    from baton.model.loader import load_model
+
+    gguf = {t: peer.convert(path, t) for t in ("f32", "f16")}
+    vocab = _vocab(path)
+    rows = []
+    torch.set_num_threads(1)
+    model = load_model(path)
+    w = peer.Worker(py, gguf["f32"], 1, 1, 4096)
+    try:
+        rows += [_greedy(model, w, family, vocab, n, steps, i)
+                 for i, (n, steps) in enumerate(sz["greedy"])]
+    finally:
+        w.close()
+    n_ctx = max(sz["prefill"], *(b * (p + s + 16) for b, (p, s) in sz["decode"].items()))
+    for threads in sz["threads"]:
+        torch.set_num_threads(threads)
+        workers = {t: peer.Worker(py, g, threads, max(sz["decode"]), n_ctx + 256)
+                   for t, g in gguf.items()}
+        try:
+            rows += _measure(family, preset, path, vocab, threads, workers, sz)
+        finally:
+            for x in workers.values():
+                x.close()
+    rows += roofline_rows(family, model, rows, sz)
+    return rows
+
+
+def _greedy(model, w, family, vocab, n, steps, seed) -> dict:
+    prompt = prompts(1, n, vocab, seed=100 + seed)[0]
+    ours, our_margins = baton_greedy(model, prompt, steps)
+    theirs = w.call("greedy", prompt=prompt, steps=steps)
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs["tokens"], strict=True))
+                  if a != b), None)
+    row = {"benchmark": "engine", "peer": "llamacpp", "family": family, "label":
+           f"{family}-greedy-{n}", "prompt_tokens": n, "steps": steps,
+           "agree": sum(a == b for a, b in zip(ours, theirs["tokens"], strict=True)),
+           "first_divergence": first}
+    if first is not None:
+        row["baton_margin"] = round(our_margins[first], 4)
+        row["llamacpp_margin"] = round(theirs["margins"][first], 4)
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+    return row
+
+
+@torch.inference_mode()
+def baton_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of `model` after `prompt`, and the top-1 minus top-2 logit of each."""
+    tpb = 16
+    need = -(-(len(prompt) + steps + 1) // tpb)
+    pools = model.make_pools(need, tpb, 2)
+    table = list(range(need))
+    logits = model.prefill(torch.tensor(prompt), 0, table, 1, pools)
+    toks, margins = [], []
+    for i in range(steps):
+        top = torch.topk(logits.reshape(-1), 2)
+        toks.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        pos = torch.tensor([len(prompt) + i])
+        logits = model.decode(torch.tensor([toks[-1]]), pos, [table], torch.tensor([1]), pools)
+    return toks, margins
+
+
+def _measure(family, preset, path, vocab, threads, workers, sz) -> list[dict]:
+    rows = [_prefill_row(family, path, vocab, threads, workers, sz)]
+    for batch, (plen, steps) in sz["decode"].items():
+        rows.append(_decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps))
+    return rows
+
+
+def _prefill_row(family, path, vocab, threads, workers, sz) -> dict:
+    prompt = prompts(1, sz["prefill"], vocab, seed=7)[0]
+    eng = _engine(path, 1, sz["prefill"] + 2)
+    _baton_prefill(eng, prompt[:64])  # warm: one-off allocations and dispatch
+    ours, theirs = _alternate(sz["repeats"], lambda: _baton_prefill(eng, prompt),
+                              lambda: workers["f32"].call("prefill", prompt=prompt))
+    return _row(family, f"prefill-{sz['prefill']}", threads, sz["prefill"], ours, theirs,
+                "prefill")
+
+
+def _decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps) -> dict:
+    reqs = prompts(batch, plen, vocab, seed=batch)
+    eng = _engine(path, batch, plen + steps + 2)
+    _baton_decode(eng, [r[:16] for r in reqs], 4)
+    ours, theirs = _alternate(sz["repeats"], lambda: _baton_decode(eng, reqs, steps),
+                              lambda: workers["f32"].call("decode", prompts=reqs, steps=steps))
+    row = _row(family, f"decode-b{batch}", threads, batch * steps, ours, theirs, "decode",
+               prompt_tokens=plen, steps=steps, batch=batch)
+    if batch <= 8:  # llama.cpp with f16 weights: what the fp16 weight path is aimed at
+        f16 = [workers["f16"].call("decode", prompts=reqs, steps=steps)
+               for _ in range(sz["repeats"])]
+        row["llamacpp_f16_tok_s"] = round(batch * steps / _median(f16, "wall_s"), 1)
+    return row
+
+
+def _alternate(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(a())
+        theirs.append(b())
+    return ours, theirs
+
+
+def _per_token(x: dict, tokens: int) -> dict:
+    n = x.get("tokens", tokens)
+    return {"wall_s": x["wall_s"] / n, "cpu_s": x["cpu_s"] / n}
+
+
+def _median(xs: list[dict], key: str) -> float:
+    return statistics.median(x[key] for x in xs)
+
+
+def _row(family, work, threads, tokens, ours, theirs, kind, **extra) -> dict:
+    """Per-token medians of both sides; `tokens` per run unless a run says how many it timed."""
+    ours = [_per_token(x, tokens) for x in ours]
+    theirs = [_per_token(x, tokens) for x in theirs]
+    bw, lw = _median(ours, "wall_s"), _median(theirs, "wall_s")
+    bc, lc = _median(ours, "cpu_s"), _median(theirs, "cpu_s")
+    row = {"benchmark": "engine", "peer": "llamacpp", "family": family,
+           "label": f"{family}-{work}-t{threads}", "work": kind, "threads": threads, **extra}
+    if kind == "prefill":
+        row |= {"baton_ms": round(bw * tokens * 1e3, 1),
+                "llamacpp_ms": round(lw * tokens * 1e3, 1)}
+    row |= {"baton_tok_s": round(1 / bw, 1), "llamacpp_tok_s": round(1 / lw, 1),
+            "baton_cpu_ms_per_token": round(bc * 1e3, 3),
+            "llamacpp_cpu_ms_per_token": round(lc * 1e3, 3),
+            "ratio": round(lw / bw, 3), "cpu_ratio": round(lc / bc, 3)}
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+    return row
+
+
+def _engine(path, batch: int, seq_len: int):
+    from baton.config import BatonConfig
+    from baton.engine.builder import build_engine
+
+    cfg = BatonConfig.from_dict({
+        "cache": {"enable_prefix_reuse": False, "num_blocks": batch * (seq_len // 16 + 2) + 16,
+                  "num_state_slots": batch + 1},
+        "worker": {"max_num_seqs": batch, "max_batch_tokens": 2048, "prefill_chunk_size": 2048,
+                   "max_model_len": seq_len + 1},
+    })
+    return build_engine(cfg, str(path))
+
+
+def _baton_prefill(eng, prompt: list[int]) -> dict:
+    from baton.engine.request import Request, SamplingParams
+
+    eng.add_request(Request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    c0, t0 = time.process_time(), time.perf_counter()
+    while eng.has_work:
+        eng.step()
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def _baton_decode(eng, reqs: list[list[int]], steps: int) -> dict:
+    """Time `steps` decode steps of all of `reqs` at once, after all their prefills."""
+    from baton.engine.request import Request, SamplingParams
+
+    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for i, p in enumerate(reqs):
+        eng.add_request(Request(f"d{i}", p, sp))
+    seen: set[str] = set()
+    before = 0
+    while len(seen) < len(reqs):  # prefill (and any decode mixed into it) is not timed
+        outs = eng.step()
+        seen |= {o.request_id for o in outs if o.new_token_ids}
+        before += sum(len(o.new_token_ids) for o in outs)
+    # Every request has its first token: the rest are pure decode steps of the whole batch.
+    produced = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while eng.has_work:
+        produced += sum(len(o.new_token_ids) for o in eng.step())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert produced + before == len(reqs) * (steps + 1), (produced, before)
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": produced}
+
+
+def _vocab(path) -> int:
+    import json
+
+    return json.loads((path / "config.json").read_text())["vocab_size"]

@@ -1,0 +1,90 @@
+"""Roofline figures of `bench engine --peer llamacpp`, measured in the same run as the rows:
+
+- prefill: the model's FLOPs for the prompt (every linear layer per token, attention's scores
+  and values, the lm_head for the last token; the scan's small terms left out) over the
+  prefill time, as a fraction of this machine's matmul peak (the best of a few fp32 [T, hidden]
+  x [hidden, 4 * hidden] matmuls per thread count);
+- decode: the step time over the time of the model's linear layers alone at that batch size
+  (each module called once on a random [batch, in] input, best of several passes).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+def _best(fn, reps: int = 5) -> float:
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def matmul_peak_gflops(m: int, k: int, n: int) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / _best(lambda: torch.mm(a, b)) / 1e9
+
+
+def _linears(model) -> list[nn.Module]:
+    """Every linear layer of the model, lm_head included (decode runs it for every row)."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def prefill_flops(model, T: int) -> float:
+    cfg = model.config
+    lin = sum(2 * m.in_features * m.out_features for m in _linears(model)
+              if m is not model.lm_head)
+    attn = len(cfg.attention_layers) * 2 * 2 * cfg.num_attention_heads * cfg.head_dim
+    return lin * T + attn * T * (T + 1) / 2 + 2 * cfg.hidden_size * cfg.vocab_size
+
+
+@torch.inference_mode()
+def linear_step_seconds(model, batch: int) -> float:
+    mods = _linears(model)
+    xs = [torch.randn(batch, m.in_features) for m in mods]
+
+    def once():
+        for m, x in zip(mods, xs, strict=True):
+            m(x)
+    return _best(once)
+
+
+def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
+    out = []
+    hidden = model.config.hidden_size
+    for threads in sz["threads"]:
+        torch.set_num_threads(threads)
+        peak = matmul_peak_gflops(sz["prefill"], hidden, 4 * hidden)
+        for r in rows:
+            if r.get("threads") != threads or r.get("family") != family:
+                continue
+            if r.get("work") == "prefill":
+                got = prefill_flops(model, sz["prefill"]) / (r["baton_ms"] / 1e3) / 1e9
+                out.append(_emit({"label": f"{family}-roofline-prefill-t{threads}",
+                                  "matmul_peak_gflops": round(peak, 1),
+                                  "prefill_gflops": round(got, 1),
+                                  "prefill_peak_fraction": round(got / peak, 3)}, family,
+                                 threads))
+            elif r.get("work") == "decode":
+                b = r["batch"]
+                lin = linear_step_seconds(model, b)
+                step = b / r["baton_tok_s"]
+                out.append(_emit({"label": f"{family}-roofline-decode-b{b}-t{threads}",
+                                  "batch": b, "step_ms": round(step * 1e3, 2),
+                                  "linear_ms": round(lin * 1e3, 2),
+                                  "step_over_linear": round(step / lin, 3)}, family, threads))
+    return out
+
+
+def _emit(row: dict, family: str, threads: int) -> dict:
+    row = {"benchmark": "engine", "peer": "llamacpp", "family": family, "threads": threads,
+           "work": "roofline", **row}
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+    return row
