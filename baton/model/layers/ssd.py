@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from baton.model.layers.linear import decode_path
+
 
 def segment_sum(a: torch.Tensor) -> torch.Tensor:
     """out[..., i, j] = a[..., j+1] + ... + a[..., i] for j <= i, -inf above the diagonal.
@@ -91,6 +93,12 @@ def ssd_step_(state, x, dt, A, B, C, D):
     B = B.float().repeat_interleave(rep, dim=1)
     C = C.float().repeat_interleave(rep, dim=1)
     dA = torch.exp(dt * A.float())[..., None, None]
-    dBx = (dt[..., None] * B)[:, :, None, :] * x[..., None]
-    state.mul_(dA).add_(dBx)
+    if decode_path() == "fast":
+        # Two passes over the state instead of four (no [b, H, P, N] dBx temporary): a fifth
+        # less time at batch 32, where the state dominates decode. addcmul_ fuses the
+        # product into the add (FMA), so it rounds differently from the reference (<= 1 ulp).
+        state.mul_(dA).addcmul_((dt[..., None] * B)[:, :, None, :], x[..., None])
+    else:
+        dBx = (dt[..., None] * B)[:, :, None, :] * x[..., None]
+        state.mul_(dA).add_(dBx)
     return torch.matmul(state, C[..., None])[..., 0] + D.float()[:, None] * x
