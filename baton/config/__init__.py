@@ -26,6 +26,20 @@ class ModelSection:
     device: str = "cpu"
     """`cpu`, `cuda` or `cuda:N`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    weight_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """How the linear layers' weights are stored: `float16` / `bfloat16` keep them at half
+    the bytes while the arithmetic stays in `dtype` (float32: each weight is upcast exactly
+    when used). Opt-in and not exact: logits within 1e-2 (float16) / 5e-2 (bfloat16) of
+    float32, greedy tokens equal where float32's top-1 leads by 0.05 (tests/unit/
+    test_weight_dtype.py). float32 is the default and the exact reference. Single-
+    stage workers only (pipeline stages keep `dtype` weights)."""
+
+    def __post_init__(self) -> None:
+        if self.weight_dtype != "float32" and self.dtype != "float32":
+            raise ConfigError(
+                f"model.weight_dtype={self.weight_dtype!r} needs model.dtype 'float32' (it "
+                f"stores float32-computed weights narrower), got {self.dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,12 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
                                      on_link_lost)
     dtype = DTYPES[cfg.model.dtype]
     model = load_model(path, device=cfg.model.device, dtype=dtype)
+    if cfg.model.weight_dtype != "float32":
+        from baton.model.layers.linear import cast_weights
+
+        saved = cast_weights(model, DTYPES[cfg.model.weight_dtype])
+        log.info("linear weights stored as %s (%.0f MB saved)", cfg.model.weight_dtype,
+                 saved / 1e6)
     spec = PoolSpec.for_model(
         model.config,
         num_blocks=cfg.cache.num_blocks,

@@ -60,10 +60,9 @@ class FastLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.dtype in HALF and x.dtype == torch.float32:
-            # Weights stored at half the bytes, arithmetic in float32 (an exact upcast).
-            return F.linear(x, w.float(), None if self.bias is None else self.bias.float())
         rows = x.numel() // max(x.shape[-1], 1)
+        if w.dtype in HALF and x.dtype == torch.float32:
+            return _half_linear(x, rows, w, self.bias)
         if (rows > MAX_PACKED_ROWS or rows == 0 or _state["path"] != "fast"
                 or x.dtype != torch.float32 or w.dtype != torch.float32
                 or x.device.type != "cpu" or not _packed_ok()):
@@ -83,6 +82,34 @@ class FastLinear(nn.Linear):
             object.__setattr__(self, "_baton_packed", (key, packed))  # not a buffer: no state
             cached = self._baton_packed
         return cached[1]
+
+
+HALF_CHUNK = 256
+"""Weight rows upcast at a time on the few-row path: 256 x hidden float32 stays in L2."""
+
+
+def _half_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:
+    """x @ w.T in float32 with `w` stored in float16 / bfloat16 (each weight upcast exactly).
+
+    Few rows: the weight is read once at half the bytes and upcast a chunk at a time into a
+    buffer that stays in cache (a whole-matrix upcast would write and re-read 4 bytes per
+    weight, slower than float32 weights). Many rows: one upcast, amortised over the rows."""
+    bias = None if bias is None else bias.float()
+    if rows > MAX_PACKED_ROWS or x.device.type != "cpu":
+        return F.linear(x, w.float(), bias)
+    n_out, k = w.shape
+    x2 = x.reshape(rows, k)
+    out_t = x2.new_empty(n_out, rows)
+    buf = x2.new_empty(min(HALF_CHUNK, n_out), k)
+    for i in range(0, n_out, HALF_CHUNK):
+        n = min(HALF_CHUNK, n_out - i)
+        chunk = buf[:n]
+        chunk.copy_(w[i:i + n])
+        torch.mm(chunk, x2.t(), out=out_t[i:i + n])
+    y = out_t.t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 def install(model: nn.Module) -> nn.Module:
