@@ -88,8 +88,7 @@ def _greedy(model, w, family, vocab, n, steps, seed) -> dict:
                   if a != b), None)
     row = {"benchmark": "engine", "peer": "llamacpp", "family": family, "label":
            f"{family}-greedy-{n}", "prompt_tokens": n, "steps": steps,
-           "agree": sum(a == b for a, b in zip(ours, theirs["tokens"], strict=True)),
-           "first_divergence": first}
+           "agree": steps if first is None else first, "first_divergence": first}
     if first is not None:
         row["baton_margin"] = round(our_margins[first], 4)
         row["llamacpp_margin"] = round(theirs["margins"][first], 4)
