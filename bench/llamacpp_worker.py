@@ -37,6 +37,7 @@ class Peer:
         cp.n_ctx, cp.n_seq_max = n_ctx, n_seq
         cp.n_batch = cp.n_ubatch = 2048
         cp.n_threads = cp.n_threads_batch = threads
+        cp.kv_unified = True  # one cell pool for all sequences: a 2k prompt fits beside 32
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} x {n_seq}")
