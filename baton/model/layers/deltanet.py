@@ -98,15 +98,10 @@ class GatedDeltaNet(nn.Module):
         return conv, rec.float()
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv + SiLU: window [..., C, K-1+n] -> [..., C, n]; K shifted
-        multiply-adds, the same formula (so rounding) for prefill and the decode step."""
-        w = self.conv1d.weight[:, 0].to(window.dtype)
-        K = w.shape[1]
-        n = window.shape[-1] - K + 1
-        out = window[..., 0:n] * w[:, 0:1]
-        for j in range(1, K):
-            out = out + window[..., j:j + n] * w[:, j:j + 1]
-        return F.silu(out)
+        """Depthwise causal conv + SiLU: window [b, C, K-1+n] -> [b, C, n], the op transformers
+        runs (so the same rounding) for prefill and the decode step."""
+        w = self.conv1d.weight.to(window.dtype)
+        return F.silu(F.conv1d(window, w, groups=w.shape[0]))
 
     def _qkv(self, x: torch.Tensor, lead: tuple[int, ...]):
         q, k, v = x.split(self.sections, dim=-1)
