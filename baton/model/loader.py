@@ -50,7 +50,7 @@ LOADERS: dict[str, FamilyLoader] = {
 
 
 def family_loader(cfg) -> FamilyLoader:
-    return LOADERS[getattr(cfg, "family", "nemotron_h")]
+    return LOADERS[cfg.family]
 
 
 def _class(ref: str):

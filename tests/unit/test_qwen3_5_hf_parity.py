@@ -140,6 +140,4 @@ def test_resumed_prefill_equals_one_shot(qwen_pair, cuts):
 
 def _state(pools, slot: int) -> dict[str, torch.Tensor]:
     """The slot's state tensors, every DeltaNet layer."""
-    if hasattr(pools, "state"):
-        return {k: v[:, slot] for k, v in pools.state.items()}
-    return {"conv": pools.conv[:, slot], "recurrent": pools.ssm[:, slot]}
+    return {k: v[:, slot] for k, v in pools.state.items()}

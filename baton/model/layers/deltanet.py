@@ -20,9 +20,7 @@ from baton.model.paged import StepContext
 
 def state_pool(ctx: StepContext, layer: int, name: str) -> torch.Tensor:
     """[num_slots, *shape] of state tensor `name` ("conv" / "recurrent") of global `layer`."""
-    if hasattr(ctx, "state"):
-        return ctx.state(layer, name)
-    return ctx.conv(layer) if name == "conv" else ctx.ssm(layer)  # TEMPORARY: pre-spec pools
+    return ctx.state(layer, name)
 
 
 class GatedDeltaNet(nn.Module):

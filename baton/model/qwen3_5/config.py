@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from baton.errors import ConfigError
+from baton.model.state_spec import StateTensorSpec
 
 LAYER_TYPE_TO_CHAR = {"linear_attention": "G", "full_attention": "*"}
 STATE_DTYPES = ("float32", "bfloat16", "float16")
@@ -108,10 +109,10 @@ class Qwen35Config:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
-    @property
-    def state_tensors(self) -> tuple:
-        from baton.model.state_spec import StateTensorSpec
-
+    @cached_property
+    def state_tensors(self) -> tuple[StateTensorSpec, ...]:
+        """One DeltaNet slot: the conv window [q | k | v] and the recurrent matrix, by value
+        heads (transformers' [HV, dk, dv] order), in the checkpoint's `mamba_ssm_dtype`."""
         return (
             StateTensorSpec("conv", (self.conv_dim, self.linear_conv_kernel_dim - 1),
                             sections=self.conv_sections, section_names=("q", "k", "v")),
@@ -120,27 +121,6 @@ class Qwen35Config:
                             dtype=self.state_dtype, sections=(self.linear_num_value_heads,),
                             section_names=("value_heads",)),
         )
-
-    # ---- pre-spec PoolSpec fields (TEMPORARY, removed when the state spec lands) --------------
-    @property
-    def mamba_layers(self) -> tuple[int, ...]:
-        return self.state_layers
-
-    @property
-    def conv_kernel(self) -> int:
-        return self.linear_conv_kernel_dim
-
-    @property
-    def mamba_num_heads(self) -> int:
-        return self.linear_num_value_heads
-
-    @property
-    def mamba_head_dim(self) -> int:
-        return self.linear_key_head_dim
-
-    @property
-    def ssm_state_size(self) -> int:
-        return self.linear_value_head_dim
 
     @classmethod
     def from_dict(cls, d: dict) -> Qwen35Config:

@@ -9,7 +9,6 @@ loads unchanged (the multimodal layout's `model.language_model.` prefix is mappe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -19,7 +18,7 @@ from baton.model.layers.deltanet import GatedDeltaNet
 from baton.model.layers.gated_attention import GatedAttention
 from baton.model.layers.gated_mlp import GatedMLP
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
-from baton.model.paged import AttnMeta, StepContext, decode_meta, prefill_meta, slot_context
+from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools, PoolSpec
 from baton.model.qwen3_5.config import Qwen35Config
 
@@ -107,8 +106,6 @@ class Qwen35Model(nn.Module):
         if T == 0:
             raise InvalidRequestError("prefill got no tokens: input_ids is empty")
         attn = prefill_meta(start_positions, T, block_tables, pools) if pools.has_kv else None
-        pos = torch.arange(T)[None, :] + torch.tensor(start_positions)[:, None]
-        attn = _positioned(attn, pos)
         ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in start_positions])
         h = self.model(input_ids.to(self.device), ctx, decode=False, on_layer=on_layer)
         return self.lm_head(h if all_logits else h[:, -1]).float()
@@ -120,29 +117,16 @@ class Qwen35Model(nn.Module):
         """One token for each of B sequences (token input_ids[i] at positions[i], table
         block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]."""
         _check_pools(self.config, pools)
-        attn = _positioned(decode_meta(positions, block_tables, pools) if pools.has_kv else None,
-                           positions)
+        attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
         ctx = slot_context(pools, attn, slots.tolist())
         h = self.model(input_ids.to(self.device), ctx, decode=True)
         return self.lm_head(h).float()
 
 
-@dataclass(frozen=True)
-class _PositionedMeta(AttnMeta):  # TEMPORARY until the state spec gives AttnMeta.positions
-    positions: torch.Tensor | None = None
-
-
-def _positioned(attn, positions):
-    if attn is None or getattr(attn, "positions", None) is not None:
-        return attn
-    return _PositionedMeta(**{f.name: getattr(attn, f.name) for f in fields(attn)},
-                           positions=positions)
-
-
 def _check_pools(cfg: Qwen35Config, pools: Pools) -> None:
     """Fail before any layer writes: pools must hold every attention and DeltaNet layer."""
     spec = pools.spec
-    held_state = getattr(spec, "state_layers", None) or getattr(spec, "mamba_layers", ())
+    held_state = spec.state_layers
     if spec.attn_layers == cfg.attention_layers and tuple(held_state) == cfg.state_layers:
         return
     missing = sorted(set(cfg.attention_layers) - set(spec.attn_layers)
