@@ -133,3 +133,26 @@ def test_six_turn_chat_reuses_prompt_and_answer_every_turn(setup):
     assert [r["token_ids"] for r in [*results, res]] == \
         [r["token_ids"] for r in local(setup, [*specs, big])]
     assert_clean(cluster)
+
+
+def test_openai_chat_uses_the_checkpoints_qwen_template(setup):
+    openai = pytest.importorskip("openai")
+    from baton.model.chat_template import load_chat_template
+    from baton.model.tokenizer import load_tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."}]
+    text = load_chat_template(setup["model"]).render(messages)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour."
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    tok = load_tokenizer(setup["model"])
+    ids = tok.encode(text)
+    (want,) = local(setup, [RequestSpec("chat-local", prompt_ids=ids, sampling=greedy(7))])
+    client = openai.OpenAI(base_url=f"{setup['cluster'].http_address}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="qwen", messages=messages, max_tokens=7,
+                                       temperature=0, extra_body={"ignore_eos": True,
+                                                                  "return_token_ids": True})
+    assert r.choices[0].token_ids == want["token_ids"]
+    assert r.choices[0].message.content == tok.decode(want["token_ids"])
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 7)
