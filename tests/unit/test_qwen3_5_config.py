@@ -82,3 +82,20 @@ def test_missing_or_misshaped_tensor_names_it(tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
         load_model(out)
+
+
+def test_recurrent_state_stays_float32_in_a_bfloat16_model(tmp_path):
+    import torch
+
+    from baton.model.loader import load_model
+
+    model = load_model(write_checkpoint(tmp_path / "bf16", seed=2), dtype=torch.bfloat16)
+    pools = model.make_pools(num_blocks=4, tokens_per_block=16, num_slots=2)
+    assert pools.state["recurrent"].dtype == torch.float32
+    assert pools.state["conv"].dtype == pools.kv.dtype == torch.bfloat16
+    assert model.model.layers[0].linear_attn.A_log.dtype == torch.float32
+    ids = torch.arange(3, 40)
+    first = model.prefill(ids, 0, [0, 1, 2], 1, pools).argmax()
+    logits = model.decode(first[None], torch.tensor([37]), [[0, 1, 2]], torch.tensor([1]), pools)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert pools.state["recurrent"][:, 1].abs().sum() > 0 and pools.state["recurrent"][:, 0].abs().sum() == 0
