@@ -116,6 +116,8 @@ def test_six_turn_chat_reuses_prompt_and_answer_every_turn(setup):
     # a large increment goes through a prefill worker. The decode worker ships each turn's
     # decode-end state back to a prefill worker (decode-end copy-back); on that worker the
     # increment restores the whole history, elsewhere turn 0's prompt snapshot (20 tokens).
+    # A pipeline-parallel prefill worker refuses pulls (prefill_worker/snapshots.py: not built
+    # yet), so when turn 0 went through the PP-2 worker the PP-1 one adopts them.
     deadline = time.monotonic() + 20
     while sum(_adopted(cluster).values()) < 5 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -127,7 +129,8 @@ def test_six_turn_chat_reuses_prompt_and_answer_every_turn(setup):
     assert res["prefill_worker"] != "", res
     if res["prefill_worker"] in adopters:
         assert res["cached_tokens"] == len(history), res
-    else:  # KNOWN: routed to turn 0's prefill worker (the PP-2 one), not the adopting one
+    else:  # routed to turn 0's prefill worker, the PP-2 one, not to the adopting one
+        assert int(res["prefill_worker"].split("-")[-2]) == setup["pp2"], res
         assert res["prefill_worker"] == results[0]["prefill_worker"], res
         assert res["cached_tokens"] == 20, res
     assert [r["token_ids"] for r in [*results, res]] == \
