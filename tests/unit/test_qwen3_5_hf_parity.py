@@ -31,7 +31,7 @@ QWEN_CONFIGS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
     ),
 }
-GREEDY_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 200]
+GREEDY_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 200, 1000]
 LOGIT_LENGTHS = [1, 63, 64, 65, 128, 129, 3001]
 NEW_TOKENS = 16
 TPB = 16
