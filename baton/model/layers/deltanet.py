@@ -69,7 +69,7 @@ class GatedDeltaNet(nn.Module):
         in_place = ctx.slot_range is not None
         conv = conv_pool[ctx.slot_range] if in_place else conv_pool.index_select(0, ctx.slots)
         window = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], dim=-1)
-        q, k, v = self._qkv(self._conv(window)[..., 0], (b,))
+        q, k, v = self._qkv(self._conv_step(window), (b,))
         conv.copy_(window[:, :, 1:])
         g, beta = self._gates(h)
         live = in_place and rec_pool.dtype == torch.float32
@@ -100,6 +100,15 @@ class GatedDeltaNet(nn.Module):
         runs (so the same rounding) for prefill and the decode step."""
         w = self.conv1d.weight.to(window.dtype)
         return F.silu(F.conv1d(window, w, groups=w.shape[0]))
+
+    def _conv_step(self, window: torch.Tensor) -> torch.Tensor:
+        """The conv + SiLU of one new token per sequence: window [b, C, K] -> [b, C], as K
+        multiply-adds (a conv kernel call costs more than the whole sum at this size)."""
+        w = self.conv1d.weight[:, 0].to(window.dtype)
+        out = window[..., 0] * w[:, 0]
+        for j in range(1, w.shape[1]):
+            out = out + window[..., j] * w[:, j]
+        return F.silu(out)
 
     def _qkv(self, x: torch.Tensor, lead: tuple[int, ...]):
         q, k, v = x.split(self.sections, dim=-1)
