@@ -133,6 +133,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: Qwen35Config, gen) -> torch.Te
         return normal(1.0)
     if name == "lm_head.weight":
         return normal(1.5 / math.sqrt(cfg.hidden_size))
+    if name.endswith(".bias"):
+        return normal(0.1)
     if name.endswith(".A_log"):
         return torch.log(0.1 + 3.9 * torch.rand(shape, generator=gen))
     if name.endswith(".dt_bias"):
