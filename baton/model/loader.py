@@ -13,12 +13,14 @@ from baton.errors import ConfigError
 from baton.model.config import load_config
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
+from baton.model.stacking import ExpertStacks
 from baton.model.stage import StageModel
 
 log = logging.getLogger("baton.model")
 
-# Tiny per-head Mamba parameters stay float32 in any model dtype (see Mamba2Mixer).
-FP32_SUFFIXES = (".A_log", ".D", ".dt_bias")
+# Tiny per-head Mamba parameters and the MoE router stay float32 in any model dtype (see
+# Mamba2Mixer; transformers keeps `gate.weight` and `e_score_correction_bias` float32 too).
+FP32_SUFFIXES = (".A_log", ".D", ".dt_bias", ".gate.weight", ".gate.e_score_correction_bias")
 # transformers' in-memory names; checkpoints on disk use `backbone.`.
 PREFIX_ALIASES = {"model.": "backbone."}
 
@@ -86,6 +88,7 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def _read_tensors(path, expected, cfg, device, dtype):
     state, unexpected = {}, []
+    stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
@@ -93,20 +96,24 @@ def _read_tensors(path, expected, cfg, device, dtype):
                 if ours == "backbone.embeddings.weight" and cfg.tie_word_embeddings \
                         and ours not in expected and "lm_head.weight" in expected:
                     ours = "lm_head.weight"  # a last stage without embeddings, tied head
+                if stacks.claim(ours, name, file):
+                    continue
                 if ours not in expected:
                     unexpected.append(name)
                     continue
                 _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
                 want = torch.float32 if ours.endswith(FP32_SUFFIXES) else dtype
                 state[ours] = f.get_tensor(name).to(device=device, dtype=want)
+    stacks.load(state, device, dtype)
     if cfg.tie_word_embeddings and "backbone.embeddings.weight" in state:
         state.setdefault("lm_head.weight", state["backbone.embeddings.weight"])
     missing = [k for k in expected if k not in state]
     if missing:
+        latent = [k for k in missing if "_latent_proj." in k]
+        why = f"moe_latent_size={cfg.moe_latent_size}" if latent else f"pattern {cfg.pattern!r}"
         raise ConfigError(
-            f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''} required by its config.json "
-            f"(pattern {cfg.pattern!r})"
+            f"checkpoint {str(path)!r} is missing tensor(s) {(latent or missing)[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} required by its config.json ({why})"
         )
     return state, unexpected
 
