@@ -153,3 +153,10 @@ class MoE(nn.Module):
         if self.latent:
             h = self.fc2_latent_proj(h)
         return h.view(shape) + self.shared_experts(x)
+
+
+def routed_tokens(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert since start, by global layer id, for every MoE layer of
+    `model` (a whole model or one pipeline stage)."""
+    return {m.layer_idx: m.routed_tokens.tolist() for m in model.modules()
+            if isinstance(getattr(m, "routed_tokens", None), torch.Tensor)}

@@ -1,0 +1,118 @@
+"""`bench engine` MoE rows: Baton's model forward vs transformers' on one MoE NemotronH and
+its dense twin (same pattern with `-` where the MoE has `E`), same threads, side by side.
+
+Two phases: decode of one token for each of 32 sequences (after a short prompt), and a
+prefill of 2048 tokens. Besides tokens/s each row gives the active parameters per token and
+their product (`active_gparam_tok_s`: parameter-tokens per second, equal for the two models
+when routing costs nothing), so the price of routing is visible.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from bench.common import cache_dir
+
+DENSE = "M-M*M-M-M*M-M-M*M-"
+MOE = DENSE.replace("-", "E")
+SHAPE = dict(preset="100m", seed=1, n_routed_experts=32, num_experts_per_tok=4,
+             moe_intermediate_size=512, moe_shared_expert_intermediate_size=1024)
+
+
+def checkpoints(quick: bool) -> dict[str, object]:
+    from baton.model.make_model import write_checkpoint
+
+    pattern = (DENSE[:6], MOE[:6]) if quick else (DENSE, MOE)
+    out = {}
+    for name, pat in zip(("dense", "moe"), pattern, strict=True):
+        path = cache_dir() / f"bench-{name}-{len(pat)}-v1"
+        if not (path / "config.json").is_file():
+            write_checkpoint(path, pattern=pat, **SHAPE)
+        out[name] = path
+    return out
+
+
+def active_params(model) -> int:
+    """Parameters one token touches: all but the unchosen experts and the embedding table."""
+    cfg = model.config
+    total = sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    for i in cfg.moe_layers:
+        ex = model.backbone.layers[i].mixer.experts
+        per_expert = (ex.up_proj.numel() + ex.down_proj.numel()) // cfg.n_routed_experts
+        total -= per_expert * (cfg.n_routed_experts - cfg.num_experts_per_tok)
+    return total
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _baton_times(model, batch: int, prompt: int, prefill: int, reps: int) -> tuple[float, float]:
+    tpb = 16
+    per = -(-(prompt + reps + 2) // tpb)
+    pools = model.make_pools(batch * per + prefill // tpb + 1, tpb, batch + 1)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    ids = torch.randint(3, 1000, (batch, prompt))
+    model.prefill_batch(ids, [0] * batch, tables, list(range(batch)), pools)
+    pos = torch.full((batch,), prompt)
+    slots = torch.arange(batch)
+    tok = torch.randint(3, 1000, (batch,))
+
+    def step():  # the same position each time: the state moves on, the cost does not
+        model.decode(tok, pos, tables, slots, pools)
+
+    long_ids = torch.randint(3, 1000, (prefill,))
+    long_table = list(range(batch * per, batch * per + prefill // tpb + 1))
+    return _best(step, reps), _best(
+        lambda: model.prefill(long_ids, 0, long_table, batch, pools), max(1, reps // 2))
+
+
+def _hf_times(path, batch: int, prompt: int, prefill: int, reps: int) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.randint(3, 1000, (batch, prompt))
+    with torch.inference_mode():
+        cache = hf(ids, use_cache=True).past_key_values
+        tok = torch.randint(3, 1000, (batch, 1))
+
+        def step():
+            hf(tok, past_key_values=cache, use_cache=True)
+
+        long_ids = torch.randint(3, 1000, (1, prefill))
+        return _best(step, reps), _best(lambda: hf(long_ids, use_cache=False), max(1, reps // 2))
+
+
+def run_rows(quick: bool) -> list[dict]:
+    from baton.model.loader import load_model
+
+    batch, prompt = 32, 32
+    prefill, reps = (256, 2) if quick else (2048, 4)
+    rows = []
+    for name, path in checkpoints(quick).items():
+        model = load_model(path)
+        active = active_params(model)
+        b_dec, b_pre = _baton_times(model, batch, prompt, prefill, reps)
+        del model
+        h_dec, h_pre = _hf_times(path, batch, prompt, prefill, reps)
+        for phase, tokens, b, h in (("decode-b32", batch, b_dec, h_dec),
+                                    (f"prefill-{prefill}", prefill, b_pre, h_pre)):
+            row = {
+                "benchmark": "engine", "label": f"{name}-{phase}", "model": name,
+                "phase": phase, "threads": torch.get_num_threads(),
+                "active_params_m": round(active / 1e6, 2),
+                "baton_tok_s": round(tokens / b, 1), "hf_tok_s": round(tokens / h, 1),
+                "ratio": round(h / b, 2), "target_ratio": 2.0,
+                "active_gparam_tok_s": round(tokens / b * active / 1e9, 2),
+            }
+            print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
