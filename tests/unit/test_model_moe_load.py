@@ -134,3 +134,23 @@ def test_moe_and_mlp_stage_holds_no_pools(model_moe_dir, model_moe):
     assert sorted(stage.backbone.layers) == ["3", "4", "5"]
     assert torch.equal(stage.backbone.layers["3"].mixer.experts.down_proj,
                        model_moe.backbone.layers[3].mixer.experts.down_proj)
+
+
+def test_top_expert_share_gauge_and_stats_counters(model_moe_dir):
+    from types import SimpleNamespace
+
+    from baton.worker.load import expert_load
+    from baton.worker.metrics import _ExpertCollector
+
+    model = load_model(model_moe_dir)
+    _logits(model, n=40)
+    engine = SimpleNamespace(model=model)
+    loop = SimpleNamespace(engine=engine, call=lambda fn, *a: fn(*a))
+    load = expert_load(engine)
+    assert sorted(load) == [1, 3, 5]
+    (fam,) = _ExpertCollector("decode", loop).collect()
+    shares = {s.labels["layer"]: s.value for s in fam.samples}
+    assert shares == {str(i): max(load[i]) / (40 * 3) for i in (1, 3, 5)}
+    assert all(1 / 8 <= v < 1 for v in shares.values())
+    dense = SimpleNamespace(config=ModelConfig.from_dict(checkpoint_config("tiny")))
+    assert expert_load(SimpleNamespace(model=dense)) == {}  # no MoE layer: nothing to ask
