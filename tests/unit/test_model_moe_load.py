@@ -125,10 +125,10 @@ def test_expert_load_counts_every_routed_token(model_moe_dir):
 
 def test_moe_and_mlp_stage_holds_no_pools(model_moe_dir, model_moe):
     cfg = model_moe.config
-    assert cfg.moe_layers == (1, 3, 5) and cfg.mamba_layers == (0,)
+    assert cfg.moe_layers == (1, 3, 5) and cfg.state_layers == (0,)
     spec = PoolSpec.for_model(cfg, num_blocks=8, tokens_per_block=16, num_slots=2,
                               layers=range(3, 6))
-    assert spec.attn_layers == () and spec.mamba_layers == ()
+    assert spec.attn_layers == () and spec.state_layers == ()
     assert (spec.num_blocks, spec.num_slots) == (0, 0)
     stage = load_stage(model_moe_dir, range(3, 6), first=False, last=True)
     assert sorted(stage.backbone.layers) == ["3", "4", "5"]
