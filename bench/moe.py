@@ -46,49 +46,54 @@ def active_params(model) -> int:
     return total
 
 
-def _best(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _baton_times(model, batch: int, prompt: int, prefill: int, reps: int) -> tuple[float, float]:
-    tpb = 16
-    per = -(-(prompt + reps + 2) // tpb)
+def _baton_steps(model, batch: int, prompt: int, prefill: int):
+    """(one decode step of `batch` sequences, one prefill of `prefill` tokens) closures."""
+    tpb, room = 16, 64
+    per = -(-(prompt + room) // tpb)
     pools = model.make_pools(batch * per + prefill // tpb + 1, tpb, batch + 1)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     ids = torch.randint(3, 1000, (batch, prompt))
     model.prefill_batch(ids, [0] * batch, tables, list(range(batch)), pools)
-    pos = torch.full((batch,), prompt)
-    slots = torch.arange(batch)
+    pos, slots = torch.full((batch,), prompt), torch.arange(batch)
     tok = torch.randint(3, 1000, (batch,))
-
-    def step():  # the same position each time: the state moves on, the cost does not
-        model.decode(tok, pos, tables, slots, pools)
-
     long_ids = torch.randint(3, 1000, (prefill,))
     long_table = list(range(batch * per, batch * per + prefill // tpb + 1))
-    return _best(step, reps), _best(
-        lambda: model.prefill(long_ids, 0, long_table, batch, pools), max(1, reps // 2))
+    # the same position each step: the state moves on, the cost does not
+    return (lambda: model.decode(tok, pos, tables, slots, pools),
+            lambda: model.prefill(long_ids, 0, long_table, batch, pools))
 
 
-def _hf_times(path, batch: int, prompt: int, prefill: int, reps: int) -> tuple[float, float]:
+def _hf_steps(path, batch: int, prompt: int, prefill: int):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = torch.randint(3, 1000, (batch, prompt))
     with torch.inference_mode():
         cache = hf(ids, use_cache=True).past_key_values
-        tok = torch.randint(3, 1000, (batch, 1))
+    tok = torch.randint(3, 1000, (batch, 1))
+    long_ids = torch.randint(3, 1000, (1, prefill))
 
-        def step():
+    def decode():
+        with torch.inference_mode():
             hf(tok, past_key_values=cache, use_cache=True)
 
-        long_ids = torch.randint(3, 1000, (1, prefill))
-        return _best(step, reps), _best(lambda: hf(long_ids, use_cache=False), max(1, reps // 2))
+    def pre():
+        with torch.inference_mode():
+            hf(long_ids, use_cache=False)
+
+    return decode, pre
+
+
+def _best_interleaved(fns: dict, reps: int) -> dict[str, float]:
+    """Best time of each closure over `reps` rounds, the closures alternating within a round
+    (so a neighbour's load on the shared box hits both sides alike)."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
 
 
 def run_rows(quick: bool) -> list[dict]:
@@ -100,9 +105,11 @@ def run_rows(quick: bool) -> list[dict]:
     for name, path in checkpoints(quick).items():
         model = load_model(path)
         active = active_params(model)
-        b_dec, b_pre = _baton_times(model, batch, prompt, prefill, reps)
-        del model
-        h_dec, h_pre = _hf_times(path, batch, prompt, prefill, reps)
+        b_dec, b_pre = _baton_steps(model, batch, prompt, prefill)
+        h_dec, h_pre = _hf_steps(path, batch, prompt, prefill)
+        dec = _best_interleaved({"baton": b_dec, "hf": h_dec}, 2 * reps)
+        pre = _best_interleaved({"baton": b_pre, "hf": h_pre}, reps)
+        b_dec, h_dec, b_pre, h_pre = dec["baton"], dec["hf"], pre["baton"], pre["hf"]
         for phase, tokens, b, h in (("decode-b32", batch, b_dec, h_dec),
                                     (f"prefill-{prefill}", prefill, b_pre, h_pre)):
             row = {
