@@ -1,4 +1,5 @@
-"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`."""
+"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`;
+then the MoE rows (`bench/moe.py`: forward vs transformers', MoE next to dense, load RSS)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def run(args) -> list[dict]:
             }
             print(f"[bench engine] {row}", file=sys.stderr, flush=True)
             rows.append(row)
-    return rows
+    from bench import moe
+
+    return rows + moe.run_rows(quick) + [moe.load_rss_row(quick)]
 
 
 def _vocab(path) -> int:

@@ -123,3 +123,53 @@ def run_rows(quick: bool) -> list[dict]:
             print(f"[bench engine] {row}", file=sys.stderr, flush=True)
             rows.append(row)
     return rows
+
+
+LOAD_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from baton.model.loader import checkpoint_files, load_model
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key = line.split(":")[0]
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(line.split()[1]) * 1024
+    return out
+
+path = Path(sys.argv[1])
+size = sum(f.stat().st_size for f in checkpoint_files(path))
+start = status()["VmRSS"]
+t0 = time.perf_counter()
+load_model(path)
+print(json.dumps({"bytes": size, "start": start, "peak": status()["VmHWM"],
+                  "seconds": time.perf_counter() - t0}))
+"""
+
+
+def load_rss_row(quick: bool) -> dict:
+    """Peak RSS of a fresh process loading a per-expert (published layout) checkpoint of a
+    few GB, against the checkpoint's bytes (target: at most 1.2x)."""
+    import json
+    import os
+    import subprocess
+
+    from baton.model.make_model import write_checkpoint
+
+    shape = dict(preset="tiny", n_routed_experts=16) if quick else \
+        dict(preset="100m", n_routed_experts=64, num_experts_per_tok=6)
+    path = cache_dir() / f"bench-moe-load-{shape['preset']}-v1"
+    if not (path / "config.json").is_file():
+        write_checkpoint(path, pattern="MEM*E-MEME", seed=2, **shape)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(path)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    row = {"benchmark": "engine", "label": "moe-load-rss", "checkpoint_gb": round(r["bytes"] / 1e9, 3),
+           "peak_rss_gb": round(r["peak"] / 1e9, 3),
+           "peak_ratio": round(r["peak"] / r["bytes"], 3),
+           "peak_over_start_ratio": round((r["peak"] - r["start"]) / r["bytes"], 3),
+           "load_s": round(r["seconds"], 1), "target_ratio": 1.2}
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+    return row
