@@ -33,6 +33,9 @@ class FamilyLoader(NamedTuple):
     """The embedding table's name (a tied LM head reads it)."""
     skipped: dict[str, str] = {}
     """Checkpoint prefix -> what it is: tensors Baton does not serve, named once in the log."""
+    splits: dict[str, str] = {}
+    """Checkpoint name suffix -> `module:function` (config, name, tensor) -> {name: tensor}:
+    one checkpoint tensor that is several of the model's (Qwen3-Next's fused projections)."""
 
 
 LOADERS: dict[str, FamilyLoader] = {
@@ -50,6 +53,14 @@ LOADERS: dict[str, FamilyLoader] = {
         {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"},
     ),
 }
+LOADERS["qwen3_5_moe"] = LOADERS["qwen3_5"]  # the same layers, a MoE block as their `mlp`
+LOADERS["qwen3_next"] = FamilyLoader(
+    "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
+    {}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
+    {"mtp.": "the multi-token-prediction head"},
+    {".in_proj_qkvz.weight": "baton.model.qwen3_next.convert:split_projection",
+     ".in_proj_ba.weight": "baton.model.qwen3_next.convert:split_projection"},
+)
 
 
 def family_loader(cfg) -> FamilyLoader:
@@ -139,6 +150,16 @@ def _read_tensors(path, expected, cfg, device, dtype):
                         and ours not in expected and "lm_head.weight" in expected:
                     ours = "lm_head.weight"  # a last stage without embeddings, tied head
                 if stacks.claim(ours, name, file):
+                    continue
+                split = next((fn for suffix, fn in fam.splits.items() if ours.endswith(suffix)),
+                             None)
+                if split is not None:
+                    parts = _class(split)(cfg, ours, f.get_tensor(name))
+                    kept = {k: v for k, v in parts.items() if k in expected}
+                    for k, v in kept.items():
+                        _check_shape(k, tuple(v.shape), expected[k], file)
+                        state[k] = v.to(device=device, dtype=dtype)
+                    unexpected += [] if kept else [name]
                     continue
                 if ours not in expected:
                     unexpected.append(name)

@@ -95,6 +95,10 @@ def _moe_defaults(d: dict) -> dict:
     )
 
 
+FAMILIES = ("nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+"""What make-model writes (`--family`)."""
+
+
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
                      family: str = "nemotron_h", **fields) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
@@ -107,8 +111,12 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
         from baton.model.qwen3_5.make import write_checkpoint as write_qwen
 
         return write_qwen(out_dir, preset=preset, seed=seed, **fields)
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        from baton.model.qwen3_5.moe_make import write_checkpoint as write_qwen_moe
+
+        return write_qwen_moe(out_dir, family=family, preset=preset, seed=seed, **fields)
     if family != "nemotron_h":
-        raise ValueError(f"family={family!r}: make-model writes 'nemotron_h' or 'qwen3_5'")
+        raise ValueError(f"family={family!r}: make-model writes one of {list(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(preset, **fields)

@@ -18,24 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers.gated_mlp import GatedMLP
 from baton.model.layers.mlp import activation
 from baton.model.layers.moe import Routing, run_experts, softmax_topk
-
-
-class SwiGLU(nn.Module):
-    """down(act(gate(x)) * up(x)), no biases: Qwen's dense MLP and shared expert."""
-
-    stateless = True
-
-    def __init__(self, hidden: int, width: int, act: str = "silu"):
-        super().__init__()
-        self.act = activation(act)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GatedExperts(nn.Module):
@@ -62,7 +47,7 @@ class QwenSparseMoe(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.gate = nn.Linear(h, cfg.num_experts, bias=False)
         self.experts = GatedExperts(cfg.num_experts, h, width)
-        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size, cfg.hidden_act)
+        self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         # explicit device: the model is built on "meta" before its weights are assigned
         self.routed_tokens = torch.zeros(cfg.num_experts, dtype=torch.long, device="cpu")
@@ -83,6 +68,14 @@ class QwenSparseMoe(nn.Module):
         self.routed_tokens += counts
         shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).view(shape)
+
+
+def feed_forward(cfg, layer: int) -> nn.Module:
+    """Layer `layer`'s `mlp`: the MoE block where the family's config puts one (its
+    `moe_layers`), else the dense SwiGLU."""
+    if layer in getattr(cfg, "moe_layers", ()):
+        return QwenSparseMoe(cfg, layer, renormalize=cfg.norm_topk_prob)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 def is_sparse_layer(cfg, layer: int) -> bool:
