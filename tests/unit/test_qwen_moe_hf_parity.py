@@ -10,6 +10,8 @@ projections).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -19,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from baton.model.layers.qwen_moe import QwenSparseMoe  # noqa: E402
 from baton.model.loader import load_model  # noqa: E402
 from baton.model.make_model import write_checkpoint  # noqa: E402
+from baton.worker.load import expert_load  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
@@ -82,6 +85,9 @@ def test_prefill_logits_match_hf_at_every_position(qwen_moe_pair):
     assert (ours - ref).abs().max().item() < 1e-4
     moe = [m for m in model.modules() if isinstance(m, QwenSparseMoe)]
     assert all(m.routed_tokens.sum().item() >= 2048 * 3 for m in moe)
+    load = expert_load(SimpleNamespace(model=model))  # what the worker's Stats report
+    assert sorted(load) == list(model.config.moe_layers)
+    assert all(sum(c) == moe[0].routed_tokens.sum().item() for c in load.values())
 
 
 def test_batched_prefill_matches_hf_batch(qwen_moe_pair):
