@@ -142,7 +142,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: Qwen35Config, gen) -> torch.Te
     if "conv1d" in name:
         bound = 1 / math.sqrt(cfg.linear_conv_kernel_dim)
         return (2 * torch.rand(shape, generator=gen) - 1) * bound
-    std = 1 / math.sqrt(shape[1])
-    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+    std = 1 / math.sqrt(shape[-1])  # fan-in (the last axis; MoE experts are [E, out, in])
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight",
+                      "experts.down_proj")):
         std /= math.sqrt(cfg.num_layers)  # keep the residual stream from growing with depth
     return normal(std)
