@@ -18,6 +18,7 @@ from baton.contract.types import (
     SnapshotEvent,
     SnapshotShipment,
     StageInfo,
+    TokenLogprob,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -28,5 +29,5 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
     "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent",
-    "SnapshotShipment", "StageInfo", "WorkerInfo", "WorkerLoad", "WorkerView",
+    "SnapshotShipment", "StageInfo", "TokenLogprob", "WorkerInfo", "WorkerLoad", "WorkerView",
 ]
