@@ -28,16 +28,18 @@ def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOu
     one stream message carries all tokens that are ready (while the reader is slower than the
     engine, messages grow instead of queueing up). Returns the chunk and the last output."""
     out = box.get()
-    tokens = list(out.new_token_ids)
+    tokens, logprobs = list(out.new_token_ids), list(out.logprobs)
     while not out.finished:
         try:
             out = box.get_nowait()
         except queue.Empty:
             break
         tokens.extend(out.new_token_ids)
+        logprobs.extend(out.logprobs)
     if not out.finished:
-        return DecodeChunk(tuple(tokens)), out
-    return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens), out
+        return DecodeChunk(tuple(tokens), logprobs=tuple(logprobs)), out
+    return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens,
+                       logprobs=tuple(logprobs)), out
 
 
 class DecodeService:

@@ -165,7 +165,8 @@ class PrefillService:
             m.generation_tokens.labels(m.role).inc(len(out.new_token_ids))
             reason = out.finish_reason
             result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None,
-                                   reason)
+                                   reason, out.logprobs[0] if out.logprobs else None,
+                                   out.prompt_logprobs)
             if result.finished:
                 outcome = reason.value
                 # bytes may have gone out (or been granted) for a request that needs none

@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 from baton.contract import GenerateInput, Role, SamplingParams
 from baton.errors import BatonError, InvalidRequestError
 from baton.model.chat_template import ChatTemplate
+from router.http import tokens
 from router.http.answer import Answer, ChatShape, CompletionShape, Shape
 from router.http.bridge import Chunks, watch_disconnect
 from router.http.errors import (
@@ -40,7 +41,8 @@ from router.http.errors import (
     from_validation,
     param_of,
 )
-from router.http.schemas import ChatCompletionRequest, CompletionRequest
+from router.http.logprobs import LogprobView, token_text
+from router.http.schemas import MAX_N, ChatCompletionRequest, CompletionRequest
 from router.http.stops import StopStrings
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
@@ -104,16 +106,24 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest, ctx)
-        prompt = await _off_loop(ctx, _completion_prompt, ctx, body.prompt)
-        max_tokens = _fit(ctx, len(prompt), body.max_tokens, "prompt")
-        return await _generate(ctx, request, body, prompt, max_tokens, CompletionShape)
+        prompts = await _off_loop(ctx, _completion_prompts, ctx, body.prompt)
+        limits = [_fit(ctx, len(p), max(1, body.max_tokens), "prompt") for p, _ in prompts]
+        return await _generate(ctx, request, body, prompts, limits, CompletionShape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
         prompt = await _off_loop(ctx, _chat_prompt, ctx, body)
-        max_tokens = _fit(ctx, len(prompt), body.limit, "messages")
-        return await _generate(ctx, request, body, prompt, max_tokens, ChatShape)
+        limit = _fit(ctx, len(prompt), body.limit, "messages")
+        return await _generate(ctx, request, body, [(prompt, "")], [limit], ChatShape)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokens.tokenize(ctx, await _read_body(request, ctx.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokens.detokenize(ctx, await _read_body(request, ctx.max_body_bytes))
 
     @app.get("/v1/models")
     async def models():
@@ -181,19 +191,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _completion_prompt(ctx: HttpContext, prompt) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; "
-                           "send one prompt per request", "prompt", "unsupported_parameter")
-        prompt = prompt[0]
-    ids = _encode(ctx, prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
+def _completion_prompts(ctx: HttpContext, prompt) -> list[tuple[list[int], str]]:
+    """(token ids, text) of each prompt of the request (a string, ids, or a list of either)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
         raise ApiError(400, "prompt is empty: send a non-empty prompt", "prompt")
-    bad = [t for t in ids if not 0 <= t < 2**31]
-    if bad:
-        raise ApiError(400, f"prompt: token ids must be in [0, 2^31), got {bad[:5]}", "prompt")
-    return ids
+    if len(prompt) > MAX_N:
+        raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is over the limit of "
+                       f"{MAX_N}; split it", "prompt")
+    out = []
+    for p in prompt:
+        ids = _encode(ctx, p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, "prompt is empty: send a non-empty prompt", "prompt")
+        bad = [t for t in ids if not 0 <= t < 2**31]
+        if bad:
+            raise ApiError(400, f"prompt: token ids must be in [0, 2^31), got {bad[:5]}",
+                           "prompt")
+        out.append((ids, p if isinstance(p, str) else None))
+    return out
 
 
 def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
@@ -201,7 +218,7 @@ def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+                for m in body.messages]  # content parts: their texts joined (schemas.py)
     ids = _encode(ctx, ctx.chat_template.render(messages))
     if not ids:
         raise ApiError(400, "messages: the rendered prompt is empty", "messages")
@@ -231,47 +248,108 @@ def _fit(ctx: HttpContext, prompt_len: int, max_tokens: int | None, param: str) 
     return max_tokens
 
 
-def _sampling(body, max_tokens: int) -> SamplingParams:
+def _sampling(body, max_tokens: int, sample: int) -> SamplingParams:
+    """The engine's parameters for choice `sample` of a prompt (seeded: seed + sample)."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if chat:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    seed = None if body.seed is None else (body.seed + sample) % 2**63
     s = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0, seed=body.seed,
+        top_k=body.top_k or 0, seed=seed,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items())),
+        min_tokens=min(body.min_tokens, max_tokens),
     )
     try:
-        s.validate()
+        s.validate()  # the workers check token ids against their vocabulary
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param_of(str(e))) from None
     return s
 
 
-async def _generate(ctx: HttpContext, request: Request, body, prompt: list[int],
-                    max_tokens: int, shape_cls: type[Shape]):
-    shape = shape_cls(ctx.model_name, body.return_token_ids)
-    inp = GenerateInput(shape.id, tuple(prompt), None, _sampling(body, max_tokens),
-                        body.session_id or "")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+@dataclass
+class _Choice:
+    """One answer of the response, and the request that computes it."""
+
+    answer: Answer
+    chunks: Chunks
+
+
+class _All:
+    """Cancels every choice's request (a client that disconnects)."""
+
+    def __init__(self, choices: list[_Choice]):
+        self.choices = choices
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            c.chunks.cancel.cancel()
+
+
+async def _generate(ctx: HttpContext, request: Request, body, prompts: list[tuple[list[int], str]],
+                    limits: list[int], shape_cls: type[Shape]):
+    n = body.n or 1
+    if len(prompts) * n > MAX_N:
+        raise ApiError(400, f"n: {len(prompts)} prompts x n={n} choices is over the limit of "
+                       f"{MAX_N} choices a request", "n")
     tok = ctx.orchestrator.tokenizer
-    answer = Answer(StopStrings(stops), len(prompt), body.session_id or "",
-                    tok.decode if tok is not None else None)
-    chunks = Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"), ctx.pool)
-    watcher = asyncio.create_task(watch_disconnect(request, chunks.cancel))
-    try:
-        first = await chunks.next_batch()  # errors before the first token keep their status
-    except BaseException:
-        _end(chunks, watcher, answer)
-        raise
+    wants_lp = getattr(body, "logprobs", None) not in (None, False)
+    shape = shape_cls(ctx.model_name, body.return_token_ids,
+                      LogprobView(token_text(tok)) if wants_lp else None)
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    echo = bool(getattr(body, "echo", False))
+    choices: list[_Choice] = []
+    for i, ((prompt, text), limit) in enumerate(zip(prompts, limits, strict=True)):
+        sampling = [_sampling(body, limit, j) for j in range(n)]
+        for j in range(n):
+            index = i * n + j
+            rid = shape.id if len(prompts) * n == 1 else f"{shape.id}-{index}"
+            inp = GenerateInput(rid, tuple(prompt), None, sampling[j], body.session_id or "")
+            answer = Answer(StopStrings(stops), len(prompt), body.session_id or "",
+                            tok.decode if tok is not None else None, index=index,
+                            counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
+            if echo:
+                answer.echo_ids = list(prompt)
+                answer.echo_text = text if text is not None else (
+                    tok.decode(prompt) if tok is not None else "")
+            choices.append(_Choice(answer, Chunks(ctx.orchestrator, inp,
+                                                  ctx.metrics.timer("http"), ctx.pool)))
+    watcher = asyncio.create_task(watch_disconnect(request, _All(choices)))
+    # errors before the first token keep their status
+    firsts = await asyncio.gather(*(c.chunks.next_batch() for c in choices),
+                                  return_exceptions=True)
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:
+        _end_all(choices, watcher)
+        raise failed[0]
     if not body.stream:
         try:
-            await _fold(chunks, answer, first)
+            await asyncio.gather(*(_fold(c.chunks, c.answer, f)
+                                   for c, f in zip(choices, firsts, strict=True)))
         finally:
-            _end(chunks, watcher, answer)
-        return JSONResponse(shape.whole(answer))
+            _end_all(choices, watcher)
+        return JSONResponse(shape.whole([c.answer for c in choices]))
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(chunks, watcher, answer, shape, first, usage)
+    events = _merged(choices, watcher, shape, firsts, usage)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+def _end_all(choices: list[_Choice], watcher: asyncio.Task) -> None:
+    watcher.cancel()
+    for c in choices:
+        _end(c.chunks, c.answer)
 
 
 async def _fold(chunks: Chunks, answer: Answer, batch: list) -> None:
@@ -303,31 +381,59 @@ async def _settle(chunks: Chunks, answer: Answer) -> None:
         log.warning("a request ended by a stop string failed before its summary: %s", e)
 
 
-async def _events(chunks, watcher, answer: Answer, shape: Shape, batch: list, usage: bool):
+async def _merged(choices: list[_Choice], watcher, shape: Shape, firsts: list, usage: bool):
+    """Every choice's events as they come (each names its index), then usage and [DONE]."""
+    try:
+        if len(choices) == 1:
+            async for event in _events(choices[0], shape, firsts[0]):
+                yield event
+        else:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(c, first):
+                try:
+                    async for event in _events(c, shape, first):
+                        await queue.put(event)
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(c, f)) for c, f in zip(choices, firsts,
+                                                                     strict=True)]
+            try:
+                for _ in tasks:
+                    while (event := await queue.get()) is not None:
+                        yield event
+            finally:
+                for t in tasks:
+                    t.cancel()
+        if usage:
+            yield _sse(shape.usage_chunk([c.answer for c in choices]))
+    finally:
+        _end_all(choices, watcher)
+    yield "data: [DONE]\n\n"
+
+
+async def _events(c: _Choice, shape: Shape, batch: list):
+    """One choice's events; an error after the first token ends its stream with an error."""
+    chunks, answer = c.chunks, c.answer
     first = True
     try:
         while batch:
-            text, ids = "", []
-            for c in batch:
-                t, i = answer.add(c)
-                text, ids = text + t, ids + i
+            text, ids, lps = "", [], []
+            for chunk in batch:
+                t, i, lp = answer.add(chunk)
+                text, ids, lps = text + t, ids + i, lps + lp
             await _settle(chunks, answer)  # the last event carries the summary's fields
-            yield _sse(shape.chunk(text, ids, answer, first))
+            yield _sse(shape.chunk(text, ids, lps, answer, first))
             first = False
             if answer.done:
                 break
             batch = await chunks.next_batch()
-        if usage:
-            yield _sse(shape.usage_chunk(answer))
     except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream
         yield _sse(json.loads(baton_error_response(e).body))
-    finally:
-        _end(chunks, watcher, answer)
-    yield "data: [DONE]\n\n"
 
 
-def _end(chunks: Chunks, watcher: asyncio.Task, answer: Answer) -> None:
-    watcher.cancel()
+def _end(chunks: Chunks, answer: Answer) -> None:
     stopped_early = answer.finish_reason == "stop" and answer.summary is None
     chunks.close("stop" if stopped_early else None)
 
