@@ -18,6 +18,7 @@ from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
+from baton.model.tokenizer_build import write_tokenizer
 
 TINY = dict(
     hybrid_override_pattern="M*M-M*M-",
@@ -83,9 +84,12 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
     return d
 
 
-def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0, **fields) -> Path:
+def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
+                     tokenizer: bool = False, **fields) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
-    of a seeded random model into `out_dir`.
+    of a seeded random model into `out_dir`; with `tokenizer`, also a Hugging Face
+    tokenizer.json (byte-level BPE trained on the shipped text, `tokenizer_build.py`), else
+    text is the byte-level fallback.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
     """
@@ -97,6 +101,8 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    if tokenizer:
+        write_tokenizer(out, d["vocab_size"], d["max_position_embeddings"])
     return out
 
 
