@@ -278,10 +278,10 @@ def _late(rid: str, dest: Reservation) -> str:
 
 
 def handoff_bytes(layout, num_blocks: int, slot: int | None) -> int:
-    """Bytes one handoff writes: `num_blocks` KV blocks of every attention layer, plus the conv
-    and SSM state of every Mamba layer when a slot moves (this stage's layers)."""
+    """Bytes one handoff writes: `num_blocks` KV blocks of every attention layer, plus every
+    declared state tensor of every state layer when a slot moves (this stage's layers)."""
     kv, st = layout.kv, layout.state
     total = len(kv.layers) * kv.block_bytes * num_blocks if kv is not None else 0
     if st is not None and slot is not None:
-        total += len(st.layers) * (st.conv_bytes + st.ssm_bytes)
+        total += len(st.layers) * st.slot_bytes
     return total

@@ -1,4 +1,4 @@
-"""Baton's transfer layer: moves a request's KV blocks and Mamba state, prefill -> decode.
+"""Baton's transfer layer: moves a request's KV blocks and recurrent state, prefill -> decode.
 
 Facade for single-stage workers (one Receiver / Sender per stage process):
 
@@ -29,7 +29,7 @@ Facade for single-stage workers (one Receiver / Sender per stage process):
 Block tables are the full tables on both sides (same length); the first `skip_blocks`
 are already held by decode and are not sent. `endpoint` may list every stage of a
 pipeline-parallel decode worker; each stage receives the layers it owns. Slots may be
-None on Mamba-free stages. Every method is thread-safe. The layer never frees blocks:
+None on state-free stages. Every method is thread-safe. The layer never frees blocks:
 events tell the worker, whose cache manager frees or adopts them.
 
 Files: layout.py (addresses/strides), planner.py (descriptors), fingerprint.py,

@@ -15,35 +15,54 @@ import json
 import torch
 
 from baton.errors import TransferError
-from baton.model.config import ModelConfig
 from baton.model.pools import PoolSpec
 
-FIELDS = ("dtype", "tokens_per_block", "num_layers", "pattern", "kv_block_bytes",
-          "conv_sections", "conv_shape", "ssm_shape", "model")
-"""Compared in this order; `model` (a hash of every model field) last, as the catch-all."""
+HEAD_FIELDS = ("dtype", "tokens_per_block", "num_layers", "pattern", "kv_block_bytes")
+"""Compared first, in this order; then the state tensors' fields (`state_fields`), then
+`model` (a hash of every model field) last, as the catch-all."""
 
 
-def compute_fingerprint(model: ModelConfig, spec: PoolSpec) -> dict:
-    """Plain dict (msgpack-ready) describing what a cache built for `model`/`spec` holds."""
+def compute_fingerprint(model, spec: PoolSpec) -> dict:
+    """Plain dict (msgpack-ready) describing what a cache built for `model`/`spec` holds.
+
+    Per declared state tensor t: `t_sections` (only when it has more than one section: e.g.
+    conv [x | B | C]), `t_shape` and `t_dtype`, so a mismatch names the tensor and what
+    differs. `state_tensors` lists the names, in order.
+    """
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     has_attn = bool(model.attention_layers)
     kv_bytes = 2 * spec.tokens_per_block * model.num_key_value_heads * model.head_dim * itemsize
-    return {
+    out = {
         "dtype": str(spec.dtype).removeprefix("torch."),
         "tokens_per_block": spec.tokens_per_block,
         "num_layers": model.num_layers,
         "pattern": model.pattern,
         "kv_block_bytes": kv_bytes if has_attn else 0,
-        "conv_sections": list(model.conv_sections),
-        "conv_shape": [model.conv_dim, model.conv_kernel - 1],
-        "ssm_shape": [model.mamba_num_heads, model.mamba_head_dim, model.ssm_state_size],
-        "model": model_hash(model),
+        "state_tensors": [t.name for t in model.state_tensors],
     }
+    for t in model.state_tensors:
+        if len(t.widths) > 1:
+            out[f"{t.name}_sections"] = list(t.widths)
+    for t in model.state_tensors:
+        out[f"{t.name}_shape"] = list(t.shape)
+        out[f"{t.name}_dtype"] = t.dtype or "model"
+    out["model"] = model_hash(model)
+    return out
 
 
-def model_hash(model: ModelConfig) -> str:
+def fields_of(fp: dict) -> tuple[str, ...]:
+    """The fields of a fingerprint in comparison order."""
+    state = [k for k in fp if k not in HEAD_FIELDS and k != "model"]
+    order = {"_sections": 0, "_shape": 1, "_dtype": 2}
+    state.sort(key=lambda k: (0, 0) if k == "state_tensors" else
+               (1, next((v for suf, v in order.items() if k.endswith(suf)), 3)))
+    return (*HEAD_FIELDS, *state, "model")
+
+
+def model_hash(model) -> str:
     """Hash of every modelled field (the raw config.json is left out)."""
     d = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name != "raw"}
+    d["family"] = model.family
     blob = json.dumps(d, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -52,7 +71,9 @@ def mismatch(local: dict, peer: object) -> tuple[str, object, object] | None:
     """(field, local value, peer value) of the first difference, or None if compatible."""
     if not isinstance(peer, dict):
         return ("fingerprint", "a map", type(peer).__name__)
-    for f in FIELDS:
+    names = list(fields_of(local))
+    names += [k for k in fields_of(peer) if k not in names]
+    for f in names:
         a, b = local.get(f), peer.get(f)
         if _norm(a) != _norm(b):
             return (f, a, b)

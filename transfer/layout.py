@@ -14,18 +14,24 @@ Built from real `Pools`; crosses the side channel as a msgpack dict (`to_wire` /
             addr(l, b) = base + l*layer_stride + b*block_stride, block_bytes long
             (V starts k_bytes into the block)
 
-    state (conv[mamba_layer, slot, conv_dim, k-1], ssm[mamba_layer, slot, h, hd, ds])
-            conv slot = [ x | B | C ] rows, conv_section_bytes each, contiguous
-            addr(l, s) = conv_base + l*conv_layer_stride + s*conv_slot_stride
-                         ssm_base  + l*ssm_layer_stride  + s*ssm_slot_stride
+    state, one `TensorLayout` per declared state tensor t (model's `state_tensors` order):
+            t[state_layer, slot, *shape]
+    t.base ──►┌─────── local layer 0 ───────┐┌──── local layer 1 ───
+              │ slot 0 │ slot 1 │ ... │ ns-1 ││ slot 0 │ ...
+              │ s0|s1|s2 sections           ││
+              └────────┴────────┴─────┴─────┘└────────┴────
+              addr(l, s) = t.base + l*t.layer_stride + s*t.slot_stride, t.bytes long;
+              section i starts sum(t.section_bytes[:i]) into the slot
+              (NemotronH conv [ x | B | C ], ssm one section; Qwen3.5 conv [ q | k | v ],
+               recurrent one section)
 
 A stage owns *global* layer ids; `layers[i]` is the global id of local index i.
 Attention-free stage: `kv is None` (its KV head count is 0, nothing divides by it).
-Mamba-free stage: `state is None` (no slot index is needed or checked).
+State-free stage: `state is None` (no slot index is needed or checked).
 
-Units: every (layer, block) KV range and (layer, slot) conv / SSM range is one
-"unit", numbered KV first, then conv, then SSM (see `unit_table`). NIXL preps
-the whole unit table once and posts transfers by unit index.
+Units: every (layer, block) KV range and every (layer, slot) range of each state tensor is
+one "unit", numbered KV first, then each state tensor in declared order (see
+`unit_table`). NIXL preps the whole unit table once and posts transfers by unit index.
 """
 
 from __future__ import annotations
@@ -57,24 +63,41 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class TensorLayout:
+    """One declared state tensor (`StateTensorSpec`) of every state layer of a stage."""
+
+    name: str
+    """The spec's name ("conv", "ssm", "recurrent", ...)."""
+    base: int
+    """Address of tensor[0, 0] (local layer 0, slot 0)."""
+    layer_stride: int
+    slot_stride: int
+    bytes: int
+    """Bytes of one slot of one layer."""
+    section_bytes: tuple[int, ...]
+    """Bytes of the spec's sections inside one slot, in order (contiguous, they sum to
+    `bytes`): e.g. conv [x | B | C] or [q | k | v], SSM / recurrent state one section."""
+
+
+@dataclass(frozen=True)
 class StateLayout:
     layers: tuple[int, ...]
-    """Global Mamba layer ids, in local order."""
-    conv_base: int
-    """Address of conv[0, 0]."""
-    conv_layer_stride: int
-    conv_slot_stride: int
-    conv_bytes: int
-    """Bytes of one conv slot of one layer."""
-    conv_section_bytes: tuple[int, int, int]
-    """Bytes of the [x | B | C] sections inside a conv slot, in order."""
-    ssm_base: int
-    """Address of ssm[0, 0]."""
-    ssm_layer_stride: int
-    ssm_slot_stride: int
-    ssm_bytes: int
-    """Bytes of one SSM slot of one layer."""
+    """Global state layer ids, in local order."""
     num_slots: int
+    tensors: tuple[TensorLayout, ...]
+    """In the model's declared order; units follow this order."""
+
+    def tensor(self, name: str) -> TensorLayout:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise TransferError(f"no state tensor {name!r} in this layout "
+                            f"(has {[t.name for t in self.tensors]})")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of one layer, every tensor."""
+        return sum(t.bytes for t in self.tensors)
 
 
 @dataclass(frozen=True)
@@ -82,7 +105,7 @@ class StageLayout:
     kv: KVLayout | None
     """None on an attention-free stage."""
     state: StateLayout | None
-    """None on a Mamba-free stage."""
+    """None on a state-free stage."""
     dtype: str
     """torch dtype name without the `torch.` prefix, e.g. "float32"."""
     device: str
@@ -93,7 +116,7 @@ class StageLayout:
     @classmethod
     def from_pools(cls, pools: Pools) -> StageLayout:
         s = pools.spec
-        dev = pools.kv.device if pools.has_kv else pools.conv.device
+        dev = pools.kv.device
         kv = st = None
         if pools.has_kv:
             t = pools.kv
@@ -106,20 +129,9 @@ class StageLayout:
                 num_blocks=t.shape[1],
             )
         if pools.has_state:
-            c, m = pools.conv, pools.ssm
-            _require_dense(c, 2, "conv")
-            _require_dense(m, 2, "ssm")
-            it = c.element_size()
-            row = c.shape[3] * it
-            st = StateLayout(
-                layers=tuple(s.mamba_layers), conv_base=c.data_ptr(),
-                conv_layer_stride=c.stride(0) * it, conv_slot_stride=c.stride(1) * it,
-                conv_bytes=c[0, 0].numel() * it,
-                conv_section_bytes=tuple(n * row for n in s.conv_sections),
-                ssm_base=m.data_ptr(), ssm_layer_stride=m.stride(0) * it,
-                ssm_slot_stride=m.stride(1) * it, ssm_bytes=m[0, 0].numel() * it,
-                num_slots=c.shape[1],
-            )
+            st = StateLayout(layers=tuple(s.state_layers), num_slots=s.num_slots,
+                             tensors=tuple(_tensor_layout(ts, pools.state[ts.name])
+                                           for ts in s.state_tensors))
         return cls(kv=kv, state=st, dtype=str(s.dtype).removeprefix("torch."),
                    device=dev.type, device_id=dev.index or 0)
 
@@ -136,7 +148,7 @@ class StageLayout:
 
     @property
     def num_state_units(self) -> int:
-        """Conv units; SSM units are as many again."""
+        """Units of one state tensor; each declared tensor has as many."""
         return len(self.state.layers) * self.state.num_slots if self.state else 0
 
     def unit_table(self) -> np.ndarray:
@@ -148,11 +160,9 @@ class StageLayout:
                                k.block_stride, k.num_blocks, k.block_bytes))
         if self.state:
             s = self.state
-            n = len(s.layers)
-            parts.append(_grid(s.conv_base, s.conv_layer_stride, n,
-                               s.conv_slot_stride, s.num_slots, s.conv_bytes))
-            parts.append(_grid(s.ssm_base, s.ssm_layer_stride, n,
-                               s.ssm_slot_stride, s.num_slots, s.ssm_bytes))
+            for t in s.tensors:
+                parts.append(_grid(t.base, t.layer_stride, len(s.layers),
+                                   t.slot_stride, s.num_slots, t.bytes))
         if not parts:
             return np.zeros((0, 3), dtype=np.uint64)
         table = np.concatenate(parts)
@@ -169,12 +179,43 @@ class StageLayout:
             raise TransferError(f"peer layout must be a map, got {type(d).__name__}")
         kv = _typed(KVLayout, d.get("kv"), "layout.kv") if d.get("kv") is not None else None
         st = d.get("state")
-        st = _typed(StateLayout, st, "layout.state") if st is not None else None
+        st = _state_from_wire(st) if st is not None else None
         for k, tp in (("dtype", str), ("device", str), ("device_id", int)):
             if not isinstance(d.get(k), tp) or isinstance(d.get(k), bool):
                 raise TransferError(f"peer layout.{k} must be {tp.__name__}, got {d.get(k)!r}")
         return cls(kv=kv, state=st, dtype=d["dtype"], device=d["device"],
                    device_id=d["device_id"])
+
+
+def _tensor_layout(ts, t) -> TensorLayout:
+    _require_dense(t, 2, ts.name)
+    it = t.element_size()
+    return TensorLayout(
+        name=ts.name, base=t.data_ptr(), layer_stride=t.stride(0) * it,
+        slot_stride=t.stride(1) * it, bytes=t[0, 0].numel() * it,
+        section_bytes=tuple(n * it for _, n in ts.section_elements()))
+
+
+def _state_from_wire(d: object) -> StateLayout:
+    if not isinstance(d, dict):
+        raise TransferError(f"peer layout.state must be a map, got {type(d).__name__}")
+    if set(d) != {"layers", "num_slots", "tensors"}:
+        raise TransferError(f"peer layout.state has keys {sorted(map(str, d))}, expected "
+                            "['layers', 'num_slots', 'tensors']")
+    ts = d["tensors"]
+    if not isinstance(ts, (list, tuple)) or not ts:
+        raise TransferError(f"peer layout.state.tensors must be a non-empty list, got {ts!r}")
+    tensors = tuple(_typed(TensorLayout, t, f"layout.state.tensors[{i}]")
+                    for i, t in enumerate(ts))
+    head = _typed(_StateHead, {"layers": d["layers"], "num_slots": d["num_slots"]},
+                  "layout.state")
+    return StateLayout(layers=head.layers, num_slots=head.num_slots, tensors=tensors)
+
+
+@dataclass(frozen=True)
+class _StateHead:
+    layers: tuple[int, ...]
+    num_slots: int
 
 
 def _grid(base: int, ls: int, nl: int, us: int, nu: int, nbytes: int) -> np.ndarray:
@@ -198,9 +239,11 @@ def _typed(cls, d: object, where: str):
     kwargs = {}
     for f in fields(cls):
         v = d.get(f.name)
-        if f.name in ("layers", "conv_section_bytes"):
+        if f.name in ("layers", "section_bytes"):
             ok = isinstance(v, (list, tuple)) and all(_is_uint(x) for x in v)
             v = tuple(v) if ok else v
+        elif f.name == "name":
+            ok = isinstance(v, str) and 0 < len(v) <= 64
         else:
             ok = _is_uint(v)
         if not ok:

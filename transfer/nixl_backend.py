@@ -68,7 +68,7 @@ def _retire(agent) -> None:
 
 
 def _register(agent, pools: Pools):
-    tensors = [t for t in (pools.kv, pools.conv, pools.ssm) if t.numel()]
+    tensors = [t for t in pools.tensors if t.numel()]
     return agent.register_memory(tensors) if tensors else None
 
 

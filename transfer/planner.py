@@ -6,11 +6,12 @@ destination already holds (the first `skip_blocks`) are left out.
 
     prefill stage (layers 0-3)          decode stage (layers 2-5)
     kv layer 3: src blk 7 8 9 ...  ───► kv layer 3: dst blk 4 5 6 ...
-    conv/ssm layer 2: src slot 1   ───► conv/ssm layer 2: dst slot 0
+    state layer 2: src slot 1      ───► state layer 2: dst slot 0  (each declared tensor)
                  (layers 0, 1 go to another decode stage; 4, 5 come from another prefill stage)
 
-    one descriptor per (layer, block) and per (layer, slot), layer-major:
-      [kv l3 b7][kv l3 b8][kv l3 b9] ... [conv l2 s1] ... [ssm l2 s1] ...
+    one descriptor per (layer, block) and per (state tensor, layer, slot), layer-major:
+      [kv l3 b7][kv l3 b8][kv l3 b9] ... [t0 l2 s1] ... [t1 l2 s1] ...
+      (NemotronH t0 = conv, t1 = ssm; Qwen3.5 t0 = conv, t1 = recurrent)
     coalescing merges neighbours contiguous on BOTH sides:
       src 7,8,9 -> dst 4,5,6  is one range of 3*block_bytes
       src 7,8,9 -> dst 4,6,5  stays three ranges
@@ -117,33 +118,43 @@ def _kv_part(src: StageLayout, dst: StageLayout, sb: Sequence[int], db: Sequence
 
 
 def _state_part(src: StageLayout, dst: StageLayout, ss: int | None, ds: int | None):
+    """One descriptor per (declared state tensor, common layer): the slot's whole range,
+    tensor by tensor in declared order (its sections are contiguous inside it)."""
     if src.state is None or dst.state is None:
         return None
     s, d = src.state, dst.state
     common = sorted(set(s.layers) & set(d.layers))
     if not common:
         return None
-    for f in ("conv_bytes", "conv_section_bytes", "ssm_bytes"):
-        if getattr(s, f) != getattr(d, f):
-            raise TransferError(f"state.{f} differs: source {getattr(s, f)}, "
-                                f"destination {getattr(d, f)}")
+    _check_tensors(s, d)
     ss = int(_ids([ss], s.num_slots, "source slot")[0])
     ds = int(_ids([ds], d.num_slots, "destination slot")[0])
     sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)
     dl = np.array([d.layers.index(g) for g in common], dtype=np.int64)
-    s_off, d_off = src.num_kv_units, dst.num_kv_units
-    s_ssm, d_ssm = s_off + src.num_state_units, d_off + dst.num_state_units
     glayers = np.array(common, dtype=np.int64)
-    return (common,
-            np.concatenate([s_off + sl * s.num_slots + ss, s_ssm + sl * s.num_slots + ss]),
-            np.concatenate([d_off + dl * d.num_slots + ds, d_ssm + dl * d.num_slots + ds]),
-            np.concatenate([_addr(s.conv_base, s.conv_layer_stride, sl, s.conv_slot_stride, ss),
-                            _addr(s.ssm_base, s.ssm_layer_stride, sl, s.ssm_slot_stride, ss)]),
-            np.concatenate([_addr(d.conv_base, d.conv_layer_stride, dl, d.conv_slot_stride, ds),
-                            _addr(d.ssm_base, d.ssm_layer_stride, dl, d.ssm_slot_stride, ds)]),
-            np.concatenate([np.full(len(common), s.conv_bytes, dtype=np.uint64),
-                            np.full(len(common), s.ssm_bytes, dtype=np.uint64)]),
-            np.concatenate([glayers, glayers]))
+    cols = [[] for _ in range(6)]
+    for i, (st, dt) in enumerate(zip(s.tensors, d.tensors, strict=True)):
+        s_off = src.num_kv_units + i * src.num_state_units
+        d_off = dst.num_kv_units + i * dst.num_state_units
+        for col, v in zip(cols, (
+                s_off + sl * s.num_slots + ss, d_off + dl * d.num_slots + ds,
+                _addr(st.base, st.layer_stride, sl, st.slot_stride, ss),
+                _addr(dt.base, dt.layer_stride, dl, dt.slot_stride, ds),
+                np.full(len(common), st.bytes, dtype=np.uint64), glayers), strict=True):
+            col.append(v)
+    return (common, *(np.concatenate(c) for c in cols))
+
+
+def _check_tensors(s, d) -> None:
+    """Both sides declare the same state tensors, in order, with the same byte sizes."""
+    names = [t.name for t in s.tensors], [t.name for t in d.tensors]
+    if names[0] != names[1]:
+        raise TransferError(f"state tensors differ: source {names[0]}, destination {names[1]}")
+    for st, dt in zip(s.tensors, d.tensors, strict=True):
+        for f in ("bytes", "section_bytes"):
+            if getattr(st, f) != getattr(dt, f):
+                raise TransferError(f"state.{st.name}.{f} differs: source {getattr(st, f)}, "
+                                    f"destination {getattr(dt, f)}")
 
 
 def _ids(ids: Sequence[int | None], limit: int, what: str) -> np.ndarray:

@@ -93,8 +93,8 @@ class _Memory:
 
     def __init__(self, pools: Pools):
         regions = [(t.data_ptr(), t.view(-1).view(torch.uint8).numpy())
-                   for t in (pools.kv, pools.conv, pools.ssm) if t.numel()]
-        if any(t.device.type != "cpu" for t in (pools.kv, pools.conv, pools.ssm)):
+                   for t in pools.tensors if t.numel()]
+        if any(t.device.type != "cpu" for t in pools.tensors):
             raise TransferError("transfer.backend 'ucx' supports CPU pools only; use 'nixl'")
         self._regions = sorted(regions, key=lambda r: r[0])
         self._starts = [r[0] for r in self._regions]
@@ -184,7 +184,7 @@ def _outside(layout: StageLayout, notif: dict, blocks: np.ndarray, dst: np.ndarr
     """Why some dst range leaves the units reserved for this request, or None."""
     slot = notif["slot"] if layout.state else 0
     if layout.state is not None and slot is None:
-        return "transfer names no slot for a stage with Mamba state"
+        return "transfer names no slot for a stage with recurrent state"
     own = plan(layout, layout, blocks.tolist(), slot, blocks.tolist(), slot).select(notif["layers"])
     if dst.size == 0:
         return None

@@ -56,7 +56,7 @@ class BlockAllocator:
 
 
 class SlotAllocator:
-    """Mamba state slot ids; each slot is owned by one request (live) or one snapshot."""
+    """Recurrent state slot ids; each slot is owned by one request (live) or one snapshot."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots

@@ -1,4 +1,4 @@
-"""HybridCacheManager: KV blocks, Mamba state slots and the prefix tree behind one API.
+"""HybridCacheManager: KV blocks, recurrent state slots and the prefix tree behind one API.
 
 Life of a request in the cache:
   1. `admit`: match the prompt in the tree (never its last token), lock the matched path,
@@ -37,7 +37,7 @@ log = logging.getLogger("baton.cache")
 
 class Admission(NamedTuple):
     cached_tokens: int
-    """Prompt tokens whose KV and Mamba state are restored (0 if none)."""
+    """Prompt tokens whose KV and recurrent state are restored (0 if none)."""
     block_table: list[int]
     """Blocks covering the cached tokens (shared ones, then a private partial-page copy)."""
     slot: int

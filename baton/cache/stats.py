@@ -10,7 +10,7 @@ class CacheStats:
     queried_tokens: int
     """Prompt tokens looked up by `admit`."""
     hit_tokens: int
-    """Of those, tokens restored from the cache (KV + Mamba snapshot)."""
+    """Of those, tokens restored from the cache (KV + state snapshot)."""
     remote_queried_tokens: int
     """Prompt tokens looked up by `admit_remote` (decode side, KV only)."""
     remote_hit_tokens: int

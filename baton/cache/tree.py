@@ -30,7 +30,7 @@ from baton.cache.allocators import BlockAllocator, SlotAllocator
 @dataclass(eq=False)
 class Snapshot:
     slot: int
-    """State slot holding the (conv, ssm) state after exactly `num_tokens` tokens."""
+    """State slot holding every state tensor after exactly `num_tokens` tokens."""
     num_tokens: int
     node: Node
     """Full snapshot: the node it ends at. Partial: the node its `tail` continues."""

@@ -47,8 +47,11 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
     _maybe_arm_canaries(cache)
     log.info(
-        "engine ready: model %s (%s), %d KV blocks x %d tokens, %d state slots, reuse %s",
-        path, model.config.pattern, spec.num_blocks, spec.tokens_per_block, spec.num_slots,
+        "engine ready: model %s (%s, %s), %d KV blocks x %d tokens, %d state slots of %d bytes "
+        "(%s), reuse %s",
+        path, model.config.family, model.config.pattern, spec.num_blocks, spec.tokens_per_block,
+        spec.num_slots, spec.state_bytes_per_slot(),
+        ", ".join(f"{t.name} {list(t.shape)}" for t in spec.state_tensors) or "no state",
         "on" if cache.reuse_enabled else "off",
     )
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

@@ -41,6 +41,8 @@ class AttnMeta:
     """Additive float, 0 or -inf: [b, 1, q, num_keys] (prefill) or [b, 1, num_keys] (decode);
     None = plain causal from position 0. Built once per call, not converted in every layer
     (SDPA turns a bool mask into exactly this float one, per call)."""
+    positions: torch.Tensor | None = None
+    """Position of each new token, for rotary embeddings: long [n, T] (prefill), [b] (decode)."""
 
 
 @dataclass(frozen=True)
@@ -50,26 +52,25 @@ class StepContext:
     pools: Pools
     attn: AttnMeta | None
     slots: torch.Tensor | None
-    """[b] Mamba state slot of each sequence."""
+    """[b] recurrent state slot of each sequence."""
     slot_range: slice | None = None
     """`slots` as a slice when they are consecutive, so layers update the pool in place."""
     fresh: tuple[bool, ...] = ()
-    """Per sequence (prefill): starts at position 0, so Mamba layers start from zeros."""
+    """Per sequence (prefill): starts at position 0, so recurrent layers start from zeros."""
 
     def kv(self, layer: int) -> torch.Tensor:
         """[num_blocks, 2, tpb, kv_heads, head_dim] of global attention layer `layer`."""
         return self.pools.kv[_local(self.pools.spec.attn_index, layer, "KV")]
 
-    def conv(self, layer: int) -> torch.Tensor:
-        return self.pools.conv[_local(self.pools.spec.mamba_index, layer, "Mamba state")]
-
-    def ssm(self, layer: int) -> torch.Tensor:
-        return self.pools.ssm[_local(self.pools.spec.mamba_index, layer, "Mamba state")]
+    def state(self, layer: int, name: str) -> torch.Tensor:
+        """[num_slots, *shape] of state tensor `name` (as the config declares it) of global
+        state layer `layer`."""
+        return self.pools.state[name][_local(self.pools.spec.state_index, layer, "state")]
 
 
 def slot_context(pools: Pools, attn: AttnMeta | None, slots: list[int], fresh=()) -> StepContext:
-    """A context for sequences in Mamba slots `slots` (in batch order)."""
-    dev = pools.conv.device
+    """A context for sequences in state slots `slots` (in batch order)."""
+    dev = pools.kv.device
     rng = None
     if slots and slots == list(range(slots[0], slots[0] + len(slots))):
         rng = slice(slots[0], slots[0] + len(slots))
@@ -102,7 +103,8 @@ def prefill_meta(
         hidden = (keys[None, None, :] > pos[:, :, None])[:, None]
         mask = torch.zeros(hidden.shape, device=dev, dtype=pools.kv.dtype)
         mask.masked_fill_(hidden, float("-inf"))
-    return AttnMeta(_write_rows(tables, pos, pools), _read_rows(tables, num_keys, pools), num_keys, mask)
+    return AttnMeta(_write_rows(tables, pos, pools), _read_rows(tables, num_keys, pools),
+                    num_keys, mask, pos)
 
 
 def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: Pools) -> AttnMeta:
@@ -116,7 +118,8 @@ def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: P
     mask = torch.zeros(len(pos_list), 1, num_keys, device=dev, dtype=pools.kv.dtype)
     mask.masked_fill_(keys[None, None, :] > pos[:, None, None], float("-inf"))
     return AttnMeta(
-        _write_rows(tables, pos[:, None], pools), _read_rows(tables, num_keys, pools), num_keys, mask
+        _write_rows(tables, pos[:, None], pools), _read_rows(tables, num_keys, pools), num_keys,
+        mask, pos,
     )
 
 

@@ -1,19 +1,22 @@
-"""The raw memory of one worker stage: paged KV blocks and Mamba state slots.
+"""The raw memory of one worker stage: paged KV blocks and recurrent state slots.
 
-Allocated once at start; the cache manager owns the bookkeeping, the model reads
-and writes the tensors, the transfer layer registers their addresses.
+Allocated once at start; the cache manager owns the bookkeeping, the model reads and writes
+the tensors, the transfer layer registers their addresses. The state tensors are whatever the
+model's config declares (`config.state_tensors`, see `baton.model.state_spec`): nothing here
+knows a layer kind.
 
     KV pool  kv[attn_layer, block, kv, token, kv_head, head_dim]      (kv: 0 = K, 1 = V)
              |<------------- block_stride = 2*tpb*kvh*hd*itemsize ------------->|
              layer_stride = num_blocks * block_stride
              address(layer l, block b) = kv.data_ptr() + l*layer_stride + b*block_stride
 
-    conv     conv[mamba_layer, slot, conv_dim, conv_kernel-1]
-             a slot's conv_dim rows are the sections [ x | B | C ], contiguous
-    ssm      ssm[mamba_layer, slot, mamba_heads, mamba_head_dim, ssm_state_size]
+    state    state[name][state_layer, slot, *spec.shape]     one tensor per declared name
+             (NemotronH: conv [conv_dim, K-1] with sections [ x | B | C ], ssm [h, hd, ds];
+              Qwen3.5: conv [q | k | v channels, K-1], recurrent [hv, dk, dv])
+             address(layer l, slot s) = state[name].data_ptr() + l*layer_stride + s*slot_stride
 
-Layer indices here are *local* (position in `attn_layers` / `mamba_layers`); the
-spec maps them to global layer ids so stages with different splits line up.
+Layer indices here are *local* (position in `attn_layers` / `state_layers`); the spec maps
+them to global layer ids so stages with different splits line up.
 """
 
 from __future__ import annotations
@@ -23,32 +26,29 @@ from functools import cached_property
 
 import torch
 
-from baton.model.config import ModelConfig
+from baton.model.state_spec import StateTensorSpec
 
 
 @dataclass(frozen=True)
 class PoolSpec:
     attn_layers: tuple[int, ...]
     """Global ids of the attention layers this stage holds (empty: attention-free)."""
-    mamba_layers: tuple[int, ...]
-    """Global ids of the Mamba layers this stage holds (empty: Mamba-free)."""
+    state_layers: tuple[int, ...]
+    """Global ids of the recurrent-state layers this stage holds (empty: state-free)."""
     num_blocks: int
     tokens_per_block: int
     num_kv_heads: int
     head_dim: int
     num_slots: int
-    conv_sections: tuple[int, int, int]
-    conv_kernel: int
-    mamba_num_heads: int
-    mamba_head_dim: int
-    ssm_state_size: int
+    state_tensors: tuple[StateTensorSpec, ...]
+    """What one slot of one state layer holds, tensor by tensor (the model's declaration)."""
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
     @classmethod
     def for_model(
         cls,
-        model: ModelConfig,
+        model,
         *,
         num_blocks: int,
         tokens_per_block: int,
@@ -57,30 +57,28 @@ class PoolSpec:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
     ) -> PoolSpec:
-        """Spec for the stage owning global `layers` (default: all layers)."""
+        """Spec for the stage owning global `layers` (default: all layers) of any family's
+        config (`attention_layers`, `state_layers`, `state_tensors`, KV heads and size)."""
         owned = set(range(model.num_layers) if layers is None else layers)
         attn = tuple(i for i in model.attention_layers if i in owned)
-        mamba = tuple(i for i in model.mamba_layers if i in owned)
+        state = tuple(i for i in model.state_layers if i in owned)
         return cls(
             attn_layers=attn,
-            mamba_layers=mamba,
+            state_layers=state,
             num_blocks=num_blocks if attn else 0,
             tokens_per_block=tokens_per_block,
             num_kv_heads=model.num_key_value_heads if attn else 0,
             head_dim=model.head_dim,
-            num_slots=num_slots if mamba else 0,
-            conv_sections=model.conv_sections,
-            conv_kernel=model.conv_kernel,
-            mamba_num_heads=model.mamba_num_heads,
-            mamba_head_dim=model.mamba_head_dim,
-            ssm_state_size=model.ssm_state_size,
+            num_slots=num_slots if state else 0,
+            state_tensors=tuple(model.state_tensors),
             dtype=dtype,
             device=device,
         )
 
     @property
-    def conv_dim(self) -> int:
-        return sum(self.conv_sections)
+    def mamba_layers(self) -> tuple[int, ...]:
+        """Older name of `state_layers`."""
+        return self.state_layers
 
     @cached_property
     def attn_index(self) -> dict[int, int]:
@@ -88,23 +86,49 @@ class PoolSpec:
         return {g: i for i, g in enumerate(self.attn_layers)}
 
     @cached_property
-    def mamba_index(self) -> dict[int, int]:
+    def state_index(self) -> dict[int, int]:
         """Global layer id -> local index in the state pools."""
-        return {g: i for i, g in enumerate(self.mamba_layers)}
+        return {g: i for i, g in enumerate(self.state_layers)}
+
+    @property
+    def mamba_index(self) -> dict[int, int]:
+        return self.state_index
+
+    def state_dtype(self, t: StateTensorSpec) -> torch.dtype:
+        return getattr(torch, t.dtype) if t.dtype else self.dtype
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one slot over every state layer of this stage (all tensors)."""
+        return len(self.state_layers) * sum(
+            t.numel * torch.empty((), dtype=self.state_dtype(t)).element_size()
+            for t in self.state_tensors)
 
 
 class Pools:
     """The tensors of one stage, allocated once from a `PoolSpec`."""
 
     def __init__(self, spec: PoolSpec):
-        self.spec = spec
-        s = spec
-        kv_shape = (len(s.attn_layers), s.num_blocks, 2, s.tokens_per_block, s.num_kv_heads, s.head_dim)
-        conv_shape = (len(s.mamba_layers), s.num_slots, s.conv_dim, s.conv_kernel - 1)
-        ssm_shape = (len(s.mamba_layers), s.num_slots, s.mamba_num_heads, s.mamba_head_dim, s.ssm_state_size)
+        self.spec = s = spec
+        kv_shape = (len(s.attn_layers), s.num_blocks, 2, s.tokens_per_block, s.num_kv_heads,
+                    s.head_dim)
         self.kv = torch.zeros(kv_shape, dtype=s.dtype, device=s.device)
-        self.conv = torch.zeros(conv_shape, dtype=s.dtype, device=s.device)
-        self.ssm = torch.zeros(ssm_shape, dtype=s.dtype, device=s.device)
+        self.state: dict[str, torch.Tensor] = {
+            t.name: torch.zeros((len(s.state_layers), s.num_slots, *t.shape),
+                                dtype=s.state_dtype(t), device=s.device)
+            for t in s.state_tensors
+        }
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # `pools.conv` for `pools.state["conv"]`: the declared names read like attributes.
+        state = self.__dict__.get("state")
+        if state is not None and name in state:
+            return state[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or state tensor {name!r}")
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor, KV first, then the state tensors in declared order."""
+        return [self.kv, *self.state.values()]
 
     @property
     def has_kv(self) -> bool:
@@ -112,13 +136,13 @@ class Pools:
 
     @property
     def has_state(self) -> bool:
-        return bool(self.spec.mamba_layers)
+        return bool(self.spec.state_layers)
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Copy one Mamba state slot (every layer, conv and SSM) onto another."""
+        """Copy one state slot (every layer, every state tensor) onto another."""
         if self.has_state:
-            self.conv[:, dst].copy_(self.conv[:, src])
-            self.ssm[:, dst].copy_(self.ssm[:, src])
+            for t in self.state.values():
+                t[:, dst].copy_(t[:, src])
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block (every attention layer) onto another."""
@@ -127,8 +151,8 @@ class Pools:
 
     def zero_slot(self, slot: int) -> None:
         if self.has_state:
-            self.conv[:, slot].zero_()
-            self.ssm[:, slot].zero_()
+            for t in self.state.values():
+                t[:, slot].zero_()
 
     def fill_block(self, block: int, value: float) -> None:
         """Every element of one KV block (every attention layer) set to `value`."""
@@ -136,7 +160,7 @@ class Pools:
             self.kv[:, block].fill_(value)
 
     def fill_slot(self, slot: int, value: float) -> None:
-        """Every element of one state slot (conv and SSM, every Mamba layer) set to `value`."""
+        """Every element of one state slot (every tensor, every state layer) set to `value`."""
         if self.has_state:
-            self.conv[:, slot].fill_(value)
-            self.ssm[:, slot].fill_(value)
+            for t in self.state.values():
+                t[:, slot].fill_(value)

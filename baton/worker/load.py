@@ -86,6 +86,6 @@ def canary_audit(engine) -> dict[str, float]:
 
 def _pools_crc32(pools) -> int:
     crc = 0
-    for t in (pools.kv, pools.conv, pools.ssm):
+    for t in pools.tensors:
         crc = zlib.crc32(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy(), crc)
     return crc

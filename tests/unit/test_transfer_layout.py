@@ -29,11 +29,13 @@ def test_full_stage_addresses_match_the_tensors():
     assert kv.base == p.kv.data_ptr()
     assert kv.base + 1 * kv.layer_stride + 3 * kv.block_stride == p.kv[1, 3].data_ptr()
     assert kv.block_bytes == 2 * 4 * 2 * 8 * 4 and kv.k_bytes == kv.block_bytes // 2
-    assert st.conv_base + 2 * st.conv_layer_stride + st.conv_slot_stride == p.conv[2, 1].data_ptr()
-    assert st.ssm_base + 3 * st.ssm_layer_stride + 2 * st.ssm_slot_stride == p.ssm[3, 2].data_ptr()
-    assert st.conv_section_bytes == (16 * 3 * 4, 8 * 3 * 4, 8 * 3 * 4)  # [x | B | C] x (k-1)
-    assert sum(st.conv_section_bytes) == st.conv_bytes
-    assert st.ssm_bytes == 4 * 4 * 4 * 4
+    conv, ssm = st.tensor("conv"), st.tensor("ssm")
+    assert [t.name for t in st.tensors] == ["conv", "ssm"]
+    assert conv.base + 2 * conv.layer_stride + conv.slot_stride == p.conv[2, 1].data_ptr()
+    assert ssm.base + 3 * ssm.layer_stride + 2 * ssm.slot_stride == p.ssm[3, 2].data_ptr()
+    assert conv.section_bytes == (16 * 3 * 4, 8 * 3 * 4, 8 * 3 * 4)  # [x | B | C] x (k-1)
+    assert sum(conv.section_bytes) == conv.bytes
+    assert ssm.bytes == 4 * 4 * 4 * 4 and ssm.section_bytes == (ssm.bytes,)
     assert (lay.dtype, lay.device, lay.device_id) == ("float32", "cpu", 0)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from baton.errors import TransferError
-from transfer.layout import KVLayout, StageLayout, StateLayout
+from transfer.layout import KVLayout, StageLayout, StateLayout, TensorLayout
 from transfer.planner import coalesce, plan
 
 #   src KV: layers (1, 3) at 0x10000, layer stride 0x1000, block stride/bytes 0x100, 16 blocks
@@ -24,11 +24,11 @@ def kv(base, layers):
 
 
 def state(conv, ssm, layers, slots):
-    return StateLayout(layers=layers, conv_base=conv, conv_layer_stride=0x100 * slots,
-                       conv_slot_stride=0x100, conv_bytes=0x100,
-                       conv_section_bytes=(0x80, 0x40, 0x40), ssm_base=ssm,
-                       ssm_layer_stride=0x200 * slots, ssm_slot_stride=0x200, ssm_bytes=0x200,
-                       num_slots=slots)
+    return StateLayout(layers=layers, num_slots=slots, tensors=(
+        TensorLayout("conv", base=conv, layer_stride=0x100 * slots, slot_stride=0x100,
+                     bytes=0x100, section_bytes=(0x80, 0x40, 0x40)),
+        TensorLayout("ssm", base=ssm, layer_stride=0x200 * slots, slot_stride=0x200,
+                     bytes=0x200, section_bytes=(0x200,))))
 
 
 SRC = StageLayout(kv(0x10000, (1, 3)), state(0x80000, 0x90000, (0, 2), 3), "float32", "cpu", 0)
@@ -120,8 +120,12 @@ def test_mismatched_bytes_and_dtype_are_named():
         plan(SRC, other, [1], 0, [1], 0)
     with pytest.raises(TransferError, match="dtype"):
         plan(SRC, replace(DST, dtype="bfloat16"), [1], 0, [1], 0)
-    with pytest.raises(TransferError, match="state.conv_section_bytes"):
-        plan(SRC, replace(DST, state=replace(DST.state, conv_section_bytes=(0x40, 0x60, 0x60))),
+    conv = replace(DST.state.tensors[0], section_bytes=(0x40, 0x60, 0x60))
+    with pytest.raises(TransferError, match="state.conv.section_bytes"):
+        plan(SRC, replace(DST, state=replace(DST.state, tensors=(conv, DST.state.tensors[1]))),
+             [1], 0, [1], 0)
+    with pytest.raises(TransferError, match=r"state tensors differ: source \['conv', 'ssm'\]"):
+        plan(SRC, replace(DST, state=replace(DST.state, tensors=DST.state.tensors[::-1])),
              [1], 0, [1], 0)
 
 

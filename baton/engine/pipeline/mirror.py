@@ -29,19 +29,26 @@ class MirroredPools:
 
     @property
     def has_state(self) -> bool:
-        return bool(self.spec.mamba_layers)
+        return bool(self.spec.state_layers)
 
     @property
     def kv(self):
         return self.local.kv
 
     @property
-    def conv(self):
-        return self.local.conv
+    def state(self):
+        return self.local.state
 
     @property
-    def ssm(self):
-        return self.local.ssm
+    def tensors(self):
+        return self.local.tensors
+
+    def __getattr__(self, name: str):
+        # the declared state tensors by name (`pools.conv`), as on `Pools`
+        local = self.__dict__.get("local")
+        if local is not None and name in local.state:
+            return local.state[name]
+        raise AttributeError(name)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.local.copy_slot(src, dst)

@@ -53,7 +53,7 @@ class Mamba2Mixer(nn.Module):
             cfg.chunk_size,
             ssm_state,
         )
-        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
         tail = window[..., window.shape[-1] - conv_pool.shape[-1] :]
         conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
         ssm_pool.index_copy_(0, ctx.slots, final.to(ssm_pool.dtype))
@@ -61,7 +61,7 @@ class Mamba2Mixer(nn.Module):
 
     def _prefill_states(self, ctx: StepContext):
         """(conv, ssm) states the n sequences start from: their slots', zeros where fresh."""
-        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
         n = len(ctx.fresh)
         if all(ctx.fresh):
             # Never read a fresh slot: it may hold a finished request's state (or garbage).
@@ -77,7 +77,7 @@ class Mamba2Mixer(nn.Module):
         """h [B, hidden], one token per sequence; updates the states of `ctx.slots` in place."""
         cfg, b = self.cfg, h.shape[0]
         gate, xbc, dt = self._split(self.in_proj(h))
-        in_place = ctx.slot_range is not None and ctx.ssm(self.layer_idx).dtype == torch.float32
+        in_place = ctx.slot_range is not None and ctx.state(self.layer_idx, "ssm").dtype == torch.float32
         conv, ssm = self._live_states(ctx, in_place)
         window = torch.cat([conv.to(xbc.dtype), xbc[:, :, None]], dim=-1)
         x, B, C = self._ssm_inputs(self._conv(window)[..., 0])
@@ -99,14 +99,14 @@ class Mamba2Mixer(nn.Module):
         """(conv, ssm) of the batch's slots to update: views of the pools when the slots are
         consecutive (no gather, no scatter), copies otherwise. The SSM state is float32 either
         way, so a low-precision pool is rounded once per step, as in prefill."""
-        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
         if in_place:
             return conv_pool[ctx.slot_range], ssm_pool[ctx.slot_range]
         conv = conv_pool.index_select(0, ctx.slots)
         return conv, ssm_pool.index_select(0, ctx.slots).float()
 
     def _write_back(self, ctx: StepContext, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        conv_pool, ssm_pool = ctx.conv(self.layer_idx), ctx.ssm(self.layer_idx)
+        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
         conv_pool.index_copy_(0, ctx.slots, conv)
         ssm_pool.index_copy_(0, ctx.slots, ssm.to(ssm_pool.dtype))
 

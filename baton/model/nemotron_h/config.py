@@ -8,6 +8,7 @@ from functools import cached_property
 from pathlib import Path
 
 from baton.errors import ConfigError
+from baton.model.state_spec import StateTensorSpec
 
 # transformers 5 writes `layers_block_type`; published checkpoints use the pattern string.
 BLOCK_TYPE_TO_CHAR = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
@@ -79,6 +80,24 @@ class ModelConfig:
     @cached_property
     def mamba_layers(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.pattern) if c == "M")
+
+    family = "nemotron_h"
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers with recurrent state: the Mamba2 (`M`) layers."""
+        return self.mamba_layers
+
+    @cached_property
+    def state_tensors(self) -> tuple[StateTensorSpec, ...]:
+        """One Mamba2 slot: the conv window [x | B | C] and the SSM state, by heads."""
+        return (
+            StateTensorSpec("conv", (self.conv_dim, self.conv_kernel - 1),
+                            sections=self.conv_sections, section_names=("x", "B", "C")),
+            StateTensorSpec("ssm", (self.mamba_num_heads, self.mamba_head_dim,
+                                    self.ssm_state_size),
+                            sections=(self.mamba_num_heads,), section_names=("heads",)),
+        )
 
     @property
     def mamba_intermediate(self) -> int:

@@ -153,14 +153,14 @@ class NemotronHModel(nn.Module):
 def _check_pools(cfg: ModelConfig, pools: Pools) -> None:
     """Fail before any layer writes: pools must hold every attention and Mamba layer."""
     spec = pools.spec
-    if spec.attn_layers == cfg.attention_layers and spec.mamba_layers == cfg.mamba_layers:
+    if spec.attn_layers == cfg.attention_layers and spec.state_layers == cfg.state_layers:
         return
     missing = sorted(
         set(cfg.attention_layers) - set(spec.attn_layers)
-        | set(cfg.mamba_layers) - set(spec.mamba_layers)
+        | set(cfg.state_layers) - set(spec.state_layers)
     )
     raise ConfigError(
         f"pools hold attention layers {list(spec.attn_layers)} and Mamba layers "
-        f"{list(spec.mamba_layers)} but the model (pattern {cfg.pattern!r}) also needs layers "
+        f"{list(spec.state_layers)} but the model (pattern {cfg.pattern!r}) also needs layers "
         f"{missing}: build them with PoolSpec.for_model(config, ...) over all layers"
     )
