@@ -13,11 +13,15 @@ TASKS = "baton_mc,baton_gen"
 LL_TOLERANCE = 1e-3
 
 
-def env(work: Path) -> dict:
-    """Offline: the tasks' data is local and the tokenizer is the model folder's."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(work / "hf-home"),
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+def env(work: Path, offline: bool = True) -> dict:
+    """The tasks' data is local and the tokenizer is the model folder's: nothing is fetched
+    (offline: the hub is never asked; AIPerf needs it off to load a local folder, which it
+    then does without the network)."""
+    out = {**os.environ, "HF_HOME": str(work / "hf-home"), "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}
+    if offline:
+        out.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return out
 
 
 def evaluate(lm_bin: Path, work: Path, name: str, model: str, model_args: str,

@@ -18,7 +18,7 @@ LM_EVAL = "0.4.13"
 AIPERF = "0.13.0"
 TORCH = "torch==2.13.0"
 SPECS = {
-    f"lm-eval-{LM_EVAL}": [[TORCH], [f"lm-eval[hf]=={LM_EVAL}"]],
+    f"lm-eval-{LM_EVAL}": [[TORCH], [f"lm-eval[hf,api]=={LM_EVAL}"]],
     f"aiperf-{AIPERF}": [[TORCH], [f"aiperf=={AIPERF}"]],
 }
 
@@ -32,13 +32,15 @@ def ensure(name: str) -> Path:
     """The venv's bin folder, made if missing."""
     venv = root() / name
     stamp = venv / ".baton-installed"
-    if stamp.is_file():
+    want = "\n".join(" ".join(g) for g in SPECS[name]) + "\n"
+    if stamp.is_file() and stamp.read_text() == want:
         return venv / "bin"
-    shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    python = getattr(sys, "_base_executable", None) or shutil.which("python3")
-    print(f"test-clients: making {venv} (once)", flush=True)
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    if not (venv / "bin" / "python").is_file():  # else pip adds what a changed spec lacks
+        shutil.rmtree(venv, ignore_errors=True)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        python = getattr(sys, "_base_executable", None) or shutil.which("python3")
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    print(f"test-clients: installing into {venv} (once)", flush=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     log = venv / "pip.log"
     for group in SPECS[name]:
@@ -47,7 +49,7 @@ def ensure(name: str) -> Path:
         if rc != 0:
             tail = "\n".join(log.read_text().splitlines()[-10:])
             raise RuntimeError(f"pip install {' '.join(group)} into {venv} failed ({rc}):\n{tail}")
-    stamp.write_text("\n".join(" ".join(g) for g in SPECS[name]) + "\n")
+    stamp.write_text(want)
     return venv / "bin"
 
 

@@ -254,3 +254,41 @@ def test_prefill_worker_counts_the_echo_prompt_once(setup):
     before = computed()
     _echo(setup, p)
     assert before is not None and computed() - before == 30
+
+
+def test_streamed_choices_carry_their_index_and_logprobs(setup):
+    prompts = [prompt(60, 9, vocab=500), prompt(61, 14, vocab=500)]
+    body = dict(model="tiny", prompt=prompts, max_tokens=5, n=2, temperature=0.9, seed=3,
+                logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = setup["client"].completions.create(**body)
+    chunks = list(setup["client"].completions.create(**body, stream=True,
+                                                     stream_options={"include_usage": True}))
+    got: dict[int, list] = {}
+    lps: dict[int, list] = {}
+    for c in chunks:
+        for ch in c.choices:
+            got.setdefault(ch.index, []).extend(ch.token_ids)
+            lps.setdefault(ch.index, []).extend(ch.logprobs.token_logprobs)
+    assert sorted(got) == [0, 1, 2, 3]
+    for c in whole.choices:  # the batch around a decode step moves the last float bits only
+        assert got[c.index] == c.token_ids
+        assert max(abs(a - b) for a, b in zip(lps[c.index], c.logprobs.token_logprobs,
+                                              strict=True)) < 1e-4
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == 23
+
+
+def test_grpc_generate_and_baton_generate_json_carry_logprobs(setup):
+    from baton.client.remote import run_remote
+
+    p = prompt(70, 21, vocab=500)
+    s = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    (remote,) = run_remote(setup["cluster"].address,
+                           [RequestSpec("g", prompt_ids=p, sampling=s)])
+    (here,) = run_local(setup["engine"], [RequestSpec("g", prompt_ids=p, sampling=s)])
+    assert remote["token_ids"] == here["token_ids"]
+    assert len(remote["logprobs"]) == 4 and len(remote["prompt_logprobs"]) == 20
+    for key in ("logprobs", "prompt_logprobs"):
+        for a, b in zip(remote[key], here[key], strict=True):
+            assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+    assert [lp["token_id"] for lp in remote["prompt_logprobs"]] == p[1:]
