@@ -60,7 +60,7 @@ class _Common(_Strict):
         """(field, why) for each field set to a value Baton does not implement."""
         out = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= 2**31:
+            if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
                 out.append(("logit_bias", f"keys are token ids (decimal strings), got {key!r}"))
             elif not -100 <= bias <= 100:
                 out.append(("logit_bias", f"values must be in [-100, 100], got {bias!r}"))
