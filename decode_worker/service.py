@@ -12,7 +12,15 @@ from collections.abc import Iterator
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import sign_reservation
-from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role, ServeInput
+from baton.contract import (
+    ENDED_AT_FIRST_TOKEN,
+    DecodeChunk,
+    FinishReason,
+    Reservation,
+    ReserveInput,
+    Role,
+    ServeInput,
+)
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError, UnknownRequestError
@@ -176,7 +184,9 @@ class DecodeService:
 
     def _transfer_failed(self, request_id: str, error: str) -> None:
         held = self.receiver.held(request_id)
-        log.warning("transfer into %s failed: %s%s", request_id, error,
+        quiet = ENDED_AT_FIRST_TOKEN in error and not held  # nothing was owed: no failure
+        log.log(logging.INFO if quiet else logging.WARNING, "transfer into %s failed: %s%s",
+                request_id, error,
                     f" (its {len(held.blocks)} blocks stay quarantined until its writes are "
                     "over)" if held else "")
         self._end_lease(request_id)

@@ -28,6 +28,9 @@ DEFAULT_LEASE_SECONDS = 30.0
 """How long a decode reservation is held for its transfer (`transfer.lease_seconds`)."""
 DEFAULT_TOKENS_PER_BLOCK = 16
 """Tokens per paged KV block (`cache.tokens_per_block`)."""
+ENDED_AT_FIRST_TOKEN = "the first token ended the request"
+"""The prefill worker's transfer-abort reason when its first token finished the request
+(max_tokens 1, as lm-eval's loglikelihood requests are; EOS): the decode side owed nothing."""
 
 
 class FinishReason(str, Enum):

@@ -72,6 +72,11 @@ class Engine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
         sampling.validate(vocab)
+        if sampling.prompt_logprobs is not None and \
+                not getattr(self.model, "scores_every_position", True):
+            raise InvalidRequestError(
+                "prompt_logprobs (echo with logprobs) is not available on a pipeline-parallel "
+                "worker; serve it with pipeline_parallel_size 1 or leave it out")
         check_length(len(prompt_ids), sampling.max_tokens, self.max_model_len)
         if self.pools.has_kv:  # as Scheduler.blocks_needed counts, for either role
             spec = self.pools.spec
