@@ -210,17 +210,19 @@ class Engine:
                 scored.append(i)
             else:
                 failed.append(self._fail(req, draw.error))
-        return failed + self._append_tokens(pairs, self._logprobs(logits[scored], pairs))
+        return failed + self._append_tokens(pairs, self._logprobs(logits, scored, pairs))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, pairs: list[tuple[Request, int]]):
+    def _logprobs(logits: torch.Tensor, rows: list[int], pairs: list[tuple[Request, int]]):
         """Each drawn token's logprob (None for requests that asked for none), from the raw
-        logits: one log-softmax for all that asked, with the largest top-N among them."""
+        logits (`rows[i]`: pair i's row): one log-softmax for all that asked, with the largest
+        top-N among them; nothing is computed or copied when none asked."""
         want = [i for i, (r, _) in enumerate(pairs) if r.sampling.logprobs is not None]
         out: list[TokenLogprob | None] = [None] * len(pairs)
         if want:
             top = max(pairs[i][0].sampling.logprobs for i in want)
-            lps = token_logprobs(logits[want], [pairs[i][1] for i in want], top)
+            lps = token_logprobs(logits[[rows[i] for i in want]], [pairs[i][1] for i in want],
+                                 top)
             for i, lp in zip(want, lps, strict=True):
                 k = pairs[i][0].sampling.logprobs
                 out[i] = lp if k == top else TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])

@@ -292,3 +292,19 @@ def test_grpc_generate_and_baton_generate_json_carry_logprobs(setup):
             assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
             assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
     assert [lp["token_id"] for lp in remote["prompt_logprobs"]] == p[1:]
+
+
+def test_streamed_echo_puts_the_scored_prompt_in_the_first_chunk(setup):
+    p = prompt(80, 11, vocab=500)
+    body = dict(model="tiny", prompt=p, max_tokens=3, echo=True, logprobs=1, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = setup["client"].completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in setup["client"].completions.create(**body, stream=True)
+              if c.choices]
+    assert chunks[0].text.startswith(setup["tok"].decode(p))
+    assert "".join(c.text for c in chunks) == whole.text
+    lps = [v for c in chunks for v in c.logprobs.token_logprobs]
+    offsets = [v for c in chunks for v in c.logprobs.text_offset]
+    assert lps[0] is None and len(lps) == 14 and offsets == whole.logprobs.text_offset
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lps[1:], whole.logprobs.token_logprobs[1:],
+                                                 strict=True))
