@@ -79,3 +79,17 @@ def test_requests_without_logprobs_carry_none(model_dir):
     eng = engine_for(model_dir)
     res = run_all(eng, [Request("p", prompt(3, 9), SamplingParams(max_tokens=3))])
     assert res["outputs"]["p"].logprobs == () and res["outputs"]["p"].prompt_logprobs == ()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_logprobs_and_penalties_agree_with_cpu(model_dir):
+    ids = prompt(4, 30)
+    kw = dict(logprobs=2, prompt_logprobs=1, presence_penalty=0.5, repetition_penalty=1.2,
+              logit_bias=((7, 1.5),), max_tokens=5)
+    cpu = _run(engine_for(model_dir), "c", ids, **kw)
+    gpu = _run(engine_for(model_dir, model={"device": "cuda"}), "g", ids, **kw)
+    assert [o.new_token_ids for o in gpu] == [o.new_token_ids for o in cpu]
+    for a, b in zip([lp for o in gpu for lp in o.logprobs],
+                    [lp for o in cpu for lp in o.logprobs], strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-3
+    assert [p.token_id for p in gpu[0].prompt_logprobs] == ids[1:]
