@@ -1,49 +1,47 @@
 """The OpenAI-compatible routes: completions and chat completions (whole or streamed as
-server-sent events), models, health and Prometheus metrics.
+server-sent events), /tokenize and /detokenize, models, health and Prometheus metrics.
 
 Life of an HTTP request:
   1. the body is read (at most `router.http_max_body_bytes`) and validated (`schemas.py`);
-  2. the prompt is tokenized here (chat: rendered with the checkpoint's template first) and its
-     length checked against the model's context;
-  3. `bridge.Chunks` runs `Orchestrator.generate` on a thread, the same path as gRPC's Generate;
-  4. `answer.Answer` folds the chunks and `answer.Shape` words them; a stop string ends the
-     answer early: the request is stopped on both workers and its summary awaited (`_settle`);
-  5. a client that disconnects cancels the request, which aborts it on both workers.
+  2. each prompt is tokenized here (chat: rendered with the checkpoint's template first) and
+     its length checked against the model's context;
+  3. `generate.py` starts one request per choice (prompt x n); `bridge.Chunks` runs
+     `Orchestrator.generate` on a thread for each, the same path as gRPC's Generate;
+  4. `answer.Answer` folds a choice's chunks and `answer.Shape` words them (logprobs in
+     `logprobs.py`); a stop string ends the answer early: the request is stopped on both
+     workers and its summary awaited;
+  5. a client that disconnects cancels the requests, which aborts them on both workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from baton.contract import GenerateInput, Role, SamplingParams
-from baton.errors import BatonError, InvalidRequestError
+from baton.contract import Role
+from baton.errors import BatonError
 from baton.model.chat_template import ChatTemplate
 from router.http import tokens
-from router.http.answer import Answer, ChatShape, CompletionShape, Shape
-from router.http.bridge import Chunks, watch_disconnect
+from router.http.answer import ChatShape, CompletionShape
 from router.http.errors import (
     ApiError,
     api_error_response,
     baton_error_response,
     error_body,
     from_validation,
-    param_of,
 )
-from router.http.logprobs import LogprobView, token_text
+from router.http.generate import generate
 from router.http.schemas import MAX_N, ChatCompletionRequest, CompletionRequest
-from router.http.stops import StopStrings
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 
@@ -108,14 +106,14 @@ def make_app(ctx: HttpContext) -> FastAPI:
         body = await _parse(request, CompletionRequest, ctx)
         prompts = await _off_loop(ctx, _completion_prompts, ctx, body.prompt)
         limits = [_fit(ctx, len(p), max(1, body.max_tokens), "prompt") for p, _ in prompts]
-        return await _generate(ctx, request, body, prompts, limits, CompletionShape)
+        return await generate(ctx, request, body, prompts, limits, CompletionShape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
         prompt = await _off_loop(ctx, _chat_prompt, ctx, body)
         limit = _fit(ctx, len(prompt), body.limit, "messages")
-        return await _generate(ctx, request, body, [(prompt, "")], [limit], ChatShape)
+        return await generate(ctx, request, body, [(prompt, "")], [limit], ChatShape)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -246,197 +244,3 @@ def _fit(ctx: HttpContext, prompt_len: int, max_tokens: int | None, param: str) 
                        f"tokens exceed the model's context length of {limit}; lower max_tokens",
                        "max_tokens", "context_length_exceeded")
     return max_tokens
-
-
-def _sampling(body, max_tokens: int, sample: int) -> SamplingParams:
-    """The engine's parameters for choice `sample` of a prompt (seeded: seed + sample)."""
-    chat = isinstance(body, ChatCompletionRequest)
-    if chat:
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_logprobs = None
-    else:
-        logprobs = body.logprobs
-        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    seed = None if body.seed is None else (body.seed + sample) % 2**63
-    s = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0, seed=seed,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items())),
-        min_tokens=min(body.min_tokens, max_tokens),
-    )
-    try:
-        s.validate()  # the workers check token ids against their vocabulary
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e), param_of(str(e))) from None
-    return s
-
-
-@dataclass
-class _Choice:
-    """One answer of the response, and the request that computes it."""
-
-    answer: Answer
-    chunks: Chunks
-
-
-class _All:
-    """Cancels every choice's request (a client that disconnects)."""
-
-    def __init__(self, choices: list[_Choice]):
-        self.choices = choices
-
-    def cancel(self) -> None:
-        for c in self.choices:
-            c.chunks.cancel.cancel()
-
-
-async def _generate(ctx: HttpContext, request: Request, body, prompts: list[tuple[list[int], str]],
-                    limits: list[int], shape_cls: type[Shape]):
-    n = body.n or 1
-    if len(prompts) * n > MAX_N:
-        raise ApiError(400, f"n: {len(prompts)} prompts x n={n} choices is over the limit of "
-                       f"{MAX_N} choices a request", "n")
-    tok = ctx.orchestrator.tokenizer
-    wants_lp = getattr(body, "logprobs", None) not in (None, False)
-    shape = shape_cls(ctx.model_name, body.return_token_ids,
-                      LogprobView(token_text(tok)) if wants_lp else None)
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    echo = bool(getattr(body, "echo", False))
-    choices: list[_Choice] = []
-    for i, ((prompt, text), limit) in enumerate(zip(prompts, limits, strict=True)):
-        sampling = [_sampling(body, limit, j) for j in range(n)]
-        for j in range(n):
-            index = i * n + j
-            rid = shape.id if len(prompts) * n == 1 else f"{shape.id}-{index}"
-            inp = GenerateInput(rid, tuple(prompt), None, sampling[j], body.session_id or "")
-            answer = Answer(StopStrings(stops), len(prompt), body.session_id or "",
-                            tok.decode if tok is not None else None, index=index,
-                            counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
-            if echo:
-                answer.echo_ids = list(prompt)
-                answer.echo_text = text if text is not None else (
-                    tok.decode(prompt) if tok is not None else "")
-            choices.append(_Choice(answer, Chunks(ctx.orchestrator, inp,
-                                                  ctx.metrics.timer("http"), ctx.pool)))
-    watcher = asyncio.create_task(watch_disconnect(request, _All(choices)))
-    # errors before the first token keep their status
-    firsts = await asyncio.gather(*(c.chunks.next_batch() for c in choices),
-                                  return_exceptions=True)
-    failed = [f for f in firsts if isinstance(f, BaseException)]
-    if failed:
-        _end_all(choices, watcher)
-        raise failed[0]
-    if not body.stream:
-        try:
-            await asyncio.gather(*(_fold(c.chunks, c.answer, f)
-                                   for c, f in zip(choices, firsts, strict=True)))
-        finally:
-            _end_all(choices, watcher)
-        return JSONResponse(shape.whole([c.answer for c in choices]))
-    usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _merged(choices, watcher, shape, firsts, usage)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-def _end_all(choices: list[_Choice], watcher: asyncio.Task) -> None:
-    watcher.cancel()
-    for c in choices:
-        _end(c.chunks, c.answer)
-
-
-async def _fold(chunks: Chunks, answer: Answer, batch: list) -> None:
-    while batch:
-        for c in batch:
-            answer.add(c)
-        if answer.done:
-            break
-        batch = await chunks.next_batch()
-    await _settle(chunks, answer)
-
-
-async def _settle(chunks: Chunks, answer: Answer) -> None:
-    """When a stop string ended the answer before the request's summary: stops the request
-    (both workers are cancelled) and waits for the summary, which follows at once, so the
-    answer reports its cached tokens and workers like one ended by max_tokens. An error
-    meanwhile ends the wait: the answer is whole, only without its summary."""
-    if not answer.done or answer.complete:
-        return
-    chunks.stop()
-    try:
-        while not answer.complete:
-            batch = await chunks.next_batch()
-            if not batch:
-                return
-            for c in batch:
-                answer.add(c)
-    except Exception as e:  # noqa: BLE001 - the answer is whole: it goes out without summary
-        log.warning("a request ended by a stop string failed before its summary: %s", e)
-
-
-async def _merged(choices: list[_Choice], watcher, shape: Shape, firsts: list, usage: bool):
-    """Every choice's events as they come (each names its index), then usage and [DONE]."""
-    try:
-        if len(choices) == 1:
-            async for event in _events(choices[0], shape, firsts[0]):
-                yield event
-        else:
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(c, first):
-                try:
-                    async for event in _events(c, shape, first):
-                        await queue.put(event)
-                finally:
-                    await queue.put(None)
-
-            tasks = [asyncio.create_task(pump(c, f)) for c, f in zip(choices, firsts,
-                                                                     strict=True)]
-            try:
-                for _ in tasks:
-                    while (event := await queue.get()) is not None:
-                        yield event
-            finally:
-                for t in tasks:
-                    t.cancel()
-        if usage:
-            yield _sse(shape.usage_chunk([c.answer for c in choices]))
-    finally:
-        _end_all(choices, watcher)
-    yield "data: [DONE]\n\n"
-
-
-async def _events(c: _Choice, shape: Shape, batch: list):
-    """One choice's events; an error after the first token ends its stream with an error."""
-    chunks, answer = c.chunks, c.answer
-    first = True
-    try:
-        while batch:
-            text, ids, lps = "", [], []
-            for chunk in batch:
-                t, i, lp = answer.add(chunk)
-                text, ids, lps = text + t, ids + i, lps + lp
-            await _settle(chunks, answer)  # the last event carries the summary's fields
-            yield _sse(shape.chunk(text, ids, lps, answer, first))
-            first = False
-            if answer.done:
-                break
-            batch = await chunks.next_batch()
-    except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream
-        yield _sse(json.loads(baton_error_response(e).body))
-
-
-def _end(chunks: Chunks, answer: Answer) -> None:
-    stopped_early = answer.finish_reason == "stop" and answer.summary is None
-    chunks.close("stop" if stopped_early else None)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
