@@ -62,7 +62,10 @@ def _print_results(results: list[dict], as_json: bool) -> int:
 def cmd_make_model(args) -> int:
     from baton.model.make_model import write_checkpoint
 
-    kw = {"seed": args.seed, "preset": args.preset, "tokenizer": args.tokenizer}
+    kw = {"seed": args.seed, "preset": args.preset, "family": args.family,
+          "tokenizer": args.tokenizer}
+    if args.multimodal:
+        kw["multimodal"] = True
     if args.pattern:
         kw["pattern"] = args.pattern
     if args.hidden_size:

@@ -85,14 +85,26 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
 
 
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
-                     tokenizer: bool = False, **fields) -> Path:
+                     family: str = "nemotron_h", tokenizer: bool = False, **fields) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
     of a seeded random model into `out_dir`; with `tokenizer`, also a Hugging Face
     tokenizer.json (byte-level BPE trained on the shipped text, `tokenizer_build.py`), else
     text is the byte-level fallback.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
+    `family="qwen3_5"` writes a Qwen3.5 model instead (`baton.model.qwen3_5.make`).
     """
+    if family == "qwen3_5":
+        from baton.model.qwen3_5.make import write_checkpoint as write_qwen
+
+        out = write_qwen(out_dir, preset=preset, seed=seed, **fields)
+        if tokenizer:  # same special ids (0, 1, 2); its own chat template is kept
+            cfg = json.loads((Path(out) / "config.json").read_text())
+            text = cfg.get("text_config", cfg)
+            write_tokenizer(out, text["vocab_size"], text.get("max_position_embeddings", 131072))
+        return out
+    if family != "nemotron_h":
+        raise ValueError(f"family={family!r}: make-model writes 'nemotron_h' or 'qwen3_5'")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(preset, **fields)

@@ -36,12 +36,15 @@ def train_tokenizer(vocab_size: int):
 
 
 def write_tokenizer(out_dir: str | Path, vocab_size: int, max_model_len: int) -> None:
-    """`tokenizer.json` and `tokenizer_config.json` (with the chat template) into `out_dir`,
+    """`tokenizer.json` and `tokenizer_config.json` (with the chat template: the one already
+    there, else the tiny one) into `out_dir`,
     loadable by `transformers.AutoTokenizer.from_pretrained(out_dir)`."""
     out = Path(out_dir)
     tok = train_tokenizer(vocab_size)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    cfg = {**tokenizer_config(), "tokenizer_class": "PreTrainedTokenizerFast",
+    existing = out / "tokenizer_config.json"  # a family's own chat template is kept
+    base = json.loads(existing.read_text()) if existing.is_file() else tokenizer_config()
+    cfg = {**base, "tokenizer_class": "PreTrainedTokenizerFast",
            "pad_token": "<pad>", "add_bos_token": False, "add_eos_token": False,
            "clean_up_tokenization_spaces": False, "model_max_length": max_model_len}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")

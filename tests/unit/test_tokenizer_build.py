@@ -53,3 +53,15 @@ def test_transformers_autotokenizer_loads_the_folder_and_agrees(model_dir):
     msgs = [{"role": "user", "content": "hi"}]
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
         load_chat_template(model_dir).render(msgs) == "<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_a_qwen3_5_checkpoint_keeps_its_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    plain = write_checkpoint(tmp_path / "plain", family="qwen3_5", pattern="GG*")
+    out = write_checkpoint(tmp_path / "q", family="qwen3_5", pattern="GG*", tokenizer=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    want = load_chat_template(plain).render(msgs)
+    assert load_chat_template(out).render(msgs) == want != "<|user|>\nhi\n<|assistant|>\n"
+    hf = AutoTokenizer.from_pretrained(str(out))
+    assert hf.encode(TEXTS[1]) == load_tokenizer(out).encode(TEXTS[1])
