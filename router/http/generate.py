@@ -77,8 +77,9 @@ class _All:
             c.chunks.cancel.cancel()
 
 
-async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], str]],
-                    limits: list[int], shape_cls: type[Shape]):
+async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], str | None]],
+                   limits: list[int], shape_cls: type[Shape]):
+    """The response to `body`: one choice per prompt and sample, whole or streamed."""
     n = body.n or 1
     if len(prompts) * n > MAX_N:
         raise ApiError(400, f"n: {len(prompts)} prompts x n={n} choices is over the limit of "
@@ -87,24 +88,9 @@ async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], s
     wants_lp = getattr(body, "logprobs", None) not in (None, False)
     shape = shape_cls(ctx.model_name, body.return_token_ids,
                       LogprobView(token_text(tok)) if wants_lp else None)
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    echo = bool(getattr(body, "echo", False))
-    choices: list[_Choice] = []
-    for i, ((prompt, text), limit) in enumerate(zip(prompts, limits, strict=True)):
-        sampling = [_sampling(body, limit, j) for j in range(n)]
-        for j in range(n):
-            index = i * n + j
-            rid = shape.id if len(prompts) * n == 1 else f"{shape.id}-{index}"
-            inp = GenerateInput(rid, tuple(prompt), None, sampling[j], body.session_id or "")
-            answer = Answer(StopStrings(stops), len(prompt), body.session_id or "",
-                            tok.decode if tok is not None else None, index=index,
-                            counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
-            if echo:
-                answer.echo_ids = list(prompt)
-                answer.echo_text = text if text is not None else (
-                    tok.decode(prompt) if tok is not None else "")
-            choices.append(_Choice(answer, Chunks(ctx.orchestrator, inp,
-                                                  ctx.metrics.timer("http"), ctx.pool)))
+    many = len(prompts) * n > 1
+    choices = [c for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))
+               for c in _prompt_choices(ctx, body, shape, i, prompt, limit, many)]
     watcher = asyncio.create_task(watch_disconnect(request, _All(choices)))
     # errors before the first token keep their status
     firsts = await asyncio.gather(*(c.chunks.next_batch() for c in choices),
@@ -124,6 +110,31 @@ async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], s
     events = _merged(choices, watcher, shape, firsts, usage)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+def _prompt_choices(ctx, body, shape: Shape, i: int, prompt: tuple[list[int], str | None],
+                    limit: int, many: bool) -> list[_Choice]:
+    """Prompt i's n choices (indexes i * n ..), their requests started; `many`: the response
+    has several choices, whose requests are labelled `<response id>-<index>`."""
+    ids, text = prompt
+    n, tok = body.n or 1, ctx.orchestrator.tokenizer
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    out = []
+    for j in range(n):
+        index = i * n + j
+        rid = f"{shape.id}-{index}" if many else shape.id
+        inp = GenerateInput(rid, tuple(ids), None, _sampling(body, limit, j),
+                            body.session_id or "")
+        answer = Answer(StopStrings(stops), len(ids), body.session_id or "",
+                        tok.decode if tok is not None else None, index=index,
+                        counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
+        if getattr(body, "echo", False):
+            answer.echo_ids = list(ids)
+            answer.echo_text = text if text is not None else (
+                tok.decode(ids) if tok is not None else "")
+        out.append(_Choice(answer, Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"),
+                                          ctx.pool)))
+    return out
 
 
 def _end_all(choices: list[_Choice], watcher: asyncio.Task) -> None:
