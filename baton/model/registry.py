@@ -12,9 +12,10 @@ from baton.errors import ConfigError
 # name -> (cache folder, write_checkpoint kwargs). Bump the folder's version when the recipe
 # changes so stale caches are never reused.
 NAMED = {
-    "tiny": ("tiny-v2", {"preset": "tiny", "seed": 0}),
-    "100m": ("100m-v2", {"preset": "100m", "seed": 0}),
-    "qwen3_5-tiny": ("qwen3_5-tiny-v1", {"family": "qwen3_5", "preset": "tiny", "seed": 0}),
+    "tiny": ("tiny-v3", {"preset": "tiny", "seed": 0, "tokenizer": True}),
+    "100m": ("100m-v3", {"preset": "100m", "seed": 0, "tokenizer": True}),
+    "qwen3_5-tiny": ("qwen3_5-tiny-v2", {"family": "qwen3_5", "preset": "tiny", "seed": 0,
+                                         "tokenizer": True}),
 }
 
 

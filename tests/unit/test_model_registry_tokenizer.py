@@ -30,11 +30,12 @@ def test_tiny_is_generated_once_even_when_racing(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert not errors
-    assert set(results) == {tmp_path / "tiny-v2"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v2"]  # no temp dirs left
-    assert {p.name for p in (tmp_path / "tiny-v2").iterdir()} == {
+    assert set(results) == {tmp_path / "tiny-v3"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v3"]  # no temp dirs left
+    assert {p.name for p in (tmp_path / "tiny-v3").iterdir()} == {
         "config.json",
         "model.safetensors",
+        "tokenizer.json",
         "tokenizer_config.json",
     }
 
