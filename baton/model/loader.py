@@ -1,10 +1,13 @@
-"""Load a NemotronH checkpoint directory (`config.json` + `*.safetensors`) into a NemotronHModel."""
+"""Load a checkpoint directory (`config.json` + `*.safetensors`) into its family's model, or
+one pipeline stage of it. `LOADERS` says, per family, which classes to build and how the
+checkpoint names its tensors."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -12,21 +15,67 @@ from safetensors import safe_open
 from baton.errors import ConfigError
 from baton.model.config import load_config
 from baton.model.layers.linear import install as install_linears
-from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
-from baton.model.stage import StageModel
+from baton.model.stacking import ExpertStacks
 
 log = logging.getLogger("baton.model")
 
-# Tiny per-head Mamba parameters stay float32 in any model dtype (see Mamba2Mixer).
-FP32_SUFFIXES = (".A_log", ".D", ".dt_bias")
-# transformers' in-memory names; checkpoints on disk use `backbone.`.
-PREFIX_ALIASES = {"model.": "backbone."}
+
+class FamilyLoader(NamedTuple):
+    model: str
+    """`module:Class` of the whole model (imported on use)."""
+    stage: str
+    """`module:Class` of one pipeline stage: (config, layers, first, last)."""
+    prefix_aliases: dict[str, str]
+    """Checkpoint name prefix -> the model's (first match wins)."""
+    fp32_suffixes: tuple[str, ...]
+    """Tiny per-head recurrent parameters kept float32 in any model dtype."""
+    embeddings: str
+    """The embedding table's name (a tied LM head reads it)."""
+    skipped: dict[str, str] = {}
+    """Checkpoint prefix -> what it is: tensors Baton does not serve, named once in the log."""
+    splits: dict[str, str] = {}
+    """Checkpoint name suffix -> `module:function` (config, name, tensor) -> {name: tensor}:
+    one checkpoint tensor that is several of the model's (Qwen3-Next's fused projections)."""
+
+
+LOADERS: dict[str, FamilyLoader] = {
+    # transformers' in-memory names use `model.`; NemotronH checkpoints on disk `backbone.`.
+    "nemotron_h": FamilyLoader(
+        "baton.model.nemotron_h.model:NemotronHModel", "baton.model.stage:StageModel",
+        # the MoE router stays float32 too, as transformers keeps it
+        {"model.": "backbone."}, (".A_log", ".D", ".dt_bias", ".gate.weight",
+                                  ".gate.e_score_correction_bias"), "backbone.embeddings.weight",
+    ),
+    # The published multimodal layout keeps the text model under `model.language_model.`.
+    "qwen3_5": FamilyLoader(
+        "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
+        {"model.language_model.": "model."}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
+        {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"},
+    ),
+}
+LOADERS["qwen3_5_moe"] = LOADERS["qwen3_5"]  # the same layers, a MoE block as their `mlp`
+LOADERS["qwen3_next"] = FamilyLoader(
+    "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
+    {}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
+    {"mtp.": "the multi-token-prediction head"},
+    {".in_proj_qkvz.weight": "baton.model.qwen3_next.convert:split_projection",
+     ".in_proj_ba.weight": "baton.model.qwen3_next.convert:split_projection"},
+)
+
+
+def family_loader(cfg) -> FamilyLoader:
+    return LOADERS[cfg.family]
+
+
+def _class(ref: str):
+    mod, name = ref.split(":")
+    return getattr(__import__(mod, fromlist=[name]), name)
 
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> NemotronHModel:
+):
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
     A missing or mis-shaped tensor raises ConfigError naming it; tensors the model does not
@@ -34,8 +83,9 @@ def load_model(
     """
     path = Path(path)
     cfg = load_config(path)
+    fam = family_loader(cfg)
     with torch.device("meta"):
-        model = NemotronHModel(cfg)
+        model = _class(fam.model)(cfg)
     expected = model.state_dict()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     if unexpected:
@@ -46,7 +96,7 @@ def load_model(
         )
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.backbone.embeddings.weight
+        model.lm_head.weight = model.get_parameter(fam.embeddings)
     model.requires_grad_(False)
     return install_linears(model.eval())
 
@@ -54,13 +104,13 @@ def load_model(
 def load_stage(
     path: str | Path, layers: range, first: bool, last: bool,
     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-) -> StageModel:
+):
     """Only one pipeline stage's tensors: global `layers`, the embeddings if `first`, the final
     norm and LM head if `last`. Other stages' tensors are skipped silently."""
     path = Path(path)
     cfg = load_config(path)
     with torch.device("meta"):
-        model = StageModel(cfg, layers, first, last)
+        model = _class(family_loader(cfg).stage)(cfg, layers, first, last)
     expected = model.state_dict()
     state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
@@ -86,34 +136,58 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def _read_tensors(path, expected, cfg, device, dtype):
-    state, unexpected = {}, []
+    fam = family_loader(cfg)
+    state, unexpected, skipped = {}, [], dict.fromkeys(fam.skipped, 0)
+    stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
-                ours = _canonical(name)
-                if ours == "backbone.embeddings.weight" and cfg.tie_word_embeddings \
+                part = next((p for p in fam.skipped if name.startswith(p)), None)
+                if part is not None:
+                    skipped[part] += 1
+                    continue
+                ours = _canonical(name, fam.prefix_aliases)
+                if ours == fam.embeddings and cfg.tie_word_embeddings \
                         and ours not in expected and "lm_head.weight" in expected:
                     ours = "lm_head.weight"  # a last stage without embeddings, tied head
+                if stacks.claim(ours, name, file):
+                    continue
+                split = next((fn for suffix, fn in fam.splits.items() if ours.endswith(suffix)),
+                             None)
+                if split is not None:
+                    parts = _class(split)(cfg, ours, f.get_tensor(name))
+                    kept = {k: v for k, v in parts.items() if k in expected}
+                    for k, v in kept.items():
+                        _check_shape(k, tuple(v.shape), expected[k], file)
+                        state[k] = v.to(device=device, dtype=dtype)
+                    unexpected += [] if kept else [name]
+                    continue
                 if ours not in expected:
                     unexpected.append(name)
                     continue
                 _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
-                want = torch.float32 if ours.endswith(FP32_SUFFIXES) else dtype
+                want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 state[ours] = f.get_tensor(name).to(device=device, dtype=want)
-    if cfg.tie_word_embeddings and "backbone.embeddings.weight" in state:
-        state.setdefault("lm_head.weight", state["backbone.embeddings.weight"])
+    stacks.load(state, device, dtype)
+    for part, count in skipped.items():
+        if count:
+            log.info("skipping %s: %d tensor(s) under %r", fam.skipped[part], count, part)
+    if cfg.tie_word_embeddings and fam.embeddings in state:
+        state.setdefault("lm_head.weight", state[fam.embeddings])
     missing = [k for k in expected if k not in state]
     if missing:
+        latent = [k for k in missing if "_latent_proj." in k]
+        why = f"moe_latent_size={getattr(cfg, 'moe_latent_size', None)}" if latent \
+            else f"pattern {cfg.pattern!r}"
         raise ConfigError(
-            f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''} required by its config.json "
-            f"(pattern {cfg.pattern!r})"
+            f"checkpoint {str(path)!r} is missing tensor(s) {(latent or missing)[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} required by its config.json ({why})"
         )
     return state, unexpected
 
 
-def _canonical(name: str) -> str:
-    for old, new in PREFIX_ALIASES.items():
+def _canonical(name: str, aliases: dict[str, str]) -> str:
+    for old, new in aliases.items():
         if name.startswith(old):
             return new + name[len(old) :]
     return name

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from baton.engine.request import Request
 from baton.model.layers import linear

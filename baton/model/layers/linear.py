@@ -126,11 +126,15 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
     is left alone, so the embedding lookup stays exact."""
     shared = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
               for p in m.parameters(recurse=False)}
+    before = getattr(model, "dtype", None)
     saved = 0
     for m in model.modules():
         if isinstance(m, nn.Linear) and id(m.weight) not in shared and m.weight.dtype != dtype:
             old = m.weight
             m.weight = nn.Parameter(old.detach().to(dtype), requires_grad=False)
+            if getattr(model, "dtype", None) != before:
+                m.weight = old  # the family reads its activation dtype off this weight
+                continue
             saved += old.numel() * (old.element_size() - m.weight.element_size())
             if hasattr(m, "_baton_packed"):
                 object.__delattr__(m, "_baton_packed")
