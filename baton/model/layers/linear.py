@@ -15,16 +15,21 @@ the same primitive inductor's CPU freezing uses) is 1.5x faster at 8-32 rows. Th
 differ from MKL's in rounding only (about 1e-6 relative; MKL itself differs by as much between
 a row alone and the same row in a batch).
 
-`install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear`: at most
-`MAX_PACKED_ROWS` rows in fp32 on CPU take the packed path, everything else (prefill chunks,
-CUDA, low-precision models) plain `F.linear`. `set_decode_path("reference")` (or
+`install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
+the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, at most
+`MAX_PACKED_ROWS` rows in fp32 on CPU take the packed path; everything else (all of prefill,
+so a prompt's logits do not depend on how it was chunked or batched; CUDA; low-precision
+models) plain `F.linear`. `set_decode_path("reference")` (or
 `BATON_DECODE_PATH=reference`) turns the fast path off everywhere: the unoptimised reference
 the acceptance test compares with.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,7 @@ PACK_HINT = 32
 HALF = (torch.float16, torch.bfloat16)
 
 _state = {"path": os.environ.get("BATON_DECODE_PATH", "fast")}
+_local = threading.local()  # .decoding: inside a marked decode call of this thread
 
 
 def set_decode_path(path: str) -> str:
@@ -64,6 +70,7 @@ class FastLinear(nn.Linear):
         if w.dtype in HALF and x.dtype == torch.float32:
             return _half_linear(x, rows, w, self.bias)
         if (rows > MAX_PACKED_ROWS or rows == 0 or _state["path"] != "fast"
+                or not getattr(_local, "decoding", False)
                 or x.dtype != torch.float32 or w.dtype != torch.float32
                 or x.device.type != "cpu" or not _packed_ok()):
             return F.linear(x, w, self.bias)
@@ -117,7 +124,34 @@ def install(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = FastLinear
+    if hasattr(model, "decode"):
+        model.decode = _decoding(model.decode)
+    if hasattr(model, "run_layers"):
+        model.run_layers = _decoding(model.run_layers, when="decode", position=2)
     return model
+
+
+@contextlib.contextmanager
+def decode_scope():
+    """Mark the calls inside as decode (what `install` does around `model.decode`)."""
+    before = getattr(_local, "decoding", False)
+    _local.decoding = True
+    try:
+        yield
+    finally:
+        _local.decoding = before
+
+
+def _decoding(fn, when: str | None = None, position: int = 0):
+    """`fn` with the decode mark set while it runs (only when its argument `when`, at
+    `position`, is true, if given)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if when is not None and not kwargs.get(when, len(args) > position and args[position]):
+            return fn(*args, **kwargs)
+        with decode_scope():
+            return fn(*args, **kwargs)
+    return call
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
