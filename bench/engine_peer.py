@@ -156,7 +156,8 @@ def _alternate(repeats: int, a, b) -> tuple[list[dict], list[dict]]:
 
 def _per_token(x: dict, tokens: int) -> dict:
     n = x.get("tokens", tokens)
-    return {"wall_s": x["wall_s"] / n, "cpu_s": x["cpu_s"] / n}
+    return {"wall_s": x["wall_s"] / n, "cpu_s": x["cpu_s"] / n,
+            "wait": x.get("wait_s", 0.0) / x["wall_s"]}
 
 
 def _median(xs: list[dict], key: str) -> float:
@@ -177,7 +178,11 @@ def _row(family, work, threads, tokens, ours, theirs, kind, **extra) -> dict:
     row |= {"baton_tok_s": round(1 / bw, 1), "llamacpp_tok_s": round(1 / lw, 1),
             "baton_cpu_ms_per_token": round(bc * 1e3, 3),
             "llamacpp_cpu_ms_per_token": round(lc * 1e3, 3),
-            "ratio": round(lw / bw, 3), "cpu_ratio": round(lc / bc, 3)}
+            "ratio": round(lw / bw, 3), "cpu_ratio": round(lc / bc, 3),
+            # Share of wall time spent runnable but waiting for a CPU (a loaded machine):
+            # where it is high, `cpu_ratio` is the comparison to trust.
+            "baton_wait_frac": round(_median(ours, "wait"), 3),
+            "llamacpp_wait_frac": round(_median(theirs, "wait"), 3)}
     print(f"[bench engine] {row}", file=sys.stderr, flush=True)
     return row
 
@@ -199,10 +204,11 @@ def _baton_prefill(eng, prompt: list[int]) -> dict:
     from baton.engine.request import Request, SamplingParams
 
     eng.add_request(Request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
-    c0, t0 = time.process_time(), time.perf_counter()
+    w0, c0, t0 = _waited(), time.process_time(), time.perf_counter()
     while eng.has_work:
         eng.step()
-    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "wait_s": _waited() - w0}
 
 
 def _baton_decode(eng, reqs: list[list[int]], steps: int) -> dict:
@@ -220,12 +226,21 @@ def _baton_decode(eng, reqs: list[list[int]], steps: int) -> dict:
         before += sum(len(o.new_token_ids) for o in outs)
     # Every request has its first token: the rest are pure decode steps of the whole batch.
     produced = 0
-    c0, t0 = time.process_time(), time.perf_counter()
+    w0, c0, t0 = _waited(), time.process_time(), time.perf_counter()
     while eng.has_work:
         produced += sum(len(o.new_token_ids) for o in eng.step())
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert produced + before == len(reqs) * (steps + 1), (produced, before)
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": produced}
+    return {"wall_s": wall, "cpu_s": cpu, "wait_s": _waited() - w0, "tokens": produced}
+
+
+def _waited() -> float:
+    """Seconds this process's threads waited for a CPU: other load on the machine."""
+    import os
+
+    from bench.common import runqueue_wait_seconds
+
+    return runqueue_wait_seconds(os.getpid())
 
 
 def _vocab(path) -> int:

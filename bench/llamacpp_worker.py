@@ -17,11 +17,31 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import time
 
 import llama_cpp as L
 import numpy as np
+
+
+def _waited() -> float:
+    """Seconds this process's threads sat runnable waiting for a CPU (schedstat field 2)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError):
+            pass
+    return total / 1e9
+
+
+def _timed(fn) -> dict:
+    w0, c0, t0 = _waited(), time.process_time(), time.perf_counter()
+    fn()
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "wait_s": _waited() - w0}
 
 
 class Peer:
@@ -82,10 +102,7 @@ class Peer:
 
     def prefill(self, prompt: list[int]) -> dict:
         self.clear()
-        c0, t0 = time.process_time(), time.perf_counter()
-        self._run(self.prefill_rows(prompt))
-        self._logits(-1)
-        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+        return _timed(lambda: (self._run(self.prefill_rows(prompt)), self._logits(-1)))
 
     def decode(self, prompts: list[list[int]], steps: int) -> dict:
         self.clear()
@@ -93,12 +110,14 @@ class Peer:
             self._run(self.prefill_rows(p, s))
         last = [int(np.argmax(self._logits(-1)))] * len(prompts)  # any valid token will do
         pos = [len(p) for p in prompts]
-        c0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(steps):
-            self._run([(last[s], pos[s], s, True) for s in range(len(prompts))])
-            last = [int(np.argmax(self._logits(s))) for s in range(len(prompts))]
-            pos = [p + 1 for p in pos]
-        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+        def steps_():
+            nonlocal last, pos
+            for _ in range(steps):
+                self._run([(last[s], pos[s], s, True) for s in range(len(prompts))])
+                last = [int(np.argmax(self._logits(s))) for s in range(len(prompts))]
+                pos = [p + 1 for p in pos]
+        return _timed(steps_)
 
 
 def main() -> int:
