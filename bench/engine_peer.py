@@ -20,8 +20,9 @@ from bench import llamacpp_peer as peer
 from bench.common import checkpoint, prompts
 from bench.roofline import roofline_rows
 
-FAMILIES = {"nemotron_h": "100m"}
-"""Family -> bench checkpoint preset. Qwen3.5 and MoE join once their loaders land."""
+FAMILIES = {"nemotron_h": ("100m", ()), "qwen3_5": ("100m", ("--no-mtp",))}
+"""Family -> (bench checkpoint preset, extra converter flags: the bench Qwen3.5 has no MTP
+head). An MoE family joins once a bench preset of it converts."""
 
 
 def sizes(quick: bool) -> dict:
@@ -41,10 +42,10 @@ def run(args) -> list[dict]:
         print(f"[bench engine] peer llamacpp skipped: {e}", file=sys.stderr, flush=True)
         return [{"benchmark": "engine", "peer": "llamacpp", "skipped": str(e)}]
     rows = []
-    for family, preset in FAMILIES.items():
-        path = checkpoint(preset)
+    for family, (preset, flags) in FAMILIES.items():
+        path = checkpoint(preset, family)
         try:
-            rows += _family(family, preset, path, py, sz)
+            rows += _family(family, path, py, sz, flags)
         except peer.PeerUnavailable as e:
             print(f"[bench engine] {family} skipped: {e}", file=sys.stderr, flush=True)
             rows.append({"benchmark": "engine", "peer": "llamacpp", "family": family,
@@ -52,10 +53,10 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _family(family: str, preset: str, path, py, sz) -> list[dict]:
+def _family(family: str, path, py, sz, flags: tuple[str, ...]) -> list[dict]:
     from baton.model.loader import load_model
 
-    gguf = {t: peer.convert(path, t) for t in ("f32", "f16")}
+    gguf = {t: peer.convert(path, t, flags) for t in ("f32", "f16")}
     vocab = _vocab(path)
     rows = []
     torch.set_num_threads(1)
@@ -72,7 +73,7 @@ def _family(family: str, preset: str, path, py, sz) -> list[dict]:
         workers = {t: peer.Worker(py, g, threads, max(sz["decode"]), n_ctx + 256)
                    for t, g in gguf.items()}
         try:
-            rows += _measure(family, preset, path, vocab, threads, workers, sz)
+            rows += _measure(family, path, vocab, threads, workers, sz)
         finally:
             for x in workers.values():
                 x.close()
@@ -114,7 +115,7 @@ def baton_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[
     return toks, margins
 
 
-def _measure(family, preset, path, vocab, threads, workers, sz) -> list[dict]:
+def _measure(family, path, vocab, threads, workers, sz) -> list[dict]:
     rows = [_prefill_row(family, path, vocab, threads, workers, sz)]
     for batch, (plen, steps) in sz["decode"].items():
         rows.append(_decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps))

@@ -114,8 +114,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(checkpoint: Path, outtype: str = "f32") -> Path:
-    """GGUF of `checkpoint` (cached beside it in the cache folder)."""
+def convert(checkpoint: Path, outtype: str = "f32", extra: tuple[str, ...] = ()) -> Path:
+    """GGUF of `checkpoint` (cached in the cache folder); `extra` converter flags (e.g.
+    `--no-mtp` for a Qwen3.5 checkpoint without the multi-token-prediction head)."""
     out = cache_dir() / "gguf" / f"{checkpoint.name}-{outtype}.gguf"
     if out.is_file():
         return out
@@ -125,7 +126,7 @@ def convert(checkpoint: Path, outtype: str = "f32") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".part")
     cmd = [sys.executable, "-c", _CONVERT, str(root), str(src), "--outtype", outtype,
-           "--outfile", str(tmp)]
+           "--outfile", str(tmp), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode or not tmp.is_file():
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
