@@ -1,0 +1,152 @@
+"""NemotronH at tensor-parallel size t: rank r's model is an ordinary `NemotronHModel` built
+from a LOCAL config (its heads, groups, FFN and vocab shares), with the output projections,
+embedding, LM head and (replicated-groups) gated norm swapped for `layers.parallel`, and its
+weights cut from the TP-1 checkpoint section by section.
+
+    in_proj rows   [ z | x | B | C | dt ]  each section cut on its own (by heads / groups);
+                   n_groups == 1: B and C whole on every rank
+    conv1d rows    [ x | B | C ]           likewise (so the conv state is the rank's shard
+                                            in `tp_shard`'s layout)
+    A_log, D, dt_bias, norm                by heads / channels
+    out_proj, o_proj, down_proj columns    row parallel (one all-reduce each)
+    q rows by heads; k, v rows by KV heads (replicated: head r*K // t, division)
+
+The local config's pools are exactly the rank's shard of the cache (`tp_shard`): KV heads
+max(K/t, 1), conv (I/t + 2*G_local*N, K-1), ssm (H/t, P, N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from baton.errors import ConfigError
+from baton.model.config import load_config
+from baton.model.layers.parallel import (
+    ReplicatedGroupGatedNorm,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from baton.model.loader import FP32_SUFFIXES, _canonical, checkpoint_files
+from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.model import NemotronHModel
+from baton.model.tp_shard import check_tp, held_units
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config whose modules and pools are one rank's shard."""
+    check_tp(cfg, tp)
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg, num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
+        intermediate_size=cfg.intermediate_size // tp,
+        mamba_num_heads=cfg.mamba_num_heads // tp, n_groups=max(cfg.n_groups // tp, 1),
+        vocab_size=cfg.vocab_size // tp)
+
+
+def sections(cfg: ModelConfig, what: str) -> list[tuple[int, int]]:
+    """(units, unit width) of each section along a weight's sharded axis."""
+    H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+    return {
+        "in_proj": [(H, P), (H, P), (G, N), (G, N), (H, 1)],
+        "conv": [(H, P), (G, N), (G, N)],
+        "heads": [(H, 1)], "inner": [(H, P)],
+        "q": [(cfg.num_attention_heads, cfg.head_dim)],
+        "kv": [(cfg.num_key_value_heads, cfg.head_dim)],
+        "ffn": [(cfg.intermediate_size, 1)], "vocab": [(cfg.vocab_size, 1)],
+    }[what]
+
+
+RULES = (  # (name suffix, sections, axis); anything else is replicated
+    ("mixer.in_proj.weight", "in_proj", 0), ("mixer.in_proj.bias", "in_proj", 0),
+    ("mixer.conv1d.weight", "conv", 0), ("mixer.conv1d.bias", "conv", 0),
+    ("mixer.dt_bias", "heads", 0), ("mixer.A_log", "heads", 0), ("mixer.D", "heads", 0),
+    ("mixer.norm.weight", "inner", 0), ("mixer.out_proj.weight", "inner", 1),
+    ("mixer.q_proj.weight", "q", 0), ("mixer.k_proj.weight", "kv", 0),
+    ("mixer.v_proj.weight", "kv", 0), ("mixer.o_proj.weight", "q", 1),
+    ("mixer.up_proj.weight", "ffn", 0), ("mixer.up_proj.bias", "ffn", 0),
+    ("mixer.down_proj.weight", "ffn", 1),
+    ("backbone.embeddings.weight", "vocab", 0), ("lm_head.weight", "vocab", 0),
+)
+
+
+def shard_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, tp: int, rank: int):
+    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape)."""
+    rule = next(((s, a) for suf, s, a in RULES if name.endswith(suf)), None)
+    if rule is None or tp == 1:
+        return t
+    what, axis = rule
+    parts, start = [], 0
+    for units, width in sections(cfg, what):
+        lo, hi = held_units(units, tp, rank)
+        parts.append(t.narrow(axis, start + lo * width, (hi - lo) * width))
+        start += units * width
+    if start != t.shape[axis]:
+        raise ConfigError(f"checkpoint tensor {name}: {t.shape[axis]} rows along axis {axis}, "
+                          f"expected {start}")
+    return torch.cat(parts, dim=axis).contiguous()
+
+
+def build_local(cfg: ModelConfig, tp: TPGroup) -> NemotronHModel:
+    """The rank's module tree (on the meta device): parallel layers where TP talks."""
+    lc = local_config(cfg, tp.size)
+    model = NemotronHModel(lc)
+    if tp.size == 1:
+        return model
+    for block in model.backbone.layers:
+        m = block.mixer
+        for proj in ("out_proj", "o_proj", "down_proj"):
+            old = getattr(m, proj, None)
+            if old is not None:
+                setattr(m, proj, RowParallelLinear(old.in_features, old.out_features,
+                                                   old.bias is not None, tp))
+        if hasattr(m, "A_log") and cfg.n_groups == 1:
+            inter = lc.mamba_intermediate
+            m.norm = ReplicatedGroupGatedNorm(inter, cfg.mamba_intermediate,
+                                              cfg.layer_norm_epsilon, tp)
+    start = tp.rank * lc.vocab_size
+    model.backbone.embeddings = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size, start, tp)
+    model.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
+    return model
+
+
+def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32):
+    """Rank `tp.rank`'s model with its shard of the checkpoint's weights; `.config` is the
+    shard's (its pools'), `.full_config` the whole model's."""
+    path = Path(path)
+    cfg = load_config(path)
+    if cfg.family != "nemotron_h":
+        raise ConfigError(f"tensor_parallel_size={tp.size}: family {cfg.family!r} has no "
+                          "tensor-parallel build yet (NemotronH only)")
+    with torch.device("meta"):
+        model = build_local(cfg, tp)
+    expected = model.state_dict()
+    state = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                ours = _canonical(name)
+                if ours not in expected:
+                    continue
+                t = shard_tensor(cfg, ours, f.get_tensor(name), tp.size, tp.rank)
+                if tuple(t.shape) != tuple(expected[ours].shape):
+                    raise ConfigError(f"checkpoint tensor {name}: rank {tp.rank} shard "
+                                      f"{list(t.shape)}, expected {list(expected[ours].shape)}")
+                want = torch.float32 if ours.endswith(FP32_SUFFIXES) else dtype
+                state[ours] = t.to(device=device, dtype=want)
+    if cfg.tie_word_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["backbone.embeddings.weight"]
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.full_config = cfg
+    model.requires_grad_(False)
+    return model.eval()
