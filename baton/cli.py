@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.add_argument("--session")
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="--local: rank processes to split every layer over (default: config "
+                        "worker.tensor_parallel_size)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("make-model", help="write a small seeded NemotronH checkpoint")

@@ -27,6 +27,12 @@ def cmd_generate(args) -> int:
     if len(set(ids)) != len(ids):
         raise InvalidRequestError("request ids in the requests file must be unique")
     cfg = BatonConfig.load(args.config)
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker,
+                                                                   tensor_parallel_size=tp))
     if args.local:
         from baton.client.local import run_local
         from baton.engine.builder import build_engine

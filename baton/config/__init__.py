@@ -63,6 +63,14 @@ class WorkerConfig:
     pp_layer_partition: tuple[int, ...] = ()
     """Layers per stage, in order, summing to the model's layer count; empty = as even as
     possible (earlier stages take the remainder). Checked against the model when it loads."""
+    tensor_parallel_size: int = 1
+    """Rank processes every layer is split over by heads (`--tensor-parallel-size`): rank 0
+    schedules and owns the cache manager; each rank holds 1/N of the weights and of every
+    pool (KV heads, Mamba heads and groups; KV heads and n_groups == 1 replicated when fewer
+    than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
+    The cores are split between the ranks. NemotronH, in the local engine (`generate
+    --local`) for now: not yet combined with pipeline parallelism, nor in prefill / decode
+    workers (refused)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:
@@ -75,6 +83,16 @@ class WorkerConfig:
             raise ConfigError(
                 f"worker.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
             )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+                self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"worker.tensor_parallel_size must be an integer >= 1, got "
+                f"{self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"worker.tensor_parallel_size={self.tensor_parallel_size} with "
+                f"worker.pipeline_parallel_size={self.pipeline_parallel_size}: TP x PP is not "
+                "supported yet; set one of them to 1")
         if self.pp_layer_partition and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ConfigError(
                 f"worker.pp_layer_partition {list(self.pp_layer_partition)} has "

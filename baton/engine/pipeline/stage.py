@@ -74,7 +74,7 @@ class StageLoop:
     def run(self) -> None:
         while True:
             msg = self.ch.recv_msg(0, TAG_CTRL)
-            apply_ops(self.pools, msg.get("ops", ()))
+            self._apply(msg.get("ops", ()))
             op = msg["op"]
             if op == "stop":
                 self.ch.flush()
@@ -89,6 +89,9 @@ class StageLoop:
                 pass  # applied above
             else:
                 log.error("stage %d: unknown control op %r ignored", self.ch.rank, op)
+
+    def _apply(self, ops) -> None:
+        apply_ops(self.pools, ops)
 
     def _forward(self, mb: dict) -> None:
         h = self.ch.recv(hidden_shape(self.model, mb), self.model.dtype, self.ch.rank - 1,
