@@ -37,7 +37,13 @@ def cmd_generate(args) -> int:
         from baton.client.local import run_local
         from baton.engine.builder import build_engine
 
-        results = run_local(build_engine(cfg, args.model), specs, args.concurrency)
+        engine = build_engine(cfg, args.model)
+        try:
+            results = run_local(engine, specs, args.concurrency)
+        finally:
+            close = getattr(engine.model, "close", None)  # TP ranks / PP stages leave cleanly
+            if close is not None:
+                close()
     else:
         from baton.auth.tls import cluster_tls, router_channel_credentials
         from baton.client.remote import run_remote
