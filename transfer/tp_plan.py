@@ -18,6 +18,9 @@ rank d with rank d only, and every destination byte gets exactly one write.
 A `Piece` is relative to one block / slot of one layer: `repeat` runs of `length` bytes,
 `src_stride` / `dst_stride` apart (KV heads sit inside each token row, so a head range
 repeats 2*tokens_per_block times; state tensors shard their outermost axis: repeat 1).
+`expand` turns one (source rank, destination rank) pair's pieces into the per-stage
+planner's `Plan` (addresses) for the layers both ranks' stages hold, so PP on either side
+composes: each (prefill stage, decode stage) pair is planned with its ranks' layouts.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from baton.errors import TransferError
 from baton.model.tp_shard import TensorShard, held_units
+from transfer.layout import StageLayout
+from transfer.planner import Plan, _ids
 
 
 class Piece(NamedTuple):
@@ -124,3 +131,95 @@ def _merge(pieces: list[Piece]) -> list[Piece]:
             out.append(p)
     return [p._replace(length=p.nbytes, repeat=1)
             if p.repeat > 1 and p.length == p.src_stride == p.dst_stride else p for p in out]
+
+
+def expand(pieces: Sequence[Piece], src: StageLayout, dst: StageLayout,
+           src_blocks: Sequence[int], src_slot: int | None, dst_blocks: Sequence[int],
+           dst_slot: int | None, skip_blocks: int = 0) -> Plan:
+    """Descriptors of one rank pair's pieces over the layers both stages hold: KV pieces
+    per (layer, block after `skip_blocks`, run), state pieces per (layer, run) of the slot.
+    Every run is checked inside its block / slot on both sides before anything is built
+    (a layout the pieces were not planned for is refused, not written)."""
+    if len(src_blocks) != len(dst_blocks):
+        raise TransferError(f"block tables differ in length: {len(src_blocks)} source, "
+                            f"{len(dst_blocks)} destination")
+    cols: list[list[np.ndarray]] = [[] for _ in range(6)]
+    for p in pieces:
+        part = _kv(p, src, dst, src_blocks[skip_blocks:], dst_blocks[skip_blocks:]) \
+            if p.tensor == "kv" else _state(p, src, dst, src_slot, dst_slot)
+        for c, v in zip(cols, part or (), strict=False):
+            c.append(v)
+    if not cols[0]:
+        e, u = np.zeros(0, np.int64), np.zeros(0, np.uint64)
+        return Plan((), e, e, u, u, u, e)
+    out = [np.concatenate(c) for c in cols]
+    layers = tuple(sorted({int(g) for g in np.unique(out[5])}))
+    return Plan(layers, out[0], out[1], out[2], out[3], out[4], out[5])
+
+
+def _runs(p: Piece, src_bytes: int, dst_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    k = np.arange(p.repeat, dtype=np.uint64)
+    so = np.uint64(p.src_offset) + k * np.uint64(p.src_stride)
+    do = np.uint64(p.dst_offset) + k * np.uint64(p.dst_stride)
+    if int(so[-1]) + p.length > src_bytes or int(do[-1]) + p.length > dst_bytes:
+        raise TransferError(f"{p.tensor} piece {p.src_rank}->{p.dst_rank} runs past a "
+                            f"{src_bytes}-byte source or {dst_bytes}-byte destination unit: "
+                            "the peer's shard layout is not the one planned")
+    return so, do
+
+
+def _grid(base, ls, layers, us, units, offs) -> np.ndarray:
+    """base + layer*ls + unit*us + off, layer-major, then unit, then run."""
+    a = (np.uint64(base) + layers.astype(np.uint64)[:, None, None] * np.uint64(ls)
+         + np.asarray(units, dtype=np.uint64)[None, :, None] * np.uint64(us)
+         + offs[None, None, :])
+    return a.reshape(-1)
+
+
+def _units(layers: np.ndarray, per_layer: int, ids: np.ndarray, repeat: int) -> np.ndarray:
+    """Unit index of every run (the block's unit: NIXL posts whole units, so a sub-block
+    run needs the address path, e.g. UCX's coalesced ranges)."""
+    return np.repeat((layers[:, None] * per_layer + ids[None, :]).reshape(-1), repeat)
+
+
+def _kv(p: Piece, src: StageLayout, dst: StageLayout, sb, db):
+    if src.kv is None or dst.kv is None:
+        return None
+    s, d = src.kv, dst.kv
+    common = sorted(set(s.layers) & set(d.layers))
+    if not common or not len(sb):
+        return None
+    so, do = _runs(p, s.block_bytes, d.block_bytes)
+    sb, db = _ids(sb, s.num_blocks, "source block"), _ids(db, d.num_blocks, "destination block")
+    sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)
+    dl = np.array([d.layers.index(g) for g in common], dtype=np.int64)
+    n = len(common) * sb.size * p.repeat
+    return (_units(sl, s.num_blocks, sb, p.repeat), _units(dl, d.num_blocks, db, p.repeat),
+            _grid(s.base, s.layer_stride, sl, s.block_stride, sb, so),
+            _grid(d.base, d.layer_stride, dl, d.block_stride, db, do),
+            np.full(n, p.length, dtype=np.uint64),
+            np.repeat(np.array(common, dtype=np.int64), sb.size * p.repeat))
+
+
+def _state(p: Piece, src: StageLayout, dst: StageLayout, ss, ds):
+    if src.state is None or dst.state is None:
+        return None
+    s, d = src.state, dst.state
+    common = sorted(set(s.layers) & set(d.layers))
+    if not common:
+        return None
+    st, dt = s.tensor(p.tensor), d.tensor(p.tensor)
+    i = [t.name for t in s.tensors].index(p.tensor)
+    so, do = _runs(p, st.bytes, dt.bytes)
+    ss = int(_ids([ss], s.num_slots, "source slot")[0])
+    ds = int(_ids([ds], d.num_slots, "destination slot")[0])
+    sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)
+    dl = np.array([d.layers.index(g) for g in common], dtype=np.int64)
+    s_off = src.num_kv_units + i * src.num_state_units
+    d_off = dst.num_kv_units + i * dst.num_state_units
+    return (np.repeat(s_off + sl * s.num_slots + ss, p.repeat),
+            np.repeat(d_off + dl * d.num_slots + ds, p.repeat),
+            _grid(st.base, st.layer_stride, sl, st.slot_stride, [ss], so),
+            _grid(dt.base, dt.layer_stride, dl, dt.slot_stride, [ds], do),
+            np.full(len(common) * p.repeat, p.length, dtype=np.uint64),
+            np.repeat(np.array(common, dtype=np.int64), p.repeat))
