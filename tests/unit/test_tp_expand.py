@@ -120,7 +120,7 @@ def test_expand_refuses_a_layout_it_was_not_planned_for():
     src = StageLayout.from_pools(rank_pools(GROUPS4, 1, range(4), g=g))
     wrong = StageLayout.from_pools(rank_pools(GROUPS4, 4, range(4), fill=-1.0))
     # (KV fits: 2 KV heads give one head per rank at TP 2 and at TP 4; the conv slot
-    # [x 8 | B 2 | C 2] x 3 floats at TP 4 is smaller than the planned TP-2 runs)
+    # [x 8 | B 4 | C 4] x 3 floats at TP 4 is smaller than the planned TP-2 runs)
     with pytest.raises(TransferError, match=r"conv piece 0->0 runs past a 768-byte source or "
                                             r"192-byte destination unit"):
         expand([p for p in plan if p.dst_rank == 0], src, wrong, SRC_BLOCKS, SRC_SLOT,
