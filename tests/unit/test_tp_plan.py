@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from baton.model import tp_shard
-from baton.model.config import ModelConfig
+from baton.model.config import ModelConfig, config_from_dict
 from baton.model.tp_shard import SectionShard, TensorShard, model_shards
-from tests.support.testbed import tiny_model
+from tests.support.testbed import tiny_model, tiny_qwen
 from transfer import tp_plan
 from transfer.tp_plan import pieces_for, plan_tp
 
@@ -31,7 +31,9 @@ GROUPS4 = ModelConfig.from_dict(tiny_model("M*M-", mamba_num_heads=8, n_groups=4
 GROUPS1 = ModelConfig.from_dict(tiny_model("M*M-", mamba_num_heads=8, n_groups=1))
 ONE_KV = ModelConfig.from_dict(tiny_model("M*", mamba_num_heads=8, n_groups=1,
                                           num_key_value_heads=1))
-CONFIGS = {"groups4": GROUPS4, "groups1": GROUPS1, "one_kv_head": ONE_KV}
+# DeltaNet: 2 key heads x 4 (q, k), 4 value heads x 6 (v, recurrent [4, 4, 6] float32)
+QWEN = config_from_dict(tiny_qwen("GG*G", intermediate_size=64))
+CONFIGS = {"groups4": GROUPS4, "groups1": GROUPS1, "one_kv_head": ONE_KV, "qwen3_5": QWEN}
 INT = {2: np.int16, 4: np.int32}
 
 
@@ -48,6 +50,8 @@ def reference_local(cfg, name, tp, r, g):
         if k >= tp:
             return g[:, :, r * k // tp:(r + 1) * k // tp]
         return g[:, :, r // (tp // k):r // (tp // k) + 1]  # replicated: division
+    if cfg.family == "qwen3_5":
+        return _deltanet_local(cfg, name, tp, r, g)
     H = cfg.mamba_num_heads
     if name == "ssm":
         return g[r * H // tp:(r + 1) * H // tp]
@@ -59,6 +63,23 @@ def reference_local(cfg, name, tp, r, g):
         b = g[inner + r * gn // tp:inner + (r + 1) * gn // tp]
         c = g[inner + gn + r * gn // tp:inner + gn + (r + 1) * gn // tp]
     return np.concatenate([x, b, c])
+
+
+def _deltanet_local(cfg, name, tp, r, g):
+    """q and k by key heads (replicated by division when TP exceeds them), v and the
+    recurrent state by value heads."""
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    if name == "recurrent":
+        return g[r * hv // tp:(r + 1) * hv // tp]
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    kd = hk * dk
+    if hk >= tp:
+        lo, hi = r * hk // tp * dk, (r + 1) * hk // tp * dk
+    else:
+        lo = r // (tp // hk) * dk
+        hi = lo + dk
+    v = g[2 * kd + r * hv // tp * dv:2 * kd + (r + 1) * hv // tp * dv]
+    return np.concatenate([g[lo:hi], g[kd + lo:kd + hi], v])
 
 
 def simulate(cfg, src_tp, dst_tp, dtype="bfloat16"):

@@ -32,7 +32,7 @@ from baton.model.layers.parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from baton.model.loader import FP32_SUFFIXES, _canonical, checkpoint_files
+from baton.model.loader import _canonical, checkpoint_files, family_loader
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.tp_shard import check_tp, held_units
@@ -128,18 +128,19 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
     with torch.device("meta"):
         model = build_local(cfg, tp)
     expected = model.state_dict()
+    fam = family_loader(cfg)
     state = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                ours = _canonical(name)
+                ours = _canonical(name, fam.prefix_aliases)
                 if ours not in expected:
                     continue
                 t = shard_tensor(cfg, ours, f.get_tensor(name), tp.size, tp.rank)
                 if tuple(t.shape) != tuple(expected[ours].shape):
                     raise ConfigError(f"checkpoint tensor {name}: rank {tp.rank} shard "
                                       f"{list(t.shape)}, expected {list(expected[ours].shape)}")
-                want = torch.float32 if ours.endswith(FP32_SUFFIXES) else dtype
+                want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 state[ours] = t.to(device=device, dtype=want)
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["backbone.embeddings.weight"]
