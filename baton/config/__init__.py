@@ -68,9 +68,10 @@ class WorkerConfig:
     schedules and owns the cache manager; each rank holds 1/N of the weights and of every
     pool (KV heads, Mamba heads and groups; KV heads and n_groups == 1 replicated when fewer
     than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
-    The cores are split between the ranks. NemotronH, in the local engine (`generate
-    --local`) for now: not yet combined with pipeline parallelism, nor in prefill / decode
-    workers (refused)."""
+    The cores are split between the ranks. Combines with `pipeline_parallel_size` (TP x PP
+    processes: each stage split over TP ranks, the layout printed on start). NemotronH, in
+    the local engine (`generate --local`) for now: not yet in prefill / decode workers
+    (refused)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:
@@ -88,11 +89,6 @@ class WorkerConfig:
             raise ConfigError(
                 f"worker.tensor_parallel_size must be an integer >= 1, got "
                 f"{self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ConfigError(
-                f"worker.tensor_parallel_size={self.tensor_parallel_size} with "
-                f"worker.pipeline_parallel_size={self.pipeline_parallel_size}: TP x PP is not "
-                "supported yet; set one of them to 1")
         if self.pp_layer_partition and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ConfigError(
                 f"worker.pp_layer_partition {list(self.pp_layer_partition)} has "

@@ -1,6 +1,6 @@
 """`--tensor-parallel-size` and `worker.tensor_parallel_size` as users meet them: the rank
 layout and one warning line when the ranks outnumber the cores, tokens equal to TP 1,
-undividable models and unsupported combinations refused in one line naming the field."""
+undividable models and TP workers refused in one line naming the field."""
 
 from __future__ import annotations
 
@@ -70,10 +70,9 @@ def test_config_field_per_role_and_refusals():
     with pytest.raises(ConfigError, match=r"worker.tensor_parallel_size must be an integer "
                                           r">= 1, got 0"):
         BatonConfig.from_dict({"worker": {"tensor_parallel_size": 0}})
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 with "
-                                          r"worker.pipeline_parallel_size=2: TP x PP is not"):
-        BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2,
-                                          "pipeline_parallel_size": 2}})
+    both = BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2,
+                                             "pipeline_parallel_size": 2}}).worker
+    assert (both.tensor_parallel_size, both.pipeline_parallel_size) == (2, 2)
 
 
 def test_workers_refuse_tp_before_loading_anything():

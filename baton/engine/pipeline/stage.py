@@ -37,6 +37,9 @@ def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> to
     """This stage's layers over micro-batch `mb` (input hidden states, or token ids on the
     first stage)."""
     decode, starts, tables, slots = mb["decode"], mb["starts"], mb["tables"], mb["slots"]
+    before = getattr(model, "before_forward", None)
+    if before is not None:  # TP x PP: the stage's other TP ranks get the micro-batch first
+        before(mb, h)
     h = model.embed(h) if model.first else h.to(model.device)
     if decode:
         attn = decode_meta(torch.tensor(starts), tables, pools) if pools.has_kv else None

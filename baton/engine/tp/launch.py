@@ -58,11 +58,11 @@ def _rng(units: int, size: int, r: int) -> str:
     return f"[{lo}, {hi}){rep}"
 
 
-def warn_cores(size: int) -> None:
+def warn_cores(size: int, what: str = "") -> None:
     cores = os.cpu_count() or 1
     if size > cores:
-        log.warning("tensor_parallel_size=%d rank processes on %d cores: ranks share cores "
-                    "(correct, not faster)", size, cores)
+        log.warning("%s rank processes on %d cores: ranks share cores (correct, not faster)",
+                    what or f"tensor_parallel_size={size}", cores)
 
 
 def join(rank: int, size: int, store) -> TPGroup:

@@ -38,6 +38,11 @@ class TPModel(PipelineModel):
         self.shard = shard
         self.tp = tp
 
+    def close(self) -> None:
+        if not self.closed and self.local_stages is not None:
+            self.local_stages._stopping = True  # the ranks exiting now is no death
+        super().close()
+
     def make_pools(self, *a, **kw):
         return self.shard.make_pools(*a, **kw)
 

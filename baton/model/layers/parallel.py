@@ -27,8 +27,10 @@ from torch import nn
 class TPGroup:
     """This rank's place in a tensor-parallel group (size 1: no communication at all)."""
 
-    def __init__(self, rank: int, size: int, group=None):
+    def __init__(self, rank: int, size: int, group=None, root: int = 0):
         self.rank, self.size, self.group = rank, size, group
+        self.root = root
+        """Global rank of the group's rank 0 (a stage's leader under TP x PP)."""
         self.calls = 0
         self.seconds = 0.0
 
@@ -43,14 +45,14 @@ class TPGroup:
         return buf.to(t.device) if buf is not t else buf
 
     def gather0(self, t: torch.Tensor) -> torch.Tensor:
-        """Concatenation of every rank's `t` along the last axis, on rank 0 (others get
-        their own `t` back: only rank 0 samples)."""
+        """Concatenation of every rank's `t` along the last axis, on the group's rank 0
+        (others get their own `t` back: only rank 0 samples)."""
         if self.size == 1:
             return t
         t0 = time.perf_counter()
         buf = t.detach().cpu().contiguous()
         parts = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(buf, parts, dst=0, group=self.group)
+        dist.gather(buf, parts, dst=self.root, group=self.group)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=-1).to(t.device) if parts is not None else t

@@ -96,11 +96,27 @@ def shard_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, tp: int, rank: in
 
 def build_local(cfg: ModelConfig, tp: TPGroup) -> NemotronHModel:
     """The rank's module tree (on the meta device): parallel layers where TP talks."""
-    lc = local_config(cfg, tp.size)
-    model = NemotronHModel(lc)
+    model = NemotronHModel(local_config(cfg, tp.size))
+    _parallelize(cfg, tp, model.backbone.layers, model.backbone, model)
+    return model
+
+
+def build_local_stage(cfg: ModelConfig, tp: TPGroup, layers: range, first: bool, last: bool):
+    """One pipeline stage's share on this TP rank (meta device)."""
+    from baton.model.stage import StageModel
+
+    model = StageModel(local_config(cfg, tp.size), layers, first, last)
+    _parallelize(cfg, tp, model.backbone.layers.values(), model.backbone if first else None,
+                 model if last else None)
+    return model
+
+
+def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner) -> None:
+    """Swap in the modules that talk over the group (TP 1: nothing to swap)."""
     if tp.size == 1:
-        return model
-    for block in model.backbone.layers:
+        return
+    lc = local_config(cfg, tp.size)
+    for block in blocks:
         m = block.mixer
         for proj in ("out_proj", "o_proj", "down_proj"):
             old = getattr(m, proj, None)
@@ -108,25 +124,27 @@ def build_local(cfg: ModelConfig, tp: TPGroup) -> NemotronHModel:
                 setattr(m, proj, RowParallelLinear(old.in_features, old.out_features,
                                                    old.bias is not None, tp))
         if hasattr(m, "A_log") and cfg.n_groups == 1:
-            inter = lc.mamba_intermediate
-            m.norm = ReplicatedGroupGatedNorm(inter, cfg.mamba_intermediate,
+            m.norm = ReplicatedGroupGatedNorm(lc.mamba_intermediate, cfg.mamba_intermediate,
                                               cfg.layer_norm_epsilon, tp)
-    start = tp.rank * lc.vocab_size
-    model.backbone.embeddings = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size, start, tp)
-    model.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
-    return model
+    if embed_owner is not None:
+        embed_owner.embeddings = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size,
+                                                        tp.rank * lc.vocab_size, tp)
+    if head_owner is not None:
+        head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
 
 
-def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32):
-    """Rank `tp.rank`'s model with its shard of the checkpoint's weights; `.config` is the
-    shard's (its pools'), `.full_config` the whole model's."""
+def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
+                  stage: tuple[range, bool, bool] | None = None):
+    """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
+    pipeline stage) with its shard of the checkpoint's weights; `.config` is the shard's
+    (its pools'), `.full_config` the whole model's."""
     path = Path(path)
     cfg = load_config(path)
     if cfg.family != "nemotron_h":
         raise ConfigError(f"tensor_parallel_size={tp.size}: family {cfg.family!r} has no "
                           "tensor-parallel build yet (NemotronH only)")
     with torch.device("meta"):
-        model = build_local(cfg, tp)
+        model = build_local(cfg, tp) if stage is None else build_local_stage(cfg, tp, *stage)
     expected = model.state_dict()
     fam = family_loader(cfg)
     state = {}
@@ -134,16 +152,17 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 ours = _canonical(name, fam.prefix_aliases)
-                if ours not in expected:
-                    continue
-                t = shard_tensor(cfg, ours, f.get_tensor(name), tp.size, tp.rank)
-                if tuple(t.shape) != tuple(expected[ours].shape):
-                    raise ConfigError(f"checkpoint tensor {name}: rank {tp.rank} shard "
-                                      f"{list(t.shape)}, expected {list(expected[ours].shape)}")
-                want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
-                state[ours] = t.to(device=device, dtype=want)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["backbone.embeddings.weight"]
+                # a tied head (possibly on a last stage without the embeddings) reads them
+                targets = [ours, "lm_head.weight"] if cfg.tie_word_embeddings \
+                    and ours == fam.embeddings else [ours]
+                for tgt in (x for x in targets if x in expected and x not in state):
+                    t = shard_tensor(cfg, tgt, f.get_tensor(name), tp.size, tp.rank)
+                    if tuple(t.shape) != tuple(expected[tgt].shape):
+                        raise ConfigError(
+                            f"checkpoint tensor {name}: rank {tp.rank} shard {list(t.shape)}, "
+                            f"expected {list(expected[tgt].shape)}")
+                    want = torch.float32 if tgt.endswith(fam.fp32_suffixes) else dtype
+                    state[tgt] = t.to(device=device, dtype=want)
     missing = [k for k in expected if k not in state]
     if missing:
         raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")
