@@ -1,7 +1,8 @@
 """A tensor-parallel engine (real rank processes, one gloo group) gives exactly the TP-1
 engine's greedy tokens in float32, with chunked prefill, batched decode and prefix reuse,
 on NemotronH with n_groups 4 (groups split) and n_groups 1 (B/C replicated, the gated norm
-all-reduced), KV heads fewer than TP (replicated by division); canaries clean and the
+all-reduced), KV heads fewer than TP (replicated by division), and on Qwen3.5 (DeltaNet by
+key / value heads, key heads replicated at TP 4, tied embeddings); canaries clean and the
 mirrored cache operations identical on every rank.
 
 Margins: the all-reduces sum partial products in another order than one matmul, so logits
@@ -28,7 +29,12 @@ from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, ru
 SMALL = dict(pattern="M*M-M*", hidden_size=64, vocab_size=256, intermediate_size=128,
              mamba_head_dim=8, ssm_state_size=8, head_dim=16, chunk_size=16)
 CONFIGS = {"groups4-kv2": dict(n_groups=4), "groups1-kv1": dict(n_groups=1,
-                                                                  num_key_value_heads=1)}
+                                                                  num_key_value_heads=1),
+           "qwen3_5": {}}
+# Qwen3.5: 2 key heads (replicated at TP 4), 4 value heads, 2 KV heads, tied embeddings
+QWEN = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+            full_attention_interval=2, tie_word_embeddings=True)
 WORKER = {"prefill_chunk_size": 16, "max_batch_tokens": 48}
 LENGTHS = [1, 3, 7, 12, 17, 23, 31, 40, 47, 60]
 STEPS = 8
@@ -47,8 +53,13 @@ def env():
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
 def case(request, tmp_path_factory, env):
     """(model dir, kept prompts, TP-1 engine tokens, TP-1 greedy margins per prompt)."""
-    path = make_checkpoint(tmp_path_factory.mktemp(request.param), seed=5,
-                           **SMALL, **CONFIGS[request.param])
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_5":
+        from baton.model.qwen3_5.make import write_checkpoint
+
+        path = write_checkpoint(root / "q", seed=5, **QWEN)
+    else:
+        path = make_checkpoint(root, seed=5, **SMALL, **CONFIGS[request.param])
     model = load_model(path)
     kept, margins = {}, {}
     for i, n in enumerate(LENGTHS):
@@ -132,6 +143,19 @@ def test_tp_rank_pools_hold_their_shard(tp_engine, case):
     tp, eng = tp_engine
     cfg = eng.model.config
     local = eng.model.pools.local
+    stats = eng.model.rank_stats()
+    assert len(stats) == tp and all(s["collectives"] > 0 for s in stats)
+    assert len({s["collectives"] for s in stats}) == 1  # lockstep: same count on every rank
+    if cfg.family == "qwen3_5":
+        hk = max(cfg.linear_num_key_heads // tp, 1)
+        hv = cfg.linear_num_value_heads // tp
+        assert local.kv.shape[-2] == max(cfg.num_key_value_heads // tp, 1)
+        assert tuple(local.conv.shape[2:]) == (
+            2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim - 1)
+        assert tuple(local.recurrent.shape[2:]) == (hv, cfg.linear_key_head_dim,
+                                                    cfg.linear_value_head_dim)
+        return
     kv_local = max(cfg.num_key_value_heads // tp, 1)
     g_local = max(cfg.n_groups // tp, 1)
     assert local.kv.shape[-2] == kv_local
@@ -140,9 +164,6 @@ def test_tp_rank_pools_hold_their_shard(tp_engine, case):
                                            cfg.conv_kernel - 1)
     assert tuple(local.ssm.shape[2:]) == (cfg.mamba_num_heads // tp, cfg.mamba_head_dim,
                                           cfg.ssm_state_size)
-    stats = eng.model.rank_stats()
-    assert len(stats) == tp and all(s["collectives"] > 0 for s in stats)
-    assert len({s["collectives"] for s in stats}) == 1  # lockstep: same count on every rank
 
 
 def test_killed_rank_fails_the_forward_not_hangs(tp_engine):

@@ -44,6 +44,9 @@ def rank_layout(cfg, size: int, pids: dict[int, int]) -> str:
         if cfg.attention_layers:
             what += [f"attention heads {_rng(cfg.num_attention_heads, size, r)}",
                      f"KV heads {_rng(cfg.num_key_value_heads, size, r)}"]
+        if "G" in cfg.pattern:  # Qwen3.5 gated DeltaNet
+            what += [f"key heads {_rng(cfg.linear_num_key_heads, size, r)}",
+                     f"value heads {_rng(cfg.linear_num_value_heads, size, r)}"]
         if "M" in cfg.pattern:
             what += [f"mamba heads {_rng(cfg.mamba_num_heads, size, r)}",
                      f"groups {_rng(cfg.n_groups, size, r)}"]

@@ -1,4 +1,5 @@
-"""NemotronH at tensor-parallel size t: rank r's model is an ordinary `NemotronHModel` built
+"""NemotronH at tensor-parallel size t (and the family-generic sharded loader,
+`load_tp_model`, which Qwen3.5's rules in `baton.model.qwen3_5.tp` use too): rank r's model is an ordinary `NemotronHModel` built
 from a LOCAL config (its heads, groups, FFN and vocab shares), with the output projections,
 embedding, LM head and (replicated-groups) gated norm swapped for `layers.parallel`, and its
 weights cut from the TP-1 checkpoint section by section.
@@ -77,14 +78,15 @@ RULES = (  # (name suffix, sections, axis); anything else is replicated
 )
 
 
-def shard_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, tp: int, rank: int):
-    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape)."""
-    rule = next(((s, a) for suf, s, a in RULES if name.endswith(suf)), None)
+def shard_tensor(cfg, name: str, t: torch.Tensor, tp: int, rank: int):
+    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules."""
+    fam = family_tp(cfg)
+    rule = next(((s, a) for suf, s, a in fam.RULES if name.endswith(suf)), None)
     if rule is None or tp == 1:
         return t
     what, axis = rule
     parts, start = [], 0
-    for units, width in sections(cfg, what):
+    for units, width in fam.sections(cfg, what):
         lo, hi = held_units(units, tp, rank)
         parts.append(t.narrow(axis, start + lo * width, (hi - lo) * width))
         start += units * width
@@ -133,6 +135,18 @@ def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner)
         head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
 
 
+FAMILY_TP = {"nemotron_h": "baton.model.nemotron_h.tp", "qwen3_5": "baton.model.qwen3_5.tp"}
+"""Family -> module with `local_config`, `sections`, `RULES`, `build_local(_stage)`."""
+
+
+def family_tp(cfg):
+    mod = FAMILY_TP.get(cfg.family)
+    if mod is None:
+        raise ConfigError(f"family {cfg.family!r} has no tensor-parallel build yet "
+                          f"(families with one: {sorted(FAMILY_TP)})")
+    return __import__(mod, fromlist=["RULES"])
+
+
 def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
                   stage: tuple[range, bool, bool] | None = None):
     """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
@@ -140,11 +154,10 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
     (its pools'), `.full_config` the whole model's."""
     path = Path(path)
     cfg = load_config(path)
-    if cfg.family != "nemotron_h":
-        raise ConfigError(f"tensor_parallel_size={tp.size}: family {cfg.family!r} has no "
-                          "tensor-parallel build yet (NemotronH only)")
+    ftp = family_tp(cfg)
     with torch.device("meta"):
-        model = build_local(cfg, tp) if stage is None else build_local_stage(cfg, tp, *stage)
+        model = ftp.build_local(cfg, tp) if stage is None else \
+            ftp.build_local_stage(cfg, tp, *stage)
     expected = model.state_dict()
     fam = family_loader(cfg)
     state = {}
