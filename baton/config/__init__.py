@@ -70,9 +70,8 @@ class WorkerConfig:
     than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
     The cores are split between the ranks. Combines with `pipeline_parallel_size` (TP x PP
     processes: each stage split over TP ranks, the layout printed on start). NemotronH and
-    Qwen3.5 (DeltaNet by key / value heads), in
-    the local engine (`generate --local`) for now: not yet in prefill / decode workers
-    (refused)."""
+    Qwen3.5 (DeltaNet by key / value heads), in the local engine (`generate --local`) for
+    now: not yet in prefill / decode workers (refused)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:
