@@ -115,3 +115,23 @@ def test_tp_size_difference_needs_the_tp_plan():
     assert fp.mismatch(one, two, hetero_tp=True) is None
     bad = {**two, "tp_size": 3}
     assert fp.mismatch(one, bad, hetero_tp=True) == ("tp_size", 1, 3)
+
+
+def test_moe_and_families_without_a_tp_build_refused_before_any_rank():
+    from baton.model.nemotron_h.tp import family_tp
+
+    moe = ModelConfig.from_dict(tiny_model("M*E-", mamba_num_heads=8, n_groups=1))
+    with pytest.raises(ConfigError) as e:
+        family_tp(moe).local_config(moe, 2)
+    assert str(e.value) == ("tensor_parallel_size=2: the model has MoE layers [2], whose "
+                            "experts are not split over TP ranks yet; use "
+                            "tensor_parallel_size 1 (pipeline parallelism splits MoE models)")
+    assert family_tp(moe).local_config(moe, 1) is moe
+
+    class Other:
+        family = "qwen3_next"
+
+    with pytest.raises(ConfigError, match=r"family 'qwen3_next' has no tensor-parallel build "
+                                          r"yet \(families with one: \['nemotron_h', "
+                                          r"'qwen3_5'\]\)"):
+        family_tp(Other())

@@ -26,7 +26,7 @@ from baton.engine.pipeline.launch import (
 )
 from baton.model.config import load_config
 from baton.model.layers.parallel import TPGroup
-from baton.model.tp_shard import check_tp, held_units
+from baton.model.tp_shard import held_units
 
 log = logging.getLogger("baton.tp")
 
@@ -92,8 +92,11 @@ def rank_argv(model_path: str):
 
 def start_ranks(cfg: BatonConfig, path, on_death=None):
     """(store, the rank processes 1..N-1) after checking the model splits."""
+    from baton.model.nemotron_h.tp import family_tp
+
     size = cfg.worker.tensor_parallel_size
-    check_tp(load_config(path), size)
+    mcfg = load_config(path)
+    family_tp(mcfg).local_config(mcfg, size)  # refused here, before any rank starts
     warn_cores(size)
     store = open_store(0, size, None)
     ranks = LocalStages(cfg, rank_argv(str(path)), f"127.0.0.1:{store.port}", size, on_death)

@@ -38,7 +38,6 @@ from baton.engine.tp.launch import rank_layout, rank_threads, warn_cores
 from baton.model.config import load_config
 from baton.model.layers.parallel import TPGroup
 from baton.model.pools import Pools, PoolSpec
-from baton.model.tp_shard import check_tp
 
 log = logging.getLogger("baton.tp")
 
@@ -264,7 +263,10 @@ def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None):
     world = pp * tp
     threads = rank_threads(world)
     torch.set_num_threads(threads)
-    check_tp(load_config(path), tp)
+    from baton.model.nemotron_h.tp import family_tp
+
+    mcfg = load_config(path)
+    family_tp(mcfg).local_config(mcfg, tp)  # refused here, before any rank starts
     warn_cores(world, f"TP {tp} x PP {pp} = {world}")
     store = open_store(0, world, None)
     ranks = LocalStages(cfg, world_argv(str(path)), f"127.0.0.1:{store.port}", world,

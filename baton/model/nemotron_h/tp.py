@@ -42,6 +42,7 @@ from baton.model.tp_shard import check_tp, held_units
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config whose modules and pools are one rank's shard."""
     check_tp(cfg, tp)
+    refuse_moe(cfg, tp, tuple(i for i, c in enumerate(cfg.pattern) if c == "E"))
     if tp == 1:
         return cfg
     return dataclasses.replace(
@@ -50,6 +51,14 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
         intermediate_size=cfg.intermediate_size // tp,
         mamba_num_heads=cfg.mamba_num_heads // tp, n_groups=max(cfg.n_groups // tp, 1),
         vocab_size=cfg.vocab_size // tp)
+
+
+def refuse_moe(cfg, tp: int, moe_layers: tuple[int, ...]) -> None:
+    if tp > 1 and moe_layers:
+        raise ConfigError(
+            f"tensor_parallel_size={tp}: the model has MoE layers {list(moe_layers)[:8]}, "
+            "whose experts are not split over TP ranks yet; use tensor_parallel_size 1 "
+            "(pipeline parallelism splits MoE models)")
 
 
 def sections(cfg: ModelConfig, what: str) -> list[tuple[int, int]]:

@@ -28,7 +28,10 @@ from baton.model.tp_shard import check_tp
 
 
 def local_config(cfg: Qwen35Config, tp: int) -> Qwen35Config:
+    from baton.model.nemotron_h.tp import refuse_moe
+
     check_tp(cfg, tp)
+    refuse_moe(cfg, tp, tuple(getattr(cfg, "moe_layers", ())))
     if tp == 1:
         return cfg
     return dataclasses.replace(
