@@ -7,11 +7,15 @@ leaves no process."""
 
 from __future__ import annotations
 
+import pytest
+
 from baton.worker.load import canary_audit
 from tests.engine_helpers import engine_for, run_all
 from tests.integration.test_tp_engine import WORKER, case, env, explain, reqs  # noqa: F401
 
 
+# the two configs that replicate the most (B/C and the only KV head; Qwen3.5's key heads)
+@pytest.mark.parametrize("case", ["groups1-kv1", "qwen3_5"], indirect=True)
 def test_tp2_pp2_tokens_and_reuse_equal_tp1(case):  # noqa: F811
     path, kept, follow, ref, ref2, margins = case
     eng = engine_for(path, worker={**WORKER, "tensor_parallel_size": 2,
