@@ -78,6 +78,25 @@ class TPModel(PipelineModel):
         replies = self.call("ops_digest", lambda k: {})
         return [self.pools.digest.hexdigest(), *(r["digest"] for r in replies)]
 
+    def dump(self, blocks: list[int], slot: int) -> list[dict]:
+        """Every rank's bytes of one request's blocks and slot (rank 0's first)."""
+        from baton.engine.tp.rank import dump_request
+
+        args = {"blocks": list(blocks), "slot": slot}
+        return [dump_request(self.pools.local, blocks, slot),
+                *self.call("tp_dump", lambda k: args)]
+
+    def load(self, per_rank: list[dict], blocks: list[int], slot: int) -> None:
+        """Write each rank's bytes (`dump` of a rank with the same shard) into blocks / slot
+        on every rank, before the next forward."""
+        from baton.engine.tp.rank import load_request
+
+        load_request(self.pools.local, per_rank[0], blocks, slot)
+        for r in self.call("tp_load", lambda k: {**per_rank[k], "blocks": list(blocks),
+                                                 "slot": slot}):
+            if not r.get("ok"):
+                raise RuntimeError(f"a rank's load failed: {r.get('error')}")
+
     def rank_stats(self) -> list[dict]:
         """Collectives and forward seconds of every rank (rank 0's first)."""
         replies = self.call("tp_stats", lambda k: {})

@@ -16,6 +16,26 @@ from baton.engine.pipeline.stage import StageLoop
 log = logging.getLogger("baton.tp")
 
 
+def dump_request(pools, blocks: list[int], slot: int) -> dict:
+    """This rank's bytes of one request: its KV blocks (every layer, in table order) and its
+    slot of every state tensor (a test / tool path: the cluster moves bytes by transfer)."""
+    idx = torch.tensor(blocks, dtype=torch.long)
+    out = {"kv": pools.kv.index_select(1, idx).contiguous().numpy().tobytes()}
+    out["state"] = {n: t[:, slot].contiguous().numpy().tobytes() for n, t in pools.state.items()}
+    return out
+
+
+def load_request(pools, data: dict, blocks: list[int], slot: int) -> None:
+    """Write `dump_request`'s bytes (of a rank with this rank's shard) into blocks / slot."""
+    idx = torch.tensor(blocks, dtype=torch.long)
+    shape = (pools.kv.shape[0], len(blocks), *pools.kv.shape[2:])
+    kv = torch.frombuffer(bytearray(data["kv"]), dtype=pools.kv.dtype).view(shape)
+    pools.kv.index_copy_(1, idx, kv)
+    for n, t in pools.state.items():
+        src = torch.frombuffer(bytearray(data["state"][n]), dtype=t.dtype)
+        t[:, slot].copy_(src.view(t[:, slot].shape))
+
+
 class TPRankLoop(StageLoop):
     def __init__(self, model, pools, channel, tp, handlers=None):
         super().__init__(model, pools, channel, handlers)
@@ -23,6 +43,8 @@ class TPRankLoop(StageLoop):
         self.digest = hashlib.sha256()
         self.handlers["ops_digest"] = lambda a: {"digest": self.digest.hexdigest()}
         self.handlers["tp_stats"] = lambda a: {**tp.stats(), "busy_s": self.busy_s}
+        self.handlers["tp_dump"] = lambda a: dump_request(pools, a["blocks"], a["slot"])
+        self.handlers["tp_load"] = lambda a: load_request(pools, a, a["blocks"], a["slot"])
 
     def _apply(self, ops) -> None:
         # every op rank 0 sent (ahead of each message) feeds the digest, then is applied
