@@ -25,6 +25,7 @@ from baton.engine.request import Request
 from baton.model.loader import load_model
 from baton.worker.load import canary_audit
 from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from tests.support.tp_handoff import decode_from, prefill_dump, tp_of
 
 SMALL = dict(pattern="M*M-M*", hidden_size=64, vocab_size=256, intermediate_size=128,
              mamba_head_dim=8, ssm_state_size=8, head_dim=16, chunk_size=16)
@@ -50,16 +51,27 @@ def env():
     mp.undo()
 
 
+CASES: dict[str, tuple] = {}
+"""Computed once per session (test_tp_pp_engine shares them)."""
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
 def case(request, tmp_path_factory, env):
-    """(model dir, kept prompts, TP-1 engine tokens, TP-1 greedy margins per prompt)."""
-    root = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen3_5":
+    """(model dir, kept prompts, follow-ups, TP-1 engine tokens of both, TP-1 greedy
+    margins per prompt)."""
+    if request.param not in CASES:
+        CASES[request.param] = _case(request.param, tmp_path_factory)
+    return CASES[request.param]
+
+
+def _case(name: str, tmp_path_factory) -> tuple:
+    root = tmp_path_factory.mktemp(name)
+    if name == "qwen3_5":
         from baton.model.qwen3_5.make import write_checkpoint
 
         path = write_checkpoint(root / "q", seed=5, **QWEN)
     else:
-        path = make_checkpoint(root, seed=5, **SMALL, **CONFIGS[request.param])
+        path = make_checkpoint(root, seed=5, **SMALL, **CONFIGS[name])
     model = load_model(path)
     kept, margins = {}, {}
     for i, n in enumerate(LENGTHS):
@@ -109,7 +121,10 @@ def explain(got: dict, want: dict, margins: dict) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+TPS = (2, 4)
+
+
+@pytest.fixture(scope="module", params=list(TPS), ids=["tp2", "tp4"])
 def tp_engine(request, case):
     eng = engine_for(case[0], worker={**WORKER, "tensor_parallel_size": request.param})
     yield request.param, eng
@@ -164,6 +179,37 @@ def test_tp_rank_pools_hold_their_shard(tp_engine, case):
                                            cfg.conv_kernel - 1)
     assert tuple(local.ssm.shape[2:]) == (cfg.mamba_num_heads // tp, cfg.mamba_head_dim,
                                           cfg.ssm_state_size)
+
+
+DUMPS: dict[tuple[str, int], dict] = {}
+"""(model dir, prefill TP) -> that prefill's per-rank bytes of every kept prompt."""
+
+
+def test_prefill_tp_to_decode_tp_handoff_equals_local(tp_engine, case):
+    """Heterogeneous P/D through the TP plan (tests/support/tp_handoff.py): this engine's
+    prefill bytes are kept; then every prefill kept so far (TP 1, and the TP sizes whose
+    engines ran before) decodes on this engine, and at the largest TP also on a TP-1 engine:
+    tokens equal the TP-1 local ones. A full run covers 1->2, 2->2, 1->4, 2->4, 4->4,
+    1->1, 2->1, 4->1 (4->2 is covered by test_tp_expand's real pools)."""
+    tp, eng = tp_engine
+    path, kept, _, ref, _, margins = case
+    key = str(path)
+    if (key, 1) not in DUMPS:
+        one = engine_for(path, worker=WORKER)
+        DUMPS[key, 1] = prefill_dump(one, kept)
+    DUMPS[key, tp] = prefill_dump(eng, kept)
+    assert {rid: d[2] for rid, d in DUMPS[key, tp].items()} == {k: v[0] for k, v in ref.items()}
+    targets = [eng] + ([engine_for(path, worker=WORKER)] if tp == max(TPS) else [])
+    pairs = []
+    for target in targets:
+        for p in sorted(q for k, q in DUMPS if k == key):
+            got = decode_from(target, eng.model.config, p, DUMPS[key, p], kept, STEPS)
+            q = tp_of(target)
+            assert got == ref, f"prefill TP {p} -> decode TP {q}:\n" + explain(got, ref,
+                                                                               margins)
+            pairs.append((p, q))
+        target.cache.check_integrity()
+    assert (1, tp) in pairs and (tp, tp) in pairs
 
 
 def test_killed_rank_fails_the_forward_not_hangs(tp_engine):

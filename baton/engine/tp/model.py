@@ -86,14 +86,14 @@ class TPModel(PipelineModel):
         return [dump_request(self.pools.local, blocks, slot),
                 *self.call("tp_dump", lambda k: args)]
 
-    def load(self, per_rank: list[dict], blocks: list[int], slot: int) -> None:
+    def load(self, per_rank: list[dict], blocks: list[int], slot: int, skip: int = 0) -> None:
         """Write each rank's bytes (`dump` of a rank with the same shard) into blocks / slot
-        on every rank, before the next forward."""
+        on every rank, before the next forward (the first `skip` blocks left alone)."""
         from baton.engine.tp.rank import load_request
 
-        load_request(self.pools.local, per_rank[0], blocks, slot)
+        load_request(self.pools.local, per_rank[0], blocks, slot, skip)
         for r in self.call("tp_load", lambda k: {**per_rank[k], "blocks": list(blocks),
-                                                 "slot": slot}):
+                                                 "slot": slot, "skip": skip}):
             if not r.get("ok"):
                 raise RuntimeError(f"a rank's load failed: {r.get('error')}")
 

@@ -25,12 +25,13 @@ def dump_request(pools, blocks: list[int], slot: int) -> dict:
     return out
 
 
-def load_request(pools, data: dict, blocks: list[int], slot: int) -> None:
-    """Write `dump_request`'s bytes (of a rank with this rank's shard) into blocks / slot."""
-    idx = torch.tensor(blocks, dtype=torch.long)
+def load_request(pools, data: dict, blocks: list[int], slot: int, skip: int = 0) -> None:
+    """Write `dump_request`'s bytes (of a rank with this rank's shard) into blocks / slot;
+    the first `skip` blocks are left alone (a cached prefix the destination shares)."""
+    idx = torch.tensor(blocks[skip:], dtype=torch.long)
     shape = (pools.kv.shape[0], len(blocks), *pools.kv.shape[2:])
     kv = torch.frombuffer(bytearray(data["kv"]), dtype=pools.kv.dtype).view(shape)
-    pools.kv.index_copy_(1, idx, kv)
+    pools.kv.index_copy_(1, idx, kv[:, skip:])
     for n, t in pools.state.items():
         src = torch.frombuffer(bytearray(data["state"][n]), dtype=t.dtype)
         t[:, slot].copy_(src.view(t[:, slot].shape))
@@ -44,7 +45,8 @@ class TPRankLoop(StageLoop):
         self.handlers["ops_digest"] = lambda a: {"digest": self.digest.hexdigest()}
         self.handlers["tp_stats"] = lambda a: {**tp.stats(), "busy_s": self.busy_s}
         self.handlers["tp_dump"] = lambda a: dump_request(pools, a["blocks"], a["slot"])
-        self.handlers["tp_load"] = lambda a: load_request(pools, a, a["blocks"], a["slot"])
+        self.handlers["tp_load"] = lambda a: load_request(pools, a, a["blocks"], a["slot"],
+                                                          a.get("skip", 0))
 
     def _apply(self, ops) -> None:
         # every op rank 0 sent (ahead of each message) feeds the digest, then is applied
