@@ -31,7 +31,7 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         torch.set_num_threads(int(threads))
     path = resolve_model(model_path or cfg.model.path)
     if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
-        from baton.engine.tp.pipeline import build_tp_pipeline_engine
+        from baton.engine.tp.pp_model import build_tp_pipeline_engine
 
         return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost)
     if cfg.worker.tensor_parallel_size > 1:
