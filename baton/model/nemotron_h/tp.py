@@ -87,20 +87,24 @@ RULES = (  # (name suffix, sections, axis); anything else is replicated
 )
 
 
-def shard_tensor(cfg, name: str, t: torch.Tensor, tp: int, rank: int):
-    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules."""
+def shard_tensor(cfg, name: str, t, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules.
+    `t` is a tensor or a safetensors slice: then only the rank's rows are read, so a rank
+    never holds a whole tensor it shards."""
     fam = family_tp(cfg)
     rule = next(((s, a) for suf, s, a in fam.RULES if name.endswith(suf)), None)
     if rule is None or tp == 1:
-        return t
+        return t[:] if not isinstance(t, torch.Tensor) else t
     what, axis = rule
+    size = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[axis]
     parts, start = [], 0
     for units, width in fam.sections(cfg, what):
         lo, hi = held_units(units, tp, rank)
-        parts.append(t.narrow(axis, start + lo * width, (hi - lo) * width))
+        a, b = start + lo * width, start + hi * width
+        parts.append(t[a:b] if axis == 0 else t[:, a:b])
         start += units * width
-    if start != t.shape[axis]:
-        raise ConfigError(f"checkpoint tensor {name}: {t.shape[axis]} rows along axis {axis}, "
+    if start != size:
+        raise ConfigError(f"checkpoint tensor {name}: {size} rows along axis {axis}, "
                           f"expected {start}")
     return torch.cat(parts, dim=axis).contiguous()
 
@@ -178,7 +182,7 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
                 targets = [ours, "lm_head.weight"] if cfg.tie_word_embeddings \
                     and ours == fam.embeddings else [ours]
                 for tgt in (x for x in targets if x in expected and x not in state):
-                    t = shard_tensor(cfg, tgt, f.get_tensor(name), tp.size, tp.rank)
+                    t = shard_tensor(cfg, tgt, f.get_slice(name), tp.size, tp.rank)
                     if tuple(t.shape) != tuple(expected[tgt].shape):
                         raise ConfigError(
                             f"checkpoint tensor {name}: rank {tp.rank} shard {list(t.shape)}, "
