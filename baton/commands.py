@@ -15,7 +15,10 @@ def cmd_generate(args) -> int:
 
     defaults = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
     )
     if args.requests:
         specs = load_jsonl(args.requests, defaults, args.session)
@@ -59,7 +62,8 @@ def _print_results(results: list[dict], as_json: bool) -> int:
 def cmd_make_model(args) -> int:
     from baton.model.make_model import write_checkpoint
 
-    kw = {"seed": args.seed, "preset": args.preset, "family": args.family}
+    kw = {"seed": args.seed, "preset": args.preset, "family": args.family,
+          "tokenizer": args.tokenizer}
     if args.multimodal:
         kw["multimodal"] = True
     if args.pattern:

@@ -19,6 +19,7 @@ from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
+from baton.model.tokenizer_build import write_tokenizer
 
 TINY = dict(
     hybrid_override_pattern="M*M-M*M-",
@@ -99,10 +100,18 @@ FAMILIES = ("nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 """What make-model writes (`--family`)."""
 
 
+def _add_tokenizer(out) -> None:
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    write_tokenizer(out, text["vocab_size"], text.get("max_position_embeddings", 131072))
+
+
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
-                     family: str = "nemotron_h", **fields) -> Path:
+                     family: str = "nemotron_h", tokenizer: bool = False, **fields) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
-    of a seeded random model into `out_dir`.
+    of a seeded random model into `out_dir`; with `tokenizer`, also a Hugging Face
+    tokenizer.json (byte-level BPE trained on the shipped text, `tokenizer_build.py`), else
+    text is the byte-level fallback.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
     `family="qwen3_5"` writes a Qwen3.5 model instead (`baton.model.qwen3_5.make`).
@@ -110,11 +119,17 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     if family == "qwen3_5":
         from baton.model.qwen3_5.make import write_checkpoint as write_qwen
 
-        return write_qwen(out_dir, preset=preset, seed=seed, **fields)
+        out = write_qwen(out_dir, preset=preset, seed=seed, **fields)
+        if tokenizer:  # same special ids (0, 1, 2); its own chat template is kept
+            _add_tokenizer(out)
+        return out
     if family in ("qwen3_5_moe", "qwen3_next"):
         from baton.model.qwen3_5.moe_make import write_checkpoint as write_qwen_moe
 
-        return write_qwen_moe(out_dir, family=family, preset=preset, seed=seed, **fields)
+        out = write_qwen_moe(out_dir, family=family, preset=preset, seed=seed, **fields)
+        if tokenizer:
+            _add_tokenizer(out)
+        return out
     if family != "nemotron_h":
         raise ValueError(f"family={family!r}: make-model writes one of {list(FAMILIES)}")
     out = Path(out_dir)
@@ -125,6 +140,8 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    if tokenizer:
+        write_tokenizer(out, d["vocab_size"], d["max_position_embeddings"])
     return out
 
 
