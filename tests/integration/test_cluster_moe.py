@@ -87,12 +87,16 @@ def test_moe_cluster_equals_local_and_counts_expert_load(setup):
     assert len({r["decode_worker"] for r in remote}) == 2
     assert sum(r["cached_tokens"] for r in remote) > 0  # the prefixes were reused
     counters = assert_clean(setup["cluster"])
+    routed = {}
     for wid, c in counters.items():
         assert c["canary_bad_blocks"] == 0 and c["canary_bad_slots"] == 0, (wid, c)
         totals = {sum(c[f"expert_tokens_l{layer}_e{e}"] for e in range(8))
                   for layer in setup["moe_layers"]}  # stage 1's come back by call
-        assert len(totals) == 1 and totals.pop() > 0, (wid, totals)
+        assert len(totals) == 1, (wid, totals)  # every MoE layer saw every token
+        routed[wid] = totals.pop()
         if wid.startswith("prefill"):  # each computed prompt token went to TOP_K experts
-            layer1 = sum(c[f"expert_tokens_l1_e{e}"] for e in range(8))
-            assert layer1 == TOP_K * c["prefilled_tokens"], (wid, c)
+            # (prefix-aware routing may leave one prefill worker without a request: 0 == 0)
+            assert routed[wid] == TOP_K * c["prefilled_tokens"], (wid, c)
+    assert sum(v for w, v in routed.items() if w.startswith("prefill")) > 0, routed
+    assert all(v > 0 for w, v in routed.items() if w.startswith("decode")), routed
 
