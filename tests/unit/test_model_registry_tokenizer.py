@@ -79,7 +79,7 @@ def test_tokenizer_json_is_used_when_present(tmp_path, caplog):
 def test_qwen3_5_tiny_is_a_named_model(tmp_path, monkeypatch):
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
     path = resolve_model("qwen3_5-tiny")
-    assert path == tmp_path / "qwen3_5-tiny-v1" and served_name(path) == "qwen3_5-tiny"
+    assert path == tmp_path / "qwen3_5-tiny-v2" and served_name(path) == "qwen3_5-tiny"
     from baton.model.config import load_config
 
     cfg = load_config(path)
