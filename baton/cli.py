@@ -126,10 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", action="store_true",
                    help="also write tokenizer.json: byte-level BPE trained on the shipped text, "
                         "as the named models have (without it, text is one id a byte)")
-    p.add_argument("--family", default="nemotron_h", choices=["nemotron_h", "qwen3_5"],
+    p.add_argument("--family", default="nemotron_h",
+                   choices=["nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next"],
                    help="model family (config.json model_type)")
     p.add_argument("--multimodal", action="store_true",
                    help="qwen3_5: the published multimodal layout (text_config, a vision stub)")
+    p.add_argument("--moe-experts", type=int, default=None, help="routed experts per E layer")
+    p.add_argument("--moe-top-k", type=int, default=None, help="experts per token")
+    p.add_argument("--moe-latent-size", type=int, default=None, help="latent MoE width")
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",

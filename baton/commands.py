@@ -70,6 +70,10 @@ def cmd_make_model(args) -> int:
         kw["pattern"] = args.pattern
     if args.hidden_size:
         kw["hidden_size"] = args.hidden_size
+    experts = "n_routed_experts" if args.family == "nemotron_h" else "num_experts"
+    moe = {experts: args.moe_experts, "num_experts_per_tok": args.moe_top_k,
+           "moe_latent_size": args.moe_latent_size}
+    kw.update({k: v for k, v in moe.items() if v is not None})
     path = write_checkpoint(args.out, **kw)
     print(path)
     return 0

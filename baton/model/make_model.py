@@ -1,4 +1,5 @@
-"""Write seeded random NemotronH checkpoints in the HF layout, for tests and benchmarks.
+"""Write seeded random NemotronH checkpoints in the HF layout, for tests and benchmarks
+(MoE experts one tensor each, as published checkpoints store them).
 
 The weights are scaled so the model is not degenerate: unit-variance embeddings, fan-in scaled
 projections, residual outputs shrunk by depth and an lm_head that gives logits of std ~1.5,
@@ -81,7 +82,28 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
         fields["hybrid_override_pattern"] = fields.pop("pattern")
     d = {**COMMON, **PRESETS[preset], **fields}
     d["num_hidden_layers"] = len(d["hybrid_override_pattern"])
+    if "E" in d["hybrid_override_pattern"]:
+        d = {**_moe_defaults(d), **d}
     return d
+
+
+def _moe_defaults(d: dict) -> dict:
+    """Nano-like router settings, expert widths scaled to the preset's MLP."""
+    return dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=d["intermediate_size"] // 2,
+        moe_shared_expert_intermediate_size=d["intermediate_size"], routed_scaling_factor=2.5,
+        n_group=1, topk_group=1, norm_topk_prob=True,
+    )
+
+
+FAMILIES = ("nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+"""What make-model writes (`--family`)."""
+
+
+def _add_tokenizer(out) -> None:
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    write_tokenizer(out, text["vocab_size"], text.get("max_position_embeddings", 131072))
 
 
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
@@ -99,12 +121,17 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
 
         out = write_qwen(out_dir, preset=preset, seed=seed, **fields)
         if tokenizer:  # same special ids (0, 1, 2); its own chat template is kept
-            cfg = json.loads((Path(out) / "config.json").read_text())
-            text = cfg.get("text_config", cfg)
-            write_tokenizer(out, text["vocab_size"], text.get("max_position_embeddings", 131072))
+            _add_tokenizer(out)
+        return out
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        from baton.model.qwen3_5.moe_make import write_checkpoint as write_qwen_moe
+
+        out = write_qwen_moe(out_dir, family=family, preset=preset, seed=seed, **fields)
+        if tokenizer:
+            _add_tokenizer(out)
         return out
     if family != "nemotron_h":
-        raise ValueError(f"family={family!r}: make-model writes 'nemotron_h' or 'qwen3_5'")
+        raise ValueError(f"family={family!r}: make-model writes one of {list(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(preset, **fields)
@@ -124,9 +151,22 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         shapes = {k: tuple(v.shape) for k, v in NemotronHModel(cfg).state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
+    shapes = _per_expert(shapes)
     gen = torch.Generator().manual_seed(seed)
     items = progress(sorted(shapes.items()), "making weights", "tensor")
     return {name: _init(name, shape, cfg, gen) for name, shape in items}
+
+
+def _per_expert(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Fused [E, out, in] expert parameters as the published layout's one tensor per expert."""
+    out = {}
+    for name, shape in shapes.items():
+        pre, _, proj = name.rpartition(".")
+        if pre.endswith(".experts") and len(shape) == 3:
+            out.update({f"{pre}.{e}.{proj}.weight": shape[1:] for e in range(shape[0])})
+        else:
+            out[name] = shape
+    return out
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen) -> torch.Tensor:
@@ -140,6 +180,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen) -> torch.Ten
         return torch.ones(shape)
     if name.endswith(".bias") and "conv1d" not in name:
         return torch.zeros(shape)
+    if name.endswith(".e_score_correction_bias"):
+        return normal(0.1)  # non-zero, as trained checkpoints: it steers the expert choice
     if name == "backbone.embeddings.weight":
         return normal(1.0)
     if name == "lm_head.weight":
