@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny", help="tiny or 100m")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",

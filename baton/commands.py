@@ -64,6 +64,8 @@ def cmd_make_model(args) -> int:
         kw["pattern"] = args.pattern
     if args.hidden_size:
         kw["hidden_size"] = args.hidden_size
+    if getattr(args, "mtp_layers", 0):
+        kw["mtp_layers"] = args.mtp_layers
     path = write_checkpoint(args.out, **kw)
     print(path)
     return 0

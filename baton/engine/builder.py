@@ -10,6 +10,7 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
+from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
 log = logging.getLogger("baton.engine")
@@ -31,6 +32,11 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         torch.set_num_threads(int(threads))
     path = resolve_model(model_path or cfg.model.path)
     if cfg.worker.pipeline_parallel_size > 1:
+        if cfg.speculative.num_draft_tokens:
+            raise ConfigError(
+                f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
+                f"supported with worker.pipeline_parallel_size="
+                f"{cfg.worker.pipeline_parallel_size} yet; set it to 0 or use one stage")
         return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master,
                                      on_link_lost)
     dtype = DTYPES[cfg.model.dtype]
@@ -54,7 +60,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         ", ".join(f"{t.name} {list(t.shape)}" for t in spec.state_tensors) or "no state",
         "on" if cache.reuse_enabled else "off",
     )
-    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))
+    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
+                  speculative=cfg.speculative)
 
 
 def _maybe_arm_canaries(cache: HybridCacheManager) -> None:

@@ -21,6 +21,7 @@ from baton.contract.limits import check_length, check_pool
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
+from baton.engine.speculative.decoder import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
 
 log = logging.getLogger("baton.engine")
@@ -38,7 +39,8 @@ class LayerStream(Protocol):
 
 
 class Engine:
-    def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None):
+    def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None,
+                 speculative=None):
         self.model = model
         self.cache = cache
         self.pools = cache.pools
@@ -56,6 +58,8 @@ class Engine:
         self._streams: dict[str, LayerStream] = {}
         """Layer streams not picked up yet, by request id; any thread adds, under the lock."""
         self._streams_lock = threading.Lock()
+        self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs)
+        """MTP speculative decoding (baton/engine/speculative/), None when off."""
         self.prefilled_tokens = 0
         """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
         decode worker, the increments it prefilled itself (conditional disaggregation)."""
@@ -93,7 +97,7 @@ class Engine:
         self.scheduler.remove(req)
         if req.holds_cache:
             self.cache.abort(request_id)
-        self.sampler.forget(request_id)
+        self._forget(request_id)
         return True
 
     def quarantine(self, request_id: str, key: str, blocks: list[int], keep_slot: bool) -> bool:
@@ -107,14 +111,22 @@ class Engine:
         self.scheduler.remove(req)
         if req.holds_cache:
             self.cache.quarantine(request_id, blocks, keep_slot, key)
-        self.sampler.forget(request_id)
+        self._forget(request_id)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def tracked(self) -> dict[str, int]:
         """Per-request bookkeeping besides `requests`: sampler generators, layer streams."""
         with self._streams_lock:
             streams = len(self._streams)
-        return {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+        out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+        if self.spec is not None:
+            out["spec_pending"] = self.spec.tracked
+        return out
 
     @property
     def has_work(self) -> bool:
@@ -186,10 +198,14 @@ class Engine:
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
         sampled = self._prefill(plan.prefills, failed)
-        if plan.decodes:
+        decided: list[RequestOutput] = []  # decoded by speculation (drafts verified)
+        if plan.decodes and self.spec is not None:
+            more, decided = self.spec.step(self, plan.decodes, failed)
+            sampled.extend(more)
+        elif plan.decodes:
             sampled.extend(self._decode_step(plan.decodes, failed))
         if not sampled:
-            return failed
+            return failed + decided
         reqs = [r for r, _ in sampled]
         draws = self.sampler.sample(
             torch.stack([lg for _, lg in sampled]), [r.id for r in reqs], [r.sampling for r in reqs],
@@ -201,7 +217,7 @@ class Engine:
                 pairs.append((req, draw.token))
             else:
                 failed.append(self._fail(req, draw.error))
-        return failed + self._append_tokens(pairs)
+        return failed + decided + self._append_tokens(pairs)
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
         """End `req` alone: free what it holds and report an ERROR output naming why."""
@@ -245,14 +261,20 @@ class Engine:
 
     def _prefill_group(self, group: list[tuple[Request, int]]) -> torch.Tensor:
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
-        return self.model.prefill_batch(
+        hidden = [] if self.spec is not None and any(self.spec.wants(r) for r, _ in group) \
+            else None  # the MTP head reads the chunk's hidden states
+        logits = self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             [req.num_computed for req, _ in group],
             [self.cache.block_table(req.id) for req, _ in group],
             [self.cache.slot(req.id) for req, _ in group],
             self.pools,
             on_layer=self._begin_streams(group),
+            **({} if hidden is None else {"hidden_out": hidden}),
         )
+        if hidden:
+            self.spec.after_prefill(group, hidden[0], self.cache)
+        return logits
 
     def _begin_streams(self, group: list[tuple[Request, int]]):
         """The per-layer callback of a forward that holds the last chunk of prefill-only
@@ -353,6 +375,9 @@ class Engine:
             except Exception:  # noqa: BLE001 - the answers are complete; only the snapshot is lost
                 log.exception("decode-end snapshot of %d requests failed; not kept", len(keep))
                 broken = True
+        for r in reqs:
+            if self.spec is not None:
+                self.spec.forget(r.id)
         for r in keep:
             self.requests.pop(r.id, None)
             self.sampler.forget(r.id)

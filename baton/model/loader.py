@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from baton.errors import ConfigError
 from baton.model.config import load_config
+from baton.model.mtp import attach_mtp
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
 from baton.model.stage import StageModel
@@ -28,13 +29,15 @@ def load_model(
 ) -> NemotronHModel:
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
-    A missing or mis-shaped tensor raises ConfigError naming it; tensors the model does not
-    use (e.g. multi-token-prediction heads) are ignored with a warning.
+    A missing or mis-shaped tensor raises ConfigError naming it; the multi-token-prediction
+    head (`mtp.*`, see baton/model/mtp.py) is loaded as `model.mtp` when the config declares
+    it; other tensors the model does not use are ignored with a warning.
     """
     path = Path(path)
     cfg = load_config(path)
     with torch.device("meta"):
         model = NemotronHModel(cfg)
+        attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     if unexpected:
@@ -82,6 +85,14 @@ def checkpoint_files(path: Path) -> list[Path]:
     if missing:
         raise ConfigError(f"shard(s) {missing} named by {index} do not exist")
     return files
+
+
+def _tensor_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
 
 
 def _read_tensors(path, expected, cfg, device, dtype):

@@ -115,12 +115,14 @@ class NemotronHModel(nn.Module):
         pools: Pools,
         all_logits: bool = False,
         on_layer: Callable[[int], None] | None = None,
+        hidden_out: list | None = None,
     ) -> torch.Tensor:
         """`prefill` of n sequences with the same number of new tokens in one forward:
         input_ids[n, T], sequence i at start_positions[i] with its own table and slot. Returns
         float32 logits [n, vocab] ([n, T, vocab] if all_logits); each row is what `prefill` of
         that sequence alone gives. `on_layer(i)` runs after global layer i has written its
-        KV and state (layer-wise handoff).
+        KV and state (layer-wise handoff). `hidden_out` (a list): gets the final-normed hidden
+        states [n, T, hidden] appended (what an MTP head reads).
         """
         _check_pools(self.config, pools)
         n, T = input_ids.shape
@@ -129,6 +131,8 @@ class NemotronHModel(nn.Module):
         attn = prefill_meta(start_positions, T, block_tables, pools) if pools.has_kv else None
         ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in start_positions])
         h = self.backbone(input_ids.to(self.device), ctx, decode=False, on_layer=on_layer)
+        if hidden_out is not None:
+            hidden_out.append(h)
         return self.lm_head(h if all_logits else h[:, -1]).float()
 
     @torch.inference_mode()

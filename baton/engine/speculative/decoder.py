@@ -1,0 +1,180 @@
+"""One speculative decode step of the engine: draft, verify, accept, roll back, emit.
+
+    draft      K_r greedy MTP drafts per request that can speculate (drafter.py)
+    verify     [last token, d_1..d_K_r] of every decoding request in one target forward
+               (verify.py; a request that does not speculate has one row: plain decode)
+    accept     greedy: d_{j+1} is kept while it equals the target's argmax at row j; the
+               target's argmax after the last kept draft is emitted too
+    emit       token by token until EOS, a stop token or a length limit: E tokens
+    roll back  the recurrent state of position n+E-1 (scratch row E-1 unless all rows were
+               kept), num_computed = n+E; attention KV past it is simply overwritten later
+
+K_r = min(K, tokens the request may still emit - 1), so a step never writes past the
+blocks admission reserved and never drafts what max_tokens would cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from baton.config.speculative import SpeculativeConfig
+from baton.engine.request import Request, RequestOutput
+from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
+from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
+from baton.errors import ConfigError
+
+log = logging.getLogger("baton.engine")
+
+
+def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests: int,
+                      where: str = "the checkpoint"):
+    """The step of `cfg`, or None when speculation is off; ConfigError in one line when the
+    model cannot speculate."""
+    if cfg is None or cfg.num_draft_tokens == 0:
+        return None
+    k = cfg.num_draft_tokens
+    if getattr(model, "mtp", None) is None:
+        raise ConfigError(
+            f"speculative.num_draft_tokens={k} needs an MTP head but {where} has none "
+            f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "
+            f"checkpoint with MTP weights"
+        )
+    return SpeculativeDecoder(model, pools, k, max_requests)
+
+
+class SpeculativeDecoder:
+    def __init__(self, model, pools, k: int, max_requests: int):
+        self.model, self.pools, self.k = model, pools, k
+        self.drafter = Drafter(model, pools.spec)
+        self.scratch = StateScratch(pools.spec, max_requests, k)
+        self.pending: dict[str, Pending] = {}
+        """Per speculating request: target hiddens whose MTP entries are still to write."""
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+
+    def wants(self, req: Request) -> bool:
+        """Whether `req` speculates: greedy, and decoding here (not a prefill-only handoff)."""
+        return req.sampling.greedy and not req.prefill_only
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    @property
+    def tracked(self) -> int:
+        return len(self.pending)
+
+    # ---- prefill -----------------------------------------------------------------------
+    def after_prefill(self, group: list[tuple[Request, int]], hidden, cache) -> None:
+        """The head's KV for a prefill group's chunk (hidden [n, T, H]) of the requests that
+        speculate; the last chunk leaves its last hidden pending for the first draft."""
+        idx = [i for i, (r, _) in enumerate(group) if self.wants(r)]
+        if not idx:
+            return
+        next_ids, starts, tables = [], [], []
+        for i in idx:
+            req, end = group[i]
+            nxt = req.prompt_ids[req.num_computed + 1 : end + 1]
+            if end >= req.prompt_len:  # the token after the prompt is not drawn yet
+                nxt = nxt + [0]
+                self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
+            next_ids.append(nxt)
+            starts.append(req.num_computed)
+            tables.append(cache.block_table(req.id))
+        sel = hidden if len(idx) == len(group) else hidden[idx]
+        self.drafter.prefill(sel, next_ids, starts, tables)
+
+    # ---- decode ------------------------------------------------------------------------
+    def num_drafts(self, req: Request, max_model_len: int) -> int:
+        if not self.wants(req) or req.id not in self.pending:
+            return 0
+        out, s = len(req.output_ids), req.sampling
+        remaining = min(s.max_tokens - out, max_model_len - req.prompt_len - out)
+        return max(0, min(self.k, remaining - 1))
+
+    def step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
+        """Decode `reqs` once; returns (sampled: [(request, logits)] for the engine's sampler,
+        outputs of the requests decided here)."""
+        ks = {r.id: self.num_drafts(r, engine.max_model_len) for r in reqs}
+        reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks, r.id,
+                                                    r.num_computed + ks[r.id] + 1)]
+        if not reqs:
+            return [], []
+        drafts = self._draft(engine, [r for r in reqs if ks[r.id]], ks)
+        cache = engine.cache
+        rows = [VerifyRow([r.output_ids[-1], *drafts.get(r.id, ())], r.num_computed,
+                          cache.slot(r.id), cache.block_table(r.id)) for r in reqs]
+        try:
+            hidden, logits = verify_forward(self.model, self.pools, rows, self.scratch)
+        except Exception as e:  # noqa: BLE001 - fails this forward's requests only
+            log.exception("verify forward of %d requests failed", len(reqs))
+            failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
+            return [], []
+        return self._accept(engine, reqs, rows, hidden, logits)
+
+    def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
+        if not reqs:
+            return {}
+        jobs = []
+        for r in reqs:
+            p = self.pending[r.id]
+            nxt = r.all_ids[p.start + 1 : p.start + 1 + p.hidden.shape[0]]
+            jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
+        try:
+            out = self.drafter.draft(jobs)
+        except Exception:  # noqa: BLE001 - drafts are optional: verify the last token alone
+            log.exception("MTP drafting of %d requests failed; decoding without drafts",
+                          len(reqs))
+            return {}
+        return {r.id: d for r, d in zip(reqs, out, strict=True)}
+
+    def _accept(self, engine, reqs, rows, hidden, logits):
+        sampled, kept = [], []
+        off = 0
+        for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+            m = len(row.tokens)
+            lg, hd = logits[off : off + m], hidden[off : off + m]
+            off += m
+            if not self.wants(r):
+                r.num_computed += 1
+                sampled.append((r, lg[0]))
+                continue
+            target = lg.argmax(-1).tolist()
+            a = 0
+            while a < m - 1 and row.tokens[a + 1] == target[a]:
+                a += 1
+            toks = _emit(engine, r, target[: a + 1])
+            e = len(toks)
+            if e < m:  # the live slot holds the state after all m rows: take row e-1's
+                self.scratch.restore(self.pools, i, e - 1, row.slot)
+            r.num_computed = row.start + e
+            self.draft_tokens += m - 1
+            self.accepted_tokens += a
+            if r.finish_reason is None:
+                self.pending[r.id] = Pending(row.start, hd[:e].clone())
+            else:
+                self.pending.pop(r.id, None)
+            kept.append((r, toks))
+        done = [r for r, _ in kept if r.finish_reason is not None]
+        if done:  # after the roll back: a decode-end snapshot must see the kept state
+            engine._finish(done)
+        outs = [engine._output(r, tuple(t), finished=r.finish_reason is not None)
+                for r, t in kept]
+        return sampled, outs
+
+
+def _emit(engine, req: Request, toks: list[int]) -> list[int]:
+    """Append `toks` until one finishes the request; the tokens kept."""
+    now = time.monotonic()
+    kept = []
+    for tok in toks:
+        req.output_ids.append(tok)
+        kept.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason = engine._finish_reason(req, tok)
+        if reason:
+            req.finish_reason = reason
+            req.finish_time = now
+            break
+    return kept

@@ -1,0 +1,87 @@
+"""Drafting with the MTP head: its KV over the prompt, then K greedy drafts per decode step.
+
+The head's entry at position i reads the target hidden h_i and the token at i+1, so:
+
+    prefill chunk [s, e)    entries s..e-1 from h_s..h_{e-1} and tokens s+1..e (the last
+                            chunk's token e is not known yet: a placeholder, rewritten below)
+    pending (start, h)      target hiddens of positions start..n-1 (n = num_computed) whose
+                            entries still need the tokens that followed them: the last prompt
+                            position after prefill, the kept verify positions after a step
+    draft                   first pass over the pending rows (rewriting any entry a rejected
+                            draft left); its last row's argmax is draft 1 and its output the
+                            hidden of the next pass; passes 2..K: one row per request at n+k-2
+
+Drafts never change what is emitted (the target verifies them); only acceptance depends on
+this KV, which lives in the head's own pool beside the target's blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from baton.model.paged import StepContext, decode_meta, prefill_meta
+
+
+class Pending(NamedTuple):
+    start: int
+    hidden: torch.Tensor
+    """[p, H] target hiddens of positions start..start+p-1."""
+
+
+class DraftJob(NamedTuple):
+    pending: Pending
+    next_ids: list[int]
+    """The tokens at positions start+1..start+p (they follow the pending hiddens)."""
+    table: list[int]
+    num_drafts: int
+
+
+class Drafter:
+    def __init__(self, model, target_spec):
+        self.head = model.mtp
+        self.embed = model.backbone.embeddings
+        self.lm_head = model.lm_head
+        self.pools = self.head.make_pools(target_spec)
+        self.device = model.device
+
+    def _longs(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    def prefill(self, hidden: torch.Tensor, next_ids: list[list[int]], starts: list[int],
+                tables: list[list[int]]) -> None:
+        """Write the head's KV of a prefill group's chunk: hidden [n, T, H]."""
+        T = hidden.shape[1]
+        meta = prefill_meta(starts, T, tables, self.pools)
+        ctx = StepContext(self.pools, meta, None)
+        self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx, decode=False,
+                  logits=False)
+
+    def _rows(self, hidden, next_ids, positions, tables):
+        meta = decode_meta(self._longs(positions), tables, self.pools)
+        ctx = StepContext(self.pools, meta, None)
+        return self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx,
+                         decode=True)
+
+    def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
+        """Greedy drafts of each job (num_drafts >= 1 each)."""
+        hid = torch.cat([j.pending.hidden for j in jobs])
+        ids = [t for j in jobs for t in j.next_ids]
+        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
+        tables = [j.table for j in jobs for _ in j.next_ids]
+        out, logits = self._rows(hid, ids, pos, tables)
+        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
+        g, tok = out.index_select(0, ends), logits.index_select(0, ends).argmax(-1)
+        drafts = [[t] for t in tok.tolist()]
+        for k in range(2, max(j.num_drafts for j in jobs) + 1):
+            live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
+            sel = self._longs(live)
+            # the entry at n+k-2 pairs the previous pass's output with draft k-1
+            pos = [jobs[i].pending.start + len(jobs[i].next_ids) + k - 2 for i in live]
+            out, logits = self._rows(g.index_select(0, sel), [drafts[i][-1] for i in live], pos,
+                                     [jobs[i].table for i in live])
+            g = g.index_copy(0, sel, out)
+            for i, t in zip(live, logits.argmax(-1).tolist(), strict=True):
+                drafts[i].append(t)
+        return drafts

@@ -1,0 +1,135 @@
+"""The target's verify pass: m_r consecutive positions of each request in one forward, with the
+recurrent state kept after every position so a rejected draft rolls back exactly.
+
+Numerics are the decode path's, position by position, so a verified token is the one plain
+decoding would have produced:
+
+    rows (r, j)    request r's position n_r + j, ordered by request then position
+    norms, MLPs    every row at once (row-wise ops)
+    attention      `Attention.decode` over the rows as independent one-token queries
+                   (`decode_meta`): row (r, j) sees keys 0..n_r+j, later ones masked
+    Mamba2         `Mamba2Mixer.decode` once per position j over the requests with m_r > j,
+                   in place on their live slots; after position j (j < m_r - 1) the state is
+                   copied into the request's scratch row j (`StateScratch`)
+
+After acceptance, `StateScratch.restore` puts scratch row e back into the live slot when
+fewer than all m_r positions are kept (all kept: the live slot holds the right state).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from baton.model.layers.attention import Attention
+from baton.model.paged import StepContext, decode_meta, slot_context
+from baton.model.pools import Pools, PoolSpec
+
+
+class VerifyRow(NamedTuple):
+    """One request of a verify pass."""
+
+    tokens: list[int]
+    """Tokens at positions start..start+m-1 (the last emitted token, then the drafts)."""
+    start: int
+    slot: int
+    table: list[int]
+
+
+class StateScratch:
+    """Per-position recurrent states of one verify pass: `rows_per_request` rows for each of
+    `max_requests` requests, every state tensor of every state layer (the pools' dtypes)."""
+
+    def __init__(self, spec: PoolSpec, max_requests: int, rows_per_request: int):
+        self.rows_per_request = rows_per_request
+        self.max_requests = max_requests
+        n = max_requests * rows_per_request
+        self.state = {
+            t.name: torch.zeros((len(spec.state_layers), n, *t.shape),
+                                dtype=spec.state_dtype(t), device=spec.device)
+            for t in spec.state_tensors
+        } if spec.state_layers and n else {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+    def save(self, local_layer: int, pools: Pools, slots: torch.Tensor, rows: torch.Tensor):
+        for name, t in self.state.items():
+            t[local_layer].index_copy_(0, rows, pools.state[name][local_layer].index_select(0, slots))
+
+    def restore(self, pools: Pools, request: int, position: int, slot: int) -> None:
+        """Live slot `slot` <- the state after `position` of the pass's request `request`."""
+        row = request * self.rows_per_request + position
+        for name, t in self.state.items():
+            pools.state[name][:, slot].copy_(t[:, row])
+
+
+def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch):
+    """Run every row's tokens; returns (final-normed hidden [R, H], float32 logits [R, vocab])
+    with R = total tokens, in row order. Leaves each live slot at the state after its last
+    token and the scratch rows at the states after the earlier ones."""
+    counts = [len(r.tokens) for r in rows]
+    starts = [sum(counts[:i]) for i in range(len(rows))]
+    dev = pools.kv.device
+    ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
+    pos = torch.tensor([r.start + j for r in rows for j in range(len(r.tokens))],
+                       dtype=torch.long, device=dev)
+    attn = None
+    if pools.has_kv:
+        tables = [r.table for r, m in zip(rows, counts, strict=True) for _ in range(m)]
+        attn = decode_meta(pos, tables, pools)
+    flat = StepContext(pools, attn, None)
+    per_pos = _positions(pools, rows, counts, starts, scratch, dev)
+    bb = model.backbone
+    h = bb.embeddings(ids.to(model.device))
+    for block in bb.layers:
+        x = block.norm(h)
+        if block.stateless:
+            h = h + block.mixer(x)
+        elif isinstance(block.mixer, Attention):
+            h = h + block.mixer.decode(x, flat)
+        else:
+            h = h + _recurrent(block.mixer, x, pools, per_pos, scratch)
+    hidden = bb.norm_f(h)
+    return hidden, model.lm_head(hidden).float()
+
+
+class _Position(NamedTuple):
+    ctx: StepContext
+    """The slots of the requests still running at this position."""
+    rows: torch.Tensor
+    """Rows of the pass at this position (one per request still running)."""
+    save_to: torch.Tensor | None
+    """Scratch rows for the requests with a later position (their state is saved)."""
+    save_slots: torch.Tensor | None
+
+
+def _positions(pools, rows, counts, starts, scratch, dev) -> list[_Position]:
+    def longs(xs):
+        return torch.tensor(xs, dtype=torch.long, device=dev)
+
+    out = []
+    for j in range(max(counts)):
+        sel = [i for i, m in enumerate(counts) if m > j]
+        keep = [i for i in sel if counts[i] > j + 1]
+        out.append(_Position(
+            slot_context(pools, None, [rows[i].slot for i in sel]),
+            longs([starts[i] + j for i in sel]),
+            longs([i * scratch.rows_per_request + j for i in keep]) if keep else None,
+            longs([rows[i].slot for i in keep]) if keep else None,
+        ))
+    return out
+
+
+def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
+               scratch: StateScratch) -> torch.Tensor:
+    """One recurrent layer, position after position, each step the mixer's own decode."""
+    out = torch.empty_like(x)
+    local = pools.spec.state_index[mixer.layer_idx]
+    for p in per_pos:
+        out.index_copy_(0, p.rows, mixer.decode(x.index_select(0, p.rows), p.ctx))
+        if p.save_to is not None:
+            scratch.save(local, pools, p.save_slots, p.save_to)
+    return out
