@@ -1,0 +1,120 @@
+"""MTP speculative decoding in the colocated engine: greedy output identical to speculation off
+at every K, acceptance really happens, and the rolled-back state equals a recompute."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from baton.engine.request import Request, SamplingParams
+from tests.engine_helpers import engine_for, greedy, run_all
+from tests.speculative_helpers import agreeing_checkpoint
+
+pytestmark = pytest.mark.usefixtures("model_single_thread")
+
+
+@pytest.fixture(scope="module")
+def agree_dir(tmp_path_factory):
+    return agreeing_checkpoint(tmp_path_factory.mktemp("spec"))
+
+
+def _workload(stops: dict[str, int]) -> list[Request]:
+    """48 requests, prompts of 1..2000 tokens at concurrency 8: groups extending one another's
+    prompts (prefix hits on prompt-end snapshots), seeded sampled requests (they do not
+    speculate) mixed in, max_tokens from 1 up, stop tokens from `stops`."""
+    rng = random.Random(7)
+    lengths = [1, 2, 3, 5, 9, 17, 31, 64, 100, 250, 600, 2000]
+    reqs = []
+    for i in range(48):
+        base = [rng.randrange(3, 512) for _ in range(lengths[i % 12])]
+        if i >= 12 and i % 3 == 0:  # extends an earlier request's prompt: a prefix hit
+            base = reqs[i - 12].prompt_ids + base[:9]
+        rid = f"r{i:02d}"
+        n = [1, 2, 4, 7, 16, 33][i % 6]
+        if i % 8 == 5:
+            s = SamplingParams(max_tokens=n, temperature=0.8, seed=i)
+        else:
+            s = greedy(n, stop_token_ids=(stops[rid],) if rid in stops else ())
+        reqs.append(Request(rid, base[:2000], s))
+    return reqs
+
+
+def _run(model_dir, k: int, stops: dict[str, int]):
+    eng = engine_for(model_dir, worker={"max_num_seqs": 8, "prefill_chunk_size": 256},
+                     speculative={"num_draft_tokens": k})
+    out = run_all(eng, _workload(stops))
+    return eng, out
+
+
+@pytest.fixture(scope="module")
+def reference(agree_dir):
+    """Speculation off; stop tokens picked from its own answers (a token inside each)."""
+    _, plain = _run(agree_dir, 0, {})
+    stops = {rid: toks[len(toks) // 2] for rid, toks in plain["tokens"].items()
+             if len(toks) >= 4 and int(rid[1:]) % 2 == 0}
+    _, off = _run(agree_dir, 0, stops)
+    return stops, off
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identical_to_speculation_off(agree_dir, reference, k):
+    stops, off = reference
+    eng, on = _run(agree_dir, k, stops)
+    assert on["tokens"] == off["tokens"]
+    for rid, o in off["outputs"].items():
+        assert on["outputs"][rid].finish_reason == o.finish_reason, rid
+    # speculation really ran: drafts were made and some were accepted, some rejected
+    assert eng.spec.accepted_tokens > 0
+    assert eng.spec.draft_tokens > eng.spec.accepted_tokens
+    hits = sum(o.cached_tokens > 0 for o in on["outputs"].values())
+    assert hits > 0
+    stopped = [rid for rid in stops if on["tokens"][rid][-1] == stops[rid]]
+    assert len(stopped) == len(stops)
+    assert eng.tracked()["spec_pending"] == 0
+    eng.cache.check_integrity()
+
+
+def _state(pools, slot: int) -> dict[str, torch.Tensor]:
+    return {n: t[:, slot].clone() for n, t in pools.state.items()}
+
+
+def test_acceptance_counted_and_state_equals_recompute_after_every_verify(agree_dir):
+    """One request at K=3 beside a second one; after every step the live state of the first
+    equals that of plain decoding over the tokens it has computed, step by step."""
+    eng = engine_for(agree_dir, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+    rng = random.Random(3)
+    main = Request("a", [rng.randrange(3, 512) for _ in range(37)], greedy(60))
+    other = Request("b", [rng.randrange(3, 512) for _ in range(5)], greedy(60))
+    eng.add_request(main)
+    eng.add_request(other)
+    model = eng.model
+    ref = model.make_pools(16, eng.pools.spec.tokens_per_block, 1)
+    table = list(range(16))
+    model.prefill(torch.tensor(main.prompt_ids), 0, table, 0, ref)
+    done = main.prompt_len
+    accepted_steps = rejected_steps = 0
+    while main.phase.value != "finished":
+        acc, drafted = eng.spec.accepted_tokens, eng.spec.draft_tokens
+        before = main.num_computed
+        eng.step()
+        if main.phase.value == "finished" or main.num_computed == before:
+            continue
+        a, d = eng.spec.accepted_tokens - acc, eng.spec.draft_tokens - drafted
+        accepted_steps += a > 0
+        rejected_steps += d > 0 and a < d
+        prev, start = _state(ref, 0), done
+        while done < main.num_computed:  # plain decode, one token at a time
+            tok = torch.tensor([main.all_ids[done]])
+            model.decode(tok, torch.tensor([done]), [table], torch.tensor([0]), ref)
+            done += 1
+        want, got = _state(ref, 0), _state(eng.pools, eng.cache.slot("a"))
+        for name in want:
+            assert torch.allclose(got[name], want[name], atol=1e-5, rtol=0), name
+            if done > start:  # the check can tell one position from the next
+                assert (want[name] - prev[name]).abs().max() > 1e-3
+    assert accepted_steps > 3 and rejected_steps > 3
+    assert len(main.output_ids) == 60
+    while eng.has_work:
+        eng.step()
