@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="--local: MTP draft tokens per decode step, 0..8 (default: config "
+                        "speculative.num_draft_tokens, 0 = off)")
 
     p = sub.add_parser("make-model", help="write a small seeded NemotronH checkpoint")
     p.add_argument("--out", required=True)

@@ -27,6 +27,8 @@ def cmd_generate(args) -> int:
     if len(set(ids)) != len(ids):
         raise InvalidRequestError("request ids in the requests file must be unique")
     cfg = BatonConfig.load(args.config)
+    if getattr(args, "speculative_tokens", None) is not None:
+        cfg = _with_speculation(cfg, args.speculative_tokens)
     if args.local:
         from baton.client.local import run_local
         from baton.engine.builder import build_engine
@@ -41,6 +43,14 @@ def cmd_generate(args) -> int:
         credentials = router_channel_credentials(cfg.router, cluster_tls(cfg.cluster))
         results = run_remote(args.router, specs, args.concurrency, credentials)
     return _print_results(results, args.json)
+
+
+def _with_speculation(cfg: BatonConfig, k: int) -> BatonConfig:
+    import dataclasses
+
+    from baton.config.speculative import SpeculativeConfig
+
+    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k))
 
 
 def _print_results(results: list[dict], as_json: bool) -> int:

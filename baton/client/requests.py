@@ -69,6 +69,7 @@ def load_jsonl(path: str | Path, defaults: SamplingParams, session: str | None) 
 
 
 def result_dict(spec_id: str, out, text: str, prefill: str, decode: str) -> dict:
+    extra = {k: out[k] for k in ("draft_tokens", "accepted_tokens") if k in out}
     return {
         "id": spec_id,
         "token_ids": list(out["token_ids"]),
@@ -80,4 +81,5 @@ def result_dict(spec_id: str, out, text: str, prefill: str, decode: str) -> dict
         "decode_worker": decode,
         "ttft_ms": out["ttft_ms"],
         "latency_ms": out["latency_ms"],
+        **extra,
     }

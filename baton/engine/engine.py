@@ -406,4 +406,6 @@ class Engine:
             ttft_ms=ttft,
             latency_ms=latency,
             snapshot_tokens=req.end_snapshot_tokens if finished else 0,
+            draft_tokens=req.draft_tokens,
+            accepted_tokens=req.accepted_tokens,
         )

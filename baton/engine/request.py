@@ -38,6 +38,10 @@ class Request:
     finish_reason: FinishReason | None = None
     end_snapshot_tokens: int = 0
     """Tokens (prompt + answer) of the decode-end snapshot it left on finishing (0: none)."""
+    draft_tokens: int = 0
+    """MTP drafts verified for it so far (speculative decoding; 0 when it does not speculate)."""
+    accepted_tokens: int = 0
+    """Of those, the drafts the target accepted."""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -75,3 +79,7 @@ class RequestOutput:
     snapshot_tokens: int = 0
     """Last output only: the prompt + answer tokens its decode-end snapshot covers (0: none
     taken), so that the router knows of it before the next turn arrives."""
+    draft_tokens: int = 0
+    """Speculative decoding: drafts verified for the request so far, and of those..."""
+    accepted_tokens: int = 0
+    """...the ones accepted (totals up to this output)."""

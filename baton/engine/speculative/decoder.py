@@ -150,6 +150,8 @@ class SpeculativeDecoder:
             r.num_computed = row.start + e
             self.draft_tokens += m - 1
             self.accepted_tokens += a
+            r.draft_tokens += m - 1
+            r.accepted_tokens += a
             if r.finish_reason is None:
                 self.pending[r.id] = Pending(row.start, hd[:e].clone())
             else:

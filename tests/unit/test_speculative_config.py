@@ -1,0 +1,89 @@
+"""MTP heads as published (load, write, refuse) and the `speculative` config's bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from baton.config import BatonConfig
+from baton.errors import ConfigError
+from baton.model.loader import load_model
+from baton.model.make_model import write_checkpoint
+from tests.engine_helpers import engine_for
+
+MTP_NAMES = [
+    "mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+    "mtp.layers.0.mixer.k_proj.weight", "mtp.layers.0.mixer.o_proj.weight",
+    "mtp.layers.0.mixer.q_proj.weight", "mtp.layers.0.mixer.v_proj.weight",
+    "mtp.layers.0.norm.weight", "mtp.layers.1.final_layernorm.weight",
+    "mtp.layers.1.mixer.down_proj.weight", "mtp.layers.1.mixer.up_proj.weight",
+    "mtp.layers.1.norm.weight",
+]
+
+
+def test_make_model_writes_the_published_names_and_loader_reads_them(tmp_path):
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["mtp_hybrid_override_pattern"] == "*-"
+    t = load_file(str(ck / "model.safetensors"))
+    assert sorted(k for k in t if k.startswith("mtp.")) == MTP_NAMES
+    assert t["mtp.layers.0.eh_proj.weight"].shape == (128, 256)
+    model = load_model(ck)
+    assert torch.equal(model.mtp.layers[0].eh_proj.weight, t["mtp.layers.0.eh_proj.weight"])
+    assert model.mtp.attention_layers == (8,)
+    # the target's weights are those of the same seed without a head
+    plain = load_file(str(write_checkpoint(tmp_path / "p", seed=0) / "model.safetensors"))
+    assert all(torch.equal(plain[k], t[k]) for k in plain)
+
+
+def test_mtp_block_types_list_is_read(tmp_path):
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg["mtp_hybrid_override_pattern"]
+    cfg["mtp_layers_block_type"] = ["full_attention", "mlp"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert load_model(ck).mtp.spec.pattern == "*-"
+
+
+def test_declared_head_without_tensors_cannot_speculate(tmp_path):
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    t = load_file(str(ck / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if not k.startswith("mtp.")},
+              str(ck / "model.safetensors"), metadata={"format": "pt"})
+    assert not hasattr(load_model(ck), "mtp")  # loads, without a head
+    with pytest.raises(ConfigError, match=r"^speculative.num_draft_tokens=2 needs an MTP head"):
+        engine_for(ck, speculative={"num_draft_tokens": 2})
+
+
+def test_half_a_head_is_refused(tmp_path):
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    t = load_file(str(ck / "model.safetensors"))
+    del t["mtp.layers.1.final_layernorm.weight"]
+    save_file(t, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="lacks tensor.*final_layernorm"):
+        load_model(ck)
+
+
+@pytest.mark.parametrize("k", [-1, 9, True, "3"])
+def test_draft_tokens_out_of_range(k):
+    with pytest.raises(ConfigError) as e:
+        BatonConfig.from_dict({"speculative": {"num_draft_tokens": k}})
+    assert "speculative.num_draft_tokens" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_generate_json_reports_drafts(tmp_path, capsys):
+    from baton.cli import main
+
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    argv = ["--log-level", "WARNING", "generate", "--local", "--model", str(ck),
+            "--prompt-ids", "5,6,7,8", "--max-tokens", "9", "--json"]
+    assert main(argv) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--speculative-tokens", "3"]) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert on["token_ids"] == off["token_ids"] and "draft_tokens" not in off
+    # 8 decode steps at most, each drafting min(3, tokens left - 1)
+    assert on["draft_tokens"] >= 3 and 0 <= on["accepted_tokens"] <= on["draft_tokens"]
