@@ -10,6 +10,7 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
+from baton.engine.speculative.decoder import reserved_slots
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
@@ -50,15 +51,17 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         device=cfg.model.device,
     )
     pools = Pools(spec)
-    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
+    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
+                               reserved_slots=reserved)
     _maybe_arm_canaries(cache)
     log.info(
         "engine ready: model %s (%s, %s), %d KV blocks x %d tokens, %d state slots of %d bytes "
-        "(%s), reuse %s",
+        "(%s; %d kept for speculation), reuse %s",
         path, model.config.family, model.config.pattern, spec.num_blocks, spec.tokens_per_block,
         spec.num_slots, spec.state_bytes_per_slot(),
         ", ".join(f"{t.name} {list(t.shape)}" for t in spec.state_tensors) or "no state",
-        "on" if cache.reuse_enabled else "off",
+        reserved, "on" if cache.reuse_enabled else "off",
     )
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                   speculative=cfg.speculative)

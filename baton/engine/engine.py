@@ -58,7 +58,8 @@ class Engine:
         self._streams: dict[str, LayerStream] = {}
         """Layer streams not picked up yet, by request id; any thread adds, under the lock."""
         self._streams_lock = threading.Lock()
-        self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs)
+        self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
+                                      getattr(cache, "reserved_slots", 0))
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
         self.prefilled_tokens = 0
         """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a

@@ -87,3 +87,21 @@ def test_generate_json_reports_drafts(tmp_path, capsys):
     assert on["token_ids"] == off["token_ids"] and "draft_tokens" not in off
     # 8 decode steps at most, each drafting min(3, tokens left - 1)
     assert on["draft_tokens"] >= 3 and 0 <= on["accepted_tokens"] <= on["draft_tokens"]
+
+
+def test_state_slots_per_request_are_sized_and_reported(tmp_path):
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    eng = engine_for(ck, worker={"max_num_seqs": 16}, cache={"num_state_slots": 64},
+                     speculative={"num_draft_tokens": 3})
+    s = eng.cache.stats()
+    assert (s.slots_speculative, s.slots_total, s.snapshot_budget) == (48, 16, 0)
+    assert eng.spec.scratch.first_slot == 16
+    eng.cache.check_integrity()
+    with pytest.raises(ConfigError) as e:
+        engine_for(ck, worker={"max_num_seqs": 16}, cache={"num_state_slots": 64},
+                   speculative={"num_draft_tokens": 4})
+    assert str(e.value).startswith(
+        "speculative.num_draft_tokens=4 needs 80 state slots (worker.max_num_seqs=16 x "
+        "(1 live + 4 per position)) but cache.num_state_slots=64")
+    off = engine_for(ck, worker={"max_num_seqs": 16}, cache={"num_state_slots": 64})
+    assert off.cache.stats().slots_speculative == 0 and off.cache.stats().slots_total == 64

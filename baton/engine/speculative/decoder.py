@@ -27,27 +27,50 @@ from baton.errors import ConfigError
 log = logging.getLogger("baton.engine")
 
 
+def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
+    """State slots speculation keeps out of the cache manager: K per running request (the
+    state after each verified position but the last, which is the live slot). ConfigError
+    naming the numbers when the pool cannot hold them beside the live slots."""
+    k = cfg.num_draft_tokens if cfg is not None else 0
+    if not k or not num_slots:
+        return 0
+    need = max_requests * (1 + k)
+    if num_slots < need:
+        raise ConfigError(
+            f"speculative.num_draft_tokens={k} needs {need} state slots (worker.max_num_seqs="
+            f"{max_requests} x (1 live + {k} per position)) but cache.num_state_slots="
+            f"{num_slots}; raise num_state_slots to at least {need} (more for snapshots) or "
+            f"lower num_draft_tokens or max_num_seqs"
+        )
+    return max_requests * k
+
+
 def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests: int,
-                      where: str = "the checkpoint"):
+                      reserved: int, where: str = "the checkpoint"):
     """The step of `cfg`, or None when speculation is off; ConfigError in one line when the
-    model cannot speculate."""
+    model cannot speculate. `reserved`: the slots the cache manager keeps for it."""
     if cfg is None or cfg.num_draft_tokens == 0:
         return None
     k = cfg.num_draft_tokens
+    want = reserved_slots(cfg, pools.spec.num_slots, max_requests)
+    if reserved != want:
+        raise ConfigError(f"speculative.num_draft_tokens={k} needs {want} state slots kept out "
+                          f"of the cache manager but it keeps {reserved}: build the engine "
+                          f"with build_engine")
     if getattr(model, "mtp", None) is None:
         raise ConfigError(
             f"speculative.num_draft_tokens={k} needs an MTP head but {where} has none "
             f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "
             f"checkpoint with MTP weights"
         )
-    return SpeculativeDecoder(model, pools, k, max_requests)
+    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved)
 
 
 class SpeculativeDecoder:
-    def __init__(self, model, pools, k: int, max_requests: int):
+    def __init__(self, model, pools, k: int, max_requests: int, first_slot: int):
         self.model, self.pools, self.k = model, pools, k
         self.drafter = Drafter(model, pools.spec)
-        self.scratch = StateScratch(pools.spec, max_requests, k)
+        self.scratch = StateScratch(pools, first_slot, max_requests, k)
         self.pending: dict[str, Pending] = {}
         """Per speculating request: target hiddens whose MTP entries are still to write."""
         self.draft_tokens = 0
@@ -146,7 +169,7 @@ class SpeculativeDecoder:
             toks = _emit(engine, r, target[: a + 1])
             e = len(toks)
             if e < m:  # the live slot holds the state after all m rows: take row e-1's
-                self.scratch.restore(self.pools, i, e - 1, row.slot)
+                self.scratch.restore(i, e - 1, row.slot)
             r.num_computed = row.start + e
             self.draft_tokens += m - 1
             self.accepted_tokens += a

@@ -10,9 +10,9 @@ decoding would have produced:
                    (`decode_meta`): row (r, j) sees keys 0..n_r+j, later ones masked
     Mamba2         `Mamba2Mixer.decode` once per position j over the requests with m_r > j,
                    in place on their live slots; after position j (j < m_r - 1) the state is
-                   copied into the request's scratch row j (`StateScratch`)
+                   copied into the request's scratch slot j (`StateScratch`)
 
-After acceptance, `StateScratch.restore` puts scratch row e back into the live slot when
+After acceptance, `StateScratch.restore` puts scratch slot e back into the live slot when
 fewer than all m_r positions are kept (all kept: the live slot holds the right state).
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from baton.model.layers.attention import Attention
 from baton.model.paged import StepContext, decode_meta, slot_context
-from baton.model.pools import Pools, PoolSpec
+from baton.model.pools import Pools
 
 
 class VerifyRow(NamedTuple):
@@ -38,32 +38,31 @@ class VerifyRow(NamedTuple):
 
 
 class StateScratch:
-    """Per-position recurrent states of one verify pass: `rows_per_request` rows for each of
-    `max_requests` requests, every state tensor of every state layer (the pools' dtypes)."""
+    """Per-position recurrent states of one verify pass, in the pools' own slots
+    `first_slot ..`: `rows_per_request` slots for each of `max_requests` requests (the cache
+    manager never hands them out: `reserved_slots`)."""
 
-    def __init__(self, spec: PoolSpec, max_requests: int, rows_per_request: int):
+    def __init__(self, pools: Pools, first_slot: int, max_requests: int, rows_per_request: int):
+        self.pools = pools
+        self.first_slot = first_slot
         self.rows_per_request = rows_per_request
         self.max_requests = max_requests
-        n = max_requests * rows_per_request
-        self.state = {
-            t.name: torch.zeros((len(spec.state_layers), n, *t.shape),
-                                dtype=spec.state_dtype(t), device=spec.device)
-            for t in spec.state_tensors
-        } if spec.state_layers and n else {}
 
     @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+    def num_slots(self) -> int:
+        return self.max_requests * self.rows_per_request if self.pools.has_state else 0
 
-    def save(self, local_layer: int, pools: Pools, slots: torch.Tensor, rows: torch.Tensor):
-        for name, t in self.state.items():
-            t[local_layer].index_copy_(0, rows, pools.state[name][local_layer].index_select(0, slots))
+    def slot(self, request: int, position: int) -> int:
+        return self.first_slot + request * self.rows_per_request + position
 
-    def restore(self, pools: Pools, request: int, position: int, slot: int) -> None:
+    def save(self, local_layer: int, slots: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots `dst` <- live slots `slots`, every state tensor of one state layer."""
+        for t in self.pools.state.values():
+            t[local_layer].index_copy_(0, dst, t[local_layer].index_select(0, slots))
+
+    def restore(self, request: int, position: int, slot: int) -> None:
         """Live slot `slot` <- the state after `position` of the pass's request `request`."""
-        row = request * self.rows_per_request + position
-        for name, t in self.state.items():
-            pools.state[name][:, slot].copy_(t[:, row])
+        self.pools.copy_slot(self.slot(request, position), slot)
 
 
 def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch):
@@ -117,7 +116,7 @@ def _positions(pools, rows, counts, starts, scratch, dev) -> list[_Position]:
         out.append(_Position(
             slot_context(pools, None, [rows[i].slot for i in sel]),
             longs([starts[i] + j for i in sel]),
-            longs([i * scratch.rows_per_request + j for i in keep]) if keep else None,
+            longs([scratch.slot(i, j) for i in keep]) if keep else None,
             longs([rows[i].slot for i in keep]) if keep else None,
         ))
     return out
@@ -131,5 +130,5 @@ def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
     for p in per_pos:
         out.index_copy_(0, p.rows, mixer.decode(x.index_select(0, p.rows), p.ctx))
         if p.save_to is not None:
-            scratch.save(local, pools, p.save_slots, p.save_to)
+            scratch.save(local, p.save_slots, p.save_to)
     return out
