@@ -105,3 +105,38 @@ def test_state_slots_per_request_are_sized_and_reported(tmp_path):
         "(1 live + 4 per position)) but cache.num_state_slots=64")
     off = engine_for(ck, worker={"max_num_seqs": 16}, cache={"num_state_slots": 64})
     assert off.cache.stats().slots_speculative == 0 and off.cache.stats().slots_total == 64
+
+
+def test_prometheus_counts_drafts_and_accepted_lengths(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from baton.engine.request import Request
+    from baton.worker.metrics import _EngineCollector
+    from tests.engine_helpers import greedy, run_all
+    from tests.speculative_helpers import agreeing_checkpoint
+
+    eng = engine_for(agreeing_checkpoint(tmp_path), worker={"max_num_seqs": 4},
+                     speculative={"num_draft_tokens": 2})
+    reqs = [Request(f"r{i}", [5 + i, 9, 40 + i], greedy(12)) for i in range(3)]
+    outs = run_all(eng, reqs)["outputs"]
+    spec = eng.spec
+    assert sum(o.draft_tokens for o in outs.values()) == spec.draft_tokens > 0
+    assert sum(o.accepted_tokens for o in outs.values()) == spec.accepted_tokens > 0
+    assert sum(a * n for a, n in enumerate(spec.accepted_hist)) == spec.accepted_tokens
+
+    class Loop:
+        engine = eng
+
+        def call(self, fn):
+            return fn()
+
+    reg = CollectorRegistry()
+    reg.register(_EngineCollector("decode", Loop()))
+    text = generate_latest(reg).decode()
+    steps = sum(spec.accepted_hist)
+    assert f'baton_spec_draft_tokens_total{{role="decode"}} {float(spec.draft_tokens)}' in text
+    assert f'baton_spec_accepted_tokens_total{{role="decode"}} {float(spec.accepted_tokens)}' \
+        in text
+    assert f'baton_spec_accepted_length_bucket{{le="+Inf",role="decode"}} {float(steps)}' in text
+    assert f'baton_spec_accepted_length_bucket{{le="0.0",role="decode"}} ' \
+        f'{float(spec.accepted_hist[0])}' in text

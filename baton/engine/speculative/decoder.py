@@ -75,6 +75,8 @@ class SpeculativeDecoder:
         """Per speculating request: target hiddens whose MTP entries are still to write."""
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        self.accepted_hist = [0] * (k + 1)
+        """Steps (per request that drafted) by drafts accepted, 0..K."""
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: greedy, and decoding here (not a prefill-only handoff)."""
@@ -175,6 +177,8 @@ class SpeculativeDecoder:
             self.accepted_tokens += a
             r.draft_tokens += m - 1
             r.accepted_tokens += a
+            if m > 1:
+                self.accepted_hist[a] += 1
             if r.finish_reason is None:
                 self.pending[r.id] = Pending(row.start, hd[:e].clone())
             else:
