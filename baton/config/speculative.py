@@ -17,8 +17,9 @@ class SpeculativeConfig:
     Needs a checkpoint with an MTP head (`num_nextn_predict_layers` > 0 and `mtp.*`
     tensors). Each step drafts K tokens with the MTP head applied K times, the target
     verifies K+1 positions in one forward and greedy acceptance emits the accepted drafts
-    plus one target token: greedy output is identical to speculation off. Requests that
-    cannot speculate (temperature > 0, prefill-only) decode one token a step."""
+    plus one target token: greedy output is identical to speculation off. Temperature > 0
+    uses the rejection rule for one-hot drafts (the target's distribution is kept; a seeded
+    request's draws depend only on (seed, position)). A prefill-only handoff does not draft."""
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens

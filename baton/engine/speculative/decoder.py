@@ -4,7 +4,8 @@
     verify     [last token, d_1..d_K_r] of every decoding request in one target forward
                (verify.py; a request that does not speculate has one row: plain decode)
     accept     greedy: d_{j+1} is kept while it equals the target's argmax at row j; the
-               target's argmax after the last kept draft is emitted too
+               target's argmax after the last kept draft is emitted too (temperature > 0:
+               the rejection rule of rejection.py)
     emit       token by token until EOS, a stop token or a length limit: E tokens
     roll back  the recurrent state of position n+E-1 (scratch row E-1 unless all rows were
                kept), num_computed = n+E; attention KV past it is simply overwritten later
@@ -21,6 +22,7 @@ import time
 from baton.config.speculative import SpeculativeConfig
 from baton.engine.request import Request, RequestOutput
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
+from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
 from baton.errors import ConfigError
 
@@ -79,8 +81,9 @@ class SpeculativeDecoder:
         """Steps (per request that drafted) by drafts accepted, 0..K."""
 
     def wants(self, req: Request) -> bool:
-        """Whether `req` speculates: greedy, and decoding here (not a prefill-only handoff)."""
-        return req.sampling.greedy and not req.prefill_only
+        """Whether `req` speculates: any request decoding here (not a prefill-only handoff);
+        greedy ones by argmax, others by the rejection rule (rejection.py)."""
+        return not req.prefill_only
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -135,7 +138,7 @@ class SpeculativeDecoder:
             log.exception("verify forward of %d requests failed", len(reqs))
             failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
             return [], []
-        return self._accept(engine, reqs, rows, hidden, logits)
+        return self._accept(engine, reqs, rows, hidden, logits, failed)
 
     def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
         if not reqs:
@@ -153,7 +156,18 @@ class SpeculativeDecoder:
             return {}
         return {r.id: d for r, d in zip(reqs, out, strict=True)}
 
-    def _accept(self, engine, reqs, rows, hidden, logits):
+    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> list[int]:
+        """The tokens verification keeps: accepted drafts, then one target token."""
+        drafts = row.tokens[1:]
+        if not r.sampling.greedy:
+            return accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
+        target = lg.argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == target[a]:
+            a += 1
+        return target[: a + 1]
+
+    def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
         off = 0
         for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
@@ -164,11 +178,13 @@ class SpeculativeDecoder:
                 r.num_computed += 1
                 sampled.append((r, lg[0]))
                 continue
-            target = lg.argmax(-1).tolist()
-            a = 0
-            while a < m - 1 and row.tokens[a + 1] == target[a]:
-                a += 1
-            toks = _emit(engine, r, target[: a + 1])
+            try:
+                cand = self._candidates(engine, r, row, lg)
+            except (ValueError, RuntimeError) as ex:
+                failed.append(engine._fail(r, f"sampling failed: {ex}"))
+                continue
+            a = len(cand) - 1
+            toks = _emit(engine, r, cand)
             e = len(toks)
             if e < m:  # the live slot holds the state after all m rows: take row e-1's
                 self.scratch.restore(i, e - 1, row.slot)
