@@ -37,7 +37,8 @@ def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOu
         tokens.extend(out.new_token_ids)
     if not out.finished:
         return DecodeChunk(tuple(tokens)), out
-    return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens), out
+    return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens,
+                       draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens), out
 
 
 class DecodeService:

@@ -147,6 +147,10 @@ class DecodeChunk:
     snapshot_tokens: int = 0
     """Last chunk only: the decode-end snapshot the worker now holds covers this many tokens
     of prompt + output (0: none taken)."""
+    draft_tokens: int = 0
+    """Last chunk only: speculative decoding's drafts verified for the request..."""
+    accepted_tokens: int = 0
+    """...and of those the accepted ones (0 without speculation)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,9 @@ class GenerateSummary:
     ttft_ms: float
     latency_ms: float
     retries: int
+    draft_tokens: int = 0
+    """Speculative decoding on the decode worker: drafts verified, and accepted."""
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
