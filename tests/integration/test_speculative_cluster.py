@@ -1,0 +1,52 @@
+"""Speculative decoding on the decode worker of a 1P+1D cluster: identical to --local with
+speculation off, drafts accepted, counts in the gRPC summary and the client's --json.
+
+The prefill worker does not hand off the MTP head's KV yet: the decode worker drafts from its
+first decode step on with the head's KV of the prompt missing (acceptance suffers, output is
+exact: every token is the target's). The agreeing head ignores that KV, so it still accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from baton.client.local import run_local
+from baton.client.remote import run_remote
+from baton.client.requests import RequestSpec
+from baton.config import BatonConfig
+from baton.config.speculative import SpeculativeConfig
+from baton.engine.builder import build_engine
+from baton.engine.request import SamplingParams
+from tests.engine_helpers import prompt
+from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
+from tests.speculative_helpers import agreeing_checkpoint
+
+pytestmark = pytest.mark.integration
+
+CONFIG = {
+    "cache": {"num_blocks": 512, "num_state_slots": 48},
+    "worker": {"max_num_seqs": 8, "max_model_len": 2048},
+    "speculative": {"num_draft_tokens": 3},
+}
+
+
+def test_one_prefill_one_decode_worker_speculating_equal_local(tmp_path):
+    model = agreeing_checkpoint(tmp_path)
+    cluster = start_cluster(model, write_config(tmp_path / "baton.yaml", CONFIG), 1, 1)
+    try:
+        specs = [RequestSpec(f"c{i}", prompt_ids=prompt(i, 1 + 37 * i, vocab=512),
+                             sampling=SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True))
+                 for i in range(8)]
+        remote = run_remote(cluster.address, specs, concurrency=8)
+        off = dataclasses.replace(BatonConfig.from_dict(CONFIG),
+                                  speculative=SpeculativeConfig(0))
+        ref = run_local(build_engine(off, str(model)), specs, 8)
+        assert [r["token_ids"] for r in remote] == [r["token_ids"] for r in ref]
+        assert all(r["prefill_worker"] != r["decode_worker"] for r in remote)
+        assert sum(r.get("accepted_tokens", 0) for r in remote) > 0
+        assert all(r["draft_tokens"] >= r["accepted_tokens"] for r in remote)
+        assert_clean(cluster)
+    finally:
+        cluster.stop()
