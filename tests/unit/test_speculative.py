@@ -137,3 +137,55 @@ def test_seeded_sampling_with_speculation_is_reproducible(agree_dir):
     assert a == b
     assert e1.spec.accepted_tokens == e2.spec.accepted_tokens > 0
     assert e1.spec.draft_tokens > e1.spec.accepted_tokens
+
+
+def _verify_vs_decode(model, positions: int):
+    """(verify logits, plain decode logits per position, pools after each, scratch) for 4
+    sequences x `positions` tokens from the same prefilled pools."""
+    from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
+
+    lens = [5, 40, 17, 23]
+    tables = [[8 * i + j for j in range(8)] for i in range(4)]
+    rng = random.Random(0)
+    a = model.make_pools(64, 16, 4 + 4 * 3)
+    for i, n in enumerate(lens):
+        model.prefill(torch.tensor([rng.randrange(3, 512) for _ in range(n)]), 0, tables[i], i, a)
+    b = model.make_pools(64, 16, 4 + 4 * 3)
+    for x, y in zip(b.tensors, a.tensors, strict=True):
+        x.copy_(y)
+    toks = [[rng.randrange(3, 512) for _ in range(positions)] for _ in range(4)]
+    rows = [VerifyRow(toks[i], lens[i], i, tables[i]) for i in range(4)]
+    scratch = StateScratch(a, 4, 4, 3)
+    _, logits = verify_forward(model, a, rows, scratch)
+    refs, states = [], []
+    for j in range(positions):
+        refs.append(model.decode(torch.tensor([t[j] for t in toks]),
+                                 torch.tensor([n + j for n in lens]), tables,
+                                 torch.tensor([0, 1, 2, 3]), b))
+        states.append({n: t[:, :4].clone() for n, t in b.state.items()})
+    return logits.view(4, positions, -1), refs, states, a, b, scratch
+
+
+def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
+    """A verify pass is plain decode, position by position: bit for bit on an attention-free
+    model (recurrent and MLP layers: the same kernels, >= 4 rows per matmul, where this CPU's
+    GEMM gives a row the same bits whatever the row count) and for one position with
+    attention; with attention over several positions the keys a query reads are padded to
+    the pass's longest row, which moves the last bits (as batching with a longer sequence
+    does in plain decode)."""
+    from baton.model.loader import load_model
+    from baton.model.make_model import write_checkpoint
+
+    recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
+    logits, refs, states, a, b, scratch = _verify_vs_decode(recurrent, 4)
+    for j in range(4):
+        assert torch.equal(logits[:, j], refs[j]), j
+        for name in a.state:
+            for i in range(4):
+                got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
+                assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+    logits, refs, *_ = _verify_vs_decode(model_tiny, 1)
+    assert torch.equal(logits[:, 0], refs[0])
+    logits, refs, _, a, b, _ = _verify_vs_decode(model_tiny, 4)
+    for j in range(4):
+        assert (logits[:, j] - refs[j]).abs().max() < 1e-5

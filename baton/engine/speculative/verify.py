@@ -8,9 +8,11 @@ decoding would have produced:
     norms, MLPs    every row at once (row-wise ops)
     attention      `Attention.decode` over the rows as independent one-token queries
                    (`decode_meta`): row (r, j) sees keys 0..n_r+j, later ones masked
-    Mamba2         `Mamba2Mixer.decode` once per position j over the requests with m_r > j,
-                   in place on their live slots; after position j (j < m_r - 1) the state is
-                   copied into the request's scratch slot j (`StateScratch`)
+    Mamba2         `Mamba2Mixer.decode`'s operations: projections, dt and the gated norm
+                   over every row at once, the conv window and SSM step once per position j
+                   over the requests with m_r > j, in place on their live slots; after
+                   position j (j < m_r - 1) the state is copied into the request's scratch
+                   slot j (`StateScratch`)
 
 After acceptance, `StateScratch.restore` puts scratch slot e back into the live slot when
 fewer than all m_r positions are kept (all kept: the live slot holds the right state).
@@ -23,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from baton.model.layers.attention import Attention
+from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
 from baton.model.pools import Pools
 
@@ -122,9 +125,17 @@ def _positions(pools, rows, counts, starts, scratch, dev) -> list[_Position]:
     return out
 
 
+_MAMBA2_PARTS = ("_split", "_live_states", "_conv", "_ssm_inputs", "_dt", "_A", "_write_back",
+                 "_out")
+
+
 def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
                scratch: StateScratch) -> torch.Tensor:
-    """One recurrent layer, position after position, each step the mixer's own decode."""
+    """One recurrent layer: a Mamba2 mixer with its projections over every row at once and
+    the conv + SSM step position after position (`_mamba2`), any other mixer its own decode
+    per position."""
+    if all(hasattr(mixer, n) for n in _MAMBA2_PARTS):
+        return _mamba2(mixer, x, pools, per_pos, scratch)
     out = torch.empty_like(x)
     local = pools.spec.state_index[mixer.layer_idx]
     for p in per_pos:
@@ -132,3 +143,37 @@ def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
         if p.save_to is not None:
             scratch.save(local, p.save_slots, p.save_to)
     return out
+
+
+def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
+            scratch: StateScratch) -> torch.Tensor:
+    """`Mamba2Mixer.decode`, operation for operation, over the positions of a verify pass:
+    in_proj, dt, gated norm and out_proj are row-wise (all rows in one call); the conv
+    window and the SSM state advance one position at a time."""
+    cfg = mixer.cfg
+    H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+    local = pools.spec.state_index[mixer.layer_idx]
+    gate, xbc, dt = mixer._split(mixer.in_proj(x))
+    dt = mixer._dt(dt)
+    A = mixer._A()
+    y_all = None
+    for p in per_pos:
+        ctx = p.ctx
+        in_place = ctx.slot_range is not None and \
+            ctx.state(mixer.layer_idx, "ssm").dtype == torch.float32
+        conv, ssm = mixer._live_states(ctx, in_place)
+        xb = xbc.index_select(0, p.rows)
+        b = xb.shape[0]
+        window = torch.cat([conv.to(xb.dtype), xb[:, :, None]], dim=-1)
+        xs, B, C = mixer._ssm_inputs(mixer._conv(window)[..., 0])
+        conv.copy_(window[:, :, 1:])
+        y = ssd_step_(ssm, xs.reshape(b, H, P), dt.index_select(0, p.rows), A,
+                      B.reshape(b, G, N), C.reshape(b, G, N), mixer.D)
+        if not in_place:
+            mixer._write_back(ctx, conv, ssm)
+        if y_all is None:
+            y_all = y.new_empty((x.shape[0], H * P))
+        y_all.index_copy_(0, p.rows, y.reshape(b, -1))
+        if p.save_to is not None:
+            scratch.save(local, p.save_slots, p.save_to)
+    return mixer._out(y_all, gate, x.dtype)
