@@ -10,7 +10,7 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
-from baton.engine.speculative.decoder import reserved_slots
+from baton.engine.speculative.decoder import reserved_slots, with_draft_layers
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
@@ -50,6 +50,7 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         dtype=dtype,
         device=cfg.model.device,
     )
+    spec = with_draft_layers(spec, model, cfg.speculative)
     pools = Pools(spec)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,

@@ -262,19 +262,22 @@ class Engine:
 
     def _prefill_group(self, group: list[tuple[Request, int]]) -> torch.Tensor:
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
-        hidden = [] if self.spec is not None and any(self.spec.wants(r) for r, _ in group) \
+        hidden = [] if self.spec is not None and any(self.spec.kv_wanted(r) for r, _ in group) \
             else None  # the MTP head reads the chunk's hidden states
+        on_layer = self._begin_streams(group)
         logits = self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             [req.num_computed for req, _ in group],
             [self.cache.block_table(req.id) for req, _ in group],
             [self.cache.slot(req.id) for req, _ in group],
             self.pools,
-            on_layer=self._begin_streams(group),
+            on_layer=on_layer,
             **({} if hidden is None else {"hidden_out": hidden}),
         )
         if hidden:
             self.spec.after_prefill(group, hidden[0], self.cache)
+            for layer in self.spec.draft_layers if on_layer is not None else ():
+                on_layer(layer)  # the head's KV ships with the target's
         return logits
 
     def _begin_streams(self, group: list[tuple[Request, int]]):

@@ -1,9 +1,11 @@
 """Speculative decoding on the decode worker of a 1P+1D cluster: identical to --local with
 speculation off, drafts accepted, counts in the gRPC summary and the client's --json.
 
-The prefill worker does not hand off the MTP head's KV yet: the decode worker drafts from its
-first decode step on with the head's KV of the prompt missing (acceptance suffers, output is
-exact: every token is the target's). The agreeing head ignores that KV, so it still accepts.
+The prefill worker writes the MTP head's KV of the prompt (an extra attention layer of its KV
+pool) and it travels with the target's, whole or layer by layer. The decode worker drafts
+from its second step on (the first needs the hidden state of the last prompt position,
+which stays on the prefill worker), and the head's entry for that position keeps the
+prefill worker's placeholder (its token was not drawn yet).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ CONFIG = {
 }
 
 
-def test_one_prefill_one_decode_worker_speculating_equal_local(tmp_path):
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_one_prefill_one_decode_worker_speculating_equal_local(tmp_path, layerwise):
     model = agreeing_checkpoint(tmp_path)
-    cluster = start_cluster(model, write_config(tmp_path / "baton.yaml", CONFIG), 1, 1)
+    config = {**CONFIG, "transfer": {"layerwise": layerwise, "lease_seconds": 60.0}}
+    cluster = start_cluster(model, write_config(tmp_path / "baton.yaml", config), 1, 1)
     try:
         specs = [RequestSpec(f"c{i}", prompt_ids=prompt(i, 1 + 37 * i, vocab=512),
                              sampling=SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True))

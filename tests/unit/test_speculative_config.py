@@ -140,3 +140,30 @@ def test_prometheus_counts_drafts_and_accepted_lengths(tmp_path):
     assert f'baton_spec_accepted_length_bucket{{le="+Inf",role="decode"}} {float(steps)}' in text
     assert f'baton_spec_accepted_length_bucket{{le="0.0",role="decode"}} ' \
         f'{float(spec.accepted_hist[0])}' in text
+
+
+def test_draft_kv_is_a_layer_of_the_kv_pool_and_written_for_handoffs(tmp_path):
+    """The head's KV is an extra attention layer of the target's pool (so the transfer
+    layout, prefix blocks and snapshots carry it); a prefill-only request writes it too."""
+    from baton.engine.request import Request
+    from tests.engine_helpers import greedy
+    from transfer.layout import StageLayout
+
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 2})
+    assert eng.pools.spec.attn_layers == (1, 5, 8)
+    assert StageLayout.from_pools(eng.pools).kv.layers == (1, 5, 8)
+    plain = engine_for(ck, worker={"max_num_seqs": 4})
+    assert plain.pools.spec.attn_layers == (1, 5)
+    ids = list(range(3, 40))
+    kv = {}
+    for name, prefill_only in (("p", True), ("c", False)):
+        e = eng if prefill_only else engine_for(ck, worker={"max_num_seqs": 4},
+                                                speculative={"num_draft_tokens": 2})
+        r = Request(name, ids, greedy(4), prefill_only=prefill_only)
+        e.add_request(r)
+        e.step()
+        table = e.cache.block_table(name)
+        kv[name] = torch.cat([e.pools.kv[2, b] for b in table], dim=1)[:, : len(ids) - 1]
+    assert kv["p"].abs().sum() > 0
+    assert torch.equal(kv["p"], kv["c"])  # entries 0..L-2 (L-1 waits for the first token)

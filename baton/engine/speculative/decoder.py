@@ -16,6 +16,7 @@ blocks admission reserved and never drafts what max_tokens would cut.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -47,6 +48,17 @@ def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: 
     return max_requests * k
 
 
+def with_draft_layers(spec, model, cfg: SpeculativeConfig | None):
+    """`spec` with the MTP head's attention layers appended to the KV pool when speculation
+    is on: its KV then shares the target's blocks, prefix tree, snapshots and transfer
+    layout (an attention-only layer: no recurrent state)."""
+    head = getattr(model, "mtp", None)
+    if cfg is None or not cfg.num_draft_tokens or head is None or not spec.attn_layers:
+        return spec
+    extra = tuple(x for x in head.attention_layers if x not in spec.attn_layers)
+    return dataclasses.replace(spec, attn_layers=spec.attn_layers + extra)
+
+
 def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests: int,
                       reserved: int, where: str = "the checkpoint"):
     """The step of `cfg`, or None when speculation is off; ConfigError in one line when the
@@ -71,7 +83,7 @@ def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests:
 class SpeculativeDecoder:
     def __init__(self, model, pools, k: int, max_requests: int, first_slot: int):
         self.model, self.pools, self.k = model, pools, k
-        self.drafter = Drafter(model, pools.spec)
+        self.drafter = Drafter(model, pools)
         self.scratch = StateScratch(pools, first_slot, max_requests, k)
         self.pending: dict[str, Pending] = {}
         """Per speculating request: target hiddens whose MTP entries are still to write."""
@@ -85,6 +97,16 @@ class SpeculativeDecoder:
         greedy ones by argmax, others by the rejection rule (rejection.py)."""
         return not req.prefill_only
 
+    def kv_wanted(self, req: Request) -> bool:
+        """Whether a prefill chunk of `req` writes the head's KV: when it speculates here, or
+        when that KV ships with the prompt's (a prefill-only handoff)."""
+        return self.wants(req) or self.drafter.shared
+
+    @property
+    def draft_layers(self) -> tuple[int, ...]:
+        """Global ids of the head's attention layers (in the target's pool when shared)."""
+        return self.drafter.head.attention_layers if self.drafter.shared else ()
+
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
 
@@ -96,7 +118,7 @@ class SpeculativeDecoder:
     def after_prefill(self, group: list[tuple[Request, int]], hidden, cache) -> None:
         """The head's KV for a prefill group's chunk (hidden [n, T, H]) of the requests that
         speculate; the last chunk leaves its last hidden pending for the first draft."""
-        idx = [i for i, (r, _) in enumerate(group) if self.wants(r)]
+        idx = [i for i, (r, _) in enumerate(group) if self.kv_wanted(r)]
         if not idx:
             return
         next_ids, starts, tables = [], [], []
@@ -105,7 +127,8 @@ class SpeculativeDecoder:
             nxt = req.prompt_ids[req.num_computed + 1 : end + 1]
             if end >= req.prompt_len:  # the token after the prompt is not drawn yet
                 nxt = nxt + [0]
-                self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
+                if self.wants(req):
+                    self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
             next_ids.append(nxt)
             starts.append(req.num_computed)
             tables.append(cache.block_table(req.id))

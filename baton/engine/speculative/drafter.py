@@ -12,7 +12,10 @@ The head's entry at position i reads the target hidden h_i and the token at i+1,
                             hidden of the next pass; passes 2..K: one row per request at n+k-2
 
 Drafts never change what is emitted (the target verifies them); only acceptance depends on
-this KV, which lives in the head's own pool beside the target's blocks.
+this KV. It lives in the target's KV pool as extra attention layers (global ids after the
+target's, `with_draft_layers`), so it shares the request's blocks: prefix sharing, snapshots
+and the prefill -> decode transfer carry it with the target's KV. A cached prefix's entry
+c-1 is the one the request that computed it wrote (with its own token c).
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ class DraftJob(NamedTuple):
 
 
 class Drafter:
-    def __init__(self, model, target_spec):
+    def __init__(self, model, target_pools):
         self.head = model.mtp
         self.embed = model.backbone.embeddings
         self.lm_head = model.lm_head
-        self.pools = self.head.make_pools(target_spec)
+        # the head's KV in the target's pool (with_draft_layers), else in a pool of its own
+        own = any(x not in target_pools.spec.attn_index for x in self.head.attention_layers)
+        self.pools = self.head.make_pools(target_pools.spec) if own else target_pools
+        self.shared = not own
         self.device = model.device
 
     def _longs(self, xs) -> torch.Tensor:

@@ -155,9 +155,12 @@ class NemotronHModel(nn.Module):
 
 
 def _check_pools(cfg: ModelConfig, pools: Pools) -> None:
-    """Fail before any layer writes: pools must hold every attention and Mamba layer."""
+    """Fail before any layer writes: pools must hold every attention and Mamba layer (KV
+    layers past the model's own, an MTP head's, may follow)."""
     spec = pools.spec
-    if spec.attn_layers == cfg.attention_layers and spec.state_layers == cfg.state_layers:
+    n = len(cfg.attention_layers)
+    if spec.attn_layers[:n] == cfg.attention_layers and spec.state_layers == cfg.state_layers \
+            and all(layer >= cfg.num_layers for layer in spec.attn_layers[n:]):
         return
     missing = sorted(
         set(cfg.attention_layers) - set(spec.attn_layers)
