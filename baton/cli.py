@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny", help="tiny or 100m")
+    p.add_argument("--family", default="nemotron_h", choices=["nemotron_h", "qwen3_5"])
+    p.add_argument("--multimodal", action="store_true",
+                   help="qwen3_5: the published multimodal layout (text_config, a vision stub)")
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 

@@ -69,7 +69,9 @@ def _print_results(results: list[dict], as_json: bool) -> int:
 def cmd_make_model(args) -> int:
     from baton.model.make_model import write_checkpoint
 
-    kw = {"seed": args.seed, "preset": args.preset}
+    kw = {"seed": args.seed, "preset": args.preset, "family": args.family}
+    if args.multimodal:
+        kw["multimodal"] = True
     if args.pattern:
         kw["pattern"] = args.pattern
     if args.hidden_size:

@@ -11,17 +11,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
 
 
-def checkpoint(preset: str) -> Path:
-    """The benchmark model for `preset` (`tiny` or `100m`), written once into the cache folder."""
+def checkpoint(preset: str, family: str = "nemotron_h") -> Path:
+    """The benchmark model for `preset` (`tiny` or `100m`) of `family`, written once into the
+    cache folder."""
     from baton.model.registry import resolve_model
 
-    if preset == "tiny":
+    if preset == "tiny" and family == "nemotron_h":
         return Path(resolve_model("tiny"))
     from baton.model.make_model import write_checkpoint
 
-    path = cache_dir() / f"bench-{preset}-v1"
+    name = f"bench-{preset}-v1" if family == "nemotron_h" else f"bench-{family}-{preset}-v1"
+    path = cache_dir() / name
     if not (path / "config.json").is_file():
-        write_checkpoint(path, preset=preset, seed=1)
+        write_checkpoint(path, preset=preset, seed=1, family=family)
     return path
 
 

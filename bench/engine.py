@@ -1,4 +1,5 @@
-"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`."""
+"""`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`, per
+model family (NemotronH, Qwen3.5), with the recurrent state bytes one request holds."""
 
 from __future__ import annotations
 
@@ -56,9 +57,12 @@ def run(args) -> list[dict]:
     prompt_len, out_len = (128, 32) if quick else (512, 128)
     presets = ("tiny",) if quick else ("tiny", "100m")
     rows = []
-    for preset in presets:
-        path = checkpoint(preset)
+    for family, preset in [(f, p) for p in presets for f in ("nemotron_h", "qwen3_5")]:
+        path = checkpoint(preset, family)
         vocab = _vocab(path)
+        state_bytes = _state_bytes(path)
+        print(f"[bench engine] {family} {preset}: recurrent state {state_bytes} bytes per "
+              "request", file=sys.stderr, flush=True)
         warm = prompts(1, 16, vocab)
         _baton(path, warm, 2)  # first calls pay one-off allocation and dispatch setup
         _hf(path, warm, 2)
@@ -67,7 +71,8 @@ def run(args) -> list[dict]:
             baton = _baton(path, reqs, out_len)
             hf = _hf(path, reqs, out_len)
             row = {
-                "benchmark": "engine", "label": f"{preset}-c{conc}", "model": preset,
+                "benchmark": "engine", "label": f"{_short(family)}{preset}-c{conc}",
+                "model": preset, "family": family, "state_bytes_per_request": state_bytes,
                 "concurrency": conc, "prompt_tokens": prompt_len, "output_tokens": out_len,
                 "baton_tok_s": round(baton, 1), "hf_tok_s": round(hf, 1),
                 "ratio": round(baton / hf, 2), "target_ratio_at_32": 5.0,
@@ -77,7 +82,21 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _vocab(path) -> int:
-    import json
+def _short(family: str) -> str:
+    return "" if family == "nemotron_h" else f"{family}-"
 
-    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+def _vocab(path) -> int:
+    from baton.model.config import load_config
+
+    return load_config(path).vocab_size
+
+
+def _state_bytes(path) -> int:
+    """Bytes of one request's recurrent state (every state layer, every declared tensor) at
+    the bench's float32 model dtype."""
+    from baton.model.config import load_config
+    from baton.model.pools import PoolSpec
+
+    spec = PoolSpec.for_model(load_config(path), num_blocks=1, tokens_per_block=16, num_slots=1)
+    return spec.state_bytes_per_slot()

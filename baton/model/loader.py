@@ -1,10 +1,13 @@
-"""Load a NemotronH checkpoint directory (`config.json` + `*.safetensors`) into a NemotronHModel."""
+"""Load a checkpoint directory (`config.json` + `*.safetensors`) into its family's model, or
+one pipeline stage of it. `LOADERS` says, per family, which classes to build and how the
+checkpoint names its tensors."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -12,21 +15,53 @@ from safetensors import safe_open
 from baton.errors import ConfigError
 from baton.model.config import load_config
 from baton.model.mtp import attach_mtp
-from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
-from baton.model.stage import StageModel
 
 log = logging.getLogger("baton.model")
 
-# Tiny per-head Mamba parameters stay float32 in any model dtype (see Mamba2Mixer).
-FP32_SUFFIXES = (".A_log", ".D", ".dt_bias")
-# transformers' in-memory names; checkpoints on disk use `backbone.`.
-PREFIX_ALIASES = {"model.": "backbone."}
+
+class FamilyLoader(NamedTuple):
+    model: str
+    """`module:Class` of the whole model (imported on use)."""
+    stage: str
+    """`module:Class` of one pipeline stage: (config, layers, first, last)."""
+    prefix_aliases: dict[str, str]
+    """Checkpoint name prefix -> the model's (first match wins)."""
+    fp32_suffixes: tuple[str, ...]
+    """Tiny per-head recurrent parameters kept float32 in any model dtype."""
+    embeddings: str
+    """The embedding table's name (a tied LM head reads it)."""
+    skipped: dict[str, str] = {}
+    """Checkpoint prefix -> what it is: tensors Baton does not serve, named once in the log."""
+
+
+LOADERS: dict[str, FamilyLoader] = {
+    # transformers' in-memory names use `model.`; NemotronH checkpoints on disk `backbone.`.
+    "nemotron_h": FamilyLoader(
+        "baton.model.nemotron_h.model:NemotronHModel", "baton.model.stage:StageModel",
+        {"model.": "backbone."}, (".A_log", ".D", ".dt_bias"), "backbone.embeddings.weight",
+    ),
+    # The published multimodal layout keeps the text model under `model.language_model.`.
+    "qwen3_5": FamilyLoader(
+        "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
+        {"model.language_model.": "model."}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
+        {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"},
+    ),
+}
+
+
+def family_loader(cfg) -> FamilyLoader:
+    return LOADERS[cfg.family]
+
+
+def _class(ref: str):
+    mod, name = ref.split(":")
+    return getattr(__import__(mod, fromlist=[name]), name)
 
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> NemotronHModel:
+):
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
     A missing or mis-shaped tensor raises ConfigError naming it; the multi-token-prediction
@@ -35,9 +70,11 @@ def load_model(
     """
     path = Path(path)
     cfg = load_config(path)
+    fam = family_loader(cfg)
     with torch.device("meta"):
-        model = NemotronHModel(cfg)
-        attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
+        model = _class(fam.model)(cfg)
+        if cfg.family == "nemotron_h":  # the MTP head, when declared and present
+            attach_mtp(model, _tensor_names(path))
     expected = model.state_dict()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     if unexpected:
@@ -48,7 +85,7 @@ def load_model(
         )
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.backbone.embeddings.weight
+        model.lm_head.weight = model.get_parameter(fam.embeddings)
     model.requires_grad_(False)
     return model.eval()
 
@@ -56,13 +93,13 @@ def load_model(
 def load_stage(
     path: str | Path, layers: range, first: bool, last: bool,
     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-) -> StageModel:
+):
     """Only one pipeline stage's tensors: global `layers`, the embeddings if `first`, the final
     norm and LM head if `last`. Other stages' tensors are skipped silently."""
     path = Path(path)
     cfg = load_config(path)
     with torch.device("meta"):
-        model = StageModel(cfg, layers, first, last)
+        model = _class(family_loader(cfg).stage)(cfg, layers, first, last)
     expected = model.state_dict()
     state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
@@ -96,22 +133,30 @@ def _tensor_names(path: Path) -> set[str]:
 
 
 def _read_tensors(path, expected, cfg, device, dtype):
-    state, unexpected = {}, []
+    fam = family_loader(cfg)
+    state, unexpected, skipped = {}, [], dict.fromkeys(fam.skipped, 0)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
-                ours = _canonical(name)
-                if ours == "backbone.embeddings.weight" and cfg.tie_word_embeddings \
+                part = next((p for p in fam.skipped if name.startswith(p)), None)
+                if part is not None:
+                    skipped[part] += 1
+                    continue
+                ours = _canonical(name, fam.prefix_aliases)
+                if ours == fam.embeddings and cfg.tie_word_embeddings \
                         and ours not in expected and "lm_head.weight" in expected:
                     ours = "lm_head.weight"  # a last stage without embeddings, tied head
                 if ours not in expected:
                     unexpected.append(name)
                     continue
                 _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
-                want = torch.float32 if ours.endswith(FP32_SUFFIXES) else dtype
+                want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 state[ours] = f.get_tensor(name).to(device=device, dtype=want)
-    if cfg.tie_word_embeddings and "backbone.embeddings.weight" in state:
-        state.setdefault("lm_head.weight", state["backbone.embeddings.weight"])
+    for part, count in skipped.items():
+        if count:
+            log.info("skipping %s: %d tensor(s) under %r", fam.skipped[part], count, part)
+    if cfg.tie_word_embeddings and fam.embeddings in state:
+        state.setdefault("lm_head.weight", state[fam.embeddings])
     missing = [k for k in expected if k not in state]
     if missing:
         raise ConfigError(
@@ -122,8 +167,8 @@ def _read_tensors(path, expected, cfg, device, dtype):
     return state, unexpected
 
 
-def _canonical(name: str) -> str:
-    for old, new in PREFIX_ALIASES.items():
+def _canonical(name: str, aliases: dict[str, str]) -> str:
+    for old, new in aliases.items():
         if name.startswith(old):
             return new + name[len(old) :]
     return name

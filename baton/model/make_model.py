@@ -89,12 +89,20 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
     return d
 
 
-def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0, **fields) -> Path:
+def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
+                     family: str = "nemotron_h", **fields) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
     of a seeded random model into `out_dir`.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
+    `family="qwen3_5"` writes a Qwen3.5 model instead (`baton.model.qwen3_5.make`).
     """
+    if family == "qwen3_5":
+        from baton.model.qwen3_5.make import write_checkpoint as write_qwen
+
+        return write_qwen(out_dir, preset=preset, seed=seed, **fields)
+    if family != "nemotron_h":
+        raise ValueError(f"family={family!r}: make-model writes 'nemotron_h' or 'qwen3_5'")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(preset, **fields)

@@ -1,6 +1,6 @@
 """A pipeline-parallel engine (real stage processes, one gloo group) gives exactly the
-colocated engine's greedy tokens, with attention-free and Mamba-free stages, chunked prefill,
-micro-batches and prefix reuse; its cache manager stays consistent."""
+colocated engine's greedy tokens, with attention-free and state-free stages, chunked prefill,
+micro-batches and prefix reuse; its cache manager stays consistent. For NemotronH and Qwen3.5."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ import pytest
 from baton.engine.request import Request
 from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
-PATTERN = "MMM*-M*-"  # split [3, 3, 2]: stage 0 attention-free, stage 2 Mamba-free
+PATTERNS = {"nemotron_h": "MMM*-M*-", "qwen3_5": "GGG*G***"}
+"""Split [3, 3, 2]: stage 0 attention-free, stage 2 free of recurrent state (Mamba/DeltaNet)."""
 LENGTHS = [1, 5, 16, 17, 40, 95, 130]
 WORKER = {"prefill_chunk_size": 32, "max_batch_tokens": 96}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("pp"), pattern=PATTERN)
+@pytest.fixture(scope="module", params=sorted(PATTERNS))
+def model_dir(request, tmp_path_factory):
+    family = request.param
+    return make_checkpoint(tmp_path_factory.mktemp(f"pp-{family}"), pattern=PATTERNS[family],
+                           family=family)
 
 
 def _reqs(tag: str, lengths=LENGTHS, extra: dict | None = None) -> list[Request]:
@@ -70,9 +73,10 @@ def test_pipeline_tokens_and_reuse_equal_colocated(pp_engine, reference):
 
 def test_pipeline_stage_pools_hold_only_their_layers(pp_engine):
     model = pp_engine.model
-    local = model.pools.local.spec
-    assert local.attn_layers == tuple(i for i in model.layers[0] if PATTERN[i] == "*")
-    assert local.mamba_layers == tuple(i for i in model.layers[0] if PATTERN[i] == "M")
+    local, cfg = model.pools.local.spec, model.stage.config
+    assert local.attn_layers == tuple(i for i in model.layers[0] if cfg.pattern[i] == "*")
+    assert local.state_layers == tuple(i for i in model.layers[0] if cfg.pattern[i] in "MG")
+    assert local.state_layers and not local.attn_layers  # stage 0 is attention-free
     params = {n.split(".")[2] for n, _ in model.stage.named_parameters() if ".layers." in n}
     assert params == {str(i) for i in model.layers[0]}
     assert not hasattr(model.stage, "lm_head")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.testbed import Testbed, check_pp_matrix, events_ok, tiny_model, two_handoffs
+from tests.support.testbed import (
+    Testbed,
+    check_pp_matrix,
+    events_ok,
+    tiny_model,
+    tiny_qwen,
+    two_handoffs,
+)
 from tests.support.verify import Handoff
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -146,3 +153,14 @@ def test_garbage_on_side_channel_rejected_listener_survives(bed):
     hs = [Handoff("after-garbage", [0, 1], 0, [2, 3], 1)]
     assert events_ok(bed.run(hs), ["after-garbage"]) is None
     assert bed.mismatch(hs) is None
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(2, 1), (1, 2)])
+def test_qwen3_5_kv_and_deltanet_state_bit_exact(bed, pp, dp):
+    """KV plus both DeltaNet tensors (conv window, float32 recurrent matrix) across stage
+    splits with a KV-free stage ([3, 3] of GGG*G*); decode pools start as canaries and
+    every byte outside the moved blocks and slots is checked unchanged."""
+    bed.configure("nixl", tiny_qwen("GGG*G*"), pp, dp, seed=40 + pp, dtype="bfloat16")
+    hs = two_handoffs(f"qwen-{pp}x{dp}")
+    assert events_ok(bed.run(hs), [h.rid for h in hs]) is None
+    assert bed.mismatch(hs) is None, bed.mismatch(hs)

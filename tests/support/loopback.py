@@ -108,13 +108,13 @@ class _Stage:
               layerwise: bool = False, env: dict | None = None):
         import torch
 
-        from baton.model.config import ModelConfig
+        from baton.model.config import config_from_dict
         from baton.model.pools import Pools, PoolSpec
         from transfer import TransferConfig, compute_fingerprint, make_receiver, make_sender
 
         os.environ.update(env or {})
         self.close()
-        mc = ModelConfig.from_dict(model)
+        mc = config_from_dict(model)
         spec = PoolSpec.for_model(mc, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
                                   num_slots=num_slots, layers=layers,
                                   dtype=getattr(torch, dtype))
@@ -181,8 +181,8 @@ class _Stage:
             return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
         p = self.pools
-        return {"kv": [raw(p.kv[:, b]) for b in blocks], "conv": raw(p.conv[:, slot]),
-                "ssm": raw(p.ssm[:, slot])}
+        return {"kv": [raw(p.kv[:, b]) for b in blocks],
+                **{name: raw(t[:, slot]) for name, t in p.state.items()}}
 
     def dw_fill(self, blocks: list[int], slot: int, value: float):
         """Fill `blocks` and `slot` with a canary value (what another request holds)."""
@@ -191,8 +191,8 @@ class _Stage:
         def put():
             for b in blocks:
                 p.kv[:, b].fill_(value)
-            p.conv[:, slot].fill_(value)
-            p.ssm[:, slot].fill_(value)
+            for t in p.state.values():
+                t[:, slot].fill_(value)
 
         self.loop.call(put)
 
@@ -213,7 +213,7 @@ class _Stage:
         import torch
 
         g = torch.Generator().manual_seed(abs(seed))
-        for t in (self.pools.kv, self.pools.conv, self.pools.ssm):
+        for t in (self.pools.kv, *self.pools.state.values()):
             b = t.view(-1).view(torch.uint8)
             if seed >= 0:
                 b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
@@ -223,8 +223,9 @@ class _Stage:
     def dump(self):
         import torch
 
-        return {k: getattr(self.pools, k).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                for k in ("kv", "conv", "ssm")}
+        tensors = {"kv": self.pools.kv, **self.pools.state}
+        return {k: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for k, t in tensors.items()}
 
     def connect(self, endpoint: str):
         return {"layers": sorted(self.end.connect(endpoint).layers)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.model.config import ModelConfig
+from baton.model.config import config_from_dict
 from baton.model.pools import PoolSpec
 from baton.model.stage import partition_layers
 from tests.support.loopback import StageProc
@@ -25,6 +25,17 @@ def tiny_model(pattern: str, **overrides) -> dict:
     d = dict(vocab_size=32, hidden_size=32, hybrid_override_pattern=pattern,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=4,
              mamba_head_dim=4, ssm_state_size=4, n_groups=2, conv_kernel=4)
+    return {**d, **overrides}
+
+
+def tiny_qwen(pattern: str, **overrides) -> dict:
+    """A Qwen3.5 text config.json dict (DeltaNet `G`, gated attention `*`), as small."""
+    kinds = {"G": "linear_attention", "*": "full_attention"}
+    d = dict(model_type="qwen3_5_text", vocab_size=32, hidden_size=32,
+             num_hidden_layers=len(pattern), layer_types=[kinds[c] for c in pattern],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+             linear_value_head_dim=6, linear_conv_kernel_dim=3)
     return {**d, **overrides}
 
 
@@ -58,7 +69,7 @@ class Testbed:
                   seed: int = 0, partitions: tuple[list[int], list[int]] = ((), ()),
                   **cfg) -> None:
         """`partitions`: layers per stage of each side (empty: the even split)."""
-        mc = ModelConfig.from_dict(model)
+        mc = config_from_dict(model)
         self.pp, self.dp = pp_prefill, pp_decode
         kw = dict(backend=backend, model=model, num_blocks=num_blocks,
                   tokens_per_block=tokens_per_block, num_slots=num_slots, **cfg)

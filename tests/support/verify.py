@@ -1,7 +1,7 @@
 """Expected destination bytes after handoffs: the oracle for bit-exact transfer checks.
 
 Works on raw pool dumps (`loopback` `dump` command) viewed as
-    kv[local attn layer, block, block bytes]   conv/ssm[local mamba layer, slot, slot bytes]
+    kv[local attn layer, block, block bytes]   <state name>[local state layer, slot, slot bytes]
 and copies, per handoff and per global layer the destination owns, the source stage's
 block / slot bytes over the destination's canary bytes. Comparing the whole expected
 pool with the real one checks the moved bytes and every untouched block and slot at once.
@@ -31,15 +31,13 @@ def split_layers(num_layers: int, pp: int) -> list[list[int]]:
 
 
 def views(dump: dict, spec: PoolSpec) -> dict[str, np.ndarray]:
-    na, nm = len(spec.attn_layers), len(spec.mamba_layers)
-    return {
-        "kv": np.frombuffer(dump["kv"], np.uint8).reshape(na, spec.num_blocks, -1)
-        if na else np.zeros((0, 0, 0), np.uint8),
-        "conv": np.frombuffer(dump["conv"], np.uint8).reshape(nm, spec.num_slots, -1)
-        if nm else np.zeros((0, 0, 0), np.uint8),
-        "ssm": np.frombuffer(dump["ssm"], np.uint8).reshape(nm, spec.num_slots, -1)
-        if nm else np.zeros((0, 0, 0), np.uint8),
-    }
+    na, nm = len(spec.attn_layers), len(spec.state_layers)
+    out = {"kv": np.frombuffer(dump["kv"], np.uint8).reshape(na, spec.num_blocks, -1)
+           if na else np.zeros((0, 0, 0), np.uint8)}
+    for t in spec.state_tensors:  # every declared state tensor, by name
+        out[t.name] = np.frombuffer(dump[t.name], np.uint8).reshape(nm, spec.num_slots, -1) \
+            if nm else np.zeros((0, 0, 0), np.uint8)
+    return out
 
 
 def expected_after(dst_spec: PoolSpec, dst_before: dict, sources: list[tuple[PoolSpec, dict]],
@@ -57,8 +55,8 @@ def expected_after(dst_spec: PoolSpec, dst_before: dict, sources: list[tuple[Poo
         for g in dst_spec.mamba_layers:
             spec, v = next((s, v) for s, v in srcs if g in s.mamba_index)
             sl, dl = spec.mamba_index[g], dst_spec.mamba_index[g]
-            for k in ("conv", "ssm"):
-                exp[k][dl, h.dst_slot] = v[k][sl, h.src_slot]
+            for t in dst_spec.state_tensors:
+                exp[t.name][dl, h.dst_slot] = v[t.name][sl, h.src_slot]
     return exp
 
 

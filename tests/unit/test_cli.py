@@ -107,3 +107,22 @@ def test_generate_router_refuses_unencodable_values_in_one_line(capsys, flags, m
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1
     assert err[0].startswith(f"request req-1 failed: invalid request: {message}")
+
+
+@pytest.mark.parametrize("layout", [[], ["--multimodal"]], ids=["text", "multimodal"])
+def test_make_model_qwen3_5_then_generate(tmp_path, capsys, layout):
+    out = tmp_path / "q"
+    assert main(["make-model", "--family", "qwen3_5", "--out", str(out), "--seed", "2",
+                 "--pattern", "GG*", *layout]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    assert cfg["model_type"] == ("qwen3_5" if layout else "qwen3_5_text")
+    assert text["layer_types"] == ["linear_attention", "linear_attention", "full_attention"]
+    capsys.readouterr()
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps({"id": "q", "prompt_ids": [5, 6, 7], "max_tokens": 4,
+                                "ignore_eos": True}))
+    assert main(["generate", "--local", "--model", str(out), "--requests", str(reqs),
+                 "--json"]) == 0
+    (res,) = _lines(capsys)
+    assert len(res["token_ids"]) == 4 and res["finish_reason"] == "length"

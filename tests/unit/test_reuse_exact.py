@@ -29,11 +29,13 @@ POLICIES = {
 }
 
 
-@pytest.fixture(scope="module", params=["tiny", "second"])
+@pytest.fixture(scope="module", params=["tiny", "second", "qwen3_5"])
 def model_dir(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("reuse")
     if request.param == "tiny":
         return make_checkpoint(root)
+    if request.param == "qwen3_5":  # DeltaNet + gated attention, attention first
+        return make_checkpoint(root, "qwen", family="qwen3_5", pattern="*GG*G", seed=5)
     return make_checkpoint(root, "second", pattern="*MM-*M", hidden_size=48, seed=11)
 
 

@@ -1,0 +1,118 @@
+"""The gated DeltaNet mixer of Qwen3.5 (`linear_attn`), reading and writing its state in the pool.
+
+    in_proj_qkv -> [ q | k | v ]  (widths HK*dk, HK*dk, HV*dv)  -> causal depthwise conv + SiLU
+    in_proj_z   -> z (output gate)   in_proj_b -> beta = sigmoid(b)
+    in_proj_a   -> g = -exp(A_log) * softplus(a + dt_bias)   (log decay, float32)
+Two state tensors per slot: `conv` (the last K-1 conv inputs per channel, sections [q | k | v])
+and `recurrent` [HV, dk, dv] (float32 unless the checkpoint asks otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.model.layers.gated_norms import HeadGatedRMSNorm
+from baton.model.layers.gdn import chunk_scan, recurrent_step_
+from baton.model.paged import StepContext
+
+
+def state_pool(ctx: StepContext, layer: int, name: str) -> torch.Tensor:
+    """[num_slots, *shape] of state tensor `name` ("conv" / "recurrent") of global `layer`."""
+    return ctx.state(layer, name)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.sections = list(cfg.conv_sections)
+        self.chunk = cfg.chunk_size
+        C, H = cfg.conv_dim, cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(H, C, bias=False)
+        self.in_proj_z = nn.Linear(H, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(H, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(C, C, cfg.linear_conv_kernel_dim, groups=C, bias=False)
+        # Kept in float32 by the loader whatever the model dtype: they set every decay rate.
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = HeadGatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, H, bias=False)
+
+    def prefill(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h [n, T, hidden] of n sequences; each resumes from (or, if fresh, replaces) the state
+        in its slot."""
+        n, T, _ = h.shape
+        qkv = self.in_proj_qkv(h)
+        conv, rec = self._prefill_states(ctx)
+        window = torch.cat([conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)
+        q, k, v = self._qkv(self._conv(window).transpose(1, 2), (n, T))
+        g, beta = self._gates(h)
+        o, final = chunk_scan(q, k, v, g, beta, rec, self.chunk)
+        conv_pool = state_pool(ctx, self.layer_idx, "conv")
+        rec_pool = state_pool(ctx, self.layer_idx, "recurrent")
+        tail = window[..., window.shape[-1] - conv_pool.shape[-1]:]
+        conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
+        rec_pool.index_copy_(0, ctx.slots, final.to(rec_pool.dtype))
+        return self._out(o.to(h.dtype), h)
+
+    def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h [b, hidden], one token per sequence; updates the states of `ctx.slots`."""
+        b = h.shape[0]
+        qkv = self.in_proj_qkv(h)
+        conv_pool = state_pool(ctx, self.layer_idx, "conv")
+        rec_pool = state_pool(ctx, self.layer_idx, "recurrent")
+        in_place = ctx.slot_range is not None
+        conv = conv_pool[ctx.slot_range] if in_place else conv_pool.index_select(0, ctx.slots)
+        window = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], dim=-1)
+        q, k, v = self._qkv(self._conv(window)[..., 0], (b,))
+        conv.copy_(window[:, :, 1:])
+        g, beta = self._gates(h)
+        live = in_place and rec_pool.dtype == torch.float32
+        rec = rec_pool[ctx.slot_range] if live else rec_pool.index_select(0, ctx.slots).float()
+        o = recurrent_step_(rec, q, k, v, g, beta)
+        if not in_place:
+            conv_pool.index_copy_(0, ctx.slots, conv)
+        if not live:
+            rec_pool.index_copy_(0, ctx.slots, rec.to(rec_pool.dtype))
+        return self._out(o.to(h.dtype), h)
+
+    def _prefill_states(self, ctx: StepContext):
+        """(conv, recurrent) the n sequences start from: their slots', zeros where fresh (a
+        fresh slot is never read: it may hold a finished request's state)."""
+        conv_pool = state_pool(ctx, self.layer_idx, "conv")
+        rec_pool = state_pool(ctx, self.layer_idx, "recurrent")
+        n = len(ctx.fresh)
+        if all(ctx.fresh):
+            return conv_pool.new_zeros((n, *conv_pool.shape[1:])), None
+        conv, rec = conv_pool.index_select(0, ctx.slots), rec_pool.index_select(0, ctx.slots)
+        if any(ctx.fresh):
+            stale = torch.tensor(ctx.fresh, device=conv.device)
+            conv[stale], rec[stale] = 0, 0
+        return conv, rec.float()
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + SiLU: window [b, C, K-1+n] -> [b, C, n], the op transformers
+        runs (so the same rounding) for prefill and the decode step."""
+        w = self.conv1d.weight.to(window.dtype)
+        return F.silu(F.conv1d(window, w, groups=w.shape[0]))
+
+    def _qkv(self, x: torch.Tensor, lead: tuple[int, ...]):
+        q, k, v = x.split(self.sections, dim=-1)
+        return (q.reshape(*lead, self.hk, self.dk), k.reshape(*lead, self.hk, self.dk),
+                v.reshape(*lead, self.hv, self.dv))
+
+    def _gates(self, h: torch.Tensor):
+        beta = self.in_proj_b(h).sigmoid()
+        a = self.in_proj_a(h).float()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        return g, beta
+
+    def _out(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """o [..., HV, dv] -> gated norm per head with z -> out_proj."""
+        z = self.in_proj_z(h)
+        return self.out_proj(self.norm(o.reshape(z.shape), z))
