@@ -189,3 +189,63 @@ def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
     logits, refs, _, a, b, _ = _verify_vs_decode(model_tiny, 4)
     for j in range(4):
         assert (logits[:, j] - refs[j]).abs().max() < 1e-5
+
+
+def _context_head(root):
+    """The agreeing head with a hidden-dependent eh_proj half: its KV entries then depend on
+    the hidden state they were computed from (draft or target)."""
+    from safetensors.torch import load_file, save_file
+
+    ck = agreeing_checkpoint(root, "ctx_head")
+    f = ck / "model.safetensors"
+    t = load_file(str(f))
+    H = t["mtp.layers.0.eh_proj.weight"].shape[0]
+    g = torch.Generator().manual_seed(5)
+    t["mtp.layers.0.eh_proj.weight"][:, H:] = torch.randn(H, H, generator=g) * 0.3 / H**0.5
+    save_file(t, str(f), metadata={"format": "pt"})
+    return ck
+
+
+def _finished_draft_kv(ck, settle: bool, monkeypatch):
+    from baton.engine.speculative.decoder import SpeculativeDecoder
+
+    if not settle:
+        monkeypatch.setattr(SpeculativeDecoder, "_settle", lambda *a: None)
+    eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+    layer = eng.pools.spec.attn_index[eng.model.mtp.attention_layers[0]]
+    seen = {}
+    finish = eng.cache.finish
+
+    def capture(rid, tokens):
+        rows = torch.cat([eng.pools.kv[layer, b] for b in eng.cache.block_table(rid)], dim=1)
+        seen[rid] = (list(tokens), rows[:, : len(tokens) - 1].clone())
+        return finish(rid, tokens)
+
+    eng.cache.finish = capture
+    rng = random.Random(11)
+    reqs = [Request(f"f{i}", [rng.randrange(3, 512) for _ in range(9 + i)], greedy(10 + i))
+            for i in range(6)]
+    run_all(eng, reqs)
+    monkeypatch.undo()
+    return eng, seen
+
+
+def test_decode_end_snapshot_holds_verified_draft_kv(tmp_path, monkeypatch):
+    """A finished request's decode-end snapshot keeps the head's KV of every position but the
+    last computed from the target's hiddens (as a prefill of those tokens computes it), not
+    from the last step's drafts."""
+    ck = _context_head(tmp_path)
+    eng, seen = _finished_draft_kv(ck, True, monkeypatch)
+    _, stale = _finished_draft_kv(ck, False, monkeypatch)
+    ref = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+    layer = ref.pools.spec.attn_index[ref.model.mtp.attention_layers[0]]
+    differs = 0
+    for rid, (tokens, got) in seen.items():
+        ref.add_request(Request(rid, tokens, greedy(1), prefill_only=True))
+        ref.step()
+        rows = torch.cat([ref.pools.kv[layer, b] for b in ref.cache.block_table(rid)], dim=1)
+        want = rows[:, : len(tokens) - 1]
+        assert torch.allclose(got, want, atol=1e-4), rid
+        differs += not torch.allclose(stale[rid][1], want, atol=1e-4)
+        ref.release(rid)
+    assert differs > 0  # without settling, draft inputs were left in the snapshot

@@ -151,7 +151,9 @@ class SpeculativeDecoder:
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
             return [], []
-        drafts = self._draft(engine, [r for r in reqs if ks[r.id]], ks)
+        # every request with pending entries writes them, drafting or not (none may be left
+        # from drafts: a snapshot and the next drafts read them)
+        drafts = self._draft(engine, [r for r in reqs if r.id in self.pending], ks)
         cache = engine.cache
         rows = [VerifyRow([r.output_ids[-1], *drafts.get(r.id, ())], r.num_computed,
                           cache.slot(r.id), cache.block_table(r.id)) for r in reqs]
@@ -177,7 +179,7 @@ class SpeculativeDecoder:
             log.exception("MTP drafting of %d requests failed; decoding without drafts",
                           len(reqs))
             return {}
-        return {r.id: d for r, d in zip(reqs, out, strict=True)}
+        return {r.id: d for r, d in zip(reqs, out, strict=True) if d}
 
     def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> list[int]:
         """The tokens verification keeps: accepted drafts, then one target token."""
@@ -192,6 +194,7 @@ class SpeculativeDecoder:
 
     def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
+        last: dict[str, Pending] = {}
         off = 0
         for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
             m = len(row.tokens)
@@ -222,13 +225,31 @@ class SpeculativeDecoder:
                 self.pending[r.id] = Pending(row.start, hd[:e].clone())
             else:
                 self.pending.pop(r.id, None)
+                last[r.id] = Pending(row.start, hd[:e])
             kept.append((r, toks))
         done = [r for r, _ in kept if r.finish_reason is not None]
+        if done and engine.decode_end_snapshot and self.drafter.shared:
+            self._settle(engine, done, last)
         if done:  # after the roll back: a decode-end snapshot must see the kept state
             engine._finish(done)
         outs = [engine._output(r, tuple(t), finished=r.finish_reason is not None)
                 for r, t in kept]
         return sampled, outs
+
+
+    def _settle(self, engine, done: list[Request], last: dict[str, Pending]) -> None:
+        """Finished requests whose decode-end snapshot keeps the head's KV: rewrite the
+        entries the last drafts wrote from unverified inputs with the kept positions'
+        target hiddens (the snapshot never holds draft state; its last entry lags one
+        token, like a prompt's)."""
+        jobs = [DraftJob(last[r.id], r.all_ids[last[r.id].start + 1 : r.num_computed + 1],
+                         engine.cache.block_table(r.id), 0) for r in done if r.id in last]
+        if not jobs:
+            return
+        try:
+            self.drafter.write(jobs)
+        except Exception:  # noqa: BLE001 - only the snapshot's draft KV is the worse for it
+            log.exception("settling the MTP KV of %d finished requests failed", len(jobs))
 
 
 def _emit(engine, req: Request, toks: list[int]) -> list[int]:

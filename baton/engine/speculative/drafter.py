@@ -70,8 +70,20 @@ class Drafter:
         return self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx,
                          decode=True)
 
+    def write(self, jobs: list[DraftJob]) -> None:
+        """Only the first pass's entries (verified hiddens and tokens), no drafts: what a
+        finished request leaves for its decode-end snapshot."""
+        hid = torch.cat([j.pending.hidden for j in jobs])
+        ids = [t for j in jobs for t in j.next_ids]
+        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
+        meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
+                           self.pools)
+        self.head(hid, self._longs(ids), self.embed, self.lm_head,
+                  StepContext(self.pools, meta, None), decode=True, logits=False)
+
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
-        """Greedy drafts of each job (num_drafts >= 1 each)."""
+        """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries
+        written (a request that may emit one more token: nothing to draft)."""
         hid = torch.cat([j.pending.hidden for j in jobs])
         ids = [t for j in jobs for t in j.next_ids]
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
@@ -79,7 +91,7 @@ class Drafter:
         out, logits = self._rows(hid, ids, pos, tables)
         ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
         g, tok = out.index_select(0, ends), logits.index_select(0, ends).argmax(-1)
-        drafts = [[t] for t in tok.tolist()]
+        drafts = [[t] if j.num_drafts else [] for j, t in zip(jobs, tok.tolist(), strict=True)]
         for k in range(2, max(j.num_drafts for j in jobs) + 1):
             live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
             sel = self._longs(live)
