@@ -32,3 +32,25 @@ def agreeing_checkpoint(root: Path, name: str = "tiny_mtp_agree", alpha: float =
         t[k] = torch.zeros_like(t[k])
     save_file(t, str(f), metadata={"format": "pt"})
     return ck
+
+
+def agreeing_qwen_checkpoint(root: Path, name: str = "tiny_qwen_mtp_agree",
+                             alpha: float = AGREE_ALPHA):
+    """The Qwen3.5 version: `mtp.fc` takes the (unscaled) embedding half, the head's layer adds
+    nothing and `mtp.norm` is the target's final norm, so the head predicts argmax
+    lm_head(norm(embed(t))); the target's residual outputs are shrunk by `alpha`."""
+    ck = make_checkpoint(root, name, family="qwen3_5", mtp_layers=1)
+    f = ck / "model.safetensors"
+    t = load_file(str(f))
+    for k in list(t):
+        if k.startswith("model.") and k.endswith(
+                ("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+            t[k] = t[k] * alpha
+    H = t["mtp.fc.weight"].shape[0]
+    t["mtp.fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+    t["mtp.norm.weight"] = t["model.norm.weight"].clone()
+    for k in ("mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.mlp.down_proj.weight"):
+        t[k] = torch.zeros_like(t[k])
+    save_file(t, str(f), metadata={"format": "pt"})
+    return ck

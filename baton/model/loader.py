@@ -73,8 +73,7 @@ def load_model(
     fam = family_loader(cfg)
     with torch.device("meta"):
         model = _class(fam.model)(cfg)
-        if cfg.family == "nemotron_h":  # the MTP head, when declared and present
-            attach_mtp(model, _tensor_names(path))
+        attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     if unexpected:
@@ -134,11 +133,13 @@ def _tensor_names(path: Path) -> set[str]:
 
 def _read_tensors(path, expected, cfg, device, dtype):
     fam = family_loader(cfg)
-    state, unexpected, skipped = {}, [], dict.fromkeys(fam.skipped, 0)
+    # a part the model does hold (an MTP head it attached) is read, not skipped
+    state, unexpected = {}, []
+    skipped = {p: 0 for p in fam.skipped if not any(k.startswith(p) for k in expected)}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
-                part = next((p for p in fam.skipped if name.startswith(p)), None)
+                part = next((p for p in skipped if name.startswith(p)), None)
                 if part is not None:
                     skipped[part] += 1
                     continue

@@ -123,22 +123,40 @@ class MTPHead(nn.Module):
         return out, lm_head(out).float() if logits else None
 
 
+def build_head(cfg):
+    """The MTP head `cfg` declares (either family), or None."""
+    if cfg.family == "qwen3_5":
+        from baton.model.qwen3_5.mtp import Qwen35MTPHead, qwen_mtp_layers
+
+        n = qwen_mtp_layers(cfg)
+        return Qwen35MTPHead(cfg, n) if n else None
+    spec = mtp_spec(cfg)
+    return MTPHead(cfg, spec) if spec is not None else None
+
+
+def _declared(cfg) -> str:
+    if cfg.family == "qwen3_5":
+        from baton.model.qwen3_5.mtp import qwen_mtp_layers
+
+        return f"mtp_num_hidden_layers={qwen_mtp_layers(cfg)}"
+    spec = mtp_spec(cfg)
+    return f"num_nextn_predict_layers={spec.num_steps}, pattern {spec.pattern!r}"
+
+
 def attach_mtp(model, checkpoint_names: set[str]) -> bool:
     """Give `model` (built on the meta device) its MTP head when the config declares one and
     the checkpoint holds its tensors; True if attached. A head declared but absent from the
     checkpoint is left off (speculation then refuses to start); half present is an error."""
-    spec = mtp_spec(model.config)
-    if spec is None:
+    head = build_head(model.config)
+    if head is None:
         return False
-    head = MTPHead(model.config, spec)
     want = {MTP_PREFIX + k for k in head.state_dict()}
     have = {n for n in checkpoint_names if n.startswith(MTP_PREFIX)}
     if not have:
         return False
     missing = sorted(want - have)
     if missing:
-        raise ConfigError(f"checkpoint declares an MTP head (num_nextn_predict_layers="
-                          f"{spec.num_steps}, pattern {spec.pattern!r}) but lacks tensor(s) "
-                          f"{missing[:6]}")
+        raise ConfigError(f"checkpoint declares an MTP head ({_declared(model.config)}) but "
+                          f"lacks tensor(s) {missing[:6]}")
     model.mtp = head
     return True

@@ -1,5 +1,6 @@
-"""MTP speculative decoding in the colocated engine: greedy output identical to speculation off
-at every K, acceptance really happens, and the rolled-back state equals a recompute."""
+"""MTP speculative decoding in the colocated engine, on NemotronH (dense `*-` MTP block) and
+Qwen3.5 (its gated-attention MTP layer): greedy output identical to speculation off at every
+K, acceptance really happens, and the rolled-back state equals a recompute."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import torch
 
 from baton.engine.request import Request, SamplingParams
 from tests.engine_helpers import engine_for, greedy, run_all
-from tests.speculative_helpers import agreeing_checkpoint
+from tests.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpoint
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
 
-@pytest.fixture(scope="module")
-def agree_dir(tmp_path_factory):
-    return agreeing_checkpoint(tmp_path_factory.mktemp("spec"))
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+def agree_dir(request, tmp_path_factory):
+    """A tiny model of each family whose MTP head agrees with it about a third of the time."""
+    make = agreeing_checkpoint if request.param == "nemotron_h" else agreeing_qwen_checkpoint
+    return make(tmp_path_factory.mktemp(f"spec_{request.param}"))
 
 
 def _workload(stops: dict[str, int]) -> list[Request]:

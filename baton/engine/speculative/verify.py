@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import torch
 
-from baton.model.layers.attention import Attention
 from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
 from baton.model.pools import Pools
@@ -84,17 +83,26 @@ def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScr
         attn = decode_meta(pos, tables, pools)
     flat = StepContext(pools, attn, None)
     per_pos = _positions(pools, rows, counts, starts, scratch, dev)
-    bb = model.backbone
-    h = bb.embeddings(ids.to(model.device))
-    for block in bb.layers:
-        x = block.norm(h)
-        if block.stateless:
-            h = h + block.mixer(x)
-        elif isinstance(block.mixer, Attention):
-            h = h + block.mixer.decode(x, flat)
-        else:
-            h = h + _recurrent(block.mixer, x, pools, per_pos, scratch)
-    hidden = bb.norm_f(h)
+
+    def mix(mixer, x: torch.Tensor) -> torch.Tensor:
+        if mixer.layer_idx in pools.spec.attn_index:
+            return mixer.decode(x, flat)
+        return _recurrent(mixer, x, pools, per_pos, scratch)
+
+    if hasattr(model, "backbone"):  # NemotronH: one mixer per pre-norm residual block
+        bb = model.backbone
+        h = bb.embeddings(ids.to(model.device))
+        for block in bb.layers:
+            x = block.norm(h)
+            h = h + (block.mixer(x) if block.stateless else mix(block.mixer, x))
+        hidden = bb.norm_f(h)
+    else:  # Qwen3.5: mixer then MLP in each decoder layer (its DecoderLayer.forward)
+        tm = model.model
+        h = tm.embed_tokens(ids.to(model.device))
+        for layer in tm.layers:
+            h = h + mix(layer.mixer, layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = tm.norm(h)
     return hidden, model.lm_head(hidden).float()
 
 
