@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 
-.PHONY: serve test test-deploy bench lint venv clean
+.PHONY: serve test test-deploy test-clients bench lint venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ test: $(STAMP)
 # deploy/slurm/baton.sbatch under a real single-host Slurm (installs slurm-wlm + munge, root)
 test-deploy: $(STAMP)
 	$(BIN)/python -m tests.support.slurm
+
+# lm-eval and AIPerf (their own venvs under ~/.cache/baton/venvs, never .venv) against a cluster
+test-clients: $(STAMP)
+	$(BIN)/python -m tests.clients.run
 
 bench: $(STAMP)
 	$(BIN)/baton bench all --out bench/results

@@ -9,45 +9,78 @@ import sys
 from baton.errors import BatonError
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every flag's help shows its default; a bad value is one line on stderr (exit 2)."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="most tokens to generate per request, the first one included")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="per-request seed: the same seed gives the same tokens")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="report each token's logprob and this many alternatives (0-20); "
+                        "--json adds them as `logprobs`")
+    p.add_argument("--prompt-logprobs", type=int, default=None,
+                   help="report every prompt token's logprob and this many alternatives "
+                        "(0-20; the prompt is computed whole); --json adds `prompt_logprobs`")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted once from tokens the output holds, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence in the output, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides positive (multiplies negative) logits of tokens already in "
+                        "the prompt or output; 1 = off")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="EOS and stop tokens are not drawn before this many tokens")
+
+
+MODEL_HELP = "`tiny` (the embedded seeded model, made on first use) or a checkpoint folder"
+CONFIG_HELP = "YAML config file (sections model, cache, transfer, router, worker, cluster)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="baton", description=__doc__)
-    ap.add_argument("--log-level", default="INFO")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="baton", description=__doc__)
+    ap.add_argument("--log-level", default="INFO",
+                    help="DEBUG, INFO, WARNING or ERROR (logs go to stderr)")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     p = sub.add_parser("serve", help="router + N prefill + M decode workers on this machine")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    p.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    p.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--host", default="127.0.0.1",
                    help="interface the router listens on (default 127.0.0.1: this machine only)")
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
-    p.add_argument("--config")
+    p.add_argument("--config", help=CONFIG_HELP)
 
     p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--host", default=None,
                    help="interface to listen on (default: config router.host)")
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
-    p.add_argument("--config")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--model", default=None,
                    help="checkpoint whose tokenizer encodes text prompts (default: config model.path)")
 
     for role in ("prefill-worker", "decode-worker"):
         p = sub.add_parser(role, help=f"one {role} that registers with a router")
         p.add_argument("--router", required=True, help="HOST:PORT of the router")
-        p.add_argument("--model", default="tiny")
-        p.add_argument("--config")
+        p.add_argument("--model", default="tiny", help=MODEL_HELP)
+        p.add_argument("--config", help=CONFIG_HELP)
         p.add_argument("--port", default=None,
                        help="gRPC port: N, FIRST-LAST (the first free one) or 0 for any "
                             "(default: config worker.port)")
@@ -70,36 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--router", help="HOST:PORT of a running router")
     g.add_argument("--local", action="store_true", help="run the colocated engine in-process")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--config")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP + " (with --local)")
+    p.add_argument("--config", help=CONFIG_HELP)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-ids")
+    src.add_argument("--prompt", help="one prompt, as text (the model's tokenizer encodes it)")
+    src.add_argument("--prompt-ids", help="one prompt, as comma-separated token ids")
     src.add_argument("--requests", help="JSONL file, one request a line")
     _add_sampling(p)
-    p.add_argument("--session")
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--session", help="session id: its requests stay on the same workers")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    p.add_argument("--json", action="store_true", help="one JSON object a request on stdout")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="--local: MTP draft tokens per decode step, 0..8 (default: config "
                         "speculative.num_draft_tokens, 0 = off)")
 
     p = sub.add_parser("make-model", help="write a small seeded NemotronH checkpoint")
-    p.add_argument("--out", required=True)
-    p.add_argument("--pattern", default=None)
-    p.add_argument("--hidden-size", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="folder to write the checkpoint into")
+    p.add_argument("--pattern", default=None,
+                   help="layer pattern: M = Mamba2, * = attention, - = MLP (default: the "
+                        "preset's)")
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="hidden size (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.add_argument("--preset", default="tiny", help="tiny or 100m")
-    p.add_argument("--family", default="nemotron_h", choices=["nemotron_h", "qwen3_5"])
+    p.add_argument("--tokenizer", action="store_true",
+                   help="also write tokenizer.json: byte-level BPE trained on the shipped text, "
+                        "as the named models have (without it, text is one id a byte)")
+    p.add_argument("--family", default="nemotron_h",
+                   choices=["nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next"],
+                   help="model family (config.json model_type)")
     p.add_argument("--multimodal", action="store_true",
                    help="qwen3_5: the published multimodal layout (text_config, a vision stub)")
+    p.add_argument("--moe-experts", type=int, default=None, help="routed experts per E layer")
+    p.add_argument("--moe-top-k", type=int, default=None, help="experts per token")
+    p.add_argument("--moe-latent-size", type=int, default=None, help="latent MoE width")
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "pp", "http", "soak", "spec", "all"])
-    p.add_argument("--json", action="store_true")
+                                     "pp", "http", "soak", "spec", "all"], help="which benchmark")
+    p.add_argument("--json", action="store_true", help="one JSON object a measurement")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--hosts", choices=["local", "netns"], default="local",

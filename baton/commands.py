@@ -15,7 +15,10 @@ def cmd_generate(args) -> int:
 
     defaults = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
     )
     if args.requests:
         specs = load_jsonl(args.requests, defaults, args.session)
@@ -69,13 +72,18 @@ def _print_results(results: list[dict], as_json: bool) -> int:
 def cmd_make_model(args) -> int:
     from baton.model.make_model import write_checkpoint
 
-    kw = {"seed": args.seed, "preset": args.preset, "family": args.family}
+    kw = {"seed": args.seed, "preset": args.preset, "family": args.family,
+          "tokenizer": args.tokenizer}
     if args.multimodal:
         kw["multimodal"] = True
     if args.pattern:
         kw["pattern"] = args.pattern
     if args.hidden_size:
         kw["hidden_size"] = args.hidden_size
+    experts = "n_routed_experts" if args.family == "nemotron_h" else "num_experts"
+    moe = {experts: args.moe_experts, "num_experts_per_tok": args.moe_top_k,
+           "moe_latent_size": args.moe_latent_size}
+    kw.update({k: v for k, v in moe.items() if v is not None})
     if getattr(args, "mtp_layers", 0):
         kw["mtp_layers"] = args.mtp_layers
     path = write_checkpoint(args.out, **kw)

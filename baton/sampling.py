@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from baton.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20
+"""Most alternatives `logprobs` / `prompt_logprobs` may ask for (OpenAI's limit)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +27,22 @@ class SamplingParams:
     """Generation stops after any of these tokens (the token is returned)."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS token."""
+    logprobs: int | None = None
+    """Report each generated token's logprob and the `logprobs` most likely (None: off)."""
+    prompt_logprobs: int | None = None
+    """Report every prompt token's logprob (the first has none) and the top N (None: off);
+    the prompt is then computed whole, never restored from the prefix cache."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the output already holds (OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it (OpenAI)."""
+    repetition_penalty: float = 1.0
+    """Logits of tokens in the prompt or output: divided by it if > 0, else multiplied
+    (CTRL's rule, as vLLM and transformers apply it); 1 = off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits."""
+    min_tokens: int = 0
+    """EOS and the stop tokens cannot be drawn before this many tokens were generated."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """InvalidRequestError naming the field, its value and the allowed range."""
@@ -41,10 +60,42 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidRequestError(f"seed must be an integer >= 0, got {self.seed!r}")
         hi = vocab_size if vocab_size is not None else 2**31
+        where = f"the vocabulary [0, {vocab_size})" if vocab_size else "[0, 2^31)"
         bad = [t for t in self.stop_token_ids if not 0 <= t < hi]
         if bad:
-            where = f"the vocabulary [0, {vocab_size})" if vocab_size else "[0, 2^31)"
             raise InvalidRequestError(f"stop_token_ids {bad} are outside {where}")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < hi]
+        if bad:
+            raise InvalidRequestError(f"logit_bias keys {bad[:5]} are outside {where}")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"{name} must be in [0, {MAX_LOGPROBS}], got {n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2 <= v <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                f"{self.repetition_penalty!r}")
+        bad = [b for _, b in self.logit_bias if not (math.isfinite(b) and -100 <= b <= 100)]
+        if bad:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bad[:5]}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                f"{self.min_tokens!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logit processing applies before the draw (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.min_tokens or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

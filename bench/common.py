@@ -16,8 +16,8 @@ def checkpoint(preset: str, family: str = "nemotron_h") -> Path:
     cache folder."""
     from baton.model.registry import resolve_model
 
-    if preset == "tiny" and family == "nemotron_h":
-        return Path(resolve_model("tiny"))
+    if preset == "tiny":
+        return Path(resolve_model("tiny" if family == "nemotron_h" else f"{family}-tiny"))
     from baton.model.make_model import write_checkpoint
 
     name = f"bench-{preset}-v1" if family == "nemotron_h" else f"bench-{family}-{preset}-v1"

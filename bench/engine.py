@@ -1,5 +1,6 @@
 """`baton bench engine`: output tokens/s at 1, 8, 32 concurrent requests vs HF `generate`, per
-model family (NemotronH, Qwen3.5), with the recurrent state bytes one request holds."""
+model family (NemotronH, Qwen3.5), with the recurrent state bytes one request holds; then the
+MoE rows (`bench/moe.py`: forward vs transformers', MoE next to dense, load RSS)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ def run(args) -> list[dict]:
             }
             print(f"[bench engine] {row}", file=sys.stderr, flush=True)
             rows.append(row)
-    return rows
+    from bench import moe
+
+    return rows + moe.run_rows(quick) + [moe.load_rss_row(quick)]
 
 
 def _short(family: str) -> str:

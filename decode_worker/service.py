@@ -12,7 +12,15 @@ from collections.abc import Iterator
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import sign_reservation
-from baton.contract import DecodeChunk, FinishReason, Reservation, ReserveInput, Role, ServeInput
+from baton.contract import (
+    ENDED_AT_FIRST_TOKEN,
+    DecodeChunk,
+    FinishReason,
+    Reservation,
+    ReserveInput,
+    Role,
+    ServeInput,
+)
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError, UnknownRequestError
@@ -28,17 +36,19 @@ def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOu
     one stream message carries all tokens that are ready (while the reader is slower than the
     engine, messages grow instead of queueing up). Returns the chunk and the last output."""
     out = box.get()
-    tokens = list(out.new_token_ids)
+    tokens, logprobs = list(out.new_token_ids), list(out.logprobs)
     while not out.finished:
         try:
             out = box.get_nowait()
         except queue.Empty:
             break
         tokens.extend(out.new_token_ids)
+        logprobs.extend(out.logprobs)
     if not out.finished:
-        return DecodeChunk(tuple(tokens)), out
+        return DecodeChunk(tuple(tokens), logprobs=tuple(logprobs)), out
     return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens,
-                       draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens), out
+                       logprobs=tuple(logprobs), draft_tokens=out.draft_tokens,
+                       accepted_tokens=out.accepted_tokens), out
 
 
 class DecodeService:
@@ -175,7 +185,9 @@ class DecodeService:
 
     def _transfer_failed(self, request_id: str, error: str) -> None:
         held = self.receiver.held(request_id)
-        log.warning("transfer into %s failed: %s%s", request_id, error,
+        quiet = ENDED_AT_FIRST_TOKEN in error and not held  # nothing was owed: no failure
+        log.log(logging.INFO if quiet else logging.WARNING, "transfer into %s failed: %s%s",
+                request_id, error,
                     f" (its {len(held.blocks)} blocks stay quarantined until its writes are "
                     "over)" if held else "")
         self._end_lease(request_id)

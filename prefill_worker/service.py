@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import verify_reservation
-from baton.contract import FinishReason, PrefillInput, PrefillResult, Reservation, Role
+from baton.contract import (
+    ENDED_AT_FIRST_TOKEN,
+    FinishReason,
+    PrefillInput,
+    PrefillResult,
+    Reservation,
+    Role,
+)
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import InvalidRequestError, RequestCancelled, TransferError
@@ -165,11 +172,12 @@ class PrefillService:
             m.generation_tokens.labels(m.role).inc(len(out.new_token_ids))
             reason = out.finish_reason
             result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None,
-                                   reason)
+                                   reason, out.logprobs[0] if out.logprobs else None,
+                                   out.prompt_logprobs)
             if result.finished:
                 outcome = reason.value
                 # bytes may have gone out (or been granted) for a request that needs none
-                self.sender.abort(rid, "the first token ended the request")
+                self.sender.abort(rid, ENDED_AT_FIRST_TOKEN)
                 return result
             if stream.error:
                 m.transfer_failed()

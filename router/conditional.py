@@ -155,7 +155,7 @@ class LocalAttempt:
         summary = None
         if reason is not None:
             summary = self._summary(reason, cached, start, ttft_ms, retries)
-        return GenerateChunk(self.rid, tuple(c.token_ids), text, summary)
+        return GenerateChunk(self.rid, tuple(c.token_ids), text, summary, c.logprobs)
 
     def _next(self) -> DecodeChunk | None:
         """The stream's next message; None at its end, or once the client stopped the answer."""

@@ -76,5 +76,7 @@ def resumed(inp: GenerateInput, prompt: Sequence[int], sent: Sequence[int]) -> t
     left = inp.sampling.max_tokens - len(sent)
     if left < 1:
         raise ValueError(f"all {inp.sampling.max_tokens} tokens were sent already")
-    return tuple(prompt) + tuple(sent), replace(
-        inp, sampling=replace(inp.sampling, max_tokens=left))
+    # the prompt's logprobs went out with the first token; min_tokens counts what was sent
+    s = inp.sampling
+    return tuple(prompt) + tuple(sent), replace(inp, sampling=replace(
+        s, max_tokens=left, prompt_logprobs=None, min_tokens=max(0, s.min_tokens - len(sent))))

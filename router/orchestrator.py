@@ -214,7 +214,7 @@ class Orchestrator:
             # (lease expiry, stray transfer) can then never touch the retry's reservation
             wid = key if n == 0 else f"{key}~retry{n}"
             local, reason = (None, "worker_declined") if declined else \
-                self._local_decode(prompt, choice, excluded | full)
+                self._local_decode(prompt, choice, excluded | full, inp.sampling)
             if local is not None:
                 run = LocalAttempt(self, rid, wid, prompt, inp, local, cancel)
             else:
@@ -280,10 +280,12 @@ class Orchestrator:
         self.locator.hint(decode, tokens, snapshot_tokens)
         self.shipper.after_turn(decode, tokens, snapshot_tokens, prefill)
 
-    def _local_decode(self, prompt, choice: RouteChoice, skip: set[str]):
+    def _local_decode(self, prompt, choice: RouteChoice, skip: set[str], sampling):
         """(decode worker to serve the request alone or None, the reason): conditional.decide."""
         if self.config.local_prefill_max_tokens == 0:
             return None, "disabled"
+        if sampling.prompt_logprobs is not None:  # the whole prompt is computed anyway
+            return None, "prompt_logprobs"
         decode = [w for w in self.registry.workers(Role.DECODE) if w.worker_id not in skip]
         matched = self.locator.matched_tokens(prompt, decode)
         return decide(len(prompt), matched, decode, choice.decode, self.config)
@@ -373,12 +375,15 @@ class _Attempt:
         try:
             ttft_ms = (time.perf_counter() - start) * 1000
             first_ids = (first.first_token_id,)
+            lps = (first.logprobs,) if first.logprobs is not None else ()
             if first.finished:
                 finished = True
                 reason = first.finish_reason or FinishReason.STOP
-                yield self._chunk(first_ids, first, reason, start, ttft_ms, retries)
+                yield self._chunk(first_ids, first, reason, start, ttft_ms, retries, lps,
+                                  first.prompt_logprobs)
                 return
-            yield self._chunk(first_ids, first, None, start, ttft_ms, retries)
+            yield self._chunk(first_ids, first, None, start, ttft_ms, retries, lps,
+                              first.prompt_logprobs)
             output = list(first_ids)
             try:
                 if not self.cancel.stopped:  # else the answer ended with its first token
@@ -389,9 +394,8 @@ class _Attempt:
                             self.orch.turn_ended(self.d, self.prompt + tuple(output),
                                                  chunk.snapshot_tokens, self.p)
                             self._spec = (chunk.draft_tokens, chunk.accepted_tokens)
-                        yield self._chunk(
-                            chunk.token_ids, first, chunk.finish_reason, start, ttft_ms, retries
-                        )
+                        yield self._chunk(chunk.token_ids, first, chunk.finish_reason, start,
+                                          ttft_ms, retries, chunk.logprobs)
                         if finished:
                             return
             except (RequestCancelled, WorkerFailed):
@@ -409,7 +413,8 @@ class _Attempt:
                 self.dc.abort(self.wid)  # releases the reservation Decode would have used
             self._finish(abort=not finished)
 
-    def _chunk(self, new, first, reason: FinishReason | None, start, ttft_ms, retries):
+    def _chunk(self, new, first, reason: FinishReason | None, start, ttft_ms, retries,
+               logprobs=(), prompt_logprobs=()):
         text = ""
         if self._detok is not None:
             # only the new tokens are decoded (with a little context); a character cut
@@ -420,7 +425,8 @@ class _Attempt:
         summary = None
         if reason is not None:
             summary = self._summary(reason, first, start, ttft_ms, retries)
-        return GenerateChunk(self.rid, tuple(new), text, summary)
+        return GenerateChunk(self.rid, tuple(new), text, summary, tuple(logprobs),
+                             tuple(prompt_logprobs))
 
     def _summary(self, reason: FinishReason, first: PrefillResult, start, ttft_ms,
                  retries) -> GenerateSummary:

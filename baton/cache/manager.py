@@ -153,11 +153,13 @@ class HybridCacheManager:
         return self._get(req_id).slot
 
     # ---- admission ---------------------------------------------------------------------
-    def admit(self, req_id: str, prompt: list[int], session: str | None = None) -> Admission:
-        """Start a request on this worker, restoring the deepest usable snapshot."""
+    def admit(self, req_id: str, prompt: list[int], session: str | None = None,
+              reuse: bool = True) -> Admission:
+        """Start a request on this worker, restoring the deepest usable snapshot (none when
+        `reuse` is False: a request that scores every prompt position computes them all)."""
         self._check_new(req_id, prompt)
         none = MatchResult(self.tree.root, None, 0)
-        m = self.tree.match(prompt, len(prompt) - 1) if self._reuse else none
+        m = self.tree.match(prompt, len(prompt) - 1) if self._reuse and reuse else none
         live = self._register(req_id, prompt, m.node)
         try:
             self._restore(live, m.snapshot)

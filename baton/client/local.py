@@ -24,10 +24,14 @@ def run_local(engine: Engine, specs: list[RequestSpec], concurrency: int = 1) ->
             except BatonError as e:
                 results[spec.id] = {"id": spec.id, "error": str(e)}
                 continue
-            live[spec.id] = {"token_ids": []}
+            live[spec.id] = _acc(spec)
         for out in engine.step():
             acc = live[out.request_id]
             acc["token_ids"].extend(out.new_token_ids)
+            if "logprobs" in acc:
+                acc["logprobs"].extend(out.logprobs)
+            if "prompt_logprobs" in acc and out.prompt_logprobs:
+                acc["prompt_logprobs"] = list(out.prompt_logprobs)
             if out.finished:
                 acc.update(
                     finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
@@ -39,3 +43,13 @@ def run_local(engine: Engine, specs: list[RequestSpec], concurrency: int = 1) ->
                 text = engine.tokenizer.decode(acc["token_ids"]) if engine.tokenizer else ""
                 results[out.request_id] = result_dict(out.request_id, acc, text, "local", "local")
     return [results[s.id] for s in specs]
+
+
+def _acc(spec: RequestSpec) -> dict:
+    """What a request's outputs fold into; logprobs only when it asked for them."""
+    acc: dict = {"token_ids": []}
+    if spec.sampling.logprobs is not None:
+        acc["logprobs"] = []
+    if spec.sampling.prompt_logprobs is not None:
+        acc["prompt_logprobs"] = []
+    return acc

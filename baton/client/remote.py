@@ -36,7 +36,11 @@ def to_pb(spec: RequestSpec):
 
 
 def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: float = 600) -> dict:
-    acc = {"token_ids": []}
+    acc: dict = {"token_ids": []}
+    if spec.sampling.logprobs is not None:
+        acc["logprobs"] = []
+    if spec.sampling.prompt_logprobs is not None:
+        acc["prompt_logprobs"] = []
     text = []
     t0 = time.perf_counter()
     try:
@@ -49,6 +53,10 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
             last = wire.chunk_from_pb(msg)
             acc["token_ids"].extend(last.token_ids)
             text.append(last.text)
+            if "logprobs" in acc:
+                acc["logprobs"].extend(last.logprobs)
+            if "prompt_logprobs" in acc and last.prompt_logprobs:
+                acc["prompt_logprobs"] = list(last.prompt_logprobs)
         if last is None or last.summary is None:
             return {"id": spec.id, "error": "stream ended without a finish reason"}
     except grpc.RpcError as e:

@@ -9,7 +9,9 @@ from pathlib import Path
 from baton.engine.request import SamplingParams
 from baton.errors import InvalidRequestError
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+                 "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens")
 LINE_KEYS = {"id", "prompt", "prompt_ids", "session", *SAMPLING_KEYS}
 
 
@@ -33,6 +35,11 @@ def sampling_from(d: dict, defaults: SamplingParams) -> SamplingParams:
     kw = {k: d[k] for k in SAMPLING_KEYS if k in d and d[k] is not None}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+    if "logit_bias" in kw:  # {"token id": bias}, as OpenAI's field
+        try:
+            kw["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in kw["logit_bias"].items()))
+        except (AttributeError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers: {e}") from e
     merged = {**defaults.__dict__, **kw}
     return SamplingParams(**merged)
 
@@ -68,8 +75,20 @@ def load_jsonl(path: str | Path, defaults: SamplingParams, session: str | None) 
     return specs
 
 
+def logprobs_json(lps) -> list[dict]:
+    """TokenLogprobs as `--json` prints them: {"token_id", "logprob", "top": [[id, lp], ...]}."""
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+            for lp in lps]
+
+
 def result_dict(spec_id: str, out, text: str, prefill: str, decode: str) -> dict:
-    extra = {k: out[k] for k in ("draft_tokens", "accepted_tokens") if k in out}
+    extra = {k: logprobs_json(out[k]) for k in ("logprobs", "prompt_logprobs") if k in out}
+    # speculative decoding's counts, when the engine speculated
+    extra.update({k: out[k] for k in ("draft_tokens", "accepted_tokens") if k in out})
+    return {**_result(spec_id, out, text, prefill, decode), **extra}
+
+
+def _result(spec_id: str, out, text: str, prefill: str, decode: str) -> dict:
     return {
         "id": spec_id,
         "token_ids": list(out["token_ids"]),
@@ -81,5 +100,4 @@ def result_dict(spec_id: str, out, text: str, prefill: str, decode: str) -> dict
         "decode_worker": decode,
         "ttft_ms": out["ttft_ms"],
         "latency_ms": out["latency_ms"],
-        **extra,
     }

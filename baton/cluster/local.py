@@ -235,6 +235,8 @@ def serve_local(args) -> int:
         print(f"baton cluster ready: router gRPC at {cluster.address}, OpenAI-compatible HTTP "
               f"at {cluster.http_address}/v1 ({args.prefill} prefill, {args.decode} decode; "
               f"worker metrics on {metrics}); Ctrl-C stops it", flush=True)
+        # clients that load a tokenizer (lm-eval, AIPerf: --tokenizer DIR) point at this folder
+        print(f"baton model folder: {model}", flush=True)
         while True:  # a process that exits is restarted (with backoff); the cluster goes on
             cluster.check_children()
             time.sleep(SUPERVISE_PERIOD_S)

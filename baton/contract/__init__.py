@@ -4,6 +4,7 @@
 from baton.contract.types import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_TOKENS_PER_BLOCK,
+    ENDED_AT_FIRST_TOKEN,
     DecodeChunk,
     FinishReason,
     GenerateChunk,
@@ -18,6 +19,7 @@ from baton.contract.types import (
     SnapshotEvent,
     SnapshotShipment,
     StageInfo,
+    TokenLogprob,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -25,8 +27,8 @@ from baton.contract.types import (
 from baton.sampling import SamplingParams
 
 __all__ = [
-    "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "DecodeChunk", "FinishReason",
+    "DEFAULT_LEASE_SECONDS", "DEFAULT_TOKENS_PER_BLOCK", "ENDED_AT_FIRST_TOKEN", "DecodeChunk", "FinishReason",
     "GenerateChunk", "GenerateInput", "GenerateSummary", "PrefillInput", "PrefillResult",
     "Reservation", "ReserveInput", "Role", "SamplingParams", "ServeInput", "SnapshotEvent",
-    "SnapshotShipment", "StageInfo", "WorkerInfo", "WorkerLoad", "WorkerView",
+    "SnapshotShipment", "StageInfo", "TokenLogprob", "WorkerInfo", "WorkerLoad", "WorkerView",
 ]

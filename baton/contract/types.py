@@ -28,6 +28,9 @@ DEFAULT_LEASE_SECONDS = 30.0
 """How long a decode reservation is held for its transfer (`transfer.lease_seconds`)."""
 DEFAULT_TOKENS_PER_BLOCK = 16
 """Tokens per paged KV block (`cache.tokens_per_block`)."""
+ENDED_AT_FIRST_TOKEN = "the first token ended the request"
+"""The prefill worker's transfer-abort reason when its first token finished the request
+(max_tokens 1, as lm-eval's loglikelihood requests are; EOS): the decode side owed nothing."""
 
 
 class FinishReason(str, Enum):
@@ -47,6 +50,17 @@ class FinishReason(str, Enum):
 class Role(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability: the log-softmax of the model's fp32 logits at its position,
+    before any sampling parameter (temperature, penalties, bias), and the most likely tokens
+    there, best first (as many as the request's `logprobs` / `prompt_logprobs` asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,10 @@ class PrefillResult:
     finished: bool = False
     """The first token already ends the request; then nothing was transferred."""
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprob | None = None
+    """The first token's logprob (None unless the request asked for logprobs)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """Prompt tokens 1.. (token 0 has none), when the request asked for prompt_logprobs."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +165,8 @@ class DecodeChunk:
     snapshot_tokens: int = 0
     """Last chunk only: the decode-end snapshot the worker now holds covers this many tokens
     of prompt + output (0: none taken)."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of `token_ids` when the request asked for logprobs, else empty."""
     draft_tokens: int = 0
     """Last chunk only: speculative decoding's drafts verified for the request..."""
     accepted_tokens: int = 0
@@ -178,6 +198,10 @@ class GenerateChunk:
     token_ids: tuple[int, ...]
     text: str = ""
     summary: GenerateSummary | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of `token_ids` when the request asked for logprobs, else empty."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """First chunk only, when asked: prompt tokens 1.. (token 0 has none)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from baton.contract.types import (
     SnapshotEvent,
     SnapshotShipment,
     StageInfo,
+    TokenLogprob,
     WorkerInfo,
     WorkerLoad,
     WorkerView,
@@ -63,6 +64,14 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         seed=m.seed if m.HasField("seed") else d.seed,
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else d.logprobs,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else d.prompt_logprobs,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty")
+        else d.repetition_penalty,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        min_tokens=m.min_tokens,
     )
 
 
@@ -73,12 +82,38 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         top_p=s.top_p,
         stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
     )
     if s.top_k:
         m.top_k = s.top_k
     if s.seed is not None:
         m.seed = s.seed
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(s, name) is not None:
+            setattr(m, name, getattr(s, name))
+    if s.repetition_penalty != 1.0:
+        m.repetition_penalty = s.repetition_penalty
     return m
+
+
+def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+
+
+def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs, strict=True)))
+
+
+def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
+    return [logprob_to_pb(lp) for lp in lps]
+
+
+def logprobs_from_pb(ms) -> tuple[TokenLogprob, ...]:
+    return tuple(logprob_from_pb(m) for m in ms)
 
 
 def finish_from_pb(value: int) -> FinishReason | None:
@@ -213,7 +248,9 @@ def generate_to_pb(g: GenerateInput) -> rpb.GenerateRequest:
 
 
 def chunk_to_pb(c: GenerateChunk) -> rpb.GenerateResponse:
-    m = rpb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text)
+    m = rpb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
+                             logprobs=logprobs_to_pb(c.logprobs),
+                             prompt_logprobs=logprobs_to_pb(c.prompt_logprobs))
     s = c.summary
     if s is not None:
         m.finish_reason = finish_to_pb(s.finish_reason)
@@ -245,7 +282,8 @@ def chunk_from_pb(m: rpb.GenerateResponse) -> GenerateChunk:
             draft_tokens=m.draft_tokens,
             accepted_tokens=m.accepted_tokens,
         )
-    return GenerateChunk(m.request_id, tuple(m.token_ids), m.text, summary)
+    return GenerateChunk(m.request_id, tuple(m.token_ids), m.text, summary,
+                         logprobs_from_pb(m.logprobs), logprobs_from_pb(m.prompt_logprobs))
 
 
 # ---- DecodeWorker / PrefillWorker (router <-> workers) --------------------------------------
@@ -327,27 +365,35 @@ def destination_from_pb(m: wpb.PrefillRequest) -> Reservation | None:
 
 def prefill_result_from_pb(m: wpb.PrefillReply) -> PrefillResult:
     return PrefillResult(
-        m.first_token_id, m.cached_tokens, m.finished, finish_from_pb(m.finish_reason)
+        m.first_token_id, m.cached_tokens, m.finished, finish_from_pb(m.finish_reason),
+        logprob_from_pb(m.logprobs) if m.HasField("logprobs") else None,
+        logprobs_from_pb(m.prompt_logprobs),
     )
 
 
 def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
-    return wpb.PrefillReply(
+    m = wpb.PrefillReply(
         first_token_id=r.first_token_id,
         cached_tokens=r.cached_tokens,
         finished=r.finished,
         finish_reason=finish_to_pb(r.finish_reason),
+        prompt_logprobs=logprobs_to_pb(r.prompt_logprobs),
     )
+    if r.logprobs is not None:
+        m.logprobs.CopyFrom(logprob_to_pb(r.logprobs))
+    return m
 
 
 def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
     return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason), m.cached_tokens,
-                       m.snapshot_tokens, m.draft_tokens, m.accepted_tokens)
+                       m.snapshot_tokens, logprobs_from_pb(m.logprobs), m.draft_tokens,
+                       m.accepted_tokens)
 
 
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
     return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason),
                               cached_tokens=c.cached_tokens, snapshot_tokens=c.snapshot_tokens,
+                              logprobs=logprobs_to_pb(c.logprobs),
                               draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens)
 
 

@@ -16,8 +16,9 @@ import torch
 
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
-from baton.contract import FinishReason
+from baton.contract import FinishReason, TokenLogprob
 from baton.contract.limits import check_length, check_pool
+from baton.engine.logprobs import prompt_logprobs, token_logprobs
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
@@ -50,7 +51,7 @@ class Engine:
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         self.eos_ids = frozenset(mcfg.eos_token_id)
         self.scheduler = Scheduler(cfg, cache, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_ids)
         self.requests: dict[str, Request] = {}
         mc = cache.cfg.mamba_state_config
         self.decode_end_snapshot = cache.reuse_enabled and mc.decode_end_snapshot
@@ -76,6 +77,11 @@ class Engine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
         sampling.validate(vocab)
+        if sampling.prompt_logprobs is not None and \
+                not getattr(self.model, "scores_every_position", True):
+            raise InvalidRequestError(
+                "prompt_logprobs (echo with logprobs) is not available on a pipeline-parallel "
+                "worker; serve it with pipeline_parallel_size 1 or leave it out")
         check_length(len(prompt_ids), sampling.max_tokens, self.max_model_len)
         if self.pools.has_kv:  # as Scheduler.blocks_needed counts, for either role
             spec = self.pools.spec
@@ -171,7 +177,7 @@ class Engine:
         req.phase = Phase.DECODE
         req.first_token_time = time.monotonic()
         self.scheduler.running.append(req)
-        return self._append_tokens([(req, first_token)])
+        return self._append_tokens([(req, first_token)], [None])
 
     def stream_layers(self, request_id: str, stream: LayerStream) -> None:
         """Any thread, even mid-step: stream the prefill request's last chunk layer by layer,
@@ -208,17 +214,36 @@ class Engine:
         if not sampled:
             return failed + decided
         reqs = [r for r, _ in sampled]
+        logits = torch.stack([lg for _, lg in sampled])
         draws = self.sampler.sample(
-            torch.stack([lg for _, lg in sampled]), [r.id for r in reqs], [r.sampling for r in reqs],
+            logits, [r.id for r in reqs], [r.sampling for r in reqs],
             [len(r.prompt_ids) + len(r.output_ids) for r in reqs],
+            [(r.prompt_ids, r.output_ids) for r in reqs],
         )
-        pairs = []
-        for req, draw in zip(reqs, draws, strict=True):
+        pairs, scored = [], []
+        for i, (req, draw) in enumerate(zip(reqs, draws, strict=True)):
             if draw.error is None:
                 pairs.append((req, draw.token))
+                scored.append(i)
             else:
                 failed.append(self._fail(req, draw.error))
-        return failed + decided + self._append_tokens(pairs)
+        return failed + decided + self._append_tokens(pairs, self._logprobs(logits, scored, pairs))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[int], pairs: list[tuple[Request, int]]):
+        """Each drawn token's logprob (None for requests that asked for none), from the raw
+        logits (`rows[i]`: pair i's row): one log-softmax for all that asked, with the largest
+        top-N among them; nothing is computed or copied when none asked."""
+        want = [i for i, (r, _) in enumerate(pairs) if r.sampling.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(pairs)
+        if want:
+            top = max(pairs[i][0].sampling.logprobs for i in want)
+            lps = token_logprobs(logits[[rows[i] for i in want]], [pairs[i][1] for i in want],
+                                 top)
+            for i, lp in zip(want, lps, strict=True):
+                k = pairs[i][0].sampling.logprobs
+                out[i] = lp if k == top else TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
+        return out
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
         """End `req` alone: free what it holds and report an ERROR output naming why."""
@@ -261,16 +286,20 @@ class Engine:
         return done
 
     def _prefill_group(self, group: list[tuple[Request, int]]) -> torch.Tensor:
+        """The group's last-position logits [n, vocab]; a request that asked for prompt
+        logprobs has its chunk's positions scored (the group then computes every position)."""
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
+        scored = [i for i, (req, _) in enumerate(group) if req.sampling.prompt_logprobs is not None]
         hidden = [] if self.spec is not None and any(self.spec.kv_wanted(r) for r, _ in group) \
             else None  # the MTP head reads the chunk's hidden states
         on_layer = self._begin_streams(group)
-        logits = self.model.prefill_batch(
+        out = self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             [req.num_computed for req, _ in group],
             [self.cache.block_table(req.id) for req, _ in group],
             [self.cache.slot(req.id) for req, _ in group],
             self.pools,
+            all_logits=bool(scored),
             on_layer=on_layer,
             **({} if hidden is None else {"hidden_out": hidden}),
         )
@@ -278,7 +307,13 @@ class Engine:
             self.spec.after_prefill(group, hidden[0], self.cache)
             for layer in self.spec.draft_layers if on_layer is not None else ():
                 on_layer(layer)  # the head's KV ships with the target's
-        return logits
+        if not scored:
+            return out
+        for i in scored:
+            req, end = group[i]
+            req.prompt_logprobs.extend(prompt_logprobs(
+                out[i], req.prompt_ids, req.num_computed, end, req.sampling.prompt_logprobs))
+        return out[:, -1]
 
     def _begin_streams(self, group: list[tuple[Request, int]]):
         """The per-layer callback of a forward that holds the last chunk of prefill-only
@@ -342,7 +377,8 @@ class Engine:
             r.num_computed += 1
         return logits
 
-    def _append_tokens(self, pairs: list[tuple[Request, int]]) -> list[RequestOutput]:
+    def _append_tokens(self, pairs: list[tuple[Request, int]],
+                       logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
         now = time.monotonic()
         done = []
         for req, tok in pairs:
@@ -357,7 +393,8 @@ class Engine:
         if done:  # before the outputs: a last output says which decode-end snapshot it left
             self._finish(done)
         return [self._output(req, (tok,), finished=req.finish_reason is not None
-                             or req.prefill_only) for req, tok in pairs]
+                             or req.prefill_only, logprob=lp)
+                for (req, tok), lp in zip(pairs, logprobs, strict=True)]
 
     def _finish_reason(self, req: Request, tok: int) -> FinishReason | None:
         s = req.sampling
@@ -394,7 +431,8 @@ class Engine:
             except Exception:  # noqa: BLE001 - the request finished; its neighbours go on
                 log.exception("releasing finished request %s failed", r.id)
 
-    def _output(self, req: Request, toks: tuple[int, ...], finished: bool) -> RequestOutput:
+    def _output(self, req: Request, toks: tuple[int, ...], finished: bool,
+                logprob: TokenLogprob | None = None) -> RequestOutput:
         ttft = latency = None
         if req.first_token_time is not None:
             ttft = (req.first_token_time - req.arrival) * 1000
@@ -410,6 +448,9 @@ class Engine:
             ttft_ms=ttft,
             latency_ms=latency,
             snapshot_tokens=req.end_snapshot_tokens if finished else 0,
+            logprobs=(logprob,) if logprob is not None else (),
+            # the first token drawn here follows the prompt's last chunk
+            prompt_logprobs=tuple(req.prompt_logprobs) if len(req.output_ids) == 1 else (),
             draft_tokens=req.draft_tokens,
             accepted_tokens=req.accepted_tokens,
         )

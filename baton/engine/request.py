@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from baton.contract import FinishReason
+from baton.contract import FinishReason, TokenLogprob
 from baton.sampling import SamplingParams
 
 __all__ = ["Phase", "Request", "RequestOutput", "SamplingParams"]
@@ -38,6 +38,8 @@ class Request:
     finish_reason: FinishReason | None = None
     end_snapshot_tokens: int = 0
     """Tokens (prompt + answer) of the decode-end snapshot it left on finishing (0: none)."""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Prompt tokens scored so far, chunk by chunk (when `sampling.prompt_logprobs` is set)."""
     draft_tokens: int = 0
     """MTP drafts verified for it so far (speculative decoding; 0 when it does not speculate)."""
     accepted_tokens: int = 0
@@ -79,6 +81,11 @@ class RequestOutput:
     snapshot_tokens: int = 0
     """Last output only: the prompt + answer tokens its decode-end snapshot covers (0: none
     taken), so that the router knows of it before the next turn arrives."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per new token when the request asked for logprobs (the decode worker's first token,
+    drawn by the prefill worker, has none here)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """The output of the prompt's last chunk only, when the request asked for them."""
     draft_tokens: int = 0
     """Speculative decoding: drafts verified for the request so far, and of those..."""
     accepted_tokens: int = 0

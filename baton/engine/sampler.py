@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.engine import penalties
 from baton.engine.request import SamplingParams
 
 
@@ -45,9 +46,11 @@ class Sampler:
     """Seeded draws depend only on (seed, position), never on the batch or on earlier draws;
     an unseeded request keeps one randomly seeded generator."""
 
-    def __init__(self) -> None:
+    def __init__(self, eos_ids: frozenset[int] = frozenset()) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._seeded = torch.Generator()
+        self.eos_ids = eos_ids
+        """What `min_tokens` keeps from being drawn early (besides the stop tokens)."""
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -58,9 +61,13 @@ class Sampler:
         return len(self._generators)
 
     def sample(self, logits: torch.Tensor, ids: list[str], params: list[SamplingParams],
-               positions: list[int] | None = None) -> list[Draw]:
+               positions: list[int] | None = None,
+               contexts: list[tuple[list[int], list[int]]] | None = None) -> list[Draw]:
         """`logits` [B, vocab] float32 on any device; `positions`: the sequence position of
-        each token drawn (tokens before it; None: all 0); returns B draws, in order."""
+        each token drawn (tokens before it; None: all 0); `contexts`: each request's (prompt,
+        output so far), which penalties and min_tokens read (None: none apply); returns B
+        draws, in order."""
+        logits = self._processed(logits, params, contexts)
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for i, p in enumerate(params):
@@ -74,6 +81,17 @@ class Sampler:
                 out.append(Draw(None, f"sampling failed: {e}"))
         return out
 
+    def _processed(self, logits: torch.Tensor, params: list[SamplingParams],
+                   contexts: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params) if p.penalized] if contexts is not None else []
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            prompt, output = contexts[i]
+            logits[i] = penalties.apply(logits[i], params[i], prompt, output, self.eos_ids)
+        return logits
+
     def _sample_one(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
         probs = self.distribution(logits, rid, p)
         return int(torch.multinomial(probs, 1, generator=self.generator(rid, p, pos)).item())
@@ -83,7 +101,8 @@ class Sampler:
         top-p applied); ValueError for non-finite logits. Speculative decoding's rejection
         rule reads it too."""
         logits = logits.double()
-        if not bool(torch.isfinite(logits).all()):
+        if not bool((logits < float("inf")).all()) or bool(torch.isnan(logits).any()) or \
+                not bool(torch.isfinite(logits).any()):
             bad = int((~torch.isfinite(logits)).sum())
             raise ValueError(f"the model produced {bad} non-finite logits for request {rid}")
         # max -> exactly 0, the rest <= 0: dividing by any temperature > 0 cannot overflow

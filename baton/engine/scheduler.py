@@ -138,7 +138,9 @@ class Scheduler:
                     continue
                 return
             try:
-                adm = self.cache.admit(req.id, req.prompt_ids, req.session)
+                # prompt logprobs need every position's logits: nothing is restored for them
+                adm = self.cache.admit(req.id, req.prompt_ids, req.session,
+                                       reuse=req.sampling.prompt_logprobs is None)
             except CapacityError as e:
                 # live slots held outside `running` (a prefill handing off, a reservation
                 # waiting for its transfer) are freed by release or lease expiry: wait for them

@@ -47,7 +47,7 @@ def load_config(path: str | Path):
 
 def _import_families() -> None:
     """Families beyond NemotronH register on import (kept lazy: each pulls its own modules)."""
-    for mod in ("baton.model.qwen3_5.config",):
+    for mod in ("baton.model.qwen3_5.config", "baton.model.qwen3_5.moe_config"):
         try:
             __import__(mod)
         except ModuleNotFoundError as e:

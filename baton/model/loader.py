@@ -16,6 +16,7 @@ from baton.errors import ConfigError
 from baton.model.config import load_config
 from baton.model.mtp import attach_mtp
 from baton.model.progress import progress
+from baton.model.stacking import ExpertStacks
 
 log = logging.getLogger("baton.model")
 
@@ -33,13 +34,18 @@ class FamilyLoader(NamedTuple):
     """The embedding table's name (a tied LM head reads it)."""
     skipped: dict[str, str] = {}
     """Checkpoint prefix -> what it is: tensors Baton does not serve, named once in the log."""
+    splits: dict[str, str] = {}
+    """Checkpoint name suffix -> `module:function` (config, name, tensor) -> {name: tensor}:
+    one checkpoint tensor that is several of the model's (Qwen3-Next's fused projections)."""
 
 
 LOADERS: dict[str, FamilyLoader] = {
     # transformers' in-memory names use `model.`; NemotronH checkpoints on disk `backbone.`.
     "nemotron_h": FamilyLoader(
         "baton.model.nemotron_h.model:NemotronHModel", "baton.model.stage:StageModel",
-        {"model.": "backbone."}, (".A_log", ".D", ".dt_bias"), "backbone.embeddings.weight",
+        # the MoE router stays float32 too, as transformers keeps it
+        {"model.": "backbone."}, (".A_log", ".D", ".dt_bias", ".gate.weight",
+                                  ".gate.e_score_correction_bias"), "backbone.embeddings.weight",
     ),
     # The published multimodal layout keeps the text model under `model.language_model.`.
     "qwen3_5": FamilyLoader(
@@ -48,6 +54,14 @@ LOADERS: dict[str, FamilyLoader] = {
         {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"},
     ),
 }
+LOADERS["qwen3_5_moe"] = LOADERS["qwen3_5"]  # the same layers, a MoE block as their `mlp`
+LOADERS["qwen3_next"] = FamilyLoader(
+    "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
+    {}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
+    {"mtp.": "the multi-token-prediction head"},
+    {".in_proj_qkvz.weight": "baton.model.qwen3_next.convert:split_projection",
+     ".in_proj_ba.weight": "baton.model.qwen3_next.convert:split_projection"},
+)
 
 
 def family_loader(cfg) -> FamilyLoader:
@@ -136,6 +150,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
     # a part the model does hold (an MTP head it attached) is read, not skipped
     state, unexpected = {}, []
     skipped = {p: 0 for p in fam.skipped if not any(k.startswith(p) for k in expected)}
+    stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
@@ -147,12 +162,25 @@ def _read_tensors(path, expected, cfg, device, dtype):
                 if ours == fam.embeddings and cfg.tie_word_embeddings \
                         and ours not in expected and "lm_head.weight" in expected:
                     ours = "lm_head.weight"  # a last stage without embeddings, tied head
+                if stacks.claim(ours, name, file):
+                    continue
+                split = next((fn for suffix, fn in fam.splits.items() if ours.endswith(suffix)),
+                             None)
+                if split is not None:
+                    parts = _class(split)(cfg, ours, f.get_tensor(name))
+                    kept = {k: v for k, v in parts.items() if k in expected}
+                    for k, v in kept.items():
+                        _check_shape(k, tuple(v.shape), expected[k], file)
+                        state[k] = v.to(device=device, dtype=dtype)
+                    unexpected += [] if kept else [name]
+                    continue
                 if ours not in expected:
                     unexpected.append(name)
                     continue
                 _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 state[ours] = f.get_tensor(name).to(device=device, dtype=want)
+    stacks.load(state, device, dtype)
     for part, count in skipped.items():
         if count:
             log.info("skipping %s: %d tensor(s) under %r", fam.skipped[part], count, part)
@@ -160,10 +188,12 @@ def _read_tensors(path, expected, cfg, device, dtype):
         state.setdefault("lm_head.weight", state[fam.embeddings])
     missing = [k for k in expected if k not in state]
     if missing:
+        latent = [k for k in missing if "_latent_proj." in k]
+        why = f"moe_latent_size={getattr(cfg, 'moe_latent_size', None)}" if latent \
+            else f"pattern {cfg.pattern!r}"
         raise ConfigError(
-            f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''} required by its config.json "
-            f"(pattern {cfg.pattern!r})"
+            f"checkpoint {str(path)!r} is missing tensor(s) {(latent or missing)[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} required by its config.json ({why})"
         )
     return state, unexpected
 

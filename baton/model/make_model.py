@@ -1,4 +1,5 @@
-"""Write seeded random NemotronH checkpoints in the HF layout, for tests and benchmarks.
+"""Write seeded random NemotronH checkpoints in the HF layout, for tests and benchmarks
+(MoE experts one tensor each, as published checkpoints store them).
 
 The weights are scaled so the model is not degenerate: unit-variance embeddings, fan-in scaled
 projections, residual outputs shrunk by depth and an lm_head that gives logits of std ~1.5,
@@ -19,6 +20,7 @@ from baton.model.config import ModelConfig
 from baton.model.mtp import MTPHead, mtp_spec
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
+from baton.model.tokenizer_build import write_tokenizer
 
 TINY = dict(
     hybrid_override_pattern="M*M-M*M-",
@@ -86,13 +88,36 @@ def checkpoint_config(preset: str = "tiny", **fields) -> dict:
         fields = {"num_nextn_predict_layers": mtp, "mtp_hybrid_override_pattern": "*-", **fields}
     d = {**COMMON, **PRESETS[preset], **fields}
     d["num_hidden_layers"] = len(d["hybrid_override_pattern"])
+    if "E" in d["hybrid_override_pattern"]:
+        d = {**_moe_defaults(d), **d}
     return d
 
 
+def _moe_defaults(d: dict) -> dict:
+    """Nano-like router settings, expert widths scaled to the preset's MLP."""
+    return dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=d["intermediate_size"] // 2,
+        moe_shared_expert_intermediate_size=d["intermediate_size"], routed_scaling_factor=2.5,
+        n_group=1, topk_group=1, norm_topk_prob=True,
+    )
+
+
+FAMILIES = ("nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+"""What make-model writes (`--family`)."""
+
+
+def _add_tokenizer(out) -> None:
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    write_tokenizer(out, text["vocab_size"], text.get("max_position_embeddings", 131072))
+
+
 def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0,
-                     family: str = "nemotron_h", **fields) -> Path:
+                     family: str = "nemotron_h", tokenizer: bool = False, **fields) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json (a simple chat template)
-    of a seeded random model into `out_dir`.
+    of a seeded random model into `out_dir`; with `tokenizer`, also a Hugging Face
+    tokenizer.json (byte-level BPE trained on the shipped text, `tokenizer_build.py`), else
+    text is the byte-level fallback.
 
     `fields` override config.json entries (HF names, plus `pattern`). Returns `out_dir`.
     `family="qwen3_5"` writes a Qwen3.5 model instead (`baton.model.qwen3_5.make`).
@@ -100,9 +125,19 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     if family == "qwen3_5":
         from baton.model.qwen3_5.make import write_checkpoint as write_qwen
 
-        return write_qwen(out_dir, preset=preset, seed=seed, **fields)
+        out = write_qwen(out_dir, preset=preset, seed=seed, **fields)
+        if tokenizer:  # same special ids (0, 1, 2); its own chat template is kept
+            _add_tokenizer(out)
+        return out
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        from baton.model.qwen3_5.moe_make import write_checkpoint as write_qwen_moe
+
+        out = write_qwen_moe(out_dir, family=family, preset=preset, seed=seed, **fields)
+        if tokenizer:
+            _add_tokenizer(out)
+        return out
     if family != "nemotron_h":
-        raise ValueError(f"family={family!r}: make-model writes 'nemotron_h' or 'qwen3_5'")
+        raise ValueError(f"family={family!r}: make-model writes one of {list(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(preset, **fields)
@@ -111,6 +146,8 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    if tokenizer:
+        write_tokenizer(out, d["vocab_size"], d["max_position_embeddings"])
     return out
 
 
@@ -124,9 +161,22 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
+    shapes = _per_expert(shapes)
     gen = torch.Generator().manual_seed(seed)
     items = progress(sorted(shapes.items()), "making weights", "tensor")
     return {name: _init(name, shape, cfg, gen) for name, shape in items}
+
+
+def _per_expert(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Fused [E, out, in] expert parameters as the published layout's one tensor per expert."""
+    out = {}
+    for name, shape in shapes.items():
+        pre, _, proj = name.rpartition(".")
+        if pre.endswith(".experts") and len(shape) == 3:
+            out.update({f"{pre}.{e}.{proj}.weight": shape[1:] for e in range(shape[0])})
+        else:
+            out[name] = shape
+    return out
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen) -> torch.Tensor:
@@ -140,6 +190,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen) -> torch.Ten
         return torch.ones(shape)
     if name.endswith(".bias") and "conv1d" not in name:
         return torch.zeros(shape)
+    if name.endswith(".e_score_correction_bias"):
+        return normal(0.1)  # non-zero, as trained checkpoints: it steers the expert choice
     if name == "backbone.embeddings.weight":
         return normal(1.0)
     if name == "lm_head.weight":

@@ -12,8 +12,10 @@ from baton.errors import ConfigError
 # name -> (cache folder, write_checkpoint kwargs). Bump the folder's version when the recipe
 # changes so stale caches are never reused.
 NAMED = {
-    "tiny": ("tiny-v2", {"preset": "tiny", "seed": 0}),
-    "100m": ("100m-v2", {"preset": "100m", "seed": 0}),
+    "tiny": ("tiny-v3", {"preset": "tiny", "seed": 0, "tokenizer": True}),
+    "100m": ("100m-v3", {"preset": "100m", "seed": 0, "tokenizer": True}),
+    "qwen3_5-tiny": ("qwen3_5-tiny-v2", {"family": "qwen3_5", "preset": "tiny", "seed": 0,
+                                         "tokenizer": True}),
 }
 
 
@@ -22,7 +24,7 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A named model (`tiny`, `100m`) generated into the cache on first use, else a directory."""
+    """A named model (`tiny`, `100m`, `qwen3_5-tiny`) generated into the cache on first use, else a directory."""
     key = str(name_or_path)
     if key in NAMED:
         folder, kwargs = NAMED[key]

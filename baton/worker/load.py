@@ -10,6 +10,7 @@ import torch
 from baton.cache.canary import bad_blocks, bad_slots
 from baton.contract import WorkerLoad
 from baton.engine.loop import EngineLoop
+from baton.model.layers.moe import routed_tokens
 
 log = logging.getLogger("baton.worker")
 
@@ -46,9 +47,32 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
             out["pool_crc32"] = float(_pools_crc32(loop.engine.pools))
         if cache.canaries:
             out.update(canary_audit(loop.engine))
+        for layer, counts in expert_load(loop.engine).items():
+            out.update({f"expert_tokens_l{layer}_e{e}": float(c) for e, c in enumerate(counts)})
         return out
 
     return loop.call(read)
+
+
+def has_moe(engine) -> bool:
+    config = getattr(getattr(engine, "model", None), "config", None)
+    return bool(getattr(config, "moe_layers", ()))
+
+
+def expert_load(engine) -> dict[int, list[int]]:
+    """Tokens routed to each expert since start, by global MoE layer, over every pipeline
+    stage (Stats `expert_tokens_l{layer}_e{expert}`). Empty for a model without MoE layers.
+    Call on the engine loop's thread."""
+    if not has_moe(engine):
+        return {}
+    out = routed_tokens(getattr(engine.model, "stage", engine.model))
+    call = getattr(engine.model, "call", None)  # the other pipeline stages
+    if call is not None:
+        for reply in call("expert_load", lambda k: {}):
+            if not reply.get("ok"):
+                raise RuntimeError(f"a stage's expert load failed: {reply.get('error')}")
+            out.update({int(k): v for k, v in reply["layers"].items()})
+    return dict(sorted(out.items()))
 
 
 def tracked_counters(*parts) -> dict[str, float]:

@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from baton.contract import Role
 from baton.engine.loop import EngineLoop
 from baton.errors import BatonError
+from baton.worker.load import expert_load, has_moe
 from baton.worker.threads import thread_census
 
 disable_created_metrics()  # `_created` series only double every counter's size
@@ -60,6 +61,8 @@ class WorkerMetrics:
                                          "sampled", lab, registry=r)
         r.register(_EngineCollector(self.role, loop))
         r.register(_ThreadCollector(self.role))
+        if has_moe(getattr(loop, "engine", None)):
+            r.register(_ExpertCollector(self.role, loop))
         self._server = None
 
     def request_ended(self, outcome: str) -> None:
@@ -106,6 +109,26 @@ class _ThreadCollector:
                                 labels=["role", "kind"])
         fam.add_metric([self.role, "busy"], census.busy)
         fam.add_metric([self.role, "idle_pool"], census.idle_pool)
+        yield fam
+
+
+class _ExpertCollector:
+    """`baton_moe_top_expert_share{role, layer}`: the most loaded expert's share of the tokens
+    routed in that MoE layer since start (1/E when balanced, 1.0 when one expert gets all)."""
+
+    def __init__(self, role: str, loop: EngineLoop):
+        self.role, self.loop = role, loop
+
+    def collect(self):
+        try:
+            load = self.loop.call(lambda: expert_load(self.loop.engine))
+        except RuntimeError:  # the loop stopped (shutdown): nothing to report
+            return
+        fam = GaugeMetricFamily("baton_moe_top_expert_share", "Share of a MoE layer's routed "
+                                "tokens that went to its most loaded expert, since start",
+                                labels=["role", "layer"])
+        for layer, counts in load.items():
+            fam.add_metric([self.role, str(layer)], max(counts) / max(1, sum(counts)))
         yield fam
 
 

@@ -1,9 +1,10 @@
 """One answer as it streams in, and its OpenAI response shapes (completion or chat).
 
-`Answer` folds GenerateChunks into text, token ids and a finish reason. A stop string ends it
-early: the text before the stop string, the tokens through the one that completed it, and the
-summary that the stopped request still ends with. `Shape` words it as `text_completion` or
-`chat.completion` objects, whole or as stream chunks.
+`Answer` folds GenerateChunks into text, token ids, their logprobs and a finish reason. A stop
+string ends it early: the text before the stop string, the tokens through the one that completed
+it, and the summary that the stopped request still ends with. `Shape` words one or several
+answers (a list of prompts, `n`) as `text_completion` or `chat.completion` objects, whole or as
+stream chunks, with OpenAI's logprobs objects (`logprobs.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from baton.contract import GenerateChunk, GenerateSummary
+from baton.contract import GenerateChunk, GenerateSummary, TokenLogprob
+from router.http.logprobs import LogprobView
 from router.http.stops import StopStrings
 
 
@@ -25,10 +27,23 @@ class Answer:
     decode: Callable[[Sequence[int]], str] | None = None
     """The router tokenizer's decode: finds the token that completed a stop string inside a
     chunk of several (None: the whole chunk counts)."""
+    index: int = 0
+    """The choice's place in the response (prompt i, sample j: i * n + j)."""
+    counts_prompt: bool = True
+    """False for samples 1.. of a prompt: usage counts each prompt once."""
+    hide_output: bool = False
+    """max_tokens 0 (echo): the one token drawn is not part of the answer."""
+    echo_ids: list[int] | None = None
+    """echo: the prompt's ids (its text is `echo_text`), put before the answer."""
+    echo_text: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     summary: GenerateSummary | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    text_offset: int = 0
+    """Where the next token's text starts in the choice's text (completions logprobs)."""
 
     @property
     def done(self) -> bool:
@@ -39,25 +54,33 @@ class Answer:
         """Done, with the request's summary: a stop string ends the answer before it comes."""
         return self.done and self.summary is not None
 
-    def add(self, chunk: GenerateChunk) -> tuple[str, list[int]]:
-        """Folds in one chunk; returns the text and token ids it adds to the answer. After a stop
-        string only the summary is taken (the request ends with it, the tokens are past the
-        answer)."""
+    def add(self, chunk: GenerateChunk) -> tuple[str, list[int], list[TokenLogprob]]:
+        """Folds in one chunk; returns the text, token ids and logprobs it adds to the answer.
+        After a stop string only the summary is taken (the request ends with it, the tokens are
+        past the answer)."""
         if chunk.summary is not None:
             self.summary = chunk.summary
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if self.done:
-            return "", []
-        ids = list(chunk.token_ids)
+            return "", [], []
+        if self.hide_output:
+            if chunk.summary is not None:
+                self.finish_reason = "length"
+            return "", [], []
+        ids, lps = list(chunk.token_ids), list(chunk.logprobs)
         text, hit = self.stops.feed(chunk.text)
         if hit:
             self.finish_reason = "stop"
             ids = ids[: self._through_stop(ids)]
+            lps = lps[: len(ids)]
         elif chunk.summary is not None:
             self.finish_reason = chunk.summary.finish_reason.value
             text += self.stops.flush()
         self.text += text
         self.token_ids.extend(ids)
-        return text, ids
+        self.logprobs.extend(lps)
+        return text, ids, lps
 
     def _through_stop(self, ids: list[int]) -> int:
         """How many of a chunk's tokens the answer keeps when a stop string ended it there: up
@@ -94,26 +117,42 @@ class Answer:
         return out
 
 
+def usage(answers: Sequence[Answer]) -> dict:
+    """Every choice's tokens; each prompt counted once (its first sample)."""
+    first = [a for a in answers if a.counts_prompt]
+    prompt = sum(a.prompt_tokens for a in first)
+    n = sum(len(a.token_ids) for a in answers)
+    cached = sum(a.summary.cached_tokens for a in first if a.summary)
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 class Shape:
     """The envelope shared by both APIs; subclasses word the choice."""
 
     object = chunk_object = prefix = ""
 
-    def __init__(self, model: str, return_token_ids: bool):
+    def __init__(self, model: str, return_token_ids: bool, view: LogprobView | None = None):
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
         self.return_token_ids = return_token_ids
+        self.view = view
+        """How the answer's logprobs are worded; None: the request asked for none."""
 
-    def whole(self, a: Answer) -> dict:
-        choice = self.choice(a.text, a.finish_reason)
-        if self.return_token_ids:
-            choice["token_ids"] = a.token_ids
-        return {**self._head(self.object), "choices": [choice], "usage": a.usage(),
-                "baton": a.baton()}
+    def whole(self, answers: Sequence[Answer]) -> dict:
+        choices = []
+        for a in answers:
+            choice = self.choice(a, a.text, a.token_ids, a.logprobs, True)
+            if self.return_token_ids:
+                choice["token_ids"] = a.token_ids
+            choices.append(choice)
+        return {**self._head(self.object), "choices": choices, "usage": usage(answers),
+                "baton": answers[0].baton()}
 
-    def chunk(self, text: str, token_ids: list[int], a: Answer, first: bool) -> dict:
-        choice = self.delta(text, a.finish_reason, first)
+    def chunk(self, text: str, token_ids: list[int], lps: list[TokenLogprob], a: Answer,
+              first: bool) -> dict:
+        choice = self.delta(a, text, token_ids, lps, first)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         out = {**self._head(self.chunk_object), "choices": [choice]}
@@ -121,16 +160,18 @@ class Shape:
             out["baton"] = a.baton()
         return out
 
-    def usage_chunk(self, a: Answer) -> dict:
-        return {**self._head(self.chunk_object), "choices": [], "usage": a.usage()}
+    def usage_chunk(self, answers: Sequence[Answer]) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(answers)}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, text: str, finish: str | None) -> dict:
+    def choice(self, a: Answer, text: str, ids: list[int], lps: list[TokenLogprob],
+               first: bool) -> dict:
         raise NotImplementedError
 
-    def delta(self, text: str, finish: str | None, first: bool) -> dict:
+    def delta(self, a: Answer, text: str, ids: list[int], lps: list[TokenLogprob],
+              first: bool) -> dict:
         raise NotImplementedError
 
 
@@ -138,11 +179,21 @@ class CompletionShape(Shape):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
 
-    def choice(self, text, finish):
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(self, a, text, ids, lps, first):
+        lp = None
+        if first and a.echo_ids is not None:  # the prompt goes first, its token 0 unscored
+            text = a.echo_text + text
+            if self.view is not None:
+                scored = [None, *a.prompt_logprobs][: len(a.echo_ids)]
+                scored += [None] * (len(a.echo_ids) - len(scored))
+                lp = self.view.completion(a.echo_ids, scored, a)
+        if self.view is not None:
+            gen = self.view.completion(ids, lps, a)
+            lp = gen if lp is None else {k: lp[k] + gen[k] for k in lp}
+        return {"index": a.index, "text": text, "logprobs": lp, "finish_reason": a.finish_reason}
 
-    def delta(self, text, finish, first):
-        return self.choice(text, finish)
+    def delta(self, a, text, ids, lps, first):
+        return self.choice(a, text, ids, lps, first)
 
 
 class ChatShape(Shape):
@@ -150,10 +201,14 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl"
 
-    def choice(self, text, finish):
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
+    def choice(self, a, text, ids, lps, first):
+        return {"index": a.index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(ids, lps), "finish_reason": a.finish_reason}
 
-    def delta(self, text, finish, first):
+    def delta(self, a, text, ids, lps, first):
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": a.index, "delta": delta, "logprobs": self._logprobs(ids, lps),
+                "finish_reason": a.finish_reason}
+
+    def _logprobs(self, ids, lps):
+        return None if self.view is None else {"content": self.view.chat(ids, lps)}

@@ -1,47 +1,47 @@
 """The OpenAI-compatible routes: completions and chat completions (whole or streamed as
-server-sent events), models, health and Prometheus metrics.
+server-sent events), /tokenize and /detokenize, models, health and Prometheus metrics.
 
 Life of an HTTP request:
   1. the body is read (at most `router.http_max_body_bytes`) and validated (`schemas.py`);
-  2. the prompt is tokenized here (chat: rendered with the checkpoint's template first) and its
-     length checked against the model's context;
-  3. `bridge.Chunks` runs `Orchestrator.generate` on a thread, the same path as gRPC's Generate;
-  4. `answer.Answer` folds the chunks and `answer.Shape` words them; a stop string ends the
-     answer early: the request is stopped on both workers and its summary awaited (`_settle`);
-  5. a client that disconnects cancels the request, which aborts it on both workers.
+  2. each prompt is tokenized here (chat: rendered with the checkpoint's template first) and
+     its length checked against the model's context;
+  3. `generate.py` starts one request per choice (prompt x n); `bridge.Chunks` runs
+     `Orchestrator.generate` on a thread for each, the same path as gRPC's Generate;
+  4. `answer.Answer` folds a choice's chunks and `answer.Shape` words them (logprobs in
+     `logprobs.py`); a stop string ends the answer early: the request is stopped on both
+     workers and its summary awaited;
+  5. a client that disconnects cancels the requests, which aborts them on both workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from baton.contract import GenerateInput, Role, SamplingParams
-from baton.errors import BatonError, InvalidRequestError
+from baton.contract import Role
+from baton.errors import BatonError
 from baton.model.chat_template import ChatTemplate
-from router.http.answer import Answer, ChatShape, CompletionShape, Shape
-from router.http.bridge import Chunks, watch_disconnect
+from router.http import tokens
+from router.http.answer import ChatShape, CompletionShape
 from router.http.errors import (
     ApiError,
     api_error_response,
     baton_error_response,
     error_body,
     from_validation,
-    param_of,
 )
-from router.http.schemas import ChatCompletionRequest, CompletionRequest
-from router.http.stops import StopStrings
+from router.http.generate import generate
+from router.http.schemas import MAX_N, ChatCompletionRequest, CompletionRequest
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 
@@ -104,16 +104,24 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest, ctx)
-        prompt = await _off_loop(ctx, _completion_prompt, ctx, body.prompt)
-        max_tokens = _fit(ctx, len(prompt), body.max_tokens, "prompt")
-        return await _generate(ctx, request, body, prompt, max_tokens, CompletionShape)
+        prompts = await _off_loop(ctx, _completion_prompts, ctx, body.prompt)
+        limits = [_fit(ctx, len(p), max(1, body.max_tokens), "prompt") for p, _ in prompts]
+        return await generate(ctx, request, body, prompts, limits, CompletionShape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
         prompt = await _off_loop(ctx, _chat_prompt, ctx, body)
-        max_tokens = _fit(ctx, len(prompt), body.limit, "messages")
-        return await _generate(ctx, request, body, prompt, max_tokens, ChatShape)
+        limit = _fit(ctx, len(prompt), body.limit, "messages")
+        return await generate(ctx, request, body, [(prompt, "")], [limit], ChatShape)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokens.tokenize(ctx, await _read_body(request, ctx.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokens.detokenize(ctx, await _read_body(request, ctx.max_body_bytes))
 
     @app.get("/v1/models")
     async def models():
@@ -181,19 +189,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _completion_prompt(ctx: HttpContext, prompt) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; "
-                           "send one prompt per request", "prompt", "unsupported_parameter")
-        prompt = prompt[0]
-    ids = _encode(ctx, prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
+def _completion_prompts(ctx: HttpContext, prompt) -> list[tuple[list[int], str]]:
+    """(token ids, text) of each prompt of the request (a string, ids, or a list of either)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
         raise ApiError(400, "prompt is empty: send a non-empty prompt", "prompt")
-    bad = [t for t in ids if not 0 <= t < 2**31]
-    if bad:
-        raise ApiError(400, f"prompt: token ids must be in [0, 2^31), got {bad[:5]}", "prompt")
-    return ids
+    if len(prompt) > MAX_N:
+        raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is over the limit of "
+                       f"{MAX_N}; split it", "prompt")
+    out = []
+    for p in prompt:
+        ids = _encode(ctx, p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, "prompt is empty: send a non-empty prompt", "prompt")
+        bad = [t for t in ids if not 0 <= t < 2**31]
+        if bad:
+            raise ApiError(400, f"prompt: token ids must be in [0, 2^31), got {bad[:5]}",
+                           "prompt")
+        out.append((ids, p if isinstance(p, str) else None))
+    return out
 
 
 def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
@@ -201,7 +216,7 @@ def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+                for m in body.messages]  # content parts: their texts joined (schemas.py)
     ids = _encode(ctx, ctx.chat_template.render(messages))
     if not ids:
         raise ApiError(400, "messages: the rendered prompt is empty", "messages")
@@ -229,108 +244,3 @@ def _fit(ctx: HttpContext, prompt_len: int, max_tokens: int | None, param: str) 
                        f"tokens exceed the model's context length of {limit}; lower max_tokens",
                        "max_tokens", "context_length_exceeded")
     return max_tokens
-
-
-def _sampling(body, max_tokens: int) -> SamplingParams:
-    s = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0, seed=body.seed,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-    )
-    try:
-        s.validate()
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e), param_of(str(e))) from None
-    return s
-
-
-async def _generate(ctx: HttpContext, request: Request, body, prompt: list[int],
-                    max_tokens: int, shape_cls: type[Shape]):
-    shape = shape_cls(ctx.model_name, body.return_token_ids)
-    inp = GenerateInput(shape.id, tuple(prompt), None, _sampling(body, max_tokens),
-                        body.session_id or "")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    tok = ctx.orchestrator.tokenizer
-    answer = Answer(StopStrings(stops), len(prompt), body.session_id or "",
-                    tok.decode if tok is not None else None)
-    chunks = Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"), ctx.pool)
-    watcher = asyncio.create_task(watch_disconnect(request, chunks.cancel))
-    try:
-        first = await chunks.next_batch()  # errors before the first token keep their status
-    except BaseException:
-        _end(chunks, watcher, answer)
-        raise
-    if not body.stream:
-        try:
-            await _fold(chunks, answer, first)
-        finally:
-            _end(chunks, watcher, answer)
-        return JSONResponse(shape.whole(answer))
-    usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(chunks, watcher, answer, shape, first, usage)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-async def _fold(chunks: Chunks, answer: Answer, batch: list) -> None:
-    while batch:
-        for c in batch:
-            answer.add(c)
-        if answer.done:
-            break
-        batch = await chunks.next_batch()
-    await _settle(chunks, answer)
-
-
-async def _settle(chunks: Chunks, answer: Answer) -> None:
-    """When a stop string ended the answer before the request's summary: stops the request
-    (both workers are cancelled) and waits for the summary, which follows at once, so the
-    answer reports its cached tokens and workers like one ended by max_tokens. An error
-    meanwhile ends the wait: the answer is whole, only without its summary."""
-    if not answer.done or answer.complete:
-        return
-    chunks.stop()
-    try:
-        while not answer.complete:
-            batch = await chunks.next_batch()
-            if not batch:
-                return
-            for c in batch:
-                answer.add(c)
-    except Exception as e:  # noqa: BLE001 - the answer is whole: it goes out without summary
-        log.warning("a request ended by a stop string failed before its summary: %s", e)
-
-
-async def _events(chunks, watcher, answer: Answer, shape: Shape, batch: list, usage: bool):
-    first = True
-    try:
-        while batch:
-            text, ids = "", []
-            for c in batch:
-                t, i = answer.add(c)
-                text, ids = text + t, ids + i
-            await _settle(chunks, answer)  # the last event carries the summary's fields
-            yield _sse(shape.chunk(text, ids, answer, first))
-            first = False
-            if answer.done:
-                break
-            batch = await chunks.next_batch()
-        if usage:
-            yield _sse(shape.usage_chunk(answer))
-    except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream
-        yield _sse(json.loads(baton_error_response(e).body))
-    finally:
-        _end(chunks, watcher, answer)
-    yield "data: [DONE]\n\n"
-
-
-def _end(chunks: Chunks, watcher: asyncio.Task, answer: Answer) -> None:
-    watcher.cancel()
-    stopped_early = answer.finish_reason == "stop" and answer.summary is None
-    chunks.close("stop" if stopped_early else None)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

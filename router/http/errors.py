@@ -19,7 +19,8 @@ TYPE_OF_STATUS = {
     499: "cancelled", 503: "service_unavailable",
 }
 FIELD_WORDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "prompt",
-               "messages")
+               "messages", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "logit_bias", "min_tokens")
 """Fields an error from the router or a worker may start with; it becomes `param`."""
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

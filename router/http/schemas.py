@@ -5,7 +5,8 @@ OpenAI has and Baton does not implement are accepted only at their neutral value
 name otherwise (`unsupported()`), so a client never gets a silently different answer.
 
 Baton's extras, also accepted by vLLM under the same names: `session_id` (routes a chat's turns
-to the worker holding its prefix), `top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids`.
+to the worker holding its prefix), `top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
+`repetition_penalty`, `min_tokens`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from baton.sampling import MAX_LOGPROBS
+
+MAX_N = 16
+"""Most choices one request may ask for (`n`, or prompts x n): each holds a decode slot."""
 Temperature = Field(None, ge=0, le=2, allow_inf_nan=False)
 TopP = Field(None, gt=0, le=1, allow_inf_nan=False)
 Penalty = Field(None, ge=-2, le=2, allow_inf_nan=False)
@@ -32,7 +37,8 @@ class _Common(_Strict):
     temperature: float | None = Temperature
     """None = OpenAI's default, 1.0."""
     top_p: float | None = TopP
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    """Choices per prompt; choice i of a seeded request draws with seed + i."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -47,17 +53,17 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    repetition_penalty: float | None = Field(None, gt=0, le=100, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0, lt=2**31)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to a value Baton does not implement."""
         out = []
-        if self.n not in (None, 1):
-            out.append(("n", "only n=1 is supported; send one request per completion"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                out.append((name, "penalties are not supported; leave it out or send 0"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported; leave it out"))
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
+                out.append(("logit_bias", f"keys are token ids (decimal strings), got {key!r}"))
+            elif not -100 <= bias <= 100:
+                out.append(("logit_bias", f"values must be in [-100, 100], got {bias!r}"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options needs stream: true"))
         return out
@@ -65,39 +71,50 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=0)
+    """0 only with echo: the prompt's logprobs alone (lm-eval's loglikelihood)."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported; leave the field out"))
-        if self.echo:
-            out.append(("echo", "echo is not supported; leave it out or send false"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens must be >= 1 (0 only with echo: true)"))
+        if self.best_of not in (None, self.n or 1):
+            out.append(("best_of", f"best_of must equal n ({self.n or 1}): every sample is "
+                                   "returned, none is picked on the server"))
         if self.suffix:
             out.append(("suffix", "suffix (insertion) is not supported"))
         return out
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are read (`non_text`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
+
+    def non_text(self) -> str | None:
+        """Why the content cannot be read (a part that is not text), or None."""
+        for j, p in enumerate(self.content if isinstance(self.content, list) else []):
+            if p.type != "text" or p.text is None:
+                return (f"content[{j}] is a {p.type!r} part: this model reads text only; "
+                        "send {\"type\": \"text\", \"text\": ...} parts")
+        return None
 
 
 class ResponseFormat(_Strict):
@@ -110,7 +127,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     """OpenAI's newer name for max_tokens; None = up to the model's context length."""
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    """Refused by name: echo is a /v1/completions field."""
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -118,8 +137,14 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported; leave the field out"))
+        for i, m in enumerate(self.messages):
+            why = m.non_text()
+            if why:
+                out.append((f"messages[{i}].content", why))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.echo is not None:
+            out.append(("echo", "echo is a /v1/completions field; chat answers never echo"))
         if self.tools or self.tool_choice not in (None, "none"):
             out.append(("tools", "tool calling is not supported; leave tools out"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:

@@ -342,8 +342,8 @@ BAD_REQUESTS = [
     ("prompt + max_tokens over max length", {**GOOD, "prompt": [5] * 2000, "max_tokens": 100},
      400, "max_tokens"),
     ("token id outside the vocabulary", {**GOOD, "prompt": [5, 10**6]}, 400, "prompt"),
-    ("logprobs", {**GOOD, "logprobs": 2}, 400, "logprobs"),
-    ("n > 1", {**GOOD, "n": 2}, 400, "n"),
+    ("logprobs over 20", {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("n over the limit", {**GOOD, "n": 17}, 400, "n"),
     ("malformed JSON", b'{"model": "tiny", "prompt": [5', 400, None),
     ("10 MB body", json.dumps({**GOOD, "prompt": "x" * (10 * 2**20)}).encode(), 413, None),
 ]

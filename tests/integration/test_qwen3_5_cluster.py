@@ -1,5 +1,6 @@
 """Qwen3.5 served disaggregated: 2 prefill (PP 2 with an attention-free stage 0, and PP 1) and
-2 decode workers, KV plus both DeltaNet tensors over NIXL, canaries in every free block/slot.
+2 decode workers, KV plus both DeltaNet tensors over NIXL (streamed layer by layer), canaries
+in every free block and slot.
 
 Pattern `GGG*G*`: the PP-2 prefill worker splits it [3, 3], so stage 0 holds only DeltaNet
 layers (no KV pool) and stage 1 both kinds. Every token is checked against `--local`
@@ -43,7 +44,7 @@ CONFIG = {
     "router": {"policy": "prefix_aware", "eject_after_seconds": 3.0, "heartbeat_seconds": 0.3,
                "local_prefill_max_tokens": LIMIT},
     "worker": {"max_num_seqs": 16, "max_model_len": 2048, "prefill_chunk_size": 64},
-    "transfer": {"lease_seconds": 60.0},
+    "transfer": {"lease_seconds": 60.0, "layerwise": True},
 }
 NO_REUSE = {**CONFIG, "cache": {**CONFIG["cache"], "enable_prefix_reuse": False}}
 PP2 = {"prefill": {"pipeline_parallel_size": 2, "pp_layer_partition": [3, 3]}}
@@ -86,6 +87,10 @@ def test_disaggregated_qwen_equals_local_on_both_prefill_pp_sizes(setup):
     for wid, c in counters.items():
         assert c["canary_bad_blocks"] == 0 and c["canary_bad_slots"] == 0, (wid, c)
         assert c["canary_slots_checked"] > 0, (wid, c)
+    # layer-wise streaming: the long prompts' KV and DeltaNet state went layer by layer
+    prefill = [c for wid, c in counters.items() if wid.startswith("prefill")]
+    assert sum(c["handoffs"] for c in prefill) == len(specs)
+    assert sum(c["streamed_handoffs"] for c in prefill) >= 1, prefill
 
 
 def _adopted(cluster) -> dict[str, float]:

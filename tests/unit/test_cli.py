@@ -109,6 +109,26 @@ def test_generate_router_refuses_unencodable_values_in_one_line(capsys, flags, m
     assert err[0].startswith(f"request req-1 failed: invalid request: {message}")
 
 
+def test_generate_json_carries_logprobs_only_when_asked(model_dir, capsys):
+    assert main(["generate", "--local", "--model", str(model_dir), "--prompt-ids", "5,6,7",
+                 "--max-tokens", "3", "--logprobs", "2", "--prompt-logprobs", "0",
+                 "--json"]) == 0
+    (out,) = _lines(capsys)
+    assert set(out) == FIELDS | {"logprobs", "prompt_logprobs"}
+    assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
+    assert all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in out["logprobs"])
+    assert [(lp["token_id"], lp["top"]) for lp in out["prompt_logprobs"]] == [(6, []), (7, [])]
+
+
+def test_bad_flag_values_are_one_line_with_no_traceback(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--local", "--prompt-ids", "5", "--max-tokens", "many"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0] == ("baton generate: error: argument --max-tokens: invalid int value: 'many' "
+                      "(see baton generate --help)")
+
+
 @pytest.mark.parametrize("layout", [[], ["--multimodal"]], ids=["text", "multimodal"])
 def test_make_model_qwen3_5_then_generate(tmp_path, capsys, layout):
     out = tmp_path / "q"

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from baton.errors import ConfigError
-from baton.model.registry import resolve_model
+from baton.model.registry import resolve_model, served_name
 from baton.model.tokenizer import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
@@ -30,11 +30,12 @@ def test_tiny_is_generated_once_even_when_racing(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert not errors
-    assert set(results) == {tmp_path / "tiny-v2"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v2"]  # no temp dirs left
-    assert {p.name for p in (tmp_path / "tiny-v2").iterdir()} == {
+    assert set(results) == {tmp_path / "tiny-v3"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-v3"]  # no temp dirs left
+    assert {p.name for p in (tmp_path / "tiny-v3").iterdir()} == {
         "config.json",
         "model.safetensors",
+        "tokenizer.json",
         "tokenizer_config.json",
     }
 
@@ -73,3 +74,13 @@ def test_tokenizer_json_is_used_when_present(tmp_path, caplog):
     assert "tokenizer.json" in caplog.text and "tokenizer.json" in tok.name
     assert tok.encode("hello baton world") == [1, 3, 2]
     assert tok.decode([1, 3, 2]) == "hello baton world"
+
+
+def test_qwen3_5_tiny_is_a_named_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
+    path = resolve_model("qwen3_5-tiny")
+    assert path == tmp_path / "qwen3_5-tiny-v2" and served_name(path) == "qwen3_5-tiny"
+    from baton.model.config import load_config
+
+    cfg = load_config(path)
+    assert (cfg.family, cfg.pattern) == ("qwen3_5", "GGG*GGG*")

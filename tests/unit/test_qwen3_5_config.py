@@ -99,3 +99,21 @@ def test_recurrent_state_stays_float32_in_a_bfloat16_model(tmp_path):
     logits = model.decode(first[None], torch.tensor([37]), [[0, 1, 2]], torch.tensor([1]), pools)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert pools.state["recurrent"][:, 1].abs().sum() > 0 and pools.state["recurrent"][:, 0].abs().sum() == 0
+
+
+def test_attention_bias_is_honoured_as_transformers_does(tmp_path):
+    import torch
+    import transformers
+
+    from baton.model.loader import load_model
+
+    out = write_checkpoint(tmp_path / "bias", seed=3, attention_bias=True, pattern="G*")
+    model = load_model(out)
+    assert model.model.layers[1].self_attn.q_proj.bias is not None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.arange(3, 83)
+    pools = model.make_pools(num_blocks=6, tokens_per_block=16, num_slots=1)
+    ours = model.prefill(ids, 0, list(range(6)), 0, pools, all_logits=True)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4

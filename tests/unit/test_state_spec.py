@@ -15,10 +15,10 @@ import torch
 
 from baton.cache import canary
 from baton.errors import ConfigError
-from baton.model.config import ModelConfig
+from baton.model.config import ModelConfig, config_from_dict
 from baton.model.pools import Pools, PoolSpec
 from baton.model.state_spec import StateTensorSpec
-from tests.support.testbed import tiny_model
+from tests.support.testbed import tiny_model, tiny_qwen
 from transfer.layout import StageLayout
 from transfer.planner import plan
 
@@ -54,6 +54,8 @@ class DeltaNetLike:
 
 
 DELTA = DeltaNetLike()
+QWEN = config_from_dict(tiny_qwen("GG*G"))
+CONFIGS, CONFIG_IDS = [NEMOTRON, DELTA, QWEN], ["nemotron_h", "deltanet_like", "qwen3_5"]
 
 
 def pools_of(cfg, dtype=torch.float32, layers=None, slots=3):
@@ -72,6 +74,14 @@ def test_declared_shapes_and_sections():
     assert p.state["recurrent"].shape == (3, 3, 4, 4, 2)
     assert p.state["recurrent"].dtype == torch.float32  # the declared dtype, not the pools'
     assert p.spec.state_bytes_per_slot() == 3 * (24 * 2 * 2 + 4 * 4 * 2 * 4)
+    # the real Qwen3.5 declaration: conv [q | k | v] (2*2*4 + 4*6 channels, K-1 = 2), the
+    # recurrent [HV, dk, dv] in float32 whatever the pools' dtype
+    conv, rec = QWEN.state_tensors
+    assert (conv.shape, conv.widths, conv.section_names) == ((40, 2), (8, 8, 24), ("q", "k", "v"))
+    assert (rec.shape, rec.dtype, rec.widths) == ((4, 4, 6), "float32", (4,))
+    q = pools_of(QWEN, dtype=torch.bfloat16)
+    assert q.spec.state_layers == (0, 1, 3) and q.spec.attn_layers == (2,)
+    assert q.spec.state_bytes_per_slot() == 3 * (40 * 2 * 2 + 4 * 4 * 6 * 4)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -85,7 +95,7 @@ def test_bad_declarations_are_refused(kw, needle):
         StateTensorSpec("t", **kw)
 
 
-@pytest.mark.parametrize("cfg", [NEMOTRON, DELTA], ids=["nemotron_h", "deltanet_like"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_slot_copy_zero_fill_cover_every_declared_tensor(cfg):
     p = pools_of(cfg)
     for i, t in enumerate(p.state.values()):
@@ -102,7 +112,7 @@ def test_slot_copy_zero_fill_cover_every_declared_tensor(cfg):
     assert canary.bad_slots(p, [0]) == [0]
 
 
-@pytest.mark.parametrize("cfg", [NEMOTRON, DELTA], ids=["nemotron_h", "deltanet_like"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_every_descriptor_address_computed_from_the_spec(cfg):
     """Unit table rows and section ranges, recomputed from the spec's shapes and dtypes and
     each pool tensor's base address alone, equal the pool tensors' own addresses."""

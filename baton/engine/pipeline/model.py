@@ -98,6 +98,10 @@ class PipelineModel:
         return self.stage.dtype
 
     # ---- the NemotronHModel contract the engine uses --------------------------------------
+    scores_every_position = False
+    """Only the last stage holds the head and it returns last-position logits: requests that
+    ask for prompt logprobs are refused up front (Engine.validate)."""
+
     def prefill_batch(self, input_ids, start_positions, block_tables, slots, pools=None,
                       all_logits: bool = False, on_layer=None) -> torch.Tensor:
         if all_logits:

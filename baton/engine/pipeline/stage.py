@@ -7,8 +7,9 @@ A micro-batch's plan (msgpack, from stage 0):
 A stage other than 0 receives its input hidden states from the stage before it and sends
 its output to the stage after it; the last stage sends float32 logits (last token of each
 sequence) to stage 0. Other control ops: "sync" (apply ops, reply), "call" (a role's
-handler, e.g. a transfer agent's; replies when asked; built in: "stats" (busy seconds) and
-"canaries" (which of the given free blocks/slots lost their canary)), "stop".
+handler, e.g. a transfer agent's; replies when asked; built in: "stats" (busy seconds),
+"canaries" (which of the given free blocks/slots lost their canary) and "expert_load" (tokens
+routed to each expert of the stage's MoE layers)), "stop".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from baton.cache.canary import bad_blocks, bad_slots
 from baton.engine.pipeline.channel import TAG_CTRL, TAG_HIDDEN, TAG_OUT, TAG_REPLY, Channel
 from baton.engine.pipeline.mirror import apply_ops
+from baton.model.layers.moe import routed_tokens
 from baton.model.paged import decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools
 from baton.model.stage import StageModel
@@ -70,6 +72,8 @@ class StageLoop:
         self.handlers["stats"] = lambda msg: {"busy_s": self.busy_s}
         self.handlers["canaries"] = lambda a: {"bad_blocks": bad_blocks(pools, a["blocks"]),
                                                "bad_slots": bad_slots(pools, a["slots"])}
+        self.handlers["expert_load"] = lambda a: {
+            "layers": {str(i): c for i, c in routed_tokens(model).items()}}
 
     def run(self) -> None:
         while True:

@@ -93,9 +93,12 @@ class SpeculativeDecoder:
         """Steps (per request that drafted) by drafts accepted, 0..K."""
 
     def wants(self, req: Request) -> bool:
-        """Whether `req` speculates: any request decoding here (not a prefill-only handoff);
-        greedy ones by argmax, others by the rejection rule (rejection.py)."""
-        return not req.prefill_only
+        """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
+        greedy ones by argmax, others by the rejection rule (rejection.py). One whose draw
+        needs the processed distribution of every position (penalties, logit_bias,
+        min_tokens) or its logprobs decodes one token a step through the sampler instead."""
+        s = req.sampling
+        return not req.prefill_only and not s.penalized and s.logprobs is None
 
     def kv_wanted(self, req: Request) -> bool:
         """Whether a prefill chunk of `req` writes the head's KV: when it speculates here, or

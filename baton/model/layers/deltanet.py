@@ -18,11 +18,6 @@ from baton.model.layers.gdn import chunk_scan, recurrent_step_
 from baton.model.paged import StepContext
 
 
-def state_pool(ctx: StepContext, layer: int, name: str) -> torch.Tensor:
-    """[num_slots, *shape] of state tensor `name` ("conv" / "recurrent") of global `layer`."""
-    return ctx.state(layer, name)
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -53,8 +48,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._qkv(self._conv(window).transpose(1, 2), (n, T))
         g, beta = self._gates(h)
         o, final = chunk_scan(q, k, v, g, beta, rec, self.chunk)
-        conv_pool = state_pool(ctx, self.layer_idx, "conv")
-        rec_pool = state_pool(ctx, self.layer_idx, "recurrent")
+        conv_pool = ctx.state(self.layer_idx, "conv")
+        rec_pool = ctx.state(self.layer_idx, "recurrent")
         tail = window[..., window.shape[-1] - conv_pool.shape[-1]:]
         conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
         rec_pool.index_copy_(0, ctx.slots, final.to(rec_pool.dtype))
@@ -64,12 +59,12 @@ class GatedDeltaNet(nn.Module):
         """h [b, hidden], one token per sequence; updates the states of `ctx.slots`."""
         b = h.shape[0]
         qkv = self.in_proj_qkv(h)
-        conv_pool = state_pool(ctx, self.layer_idx, "conv")
-        rec_pool = state_pool(ctx, self.layer_idx, "recurrent")
+        conv_pool = ctx.state(self.layer_idx, "conv")
+        rec_pool = ctx.state(self.layer_idx, "recurrent")
         in_place = ctx.slot_range is not None
         conv = conv_pool[ctx.slot_range] if in_place else conv_pool.index_select(0, ctx.slots)
         window = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], dim=-1)
-        q, k, v = self._qkv(self._conv(window)[..., 0], (b,))
+        q, k, v = self._qkv(self._conv_step(window), (b,))
         conv.copy_(window[:, :, 1:])
         g, beta = self._gates(h)
         live = in_place and rec_pool.dtype == torch.float32
@@ -84,8 +79,8 @@ class GatedDeltaNet(nn.Module):
     def _prefill_states(self, ctx: StepContext):
         """(conv, recurrent) the n sequences start from: their slots', zeros where fresh (a
         fresh slot is never read: it may hold a finished request's state)."""
-        conv_pool = state_pool(ctx, self.layer_idx, "conv")
-        rec_pool = state_pool(ctx, self.layer_idx, "recurrent")
+        conv_pool = ctx.state(self.layer_idx, "conv")
+        rec_pool = ctx.state(self.layer_idx, "recurrent")
         n = len(ctx.fresh)
         if all(ctx.fresh):
             return conv_pool.new_zeros((n, *conv_pool.shape[1:])), None
@@ -97,9 +92,18 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + SiLU: window [b, C, K-1+n] -> [b, C, n], the op transformers
-        runs (so the same rounding) for prefill and the decode step."""
+        runs (so its rounding: an error the scan would amplify)."""
         w = self.conv1d.weight.to(window.dtype)
         return F.silu(F.conv1d(window, w, groups=w.shape[0]))
+
+    def _conv_step(self, window: torch.Tensor) -> torch.Tensor:
+        """The conv + SiLU of one new token per sequence: window [b, C, K] -> [b, C], as K
+        multiply-adds (a conv kernel call costs more than the whole sum at this size)."""
+        w = self.conv1d.weight[:, 0].to(window.dtype)
+        out = window[..., 0] * w[:, 0]
+        for j in range(1, w.shape[1]):
+            out = out + window[..., j] * w[:, j]
+        return F.silu(out)
 
     def _qkv(self, x: torch.Tensor, lead: tuple[int, ...]):
         q, k, v = x.split(self.sections, dim=-1)

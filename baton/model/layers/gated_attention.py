@@ -44,10 +44,11 @@ class GatedAttention(nn.Module):
         self.head_dim = hd = cfg.head_dim
         self.scale = hd**-0.5
         self.rotary_dim, self.theta = cfg.rotary_dim, cfg.rope_theta
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, cfg.hidden_size, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, cfg.hidden_size, bias=bias)
         self.q_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
 

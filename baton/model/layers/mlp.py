@@ -1,4 +1,5 @@
-"""The `-` layer of NemotronH: a two-matrix MLP with a squared-ReLU activation."""
+"""The `-` layer of NemotronH: a two-matrix MLP with a squared-ReLU activation (also the shared
+expert of its `E` layers, at its own width)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,24 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"relu2": _relu2, "silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ConfigError(
+            f"mlp_hidden_act={name!r} is not supported: use one of {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    stateless = True
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, intermediate_size: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        if cfg.mlp_hidden_act not in ACTIVATIONS:
-            raise ConfigError(
-                f"mlp_hidden_act={cfg.mlp_hidden_act!r} is not supported: use one of "
-                f"{sorted(ACTIVATIONS)}"
-            )
-        self.act = ACTIVATIONS[cfg.mlp_hidden_act]
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = activation(cfg.mlp_hidden_act)
+        width = intermediate_size or cfg.intermediate_size
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))

@@ -1,4 +1,4 @@
-"""NemotronH: Mamba2 (`M`), attention (`*`), MLP (`-`) layers, one mixer per layer.
+"""NemotronH: Mamba2 (`M`), attention (`*`), MLP (`-`), MoE (`E`) layers, one mixer per layer.
 
 `config` is importable alone (no torch); the model classes load on first use.
 """

@@ -12,7 +12,7 @@ from baton.model.state_spec import StateTensorSpec
 
 # transformers 5 writes `layers_block_type`; published checkpoints use the pattern string.
 BLOCK_TYPE_TO_CHAR = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
-SUPPORTED_CHARS = "M*-"
+SUPPORTED_CHARS = "M*-E"
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     pattern: str
-    """One char per layer: M = Mamba2, * = attention, - = MLP."""
+    """One char per layer: M = Mamba2, * = attention, - = MLP, E = mixture of experts."""
     num_attention_heads: int = 32
     num_key_value_heads: int = 8
     head_dim: int = 128
@@ -44,6 +44,19 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     residual_in_fp32: bool = False
+    n_routed_experts: int = 8
+    """Routed experts per `E` layer (defaults here and below are transformers')."""
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    """Width of the one shared expert, which runs on every token's (non-latent) input."""
+    moe_latent_size: int | None = None
+    """Set: routed experts work in this latent width between fc1/fc2_latent_proj."""
+    n_group: int = 1
+    """Experts are split into n_group groups; only the best topk_group groups are eligible."""
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
     eos_token_id: tuple[int, ...] = (2,)
     bos_token_id: int | None = 1
     pad_token_id: int | None = 0
@@ -55,7 +68,7 @@ class ModelConfig:
         if bad:
             raise ConfigError(
                 f"unsupported layer kind(s) {bad} in pattern {self.pattern!r}: "
-                f"Baton supports {list(SUPPORTED_CHARS)} (M=Mamba2, *=attention, -=MLP)"
+                f"Baton supports {list(SUPPORTED_CHARS)} (M=Mamba2, *=attention, -=MLP, E=MoE)"
             )
         if not self.pattern:
             raise ConfigError("the model has no layers: pattern is empty")
@@ -68,6 +81,8 @@ class ModelConfig:
             raise ConfigError(
                 f"mamba_num_heads={self.mamba_num_heads} is not a multiple of n_groups={self.n_groups}"
             )
+        if "E" in self.pattern:
+            _check_moe(self)
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +95,11 @@ class ModelConfig:
     @cached_property
     def mamba_layers(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.pattern) if c == "M")
+
+    @cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global ids of the `E` layers: they hold weights only, no KV and no state."""
+        return tuple(i for i, c in enumerate(self.pattern) if c == "E")
 
     family = "nemotron_h"
 
@@ -165,6 +185,7 @@ class ModelConfig:
             max_position_embeddings=int(pick("max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(pick("tie_word_embeddings", default=False)),
             residual_in_fp32=bool(pick("residual_in_fp32", default=False)),
+            **_moe_fields(d, pick),
             eos_token_id=eos_ids,
             bos_token_id=pick("bos_token_id"),
             pad_token_id=pick("pad_token_id"),
@@ -181,6 +202,52 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
         return cls.from_dict(d)
+
+
+def _moe_fields(d: dict, pick) -> dict:
+    latent = pick("moe_latent_size")
+    return dict(
+        n_routed_experts=int(pick("n_routed_experts", "num_local_experts", default=8)),
+        num_experts_per_tok=int(pick("num_experts_per_tok", default=2)),
+        moe_intermediate_size=int(pick("moe_intermediate_size", default=7688)),
+        moe_shared_expert_intermediate_size=int(
+            pick("moe_shared_expert_intermediate_size", default=7688)
+        ),
+        moe_latent_size=None if latent is None else int(latent),
+        n_group=int(pick("n_group", default=1)),
+        topk_group=int(pick("topk_group", default=1)),
+        norm_topk_prob=bool(pick("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(pick("routed_scaling_factor", default=1.0)),
+    )
+
+
+def _check_moe(c: ModelConfig) -> None:
+    """Router settings the `E` layers cannot run with; each error names the field and limit."""
+    e, k = c.n_routed_experts, c.num_experts_per_tok
+    if e < 1 or not 1 <= k <= e:
+        raise ConfigError(
+            f"num_experts_per_tok={k} must be between 1 and n_routed_experts={e}"
+        )
+    if c.n_group < 1 or e % c.n_group:
+        raise ConfigError(
+            f"n_routed_experts={e} cannot be split into n_group={c.n_group} equal groups: "
+            f"make n_group a divisor of {e}"
+        )
+    if not 1 <= c.topk_group <= c.n_group:
+        raise ConfigError(f"topk_group={c.topk_group} must be between 1 and n_group={c.n_group}")
+    per_group = e // c.n_group
+    if c.n_group > 1 and per_group < 2:
+        raise ConfigError(
+            f"n_group={c.n_group} leaves {per_group} expert per group; a group is scored by "
+            f"its two best experts, so n_group must be at most {e // 2}"
+        )
+    if k > c.topk_group * per_group:
+        raise ConfigError(
+            f"num_experts_per_tok={k} is more than the {c.topk_group * per_group} experts of "
+            f"the topk_group={c.topk_group} eligible groups"
+        )
+    if c.moe_latent_size is not None and c.moe_latent_size < 1:
+        raise ConfigError(f"moe_latent_size={c.moe_latent_size} must be positive (or absent)")
 
 
 def _as_float(x) -> float:

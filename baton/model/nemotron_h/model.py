@@ -15,12 +15,13 @@ from baton.errors import ConfigError, InvalidRequestError
 from baton.model.layers.attention import Attention
 from baton.model.layers.mamba2 import Mamba2Mixer
 from baton.model.layers.mlp import MLP
+from baton.model.layers.moe import MoE
 from baton.model.layers.norms import RMSNorm
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools, PoolSpec
 
-MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": MLP}
+MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": MLP, "E": MoE}
 
 
 class Block(nn.Module):
@@ -30,7 +31,8 @@ class Block(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.mixer = MIXERS[cfg.pattern[layer_idx]](cfg, layer_idx=layer_idx)
-        self.stateless = isinstance(self.mixer, MLP)
+        # MLP and MoE mixers read no KV or state: one forward for prefill and decode
+        self.stateless = getattr(self.mixer, "stateless", False)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
         x = self.norm(h)

@@ -33,6 +33,8 @@ class Qwen35Config:
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    """q/k/v/o projections of the attention layers carry a bias (transformers honours it)."""
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25
@@ -161,6 +163,7 @@ def _from_text(t: dict, multimodal: bool, top: dict) -> Qwen35Config:
         linear_value_head_dim=int(pick("linear_value_head_dim", 128)),
         linear_conv_kernel_dim=int(pick("linear_conv_kernel_dim", 4)),
         rms_norm_eps=float(pick("rms_norm_eps", 1e-6)),
+        attention_bias=bool(pick("attention_bias", False)),
         hidden_act=str(pick("hidden_act", "silu")),
         rope_theta=float(rope.get("rope_theta", pick("rope_theta", 10000.0))),
         partial_rotary_factor=float(

@@ -33,9 +33,9 @@ TINY = dict(
     linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 )
-# ~100M parameters: 18 DeltaNet and 6 attention layers at hidden 768.
+# ~100M parameters: 12 DeltaNet and 4 attention layers at hidden 768.
 M100 = dict(
-    vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=24,
+    vocab_size=16384, hidden_size=768, intermediate_size=1280, num_hidden_layers=16,
     num_attention_heads=8, num_key_value_heads=2, head_dim=128,
     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
     linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
@@ -142,6 +142,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: Qwen35Config, gen) -> torch.Te
         return normal(1.0)
     if name == "lm_head.weight":
         return normal(1.5 / math.sqrt(cfg.hidden_size))
+    if name.endswith(".bias"):
+        return normal(0.1)
     if name.endswith(".A_log"):
         return torch.log(0.1 + 3.9 * torch.rand(shape, generator=gen))
     if name.endswith(".dt_bias"):
@@ -149,7 +151,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: Qwen35Config, gen) -> torch.Te
     if "conv1d" in name:
         bound = 1 / math.sqrt(cfg.linear_conv_kernel_dim)
         return (2 * torch.rand(shape, generator=gen) - 1) * bound
-    std = 1 / math.sqrt(shape[1])
-    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+    std = 1 / math.sqrt(shape[-1])  # fan-in (the last axis; MoE experts are [E, out, in])
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight",
+                      "experts.down_proj")):
         std /= math.sqrt(cfg.num_layers)  # keep the residual stream from growing with depth
     return normal(std)

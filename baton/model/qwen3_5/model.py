@@ -16,8 +16,8 @@ from torch import nn
 from baton.errors import ConfigError, InvalidRequestError
 from baton.model.layers.deltanet import GatedDeltaNet
 from baton.model.layers.gated_attention import GatedAttention
-from baton.model.layers.gated_mlp import GatedMLP
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
+from baton.model.layers.qwen_moe import feed_forward
 from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools, PoolSpec
 from baton.model.qwen3_5.config import Qwen35Config
@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
             self.self_attn = GatedAttention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = feed_forward(cfg, layer_idx)  # SwiGLU, or the MoE block (MoE families)
 
     @property
     def mixer(self) -> nn.Module:

@@ -44,7 +44,7 @@ class Qwen35Stage(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.layers[str(self.layer_ids[0])].mlp.up_proj.weight.dtype
+        return self.model.layers[str(self.layer_ids[0])].post_attention_layernorm.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids.to(self.device))

@@ -1,0 +1,162 @@
+"""Mixture-of-experts layers: the routers (NemotronH's sigmoid group top-k, Qwen's softmax
+top-k), the grouped expert kernel both use, and NemotronH's `E` mixer.
+
+Only the experts a token is routed to run, one matmul pair per active expert:
+
+    x [N, d] --router--> experts [N, k] (long), weights [N, k] (float32)
+    pairs (token, choice) sorted by expert id    order = argsort(experts.flatten())
+        sorted pairs   | e0 e0 e0 | e2 | e5 e5 | ...       runs, one per active expert
+    expert e:  y[run_e] = down_e(act(up_e(x[token of each pair in run_e])))
+    out [N, d] float32  index_add_(token, weight * y)  -> cast to x's dtype
+
+The float32 accumulation is transformers' (its experts add into a float32 buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.model.layers.mlp import MLP, activation
+from baton.model.nemotron_h.config import ModelConfig
+
+
+class Routing(NamedTuple):
+    experts: torch.Tensor
+    """[N, k] long: the experts chosen for each token."""
+    weights: torch.Tensor
+    """[N, k] float32: each choice's weight in the token's output."""
+
+
+def sigmoid_group_topk(
+    logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
+    norm: bool, scale: float,
+) -> Routing:
+    """DeepSeek-V3 routing as transformers' NemotronHTopkRouter: the bias steers the choice
+    only; the weights are the unbiased sigmoid scores of the chosen experts."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if topk_group < n_group:  # with every group kept the mask is a no-op
+        n, e = choice.shape
+        grouped = choice.view(n, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(experts, weights * scale)
+
+
+def softmax_topk(logits: torch.Tensor, *, top_k: int, norm: bool) -> Routing:
+    """Qwen routing: softmax over all experts in float32, top-k, optionally renormalised."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)
+
+
+def run_experts(
+    x: torch.Tensor, routing: Routing, up: torch.Tensor, down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted sum of the chosen experts' outputs for tokens x [N, d_in].
+
+    up [E, U, d_in] (U = I, or 2I for gated experts whose `act` splits it), down [E, d_out, I].
+    Returns (out [N, d_out] in x's dtype, tokens routed to each expert [E] long on the CPU).
+    """
+    n, k = routing.experts.shape
+    flat = routing.experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=up.shape[0]).cpu()  # one sync: run lengths
+    token = order // k
+    xs = x[token]
+    ys = torch.empty(n * k, down.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            run = slice(start, start + c)
+            torch.mm(act(torch.mm(xs[run], up[e].t())), down[e].t(), out=ys[run])
+            start += c
+    out = torch.zeros(n, down.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
+    return out.to(x.dtype), counts
+
+
+class TopkRouter(nn.Module):
+    """`mixer.gate`: float32 weight [E, H] and the choice-only bias [E]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(e, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight)
+        return sigmoid_group_topk(
+            logits, self.e_score_correction_bias, top_k=c.num_experts_per_tok,
+            n_group=c.n_group, topk_group=c.topk_group, norm=c.norm_topk_prob,
+            scale=c.routed_scaling_factor,
+        )
+
+
+class Experts(nn.Module):
+    """`mixer.experts`: non-gated experts stacked as transformers 5 stores them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+        d = cfg.moe_latent_size or cfg.hidden_size
+        self.up_proj = nn.Parameter(torch.empty(e, i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+
+class MoE(nn.Module):
+    """The `E` layer of NemotronH: routed experts (optionally in a latent width) plus one
+    shared expert on the layer's input. No KV, no state."""
+
+    stateless = True
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.act = activation(cfg.mlp_hidden_act)
+        self.gate = TopkRouter(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg, layer_idx, cfg.moe_shared_expert_intermediate_size)
+        self.latent = cfg.moe_latent_size is not None
+        if self.latent:
+            h, lat = cfg.hidden_size, cfg.moe_latent_size
+            self.fc1_latent_proj = nn.Linear(h, lat, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(lat, h, bias=cfg.mlp_bias)
+        # explicit device: the model is built on "meta" before its weights are assigned
+        self.routed_tokens = torch.zeros(cfg.n_routed_experts, dtype=torch.long, device="cpu")
+        """Tokens routed to each expert since start (expert load, for the worker's Stats)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        h = self.fc1_latent_proj(flat) if self.latent else flat
+        h, counts = run_experts(h, routing, self.experts.up_proj, self.experts.down_proj, self.act)
+        self.routed_tokens += counts
+        if self.latent:
+            h = self.fc2_latent_proj(h)
+        return h.view(shape) + self.shared_experts(x)
+
+
+def routed_tokens(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert since start, by global layer id, for every MoE layer of
+    `model` (a whole model or one pipeline stage)."""
+    return {m.layer_idx: m.routed_tokens.tolist() for m in model.modules()
+            if isinstance(getattr(m, "routed_tokens", None), torch.Tensor)}

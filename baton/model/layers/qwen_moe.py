@@ -1,0 +1,87 @@
+"""The MoE feed-forward of Qwen3.5-MoE and Qwen3-Next (`mlp` of a decoder layer): softmax
+top-k router, SwiGLU experts stacked as transformers 5 stores them, and a shared SwiGLU expert
+scaled by its own sigmoid gate.
+
+    x [N, H] -> gate.weight [E, H] -> softmax (float32) -> top-k -> renormalise (Qwen3.5-MoE
+    always, Qwen3-Next when norm_topk_prob) -> weights cast to x's dtype
+    routed = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))       experts.gate_up_proj [E, 2I, H]
+    out    = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+The block reads transformers' field names off the family's config: hidden_size, num_experts,
+num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size, hidden_act and
+(Qwen3-Next) norm_topk_prob.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.model.layers.gated_mlp import GatedMLP
+from baton.model.layers.mlp import activation
+from baton.model.layers.moe import Routing, run_experts, softmax_topk
+
+
+class GatedExperts(nn.Module):
+    """`mlp.experts`: gate and up halves fused per expert, first half the gate."""
+
+    def __init__(self, num: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, width))
+
+
+class QwenSparseMoe(nn.Module):
+    """One Qwen MoE feed-forward; `renormalize` None reads `norm_topk_prob` (Qwen3-Next),
+    True always renormalises (Qwen3.5-MoE)."""
+
+    stateless = True
+
+    def __init__(self, cfg, layer_idx: int = 0, renormalize: bool | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.top_k = cfg.num_experts_per_tok
+        self.norm = bool(cfg.norm_topk_prob) if renormalize is None else renormalize
+        h, width = cfg.hidden_size, cfg.moe_intermediate_size
+        self.act = activation(cfg.hidden_act)
+        self.gate = nn.Linear(h, cfg.num_experts, bias=False)
+        self.experts = GatedExperts(cfg.num_experts, h, width)
+        self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        # explicit device: the model is built on "meta" before its weights are assigned
+        self.routed_tokens = torch.zeros(cfg.num_experts, dtype=torch.long, device="cpu")
+        """Tokens routed to each expert since start (expert load, for the worker's Stats)."""
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.gate(flat)
+        r = softmax_topk(logits, top_k=self.top_k, norm=self.norm)
+        routing = Routing(r.experts, r.weights.to(logits.dtype))  # transformers casts back
+        routed, counts = run_experts(flat, routing, self.experts.gate_up_proj,
+                                     self.experts.down_proj, self._swiglu)
+        self.routed_tokens += counts
+        shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).view(shape)
+
+
+def feed_forward(cfg, layer: int) -> nn.Module:
+    """Layer `layer`'s `mlp`: the MoE block where the family's config puts one (its
+    `moe_layers`), else the dense SwiGLU."""
+    if layer in getattr(cfg, "moe_layers", ()):
+        return QwenSparseMoe(cfg, layer, renormalize=cfg.norm_topk_prob)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+def is_sparse_layer(cfg, layer: int) -> bool:
+    """Qwen3-Next: MoE unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
+    grid (transformers' rule); every layer of Qwen3.5-MoE is sparse (no such fields)."""
+    if layer in (getattr(cfg, "mlp_only_layers", None) or ()):
+        return False
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return cfg.num_experts > 0 and (layer + 1) % step == 0

@@ -1,0 +1,87 @@
+"""Configs of the Qwen MoE families: Qwen3.5-MoE (`qwen3_5_moe`, multimodal with `text_config`,
+or `qwen3_5_moe_text`) and Qwen3-Next (`qwen3_next`, flat). Both are Qwen3.5's layers with a
+MoE feed-forward (`baton.model.layers.qwen_moe`) where the family puts one:
+
+    qwen3_5_moe   every layer                      routing weights always renormalised
+    qwen3_next    (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers, others a
+                  dense SwiGLU of intermediate_size; renormalised when norm_topk_prob;
+                  DeltaNet projections interleaved per key-head group (split at load)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+from baton.errors import ConfigError
+from baton.model.qwen3_5.config import Qwen35Config, _from_text
+
+
+@dataclass(frozen=True)
+class QwenMoeConfig(Qwen35Config):
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights (Qwen3.5-MoE always does)."""
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    interleaved_projections: bool = False
+    """Qwen3-Next: `in_proj_qkvz` / `in_proj_ba` in the checkpoint (see qwen3_next.convert)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        e, k = self.num_experts, self.num_experts_per_tok
+        if e < 1 or not 1 <= k <= e:
+            raise ConfigError(f"num_experts_per_tok={k} must be between 1 and num_experts={e}")
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"decoder_sparse_step={self.decoder_sparse_step} must be at least 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(
+                f"mlp_only_layers {bad} are not layers of this {self.num_layers}-layer model"
+            )
+
+    @cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layers whose feed-forward is the MoE block (transformers' rule)."""
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QwenMoeConfig:
+        kind = d.get("model_type")
+        multimodal = kind == "qwen3_5_moe"
+        text = d.get("text_config") if multimodal else d
+        if not isinstance(text, dict):
+            raise ConfigError("text_config: a qwen3_5_moe config.json needs a text_config object")
+        base = _from_text(text, multimodal, d)
+        nxt = kind == "qwen3_next"
+
+        def pick(name, default):
+            return default if text.get(name) is None else text[name]
+
+        return cls(
+            **{f.name: getattr(base, f.name) for f in fields(Qwen35Config)
+               if f.name != "family"},
+            family="qwen3_next" if nxt else "qwen3_5_moe",
+            num_experts=int(pick("num_experts", 512 if nxt else 256)),
+            num_experts_per_tok=int(pick("num_experts_per_tok", 10 if nxt else 8)),
+            moe_intermediate_size=int(pick("moe_intermediate_size", 512)),
+            shared_expert_intermediate_size=int(pick("shared_expert_intermediate_size", 512)),
+            norm_topk_prob=bool(pick("norm_topk_prob", True)) if nxt else True,
+            decoder_sparse_step=int(pick("decoder_sparse_step", 1)) if nxt else 1,
+            mlp_only_layers=tuple(int(i) for i in pick("mlp_only_layers", ())) if nxt else (),
+            interleaved_projections=nxt,
+        )
+
+
+def _register() -> None:
+    from baton.model.config import FAMILIES
+
+    for kind in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
+        FAMILIES.setdefault(kind, QwenMoeConfig)
+
+
+_register()
