@@ -15,21 +15,23 @@ AGREE_ALPHA = 0.3
 its embeddings, which the built head predicts exactly (about 45% of drafts accepted at K=3)."""
 
 
-def agreeing_checkpoint(root: Path, name: str = "tiny_mtp_agree", alpha: float = AGREE_ALPHA):
+def agreeing_checkpoint(root: Path, name: str = "tiny_mtp_agree", alpha: float = AGREE_ALPHA,
+                        **fields):
     """The MTP head predicts argmax lm_head(norm(embed(t))) for the token t it is fed (eh_proj
     takes the embedding half, its mixers add nothing); the target's layers are shrunk so it
-    mostly predicts the same, with context-dependent exceptions (rejected drafts)."""
-    ck = make_checkpoint(root, name, mtp_layers=1)
+    mostly predicts the same, with context-dependent exceptions (rejected drafts). `fields`:
+    config overrides (a pattern with `E` gets a MoE `*E` head)."""
+    ck = make_checkpoint(root, name, mtp_layers=1, **fields)
     f = ck / "model.safetensors"
     t = load_file(str(f))
+    outs = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj")
     for k in list(t):
-        if k.startswith("backbone.") and k.endswith(
-                ("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+        if k.startswith("backbone.") and k.endswith(outs):
             t[k] = t[k] * alpha
     H = t["mtp.layers.0.eh_proj.weight"].shape[0]
     t["mtp.layers.0.eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1)
-    for k in ("mtp.layers.0.mixer.o_proj.weight", "mtp.layers.1.mixer.down_proj.weight"):
-        t[k] = torch.zeros_like(t[k])
+    for k in [k for k in t if k.startswith("mtp.") and k.endswith(outs)]:
+        t[k] = torch.zeros_like(t[k])  # the head's blocks add nothing
     save_file(t, str(f), metadata={"format": "pt"})
     return ck
 

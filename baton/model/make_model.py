@@ -77,18 +77,20 @@ COMMON = dict(
 
 def checkpoint_config(preset: str = "tiny", **fields) -> dict:
     """The config.json dict of a preset; `pattern=` is accepted for `hybrid_override_pattern`,
-    `mtp_layers=N` for an MTP head (`num_nextn_predict_layers` N, a dense `*-` block unless
+    `mtp_layers=N` for an MTP head (`num_nextn_predict_layers` N; an attention block, then a
+    MoE block `*E` when the target has MoE layers, else a dense `*-` one, unless
     `mtp_hybrid_override_pattern` says otherwise; see baton/model/mtp.py)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
     if "pattern" in fields:
         fields["hybrid_override_pattern"] = fields.pop("pattern")
     mtp = fields.pop("mtp_layers", 0)
-    if mtp:
-        fields = {"num_nextn_predict_layers": mtp, "mtp_hybrid_override_pattern": "*-", **fields}
     d = {**COMMON, **PRESETS[preset], **fields}
     d["num_hidden_layers"] = len(d["hybrid_override_pattern"])
-    if "E" in d["hybrid_override_pattern"]:
+    if mtp:
+        block = "*E" if "E" in d["hybrid_override_pattern"] else "*-"
+        d = {"num_nextn_predict_layers": mtp, "mtp_hybrid_override_pattern": block, **d}
+    if "E" in d["hybrid_override_pattern"] + d.get("mtp_hybrid_override_pattern", ""):
         d = {**_moe_defaults(d), **d}
     return d
 

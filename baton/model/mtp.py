@@ -5,7 +5,8 @@ Config (`config.json`): `num_nextn_predict_layers` (0 = none) and the head's own
 block types). The layers together form ONE MTP step, applied K times for K drafts:
 
     x   = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])      h_i: target hidden after norm_f
-    x   = x + mixer_l(norm_l(x))   for every layer l of the head ('*' attention, '-' MLP)
+    x   = x + mixer_l(norm_l(x))   for every layer l of the head ('*' attention, '-' MLP,
+                                   'E' MoE: the target's MoE block, baton/model/layers/moe.py)
     out = final_layernorm(x)       (on the last layer) -> shared lm_head -> draft logits
     out is also the hidden of the next draft step.
 
@@ -31,7 +32,7 @@ from baton.model.paged import StepContext
 from baton.model.pools import Pools, PoolSpec
 
 BLOCK_TYPE_TO_CHAR = {"full_attention": "*", "mlp": "-", "moe": "E", "linear_attention": "M"}
-MTP_CHARS = "*-"
+MTP_CHARS = "*-E"
 MTP_PREFIX = "mtp."
 
 
@@ -40,7 +41,7 @@ class MTPSpec:
     num_steps: int
     """`num_nextn_predict_layers`: MTP steps the checkpoint declares (Baton applies step 0)."""
     pattern: str
-    """One char per physical layer of one step: '*' attention, '-' MLP."""
+    """One char per physical layer of one step: '*' attention, '-' MLP, 'E' MoE."""
 
 
 def mtp_spec(cfg) -> MTPSpec | None:
@@ -75,7 +76,14 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(H, eps)
         self.attention = kind == "*"
         gid = cfg.num_layers + index
-        self.mixer = Attention(cfg, layer_idx=gid) if self.attention else MLP(cfg, layer_idx=gid)
+        if self.attention:
+            self.mixer = Attention(cfg, layer_idx=gid)
+        elif kind == "E":
+            from baton.model.layers.moe import MoE
+
+            self.mixer = MoE(cfg, layer_idx=gid)
+        else:
+            self.mixer = MLP(cfg, layer_idx=gid)
         if last:
             self.final_layernorm = RMSNorm(H, eps)
 
@@ -154,7 +162,9 @@ def attach_mtp(model, checkpoint_names: set[str]) -> bool:
     have = {n for n in checkpoint_names if n.startswith(MTP_PREFIX)}
     if not have:
         return False
-    missing = sorted(want - have)
+    # a MoE block's stacked experts may come as one tensor per expert (the loader stacks them)
+    missing = sorted(w for w in want - have
+                     if not any(h.startswith(w.rsplit(".", 1)[0] + ".") for h in have - want))
     if missing:
         raise ConfigError(f"checkpoint declares an MTP head ({_declared(model.config)}) but "
                           f"lacks tensor(s) {missing[:6]}")

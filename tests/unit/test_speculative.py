@@ -1,5 +1,5 @@
-"""MTP speculative decoding in the colocated engine, on NemotronH (dense `*-` MTP block) and
-Qwen3.5 (its gated-attention MTP layer): greedy output identical to speculation off at every
+"""MTP speculative decoding in the colocated engine, on NemotronH (dense `*-` MTP block; MoE
+layers with a MoE `*E` block) and Qwen3.5 (its gated-attention MTP layer): greedy output identical to speculation off at every
 K, acceptance really happens, and the rolled-back state equals a recompute."""
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ from tests.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpo
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+@pytest.fixture(scope="module", params=["nemotron_h", "nemotron_h_moe", "qwen3_5"])
 def agree_dir(request, tmp_path_factory):
-    """A tiny model of each family whose MTP head agrees with it about a third of the time."""
+    """A tiny model of each family whose MTP head agrees with it about a third of the time
+    (NemotronH with a dense `*-` head, NemotronH with MoE layers and a MoE `*E` head)."""
+    root = tmp_path_factory.mktemp(f"spec_{request.param}")
+    if request.param == "nemotron_h_moe":
+        return agreeing_checkpoint(root, pattern="M*MEM*ME")
     make = agreeing_checkpoint if request.param == "nemotron_h" else agreeing_qwen_checkpoint
-    return make(tmp_path_factory.mktemp(f"spec_{request.param}"))
+    return make(root)
 
 
 def _workload(stops: dict[str, int]) -> list[Request]:

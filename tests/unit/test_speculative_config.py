@@ -167,3 +167,22 @@ def test_draft_kv_is_a_layer_of_the_kv_pool_and_written_for_handoffs(tmp_path):
         kv[name] = torch.cat([e.pools.kv[2, b] for b in table], dim=1)[:, : len(ids) - 1]
     assert kv["p"].abs().sum() > 0
     assert torch.equal(kv["p"], kv["c"])  # entries 0..L-2 (L-1 waits for the first token)
+
+
+def test_moe_head_loads_from_per_expert_tensors(tmp_path):
+    """A MoE `*E` head is written in the published per-expert layout (`mtp.layers.1.mixer.
+    experts.{i}.{up,down}_proj.weight`, as Nemotron 3 Super ships it) and loads into the
+    stacked experts."""
+    ck = write_checkpoint(tmp_path / "m", seed=0, pattern="M*MEM*ME", mtp_layers=1)
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["mtp_hybrid_override_pattern"] == "*E"
+    t = load_file(str(ck / "model.safetensors"))
+    n = cfg["n_routed_experts"]
+    for p in ("up_proj", "down_proj"):
+        assert f"mtp.layers.1.mixer.experts.{p}" not in t
+        assert all(f"mtp.layers.1.mixer.experts.{e}.{p}.weight" in t for e in range(n))
+    head = load_model(ck).mtp
+    assert head.spec.pattern == "*E"
+    for p in ("up_proj", "down_proj"):
+        want = torch.stack([t[f"mtp.layers.1.mixer.experts.{e}.{p}.weight"] for e in range(n)])
+        assert torch.equal(getattr(head.layers[1].mixer.experts, p), want)
