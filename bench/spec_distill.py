@@ -119,7 +119,7 @@ def distill(path: Path, seconds: float, seed: int = 0, n: int = 48, prompt_len: 
         loss.backward()
         opt.step()
         steps += 1
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     tensors = load_file(str(path / "model.safetensors"))
     for k, v in model.mtp.state_dict().items():
         tensors[f"mtp.{k}"] = v.detach().contiguous().clone()
