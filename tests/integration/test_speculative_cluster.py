@@ -1,5 +1,5 @@
 """Speculative decoding on the decode worker of a 1P+1D cluster: identical to --local with
-speculation off, drafts accepted, counts in the gRPC summary and the client's --json.
+speculation off, drafts accepted, counts in the gRPC summary, the client's --json and the HTTP answer.
 
 The prefill worker writes the MTP head's KV of the prompt (an extra attention layer of its KV
 pool) and it travels with the target's, whole or layer by layer. The decode worker drafts
@@ -11,6 +11,8 @@ prefill worker's placeholder (its token was not drawn yet).
 from __future__ import annotations
 
 import dataclasses
+import json
+import urllib.request
 
 import pytest
 
@@ -51,6 +53,19 @@ def test_one_prefill_one_decode_worker_speculating_equal_local(tmp_path, layerwi
         assert all(r["prefill_worker"] != r["decode_worker"] for r in remote)
         assert sum(r.get("accepted_tokens", 0) for r in remote) > 0
         assert all(r["draft_tokens"] >= r["accepted_tokens"] for r in remote)
+        # the HTTP answer's baton object carries the counts too
+        with urllib.request.urlopen(f"{cluster.http_address}/v1/models", timeout=10) as r:
+            name = json.loads(r.read())["data"][0]["id"]
+        body = {"model": name, "prompt": specs[3].prompt_ids, "max_tokens": 21,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(f"{cluster.http_address}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["token_ids"] == ref[3]["token_ids"]
+        baton = answer["baton"]
+        assert baton["draft_tokens"] >= baton["accepted_tokens"] > 0
         assert_clean(cluster)
     finally:
         cluster.stop()
