@@ -412,7 +412,10 @@ class Engine:
         broken = False
         if self.decode_end_snapshot and keep:
             try:  # feed the last token so the snapshot covers prompt + answer
-                self._decode(keep)
+                if self.spec is not None:  # the same decode, keeping the last hidden state
+                    self.spec.feed_last(self, keep)
+                else:
+                    self._decode(keep)
             except Exception:  # noqa: BLE001 - the answers are complete; only the snapshot is lost
                 log.exception("decode-end snapshot of %d requests failed; not kept", len(keep))
                 broken = True

@@ -256,3 +256,42 @@ def test_decode_end_snapshot_holds_verified_draft_kv(tmp_path, monkeypatch):
         differs += not torch.allclose(stale[rid][1], want, atol=1e-4)
         ref.release(rid)
     assert differs > 0  # without settling, draft inputs were left in the snapshot
+
+
+def _next_turn_entry(ck, fix: bool, monkeypatch):
+    """The head's KV at the last position of a decode-end snapshot, as the next turn (which
+    hits it) leaves it after its first chunk; and the next turn's prompt."""
+    from baton.engine.speculative.decoder import SpeculativeDecoder
+
+    if not fix:
+        monkeypatch.setattr(SpeculativeDecoder, "resume_entry", lambda *a: None)
+    eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+    rng = random.Random(21)
+    first = Request("t1", [rng.randrange(3, 512) for _ in range(21)], greedy(8))
+    run_all(eng, [first])
+    nxt = Request("t2", first.all_ids + [rng.randrange(3, 512) for _ in range(9)], greedy(2))
+    eng.add_request(nxt)
+    eng.step()
+    c = nxt.cached_tokens
+    assert c == len(first.all_ids)  # it resumed on the decode-end snapshot
+    layer = eng.pools.spec.attn_index[eng.model.mtp.attention_layers[0]]
+    tpb = eng.pools.spec.tokens_per_block
+    block = eng.cache.block_table("t2")[(c - 1) // tpb]
+    entry = eng.pools.kv[layer, block, :, (c - 1) % tpb].clone()
+    monkeypatch.undo()
+    return entry, nxt.prompt_ids, c
+
+
+def test_next_turn_writes_the_lagging_draft_entry_of_a_decode_end_snapshot(tmp_path,
+                                                                           monkeypatch):
+    ck = _context_head(tmp_path)
+    got, prompt_ids, c = _next_turn_entry(ck, True, monkeypatch)
+    stale, _, _ = _next_turn_entry(ck, False, monkeypatch)
+    ref = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+    ref.add_request(Request("r", prompt_ids, greedy(1), prefill_only=True))
+    ref.step()
+    layer = ref.pools.spec.attn_index[ref.model.mtp.attention_layers[0]]
+    tpb = ref.pools.spec.tokens_per_block
+    want = ref.pools.kv[layer, ref.cache.block_table("r")[(c - 1) // tpb], :, (c - 1) % tpb]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(stale, want, atol=1e-2)

@@ -23,6 +23,7 @@ import time
 from baton.config.speculative import SpeculativeConfig
 from baton.engine.request import Request, RequestOutput
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
+from baton.engine.speculative.hidden import HiddenCache
 from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
 from baton.errors import ConfigError
@@ -91,6 +92,8 @@ class SpeculativeDecoder:
         self.accepted_tokens = 0
         self.accepted_hist = [0] * (k + 1)
         """Steps (per request that drafted) by drafts accepted, 0..K."""
+        self.last_hidden = HiddenCache()
+        """Last hidden state of recent decode-end snapshots, by their tokens."""
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
@@ -127,6 +130,8 @@ class SpeculativeDecoder:
         next_ids, starts, tables = [], [], []
         for i in idx:
             req, end = group[i]
+            if req.num_computed == req.cached_tokens > 0:  # its first chunk after a hit
+                self.resume_entry(req, cache)
             nxt = req.prompt_ids[req.num_computed + 1 : end + 1]
             if end >= req.prompt_len:  # the token after the prompt is not drawn yet
                 nxt = nxt + [0]
@@ -239,6 +244,32 @@ class SpeculativeDecoder:
                 for r, t in kept]
         return sampled, outs
 
+
+    # ---- the lagging entry of a decode-end snapshot --------------------------------------
+    def feed_last(self, engine, reqs: list[Request]) -> None:
+        """`Engine._decode` for the decode-end snapshot (the last token fed; verify rows of
+        one position are plain decode), keeping each request's last hidden state: the next
+        turn, which hits that snapshot, writes the head's entry there with its own token."""
+        cache = engine.cache
+        for r in reqs:
+            cache.ensure_blocks(r.id, r.num_computed + 1)
+        rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
+                          cache.block_table(r.id)) for r in reqs]
+        hidden, _ = verify_forward(self.model, self.pools, rows, self.scratch)
+        for r, h in zip(reqs, hidden, strict=True):
+            r.num_computed += 1
+            if self.drafter.shared:
+                self.last_hidden.put(r.all_ids[: r.num_computed], h.clone())
+
+    def resume_entry(self, req: Request, cache) -> None:
+        """A request that starts on a decode-end snapshot of c tokens: the head's entry c-1
+        (it pairs the snapshot's last hidden with the token after it) is written now, with
+        this request's token c, before its first chunk's entries read it."""
+        c = req.num_computed
+        h = self.last_hidden.get(req.prompt_ids[:c]) if 0 < c < req.prompt_len else None
+        if h is not None:
+            self.drafter.write([DraftJob(Pending(c - 1, h[None]), [req.prompt_ids[c]],
+                                         cache.block_table(req.id), 0)])
 
     def _settle(self, engine, done: list[Request], last: dict[str, Pending]) -> None:
         """Finished requests whose decode-end snapshot keeps the head's KV: rewrite the
