@@ -1,4 +1,6 @@
-"""NemotronH multi-token-prediction (MTP) head, as published: `mtp.layers.{i}.*`.
+"""NemotronH multi-token-prediction (MTP) head, as published: `mtp.layers.{i}.*`; and
+`attach_mtp`, which gives a loaded model of either family its head (Qwen3.5's:
+baton/model/qwen3_5/mtp.py).
 
 Config (`config.json`): `num_nextn_predict_layers` (0 = none) and the head's own pattern,
 `mtp_hybrid_override_pattern` (e.g. "*-", "*E") or `mtp_layers_block_type` (a list of HF

@@ -15,7 +15,10 @@ Drafts never change what is emitted (the target verifies them); only acceptance 
 this KV. It lives in the target's KV pool as extra attention layers (global ids after the
 target's, `with_draft_layers`), so it shares the request's blocks: prefix sharing, snapshots
 and the prefill -> decode transfer carry it with the target's KV. A cached prefix's entry
-c-1 is the one the request that computed it wrote (with its own token c).
+c-1 is the one the request that computed it wrote (with its own token c); a decode-end
+snapshot's, which nobody wrote, is written by the next turn (`resume_entry`). The prefill
+worker's entry for the prompt's last position keeps a placeholder token (the first token
+is drawn after its forward).
 """
 
 from __future__ import annotations
