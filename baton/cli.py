@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--local: MTP draft tokens per decode step, 0..8 (default: config "
                         "speculative.num_draft_tokens, 0 = off)")
 
-    p = sub.add_parser("make-model", help="write a small seeded NemotronH checkpoint")
+    p = sub.add_parser("make-model", help="write a small seeded checkpoint (NemotronH, Qwen3.5, MoE)")
     p.add_argument("--out", required=True, help="folder to write the checkpoint into")
     p.add_argument("--pattern", default=None,
                    help="layer pattern: M = Mamba2, * = attention, - = MLP (default: the "
@@ -126,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden size (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.add_argument("--preset", default="tiny", help="tiny or 100m")
-    p.add_argument("--tokenizer", action="store_true",
-                   help="also write tokenizer.json: byte-level BPE trained on the shipped text, "
-                        "as the named models have (without it, text is one id a byte)")
+    p.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="write tokenizer.json (byte-level BPE trained on the shipped text, as the "
+                        "named models have; default on); --no-tokenizer: text is one id a byte")
     p.add_argument("--family", default="nemotron_h",
                    choices=["nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next"],
                    help="model family (config.json model_type)")

@@ -97,13 +97,6 @@ class Answer:
                 lo = mid + 1
         return lo
 
-    def usage(self) -> dict:
-        n = len(self.token_ids)
-        cached = self.summary.cached_tokens if self.summary else 0
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-                "total_tokens": self.prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
     def baton(self) -> dict:
         """Baton's own fields: the prefix-cache hit and who served the request."""
         s = self.summary
