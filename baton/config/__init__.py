@@ -1,4 +1,5 @@
-"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`, `cluster`."""
+"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`, `cluster`,
+`speculative`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from baton.config.cache import CacheConfig
 from baton.config.cluster import ClusterConfig
 from baton.config.ports import PortRange, port_range
 from baton.config.router import RouterConfig
+from baton.config.speculative import SpeculativeConfig
 from baton.config.transfer import TransferConfig
 from baton.errors import ConfigError
 
@@ -115,6 +117,7 @@ class BatonConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prefill: dict | None = None
     """Per-role overrides of any `worker` key for prefill workers (`baton serve`)."""
     decode: dict | None = None

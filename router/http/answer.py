@@ -105,6 +105,8 @@ class Answer:
         if s is not None:  # None only when the request failed after a stop string ended it
             out.update(prefill_worker=s.prefill_worker, decode_worker=s.decode_worker,
                        retries=s.retries, ttft_ms=round(s.ttft_ms, 3))
+            if s.draft_tokens:  # speculative decoding on the decode worker
+                out.update(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
         return out
 
 

@@ -82,3 +82,12 @@ def test_workers_refuse_tp_before_loading_anything():
     with pytest.raises(ConfigError, match=r"worker.tensor_parallel_size=2: decode workers do "
                                           r"not run tensor parallelism yet"):
         start_worker(cfg, Role.DECODE, None, "127.0.0.1:1", "tiny", None, None)
+
+
+def test_tp_with_speculation_refused_in_one_line(groups1_dir, capsys):
+    assert main(["generate", "--local", "--model", str(groups1_dir), "--prompt-ids", "5,6",
+                 "--tensor-parallel-size", "2", "--speculative-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["baton generate: error: speculative.num_draft_tokens=2 is not supported "
+                   "with worker.tensor_parallel_size=2 yet; set it to 0 or use "
+                   "tensor_parallel_size 1"]
