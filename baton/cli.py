@@ -113,8 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", help="session id: its requests stay on the same workers")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     p.add_argument("--json", action="store_true", help="one JSON object a request on stdout")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="--local: rank processes to split every layer over (default: config "
+                        "worker.tensor_parallel_size)")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="--local: MTP draft tokens per decode step, 0..8 (default: config "
+                        "speculative.num_draft_tokens, 0 = off)")
 
-    p = sub.add_parser("make-model", help="write a small seeded NemotronH checkpoint")
+    p = sub.add_parser("make-model", help="write a small seeded checkpoint (NemotronH, Qwen3.5, MoE)")
     p.add_argument("--out", required=True, help="folder to write the checkpoint into")
     p.add_argument("--pattern", default=None,
                    help="layer pattern: M = Mamba2, * = attention, - = MLP (default: the "
@@ -123,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden size (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.add_argument("--preset", default="tiny", help="tiny or 100m")
-    p.add_argument("--tokenizer", action="store_true",
-                   help="also write tokenizer.json: byte-level BPE trained on the shipped text, "
-                        "as the named models have (without it, text is one id a byte)")
+    p.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="write tokenizer.json (byte-level BPE trained on the shipped text, as the "
+                        "named models have; default on); --no-tokenizer: text is one id a byte")
     p.add_argument("--family", default="nemotron_h",
                    choices=["nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next"],
                    help="model family (config.json model_type)")
@@ -134,10 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-experts", type=int, default=None, help="routed experts per E layer")
     p.add_argument("--moe-top-k", type=int, default=None, help="experts per token")
     p.add_argument("--moe-latent-size", type=int, default=None, help="latent MoE width")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "pp", "http", "soak", "all"], help="which benchmark")
+                                     "pp", "tp", "http", "soak", "spec", "all"],
+                   help="which benchmark")
     p.add_argument("--json", action="store_true", help="one JSON object a measurement")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

@@ -30,11 +30,25 @@ def cmd_generate(args) -> int:
     if len(set(ids)) != len(ids):
         raise InvalidRequestError("request ids in the requests file must be unique")
     cfg = BatonConfig.load(args.config)
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker,
+                                                                   tensor_parallel_size=tp))
+    if getattr(args, "speculative_tokens", None) is not None:
+        cfg = _with_speculation(cfg, args.speculative_tokens)
     if args.local:
         from baton.client.local import run_local
         from baton.engine.builder import build_engine
 
-        results = run_local(build_engine(cfg, args.model), specs, args.concurrency)
+        engine = build_engine(cfg, args.model)
+        try:
+            results = run_local(engine, specs, args.concurrency)
+        finally:
+            close = getattr(engine.model, "close", None)  # TP ranks / PP stages leave cleanly
+            if close is not None:
+                close()
     else:
         from baton.auth.tls import cluster_tls, router_channel_credentials
         from baton.client.remote import run_remote
@@ -44,6 +58,14 @@ def cmd_generate(args) -> int:
         credentials = router_channel_credentials(cfg.router, cluster_tls(cfg.cluster))
         results = run_remote(args.router, specs, args.concurrency, credentials)
     return _print_results(results, args.json)
+
+
+def _with_speculation(cfg: BatonConfig, k: int) -> BatonConfig:
+    import dataclasses
+
+    from baton.config.speculative import SpeculativeConfig
+
+    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k))
 
 
 def _print_results(results: list[dict], as_json: bool) -> int:
@@ -74,6 +96,8 @@ def cmd_make_model(args) -> int:
     moe = {experts: args.moe_experts, "num_experts_per_tok": args.moe_top_k,
            "moe_latent_size": args.moe_latent_size}
     kw.update({k: v for k, v in moe.items() if v is not None})
+    if getattr(args, "mtp_layers", 0):
+        kw["mtp_layers"] = args.mtp_layers
     path = write_checkpoint(args.out, **kw)
     print(path)
     return 0

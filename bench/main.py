@@ -10,7 +10,8 @@ from pathlib import Path
 
 from baton.model.progress import progress
 
-BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "http", "soak")
+BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "tp", "http",
+           "soak", "spec")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]

@@ -47,7 +47,8 @@ def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOu
     if not out.finished:
         return DecodeChunk(tuple(tokens), logprobs=tuple(logprobs)), out
     return DecodeChunk(tuple(tokens), out.finish_reason, snapshot_tokens=out.snapshot_tokens,
-                       logprobs=tuple(logprobs)), out
+                       logprobs=tuple(logprobs), draft_tokens=out.draft_tokens,
+                       accepted_tokens=out.accepted_tokens), out
 
 
 class DecodeService:

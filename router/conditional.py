@@ -128,6 +128,7 @@ class LocalAttempt:
                 if finished:
                     self.orch.turn_ended(self.d, self.prompt + tuple(output),
                                          chunk.snapshot_tokens)
+                    self._spec = (chunk.draft_tokens, chunk.accepted_tokens)
                 yield self._chunk(chunk, cached, start, ttft_ms, retries)
                 if finished:
                     return
@@ -173,6 +174,7 @@ class LocalAttempt:
             finish_reason=reason, prompt_tokens=len(self.prompt), cached_tokens=cached,
             prefill_worker="", decode_worker=self.d.worker_id, ttft_ms=ttft_ms,
             latency_ms=(time.perf_counter() - start) * 1000, retries=retries,
+            **spec_counts(getattr(self, "_spec", None)),
         )
 
     def _finish(self, abort: bool) -> None:
@@ -195,3 +197,10 @@ class LocalAttempt:
         returned, as `_Attempt._abort_in_background` says."""
         threading.Thread(target=self.dc.abort, args=(self.wid,), name=f"abort-{self.rid}",
                          daemon=True).start()
+
+
+def spec_counts(counts: tuple[int, int] | None) -> dict[str, int]:
+    """The decode worker's (draft_tokens, accepted_tokens) as GenerateSummary fields."""
+    if counts is None:
+        return {}
+    return {"draft_tokens": counts[0], "accepted_tokens": counts[1]}

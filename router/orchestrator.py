@@ -60,7 +60,14 @@ from baton.errors import (
 from baton.model.detokenizer import IncrementalDetokenizer
 from router.admission import AdmissionQueue, Ticket, check_limits
 from router.cancellation import Cancellation
-from router.conditional import DISAGGREGATED, LOCAL, LocalAttempt, PathCounts, decide
+from router.conditional import (
+    DISAGGREGATED,
+    LOCAL,
+    LocalAttempt,
+    PathCounts,
+    decide,
+    spec_counts,
+)
 from router.failover import PeerWatch, resumed
 from router.locality import SnapshotLocator
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
@@ -386,6 +393,7 @@ class _Attempt:
                         if finished:  # the decode-end snapshot, known before the next turn
                             self.orch.turn_ended(self.d, self.prompt + tuple(output),
                                                  chunk.snapshot_tokens, self.p)
+                            self._spec = (chunk.draft_tokens, chunk.accepted_tokens)
                         yield self._chunk(chunk.token_ids, first, chunk.finish_reason, start,
                                           ttft_ms, retries, chunk.logprobs)
                         if finished:
@@ -431,6 +439,7 @@ class _Attempt:
             ttft_ms=ttft_ms,
             latency_ms=(time.perf_counter() - start) * 1000,
             retries=retries,
+            **spec_counts(getattr(self, "_spec", None)),
         )
 
     def _check_cancelled(self, what: str) -> None:
@@ -461,3 +470,4 @@ class _Attempt:
         this Abort found nothing, so `_finish` aborts again once the calls returned (else the
         blocks stayed held until the lease ran out)."""
         threading.Thread(target=self._abort, name=f"abort-{self.rid}", daemon=True).start()
+

@@ -59,7 +59,9 @@ class _Live:
 
 
 class HybridCacheManager:
-    def __init__(self, cfg: CacheConfig, pools: Pools, max_live: int):
+    def __init__(self, cfg: CacheConfig, pools: Pools, max_live: int, reserved_slots: int = 0):
+        """`reserved_slots`: the top slots of the pools that this manager never hands out
+        (speculative decoding's per-position states, `slots_speculative` in stats)."""
         spec = pools.spec
         if spec.tokens_per_block != cfg.tokens_per_block:
             raise ConfigError(
@@ -69,6 +71,8 @@ class HybridCacheManager:
         if max_live < 1:
             raise ConfigError(f"max_live={max_live} must be >= 1 (worker.max_num_seqs)")
         num_slots = spec.num_slots if pools.has_state else cfg.num_state_slots
+        self.reserved_slots = reserved_slots if pools.has_state else 0
+        num_slots -= self.reserved_slots
         if num_slots < max_live:
             raise CapacityError(
                 f"cache.num_state_slots={num_slots} cannot hold one live Mamba state per "
@@ -345,6 +349,7 @@ class HybridCacheManager:
             blocks_quarantined=sum(len(b) for b, _ in self._quarantine.values()),
             slots_quarantined=self._quarantined_slots(),
             quarantined_total=self.quarantined_total,
+            slots_speculative=self.reserved_slots,
         )
 
     def set_snapshot_listener(self, fn: Callable[[bool, list[int], int], None] | None) -> None:

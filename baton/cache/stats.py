@@ -39,6 +39,9 @@ class CacheStats:
     slots_quarantined: int = 0
     quarantined_total: int = 0
     """Failed reservations ever quarantined."""
+    slots_speculative: int = 0
+    """Slots kept for speculative decoding's per-position states (max_num_seqs x K), outside
+    slots_total."""
 
     @property
     def hit_rate(self) -> float:

@@ -37,6 +37,8 @@ def run_local(engine: Engine, specs: list[RequestSpec], concurrency: int = 1) ->
                     finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                     cached_tokens=out.cached_tokens, ttft_ms=out.ttft_ms, latency_ms=out.latency_ms,
                 )
+                if engine.spec is not None:  # speculative decoding: drafts made, accepted
+                    acc.update(draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens)
                 del live[out.request_id]
                 text = engine.tokenizer.decode(acc["token_ids"]) if engine.tokenizer else ""
                 results[out.request_id] = result_dict(out.request_id, acc, text, "local", "local")

@@ -67,6 +67,8 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
         prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
         ttft_ms=s.ttft_ms, latency_ms=s.latency_ms or (time.perf_counter() - t0) * 1000,
     )
+    if s.draft_tokens:  # the decode worker speculated
+        acc.update(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
     return result_dict(spec.id, acc, "".join(text), s.prefill_worker, s.decode_worker)
 
 

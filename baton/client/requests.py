@@ -83,6 +83,8 @@ def logprobs_json(lps) -> list[dict]:
 
 def result_dict(spec_id: str, out, text: str, prefill: str, decode: str) -> dict:
     extra = {k: logprobs_json(out[k]) for k in ("logprobs", "prompt_logprobs") if k in out}
+    # speculative decoding's counts, when the engine speculated
+    extra.update({k: out[k] for k in ("draft_tokens", "accepted_tokens") if k in out})
     return {**_result(spec_id, out, text, prefill, decode), **extra}
 
 

@@ -1,4 +1,5 @@
-"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`, `cluster`."""
+"""The whole Baton config: sections `model`, `cache`, `transfer`, `router`, `worker`, `cluster`,
+`speculative`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from baton.config.cache import CacheConfig
 from baton.config.cluster import ClusterConfig
 from baton.config.ports import PortRange, port_range
 from baton.config.router import RouterConfig
+from baton.config.speculative import SpeculativeConfig
 from baton.config.transfer import TransferConfig
 from baton.errors import ConfigError
 
@@ -77,6 +79,15 @@ class WorkerConfig:
     pp_layer_partition: tuple[int, ...] = ()
     """Layers per stage, in order, summing to the model's layer count; empty = as even as
     possible (earlier stages take the remainder). Checked against the model when it loads."""
+    tensor_parallel_size: int = 1
+    """Rank processes every layer is split over by heads (`--tensor-parallel-size`): rank 0
+    schedules and owns the cache manager; each rank holds 1/N of the weights and of every
+    pool (KV heads, Mamba heads and groups; KV heads and n_groups == 1 replicated when fewer
+    than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
+    The cores are split between the ranks. Combines with `pipeline_parallel_size` (TP x PP
+    processes: each stage split over TP ranks, the layout printed on start). NemotronH and
+    Qwen3.5 (DeltaNet by key / value heads), in the local engine (`generate --local`) for
+    now: not yet in prefill / decode workers (refused)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:
@@ -89,6 +100,11 @@ class WorkerConfig:
             raise ConfigError(
                 f"worker.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
             )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+                self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"worker.tensor_parallel_size must be an integer >= 1, got "
+                f"{self.tensor_parallel_size!r}")
         if self.pp_layer_partition and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ConfigError(
                 f"worker.pp_layer_partition {list(self.pp_layer_partition)} has "
@@ -115,6 +131,7 @@ class BatonConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prefill: dict | None = None
     """Per-role overrides of any `worker` key for prefill workers (`baton serve`)."""
     decode: dict | None = None

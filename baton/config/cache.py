@@ -110,7 +110,9 @@ class CacheConfig:
     """KV blocks per attention layer, allocated at start."""
     num_state_slots: int = 128
     """Mamba state slots per Mamba layer (live + snapshot), allocated at start. One live slot
-    per running request is reserved; the rest (num_state_slots - max_num_seqs) hold snapshots."""
+    per running request is reserved; the rest (num_state_slots - max_num_seqs) hold snapshots.
+    With speculative decoding each running request also holds K more (the state after each
+    verified position): max_num_seqs x (1 + K) slots are reserved, the rest hold snapshots."""
     enable_prefix_reuse: bool = True
     """Reuse cached prefixes (KV blocks + a Mamba snapshot). Turned off, with a warning, when
     mamba_state_config has no snapshot policy at all."""

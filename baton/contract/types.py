@@ -167,6 +167,10 @@ class DecodeChunk:
     of prompt + output (0: none taken)."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token of `token_ids` when the request asked for logprobs, else empty."""
+    draft_tokens: int = 0
+    """Last chunk only: speculative decoding's drafts verified for the request..."""
+    accepted_tokens: int = 0
+    """...and of those the accepted ones (0 without speculation)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,9 @@ class GenerateSummary:
     ttft_ms: float
     latency_ms: float
     retries: int
+    draft_tokens: int = 0
+    """Speculative decoding on the decode worker: drafts verified, and accepted."""
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

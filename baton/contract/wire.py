@@ -261,6 +261,8 @@ def chunk_to_pb(c: GenerateChunk) -> rpb.GenerateResponse:
         m.ttft_ms = s.ttft_ms
         m.latency_ms = s.latency_ms
         m.retries = s.retries
+        m.draft_tokens = s.draft_tokens
+        m.accepted_tokens = s.accepted_tokens
     return m
 
 
@@ -277,6 +279,8 @@ def chunk_from_pb(m: rpb.GenerateResponse) -> GenerateChunk:
             ttft_ms=m.ttft_ms,
             latency_ms=m.latency_ms,
             retries=m.retries,
+            draft_tokens=m.draft_tokens,
+            accepted_tokens=m.accepted_tokens,
         )
     return GenerateChunk(m.request_id, tuple(m.token_ids), m.text, summary,
                          logprobs_from_pb(m.logprobs), logprobs_from_pb(m.prompt_logprobs))
@@ -382,13 +386,15 @@ def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
 
 def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
     return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason), m.cached_tokens,
-                       m.snapshot_tokens, logprobs_from_pb(m.logprobs))
+                       m.snapshot_tokens, logprobs_from_pb(m.logprobs), m.draft_tokens,
+                       m.accepted_tokens)
 
 
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
     return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason),
                               cached_tokens=c.cached_tokens, snapshot_tokens=c.snapshot_tokens,
-                              logprobs=logprobs_to_pb(c.logprobs))
+                              logprobs=logprobs_to_pb(c.logprobs),
+                              draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens)
 
 
 def serve_to_pb(r: ServeInput) -> wpb.ServeRequest:

@@ -10,6 +10,8 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
+from baton.engine.speculative.decoder import reserved_slots, with_draft_layers
+from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
 log = logging.getLogger("baton.engine")
@@ -30,7 +32,25 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     if threads:
         torch.set_num_threads(int(threads))
     path = resolve_model(model_path or cfg.model.path)
+    if cfg.worker.tensor_parallel_size > 1 and cfg.speculative.num_draft_tokens:
+        raise ConfigError(
+            f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
+            f"supported with worker.tensor_parallel_size={cfg.worker.tensor_parallel_size} "
+            "yet; set it to 0 or use tensor_parallel_size 1")
+    if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
+        from baton.engine.tp.pp_model import build_tp_pipeline_engine
+
+        return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost)
+    if cfg.worker.tensor_parallel_size > 1:
+        from baton.engine.tp.launch import build_tp_engine
+
+        return build_tp_engine(cfg, path, on_stage_death, on_link_lost)
     if cfg.worker.pipeline_parallel_size > 1:
+        if cfg.speculative.num_draft_tokens:
+            raise ConfigError(
+                f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
+                f"supported with worker.pipeline_parallel_size="
+                f"{cfg.worker.pipeline_parallel_size} yet; set it to 0 or use one stage")
         return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master,
                                      on_link_lost)
     dtype = DTYPES[cfg.model.dtype]
@@ -49,18 +69,22 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         dtype=dtype,
         device=cfg.model.device,
     )
+    spec = with_draft_layers(spec, model, cfg.speculative)
     pools = Pools(spec)
-    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
+    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
+                               reserved_slots=reserved)
     _maybe_arm_canaries(cache)
     log.info(
         "engine ready: model %s (%s, %s), %d KV blocks x %d tokens, %d state slots of %d bytes "
-        "(%s), reuse %s",
+        "(%s; %d kept for speculation), reuse %s",
         path, model.config.family, model.config.pattern, spec.num_blocks, spec.tokens_per_block,
         spec.num_slots, spec.state_bytes_per_slot(),
         ", ".join(f"{t.name} {list(t.shape)}" for t in spec.state_tensors) or "no state",
-        "on" if cache.reuse_enabled else "off",
+        reserved, "on" if cache.reuse_enabled else "off",
     )
-    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))
+    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
+                  speculative=cfg.speculative)
 
 
 def _maybe_arm_canaries(cache: HybridCacheManager) -> None:

@@ -22,6 +22,7 @@ from baton.engine.logprobs import prompt_logprobs, token_logprobs
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
+from baton.engine.speculative.decoder import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
 
 log = logging.getLogger("baton.engine")
@@ -39,7 +40,8 @@ class LayerStream(Protocol):
 
 
 class Engine:
-    def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None):
+    def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None,
+                 speculative=None):
         self.model = model
         self.cache = cache
         self.pools = cache.pools
@@ -57,6 +59,9 @@ class Engine:
         self._streams: dict[str, LayerStream] = {}
         """Layer streams not picked up yet, by request id; any thread adds, under the lock."""
         self._streams_lock = threading.Lock()
+        self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
+                                      getattr(cache, "reserved_slots", 0))
+        """MTP speculative decoding (baton/engine/speculative/), None when off."""
         self.prefilled_tokens = 0
         """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
         decode worker, the increments it prefilled itself (conditional disaggregation)."""
@@ -99,7 +104,7 @@ class Engine:
         self.scheduler.remove(req)
         if req.holds_cache:
             self.cache.abort(request_id)
-        self.sampler.forget(request_id)
+        self._forget(request_id)
         return True
 
     def quarantine(self, request_id: str, key: str, blocks: list[int], keep_slot: bool) -> bool:
@@ -113,14 +118,22 @@ class Engine:
         self.scheduler.remove(req)
         if req.holds_cache:
             self.cache.quarantine(request_id, blocks, keep_slot, key)
-        self.sampler.forget(request_id)
+        self._forget(request_id)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def tracked(self) -> dict[str, int]:
         """Per-request bookkeeping besides `requests`: sampler generators, layer streams."""
         with self._streams_lock:
             streams = len(self._streams)
-        return {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+        out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+        if self.spec is not None:
+            out["spec_pending"] = self.spec.tracked
+        return out
 
     @property
     def has_work(self) -> bool:
@@ -192,10 +205,14 @@ class Engine:
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
         sampled = self._prefill(plan.prefills, failed)
-        if plan.decodes:
+        decided: list[RequestOutput] = []  # decoded by speculation (drafts verified)
+        if plan.decodes and self.spec is not None:
+            more, decided = self.spec.step(self, plan.decodes, failed)
+            sampled.extend(more)
+        elif plan.decodes:
             sampled.extend(self._decode_step(plan.decodes, failed))
         if not sampled:
-            return failed
+            return failed + decided
         reqs = [r for r, _ in sampled]
         logits = torch.stack([lg for _, lg in sampled])
         draws = self.sampler.sample(
@@ -210,7 +227,7 @@ class Engine:
                 scored.append(i)
             else:
                 failed.append(self._fail(req, draw.error))
-        return failed + self._append_tokens(pairs, self._logprobs(logits, scored, pairs))
+        return failed + decided + self._append_tokens(pairs, self._logprobs(logits, scored, pairs))
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[int], pairs: list[tuple[Request, int]]):
@@ -273,6 +290,9 @@ class Engine:
         logprobs has its chunk's positions scored (the group then computes every position)."""
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
         scored = [i for i, (req, _) in enumerate(group) if req.sampling.prompt_logprobs is not None]
+        hidden = [] if self.spec is not None and any(self.spec.kv_wanted(r) for r, _ in group) \
+            else None  # the MTP head reads the chunk's hidden states
+        on_layer = self._begin_streams(group)
         out = self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             [req.num_computed for req, _ in group],
@@ -280,8 +300,13 @@ class Engine:
             [self.cache.slot(req.id) for req, _ in group],
             self.pools,
             all_logits=bool(scored),
-            on_layer=self._begin_streams(group),
+            on_layer=on_layer,
+            **({} if hidden is None else {"hidden_out": hidden}),
         )
+        if hidden:
+            self.spec.after_prefill(group, hidden[0], self.cache)
+            for layer in self.spec.draft_layers if on_layer is not None else ():
+                on_layer(layer)  # the head's KV ships with the target's
         if not scored:
             return out
         for i in scored:
@@ -387,10 +412,16 @@ class Engine:
         broken = False
         if self.decode_end_snapshot and keep:
             try:  # feed the last token so the snapshot covers prompt + answer
-                self._decode(keep)
+                if self.spec is not None:  # the same decode, keeping the last hidden state
+                    self.spec.feed_last(self, keep)
+                else:
+                    self._decode(keep)
             except Exception:  # noqa: BLE001 - the answers are complete; only the snapshot is lost
                 log.exception("decode-end snapshot of %d requests failed; not kept", len(keep))
                 broken = True
+        for r in reqs:
+            if self.spec is not None:
+                self.spec.forget(r.id)
         for r in keep:
             self.requests.pop(r.id, None)
             self.sampler.forget(r.id)
@@ -423,4 +454,6 @@ class Engine:
             logprobs=(logprob,) if logprob is not None else (),
             # the first token drawn here follows the prompt's last chunk
             prompt_logprobs=tuple(req.prompt_logprobs) if len(req.output_ids) == 1 else (),
+            draft_tokens=req.draft_tokens,
+            accepted_tokens=req.accepted_tokens,
         )

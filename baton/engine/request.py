@@ -40,6 +40,10 @@ class Request:
     """Tokens (prompt + answer) of the decode-end snapshot it left on finishing (0: none)."""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """Prompt tokens scored so far, chunk by chunk (when `sampling.prompt_logprobs` is set)."""
+    draft_tokens: int = 0
+    """MTP drafts verified for it so far (speculative decoding; 0 when it does not speculate)."""
+    accepted_tokens: int = 0
+    """Of those, the drafts the target accepted."""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -82,3 +86,7 @@ class RequestOutput:
     drawn by the prefill worker, has none here)."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """The output of the prompt's last chunk only, when the request asked for them."""
+    draft_tokens: int = 0
+    """Speculative decoding: drafts verified for the request so far, and of those..."""
+    accepted_tokens: int = 0
+    """...the ones accepted (totals up to this output)."""

@@ -93,6 +93,13 @@ class Sampler:
         return logits
 
     def _sample_one(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
+        probs = self.distribution(logits, rid, p)
+        return int(torch.multinomial(probs, 1, generator=self.generator(rid, p, pos)).item())
+
+    def distribution(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> torch.Tensor:
+        """The float64 distribution a non-greedy draw samples from (temperature, top-k,
+        top-p applied); ValueError for non-finite logits. Speculative decoding's rejection
+        rule reads it too."""
         logits = logits.double()
         if not bool((logits < float("inf")).all()) or bool(torch.isnan(logits).any()) or \
                 not bool(torch.isfinite(logits).any()):
@@ -111,9 +118,11 @@ class Sampler:
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
             probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p, pos)).item())
+        return probs
 
-    def _generator(self, rid: str, p: SamplingParams, pos: int) -> torch.Generator:
+    def generator(self, rid: str, p: SamplingParams, pos: int) -> torch.Generator:
+        """The generator of the draw at sequence `pos`: seeded by (seed, pos) for a seeded
+        request, else the request's own."""
         if p.seed is not None:
             return self._seeded.manual_seed(draw_seed(p.seed, pos))
         g = self._generators.get(rid)

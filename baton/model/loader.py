@@ -15,6 +15,7 @@ from safetensors import safe_open
 from baton.errors import ConfigError
 from baton.model.config import load_config
 from baton.model.layers.linear import install as install_linears
+from baton.model.mtp import attach_mtp
 from baton.model.progress import progress
 from baton.model.stacking import ExpertStacks
 
@@ -78,14 +79,16 @@ def load_model(
 ):
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
-    A missing or mis-shaped tensor raises ConfigError naming it; tensors the model does not
-    use (e.g. multi-token-prediction heads) are ignored with a warning.
+    A missing or mis-shaped tensor raises ConfigError naming it; the multi-token-prediction
+    head (`mtp.*`, see baton/model/mtp.py) is loaded as `model.mtp` when the config declares
+    it; other tensors the model does not use are ignored with a warning.
     """
     path = Path(path)
     cfg = load_config(path)
     fam = family_loader(cfg)
     with torch.device("meta"):
         model = _class(fam.model)(cfg)
+        attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     if unexpected:
@@ -135,14 +138,24 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def _tensor_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
 def _read_tensors(path, expected, cfg, device, dtype):
     fam = family_loader(cfg)
-    state, unexpected, skipped = {}, [], dict.fromkeys(fam.skipped, 0)
+    # a part the model does hold (an MTP head it attached) is read, not skipped
+    state, unexpected = {}, []
+    skipped = {p: 0 for p in fam.skipped if not any(k.startswith(p) for k in expected)}
     stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
-                part = next((p for p in fam.skipped if name.startswith(p)), None)
+                part = next((p for p in skipped if name.startswith(p)), None)
                 if part is not None:
                     skipped[part] += 1
                     continue

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from baton.model.chat_template import tokenizer_config
 from baton.model.config import ModelConfig
+from baton.model.mtp import MTPHead, mtp_spec
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.progress import progress
 from baton.model.tokenizer_build import write_tokenizer
@@ -75,14 +76,21 @@ COMMON = dict(
 
 
 def checkpoint_config(preset: str = "tiny", **fields) -> dict:
-    """The config.json dict of a preset; `pattern=` is accepted for `hybrid_override_pattern`."""
+    """The config.json dict of a preset; `pattern=` is accepted for `hybrid_override_pattern`,
+    `mtp_layers=N` for an MTP head (`num_nextn_predict_layers` N; an attention block, then a
+    MoE block `*E` when the target has MoE layers, else a dense `*-` one, unless
+    `mtp_hybrid_override_pattern` says otherwise; see baton/model/mtp.py)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
     if "pattern" in fields:
         fields["hybrid_override_pattern"] = fields.pop("pattern")
+    mtp = fields.pop("mtp_layers", 0)
     d = {**COMMON, **PRESETS[preset], **fields}
     d["num_hidden_layers"] = len(d["hybrid_override_pattern"])
-    if "E" in d["hybrid_override_pattern"]:
+    if mtp:
+        block = "*E" if "E" in d["hybrid_override_pattern"] else "*-"
+        d = {"num_nextn_predict_layers": mtp, "mtp_hybrid_override_pattern": block, **d}
+    if "E" in d["hybrid_override_pattern"] + d.get("mtp_hybrid_override_pattern", ""):
         d = {**_moe_defaults(d), **d}
     return d
 
@@ -148,7 +156,11 @@ def write_checkpoint(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights for every tensor of `cfg`'s model, keyed by checkpoint name."""
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in NemotronHModel(cfg).state_dict().items()}
+        model = NemotronHModel(cfg)
+        spec = mtp_spec(cfg)
+        if spec is not None:  # sorts after backbone.* and lm_head: their weights do not change
+            model.mtp = MTPHead(cfg, spec)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     shapes = _per_expert(shapes)

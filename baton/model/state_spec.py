@@ -36,6 +36,10 @@ class StateTensorSpec:
     sections: tuple[int, ...] = ()
     """Widths along `shard_axis`, in order; they sum to shape[shard_axis]. Empty: one."""
     section_names: tuple[str, ...] = ()
+    section_units: tuple[int, ...] = ()
+    """Shardable units (heads, groups) of each section; a unit's indices stay on one
+    tensor-parallel rank. Empty: every index is a unit. A section with fewer units than
+    the TP size is replicated (see `baton.model.tp_shard`)."""
 
     def __post_init__(self) -> None:
         if not self.shape or any(int(n) <= 0 for n in self.shape):
@@ -52,6 +56,18 @@ class StateTensorSpec:
         if self.section_names and len(self.section_names) != len(self.widths):
             raise ConfigError(f"state tensor {self.name!r}: {len(self.section_names)} section "
                               f"names for {len(self.widths)} sections")
+
+        su = self.section_units
+        if su and (len(su) != len(self.widths) or any(
+                u <= 0 or w % u for u, w in zip(su, self.widths, strict=False))):
+            raise ConfigError(f"state tensor {self.name!r}: section_units "
+                              f"{list(self.section_units)} must each divide the widths "
+                              f"{list(self.widths)}")
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """Shardable units per section (the widths when none are declared)."""
+        return self.section_units or self.widths
 
     @property
     def widths(self) -> tuple[int, ...]:

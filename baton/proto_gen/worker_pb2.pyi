@@ -98,18 +98,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "snapshot_tokens", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "snapshot_tokens", "logprobs", "draft_tokens", "accepted_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _baton_pb2.FinishReason
     cached_tokens: int
     snapshot_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_baton_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., snapshot_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_baton_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., snapshot_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_baton_pb2.TokenLogprob, _Mapping]]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "max_uncached_tokens")

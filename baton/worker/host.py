@@ -76,6 +76,11 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     the config's `worker.metrics_port`. With `worker.pipeline_parallel_size` > 1 this is
     stage 0: it starts the other stages (`baton <role>-worker --pp-rank R`) unless
     `pp_master` says they are started elsewhere and meet at that HOST:PORT."""
+    if cfg.worker.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"worker.tensor_parallel_size={cfg.worker.tensor_parallel_size}: {role.value} "
+            "workers do not run tensor parallelism yet (the local engine does: generate "
+            "--local --tensor-parallel-size N); set it to 1")
     host = advertised_host(host, router)
     _pin_ucx_tcp(cfg, host)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")

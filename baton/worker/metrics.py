@@ -17,7 +17,11 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from baton.contract import Role
 from baton.engine.loop import EngineLoop
@@ -140,6 +144,11 @@ class _EngineCollector:
         except RuntimeError:  # the loop stopped (shutdown): nothing to report
             return
         for name, kind, doc, value in figures:
+            if kind == "histogram":  # value: (buckets [(le, cumulative count)], sum)
+                family = HistogramMetricFamily(name, doc, labels=["role"])
+                family.add_metric([self.role], value[0], sum_value=value[1])
+                yield family
+                continue
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 name, doc, labels=["role"])
             family.add_metric([self.role], value)
@@ -181,4 +190,25 @@ class _EngineCollector:
              "max_num_turns", s.snapshots_retired),
             ("baton_kv_blocks_evicted", "counter", "KV blocks evicted from the prefix tree",
              s.blocks_evicted),
+            *_spec_figures(eng.spec),
         ]
+
+
+def _spec_figures(spec) -> list[tuple[str, str, str, object]]:
+    """Speculative decoding's counters and accepted-length histogram (none when it is off)."""
+    if spec is None:
+        return []
+    hist = spec.accepted_hist
+    buckets, total = [], 0
+    for a, n in enumerate(hist):
+        total += n
+        buckets.append((str(float(a)), total))
+    buckets.append(("+Inf", total))
+    return [
+        ("baton_spec_draft_tokens", "counter", "MTP draft tokens the target verified",
+         spec.draft_tokens),
+        ("baton_spec_accepted_tokens", "counter", "MTP draft tokens the target accepted",
+         spec.accepted_tokens),
+        ("baton_spec_accepted_length", "histogram", "Drafts accepted per request per "
+         "speculative step (0..K)", (buckets, float(sum(a * n for a, n in enumerate(hist))))),
+    ]

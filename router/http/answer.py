@@ -97,13 +97,6 @@ class Answer:
                 lo = mid + 1
         return lo
 
-    def usage(self) -> dict:
-        n = len(self.token_ids)
-        cached = self.summary.cached_tokens if self.summary else 0
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-                "total_tokens": self.prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
     def baton(self) -> dict:
         """Baton's own fields: the prefix-cache hit and who served the request."""
         s = self.summary
@@ -112,6 +105,8 @@ class Answer:
         if s is not None:  # None only when the request failed after a stop string ended it
             out.update(prefill_worker=s.prefill_worker, decode_worker=s.decode_worker,
                        retries=s.retries, ttft_ms=round(s.ttft_ms, 3))
+            if s.draft_tokens:  # speculative decoding on the decode worker
+                out.update(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
         return out
 
 

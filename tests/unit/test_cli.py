@@ -16,9 +16,25 @@ FIELDS = {"id", "token_ids", "text", "finish_reason", "prompt_tokens", "cached_t
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "m"
-    assert main(["make-model", "--out", str(out), "--seed", "3"]) == 0
+    assert main(["make-model", "--out", str(out), "--seed", "3", "--no-tokenizer"]) == 0
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not (out / "tokenizer.json").exists()
     return out
+
+
+def test_make_model_writes_a_tokenizer_autotokenizer_loads(tmp_path):
+    from transformers import AutoTokenizer
+
+    from baton.model.tokenizer import load_tokenizer
+
+    out = tmp_path / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "3"]) == 0
+    hf = AutoTokenizer.from_pretrained(str(out))
+    ours = load_tokenizer(out)
+    text = "Hello, Baton: a tokenizer that round-trips."
+    ids = hf.encode(text, add_special_tokens=False)
+    assert ids == ours.encode(text) and len(ids) < len(text.encode())
+    assert hf.decode(ids) == text and ours.decode(ids) == text
 
 
 def _lines(capsys) -> list[dict]:

@@ -39,6 +39,9 @@ def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> to
     """This stage's layers over micro-batch `mb` (input hidden states, or token ids on the
     first stage)."""
     decode, starts, tables, slots = mb["decode"], mb["starts"], mb["tables"], mb["slots"]
+    before = getattr(model, "before_forward", None)
+    if before is not None:  # TP x PP: the stage's other TP ranks get the micro-batch first
+        before(mb, h)
     h = model.embed(h) if model.first else h.to(model.device)
     if decode:
         attn = decode_meta(torch.tensor(starts), tables, pools) if pools.has_kv else None
@@ -78,7 +81,7 @@ class StageLoop:
     def run(self) -> None:
         while True:
             msg = self.ch.recv_msg(0, TAG_CTRL)
-            apply_ops(self.pools, msg.get("ops", ()))
+            self._apply(msg.get("ops", ()))
             op = msg["op"]
             if op == "stop":
                 self.ch.flush()
@@ -93,6 +96,9 @@ class StageLoop:
                 pass  # applied above
             else:
                 log.error("stage %d: unknown control op %r ignored", self.ch.rank, op)
+
+    def _apply(self, ops) -> None:
+        apply_ops(self.pools, ops)
 
     def _forward(self, mb: dict) -> None:
         h = self.ch.recv(hidden_shape(self.model, mb), self.model.dtype, self.ch.rank - 1,

@@ -113,10 +113,12 @@ class ModelConfig:
         """One Mamba2 slot: the conv window [x | B | C] and the SSM state, by heads."""
         return (
             StateTensorSpec("conv", (self.conv_dim, self.conv_kernel - 1),
-                            sections=self.conv_sections, section_names=("x", "B", "C")),
+                            sections=self.conv_sections, section_names=("x", "B", "C"),
+                            section_units=(self.mamba_num_heads, self.n_groups, self.n_groups)),
             StateTensorSpec("ssm", (self.mamba_num_heads, self.mamba_head_dim,
                                     self.ssm_state_size),
-                            sections=(self.mamba_num_heads,), section_names=("heads",)),
+                            sections=(self.mamba_num_heads,), section_names=("heads",),
+                            section_units=(self.mamba_num_heads,)),
         )
 
     @property

@@ -118,12 +118,14 @@ class NemotronHModel(nn.Module):
         pools: Pools,
         all_logits: bool = False,
         on_layer: Callable[[int], None] | None = None,
+        hidden_out: list | None = None,
     ) -> torch.Tensor:
         """`prefill` of n sequences with the same number of new tokens in one forward:
         input_ids[n, T], sequence i at start_positions[i] with its own table and slot. Returns
         float32 logits [n, vocab] ([n, T, vocab] if all_logits); each row is what `prefill` of
         that sequence alone gives. `on_layer(i)` runs after global layer i has written its
-        KV and state (layer-wise handoff).
+        KV and state (layer-wise handoff). `hidden_out` (a list): gets the final-normed hidden
+        states [n, T, hidden] appended (what an MTP head reads).
         """
         _check_pools(self.config, pools)
         n, T = input_ids.shape
@@ -132,6 +134,8 @@ class NemotronHModel(nn.Module):
         attn = prefill_meta(start_positions, T, block_tables, pools) if pools.has_kv else None
         ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in start_positions])
         h = self.backbone(input_ids.to(self.device), ctx, decode=False, on_layer=on_layer)
+        if hidden_out is not None:
+            hidden_out.append(h)
         return self.lm_head(h if all_logits else h[:, -1]).float()
 
     @torch.inference_mode()
@@ -154,9 +158,12 @@ class NemotronHModel(nn.Module):
 
 
 def _check_pools(cfg: ModelConfig, pools: Pools) -> None:
-    """Fail before any layer writes: pools must hold every attention and Mamba layer."""
+    """Fail before any layer writes: pools must hold every attention and Mamba layer (KV
+    layers past the model's own, an MTP head's, may follow)."""
     spec = pools.spec
-    if spec.attn_layers == cfg.attention_layers and spec.state_layers == cfg.state_layers:
+    n = len(cfg.attention_layers)
+    if spec.attn_layers[:n] == cfg.attention_layers and spec.state_layers == cfg.state_layers \
+            and all(layer >= cfg.num_layers for layer in spec.attn_layers[n:]):
         return
     missing = sorted(
         set(cfg.attention_layers) - set(spec.attn_layers)

@@ -117,11 +117,14 @@ class Qwen35Config:
         heads (transformers' [HV, dk, dv] order), in the checkpoint's `mamba_ssm_dtype`."""
         return (
             StateTensorSpec("conv", (self.conv_dim, self.linear_conv_kernel_dim - 1),
-                            sections=self.conv_sections, section_names=("q", "k", "v")),
+                            sections=self.conv_sections, section_names=("q", "k", "v"),
+                            section_units=(self.linear_num_key_heads, self.linear_num_key_heads,
+                                           self.linear_num_value_heads)),
             StateTensorSpec("recurrent", (self.linear_num_value_heads, self.linear_key_head_dim,
                                           self.linear_value_head_dim),
                             dtype=self.state_dtype, sections=(self.linear_num_value_heads,),
-                            section_names=("value_heads",)),
+                            section_names=("value_heads",),
+                            section_units=(self.linear_num_value_heads,)),
         )
 
     @classmethod

@@ -54,10 +54,14 @@ VISION_STUB = {"model.visual.patch_embed.proj.weight": (8, 3, 2, 4, 4),
 
 
 def text_config(preset: str = "tiny", **fields) -> dict:
-    """The text config.json dict of a preset; `pattern=` (G/*) becomes `layer_types`."""
+    """The text config.json dict of a preset; `pattern=` (G/*) becomes `layer_types`,
+    `mtp_layers=N` an MTP head (`mtp_num_hidden_layers`, baton/model/qwen3_5/mtp.py)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
     d = {**COMMON, **PRESETS[preset]}
+    mtp = fields.pop("mtp_layers", 0)
+    if mtp:
+        d["mtp_num_hidden_layers"] = mtp
     if "pattern" in fields:
         kinds = {"G": "linear_attention", "*": "full_attention"}
         d["layer_types"] = [kinds[c] for c in fields.pop("pattern")]
@@ -106,10 +110,15 @@ def _multimodal_name(name: str) -> str:
 
 def random_weights(cfg: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights for every tensor of `cfg`'s model, keyed by (text) checkpoint name."""
+    from baton.model.mtp import build_head
     from baton.model.qwen3_5.model import Qwen35Model
 
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in Qwen35Model(cfg).state_dict().items()}
+        model = Qwen35Model(cfg)
+        head = build_head(cfg)
+        if head is not None:  # mtp.* sorts after lm_head and model.*: their weights stay
+            model.mtp = head
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     gen = torch.Generator().manual_seed(seed)
@@ -127,7 +136,7 @@ def _init(name: str, shape: tuple[int, ...], cfg: Qwen35Config, gen) -> torch.Te
         # The unit-variance table is also the LM head: the final norm's scale 1 + w brings the
         # logits to std ~1.5 (small embeddings instead would let the residual updates dominate).
         return 1.5 / math.sqrt(cfg.hidden_size) - 1 + normal(0.01)
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_"):
         return normal(0.1)
     if name == "model.embed_tokens.weight":
         return normal(1.0)

@@ -97,10 +97,12 @@ class Qwen35Model(nn.Module):
     def prefill_batch(self, input_ids: torch.LongTensor, start_positions: list[int],
                       block_tables: list[list[int]], slots: list[int], pools: Pools,
                       all_logits: bool = False,
-                      on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                      on_layer: Callable[[int], None] | None = None,
+                      hidden_out: list | None = None) -> torch.Tensor:
         """n sequences of T new tokens each (input_ids[n, T]), sequence i at start_positions[i]
         with its own block table and state slot (zeros when it starts at 0). Returns float32
-        logits [n, vocab] ([n, T, vocab] if all_logits)."""
+        logits [n, vocab] ([n, T, vocab] if all_logits). `hidden_out` (a list): gets the
+        final-normed hidden states [n, T, hidden] appended (what an MTP head reads)."""
         _check_pools(self.config, pools)
         n, T = input_ids.shape
         if T == 0:
@@ -108,6 +110,8 @@ class Qwen35Model(nn.Module):
         attn = prefill_meta(start_positions, T, block_tables, pools) if pools.has_kv else None
         ctx = slot_context(pools, attn, slots, fresh=[p == 0 for p in start_positions])
         h = self.model(input_ids.to(self.device), ctx, decode=False, on_layer=on_layer)
+        if hidden_out is not None:
+            hidden_out.append(h)
         return self.lm_head(h if all_logits else h[:, -1]).float()
 
     @torch.inference_mode()
@@ -124,10 +128,13 @@ class Qwen35Model(nn.Module):
 
 
 def _check_pools(cfg: Qwen35Config, pools: Pools) -> None:
-    """Fail before any layer writes: pools must hold every attention and DeltaNet layer."""
+    """Fail before any layer writes: pools must hold every attention and DeltaNet layer (KV
+    layers past the model's own, an MTP head's, may follow)."""
     spec = pools.spec
     held_state = spec.state_layers
-    if spec.attn_layers == cfg.attention_layers and tuple(held_state) == cfg.state_layers:
+    n = len(cfg.attention_layers)
+    if spec.attn_layers[:n] == cfg.attention_layers and tuple(held_state) == cfg.state_layers \
+            and all(layer >= cfg.num_layers for layer in spec.attn_layers[n:]):
         return
     missing = sorted(set(cfg.attention_layers) - set(spec.attn_layers)
                      | set(cfg.state_layers) - set(held_state))

@@ -1,0 +1,303 @@
+"""One speculative decode step of the engine: draft, verify, accept, roll back, emit.
+
+    draft      K_r greedy MTP drafts per request that can speculate (drafter.py)
+    verify     [last token, d_1..d_K_r] of every decoding request in one target forward
+               (verify.py; a request that does not speculate has one row: plain decode)
+    accept     greedy: d_{j+1} is kept while it equals the target's argmax at row j; the
+               target's argmax after the last kept draft is emitted too (temperature > 0:
+               the rejection rule of rejection.py)
+    emit       token by token until EOS, a stop token or a length limit: E tokens
+    roll back  the recurrent state of position n+E-1 (scratch row E-1 unless all rows were
+               kept), num_computed = n+E; attention KV past it is simply overwritten later
+
+K_r = min(K, tokens the request may still emit - 1), so a step never writes past the
+blocks admission reserved and never drafts what max_tokens would cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from baton.config.speculative import SpeculativeConfig
+from baton.engine.request import Request, RequestOutput
+from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
+from baton.engine.speculative.hidden import HiddenCache
+from baton.engine.speculative.rejection import accept_sampled
+from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
+from baton.errors import ConfigError
+
+log = logging.getLogger("baton.engine")
+
+
+def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
+    """State slots speculation keeps out of the cache manager: K per running request (the
+    state after each verified position but the last, which is the live slot). ConfigError
+    naming the numbers when the pool cannot hold them beside the live slots."""
+    k = cfg.num_draft_tokens if cfg is not None else 0
+    if not k or not num_slots:
+        return 0
+    need = max_requests * (1 + k)
+    if num_slots < need:
+        raise ConfigError(
+            f"speculative.num_draft_tokens={k} needs {need} state slots (worker.max_num_seqs="
+            f"{max_requests} x (1 live + {k} per position)) but cache.num_state_slots="
+            f"{num_slots}; raise num_state_slots to at least {need} (more for snapshots) or "
+            f"lower num_draft_tokens or max_num_seqs"
+        )
+    return max_requests * k
+
+
+def with_draft_layers(spec, model, cfg: SpeculativeConfig | None):
+    """`spec` with the MTP head's attention layers appended to the KV pool when speculation
+    is on: its KV then shares the target's blocks, prefix tree, snapshots and transfer
+    layout (an attention-only layer: no recurrent state)."""
+    head = getattr(model, "mtp", None)
+    if cfg is None or not cfg.num_draft_tokens or head is None or not spec.attn_layers:
+        return spec
+    extra = tuple(x for x in head.attention_layers if x not in spec.attn_layers)
+    return dataclasses.replace(spec, attn_layers=spec.attn_layers + extra)
+
+
+def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests: int,
+                      reserved: int, where: str = "the checkpoint"):
+    """The step of `cfg`, or None when speculation is off; ConfigError in one line when the
+    model cannot speculate. `reserved`: the slots the cache manager keeps for it."""
+    if cfg is None or cfg.num_draft_tokens == 0:
+        return None
+    k = cfg.num_draft_tokens
+    want = reserved_slots(cfg, pools.spec.num_slots, max_requests)
+    if reserved != want:
+        raise ConfigError(f"speculative.num_draft_tokens={k} needs {want} state slots kept out "
+                          f"of the cache manager but it keeps {reserved}: build the engine "
+                          f"with build_engine")
+    if getattr(model, "mtp", None) is None:
+        raise ConfigError(
+            f"speculative.num_draft_tokens={k} needs an MTP head but {where} has none "
+            f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "
+            f"checkpoint with MTP weights"
+        )
+    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved)
+
+
+class SpeculativeDecoder:
+    def __init__(self, model, pools, k: int, max_requests: int, first_slot: int):
+        self.model, self.pools, self.k = model, pools, k
+        self.drafter = Drafter(model, pools)
+        self.scratch = StateScratch(pools, first_slot, max_requests, k)
+        self.pending: dict[str, Pending] = {}
+        """Per speculating request: target hiddens whose MTP entries are still to write."""
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.accepted_hist = [0] * (k + 1)
+        """Steps (per request that drafted) by drafts accepted, 0..K."""
+        self.last_hidden = HiddenCache()
+        """Last hidden state of recent decode-end snapshots, by their tokens."""
+
+    def wants(self, req: Request) -> bool:
+        """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
+        greedy ones by argmax, others by the rejection rule (rejection.py). One whose draw
+        needs the processed distribution of every position (penalties, logit_bias,
+        min_tokens) or its logprobs decodes one token a step through the sampler instead."""
+        s = req.sampling
+        return not req.prefill_only and not s.penalized and s.logprobs is None
+
+    def kv_wanted(self, req: Request) -> bool:
+        """Whether a prefill chunk of `req` writes the head's KV: when it speculates here, or
+        when that KV ships with the prompt's (a prefill-only handoff)."""
+        return self.wants(req) or self.drafter.shared
+
+    @property
+    def draft_layers(self) -> tuple[int, ...]:
+        """Global ids of the head's attention layers (in the target's pool when shared)."""
+        return self.drafter.head.attention_layers if self.drafter.shared else ()
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    @property
+    def tracked(self) -> int:
+        return len(self.pending)
+
+    # ---- prefill -----------------------------------------------------------------------
+    def after_prefill(self, group: list[tuple[Request, int]], hidden, cache) -> None:
+        """The head's KV for a prefill group's chunk (hidden [n, T, H]) of the requests that
+        speculate; the last chunk leaves its last hidden pending for the first draft."""
+        idx = [i for i, (r, _) in enumerate(group) if self.kv_wanted(r)]
+        if not idx:
+            return
+        next_ids, starts, tables = [], [], []
+        for i in idx:
+            req, end = group[i]
+            if req.num_computed == req.cached_tokens > 0:  # its first chunk after a hit
+                self.resume_entry(req, cache)
+            nxt = req.prompt_ids[req.num_computed + 1 : end + 1]
+            if end >= req.prompt_len:  # the token after the prompt is not drawn yet
+                nxt = nxt + [0]
+                if self.wants(req):
+                    self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
+            next_ids.append(nxt)
+            starts.append(req.num_computed)
+            tables.append(cache.block_table(req.id))
+        sel = hidden if len(idx) == len(group) else hidden[idx]
+        self.drafter.prefill(sel, next_ids, starts, tables)
+
+    # ---- decode ------------------------------------------------------------------------
+    def num_drafts(self, req: Request, max_model_len: int) -> int:
+        if not self.wants(req) or req.id not in self.pending:
+            return 0
+        out, s = len(req.output_ids), req.sampling
+        remaining = min(s.max_tokens - out, max_model_len - req.prompt_len - out)
+        return max(0, min(self.k, remaining - 1))
+
+    def step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
+        """Decode `reqs` once; returns (sampled: [(request, logits)] for the engine's sampler,
+        outputs of the requests decided here)."""
+        ks = {r.id: self.num_drafts(r, engine.max_model_len) for r in reqs}
+        reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks, r.id,
+                                                    r.num_computed + ks[r.id] + 1)]
+        if not reqs:
+            return [], []
+        # every request with pending entries writes them, drafting or not (none may be left
+        # from drafts: a snapshot and the next drafts read them)
+        drafts = self._draft(engine, [r for r in reqs if r.id in self.pending], ks)
+        cache = engine.cache
+        rows = [VerifyRow([r.output_ids[-1], *drafts.get(r.id, ())], r.num_computed,
+                          cache.slot(r.id), cache.block_table(r.id)) for r in reqs]
+        try:
+            hidden, logits = verify_forward(self.model, self.pools, rows, self.scratch)
+        except Exception as e:  # noqa: BLE001 - fails this forward's requests only
+            log.exception("verify forward of %d requests failed", len(reqs))
+            failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
+            return [], []
+        return self._accept(engine, reqs, rows, hidden, logits, failed)
+
+    def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
+        if not reqs:
+            return {}
+        jobs = []
+        for r in reqs:
+            p = self.pending[r.id]
+            nxt = r.all_ids[p.start + 1 : p.start + 1 + p.hidden.shape[0]]
+            jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
+        try:
+            out = self.drafter.draft(jobs)
+        except Exception:  # noqa: BLE001 - drafts are optional: verify the last token alone
+            log.exception("MTP drafting of %d requests failed; decoding without drafts",
+                          len(reqs))
+            return {}
+        return {r.id: d for r, d in zip(reqs, out, strict=True) if d}
+
+    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> list[int]:
+        """The tokens verification keeps: accepted drafts, then one target token."""
+        drafts = row.tokens[1:]
+        if not r.sampling.greedy:
+            return accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
+        target = lg.argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == target[a]:
+            a += 1
+        return target[: a + 1]
+
+    def _accept(self, engine, reqs, rows, hidden, logits, failed):
+        sampled, kept = [], []
+        last: dict[str, Pending] = {}
+        off = 0
+        for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+            m = len(row.tokens)
+            lg, hd = logits[off : off + m], hidden[off : off + m]
+            off += m
+            if not self.wants(r):
+                r.num_computed += 1
+                sampled.append((r, lg[0]))
+                continue
+            try:
+                cand = self._candidates(engine, r, row, lg)
+            except (ValueError, RuntimeError) as ex:
+                failed.append(engine._fail(r, f"sampling failed: {ex}"))
+                continue
+            a = len(cand) - 1
+            toks = _emit(engine, r, cand)
+            e = len(toks)
+            if e < m:  # the live slot holds the state after all m rows: take row e-1's
+                self.scratch.restore(i, e - 1, row.slot)
+            r.num_computed = row.start + e
+            self.draft_tokens += m - 1
+            self.accepted_tokens += a
+            r.draft_tokens += m - 1
+            r.accepted_tokens += a
+            if m > 1:
+                self.accepted_hist[a] += 1
+            if r.finish_reason is None:
+                self.pending[r.id] = Pending(row.start, hd[:e].clone())
+            else:
+                self.pending.pop(r.id, None)
+                last[r.id] = Pending(row.start, hd[:e])
+            kept.append((r, toks))
+        done = [r for r, _ in kept if r.finish_reason is not None]
+        if done and engine.decode_end_snapshot and self.drafter.shared:
+            self._settle(engine, done, last)
+        if done:  # after the roll back: a decode-end snapshot must see the kept state
+            engine._finish(done)
+        outs = [engine._output(r, tuple(t), finished=r.finish_reason is not None)
+                for r, t in kept]
+        return sampled, outs
+
+
+    # ---- the lagging entry of a decode-end snapshot --------------------------------------
+    def feed_last(self, engine, reqs: list[Request]) -> None:
+        """`Engine._decode` for the decode-end snapshot (the last token fed; verify rows of
+        one position are plain decode), keeping each request's last hidden state: the next
+        turn, which hits that snapshot, writes the head's entry there with its own token."""
+        cache = engine.cache
+        for r in reqs:
+            cache.ensure_blocks(r.id, r.num_computed + 1)
+        rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
+                          cache.block_table(r.id)) for r in reqs]
+        hidden, _ = verify_forward(self.model, self.pools, rows, self.scratch)
+        for r, h in zip(reqs, hidden, strict=True):
+            r.num_computed += 1
+            if self.drafter.shared:
+                self.last_hidden.put(r.all_ids[: r.num_computed], h.clone())
+
+    def resume_entry(self, req: Request, cache) -> None:
+        """A request that starts on a decode-end snapshot of c tokens: the head's entry c-1
+        (it pairs the snapshot's last hidden with the token after it) is written now, with
+        this request's token c, before its first chunk's entries read it."""
+        c = req.num_computed
+        h = self.last_hidden.get(req.prompt_ids[:c]) if 0 < c < req.prompt_len else None
+        if h is not None:
+            self.drafter.write([DraftJob(Pending(c - 1, h[None]), [req.prompt_ids[c]],
+                                         cache.block_table(req.id), 0)])
+
+    def _settle(self, engine, done: list[Request], last: dict[str, Pending]) -> None:
+        """Finished requests whose decode-end snapshot keeps the head's KV: rewrite the
+        entries the last drafts wrote from unverified inputs with the kept positions'
+        target hiddens (the snapshot never holds draft state; its last entry lags one
+        token, like a prompt's)."""
+        jobs = [DraftJob(last[r.id], r.all_ids[last[r.id].start + 1 : r.num_computed + 1],
+                         engine.cache.block_table(r.id), 0) for r in done if r.id in last]
+        if not jobs:
+            return
+        try:
+            self.drafter.write(jobs)
+        except Exception:  # noqa: BLE001 - only the snapshot's draft KV is the worse for it
+            log.exception("settling the MTP KV of %d finished requests failed", len(jobs))
+
+
+def _emit(engine, req: Request, toks: list[int]) -> list[int]:
+    """Append `toks` until one finishes the request; the tokens kept."""
+    now = time.monotonic()
+    kept = []
+    for tok in toks:
+        req.output_ids.append(tok)
+        kept.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason = engine._finish_reason(req, tok)
+        if reason:
+            req.finish_reason = reason
+            req.finish_time = now
+            break
+    return kept

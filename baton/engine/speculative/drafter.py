@@ -1,0 +1,109 @@
+"""Drafting with the MTP head: its KV over the prompt, then K greedy drafts per decode step.
+
+The head's entry at position i reads the target hidden h_i and the token at i+1, so:
+
+    prefill chunk [s, e)    entries s..e-1 from h_s..h_{e-1} and tokens s+1..e (the last
+                            chunk's token e is not known yet: a placeholder, rewritten below)
+    pending (start, h)      target hiddens of positions start..n-1 (n = num_computed) whose
+                            entries still need the tokens that followed them: the last prompt
+                            position after prefill, the kept verify positions after a step
+    draft                   first pass over the pending rows (rewriting any entry a rejected
+                            draft left); its last row's argmax is draft 1 and its output the
+                            hidden of the next pass; passes 2..K: one row per request at n+k-2
+
+Drafts never change what is emitted (the target verifies them); only acceptance depends on
+this KV. It lives in the target's KV pool as extra attention layers (global ids after the
+target's, `with_draft_layers`), so it shares the request's blocks: prefix sharing, snapshots
+and the prefill -> decode transfer carry it with the target's KV. A cached prefix's entry
+c-1 is the one the request that computed it wrote (with its own token c); a decode-end
+snapshot's, which nobody wrote, is written by the next turn (`resume_entry`). The prefill
+worker's entry for the prompt's last position keeps a placeholder token (the first token
+is drawn after its forward).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from baton.model.paged import StepContext, decode_meta, prefill_meta
+
+
+class Pending(NamedTuple):
+    start: int
+    hidden: torch.Tensor
+    """[p, H] target hiddens of positions start..start+p-1."""
+
+
+class DraftJob(NamedTuple):
+    pending: Pending
+    next_ids: list[int]
+    """The tokens at positions start+1..start+p (they follow the pending hiddens)."""
+    table: list[int]
+    num_drafts: int
+
+
+class Drafter:
+    def __init__(self, model, target_pools):
+        self.head = model.mtp
+        self.embed = model.backbone.embeddings if hasattr(model, "backbone") \
+            else model.model.embed_tokens
+        self.lm_head = model.lm_head
+        # the head's KV in the target's pool (with_draft_layers), else in a pool of its own
+        own = any(x not in target_pools.spec.attn_index for x in self.head.attention_layers)
+        self.pools = self.head.make_pools(target_pools.spec) if own else target_pools
+        self.shared = not own
+        self.device = model.device
+
+    def _longs(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    def prefill(self, hidden: torch.Tensor, next_ids: list[list[int]], starts: list[int],
+                tables: list[list[int]]) -> None:
+        """Write the head's KV of a prefill group's chunk: hidden [n, T, H]."""
+        T = hidden.shape[1]
+        meta = prefill_meta(starts, T, tables, self.pools)
+        ctx = StepContext(self.pools, meta, None)
+        self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx, decode=False,
+                  logits=False)
+
+    def _rows(self, hidden, next_ids, positions, tables):
+        meta = decode_meta(self._longs(positions), tables, self.pools)
+        ctx = StepContext(self.pools, meta, None)
+        return self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx,
+                         decode=True)
+
+    def write(self, jobs: list[DraftJob]) -> None:
+        """Only the first pass's entries (verified hiddens and tokens), no drafts: what a
+        finished request leaves for its decode-end snapshot."""
+        hid = torch.cat([j.pending.hidden for j in jobs])
+        ids = [t for j in jobs for t in j.next_ids]
+        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
+        meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
+                           self.pools)
+        self.head(hid, self._longs(ids), self.embed, self.lm_head,
+                  StepContext(self.pools, meta, None), decode=True, logits=False)
+
+    def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
+        """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries
+        written (a request that may emit one more token: nothing to draft)."""
+        hid = torch.cat([j.pending.hidden for j in jobs])
+        ids = [t for j in jobs for t in j.next_ids]
+        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
+        tables = [j.table for j in jobs for _ in j.next_ids]
+        out, logits = self._rows(hid, ids, pos, tables)
+        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
+        g, tok = out.index_select(0, ends), logits.index_select(0, ends).argmax(-1)
+        drafts = [[t] if j.num_drafts else [] for j, t in zip(jobs, tok.tolist(), strict=True)]
+        for k in range(2, max(j.num_drafts for j in jobs) + 1):
+            live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
+            sel = self._longs(live)
+            # the entry at n+k-2 pairs the previous pass's output with draft k-1
+            pos = [jobs[i].pending.start + len(jobs[i].next_ids) + k - 2 for i in live]
+            out, logits = self._rows(g.index_select(0, sel), [drafts[i][-1] for i in live], pos,
+                                     [jobs[i].table for i in live])
+            g = g.index_copy(0, sel, out)
+            for i, t in zip(live, logits.argmax(-1).tolist(), strict=True):
+                drafts[i].append(t)
+        return drafts

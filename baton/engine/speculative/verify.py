@@ -1,0 +1,187 @@
+"""The target's verify pass: m_r consecutive positions of each request in one forward, with the
+recurrent state kept after every position so a rejected draft rolls back exactly.
+
+Numerics are the decode path's, position by position, so a verified token is the one plain
+decoding would have produced:
+
+    rows (r, j)    request r's position n_r + j, ordered by request then position
+    norms, MLPs    every row at once (row-wise ops)
+    attention      `Attention.decode` over the rows as independent one-token queries
+                   (`decode_meta`): row (r, j) sees keys 0..n_r+j, later ones masked
+    Mamba2         `Mamba2Mixer.decode`'s operations: projections, dt and the gated norm
+                   over every row at once, the conv window and SSM step once per position j
+                   over the requests with m_r > j, in place on their live slots; after
+                   position j (j < m_r - 1) the state is copied into the request's scratch
+                   slot j (`StateScratch`)
+
+After acceptance, `StateScratch.restore` puts scratch slot e back into the live slot when
+fewer than all m_r positions are kept (all kept: the live slot holds the right state).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from baton.model.layers.ssd import ssd_step_
+from baton.model.paged import StepContext, decode_meta, slot_context
+from baton.model.pools import Pools
+
+
+class VerifyRow(NamedTuple):
+    """One request of a verify pass."""
+
+    tokens: list[int]
+    """Tokens at positions start..start+m-1 (the last emitted token, then the drafts)."""
+    start: int
+    slot: int
+    table: list[int]
+
+
+class StateScratch:
+    """Per-position recurrent states of one verify pass, in the pools' own slots
+    `first_slot ..`: `rows_per_request` slots for each of `max_requests` requests (the cache
+    manager never hands them out: `reserved_slots`)."""
+
+    def __init__(self, pools: Pools, first_slot: int, max_requests: int, rows_per_request: int):
+        self.pools = pools
+        self.first_slot = first_slot
+        self.rows_per_request = rows_per_request
+        self.max_requests = max_requests
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_requests * self.rows_per_request if self.pools.has_state else 0
+
+    def slot(self, request: int, position: int) -> int:
+        return self.first_slot + request * self.rows_per_request + position
+
+    def save(self, local_layer: int, slots: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots `dst` <- live slots `slots`, every state tensor of one state layer."""
+        for t in self.pools.state.values():
+            t[local_layer].index_copy_(0, dst, t[local_layer].index_select(0, slots))
+
+    def restore(self, request: int, position: int, slot: int) -> None:
+        """Live slot `slot` <- the state after `position` of the pass's request `request`."""
+        self.pools.copy_slot(self.slot(request, position), slot)
+
+
+def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch):
+    """Run every row's tokens; returns (final-normed hidden [R, H], float32 logits [R, vocab])
+    with R = total tokens, in row order. Leaves each live slot at the state after its last
+    token and the scratch rows at the states after the earlier ones."""
+    counts = [len(r.tokens) for r in rows]
+    starts = [sum(counts[:i]) for i in range(len(rows))]
+    dev = pools.kv.device
+    ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
+    pos = torch.tensor([r.start + j for r in rows for j in range(len(r.tokens))],
+                       dtype=torch.long, device=dev)
+    attn = None
+    if pools.has_kv:
+        tables = [r.table for r, m in zip(rows, counts, strict=True) for _ in range(m)]
+        attn = decode_meta(pos, tables, pools)
+    flat = StepContext(pools, attn, None)
+    per_pos = _positions(pools, rows, counts, starts, scratch, dev)
+
+    def mix(mixer, x: torch.Tensor) -> torch.Tensor:
+        if mixer.layer_idx in pools.spec.attn_index:
+            return mixer.decode(x, flat)
+        return _recurrent(mixer, x, pools, per_pos, scratch)
+
+    if hasattr(model, "backbone"):  # NemotronH: one mixer per pre-norm residual block
+        bb = model.backbone
+        h = bb.embeddings(ids.to(model.device))
+        for block in bb.layers:
+            x = block.norm(h)
+            h = h + (block.mixer(x) if block.stateless else mix(block.mixer, x))
+        hidden = bb.norm_f(h)
+    else:  # Qwen3.5: mixer then MLP in each decoder layer (its DecoderLayer.forward)
+        tm = model.model
+        h = tm.embed_tokens(ids.to(model.device))
+        for layer in tm.layers:
+            h = h + mix(layer.mixer, layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = tm.norm(h)
+    return hidden, model.lm_head(hidden).float()
+
+
+class _Position(NamedTuple):
+    ctx: StepContext
+    """The slots of the requests still running at this position."""
+    rows: torch.Tensor
+    """Rows of the pass at this position (one per request still running)."""
+    save_to: torch.Tensor | None
+    """Scratch rows for the requests with a later position (their state is saved)."""
+    save_slots: torch.Tensor | None
+
+
+def _positions(pools, rows, counts, starts, scratch, dev) -> list[_Position]:
+    def longs(xs):
+        return torch.tensor(xs, dtype=torch.long, device=dev)
+
+    out = []
+    for j in range(max(counts)):
+        sel = [i for i, m in enumerate(counts) if m > j]
+        keep = [i for i in sel if counts[i] > j + 1]
+        out.append(_Position(
+            slot_context(pools, None, [rows[i].slot for i in sel]),
+            longs([starts[i] + j for i in sel]),
+            longs([scratch.slot(i, j) for i in keep]) if keep else None,
+            longs([rows[i].slot for i in keep]) if keep else None,
+        ))
+    return out
+
+
+_MAMBA2_PARTS = ("_split", "_live_states", "_conv", "_ssm_inputs", "_dt", "_A", "_write_back",
+                 "_out")
+
+
+def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
+               scratch: StateScratch) -> torch.Tensor:
+    """One recurrent layer: a Mamba2 mixer with its projections over every row at once and
+    the conv + SSM step position after position (`_mamba2`), any other mixer its own decode
+    per position."""
+    if all(hasattr(mixer, n) for n in _MAMBA2_PARTS):
+        return _mamba2(mixer, x, pools, per_pos, scratch)
+    out = torch.empty_like(x)
+    local = pools.spec.state_index[mixer.layer_idx]
+    for p in per_pos:
+        out.index_copy_(0, p.rows, mixer.decode(x.index_select(0, p.rows), p.ctx))
+        if p.save_to is not None:
+            scratch.save(local, p.save_slots, p.save_to)
+    return out
+
+
+def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
+            scratch: StateScratch) -> torch.Tensor:
+    """`Mamba2Mixer.decode`, operation for operation, over the positions of a verify pass:
+    in_proj, dt, gated norm and out_proj are row-wise (all rows in one call); the conv
+    window and the SSM state advance one position at a time."""
+    cfg = mixer.cfg
+    H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+    local = pools.spec.state_index[mixer.layer_idx]
+    gate, xbc, dt = mixer._split(mixer.in_proj(x))
+    dt = mixer._dt(dt)
+    A = mixer._A()
+    y_all = None
+    for p in per_pos:
+        ctx = p.ctx
+        in_place = ctx.slot_range is not None and \
+            ctx.state(mixer.layer_idx, "ssm").dtype == torch.float32
+        conv, ssm = mixer._live_states(ctx, in_place)
+        xb = xbc.index_select(0, p.rows)
+        b = xb.shape[0]
+        window = torch.cat([conv.to(xb.dtype), xb[:, :, None]], dim=-1)
+        xs, B, C = mixer._ssm_inputs(mixer._conv(window)[..., 0])
+        conv.copy_(window[:, :, 1:])
+        y = ssd_step_(ssm, xs.reshape(b, H, P), dt.index_select(0, p.rows), A,
+                      B.reshape(b, G, N), C.reshape(b, G, N), mixer.D)
+        if not in_place:
+            mixer._write_back(ctx, conv, ssm)
+        if y_all is None:
+            y_all = y.new_empty((x.shape[0], H * P))
+        y_all.index_copy_(0, p.rows, y.reshape(b, -1))
+        if p.save_to is not None:
+            scratch.save(local, p.save_slots, p.save_to)
+    return mixer._out(y_all, gate, x.dtype)

@@ -1,0 +1,165 @@
+"""Starting a tensor-parallel worker: rank processes (the pipeline's `LocalStages`, dying with
+rank 0), one gloo group for control plus a second one for the layers' collectives (so a
+control send never interleaves with an all-reduce), threads split between the ranks, the
+rank layout printed, and each rank's shard of weights and pools.
+
+Threads: the machine's cores (or BATON_NUM_THREADS) are divided between the ranks, so TP 1
+and TP N use the same total. More ranks than cores is allowed, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from baton.config import BatonConfig
+from baton.engine.pipeline.launch import (
+    LocalStages,
+    _die_with_parent,
+    config_from_env,
+    join_group,
+    open_store,
+)
+from baton.model.config import load_config
+from baton.model.layers.parallel import TPGroup
+from baton.model.tp_shard import held_units
+
+log = logging.getLogger("baton.tp")
+
+
+def rank_threads(size: int) -> int:
+    total = int(os.environ.get("BATON_NUM_THREADS") or 0) or os.cpu_count() or 1
+    return max(1, total // size)
+
+
+def rank_layout(cfg, size: int, pids: dict[int, int]) -> str:
+    """One line per rank: what of the model it holds."""
+    parts = []
+    for r in range(size):
+        what = [f"vocab {_rng(cfg.vocab_size, size, r)}"]
+        if cfg.attention_layers:
+            what += [f"attention heads {_rng(cfg.num_attention_heads, size, r)}",
+                     f"KV heads {_rng(cfg.num_key_value_heads, size, r)}"]
+        if "G" in cfg.pattern:  # Qwen3.5 gated DeltaNet
+            what += [f"key heads {_rng(cfg.linear_num_key_heads, size, r)}",
+                     f"value heads {_rng(cfg.linear_num_value_heads, size, r)}"]
+        if "M" in cfg.pattern:
+            what += [f"mamba heads {_rng(cfg.mamba_num_heads, size, r)}",
+                     f"groups {_rng(cfg.n_groups, size, r)}"]
+        role = " (scheduler + cache manager)" if r == 0 else ""
+        parts.append(f"  rank {r} pid {pids.get(r, os.getpid())}{role}: {', '.join(what)}")
+    return "\n".join(parts)
+
+
+def _rng(units: int, size: int, r: int) -> str:
+    lo, hi = held_units(units, size, r)
+    rep = "" if units % size == 0 else f" (replicated x{size // units})"
+    return f"[{lo}, {hi}){rep}"
+
+
+def warn_cores(size: int, what: str = "") -> None:
+    cores = os.cpu_count() or 1
+    if size > cores:
+        log.warning("%s rank processes on %d cores: ranks share cores (correct, not faster)",
+                    what or f"tensor_parallel_size={size}", cores)
+
+
+def join(rank: int, size: int, store) -> TPGroup:
+    """The control group (p2p) and the collectives' group: every rank calls this in order."""
+    join_group(store, rank, size)
+    return TPGroup(rank, size, dist.new_group(list(range(size)), backend="gloo"))
+
+
+def load_rank(cfg: BatonConfig, path, tp: TPGroup):
+    """(the rank's model, its pools)."""
+    from baton.engine.builder import DTYPES
+    from baton.model.nemotron_h.tp import load_tp_model
+
+    model = load_tp_model(path, tp, device=cfg.model.device, dtype=DTYPES[cfg.model.dtype])
+    pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
+                             cfg.cache.num_state_slots)
+    return model, pools
+
+
+def rank_argv(model_path: str):
+    return lambda rank, master: [sys.executable, "-m", "baton.engine.tp.launch",
+                                 str(model_path), str(rank), master]
+
+
+def start_ranks(cfg: BatonConfig, path, on_death=None):
+    """(store, the rank processes 1..N-1) after checking the model splits."""
+    from baton.model.nemotron_h.tp import family_tp
+
+    size = cfg.worker.tensor_parallel_size
+    mcfg = load_config(path)
+    family_tp(mcfg).local_config(mcfg, size)  # refused here, before any rank starts
+    warn_cores(size)
+    store = open_store(0, size, None)
+    ranks = LocalStages(cfg, rank_argv(str(path)), f"127.0.0.1:{store.port}", size, on_death)
+    return store, ranks
+
+
+def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str) -> int:
+    from baton.engine.pipeline.channel import Channel
+    from baton.engine.tp.rank import TPRankLoop
+
+    _die_with_parent()
+    size = cfg.worker.tensor_parallel_size
+    torch.set_num_threads(rank_threads(size))
+    store = open_store(rank, size, master)
+    tp = join(rank, size, store)
+    model, pools = load_rank(cfg, model_path, tp)
+    log.info("tensor-parallel rank %d/%d ready", rank, size)
+    try:
+        TPRankLoop(model, pools, Channel(rank, size), tp).run()
+    except Exception as e:  # noqa: BLE001 - rank 0 is gone or a forward failed: leave
+        log.warning("tensor-parallel rank %d: leaving (%s)", rank, e)
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """`python -m baton.engine.tp.launch MODEL RANK MASTER` (config in the env)."""
+    logging.basicConfig(level=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    code = serve_rank(config_from_env(None), argv[0], int(argv[1]), argv[2])
+    sys.stdout.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None):
+    """Rank 0 of a tensor-parallel worker: starts ranks 1..N-1, joins their group, loads its
+    shard, and runs the scheduler and cache manager for every rank (`on_rank_death(rank,
+    code)`: a rank exited; `on_link_lost(error)`: the group broke)."""
+    from baton.cache.manager import HybridCacheManager
+    from baton.engine.builder import _maybe_arm_canaries
+    from baton.engine.engine import Engine
+    from baton.engine.pipeline.channel import Channel
+    from baton.engine.tp.model import DigestPools, TPModel
+    from baton.model.tokenizer import load_tokenizer
+
+    size = cfg.worker.tensor_parallel_size
+    threads = rank_threads(size)
+    torch.set_num_threads(threads)
+    store, ranks = start_ranks(cfg, path, on_rank_death)
+    try:
+        tp = join(0, size, store)
+        shard, local = load_rank(cfg, path, tp)
+    except BaseException:
+        ranks.kill()
+        raise
+    pools = DigestPools(local.spec, local)
+    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    _maybe_arm_canaries(cache)  # the fills reach ranks 1..N-1 as mirrored operations
+    model = TPModel(shard, shard.full_config, pools, Channel(0, size), tp, ranks, on_link_lost)
+    log.info("tensor-parallel engine ready: TP %d x PP 1 = %d rank processes, %d torch "
+             "thread(s) each\n%s", size, size, threads,
+             rank_layout(shard.full_config, size, ranks.pids()))
+    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

@@ -1,0 +1,214 @@
+"""TP x PP inside one worker: PP stages, each split over TP ranks, in one gloo world.
+
+    world rank        0 .. PP-1                     PP .. PP*TP-1
+    who               stage k's leader (TP rank 0)  stage k's TP rank j (1..TP-1) at
+                      = a pipeline stage as today   PP + k*(TP-1) + (j-1)
+
+The leaders are the pipeline (`baton.engine.pipeline`) unchanged: stage 0 schedules, the
+micro-batches and hidden states flow leader to leader. Each leader, before running its
+layers on a micro-batch (`before_forward`), hands the plan and the input (token ids or
+hidden states) to its stage's other TP ranks, and forwards every mirrored cache operation
+it applies; they run the same layers on their shards, the stage's collectives (one group
+per stage) keep them in lockstep, and the last stage's vocab-parallel head gathers the
+logits on its leader. Canary audits and stop reach the peers through their leader.
+World rank 0 (stage 0's leader, the engine) is built in `pp_model.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from baton.engine.pipeline.channel import TAG_CTRL, Channel
+from baton.engine.pipeline.launch import (
+    _die_with_parent,
+    config_from_env,
+    join_group,
+    open_store,
+    stage_layers,
+)
+from baton.engine.pipeline.mirror import apply_ops
+from baton.engine.pipeline.stage import StageLoop, hidden_shape, last_logits, run_layers
+from baton.engine.tp.launch import rank_threads
+from baton.model.layers.parallel import TPGroup
+from baton.model.pools import Pools, PoolSpec
+
+log = logging.getLogger("baton.tp")
+
+TAG_PEER_IN, TAG_PEER_REPLY = 5, 6
+
+
+def peer_ranks(stage: int, pp: int, tp: int) -> list[int]:
+    return [pp + stage * (tp - 1) + j for j in range(tp - 1)]
+
+
+def place(rank: int, pp: int, tp: int) -> tuple[int, int]:
+    """(stage, TP rank) of a world rank."""
+    if rank < pp:
+        return rank, 0
+    k, j = divmod(rank - pp, tp - 1)
+    return k, j + 1
+
+
+def join_stage_groups(rank: int, pp: int, tp: int) -> TPGroup:
+    """Every process creates every stage's group, in order; returns this rank's."""
+    mine = None
+    for k in range(pp):
+        ranks = [k, *peer_ranks(k, pp, tp)]
+        g = dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            mine = TPGroup(ranks.index(rank), tp, g, root=k)
+    return mine
+
+
+class Leader:
+    """A stage leader's side of its TP peers (its model's `before_forward` hook)."""
+
+    def __init__(self, ch: Channel, peers: list[int]):
+        self.ch, self.peers = ch, peers
+
+    def forward(self, mb: dict, h: torch.Tensor) -> None:
+        for p in self.peers:
+            self.ch.send_msg({**mb, "ops": []}, p, TAG_CTRL)
+            self.ch.isend(h, p, TAG_PEER_IN)
+
+    def ops(self, ops) -> None:
+        for p in self.peers:
+            self.ch.send_msg({"op": "ops", "ops": ops}, p, TAG_CTRL)
+
+    def canaries(self, args: dict) -> tuple[list[int], list[int]]:
+        blocks, slots = [], []
+        for p in self.peers:
+            self.ch.send_msg({"op": "canaries", "args": args, "ops": []}, p, TAG_CTRL)
+        for p in self.peers:
+            r = self.ch.recv_msg(p, TAG_PEER_REPLY)
+            blocks += r["bad_blocks"]
+            slots += r["bad_slots"]
+        return blocks, slots
+
+    def stop(self) -> None:
+        for p in self.peers:
+            self.ch.send_msg({"op": "stop", "ops": []}, p, TAG_CTRL)
+        self.ch.flush()
+
+
+def attach_leader(model, pools, ch: Channel, peers: list[int], loop: StageLoop | None = None):
+    """Hook a stage leader's model (and its loop's op application and canary audit)."""
+    from baton.cache.canary import bad_blocks, bad_slots
+
+    lead = Leader(ch, peers)
+    model.before_forward = lead.forward
+    if loop is not None:
+        def apply(ops, _apply=loop._apply):
+            _apply(ops)
+            lead.ops(ops)
+
+        def canaries(a):
+            b, s = lead.canaries(a)
+            return {"bad_blocks": sorted(set(bad_blocks(pools, a["blocks"])) | set(b)),
+                    "bad_slots": sorted(set(bad_slots(pools, a["slots"])) | set(s))}
+
+        loop._apply = apply
+        loop.handlers["canaries"] = canaries
+    return lead
+
+
+class PeerLoop:
+    """A stage's TP rank j >= 1: obey its leader until "stop"."""
+
+    def __init__(self, model, pools, ch: Channel, leader: int):
+        self.model, self.pools, self.ch, self.leader = model, pools, ch, leader
+
+    def run(self) -> None:
+        from baton.cache.canary import bad_blocks, bad_slots
+
+        while True:
+            msg = self.ch.recv_msg(self.leader, TAG_CTRL)
+            apply_ops(self.pools, msg.get("ops", ()))
+            op = msg["op"]
+            if op == "stop":
+                self.ch.flush()
+                return
+            if op == "fwd":
+                self._forward(msg)
+            elif op == "canaries":
+                a = msg["args"]
+                self.ch.send_msg({"bad_blocks": bad_blocks(self.pools, a["blocks"]),
+                                  "bad_slots": bad_slots(self.pools, a["slots"])},
+                                 self.leader, TAG_PEER_REPLY)
+
+    def _forward(self, mb: dict) -> None:
+        n = len(mb["starts"])
+        if self.model.first:
+            shape = (n,) if mb["decode"] else (n, mb["T"])
+            h = self.ch.recv(shape, torch.long, self.leader, TAG_PEER_IN)
+        else:
+            h = self.ch.recv(hidden_shape(self.model, mb), self.model.dtype, self.leader,
+                             TAG_PEER_IN)
+        h = run_layers(self.model, self.pools, mb, h)
+        if self.model.last and mb.get("out", True):
+            last_logits(self.model, h, mb["decode"])  # its part of the head's gather
+
+
+def world_argv(model_path: str):
+    return lambda rank, master: [sys.executable, "-m", "baton.engine.tp.pipeline",
+                                 str(model_path), str(rank), master]
+
+
+def setup(cfg, path, rank: int, store):
+    """Join the world and the stage groups, load this rank's share of its stage:
+    (stage, model, pools, group, layers)."""
+    from baton.engine.builder import DTYPES
+    from baton.model.nemotron_h.tp import load_tp_model
+
+    pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
+    layers = stage_layers(cfg, path)
+    stage, _ = place(rank, pp, tp)
+    join_group(store, rank, pp * tp)
+    group = join_stage_groups(rank, pp, tp)
+    dtype = DTYPES[cfg.model.dtype]
+    model = load_tp_model(path, group, cfg.model.device, dtype,
+                          stage=(layers[stage], stage == 0, stage == pp - 1))
+    pools = Pools(PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
+                                     tokens_per_block=cfg.cache.tokens_per_block,
+                                     num_slots=cfg.cache.num_state_slots, layers=layers[stage],
+                                     dtype=dtype, device=cfg.model.device))
+    return stage, model, pools, group, layers
+
+
+def serve(cfg, path, rank: int, master: str) -> int:
+    """A process other than world rank 0: a stage leader or a stage's TP rank."""
+    pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
+    _die_with_parent()
+    torch.set_num_threads(rank_threads(pp * tp))
+    store = open_store(rank, pp * tp, master)
+    stage, model, pools, _, _ = setup(cfg, path, rank, store)
+    try:
+        if rank < pp:
+            ch = Channel(stage, pp)
+            loop = StageLoop(model, pools, ch)
+            lead = attach_leader(model, pools, ch, peer_ranks(stage, pp, tp), loop)
+            loop.run()
+            lead.stop()
+        else:
+            PeerLoop(model, pools, Channel(rank, pp * tp), stage).run()
+    except Exception as e:  # noqa: BLE001 - the group broke or a forward failed: leave
+        log.warning("TP x PP rank %d: leaving (%s)", rank, e)
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """`python -m baton.engine.tp.pipeline MODEL RANK MASTER` (config in the env)."""
+    logging.basicConfig(level=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    code = serve(config_from_env(None), argv[0], int(argv[1]), argv[2])
+    sys.stdout.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,174 @@
+"""NemotronH multi-token-prediction (MTP) head, as published: `mtp.layers.{i}.*`; and
+`attach_mtp`, which gives a loaded model of either family its head (Qwen3.5's:
+baton/model/qwen3_5/mtp.py).
+
+Config (`config.json`): `num_nextn_predict_layers` (0 = none) and the head's own pattern,
+`mtp_hybrid_override_pattern` (e.g. "*-", "*E") or `mtp_layers_block_type` (a list of HF
+block types). The layers together form ONE MTP step, applied K times for K drafts:
+
+    x   = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])      h_i: target hidden after norm_f
+    x   = x + mixer_l(norm_l(x))   for every layer l of the head ('*' attention, '-' MLP,
+                                   'E' MoE: the target's MoE block, baton/model/layers/moe.py)
+    out = final_layernorm(x)       (on the last layer) -> shared lm_head -> draft logits
+    out is also the hidden of the next draft step.
+
+Names: `mtp.layers.0.{enorm,hnorm,eh_proj}`, `mtp.layers.{l}.norm`, `mtp.layers.{l}.mixer.*`
+(the target's mixer names), `mtp.layers.{last}.final_layernorm`. Embedding and LM head are
+the target's (passed in, not owned). The head's attention layers get global layer ids after
+the target's (`num_layers + l`) and keep their KV in a pool of their own (`make_pools`) that
+shares the target's block ids, so a request's block table addresses both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from baton.errors import ConfigError
+from baton.model.layers.attention import Attention
+from baton.model.layers.mlp import MLP
+from baton.model.layers.norms import RMSNorm
+from baton.model.paged import StepContext
+from baton.model.pools import Pools, PoolSpec
+
+BLOCK_TYPE_TO_CHAR = {"full_attention": "*", "mlp": "-", "moe": "E", "linear_attention": "M"}
+MTP_CHARS = "*-E"
+MTP_PREFIX = "mtp."
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    num_steps: int
+    """`num_nextn_predict_layers`: MTP steps the checkpoint declares (Baton applies step 0)."""
+    pattern: str
+    """One char per physical layer of one step: '*' attention, '-' MLP, 'E' MoE."""
+
+
+def mtp_spec(cfg) -> MTPSpec | None:
+    """The MTP head `cfg.raw` (the config.json) declares, or None."""
+    raw = getattr(cfg, "raw", {}) or {}
+    n = int(raw.get("num_nextn_predict_layers") or 0)
+    if n <= 0:
+        return None
+    pattern = raw.get("mtp_hybrid_override_pattern")
+    if not pattern:
+        types = raw.get("mtp_layers_block_type") or ["full_attention", "moe"]
+        unknown = [t for t in types if t not in BLOCK_TYPE_TO_CHAR]
+        if unknown:
+            raise ConfigError(f"mtp_layers_block_type entries {unknown} are unknown: expected "
+                              f"some of {sorted(BLOCK_TYPE_TO_CHAR)}")
+        pattern = "".join(BLOCK_TYPE_TO_CHAR[t] for t in types)
+    bad = sorted({c for c in pattern if c not in MTP_CHARS})
+    if bad:
+        raise ConfigError(f"MTP layer kind(s) {bad} in mtp_hybrid_override_pattern {pattern!r} "
+                          f"are not supported: Baton's MTP head takes {list(MTP_CHARS)}")
+    return MTPSpec(n, str(pattern))
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg, kind: str, index: int, first: bool, last: bool):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        if first:
+            self.enorm = RMSNorm(H, eps)
+            self.hnorm = RMSNorm(H, eps)
+            self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.norm = RMSNorm(H, eps)
+        self.attention = kind == "*"
+        gid = cfg.num_layers + index
+        if self.attention:
+            self.mixer = Attention(cfg, layer_idx=gid)
+        elif kind == "E":
+            from baton.model.layers.moe import MoE
+
+            self.mixer = MoE(cfg, layer_idx=gid)
+        else:
+            self.mixer = MLP(cfg, layer_idx=gid)
+        if last:
+            self.final_layernorm = RMSNorm(H, eps)
+
+
+class MTPHead(nn.Module):
+    """One MTP step over the target's embedding and LM head (see the module docstring)."""
+
+    def __init__(self, cfg, spec: MTPSpec):
+        super().__init__()
+        self.cfg, self.spec = cfg, spec
+        n = len(spec.pattern)
+        self.layers = nn.ModuleList(
+            MTPLayer(cfg, c, i, i == 0, i == n - 1) for i, c in enumerate(spec.pattern))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Global ids of the head's attention layers (after the target's)."""
+        return tuple(self.cfg.num_layers + i for i, c in enumerate(self.spec.pattern) if c == "*")
+
+    def make_pools(self, target: PoolSpec) -> Pools:
+        """KV for the head's attention layers, block for block beside the target's pool."""
+        return Pools(PoolSpec(
+            attn_layers=self.attention_layers, state_layers=(), num_blocks=target.num_blocks,
+            tokens_per_block=target.tokens_per_block, num_kv_heads=self.cfg.num_key_value_heads,
+            head_dim=self.cfg.head_dim, num_slots=0, state_tensors=(), dtype=target.dtype,
+            device=target.device))
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
+                lm_head: nn.Linear, ctx: StepContext, decode: bool, logits: bool = True):
+        """hidden [..., H] target (or previous step's) hidden of position i, next_ids [...] the
+        token at i+1; decode: rows are independent queries ([R, H], `ctx.attn` from
+        decode_meta), else [n, T, H] (prefill_meta). Returns (out hidden, float32 logits or
+        None when not `logits`: a prompt pass only writes the head's KV)."""
+        first = self.layers[0]
+        e = first.enorm(embed(next_ids))
+        x = first.eh_proj(torch.cat([e, first.hnorm(hidden.to(e.dtype))], dim=-1))
+        for layer in self.layers:
+            y = layer.norm(x)
+            if layer.attention:
+                y = layer.mixer.decode(y, ctx) if decode else layer.mixer.prefill(y, ctx)
+            else:
+                y = layer.mixer(y)
+            x = x + y
+        out = self.layers[-1].final_layernorm(x)
+        return out, lm_head(out).float() if logits else None
+
+
+def build_head(cfg):
+    """The MTP head `cfg` declares (either family), or None."""
+    if cfg.family == "qwen3_5":
+        from baton.model.qwen3_5.mtp import Qwen35MTPHead, qwen_mtp_layers
+
+        n = qwen_mtp_layers(cfg)
+        return Qwen35MTPHead(cfg, n) if n else None
+    spec = mtp_spec(cfg)
+    return MTPHead(cfg, spec) if spec is not None else None
+
+
+def _declared(cfg) -> str:
+    if cfg.family == "qwen3_5":
+        from baton.model.qwen3_5.mtp import qwen_mtp_layers
+
+        return f"mtp_num_hidden_layers={qwen_mtp_layers(cfg)}"
+    spec = mtp_spec(cfg)
+    return f"num_nextn_predict_layers={spec.num_steps}, pattern {spec.pattern!r}"
+
+
+def attach_mtp(model, checkpoint_names: set[str]) -> bool:
+    """Give `model` (built on the meta device) its MTP head when the config declares one and
+    the checkpoint holds its tensors; True if attached. A head declared but absent from the
+    checkpoint is left off (speculation then refuses to start); half present is an error."""
+    head = build_head(model.config)
+    if head is None:
+        return False
+    want = {MTP_PREFIX + k for k in head.state_dict()}
+    have = {n for n in checkpoint_names if n.startswith(MTP_PREFIX)}
+    if not have:
+        return False
+    # a MoE block's stacked experts may come as one tensor per expert (the loader stacks them)
+    missing = sorted(w for w in want - have
+                     if not any(h.startswith(w.rsplit(".", 1)[0] + ".") for h in have - want))
+    if missing:
+        raise ConfigError(f"checkpoint declares an MTP head ({_declared(model.config)}) but "
+                          f"lacks tensor(s) {missing[:6]}")
+    model.mtp = head
+    return True

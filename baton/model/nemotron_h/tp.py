@@ -1,0 +1,198 @@
+"""NemotronH at tensor-parallel size t (and the family-generic sharded loader,
+`load_tp_model`, which Qwen3.5's rules in `baton.model.qwen3_5.tp` use too): rank r's model is an ordinary `NemotronHModel` built
+from a LOCAL config (its heads, groups, FFN and vocab shares), with the output projections,
+embedding, LM head and (replicated-groups) gated norm swapped for `layers.parallel`, and its
+weights cut from the TP-1 checkpoint section by section.
+
+    in_proj rows   [ z | x | B | C | dt ]  each section cut on its own (by heads / groups);
+                   n_groups == 1: B and C whole on every rank
+    conv1d rows    [ x | B | C ]           likewise (so the conv state is the rank's shard
+                                            in `tp_shard`'s layout)
+    A_log, D, dt_bias, norm                by heads / channels
+    out_proj, o_proj, down_proj columns    row parallel (one all-reduce each)
+    q rows by heads; k, v rows by KV heads (replicated: head r*K // t, division)
+
+The local config's pools are exactly the rank's shard of the cache (`tp_shard`): KV heads
+max(K/t, 1), conv (I/t + 2*G_local*N, K-1), ssm (H/t, P, N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from baton.errors import ConfigError
+from baton.model.config import load_config
+from baton.model.layers.parallel import (
+    ReplicatedGroupGatedNorm,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from baton.model.loader import _canonical, checkpoint_files, family_loader
+from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.model import NemotronHModel
+from baton.model.tp_shard import check_tp, held_units
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config whose modules and pools are one rank's shard."""
+    check_tp(cfg, tp)
+    refuse_moe(cfg, tp, tuple(i for i, c in enumerate(cfg.pattern) if c == "E"))
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg, num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
+        intermediate_size=cfg.intermediate_size // tp,
+        mamba_num_heads=cfg.mamba_num_heads // tp, n_groups=max(cfg.n_groups // tp, 1),
+        vocab_size=cfg.vocab_size // tp)
+
+
+def refuse_moe(cfg, tp: int, moe_layers: tuple[int, ...]) -> None:
+    if tp > 1 and moe_layers:
+        raise ConfigError(
+            f"tensor_parallel_size={tp}: the model has MoE layers {list(moe_layers)[:8]}, "
+            "whose experts are not split over TP ranks yet; use tensor_parallel_size 1 "
+            "(pipeline parallelism splits MoE models)")
+
+
+def sections(cfg: ModelConfig, what: str) -> list[tuple[int, int]]:
+    """(units, unit width) of each section along a weight's sharded axis."""
+    H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+    return {
+        "in_proj": [(H, P), (H, P), (G, N), (G, N), (H, 1)],
+        "conv": [(H, P), (G, N), (G, N)],
+        "heads": [(H, 1)], "inner": [(H, P)],
+        "q": [(cfg.num_attention_heads, cfg.head_dim)],
+        "kv": [(cfg.num_key_value_heads, cfg.head_dim)],
+        "ffn": [(cfg.intermediate_size, 1)], "vocab": [(cfg.vocab_size, 1)],
+    }[what]
+
+
+RULES = (  # (name suffix, sections, axis); anything else is replicated
+    ("mixer.in_proj.weight", "in_proj", 0), ("mixer.in_proj.bias", "in_proj", 0),
+    ("mixer.conv1d.weight", "conv", 0), ("mixer.conv1d.bias", "conv", 0),
+    ("mixer.dt_bias", "heads", 0), ("mixer.A_log", "heads", 0), ("mixer.D", "heads", 0),
+    ("mixer.norm.weight", "inner", 0), ("mixer.out_proj.weight", "inner", 1),
+    ("mixer.q_proj.weight", "q", 0), ("mixer.k_proj.weight", "kv", 0),
+    ("mixer.v_proj.weight", "kv", 0), ("mixer.o_proj.weight", "q", 1),
+    ("mixer.up_proj.weight", "ffn", 0), ("mixer.up_proj.bias", "ffn", 0),
+    ("mixer.down_proj.weight", "ffn", 1),
+    ("backbone.embeddings.weight", "vocab", 0), ("lm_head.weight", "vocab", 0),
+)
+
+
+def shard_tensor(cfg, name: str, t, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules.
+    `t` is a tensor or a safetensors slice: then only the rank's rows are read, so a rank
+    never holds a whole tensor it shards."""
+    fam = family_tp(cfg)
+    rule = next(((s, a) for suf, s, a in fam.RULES if name.endswith(suf)), None)
+    if rule is None or tp == 1:
+        return t[:] if not isinstance(t, torch.Tensor) else t
+    what, axis = rule
+    size = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[axis]
+    parts, start = [], 0
+    for units, width in fam.sections(cfg, what):
+        lo, hi = held_units(units, tp, rank)
+        a, b = start + lo * width, start + hi * width
+        parts.append(t[a:b] if axis == 0 else t[:, a:b])
+        start += units * width
+    if start != size:
+        raise ConfigError(f"checkpoint tensor {name}: {size} rows along axis {axis}, "
+                          f"expected {start}")
+    return torch.cat(parts, dim=axis).contiguous()
+
+
+def build_local(cfg: ModelConfig, tp: TPGroup) -> NemotronHModel:
+    """The rank's module tree (on the meta device): parallel layers where TP talks."""
+    model = NemotronHModel(local_config(cfg, tp.size))
+    _parallelize(cfg, tp, model.backbone.layers, model.backbone, model)
+    return model
+
+
+def build_local_stage(cfg: ModelConfig, tp: TPGroup, layers: range, first: bool, last: bool):
+    """One pipeline stage's share on this TP rank (meta device)."""
+    from baton.model.stage import StageModel
+
+    model = StageModel(local_config(cfg, tp.size), layers, first, last)
+    _parallelize(cfg, tp, model.backbone.layers.values(), model.backbone if first else None,
+                 model if last else None)
+    return model
+
+
+def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner) -> None:
+    """Swap in the modules that talk over the group (TP 1: nothing to swap)."""
+    if tp.size == 1:
+        return
+    lc = local_config(cfg, tp.size)
+    for block in blocks:
+        m = block.mixer
+        for proj in ("out_proj", "o_proj", "down_proj"):
+            old = getattr(m, proj, None)
+            if old is not None:
+                setattr(m, proj, RowParallelLinear(old.in_features, old.out_features,
+                                                   old.bias is not None, tp))
+        if hasattr(m, "A_log") and cfg.n_groups == 1:
+            m.norm = ReplicatedGroupGatedNorm(lc.mamba_intermediate, cfg.mamba_intermediate,
+                                              cfg.layer_norm_epsilon, tp)
+    if embed_owner is not None:
+        embed_owner.embeddings = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size,
+                                                        tp.rank * lc.vocab_size, tp)
+    if head_owner is not None:
+        head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
+
+
+FAMILY_TP = {"nemotron_h": "baton.model.nemotron_h.tp", "qwen3_5": "baton.model.qwen3_5.tp"}
+"""Family -> module with `local_config`, `sections`, `RULES`, `build_local(_stage)`."""
+
+
+def family_tp(cfg):
+    mod = FAMILY_TP.get(cfg.family)
+    if mod is None:
+        raise ConfigError(f"family {cfg.family!r} has no tensor-parallel build yet "
+                          f"(families with one: {sorted(FAMILY_TP)})")
+    return __import__(mod, fromlist=["RULES"])
+
+
+def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
+                  stage: tuple[range, bool, bool] | None = None):
+    """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
+    pipeline stage) with its shard of the checkpoint's weights; `.config` is the shard's
+    (its pools'), `.full_config` the whole model's."""
+    path = Path(path)
+    cfg = load_config(path)
+    ftp = family_tp(cfg)
+    with torch.device("meta"):
+        model = ftp.build_local(cfg, tp) if stage is None else \
+            ftp.build_local_stage(cfg, tp, *stage)
+    expected = model.state_dict()
+    fam = family_loader(cfg)
+    state = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                ours = _canonical(name, fam.prefix_aliases)
+                # a tied head (possibly on a last stage without the embeddings) reads them
+                targets = [ours, "lm_head.weight"] if cfg.tie_word_embeddings \
+                    and ours == fam.embeddings else [ours]
+                for tgt in (x for x in targets if x in expected and x not in state):
+                    t = shard_tensor(cfg, tgt, f.get_slice(name), tp.size, tp.rank)
+                    if tuple(t.shape) != tuple(expected[tgt].shape):
+                        raise ConfigError(
+                            f"checkpoint tensor {name}: rank {tp.rank} shard {list(t.shape)}, "
+                            f"expected {list(expected[tgt].shape)}")
+                    want = torch.float32 if tgt.endswith(fam.fp32_suffixes) else dtype
+                    state[tgt] = t.to(device=device, dtype=want)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.full_config = cfg
+    model.requires_grad_(False)
+    return model.eval()

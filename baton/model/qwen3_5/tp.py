@@ -1,0 +1,100 @@
+"""Qwen3.5 at tensor-parallel size t: rank r's model is an ordinary `Qwen35Model` (or stage)
+built from a LOCAL config, with the output projections, embedding and LM head swapped for
+`layers.parallel`, and its weights cut from the TP-1 checkpoint section by section (loaded
+by `baton.model.nemotron_h.tp.load_tp_model`).
+
+    in_proj_qkv rows  [ q | k | v ]   q, k by key heads (replicated by division when TP
+                                      exceeds them: a rank's value heads all read the key
+                                      head r*HK // t), v by value heads
+    conv1d rows       [ q | k | v ]   likewise (the conv state is the rank's shard)
+    in_proj_z, in_proj_a/b, A_log, dt_bias   by value heads; norm (per head) replicated
+    q_proj rows by heads ([q_h | gate_h] per head); k, v by KV heads (replicated: division)
+    out_proj, o_proj, down_proj columns: row parallel, one all-reduce per mixer and per MLP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from baton.model.layers.parallel import (
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from baton.model.qwen3_5.config import Qwen35Config
+from baton.model.qwen3_5.model import Qwen35Model
+from baton.model.tp_shard import check_tp
+
+
+def local_config(cfg: Qwen35Config, tp: int) -> Qwen35Config:
+    from baton.model.nemotron_h.tp import refuse_moe
+
+    check_tp(cfg, tp)
+    refuse_moe(cfg, tp, tuple(getattr(cfg, "moe_layers", ())))
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg, num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
+        linear_num_key_heads=max(cfg.linear_num_key_heads // tp, 1),
+        linear_num_value_heads=cfg.linear_num_value_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp)
+
+
+def sections(cfg: Qwen35Config, what: str) -> list[tuple[int, int]]:
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return {
+        "qkv": [(hk, dk), (hk, dk), (hv, dv)], "z": [(hv, dv)], "vheads": [(hv, 1)],
+        "q": [(cfg.num_attention_heads, 2 * cfg.head_dim)],
+        "o": [(cfg.num_attention_heads, cfg.head_dim)],
+        "kv": [(cfg.num_key_value_heads, cfg.head_dim)],
+        "ffn": [(cfg.intermediate_size, 1)], "vocab": [(cfg.vocab_size, 1)],
+    }[what]
+
+
+RULES = (  # (name suffix, sections, axis); anything else is replicated
+    ("linear_attn.in_proj_qkv.weight", "qkv", 0), ("linear_attn.conv1d.weight", "qkv", 0),
+    ("linear_attn.in_proj_z.weight", "z", 0), ("linear_attn.in_proj_a.weight", "vheads", 0),
+    ("linear_attn.in_proj_b.weight", "vheads", 0), ("linear_attn.A_log", "vheads", 0),
+    ("linear_attn.dt_bias", "vheads", 0), ("linear_attn.out_proj.weight", "z", 1),
+    ("self_attn.q_proj.weight", "q", 0), ("self_attn.k_proj.weight", "kv", 0),
+    ("self_attn.v_proj.weight", "kv", 0), ("self_attn.o_proj.weight", "o", 1),
+    ("mlp.gate_proj.weight", "ffn", 0), ("mlp.up_proj.weight", "ffn", 0),
+    ("mlp.down_proj.weight", "ffn", 1),
+    ("model.embed_tokens.weight", "vocab", 0), ("lm_head.weight", "vocab", 0),
+)
+
+
+def build_local(cfg: Qwen35Config, tp: TPGroup) -> Qwen35Model:
+    model = Qwen35Model(local_config(cfg, tp.size))
+    _parallelize(cfg, tp, model.model.layers, model.model, model)
+    return model
+
+
+def build_local_stage(cfg: Qwen35Config, tp: TPGroup, layers: range, first: bool, last: bool):
+    from baton.model.qwen3_5.stage import Qwen35Stage
+
+    model = Qwen35Stage(local_config(cfg, tp.size), layers, first, last)
+    _parallelize(cfg, tp, model.model.layers.values(), model.model if first else None,
+                 model if last else None)
+    return model
+
+
+def _parallelize(cfg: Qwen35Config, tp: TPGroup, layers, embed_owner, head_owner) -> None:
+    if tp.size == 1:
+        return
+    lc = local_config(cfg, tp.size)
+    for layer in layers:
+        for owner, proj in ((layer.mixer, "out_proj"), (layer.mixer, "o_proj"),
+                            (layer.mlp, "down_proj")):
+            old = getattr(owner, proj, None)
+            if old is not None:
+                setattr(owner, proj, RowParallelLinear(old.in_features, old.out_features,
+                                                       old.bias is not None, tp))
+    if embed_owner is not None:
+        embed_owner.embed_tokens = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size,
+                                                          tp.rank * lc.vocab_size, tp)
+    if head_owner is not None:
+        head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)

@@ -1,0 +1,71 @@
+"""Speculative decoding on the decode worker of a 1P+1D cluster: identical to --local with
+speculation off, drafts accepted, counts in the gRPC summary, the client's --json and the HTTP answer.
+
+The prefill worker writes the MTP head's KV of the prompt (an extra attention layer of its KV
+pool) and it travels with the target's, whole or layer by layer. The decode worker drafts
+from its second step on (the first needs the hidden state of the last prompt position,
+which stays on the prefill worker), and the head's entry for that position keeps the
+prefill worker's placeholder (its token was not drawn yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.request
+
+import pytest
+
+from baton.client.local import run_local
+from baton.client.remote import run_remote
+from baton.client.requests import RequestSpec
+from baton.config import BatonConfig
+from baton.config.speculative import SpeculativeConfig
+from baton.engine.builder import build_engine
+from baton.engine.request import SamplingParams
+from tests.engine_helpers import prompt
+from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
+from tests.speculative_helpers import agreeing_checkpoint
+
+pytestmark = pytest.mark.integration
+
+CONFIG = {
+    "cache": {"num_blocks": 512, "num_state_slots": 48},
+    "worker": {"max_num_seqs": 8, "max_model_len": 2048},
+    "speculative": {"num_draft_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_one_prefill_one_decode_worker_speculating_equal_local(tmp_path, layerwise):
+    model = agreeing_checkpoint(tmp_path)
+    config = {**CONFIG, "transfer": {"layerwise": layerwise, "lease_seconds": 60.0}}
+    cluster = start_cluster(model, write_config(tmp_path / "baton.yaml", config), 1, 1)
+    try:
+        specs = [RequestSpec(f"c{i}", prompt_ids=prompt(i, 1 + 37 * i, vocab=512),
+                             sampling=SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True))
+                 for i in range(8)]
+        remote = run_remote(cluster.address, specs, concurrency=8)
+        off = dataclasses.replace(BatonConfig.from_dict(CONFIG),
+                                  speculative=SpeculativeConfig(0))
+        ref = run_local(build_engine(off, str(model)), specs, 8)
+        assert [r["token_ids"] for r in remote] == [r["token_ids"] for r in ref]
+        assert all(r["prefill_worker"] != r["decode_worker"] for r in remote)
+        assert sum(r.get("accepted_tokens", 0) for r in remote) > 0
+        assert all(r["draft_tokens"] >= r["accepted_tokens"] for r in remote)
+        # the HTTP answer's baton object carries the counts too
+        with urllib.request.urlopen(f"{cluster.http_address}/v1/models", timeout=10) as r:
+            name = json.loads(r.read())["data"][0]["id"]
+        body = {"model": name, "prompt": specs[3].prompt_ids, "max_tokens": 21,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(f"{cluster.http_address}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["token_ids"] == ref[3]["token_ids"]
+        baton = answer["baton"]
+        assert baton["draft_tokens"] >= baton["accepted_tokens"] > 0
+        assert_clean(cluster)
+    finally:
+        cluster.stop()
