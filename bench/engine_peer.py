@@ -128,8 +128,10 @@ def _prefill_row(family, path, vocab, threads, workers, sz) -> dict:
     _baton_prefill(eng, prompt[:64])  # warm: one-off allocations and dispatch
     ours, theirs = _alternate(sz["repeats"], lambda: _baton_prefill(eng, prompt),
                               lambda: workers["f32"].call("prefill", prompt=prompt))
-    return _row(family, f"prefill-{sz['prefill']}", threads, sz["prefill"], ours, theirs,
-                "prefill")
+    row = _row(family, f"prefill-{sz['prefill']}", threads, sz["prefill"], ours, theirs,
+               "prefill")
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+    return row
 
 
 def _decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps) -> dict:
@@ -144,6 +146,9 @@ def _decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps) -
         f16 = [workers["f16"].call("decode", prompts=reqs, steps=steps)
                for _ in range(sz["repeats"])]
         row["llamacpp_f16_tok_s"] = round(batch * steps / _median(f16, "wall_s"), 1)
+        row["llamacpp_f16_cpu_ms_per_token"] = round(
+            _median(f16, "cpu_s") / (batch * steps) * 1e3, 3)
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
     return row
 
 
@@ -184,7 +189,6 @@ def _row(family, work, threads, tokens, ours, theirs, kind, **extra) -> dict:
             # where it is high, `cpu_ratio` is the comparison to trust.
             "baton_wait_frac": round(_median(ours, "wait"), 3),
             "llamacpp_wait_frac": round(_median(theirs, "wait"), 3)}
-    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
     return row
 
 
