@@ -19,9 +19,11 @@ a row alone and the same row in a batch).
 the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, at most
 `MAX_PACKED_ROWS` rows in fp32 on CPU take the packed path; everything else (all of prefill,
 so a prompt's logits do not depend on how it was chunked or batched; CUDA; low-precision
-models) plain `F.linear`. `set_decode_path("reference")` (or
-`BATON_DECODE_PATH=reference`) turns the fast path off everywhere: the unoptimised reference
-the acceptance test compares with.
+models) plain `F.linear`. The fast path is opt-in
+(`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
+unoptimised path, bit for bit what it was): it rounds differently from the multi-row kernels,
+and speculative verification (tests/unit/test_speculative.py) requires a verify pass to equal
+plain decode bit for bit. tests/unit/test_decode_fast_path.py compares the two paths.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ PACK_HINT = 32
 """Batch size the weights are reordered for: as fast as a hint of 1 or 8 at every size 1-64."""
 HALF = (torch.float16, torch.bfloat16)
 
-_state = {"path": os.environ.get("BATON_DECODE_PATH", "fast")}
+_state = {"path": os.environ.get("BATON_DECODE_PATH", "reference")}
 _local = threading.local()  # .decoding: inside a marked decode call of this thread
 
 
 def set_decode_path(path: str) -> str:
-    """`fast` (default) or `reference`; returns the previous one."""
+    """`fast` or `reference` (default); returns the previous one."""
     if path not in ("fast", "reference"):
         raise ValueError(f"decode path must be 'fast' or 'reference', got {path!r}")
     old, _state["path"] = _state["path"], path
