@@ -290,8 +290,12 @@ class Engine:
         logprobs has its chunk's positions scored (the group then computes every position)."""
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
         scored = [i for i, (req, _) in enumerate(group) if req.sampling.prompt_logprobs is not None]
-        hidden = [] if self.spec is not None and any(self.spec.kv_wanted(r) for r, _ in group) \
-            else None  # the MTP head reads the chunk's hidden states
+        # the MTP head reads the chunk's hidden states (a pipeline runs it in the forward)
+        nexts = self.spec.prefill_inputs(group, self.cache) if self.spec is not None else None
+        hidden = [] if nexts is not None else None
+        extra = {} if hidden is None else {"hidden_out": hidden}
+        if nexts is not None and self.spec.drafter.in_forward:
+            extra["mtp_next"] = nexts
         on_layer = self._begin_streams(group)
         out = self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -301,10 +305,10 @@ class Engine:
             self.pools,
             all_logits=bool(scored),
             on_layer=on_layer,
-            **({} if hidden is None else {"hidden_out": hidden}),
+            **extra,
         )
         if hidden:
-            self.spec.after_prefill(group, hidden[0], self.cache)
+            self.spec.after_prefill(group, nexts, hidden[0], self.cache)
             for layer in self.spec.draft_layers if on_layer is not None else ():
                 on_layer(layer)  # the head's KV ships with the target's
         if not scored:

@@ -49,13 +49,22 @@ def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: 
     return max_requests * k
 
 
-def with_draft_layers(spec, model, cfg: SpeculativeConfig | None):
+def with_draft_layers(spec, model, cfg: SpeculativeConfig | None, num_blocks: int = 0):
     """`spec` with the MTP head's attention layers appended to the KV pool when speculation
     is on: its KV then shares the target's blocks, prefix tree, snapshots and transfer
-    layout (an attention-only layer: no recurrent state)."""
+    layout (an attention-only layer: no recurrent state). An attention-free spec gets a KV
+    pool of `num_blocks` for them (a pipeline's last stage), or none when 0 (the head then
+    keeps a pool of its own)."""
     head = getattr(model, "mtp", None)
-    if cfg is None or not cfg.num_draft_tokens or head is None or not spec.attn_layers:
+    if cfg is None or not cfg.num_draft_tokens or head is None:
         return spec
+    if not spec.attn_layers:
+        if not num_blocks:
+            return spec
+        mcfg = model.config
+        return dataclasses.replace(spec, attn_layers=tuple(head.attention_layers),
+                                   num_blocks=num_blocks, num_kv_heads=mcfg.num_key_value_heads,
+                                   head_dim=mcfg.head_dim)
     extra = tuple(x for x in head.attention_layers if x not in spec.attn_layers)
     return dataclasses.replace(spec, attn_layers=spec.attn_layers + extra)
 
@@ -84,7 +93,8 @@ def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests:
 class SpeculativeDecoder:
     def __init__(self, model, pools, k: int, max_requests: int, first_slot: int):
         self.model, self.pools, self.k = model, pools, k
-        self.drafter = Drafter(model, pools)
+        # a pipeline's head runs on its last stage (baton/engine/pipeline/speculative.py)
+        self.drafter = model.drafter() if hasattr(model, "drafter") else Drafter(model, pools)
         self.scratch = StateScratch(pools, first_slot, max_requests, k)
         self.pending: dict[str, Pending] = {}
         """Per speculating request: target hiddens whose MTP entries are still to write."""
@@ -121,27 +131,40 @@ class SpeculativeDecoder:
         return len(self.pending)
 
     # ---- prefill -----------------------------------------------------------------------
-    def after_prefill(self, group: list[tuple[Request, int]], hidden, cache) -> None:
-        """The head's KV for a prefill group's chunk (hidden [n, T, H]) of the requests that
-        speculate; the last chunk leaves its last hidden pending for the first draft."""
-        idx = [i for i, (r, _) in enumerate(group) if self.kv_wanted(r)]
-        if not idx:
-            return
-        next_ids, starts, tables = [], [], []
-        for i in idx:
-            req, end = group[i]
+    def prefill_inputs(self, group: list[tuple[Request, int]], cache) -> list | None:
+        """Before a prefill group's forward: per sequence the tokens after its chunk's
+        positions (what the head reads beside the chunk's hiddens), None for one whose head
+        KV is not wanted; None when no sequence wants it. A first chunk after a hit on a
+        decode-end snapshot writes the entry that lags there first (`resume_entry`)."""
+        out = []
+        for req, end in group:
+            if not self.kv_wanted(req):
+                out.append(None)
+                continue
             if req.num_computed == req.cached_tokens > 0:  # its first chunk after a hit
                 self.resume_entry(req, cache)
             nxt = req.prompt_ids[req.num_computed + 1 : end + 1]
             if end >= req.prompt_len:  # the token after the prompt is not drawn yet
                 nxt = nxt + [0]
-                if self.wants(req):
-                    self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
-            next_ids.append(nxt)
-            starts.append(req.num_computed)
-            tables.append(cache.block_table(req.id))
+            out.append(nxt)
+        return out if any(n is not None for n in out) else None
+
+    def after_prefill(self, group: list[tuple[Request, int]], nexts: list, hidden,
+                      cache) -> None:
+        """The head's KV for a prefill group's chunk (hidden [n, T, H], `nexts` from
+        `prefill_inputs`; a pipeline wrote it in the forward and gives [n, 1, H]); the last
+        chunk leaves its last hidden pending for the first draft."""
+        idx = [i for i, n in enumerate(nexts) if n is not None]
+        for i in idx:
+            req, end = group[i]
+            if end >= req.prompt_len and self.wants(req):
+                self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
+        if self.drafter.in_forward:
+            return
         sel = hidden if len(idx) == len(group) else hidden[idx]
-        self.drafter.prefill(sel, next_ids, starts, tables)
+        self.drafter.prefill(sel, [nexts[i] for i in idx],
+                             [group[i][0].num_computed for i in idx],
+                             [cache.block_table(group[i][0].id) for i in idx])
 
     # ---- decode ------------------------------------------------------------------------
     def num_drafts(self, req: Request, max_model_len: int) -> int:
@@ -166,12 +189,17 @@ class SpeculativeDecoder:
         rows = [VerifyRow([r.output_ids[-1], *drafts.get(r.id, ())], r.num_computed,
                           cache.slot(r.id), cache.block_table(r.id)) for r in reqs]
         try:
-            hidden, logits = verify_forward(self.model, self.pools, rows, self.scratch)
+            hidden, logits = self._verify(rows)
         except Exception as e:  # noqa: BLE001 - fails this forward's requests only
             log.exception("verify forward of %d requests failed", len(reqs))
             failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
             return [], []
         return self._accept(engine, reqs, rows, hidden, logits, failed)
+
+    def _verify(self, rows: list[VerifyRow]):
+        if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
+            return self.model.verify(rows, self.scratch)
+        return verify_forward(self.model, self.pools, rows, self.scratch)
 
     def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
         if not reqs:
@@ -255,7 +283,7 @@ class SpeculativeDecoder:
             cache.ensure_blocks(r.id, r.num_computed + 1)
         rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
                           cache.block_table(r.id)) for r in reqs]
-        hidden, _ = verify_forward(self.model, self.pools, rows, self.scratch)
+        hidden, _ = self._verify(rows)
         for r, h in zip(reqs, hidden, strict=True):
             r.num_computed += 1
             if self.drafter.shared:

@@ -45,6 +45,10 @@ class DraftJob(NamedTuple):
 
 
 class Drafter:
+    in_forward = False
+    """The head's prompt KV is written by `prefill` after the target's forward (a pipeline's
+    stand-in writes it inside the forward)."""
+
     def __init__(self, model, target_pools):
         self.head = model.mtp
         self.embed = model.backbone.embeddings if hasattr(model, "backbone") \
