@@ -65,7 +65,9 @@ def _with_speculation(cfg: BatonConfig, k: int) -> BatonConfig:
 
     from baton.config.speculative import SpeculativeConfig
 
-    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k))
+    # a configured tree stays (its depth must be k); speculation off drops it
+    tree = cfg.speculative.tree if k else None
+    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k, tree=tree))
 
 
 def _print_results(results: list[dict], as_json: bool) -> int:

@@ -126,13 +126,14 @@ class PipelineModel:
         return self._run(True, input_ids, positions.tolist(), block_tables, slots.tolist(), 1,
                          self.micro_batches)[0]
 
-    def verify(self, rows, scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, rows, scratch, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`verify_forward` through every stage: (final-normed hidden [R, H], logits)."""
         from baton.engine.speculative.verify import VerifyPlan
 
-        plan = VerifyPlan.of(rows, scratch)
+        plan = VerifyPlan.of(rows, scratch, tree)
         ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long)
-        extra = {"verify": {"counts": plan.counts, "scratch": plan.scratch}}
+        extra = {"verify": {"counts": plan.counts, "scratch": plan.scratch,
+                            "parents": plan.parents}}
         logits, hidden = self._run(True, ids, plan.starts, plan.tables, plan.slots, 1,
                                    self.micro_batches, extra)
         return hidden, logits
@@ -233,8 +234,11 @@ class PipelineModel:
                   "tables": [list(b) for b in tables[r.start:r.stop]],
                   "slots": slots[r.start:r.stop], "out": t.stop == T}
             if counts is not None:
+                v = extra["verify"]
                 mb["verify"] = {"counts": counts[r.start:r.stop],
-                                "scratch": extra["verify"]["scratch"][r.start:r.stop]}
+                                "scratch": v["scratch"][r.start:r.stop],
+                                "parents": None if v["parents"] is None
+                                else v["parents"][r.start:r.stop]}
             if nexts is not None:
                 mb["mtp_next"] = [None if n is None else n[t.start:t.stop]
                                   for n in nexts[r.start:r.stop]]

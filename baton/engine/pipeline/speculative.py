@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
+from baton.engine.speculative.tree import Tree
 from baton.engine.speculative.verify import VerifyPlan, final_norm, verify_layers
 
 
@@ -74,6 +75,14 @@ class PipelineDrafter:
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
         return self._call("mtp_draft", jobs)["drafts"]
 
+    def draft_tree(self, jobs: list[DraftJob], top_k: list[tuple[int, ...]]) -> list[Tree]:
+        last = self.pipeline.size - 1
+        args = {"jobs": _pack_jobs(jobs), "top_k": [list(k) for k in top_k]}
+        (reply,) = self.pipeline.call("mtp_draft_tree", lambda k: args if k == last else None)
+        if not reply.get("ok"):
+            raise RuntimeError(f"the last pipeline stage's drafting failed: {reply.get('error')}")
+        return [Tree(t, p) for t, p in reply["trees"]]
+
     def prefill(self, *args) -> None:  # done inside the forward (in_forward)
         return None
 
@@ -91,12 +100,19 @@ def stage_handlers(drafter: Drafter) -> dict:
     def draft(args: dict) -> dict:
         return {"drafts": drafter.draft(_unpack_jobs(args["jobs"], dev))}
 
-    return {"mtp_write": write, "mtp_draft": draft}
+    @torch.inference_mode()
+    def draft_tree(args: dict) -> dict:
+        trees = drafter.draft_tree(_unpack_jobs(args["jobs"], dev),
+                                   [tuple(k) for k in args["top_k"]])
+        return {"trees": [[t.tokens, t.parents] for t in trees]}
+
+    return {"mtp_write": write, "mtp_draft": draft, "mtp_draft_tree": draft_tree}
 
 
 def plan_of(mb: dict) -> VerifyPlan:
     v = mb["verify"]
-    return VerifyPlan(v["counts"], mb["starts"], mb["slots"], mb["tables"], v["scratch"])
+    return VerifyPlan(v["counts"], mb["starts"], mb["slots"], mb["tables"], v["scratch"],
+                      v.get("parents"))
 
 
 @torch.inference_mode()

@@ -20,11 +20,14 @@ import dataclasses
 import logging
 import time
 
-from baton.config.speculative import SpeculativeConfig
+import torch
+
+from baton.config.speculative import SpeculativeConfig, TreeConfig
 from baton.engine.request import Request, RequestOutput
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
 from baton.engine.speculative.rejection import accept_sampled
+from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
 from baton.errors import ConfigError
 
@@ -32,19 +35,23 @@ log = logging.getLogger("baton.engine")
 
 
 def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
-    """State slots speculation keeps out of the cache manager: K per running request (the
-    state after each verified position but the last, which is the live slot). ConfigError
+    """State slots speculation keeps out of the cache manager: one per draft row of every
+    running request (K for a chain: the state after each verified position but the last,
+    which is the live slot; a tree's node count: the state after each node). ConfigError
     naming the numbers when the pool cannot hold them beside the live slots."""
-    k = cfg.num_draft_tokens if cfg is not None else 0
+    k = cfg.rows_per_request if cfg is not None else 0
     if not k or not num_slots:
         return 0
     need = max_requests * (1 + k)
     if num_slots < need:
+        tree = cfg.tree is not None
+        what = f"speculative.tree ({k} nodes)" if tree else f"speculative.num_draft_tokens={k}"
         raise ConfigError(
-            f"speculative.num_draft_tokens={k} needs {need} state slots (worker.max_num_seqs="
-            f"{max_requests} x (1 live + {k} per position)) but cache.num_state_slots="
-            f"{num_slots}; raise num_state_slots to at least {need} (more for snapshots) or "
-            f"lower num_draft_tokens or max_num_seqs"
+            f"{what} needs {need} state slots (worker.max_num_seqs="
+            f"{max_requests} x (1 live + {k} per {'node' if tree else 'position'})) but "
+            f"cache.num_state_slots={num_slots}; raise num_state_slots to at least {need} "
+            f"(more for snapshots) or lower "
+            f"{'max_total_draft_tokens' if tree else 'num_draft_tokens'} or max_num_seqs"
         )
     return max_requests * k
 
@@ -87,15 +94,20 @@ def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests:
             f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "
             f"checkpoint with MTP weights"
         )
-    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved)
+    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved,
+                              cfg.tree)
 
 
 class SpeculativeDecoder:
-    def __init__(self, model, pools, k: int, max_requests: int, first_slot: int):
+    def __init__(self, model, pools, k: int, max_requests: int, first_slot: int,
+                 tree: TreeConfig | None = None):
         self.model, self.pools, self.k = model, pools, k
+        self.tree = tree
+        """Tree drafts for greedy requests (tree.py), None: chains."""
         # a pipeline's head runs on its last stage (baton/engine/pipeline/speculative.py)
         self.drafter = model.drafter() if hasattr(model, "drafter") else Drafter(model, pools)
-        self.scratch = StateScratch(pools, first_slot, max_requests, k)
+        self.scratch = StateScratch(pools, first_slot, max_requests,
+                                    tree.max_nodes if tree is not None else k)
         self.pending: dict[str, Pending] = {}
         """Per speculating request: target hiddens whose MTP entries are still to write."""
         self.draft_tokens = 0
@@ -168,11 +180,14 @@ class SpeculativeDecoder:
 
     # ---- decode ------------------------------------------------------------------------
     def num_drafts(self, req: Request, max_model_len: int) -> int:
+        """Draft rows of `req` this step: K (a tree: its node budget), never more than it
+        may still emit - 1."""
         if not self.wants(req) or req.id not in self.pending:
             return 0
         out, s = len(req.output_ids), req.sampling
         remaining = min(s.max_tokens - out, max_model_len - req.prompt_len - out)
-        return max(0, min(self.k, remaining - 1))
+        rows = self.tree.max_nodes if self.tree is not None and s.greedy else self.k
+        return max(0, min(rows, remaining - 1))
 
     def step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
         """Decode `reqs` once; returns (sampled: [(request, logits)] for the engine's sampler,
@@ -186,8 +201,13 @@ class SpeculativeDecoder:
         # from drafts: a snapshot and the next drafts read them)
         drafts = self._draft(engine, [r for r in reqs if r.id in self.pending], ks)
         cache = engine.cache
-        rows = [VerifyRow([r.output_ids[-1], *drafts.get(r.id, ())], r.num_computed,
-                          cache.slot(r.id), cache.block_table(r.id)) for r in reqs]
+        rows = []
+        for r in reqs:
+            d = drafts.get(r.id)
+            tokens, parents = (d.tokens, tuple(d.parents)) if self.tree is not None and d \
+                else (d or [], ())
+            rows.append(VerifyRow([r.output_ids[-1], *tokens], r.num_computed,
+                                  cache.slot(r.id), cache.block_table(r.id), parents))
         try:
             hidden, logits = self._verify(rows)
         except Exception as e:  # noqa: BLE001 - fails this forward's requests only
@@ -197,9 +217,10 @@ class SpeculativeDecoder:
         return self._accept(engine, reqs, rows, hidden, logits, failed)
 
     def _verify(self, rows: list[VerifyRow]):
+        tree = self.tree is not None
         if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
-            return self.model.verify(rows, self.scratch)
-        return verify_forward(self.model, self.pools, rows, self.scratch)
+            return self.model.verify(rows, self.scratch, tree)
+        return verify_forward(self.model, self.pools, rows, self.scratch, tree)
 
     def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
         if not reqs:
@@ -210,6 +231,11 @@ class SpeculativeDecoder:
             nxt = r.all_ids[p.start + 1 : p.start + 1 + p.hidden.shape[0]]
             jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
         try:
+            if self.tree is not None:  # greedy requests a tree, sampled ones a chain
+                depth = self.tree.depth
+                out = self.drafter.draft_tree(jobs, [
+                    self.tree.top_k if r.sampling.greedy else (1,) * depth for r in reqs])
+                return {r.id: t for r, t in zip(reqs, out, strict=True) if t.tokens}
             out = self.drafter.draft(jobs)
         except Exception:  # noqa: BLE001 - drafts are optional: verify the last token alone
             log.exception("MTP drafting of %d requests failed; decoding without drafts",
@@ -217,16 +243,21 @@ class SpeculativeDecoder:
             return {}
         return {r.id: d for r, d in zip(reqs, out, strict=True) if d}
 
-    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> list[int]:
-        """The tokens verification keeps: accepted drafts, then one target token."""
+    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> tuple[list[int], list]:
+        """(the tokens verification keeps: accepted drafts, then one target token; the rows
+        they follow, root first)."""
         drafts = row.tokens[1:]
         if not r.sampling.greedy:
-            return accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
+            cand = accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
+            return cand, list(range(len(cand)))
         target = lg.argmax(-1).tolist()
+        if row.parents:  # a tree: follow the target's argmax from the root
+            path = accept_greedy(list(row.parents), drafts, target)
+            return [target[p] for p in path], path
         a = 0
         while a < len(drafts) and drafts[a] == target[a]:
             a += 1
-        return target[: a + 1]
+        return target[: a + 1], list(range(a + 1))
 
     def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
@@ -241,14 +272,20 @@ class SpeculativeDecoder:
                 sampled.append((r, lg[0]))
                 continue
             try:
-                cand = self._candidates(engine, r, row, lg)
+                cand, path = self._candidates(engine, r, row, lg)
             except (ValueError, RuntimeError) as ex:
                 failed.append(engine._fail(r, f"sampling failed: {ex}"))
                 continue
             a = len(cand) - 1
             toks = _emit(engine, r, cand)
             e = len(toks)
-            if e < m:  # the live slot holds the state after all m rows: take row e-1's
+            if self.tree is not None:  # kept rows' KV to their positions, the last's state
+                path = path[:e]
+                relocate(self.pools, row.table, row.start, path)
+                if path[-1]:
+                    self.scratch.restore(i, path[-1] - 1, row.slot)
+                hd = hd.index_select(0, torch.tensor(path, device=hd.device))
+            elif e < m:  # the live slot holds the state after all m rows: take row e-1's
                 self.scratch.restore(i, e - 1, row.slot)
             r.num_computed = row.start + e
             self.draft_tokens += m - 1

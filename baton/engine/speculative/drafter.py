@@ -111,3 +111,57 @@ class Drafter:
             for i, t in zip(live, logits.argmax(-1).tolist(), strict=True):
                 drafts[i].append(t)
         return drafts
+
+    def draft_tree(self, jobs: list[DraftJob], top_k: list[tuple[int, ...]]) -> list:
+        """Tree drafts (tree.py) of each job: `num_drafts` is its node budget, top_k[i] its
+        children per node at each depth (all 1: a chain). Returns a `Tree` per job."""
+        from baton.engine.speculative.tree import Tree, path, path_meta
+
+        hid = torch.cat([j.pending.hidden for j in jobs])
+        ids = [t for j in jobs for t in j.next_ids]
+        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
+        out, logits = self._rows(hid, ids, pos, [j.table for j in jobs for _ in j.next_ids])
+        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
+        trees = [Tree([], []) for _ in jobs]
+        n = [j.pending.start + len(j.next_ids) for j in jobs]
+        score = [[0.0] for _ in jobs]  # summed log-probability of each row (root 0)
+        # frontier: (job, row, output hidden row of its pass, log-probs of its children)
+        lp = torch.log_softmax(logits.index_select(0, ends), -1)
+        frontier = [(i, 0, out[ends[i]], lp[i]) for i in range(len(jobs))]
+        depth = 0
+        while frontier:
+            depth += 1
+            grown = []
+            for i in sorted({f[0] for f in frontier}):
+                j, ks = jobs[i], top_k[i]
+                room = j.num_drafts - len(trees[i].tokens)
+                if depth > len(ks) or room <= 0:
+                    continue
+                cands = []
+                for _, row, g, lps in (f for f in frontier if f[0] == i):
+                    top = torch.topk(lps, ks[depth - 1])
+                    cands += [(score[i][row] + v, row, t, g) for v, t in
+                              zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+                cands.sort(key=lambda c: -c[0])  # stable: ties keep parent, then rank order
+                for s, row, t, g in cands[:room]:
+                    trees[i].tokens.append(t)
+                    trees[i].parents.append(row)
+                    score[i].append(s)
+                    grown.append((i, len(trees[i].tokens), g))
+            # one head pass over the new nodes that may still have children
+            grown = [x for x in grown if depth < len(top_k[x[0]])
+                     and jobs[x[0]].num_drafts > len(trees[x[0]].tokens)]
+            if not grown:
+                break
+            paths = [[n[i] - 1 + q for q in path(trees[i].parents, r)[1:]] for i, r, _ in grown]
+            meta = path_meta([n[i] for i, _, _ in grown], paths,
+                             [n[i] - 1 + r for i, r, _ in grown],
+                             [n[i] + depth - 1 for i, _, _ in grown],
+                             [jobs[i].table for i, _, _ in grown], self.pools)
+            g_out, lg = self.head(torch.stack([g for _, _, g in grown]),
+                                  self._longs([trees[i].tokens[r - 1] for i, r, _ in grown]),
+                                  self.embed, self.lm_head, StepContext(self.pools, meta, None),
+                                  decode=True)
+            lps = torch.log_softmax(lg, -1)
+            frontier = [(i, r, g_out[x], lps[x]) for x, (i, r, _) in enumerate(grown)]
+        return trees

@@ -37,6 +37,9 @@ class VerifyRow(NamedTuple):
     start: int
     slot: int
     table: list[int]
+    parents: tuple[int, ...] = ()
+    """Tree drafts (tree.py): the parent row of each row after the first (0 = the last
+    emitted token); empty: a chain (row j's parent is row j-1)."""
 
 
 class StateScratch:
@@ -72,22 +75,28 @@ class VerifyPlan(NamedTuple):
     slots: list[int]
     tables: list[list[int]]
     scratch: list[list[int]]
+    parents: list[list[int]] | None = None
+    """A tree pass (tree.py): per request the parent row of each row after the first, and
+    scratch[i][r-1] then holds the state after row r; None: chains."""
 
     @classmethod
-    def of(cls, rows: list[VerifyRow], scratch: StateScratch) -> VerifyPlan:
+    def of(cls, rows: list[VerifyRow], scratch: StateScratch, tree: bool = False) -> VerifyPlan:
+        parents = [list(r.parents or range(len(r.tokens) - 1)) for r in rows] if tree else None
         return cls([len(r.tokens) for r in rows], [r.start for r in rows],
                    [r.slot for r in rows], [list(r.table) for r in rows],
                    [[scratch.slot(i, j) for j in range(len(r.tokens) - 1)]
-                    for i, r in enumerate(rows)])
+                    for i, r in enumerate(rows)], parents)
 
 
-def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch):
+def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch,
+                   tree: bool = False):
     """Run every row's tokens; returns (final-normed hidden [R, H], float32 logits [R, vocab])
     with R = total tokens, in row order. Leaves each live slot at the state after its last
-    token and the scratch rows at the states after the earlier ones."""
+    token and the scratch rows at the states after the earlier ones (`tree`: the live slot
+    after the first row, scratch row r-1 after row r; see tree.py)."""
     ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long,
                        device=pools.kv.device)
-    h = verify_layers(model, pools, VerifyPlan.of(rows, scratch), embed(model, ids))
+    h = verify_layers(model, pools, VerifyPlan.of(rows, scratch, tree), embed(model, ids))
     hidden = final_norm(model, h)
     return hidden, model.lm_head(hidden).float()
 
@@ -114,13 +123,19 @@ def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> tor
     starts = [sum(counts[:i]) for i in range(len(counts))]
     dev = pools.kv.device
     attn = None
-    if pools.has_kv:
-        pos = torch.tensor([s + j for s, m in zip(plan.starts, counts, strict=True)
-                            for j in range(m)], dtype=torch.long, device=dev)
-        tables = [t for t, m in zip(plan.tables, counts, strict=True) for _ in range(m)]
-        attn = decode_meta(pos, tables, pools)
+    if plan.parents is not None:  # a tree: every node reads its path, starts from its parent
+        from baton.engine.speculative.tree import tree_levels, tree_verify_meta
+
+        attn = tree_verify_meta(plan, pools) if pools.has_kv else None
+        per_pos = tree_levels(pools, plan, starts, dev)
+    else:
+        if pools.has_kv:
+            pos = torch.tensor([s + j for s, m in zip(plan.starts, counts, strict=True)
+                                for j in range(m)], dtype=torch.long, device=dev)
+            tables = [t for t, m in zip(plan.tables, counts, strict=True) for _ in range(m)]
+            attn = decode_meta(pos, tables, pools)
+        per_pos = _positions(pools, plan, starts, dev)
     flat = StepContext(pools, attn, None)
-    per_pos = _positions(pools, plan, starts, dev)
 
     def mix(mixer, x: torch.Tensor) -> torch.Tensor:
         if mixer.layer_idx in pools.spec.attn_index:
@@ -146,6 +161,8 @@ class _Position(NamedTuple):
     save_to: torch.Tensor | None
     """Scratch rows for the requests with a later position (their state is saved)."""
     save_slots: torch.Tensor | None
+    copy_from: torch.Tensor | None = None
+    """Tree levels: the parents' slots, copied into `ctx.slots` before the step."""
 
 
 def _positions(pools, plan: VerifyPlan, starts, dev) -> list[_Position]:
@@ -185,6 +202,8 @@ def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position]) -
     out = torch.empty_like(x)
     local = pools.spec.state_index[mixer.layer_idx]
     for p in per_pos:
+        if p.copy_from is not None:
+            _save(pools, local, p.copy_from, p.ctx.slots)
         out.index_copy_(0, p.rows, mixer.decode(x.index_select(0, p.rows), p.ctx))
         if p.save_to is not None:
             _save(pools, local, p.save_slots, p.save_to)
@@ -204,6 +223,8 @@ def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position]) -> t
     y_all = None
     for p in per_pos:
         ctx = p.ctx
+        if p.copy_from is not None:
+            _save(pools, local, p.copy_from, ctx.slots)
         in_place = ctx.slot_range is not None and \
             ctx.state(mixer.layer_idx, "ssm").dtype == torch.float32
         conv, ssm = mixer._live_states(ctx, in_place)
