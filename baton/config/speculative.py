@@ -4,6 +4,7 @@ the target in one forward; see baton/engine/speculative/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from baton.errors import ConfigError
 
@@ -71,6 +72,12 @@ class SpeculativeConfig:
     request's draws depend only on (seed, position)). A prefill-only handoff does not draft."""
     tree: TreeConfig | None = None
     """Tree drafts instead of a chain (greedy requests; see TreeConfig)."""
+    max_batch: int = 0
+    """Draft only while at most this many requests decode in one step; a larger batch is
+    compute-bound (verifying K+1 rows each costs about K+1 plain steps, more than the
+    accepted drafts save) and decodes without drafts. 0: always draft."""
+    method: Literal["mtp"] = "mtp"
+    """Where drafts come from: the checkpoint's multi-token-prediction head (the only one)."""
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -79,6 +86,10 @@ class SpeculativeConfig:
                 f"speculative.num_draft_tokens must be an integer in 0..{MAX_DRAFT_TOKENS} "
                 f"(0 = off), got {k!r}"
             )
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) \
+                or self.max_batch < 0:
+            raise ConfigError(f"speculative.max_batch must be an integer >= 0 (0 = always "
+                              f"draft), got {self.max_batch!r}")
         if self.tree is not None:
             if not k:
                 raise ConfigError("speculative.tree needs speculative.num_draft_tokens > 0 "

@@ -74,6 +74,63 @@ def test_draft_tokens_out_of_range(k):
     assert "speculative.num_draft_tokens" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("spec, message", [
+    ({"num_draft_tokens": 2, "tree": {"top_k": [2, 2, 1]}},
+     "speculative.tree.top_k has 3 depths but speculative.num_draft_tokens=2: they must be "
+     "equal (the tree's depth)"),
+    ({"num_draft_tokens": 2, "tree": {"top_k": [2, 9]}},
+     "speculative.tree.top_k entries must be in 1..8, got [2, 9]"),
+    ({"num_draft_tokens": 0, "tree": {"top_k": [2]}},
+     "speculative.tree needs speculative.num_draft_tokens > 0 (the tree's depth); got 0"),
+    ({"num_draft_tokens": 3, "tree": {"top_k": [8, 8, 8]}},
+     "speculative.tree.top_k [8, 8, 8] allows 584 nodes, more than 64; set "
+     "max_total_draft_tokens to at most 64"),
+    ({"num_draft_tokens": 1, "tree": {"top_k": [2], "max_total_draft_tokens": 65}},
+     "speculative.tree.max_total_draft_tokens must be in 0..64 (0 = what top_k allows), "
+     "got 65"),
+])
+def test_bad_trees_are_refused_in_one_line(spec, message):
+    with pytest.raises(ConfigError) as e:
+        BatonConfig.from_dict({"speculative": spec})
+    assert str(e.value) == message
+
+
+def test_tree_sizes_and_a_tree_larger_than_the_state_pool(tmp_path):
+    """A tree keeps one state slot per node and request for the verify pass; one the pool
+    cannot hold is refused naming the numbers."""
+    from baton.config.speculative import TreeConfig
+
+    assert TreeConfig((3, 2, 1)).max_nodes == 3 + 6 + 6
+    assert TreeConfig((3, 2, 1), 8).max_nodes == 8
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    tree = {"top_k": [2, 2], "max_total_draft_tokens": 6}
+    eng = engine_for(ck, worker={"max_num_seqs": 8}, cache={"num_state_slots": 64},
+                     speculative={"num_draft_tokens": 2, "tree": tree})
+    assert eng.cache.stats().slots_speculative == 48
+    assert eng.spec.scratch.rows_per_request == 6
+    with pytest.raises(ConfigError) as e:
+        engine_for(ck, worker={"max_num_seqs": 16}, cache={"num_state_slots": 64},
+                   speculative={"num_draft_tokens": 2, "tree": tree})
+    assert str(e.value) == (
+        "speculative.tree (6 nodes) needs 112 state slots (worker.max_num_seqs=16 x (1 live + "
+        "6 per node)) but cache.num_state_slots=64; raise num_state_slots to at least 112 "
+        "(more for snapshots) or lower max_total_draft_tokens or max_num_seqs")
+
+
+def test_tree_acceptance_follows_the_targets_argmax():
+    from baton.engine.speculative.tree import accept_greedy, depths, path
+
+    # root -> a(1) b(2); a -> c(3) d(4); b -> e(5); d -> f(6)
+    parents, tokens = [0, 0, 1, 1, 2, 4], [10, 11, 12, 13, 14, 15]
+    assert depths(parents) == [0, 1, 1, 2, 2, 2, 3]
+    assert path(parents, 6) == [0, 1, 4, 6]
+    # target argmax per row: the root's is 10 (a), a's 13 (d), d's 15 (f), f's 99
+    target = [10, 13, 0, 0, 15, 0, 99]
+    assert accept_greedy(parents, tokens, target) == [0, 1, 4, 6]
+    assert accept_greedy(parents, tokens, [11, 0, 14, 0, 0, 7, 0]) == [0, 2, 5]
+    assert accept_greedy(parents, tokens, [42] * 7) == [0]
+
+
 def test_generate_json_reports_drafts(tmp_path, capsys):
     from baton.cli import main
 

@@ -95,12 +95,12 @@ def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests:
             f"checkpoint with MTP weights"
         )
     return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved,
-                              cfg.tree)
+                              cfg.tree, cfg.max_batch)
 
 
 class SpeculativeDecoder:
     def __init__(self, model, pools, k: int, max_requests: int, first_slot: int,
-                 tree: TreeConfig | None = None):
+                 tree: TreeConfig | None = None, max_batch: int = 0):
         self.model, self.pools, self.k = model, pools, k
         self.tree = tree
         """Tree drafts for greedy requests (tree.py), None: chains."""
@@ -116,6 +116,12 @@ class SpeculativeDecoder:
         """Steps (per request that drafted) by drafts accepted, 0..K."""
         self.last_hidden = HiddenCache()
         """Last hidden state of recent decode-end snapshots, by their tokens."""
+        self.max_batch = max_batch
+        """Draft only while at most this many requests decode in a step (0: always)."""
+        self.seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
+        """Where the decode steps' time went: MTP passes (pending entries and drafts), the
+        target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
+        self.steps = 0
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
@@ -192,14 +198,20 @@ class SpeculativeDecoder:
     def step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
         """Decode `reqs` once; returns (sampled: [(request, logits)] for the engine's sampler,
         outputs of the requests decided here)."""
-        ks = {r.id: self.num_drafts(r, engine.max_model_len) for r in reqs}
+        # a compute-bound batch (more than max_batch requests) verifies K+1 rows each for
+        # about K+1 times a plain step: it decodes without drafts
+        drafting = not self.max_batch or len(reqs) <= self.max_batch
+        ks = {r.id: self.num_drafts(r, engine.max_model_len) if drafting else 0 for r in reqs}
         reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks, r.id,
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
             return [], []
         # every request with pending entries writes them, drafting or not (none may be left
         # from drafts: a snapshot and the next drafts read them)
+        t0 = time.perf_counter()
         drafts = self._draft(engine, [r for r in reqs if r.id in self.pending], ks)
+        t1 = time.perf_counter()
+        self.seconds["draft"] += t1 - t0
         cache = engine.cache
         rows = []
         for r in reqs:
@@ -214,7 +226,12 @@ class SpeculativeDecoder:
             log.exception("verify forward of %d requests failed", len(reqs))
             failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
             return [], []
-        return self._accept(engine, reqs, rows, hidden, logits, failed)
+        t2 = time.perf_counter()
+        self.seconds["verify"] += t2 - t1
+        out = self._accept(engine, reqs, rows, hidden, logits, failed)
+        self.seconds["accept"] += time.perf_counter() - t2
+        self.steps += 1
+        return out
 
     def _verify(self, rows: list[VerifyRow]):
         tree = self.tree is not None
