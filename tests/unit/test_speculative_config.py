@@ -243,3 +243,26 @@ def test_moe_head_loads_from_per_expert_tensors(tmp_path):
     for p in ("up_proj", "down_proj"):
         want = torch.stack([t[f"mtp.layers.1.mixer.experts.{e}.{p}.weight"] for e in range(n)])
         assert torch.equal(getattr(head.layers[1].mixer.experts, p), want)
+
+
+def test_compute_bound_batches_decode_without_drafts(tmp_path):
+    """`speculative.max_batch`: a step with more decoding requests drafts nothing (plain
+    decode through the verify path, same tokens); a smaller batch drafts again."""
+    from baton.engine.request import Request
+    from tests.engine_helpers import greedy, prompt, run_all
+    from tests.speculative_helpers import agreeing_checkpoint
+
+    ck = agreeing_checkpoint(tmp_path)
+
+    def reqs(n):
+        return [Request(f"q{i}", prompt(i, 5 + i, vocab=512), greedy(12)) for i in range(n)]
+
+    off = run_all(engine_for(ck, worker={"max_num_seqs": 4}), reqs(3))["tokens"]
+    eng = engine_for(ck, worker={"max_num_seqs": 4},
+                     speculative={"num_draft_tokens": 3, "max_batch": 2})
+    assert run_all(eng, reqs(3))["tokens"] == off
+    assert eng.spec.draft_tokens == 0  # three decoded together all along
+    assert run_all(eng, reqs(1))["tokens"] == {"q0": off["q0"]}
+    assert eng.spec.accepted_tokens > 0
+    with pytest.raises(ConfigError, match=r"^speculative.max_batch must be an integer >= 0"):
+        BatonConfig.from_dict({"speculative": {"num_draft_tokens": 1, "max_batch": -1}})

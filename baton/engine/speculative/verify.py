@@ -2,7 +2,8 @@
 recurrent state kept after every position so a rejected draft rolls back exactly.
 
 Numerics are the decode path's, position by position, so a verified token is the one plain
-decoding would have produced:
+decoding would have produced (the layers run marked as decode, `decode_scope`, so the opt-in
+fast path's linear kernels round here as they do in decode):
 
     rows (r, j)    request r's position n_r + j, ordered by request then position
     norms, MLPs    every row at once (row-wise ops)
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.model.layers.linear import decode_scope
 from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
 from baton.model.pools import Pools
@@ -98,7 +100,8 @@ def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScr
                        device=pools.kv.device)
     h = verify_layers(model, pools, VerifyPlan.of(rows, scratch, tree), embed(model, ids))
     hidden = final_norm(model, h)
-    return hidden, model.lm_head(hidden).float()
+    with decode_scope():  # as `model.decode` runs its LM head
+        return hidden, model.lm_head(hidden).float()
 
 
 def embed(model, ids: torch.Tensor) -> torch.Tensor:
@@ -142,6 +145,11 @@ def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> tor
             return mixer.decode(x, flat)
         return _recurrent(mixer, x, pools, per_pos)
 
+    with decode_scope():  # decode's linear kernels (BATON_DECODE_PATH): its rounding
+        return _run_layers(model, h, mix)
+
+
+def _run_layers(model, h: torch.Tensor, mix) -> torch.Tensor:
     if hasattr(model, "backbone"):  # NemotronH: one mixer per pre-norm residual block
         for block in _layers(model.backbone):
             x = block.norm(h)
