@@ -2,9 +2,9 @@
 processes on this machine), speculation off and K = 3 on the decode worker, the same prompts
 as the colocated rows at 1, 8 and 32 concurrent requests.
 
-Decode tokens/s through the cluster: the tokens after each request's first, over the longest
-request's decode time (its latency minus its time to first token, both measured by the
-client), with every request of a batch sent at once.
+Decode tokens/s through the cluster: the tokens after each request's first, over the time
+from the batch's first first-token to its last token (the client's clock, every request of a
+batch sent at once; the same rule for off and on).
 """
 
 from __future__ import annotations
@@ -17,8 +17,40 @@ CLUSTER_VARIANTS = (0, 3)
 
 def _decode_rate(results: list[dict]) -> float:
     tokens = sum(len(r["token_ids"]) - 1 for r in results)
-    window = max(r["latency_ms"] - r["ttft_ms"] for r in results) / 1000
+    window = max(r["t_last"] for r in results) - min(r["t_first"] for r in results)
     return tokens / window if window > 0 else float("nan")
+
+
+def _stream(address: str, specs: list, concurrency: int) -> list[dict]:
+    """Every request at once: its tokens, the client's time of its first and last chunk,
+    and the summary's draft counts."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from baton.client.remote import to_pb
+    from baton.contract import wire
+    from baton.proto_gen import router_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+
+        def one(spec) -> dict:
+            out = {"token_ids": [], "t_first": None}
+            for msg in stub.Generate(to_pb(spec), timeout=600):
+                chunk = wire.chunk_from_pb(msg)
+                if chunk.token_ids and out["t_first"] is None:
+                    out["t_first"] = time.perf_counter()
+                out["token_ids"].extend(chunk.token_ids)
+                if chunk.summary is not None:
+                    out.update(draft_tokens=chunk.summary.draft_tokens,
+                               accepted_tokens=chunk.summary.accepted_tokens)
+            out["t_last"] = time.perf_counter()
+            return out
+
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, specs))
 
 
 def _measure(path: Path, variant, refs: dict, out_len: int) -> dict:
@@ -46,7 +78,7 @@ def _measure(path: Path, variant, refs: dict, out_len: int) -> dict:
                 specs = [RequestSpec(f"c{conc}-{i}", prompt_ids=p, sampling=sp)
                          for i, p in enumerate(reqs)]
                 run_remote(cluster.address, specs[:1], 1)  # warm: first calls pay setup
-                out[conc] = run_remote(cluster.address, specs, concurrency=conc)
+                out[conc] = _stream(cluster.address, specs, conc)
             return out
         finally:
             cluster.stop()

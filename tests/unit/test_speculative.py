@@ -241,6 +241,27 @@ def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
         assert (logits[:, j] - refs[j]).abs().max() < 1e-5
 
 
+def test_verify_rows_equal_plain_decode_on_the_fast_path(tmp_path):
+    """With `BATON_DECODE_PATH=fast` the verify pass runs marked as decode, so its linear
+    layers take decode's kernels: rows and states equal plain decode bit for bit again."""
+    from baton.model.layers.linear import set_decode_path
+    from baton.model.loader import load_model
+    from baton.model.make_model import write_checkpoint
+
+    recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
+    old = set_decode_path("fast")
+    try:
+        logits, refs, states, a, _, scratch = _verify_vs_decode(recurrent, 4)
+    finally:
+        set_decode_path(old)
+    for j in range(4):
+        assert torch.equal(logits[:, j], refs[j]), j
+        for name in a.state:
+            for i in range(4):
+                got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
+                assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+
+
 def _context_head(root):
     """The agreeing head with a hidden-dependent eh_proj half: its KV entries then depend on
     the hidden state they were computed from (draft or target)."""
