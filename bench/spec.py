@@ -29,8 +29,8 @@ from bench.common import cache_dir, prompts
 
 TARGETS = {"accepted_length_at_k3": 2.0, "speedup_at_batch1": 1.6, "min_ratio_at_batch32": 1.0}
 TREE = {"top_k": [2, 2, 1], "max_total_draft_tokens": 6}
-MAX_BATCH = 16
-"""`speculative.max_batch` of the rule rows: above it this CPU's decode is compute-bound."""
+MAX_BATCH = 2
+"""`speculative.max_batch` of the rule rows (its default): no drafts above 2 requests."""
 
 
 def _checkpoint(preset: str) -> Path:
@@ -45,10 +45,10 @@ def _checkpoint(preset: str) -> Path:
 def spec_section(variant) -> dict:
     """The `speculative` config of a row's variant: 0 (off), K, "tree" or "rule"."""
     if variant == "tree":
-        return {"num_draft_tokens": len(TREE["top_k"]), "tree": TREE}
+        return {"num_draft_tokens": len(TREE["top_k"]), "tree": TREE, "max_batch": 0}
     if variant == "rule":
         return {"num_draft_tokens": 3, "max_batch": MAX_BATCH}
-    return {"num_draft_tokens": variant}
+    return {"num_draft_tokens": variant, "max_batch": 0}
 
 
 def rows_per_request(variant) -> int:

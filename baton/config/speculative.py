@@ -72,10 +72,12 @@ class SpeculativeConfig:
     request's draws depend only on (seed, position)). A prefill-only handoff does not draft."""
     tree: TreeConfig | None = None
     """Tree drafts instead of a chain (greedy requests; see TreeConfig)."""
-    max_batch: int = 0
+    max_batch: int = 2
     """Draft only while at most this many requests decode in one step; a larger batch is
-    compute-bound (verifying K+1 rows each costs about K+1 plain steps, more than the
-    accepted drafts save) and decodes without drafts. 0: always draft."""
+    compute-bound and decodes without drafts (same tokens). 0: always draft. The default is
+    measured on the 2-core dev CPU (bench 100m, fast path, CPU time): a K=3 step (drafts and
+    the verify of 4 rows a request) costs 1.7x a plain step at 1-2 requests, 2.9x at 4,
+    3.9x at 8 and 4.6x at 32, so past 2 requests it loses at any realistic acceptance."""
     method: Literal["mtp"] = "mtp"
     """Where drafts come from: the checkpoint's multi-token-prediction head (the only one)."""
 

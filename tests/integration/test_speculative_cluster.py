@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 CONFIG = {
     "cache": {"num_blocks": 512, "num_state_slots": 48},
     "worker": {"max_num_seqs": 8, "max_model_len": 2048},
-    "speculative": {"num_draft_tokens": 3},
+    "speculative": {"num_draft_tokens": 3, "max_batch": 0},  # drafts at batch 8 too
 }
 
 
