@@ -1,7 +1,7 @@
 """Speculative decoding on the decode worker of a 1P+1D cluster: identical to --local with
 speculation off, drafts accepted, counts in the gRPC summary, the client's --json and the HTTP answer.
 The same with a pipeline-parallel (PP 2) decode worker, whose last stage holds the MTP head,
-and with `--local` PP 2.
+and with `--local` PP 2 drafting trees.
 
 The prefill worker writes the MTP head's KV of the prompt (an extra attention layer of its KV
 pool) and it travels with the target's, whole or layer by layer. The decode worker drafts
@@ -120,17 +120,17 @@ def test_pp2_decode_worker_and_local_pp2_speculating_equal_local(pp_setup):
     # the decode worker is PP 2: its stage 1 is its one child process
     pid = int(decode[0].worker_id.split("-")[-2])
     assert len(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()) == 1
-    # --local PP 2, drafting chains and then trees (kept nodes' KV moves are mirrored ops)
+    # --local PP 2 drafting trees (the cluster drafted chains; the kept nodes' KV moves are
+    # mirrored cache operations)
     tree = {**CONFIG["speculative"], "tree": {"top_k": [2, 2, 1], "max_total_draft_tokens": 5}}
-    for section in (CONFIG["speculative"], tree):
-        cfg = BatonConfig.from_dict({**CONFIG, "speculative": section, "worker": {
-            **CONFIG["worker"], "pipeline_parallel_size": 2, "pp_layer_partition": PP_SPLIT}})
-        eng = build_engine(cfg, str(model))
-        try:
-            local_pp = run_local(eng, specs, 8)
-            assert [r["token_ids"] for r in local_pp] == [r["token_ids"] for r in ref]
-            assert sum(r["accepted_tokens"] for r in local_pp) > 0
-            eng.cache.check_integrity()
-        finally:
-            eng.model.close()
+    cfg = BatonConfig.from_dict({**CONFIG, "speculative": tree, "worker": {
+        **CONFIG["worker"], "pipeline_parallel_size": 2, "pp_layer_partition": PP_SPLIT}})
+    eng = build_engine(cfg, str(model))
+    try:
+        local_pp = run_local(eng, specs, 8)
+        assert [r["token_ids"] for r in local_pp] == [r["token_ids"] for r in ref]
+        assert sum(r["accepted_tokens"] for r in local_pp) > 0
+        eng.cache.check_integrity()
+    finally:
+        eng.model.close()
     assert_clean(cluster)
