@@ -266,3 +266,25 @@ def test_compute_bound_batches_decode_without_drafts(tmp_path):
     assert eng.spec.accepted_tokens > 0
     with pytest.raises(ConfigError, match=r"^speculative.max_batch must be an integer >= 0"):
         BatonConfig.from_dict({"speculative": {"num_draft_tokens": 1, "max_batch": -1}})
+
+
+def test_verify_pass_keeps_to_the_packed_kernels_row_count():
+    """At most MAX_PACKED_ROWS verify rows while plain decode of the batch would have at
+    most that many (one kernel, one rounding): the largest draft counts give way first."""
+    from types import SimpleNamespace
+
+    from baton.engine.speculative.decoder import _fit_rows
+    from baton.model.layers.linear import MAX_PACKED_ROWS
+
+    assert MAX_PACKED_ROWS == 64
+    reqs = [SimpleNamespace(id=f"r{i}") for i in range(32)]
+    ks = {r.id: 3 for r in reqs}
+    _fit_rows(reqs, ks)
+    assert sum(ks.values()) + 32 == 64 and set(ks.values()) == {1}
+    ks = {r.id: (5 if i < 4 else 0) for i, r in enumerate(reqs)}
+    _fit_rows(reqs, ks)  # 32 + 20 rows: nothing to cut
+    assert sum(ks.values()) == 20
+    many = [SimpleNamespace(id=f"m{i}") for i in range(65)]
+    ks = {r.id: 2 for r in many}
+    _fit_rows(many, ks)  # plain decode of 65 rows is on MKL too: left alone
+    assert set(ks.values()) == {2}

@@ -30,6 +30,7 @@ from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
 from baton.errors import ConfigError
+from baton.model.layers.linear import MAX_PACKED_ROWS
 
 log = logging.getLogger("baton.engine")
 
@@ -202,6 +203,7 @@ class SpeculativeDecoder:
         # about K+1 times a plain step: it decodes without drafts
         drafting = not self.max_batch or len(reqs) <= self.max_batch
         ks = {r.id: self.num_drafts(r, engine.max_model_len) if drafting else 0 for r in reqs}
+        _fit_rows(reqs, ks)
         reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks, r.id,
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
@@ -366,6 +368,20 @@ class SpeculativeDecoder:
             self.drafter.write(jobs)
         except Exception:  # noqa: BLE001 - only the snapshot's draft KV is the worse for it
             log.exception("settling the MTP KV of %d finished requests failed", len(jobs))
+
+
+def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
+    """Fewer drafts (the most first) until the verify pass has at most MAX_PACKED_ROWS rows,
+    when plain decode of the batch would have at most that many: decode's matmuls of up to
+    that many rows take the fast path's packed kernels (BATON_DECODE_PATH=fast), larger
+    ones MKL's, which rounds differently; within one kernel a row's bits do not depend on
+    the row count, so the verify pass equals plain decode again."""
+    if len(reqs) > MAX_PACKED_ROWS:
+        return
+    extra = len(reqs) + sum(ks.values()) - MAX_PACKED_ROWS
+    for _ in range(max(0, extra)):
+        rid = max(ks, key=ks.get)
+        ks[rid] -= 1
 
 
 def _emit(engine, req: Request, toks: list[int]) -> list[int]:
