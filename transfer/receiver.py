@@ -70,6 +70,16 @@ class _Expected:
     writers: dict[bytes, set[int] | None] = field(default_factory=dict)
     """Granted senders (side-channel identity) -> the layers they said they posted here
     (None: not said yet, any layer may still land)."""
+    parts: dict[int, set[int]] = field(default_factory=dict)
+    """Layer -> the source TP ranks whose share of it landed (a layer written by several
+    tensor-parallel prefill ranks is complete once all of them did: `landed.parts`)."""
+
+    def landed(self, msg: dict) -> None:
+        for g, k in zip(msg["layers"], msg["parts"], strict=True):
+            got = self.parts.setdefault(g, set())
+            got.add(msg["src"])
+            if len(got) >= k:
+                self.pending.discard(g)
 
 
 @dataclass
@@ -141,8 +151,12 @@ class Receiver:
         self._welcome = None
         self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message, key,
                                   cfg.side_channel_ports)
-        self.endpoint = self._listener.endpoint
-        """`tcp://host:port` of the side channel, handed to prefill workers."""
+        from transfer.tp_route import annotate
+
+        self.endpoint = annotate(self._listener.endpoint, fingerprint.get("tp_rank", 0),
+                                 fingerprint.get("tp_size", 1))
+        """`tcp://host:port` of the side channel, handed to prefill workers (a rank of a
+        tensor-parallel worker adds its place, `#tp=RANK/SIZE`: transfer/tp_route.py)."""
 
     def expect(self, request_id: str, block_ids: list[int], slot: int | None,
                lease_s: float | None = None) -> None:
@@ -256,7 +270,7 @@ class Receiver:
         if err:
             self._fail(rid, err)
         else:
-            e.pending -= set(msg["layers"])
+            e.landed(msg)
 
     def _check(self, e: _Expected | Quarantined, slot: int | None, blocks: np.ndarray) -> str | None:
         stray = set(blocks.tolist()) - e.blocks if self.layout.kv else set()
@@ -386,7 +400,9 @@ class Receiver:
             return wire.encode("refused", field="backend", error=(
                 "incompatible peer: fingerprint field 'backend' differs from this decode "
                 "worker's; set transfer.backend the same on both"))
-        diff = fp.mismatch(self.fingerprint, msg["fingerprint"])
+        # TP sizes may differ: each side's declared shard layout is checked, and the sender
+        # plans its ranks' pieces against this rank's (transfer/tp_route.py)
+        diff = fp.mismatch(self.fingerprint, msg["fingerprint"], hetero_tp=True)
         if diff is not None:
             return wire.encode("refused", field=diff[0], error=(
                 f"incompatible peer: fingerprint field '{diff[0]}' differs from this decode "

@@ -91,6 +91,22 @@ class StagedAgent:
             log.debug("abort of %s on the other stages skipped: %s", request_id, e)
 
 
+def rank_of(model, channel=None) -> tuple[int, int]:
+    """(TP rank, TP size) of the process holding `model`: rank 0's engine model (`TPModel`,
+    `.tp`), a rank's shard (`.full_config`; its place is its channel's), else (0, 1)."""
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        return tp.rank, tp.size
+    if channel is not None and getattr(model, "full_config", None) is not None:
+        return channel.rank, channel.size
+    return 0, 1
+
+
+def whole_config(model):
+    """The whole model's config (a TP rank's shard holds its local one in `.config`)."""
+    return getattr(model, "full_config", None) or model.config
+
+
 def stage_events(agent) -> dict:
     """A stage's reply to "poll": its agent's events as [rid, ok, error] lists."""
     return {"events": [[ev.request_id, ev.ok, ev.error] for ev in agent.poll()]}
