@@ -75,12 +75,14 @@ def test_config_field_per_role_and_refusals():
     assert (both.tensor_parallel_size, both.pipeline_parallel_size) == (2, 2)
 
 
-def test_workers_refuse_tp_before_loading_anything():
+def test_workers_refuse_tp_with_pp_before_loading_anything():
     from baton.worker.host import start_worker
 
-    cfg = BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2}})
-    with pytest.raises(ConfigError, match=r"worker.tensor_parallel_size=2: decode workers do "
-                                          r"not run tensor parallelism yet"):
+    cfg = BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2,
+                                            "pipeline_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"^worker.tensor_parallel_size=2 with "
+                                          r"worker.pipeline_parallel_size=2: decode workers do "
+                                          r"not combine TP and PP yet"):
         start_worker(cfg, Role.DECODE, None, "127.0.0.1:1", "tiny", None, None)
 
 
