@@ -50,10 +50,10 @@ MODEL = dict(pattern="M*M-M*", hidden_size=64, vocab_size=256, intermediate_size
              mamba_head_dim=8, ssm_state_size=8, head_dim=16, chunk_size=16, n_groups=1,
              num_key_value_heads=1)
 BASE = {
-    "cache": {"num_blocks": 256, "num_state_slots": 48, "tokens_per_block": 16},
+    "cache": {"num_blocks": 512, "num_state_slots": 128, "tokens_per_block": 16},
     "router": {"policy": "round_robin", "eject_after_seconds": 3.0, "heartbeat_seconds": 0.5,
                "local_prefill_max_tokens": 0, "ship_decode_end_state": False},
-    "worker": {"max_num_seqs": 24, "max_model_len": 512, "prefill_chunk_size": 64},
+    "worker": {"max_num_seqs": 48, "max_model_len": 512, "prefill_chunk_size": 64},
     "transfer": {"lease_seconds": 60.0},
 }
 EXTRA = [("prefill-worker", "tp2", ["--tensor-parallel-size", "2"]),
