@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,12 @@ def test_every_tp_pair_through_the_router_equals_local(setup):
         assert c["canary_slots_checked"] > 0, (wid, c)
 
 
+def _metric(cluster, name: str) -> float:
+    with urllib.request.urlopen(f"{cluster.http_address}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -187,9 +194,12 @@ def test_killing_one_decode_tp_rank_mid_stream_moves_requests_and_leaves_no_orph
     out: list = []
     runner = threading.Thread(target=lambda: out.extend(
         run_remote(cluster.address, specs, concurrency=12)))
+    retries = _metric(cluster, "baton_router_retries_total")
+    streamed = _metric(cluster, "baton_router_generation_tokens_total")
     runner.start()
-    deadline = time.monotonic() + 30  # kill while the TP-2 decode worker decodes requests
-    while worker_counters(info, cluster.secret.bearer)["engine_requests"] == 0:
+    deadline = time.monotonic() + 30  # kill while the TP-2 decode worker streams tokens
+    while (worker_counters(info, cluster.secret.bearer)["engine_requests"] == 0
+           or _metric(cluster, "baton_router_generation_tokens_total") < streamed + 12):
         assert time.monotonic() < deadline and runner.is_alive(), \
             "the TP-2 decode worker never decoded a request"
         time.sleep(0.01)
@@ -199,6 +209,7 @@ def test_killing_one_decode_tp_rank_mid_stream_moves_requests_and_leaves_no_orph
     assert not runner.is_alive()
     got = tokens(out)
     assert got == want, explain(got, want, {k: [0.0] * 48 for k in want})
+    assert _metric(cluster, "baton_router_retries_total") > retries  # its requests moved
     while any(_alive(p) for p in [rank0.pid, *ranks]) and time.monotonic() - killed_at < 5:
         time.sleep(0.05)
     assert not any(_alive(p) for p in [rank0.pid, *ranks])  # no orphan rank
