@@ -73,13 +73,19 @@ class _Expected:
     parts: dict[int, set[int]] = field(default_factory=dict)
     """Layer -> the source TP ranks whose share of it landed (a layer written by several
     tensor-parallel prefill ranks is complete once all of them did: `landed.parts`)."""
+    src: dict[bytes, int] = field(default_factory=dict)
+    """Granted senders -> their TP rank (what their `landed` names)."""
 
     def landed(self, msg: dict) -> None:
-        for g, k in zip(msg["layers"], msg["parts"], strict=True):
-            got = self.parts.setdefault(g, set())
-            got.add(msg["src"])
-            if len(got) >= k:
-                self.pending.discard(g)
+        _landed(self, msg)
+
+
+def _landed(e, msg: dict) -> None:
+    for g, k in zip(msg["layers"], msg["parts"], strict=True):
+        got = e.parts.setdefault(g, set())
+        got.add(msg["src"])
+        if len(got) >= k:
+            e.pending.discard(g)
 
 
 @dataclass
@@ -96,6 +102,17 @@ class Quarantined:
     writers: dict[bytes, set[int] | None]
     gone: dict[bytes, float] = field(default_factory=dict)
     """Writers whose connection closed -> when."""
+    parts: dict[int, set[int]] = field(default_factory=dict)
+    src: dict[bytes, int] = field(default_factory=dict)
+    """As on `_Expected`: which writer's share of each layer landed."""
+
+    def landed(self, msg: dict) -> None:
+        _landed(self, msg)
+
+    def _writer_done(self, ident: bytes, posted: set[int]) -> bool:
+        """Every layer the writer posted here landed (its own share of it)."""
+        me = self.src.get(ident, 0)
+        return all(g not in self.pending or me in self.parts.get(g, ()) for g in posted)
 
     def safe(self, now: float) -> bool:
         return self.why_safe(now) is not None
@@ -106,7 +123,7 @@ class Quarantined:
             return "every layer landed"
         why = set()
         for ident, posted in self.writers.items():
-            if posted is not None and not posted & self.pending:
+            if posted is not None and self._writer_done(ident, posted):
                 why.add("what the writer posted landed" if posted else "nothing was posted")
                 continue
             t = self.gone.get(ident)
@@ -255,7 +272,7 @@ class Receiver:
         if rid in self._held and (e is None or self._check(e, msg["slot"], blocks)):
             for q in self._quarantine.values():  # late bytes of a failed transfer
                 if q.rid == rid and not self._check(q, msg["slot"], blocks):
-                    q.pending -= set(msg["layers"])
+                    q.landed(msg)
                     return
         if rid not in self._expected:
             if len(self._early) < _MAX_EARLY:
@@ -300,7 +317,8 @@ class Receiver:
             return
         key = rid if rid not in self._quarantine else f"{rid}#{self.quarantined_total}"
         q = Quarantined(key, rid, e.blocks, e.slot, time.monotonic(), set(e.pending),
-                        dict(e.writers), {i: self._gone[i] for i in e.writers if i in self._gone})
+                        dict(e.writers), {i: self._gone[i] for i in e.writers if i in self._gone},
+                        {g: set(s) for g, s in e.parts.items()}, dict(e.src))
         held = bool(q.writers) and not q.safe(q.since)
         if held:
             self._quarantine[key] = q
@@ -356,6 +374,7 @@ class Receiver:
         if err:
             return wire.encode("deny", rid=rid, cid=cid, error=err)
         e.writers.setdefault(ident, None)
+        e.src[ident] = msg["src"]
         return wire.encode("grant", rid=rid, cid=cid)
 
     def _peer_gone(self, ident: bytes) -> None:

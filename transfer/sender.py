@@ -409,7 +409,7 @@ class Sender:
         cid = next(self._next_claim)
         self._grants[ep, rid] = ""
         self._claim_ids[ep, rid] = cid
-        peer.client.send(wire.claim(rid, slot, blocks, cid))
+        peer.client.send(wire.claim(rid, slot, blocks, cid, self.tp.rank if self.tp else 0))
 
     def _await_grant(self, ep: str, peer: _Peer, rid: str) -> None:
         """The claim's answer, waited for here (a destination nobody claimed ahead)."""

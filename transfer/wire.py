@@ -16,7 +16,7 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
     sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "...",
                           "posted": [layers]}   (layers posted to this receiver: [] = none)
     sender -> receiver   {"v": 1, "op": "claim", "rid": "...", "slot": int | None,
-                          "blocks": bytes, "cid": int}
+                          "blocks": bytes, "cid": int, "src": int}
                           (asks to write the reservation: before any post; cid: the sender's
                           number for this claim, unique per sender)
     receiver -> sender   {"v": 1, "op": "grant", "rid": "...", "cid": int}    (write it now)
@@ -55,7 +55,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                 "incarnation": (str,)},
     "refused": {"error": (str,), "field": (str,)},
     "abort": {"rid": (str,), "error": (str,), "posted": (list,)},
-    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,), "cid": (int,)},
+    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,), "cid": (int,),
+              "src": (int,)},
     "grant": {"rid": (str,), "cid": (int,)},
     "posted": {"rid": (str,)},
     "sent": {"rid": (str,), "posted": (list,)},
@@ -126,11 +127,11 @@ def landed(rid: str, layers, slot: int | None, blocks, src: int = 0, parts=None)
                   blocks=np.asarray(blocks, dtype="<i4").tobytes(), src=int(src), parts=parts)
 
 
-def claim(rid: str, slot: int | None, blocks, cid: int = 0) -> bytes:
+def claim(rid: str, slot: int | None, blocks, cid: int = 0, src: int = 0) -> bytes:
     """A sender asks to write the reservation it was given (checked like `landed`); its
-    answer names `cid`."""
+    answer names `cid`; `src`: the writer's TP rank (what its `landed` will name)."""
     return encode("claim", rid=rid, slot=slot, blocks=np.asarray(blocks, dtype="<i4").tobytes(),
-                  cid=cid)
+                  cid=cid, src=int(src))
 
 
 def landed_blocks(msg: dict) -> np.ndarray:

@@ -2,9 +2,12 @@
 no bytes moved): each prefill rank claims and writes only the decode ranks it has pieces for,
 the pieces of all ranks cover every destination byte exactly once, a decode layer completes
 only when every writer of it landed, and a decode rank that is not the shard its reservation
-names is refused before anything is posted."""
+names is refused before anything is posted; a failed reservation stays quarantined only while
+a granted writer's share may still land."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -123,3 +126,46 @@ def test_a_peer_whose_pools_are_not_its_declared_shard_is_refused():
     finally:
         s.close()
         r.close()
+
+
+def test_a_failed_reservation_is_held_only_while_a_writer_may_still_land(p2_to_d1):
+    """Rank 0's share landed and it said so; rank 1 was granted too and posted, but its bytes
+    are still on the way: the failed reservation stays quarantined until they land, and is
+    released then (not when rank 0's landing alone covered the layers' ids)."""
+    link, r, (s0, s1) = p2_to_d1
+    r.expect("q", [2, 3], 1)
+    for s in (s0, s1):
+        s.send("q", r.endpoint, [0, 1], 0, [2, 3], 1)
+    link.posts[0][0] = "DONE"
+    link.inbox.append(link.posts[0][1])
+    assert [e.ok for e in poll_until(s0)] == [True]  # rank 0 done: it tells the receiver
+    released = []
+    r.on_release = released.append
+    r.abort("q", "test")
+    (ev,) = poll_until(r)
+    assert not ev.ok and ev.quarantined and r.held("q") is not None
+    s1.abort("q", "test")  # rank 1 says what it posted: every layer it holds a share of
+    assert r.poll() == [] and r.held("q") is not None  # its bytes may still land
+    link.finish()  # they do
+    deadline = time.monotonic() + 3
+    while not released and time.monotonic() < deadline:
+        r.poll()
+        time.sleep(0.005)
+    assert released == ["q"] and r.held("q") is None
+
+
+def test_a_writer_whose_share_landed_does_not_hold_the_quarantine(p2_to_d1):
+    """Only rank 0 was granted and wrote (rank 1 never claimed): once its share landed and it
+    said so, a failure there holds nothing, although rank 1's share of the layers is missing."""
+    link, r, (s0, _) = p2_to_d1
+    r.expect("w", [2], 1)
+    s0.send("w", r.endpoint, [0], 0, [2], 1)
+    link.finish()
+    assert r.poll() == []  # rank 0's share landed; the Mamba layers wait for rank 1's
+    assert [e.ok for e in poll_until(s0)] == [True]
+    deadline = time.monotonic() + 3  # rank 0's `sent` (what it posted) reaches the receiver
+    while None in r._expected["w"].writers.values() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r.abort("w", "test")
+    (ev,) = poll_until(r)
+    assert not ev.ok and not ev.quarantined and r.held("w") is None
