@@ -1,8 +1,8 @@
 """Heterogeneous tensor-parallel handoffs over NIXL between real processes, bit-exact: every
-pair of prefill TP and decode TP in {1, 2, 4}, and PP on either side, on NemotronH with
-n_groups 1 / one KV head (B/C and KV replicated on every rank) and with n_groups 4 / two KV
-heads (split, KV replicated at TP 4). Each rank is its own process with its own NIXL agent
-(the loopback stage processes, forked once and set up again per case).
+pair of prefill TP and decode TP in {1, 2, 4}, PP on either side and TP x PP on either side,
+on NemotronH with n_groups 1 / one KV head (B/C and KV replicated on every rank) and with
+n_groups 4 / two KV heads (split, KV replicated at TP 4). Each rank is its own process with its
+own NIXL agent (the loopback stage processes, forked once and set up again per case).
 
 The oracle (`tests/support/tp_bytes.py`) does not use the plan: each prefill stage's bytes are
 seeded at TP 1 and every rank holds its shard of them, so after the handoffs decode rank d of
@@ -28,7 +28,9 @@ MODELS = {"groups1-kv1": tiny_model("M*M-M*", n_groups=1, num_key_value_heads=1,
                                     intermediate_size=64),
           "groups4-kv2": tiny_model("M*M-M*", n_groups=4, intermediate_size=64)}
 SIZES = dict(num_blocks=12, tokens_per_block=4, num_slots=3)
-CASES = [(p, 1, q, 1) for p in (1, 2, 4) for q in (1, 2, 4)] + [(2, 1, 1, 2), (1, 2, 2, 1)]
+CASES = [(p, 1, q, 1) for p in (1, 2, 4) for q in (1, 2, 4)] + [
+    (2, 1, 1, 2), (1, 2, 2, 1),  # TP on one side, PP on the other (as the workers run them)
+    (2, 2, 1, 2), (1, 2, 2, 2), (2, 2, 4, 1)]  # TP x PP on a side (the local engine's layout)
 """(prefill TP, prefill PP, decode TP, decode PP)."""
 
 
