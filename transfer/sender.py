@@ -335,6 +335,9 @@ class Sender:
         if pair is None:
             return plan(self.layout, peer.layout, src_blocks, src_slot, dst_blocks, dst_slot,
                         skip)
+        if fl.read:
+            raise TransferError(f"reading back from decode peer {ep} is not built for "
+                                "tensor-parallel pairs; nothing was read")
         p = expand(self.tp.pieces(*pair), self.layout, peer.layout, src_blocks, src_slot,
                    dst_blocks, dst_slot, skip)
         fl.parts[id(peer)] = dict(zip(p.layers, self.tp.parts(*pair, peer.layout, p.layers),
