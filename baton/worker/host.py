@@ -75,7 +75,9 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     """`host` None, "" or "auto": the address that routes to `router`; `metrics_port` None:
     the config's `worker.metrics_port`. With `worker.pipeline_parallel_size` > 1 this is
     stage 0: it starts the other stages (`baton <role>-worker --pp-rank R`) unless
-    `pp_master` says they are started elsewhere and meet at that HOST:PORT."""
+    `pp_master` says they are started elsewhere and meet at that HOST:PORT. With
+    `worker.tensor_parallel_size` > 1 this is rank 0: it starts ranks 1..N-1 the same way
+    (`--pp-rank R` names the TP rank then), each with its own transfer agent."""
     w = cfg.worker
     if w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1:
         raise ConfigError(
