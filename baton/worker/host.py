@@ -79,11 +79,6 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     `worker.tensor_parallel_size` > 1 this is rank 0: it starts ranks 1..N-1 the same way
     (`--pp-rank R` names the TP rank then), each with its own transfer agent."""
     w = cfg.worker
-    if w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1:
-        raise ConfigError(
-            f"worker.tensor_parallel_size={w.tensor_parallel_size} with "
-            f"worker.pipeline_parallel_size={w.pipeline_parallel_size}: {role.value} workers "
-            "do not combine TP and PP yet (generate --local does); set one of them to 1")
     if w.tensor_parallel_size > 1 and pp_master is not None:
         raise ConfigError(f"worker.tensor_parallel_size={w.tensor_parallel_size}: the ranks "
                           "start on this host (no --pp-master with tensor parallelism)")
@@ -127,8 +122,8 @@ def _stages(engine: Engine, service) -> tuple[StageInfo, ...]:
     layers = getattr(engine.model, "layers", None) or [range(engine.model.config.num_layers)]
     receiver = getattr(service, "receiver", None)
     endpoints = receiver.endpoint.split(",") if receiver is not None else [""] * len(layers)
-    if len(layers) == 1:
-        endpoints = [",".join(endpoints)]
+    if len(endpoints) != len(layers):  # TP ranks: every side channel on the first entry
+        endpoints = [",".join(endpoints)] + [""] * (len(layers) - 1)
     return tuple(StageInfo(r.start, len(r), ep) for r, ep in zip(layers, endpoints, strict=True))
 
 
@@ -196,6 +191,10 @@ def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None)
         _pin_ucx_tcp(cfg, host)
         secret = load_secret(cfg.cluster, role=f"{role.value} worker stage {rank}")
         make = None if stage_handlers is None else stage_handlers(cfg, secret, host)
+        if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
+            from baton.engine.tp.pipeline import serve  # a world rank of TP x PP
+
+            exit_now(serve(cfg, resolve_model(args.model), rank, args.pp_master, make))
         if cfg.worker.tensor_parallel_size > 1:  # a rank of this worker's TP group
             from baton.engine.tp.launch import serve_rank
 

@@ -9,6 +9,8 @@ TP 2, decode workers TP 1, TP 2 and PP 2. Round-robin routing gives request numb
 three the issue names: prefill TP 2 -> decode TP 1, prefill TP 1 -> decode TP 2, prefill TP 2
 -> decode PP 2 (and TP 2 -> TP 2, TP 1 -> PP 2, TP 1 -> TP 1 besides). Canaries are armed in
 every worker: every free block and slot of every rank still holds its canary at the end.
+With BATON_TEST_TP_X_PP=1 the prefill TP-2 and decode PP-2 workers run TP 2 x PP 2 (not in the
+default suite: its time budget).
 
 Prompts are margin-filtered: the local TP-1 engine's top-2 logprobs differ by at least MARGIN
 at every greedy step, so a sum reordered by an all-reduce cannot flip a token; a differing
@@ -57,9 +59,13 @@ BASE = {
     "worker": {"max_num_seqs": 48, "max_model_len": 512, "prefill_chunk_size": 64},
     "transfer": {"lease_seconds": 60.0},
 }
-EXTRA = [("prefill-worker", "tp2", ["--tensor-parallel-size", "2"]),
+TP_X_PP = os.environ.get("BATON_TEST_TP_X_PP") == "1"
+"""Opt-in (suite time): the prefill TP-2 and decode PP-2 workers run TP 2 x PP 2 instead (every
+world rank its own transfer agent, driven through its stage leader)."""
+BOTH = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+EXTRA = [("prefill-worker", "tp2", BOTH if TP_X_PP else ["--tensor-parallel-size", "2"]),
          ("decode-worker", "tp2", ["--tensor-parallel-size", "2"]),
-         ("decode-worker", "pp2", ["--pipeline-parallel-size", "2"])]
+         ("decode-worker", "pp2", BOTH if TP_X_PP else ["--pipeline-parallel-size", "2"])]
 """Workers beside the cluster's own (prefill TP 1, decode TP 1)."""
 STEPS = 8
 MARGIN = 1e-3

@@ -1,6 +1,6 @@
 """`--tensor-parallel-size` and `worker.tensor_parallel_size` as users meet them: the rank
 layout and one warning line when the ranks outnumber the cores, tokens equal to TP 1,
-undividable models and TP x PP workers refused in one line naming the field, the flags
+undividable models and remote TP ranks refused in one line naming the field, the flags
 per role."""
 
 from __future__ import annotations
@@ -76,15 +76,14 @@ def test_config_field_per_role_and_refusals():
     assert (both.tensor_parallel_size, both.pipeline_parallel_size) == (2, 2)
 
 
-def test_workers_refuse_tp_with_pp_before_loading_anything():
+def test_tp_workers_refuse_remote_ranks_before_loading_anything():
     from baton.worker.host import start_worker
 
-    cfg = BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2,
-                                            "pipeline_parallel_size": 2}})
-    with pytest.raises(ConfigError, match=r"^worker.tensor_parallel_size=2 with "
-                                          r"worker.pipeline_parallel_size=2: decode workers do "
-                                          r"not combine TP and PP yet"):
-        start_worker(cfg, Role.DECODE, None, "127.0.0.1:1", "tiny", None, None)
+    cfg = BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"^worker.tensor_parallel_size=2: the ranks start on "
+                                          r"this host \(no --pp-master with tensor "):
+        start_worker(cfg, Role.DECODE, None, "127.0.0.1:1", "tiny", None, None,
+                     pp_master="10.0.0.1:29500")
 
 
 def test_tp_with_speculation_refused_in_one_line(groups1_dir, capsys):
