@@ -18,6 +18,7 @@ PAIRS = ((1, 1), (2, 1), (1, 2), (2, 2))
 
 
 def _config(root: Path, p: int, q: int, n: int, length: int, steps: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     path = root / f"tp-cluster-p{p}-d{q}.yaml"
     blocks = n * ((length + steps) // 16 + 2) + 16
     path.write_text(yaml.safe_dump({
