@@ -6,6 +6,7 @@ decode step (count and seconds, from every rank's counters).
 On a CPU host with few cores TP only divides the threads the ranks share, and every layer
 adds a gloo all-reduce: expect it slower than TP 1. TP here is for capacity (each rank
 holds 1/N of the weights and cache) and correctness, and the figures say by how much.
+Cluster rows (`bench/tp_cluster.py`): prefill / decode TP pairs through the router.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ def run(args) -> list[dict]:
                "pool_bytes_per_rank": r["pool_bytes_per_rank"],
                "rss_mib_per_rank": r["rss_mib_per_rank"], "per_rank": r["per_rank"],
                "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
+        print(f"[bench tp] {row}", file=sys.stderr, flush=True)
+        rows.append(row)
+    from bench import tp_cluster
+
+    for row in tp_cluster.run(path, vocab, quick, cache_dir()):  # prefill / decode TP pairs
         print(f"[bench tp] {row}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows

@@ -84,10 +84,10 @@ class WorkerConfig:
     schedules and owns the cache manager; each rank holds 1/N of the weights and of every
     pool (KV heads, Mamba heads and groups; KV heads and n_groups == 1 replicated when fewer
     than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
-    The cores are split between the ranks. Combines with `pipeline_parallel_size` (TP x PP
-    processes: each stage split over TP ranks, the layout printed on start). NemotronH and
-    Qwen3.5 (DeltaNet by key / value heads), in the local engine (`generate --local`) for
-    now: not yet in prefill / decode workers (refused)."""
+    The cores are split between the ranks; the layout is printed on start. NemotronH and
+    Qwen3.5 (DeltaNet by key / value heads). Combines with `pipeline_parallel_size` (TP x PP
+    processes: each stage split over TP ranks). Prefill and decode may use different sizes:
+    each prefill rank writes its pieces into every decode rank that needs them."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:

@@ -41,11 +41,11 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
         from baton.engine.tp.pp_model import build_tp_pipeline_engine
 
-        return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost)
+        return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost, stage_argv)
     if cfg.worker.tensor_parallel_size > 1:
         from baton.engine.tp.launch import build_tp_engine
 
-        return build_tp_engine(cfg, path, on_stage_death, on_link_lost)
+        return build_tp_engine(cfg, path, on_stage_death, on_link_lost, stage_argv)
     if cfg.worker.pipeline_parallel_size > 1:
         return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master,
                                      on_link_lost)
