@@ -88,6 +88,15 @@ class WorkerConfig:
     processes: each stage split over TP ranks, the layout printed on start). NemotronH and
     Qwen3.5 (DeltaNet by key / value heads), in the local engine (`generate --local`) for
     now: not yet in prefill / decode workers (refused)."""
+    moe_tp_split: Literal["experts", "within"] = "experts"
+    """How a MoE layer's routed experts are split over the TP ranks (router, Qwen's shared
+    gate and NemotronH's latent projections replicated; the shared expert split within;
+    one all-reduce per MoE layer either way; `baton/model/layers/moe_tp.py`):
+    `experts` whole experts per rank (expert parallel; the expert count must divide by
+    TP): each rank runs only the tokens routed to its experts; `within` every expert on
+    every rank, its up / gate rows and down columns split (the expert width must divide).
+    `experts` is the default: at TP 2 / 4 on the 2-core CPU host its slowest rank spent
+    9-35% less CPU per MoE layer at 32-512 tokens and about the same at 4 (`bench tp`)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:

@@ -28,25 +28,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.errors import ConfigError
-from baton.model.layers.moe import MoE, run_experts
+from baton.model.layers.moe import MoE, Routing, run_experts, softmax_topk
 from baton.model.layers.parallel import TPGroup
 from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.tp_shard import check_tp
 
 MODES = ("experts", "within")
 """How routed experts are split over TP ranks (module doc); the first is the default."""
 
 
-def check_mode(mode: str, experts: int, width: int, tp: int, field: str, wfield: str) -> None:
-    """Refuse a split the sizes cannot take: one line with the field, value and sizes."""
+def check_split(cfg, tp: int, mode: str, experts: str, width: str, shared: str) -> None:
+    """Refuse a split the model's sizes cannot take, before any rank starts: one line with
+    the field, its value and the TP sizes that divide. `experts`, `width`, `shared` name
+    the config fields of the expert count, expert width and shared-expert width."""
     if mode not in MODES:
-        raise ConfigError(f"moe_tp_split={mode!r} must be one of {list(MODES)}")
-    name, value = (field, experts) if mode == "experts" else (wfield, width)
-    if tp > 1 and value % tp:
-        fits = ", ".join(str(t) for t in range(1, 17) if value % t == 0)
-        raise ConfigError(
-            f"tensor_parallel_size={tp}: {name}={value} must be a multiple of {tp} to split "
-            f"{'whole experts' if mode == 'experts' else 'each expert'} over the ranks "
-            f"(moe_tp_split={mode!r}; sizes that divide: {fits})")
+        raise ConfigError(f"worker.moe_tp_split={mode!r} must be one of {list(MODES)}")
+    need = [(experts if mode == "experts" else width,
+             "whole experts per rank" if mode == "experts" else "each expert within"),
+            (shared, "the shared expert within")]
+    for field, why in need:
+        value = getattr(cfg, field)
+        if tp > 1 and value % tp:
+            fits = ", ".join(str(t) for t in range(1, 17) if _fits(cfg, t, need))
+            raise ConfigError(
+                f"tensor_parallel_size={tp}: {field}={value} must be a multiple of {tp} to "
+                f"split {why} (worker.moe_tp_split={mode!r}; sizes that divide this model: "
+                f"{fits})")
+
+
+def _fits(cfg, tp: int, need) -> bool:
+    try:
+        check_tp(cfg, tp)
+    except ConfigError:
+        return False
+    return all(getattr(cfg, f) % tp == 0 for f, _ in need)
 
 
 def _local_experts(mod: nn.Module, names: tuple[str, str], tp: TPGroup, mode: str,
@@ -125,8 +140,6 @@ class TPQwenMoe(QwenSparseMoe):
         s.down_proj = _split_linear(s.down_proj, tp, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from baton.model.layers.moe import Routing, softmax_topk
-
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)

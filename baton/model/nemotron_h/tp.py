@@ -27,7 +27,7 @@ from safetensors import safe_open
 from baton.errors import ConfigError
 from baton.model.config import load_config
 from baton.model.layers.moe import MoE
-from baton.model.layers.moe_tp import MODES, TPMoE, check_mode
+from baton.model.layers.moe_tp import MODES, TPMoE, check_split
 from baton.model.layers.parallel import (
     ReplicatedGroupGatedNorm,
     RowParallelLinear,
@@ -47,10 +47,8 @@ def local_config(cfg: ModelConfig, tp: int, moe_split: str = MODES[0]) -> ModelC
     model's: `layers.moe_tp` shards those modules itself)."""
     check_tp(cfg, tp)
     if "E" in cfg.pattern:
-        check_mode(moe_split, cfg.n_routed_experts, cfg.moe_intermediate_size, tp,
-                   "n_routed_experts", "moe_intermediate_size")
-        check_mode("within", 0, cfg.moe_shared_expert_intermediate_size, tp, "",
-                   "moe_shared_expert_intermediate_size")
+        check_split(cfg, tp, moe_split, "n_routed_experts", "moe_intermediate_size",
+                    "moe_shared_expert_intermediate_size")
     if tp == 1:
         return cfg
     return dataclasses.replace(

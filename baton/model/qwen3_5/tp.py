@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from baton.model.layers.moe_tp import MODES, TPQwenMoe, check_mode
+from baton.model.layers.moe_tp import MODES, TPQwenMoe, check_split
 from baton.model.layers.parallel import (
     RowParallelLinear,
     TPGroup,
@@ -34,10 +34,8 @@ def local_config(cfg: Qwen35Config, tp: int, moe_split: str = MODES[0]) -> Qwen3
     model's: `layers.moe_tp` shards those modules itself)."""
     check_tp(cfg, tp)
     if getattr(cfg, "moe_layers", ()):
-        check_mode(moe_split, cfg.num_experts, cfg.moe_intermediate_size, tp, "num_experts",
-                   "moe_intermediate_size")
-        check_mode("within", 0, cfg.shared_expert_intermediate_size, tp, "",
-                   "shared_expert_intermediate_size")
+        check_split(cfg, tp, moe_split, "num_experts", "moe_intermediate_size",
+                    "shared_expert_intermediate_size")
     if tp == 1:
         return cfg
     return dataclasses.replace(
