@@ -126,3 +126,44 @@ def test_rank_holds_and_reads_only_its_expert_shard(models, monkeypatch, family,
         held = sum(v.numel() for k, v in mine.items() if ".experts." in k)
         read = sum(n for k, n in reads.elements.items() if ".experts." in k)
         assert held > 0 and read == held, f"rank {r} read {read} expert elements, holds {held}"
+
+
+class Capture(TPGroup):
+    """A rank without peers: its all-reduce input is kept and zeros come back, so the
+    layer's output is what it adds after the reduce (the biases)."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+        self.partials: list[torch.Tensor] = []
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.partials.append(t.clone())
+        return torch.zeros_like(t)
+
+
+def _moe_layers(model):
+    return [m for m in model.modules() if hasattr(m, "routed_tokens")]
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5_moe"])
+@pytest.mark.parametrize("split", ["experts", "within"])
+@pytest.mark.parametrize("tp", [2, 4])
+@torch.inference_mode()
+def test_rank_partials_sum_to_the_tp1_layer(models, family, split, tp):
+    """Every MoE layer: the ranks' single all-reduce inputs sum, plus what a rank adds after
+    it, to the TP-1 layer's output (fp32, 2e-6 abs); the routing counts equal TP 1's."""
+    path, full = models[family]
+    x = torch.randn(37, full.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    groups = [Capture(r, tp) for r in range(tp)]
+    ranks = [_moe_layers(nh_tp.load_tp_model(path, g, moe_split=split)) for g in groups]
+    for i, ref in enumerate(_moe_layers(full)):
+        seen = ref.routed_tokens.clone()  # the shared TP-1 model counts every test's calls
+        want = ref(x)
+        outs = [layers[i](x) for layers in ranks]
+        assert all(len(g.partials) == i + 1 for g in groups)  # one reduce per layer
+        got = sum(g.partials[i] for g in groups) + outs[0]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        err = float((got - want).abs().max())
+        assert err < 2e-6, f"layer {ref.layer_idx}: {err:.3g}"
+        assert all(torch.equal(layers[i].routed_tokens, ref.routed_tokens - seen)
+                   for layers in ranks)
