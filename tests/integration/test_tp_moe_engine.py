@@ -4,8 +4,8 @@ MoE (published one-tensor-per-expert layout, latent projections, group top-k rou
 non-zero biases on the shared expert and latent projections) and Qwen3.5-MoE (fused
 experts, shared expert and its gate): whole experts per rank at TP 2 and TP 4 (the
 default), and split within each expert under TP 2 x PP 2; one all-reduce per MoE layer;
-chunked prefill and batched decode; canaries clean (prefix reuse under TP: test_tp_engine; MoE layers hold
-no cache).
+chunked prefill and batched decode; canaries clean (prefix reuse under TP: test_tp_engine;
+MoE layers hold no cache).
 
 Margin-filtered prompts as in test_tp_engine: a differing token is reported with both TP-1
 candidates and their margin, a logprob that moved with its size.
