@@ -83,7 +83,8 @@ class WorkerConfig:
     """Rank processes every layer is split over by heads (`--tensor-parallel-size`): rank 0
     schedules and owns the cache manager; each rank holds 1/N of the weights and of every
     pool (KV heads, Mamba heads and groups; KV heads and n_groups == 1 replicated when fewer
-    than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
+    than N). Heads, groups, FFN and vocab must divide (refused at start naming the field);
+    MoE layers split their experts as `moe_tp_split` says.
     The cores are split between the ranks. Combines with `pipeline_parallel_size` (TP x PP
     processes: each stage split over TP ranks, the layout printed on start). NemotronH and
     Qwen3.5 (DeltaNet by key / value heads), in the local engine (`generate --local`) for

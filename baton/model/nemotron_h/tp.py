@@ -11,6 +11,12 @@ weights cut from the TP-1 checkpoint section by section.
     A_log, D, dt_bias, norm                by heads / channels
     out_proj, o_proj, down_proj columns    row parallel (one all-reduce each)
     q rows by heads; k, v rows by KV heads (replicated: head r*K // t, division)
+    MoE (`E`)                              `layers.moe_tp`: router and latent projections
+                                            whole; routed experts whole per rank
+                                            (`experts`, rows of [E, ..]) or each split
+                                            within (`within`); shared expert by its width;
+                                            one all-reduce per layer. Published per-expert
+                                            tensors: only the rank's are read (`tp_stacks`)
 
 The local config's pools are exactly the rank's shard of the cache (`tp_shard`): KV heads
 max(K/t, 1), conv (I/t + 2*G_local*N, K-1), ssm (H/t, P, N).

@@ -10,6 +10,9 @@ by `baton.model.nemotron_h.tp.load_tp_model`).
     in_proj_z, in_proj_a/b, A_log, dt_bias   by value heads; norm (per head) replicated
     q_proj rows by heads ([q_h | gate_h] per head); k, v by KV heads (replicated: division)
     out_proj, o_proj, down_proj columns: row parallel, one all-reduce per mixer and per MLP
+    MoE `mlp` (Qwen3.5-MoE)           `layers.moe_tp`: router and shared-expert gate whole;
+                                      experts whole per rank or split within (gate and up
+                                      rows each, down columns); shared expert by its width
 """
 
 from __future__ import annotations
