@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from baton.errors import ConfigError
 from baton.model.stacking import PER_EXPERT, ExpertStacks
 from baton.model.tp_shard import held_units
 
@@ -30,13 +31,19 @@ class TPExpertStacks(ExpertStacks):
                        if t in self.expected), None)
         if target is None:
             return False
-        held = self.expected[target].shape[0]
+        held, e = self.expected[target].shape[0], int(m["e"])
         first = self.rank * held
-        e = int(m["e"])
+        if e >= held * self.tp:
+            raise ConfigError(f"checkpoint tensor {name!r} names an expert beyond the model's "
+                              f"{held * self.tp} (experts 0..{held * self.tp - 1})")
         if not first <= e < first + held:
             return True  # another rank's expert: skipped unread
-        local = ours.replace(f".experts.{e}.", f".experts.{e - first}.")
-        return super().claim(local, name, file)
+        return super().claim(ours, name, file)
+
+    def _first(self, target: str) -> int:
+        if self.tp == 1 or self.mode != "experts":
+            return 0
+        return self.rank * self.expected[target].shape[0]
 
     def _read(self, piece, target: str) -> torch.Tensor:
         if self.tp == 1 or self.mode != "within":

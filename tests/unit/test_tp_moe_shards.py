@@ -167,3 +167,24 @@ def test_rank_partials_sum_to_the_tp1_layer(models, family, split, tp):
         assert err < 2e-6, f"layer {ref.layer_idx}: {err:.3g}"
         assert all(torch.equal(layers[i].routed_tokens, ref.routed_tokens - seen)
                    for layers in ranks)
+
+
+def test_missing_expert_named_by_its_checkpoint_id_on_the_rank_that_needs_it(models,
+                                                                             tmp_path):
+    import shutil
+
+    from baton.errors import ConfigError
+
+    src = models["nemotron_h"][0]
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    gone = "backbone.layers.1.mixer.experts.5.up_proj.weight"
+    del state[gone]
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    nh_tp.load_tp_model(bad, TPGroup(0, 2))  # experts 0..3: not its expert, not read
+    with pytest.raises(ConfigError) as e:
+        nh_tp.load_tp_model(bad, TPGroup(1, 2))
+    assert str(e.value) == (f"checkpoint is missing tensor {gone!r} (expert 5 of 4 for "
+                            "'backbone.layers.1.mixer.experts.up_proj', experts 4..7 on this "
+                            "rank)")
