@@ -120,8 +120,9 @@ def _check_complete(target: str, pieces: list[Piece], want: torch.Tensor,
                 proj = target.rsplit(".", 1)[1] if h is None else ("gate_proj", "up_proj")[h]
                 raise ConfigError(
                     f"checkpoint is missing tensor {_expert_name(pieces[0].name, e, proj)!r} "
-                    f"(expert {e} of {num} for {target!r}"
-                    f"{f', experts {first}..{first + num - 1} on this rank' if first else ''})"
+                    + (f"(expert {e} of {num} for {target!r})" if not first else
+                       f"(expert {e} for {target!r}, experts {first}..{first + num - 1} on "
+                       "this rank)")
                 )
 
 

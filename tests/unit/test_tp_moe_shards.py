@@ -185,6 +185,6 @@ def test_missing_expert_named_by_its_checkpoint_id_on_the_rank_that_needs_it(mod
     nh_tp.load_tp_model(bad, TPGroup(0, 2))  # experts 0..3: not its expert, not read
     with pytest.raises(ConfigError) as e:
         nh_tp.load_tp_model(bad, TPGroup(1, 2))
-    assert str(e.value) == (f"checkpoint is missing tensor {gone!r} (expert 5 of 4 for "
+    assert str(e.value) == (f"checkpoint is missing tensor {gone!r} (expert 5 for "
                             "'backbone.layers.1.mixer.experts.up_proj', experts 4..7 on this "
                             "rank)")
