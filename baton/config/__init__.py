@@ -96,10 +96,12 @@ class WorkerConfig:
     `experts` whole experts per rank (expert parallel; the expert count must divide by
     TP): each rank runs only the tokens routed to its experts; `within` every expert on
     every rank, its up / gate rows and down columns split (the expert width must divide).
-    `experts` is the default: on the 2-core CPU host (`bench tp` MoE rows, NemotronH MoE of
-    32 experts, top 4) its slowest rank used 17% / 12% less CPU than `within` for prefill /
-    decode at TP 2 and 11% / 12% at TP 4 (fewer, larger matmuls per rank: each rank loops
-    over its own experts only)."""
+    `experts` is the default: on the 2-core CPU host (`bench tp` MoE rows, slowest rank's
+    CPU time) it used 17% / 12% less than `within` for prefill / decode at TP 2 and 11% /
+    12% at TP 4 on a NemotronH MoE of 32 experts (top 4): fewer, larger matmuls per rank,
+    each rank looping over its own experts only. With few experts (Qwen3.5-MoE, 8, top 2)
+    the two tie at TP 2 and `within` is 2% / 15% cheaper at TP 4 (2 experts per rank leave
+    the ranks' loads uneven)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:
