@@ -3,7 +3,8 @@ exactly the TP-1 engine's greedy tokens in float32, and logprobs within 1e-4, on
 MoE (published one-tensor-per-expert layout, latent projections, group top-k routing,
 non-zero biases on the shared expert and latent projections) and Qwen3.5-MoE (fused
 experts, shared expert and its gate): whole experts per rank at TP 2 and TP 4 (the
-default), and split within each expert under TP 2 x PP 2; one all-reduce per MoE layer;
+default), and split within each expert under TP 2 x PP 2 (test_tp_pp_moe_engine); one
+all-reduce per MoE layer;
 chunked prefill and batched decode; canaries clean (prefix reuse under TP: test_tp_engine;
 MoE layers hold no cache).
 
@@ -43,8 +44,8 @@ TOL = 1e-4
 ENGINES = [("nemotron_h", "experts", 2), ("nemotron_h", "experts", 4),
            ("qwen3_5_moe", "experts", 2), ("qwen3_5_moe", "experts", 4)]
 """(family, worker.moe_tp_split, TP): the default at TP 2 and 4 on both families; `within`
-end to end under TP x PP below (both splits on both families layer by layer:
-test_tp_moe_shards)."""
+end to end under TP x PP (test_tp_pp_moe_engine; both splits on both families layer by
+layer: test_tp_moe_shards)."""
 
 
 def _write(name: str, root):
@@ -155,27 +156,3 @@ def test_one_all_reduce_per_moe_layer(tp_engine):
         counts.append(eng.model.rank_stats()[0]["collectives"] - before)
     assert counts[1] - counts[0] == 2 * (per_layer * cfg.num_layers + 2)
 
-
-@pytest.mark.parametrize("family, split", [("nemotron_h", "within")])
-def test_moe_tp2_pp2_tokens_and_logprobs_equal_tp1(family, split, tmp_path_factory,
-                                                   env):  # noqa: F811
-    """TP 2 x PP 2: each pipeline stage's MoE layers split over its two TP ranks, four
-    processes on one gloo world; close leaves none. (`experts` and Qwen3.5-MoE pass here
-    too; one case keeps the suite's time.)"""
-    path, kept, ref, margins = _case(family, tmp_path_factory)
-    eng = engine_for(path, worker={**WORKER, "tensor_parallel_size": 2,
-                                   "pipeline_parallel_size": 2, "moe_tp_split": split})
-    procs = eng.model.local_stages.procs
-    try:
-        assert len(procs) == 3  # world ranks 1..3
-        got = run(eng, kept)
-        got.pop("cached")
-        toks, want = {k: v[0] for k, v in got.items()}, {k: v[0] for k, v in ref.items()}
-        assert toks == want, explain(toks, want, margins)
-        assert logprob_gaps(got, ref) == []
-        eng.cache.check_integrity()
-        audit = canary_audit(eng)
-        assert audit["canary_bad_blocks"] == 0 and audit["canary_bad_slots"] == 0
-    finally:
-        eng.model.close()
-    assert all(p.poll() is not None for p in procs.values())
