@@ -79,7 +79,8 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     from baton.engine.builder import DTYPES
     from baton.model.nemotron_h.tp import load_tp_model
 
-    model = load_tp_model(path, tp, device=cfg.model.device, dtype=DTYPES[cfg.model.dtype])
+    model = load_tp_model(path, tp, device=cfg.model.device, dtype=DTYPES[cfg.model.dtype],
+                          moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
     return model, pools
@@ -98,7 +99,8 @@ def start_ranks(cfg: BatonConfig, path, on_death=None, argv=None):
 
     size = cfg.worker.tensor_parallel_size
     mcfg = load_config(path)
-    family_tp(mcfg).local_config(mcfg, size)  # refused here, before any rank starts
+    family_tp(mcfg).local_config(mcfg, size, cfg.worker.moe_tp_split)  # refused here, before
+    # any rank starts
     warn_cores(size)
     store = open_store(0, size, None)
     ranks = LocalStages(cfg, argv or rank_argv(str(path)), f"127.0.0.1:{store.port}", size,

@@ -209,7 +209,8 @@ def setup(cfg, path, rank: int, store):
     group = join_stage_groups(rank, pp, tp)
     dtype = DTYPES[cfg.model.dtype]
     model = load_tp_model(path, group, cfg.model.device, dtype,
-                          stage=(layers[stage], stage == 0, stage == pp - 1))
+                          stage=(layers[stage], stage == 0, stage == pp - 1),
+                          moe_split=cfg.worker.moe_tp_split)
     model.tp_place = (group.rank, tp)  # its TP rank within the stage (transfer agents)
     pools = Pools(PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                                      tokens_per_block=cfg.cache.tokens_per_block,

@@ -102,7 +102,8 @@ def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None, a
     from baton.model.nemotron_h.tp import family_tp
 
     mcfg = load_config(path)
-    family_tp(mcfg).local_config(mcfg, tp)  # refused here, before any rank starts
+    family_tp(mcfg).local_config(mcfg, tp, cfg.worker.moe_tp_split)  # refused here, before
+    # any rank starts
     warn_cores(world, f"TP {tp} x PP {pp} = {world}")
     store = open_store(0, world, None)
     ranks = LocalStages(cfg, argv or world_argv(str(path)), f"127.0.0.1:{store.port}", world,
