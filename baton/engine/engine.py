@@ -17,9 +17,9 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
 from baton.contract import FinishReason, TokenLogprob
-from baton.contract.limits import check_length, check_pool
+from baton.contract.limits import check_length, check_pool, check_samples
 from baton.engine.logprobs import prompt_logprobs, token_logprobs
-from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
+from baton.engine.request import Phase, Request, RequestOutput, SamplingParams, sample_id
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler import Scheduler
 from baton.engine.speculative.decoder import build_speculative
@@ -62,6 +62,8 @@ class Engine:
         self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
                                       getattr(cache, "reserved_slots", 0))
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
+        self.samples: dict[str, set[int]] = {}
+        """Requests forked into n samples (`_fork`): request id -> samples still open."""
         self.prefilled_tokens = 0
         """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
         decode worker, the increments it prefilled itself (conditional disaggregation)."""
@@ -87,6 +89,15 @@ class Engine:
             spec = self.pools.spec
             check_pool(len(prompt_ids) + sampling.max_tokens, spec.tokens_per_block,
                        spec.num_blocks)
+        if sampling.n > 1:
+            if self.spec is not None:
+                raise InvalidRequestError(
+                    f"n={sampling.n}: several samples are not available with speculative "
+                    "decoding on this worker; send n = 1 or serve without speculative")
+            spec = self.pools.spec
+            check_samples(sampling.n, len(prompt_ids), sampling.max_tokens, self.max_model_len,
+                          self.cache.max_live, spec.tokens_per_block,
+                          spec.num_blocks if self.pools.has_kv else 0)
 
     def add_request(self, req: Request) -> None:
         if req.id in self.requests:
@@ -96,7 +107,34 @@ class Engine:
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free what it holds; False if unknown."""
+        """Drop a request (every one of its samples) wherever it is and free what it holds;
+        False if unknown."""
+        open_ = self.samples.pop(request_id, None)
+        found = self._abort_one(request_id)
+        for i in sorted(open_ or ()):
+            found = self._abort_one(sample_id(request_id, i)) or found
+        return found
+
+    def abort_sample(self, request_id: str, sample: int) -> int | None:
+        """Drop one running sample of a forked request (its siblings go on); the samples
+        still open after it, or None when that sample is not running (then nothing changed)."""
+        open_ = self.samples.get(request_id)
+        if open_ is None or sample not in open_:
+            return None
+        self._abort_one(sample_id(request_id, sample))
+        return self._close(request_id, sample)
+
+    def _close(self, key: str, sample: int) -> int:
+        """A sample of request `key` ended: how many stay open (0 for a request of one)."""
+        open_ = self.samples.get(key)
+        if open_ is None:
+            return 0
+        open_.discard(sample)
+        if not open_:
+            del self.samples[key]
+        return len(open_)
+
+    def _abort_one(self, request_id: str) -> bool:
         self.take_stream(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -130,7 +168,8 @@ class Engine:
         """Per-request bookkeeping besides `requests`: sampler generators, layer streams."""
         with self._streams_lock:
             streams = len(self._streams)
-        out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+        out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams,
+               "sample_families": len(self.samples)}
         if self.spec is not None:
             out["spec_pending"] = self.spec.tracked
         return out
@@ -145,12 +184,13 @@ class Engine:
         self.validate(req.prompt_ids, req.sampling)
         if req.id in self.requests:
             raise InvalidRequestError(f"request id {req.id!r} is already in use")
-        if len(self.scheduler.running) + self._num_reserved() >= self.cfg.max_num_seqs:
+        n = req.sampling.n
+        if len(self.scheduler.running) + self._num_reserved() + n > self.cfg.max_num_seqs:
             raise CapacityError(f"decode worker is full ({self.cfg.max_num_seqs} requests)")
         need = self.scheduler.blocks_needed(req)
         if need and not self.cache.can_allocate(self.scheduler.outstanding_blocks() + need):
             raise CapacityError(f"decode worker has no room for {need} KV blocks")
-        adm = self.cache.admit_remote(req.id, req.prompt_ids, req.session)
+        adm = self.cache.admit_remote(req.id, req.prompt_ids, req.session, samples=n)
         req.num_computed = req.prompt_len
         req.holds_cache = True
         req.cached_tokens = adm.cached_tokens
@@ -158,26 +198,36 @@ class Engine:
         return adm
 
     def _num_reserved(self) -> int:
-        return sum(1 for r in self.requests.values() if r.phase is Phase.WAITING and r.holds_cache)
+        return sum(r.sampling.n for r in self.requests.values()
+                   if r.phase is Phase.WAITING and r.holds_cache)
 
-    def start_remote(self, request_id: str, first_token: int) -> list[RequestOutput]:
-        """Decode side: the prompt state has landed; decode from `first_token` on."""
+    def start_remote(self, request_id: str, first_token: int | list[int]) -> list[RequestOutput]:
+        """Decode side: the prompt state has landed; decode from `first_token` on (one per
+        sample when the request has n > 1: the request forks into its samples here)."""
         req = self.requests.get(request_id)
         if req is None or req.phase is not Phase.WAITING:
             raise TransferError(
                 f"request {request_id} holds no reservation here (its lease expired or it was "
                 f"aborted); the router retries or reports it"
             )
-        vocab = self.model.config.vocab_size
-        if not 0 <= first_token < vocab:  # it would fail the whole decode batch's forward
+        firsts = [first_token] if isinstance(first_token, int) else list(first_token)
+        if len(firsts) != req.sampling.n:
             raise InvalidRequestError(
-                f"first token id {first_token} of request {request_id} is outside the "
-                f"vocabulary [0, {vocab}); send the token the prefill worker returned"
-            )
+                f"request {request_id} has n={req.sampling.n} samples but {len(firsts)} first "
+                "tokens came; send one first token per sample")
+        vocab = self.model.config.vocab_size
+        for tok in firsts:
+            if not 0 <= tok < vocab:  # it would fail the whole decode batch's forward
+                raise InvalidRequestError(
+                    f"first token id {tok} of request {request_id} is outside the "
+                    f"vocabulary [0, {vocab}); send the token the prefill worker returned"
+                )
         req.phase = Phase.DECODE
-        req.first_token_time = time.monotonic()
         self.scheduler.running.append(req)
-        return self._append_tokens([(req, first_token)], [None])
+        samples = self._fork(req)
+        for r in samples:
+            r.first_token_time = time.monotonic()
+        return self._append_tokens(list(zip(samples, firsts, strict=True)), [None] * len(firsts))
 
     def stream_layers(self, request_id: str, stream: LayerStream) -> None:
         """Any thread, even mid-step: stream the prefill request's last chunk layer by layer,
@@ -204,7 +254,7 @@ class Engine:
         state is half-updated), never the rest of the batch."""
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
-        sampled = self._prefill(plan.prefills, failed)
+        sampled = self._forked(self._prefill(plan.prefills, failed), failed)
         decided: list[RequestOutput] = []  # decoded by speculation (drafts verified)
         if plan.decodes and self.spec is not None:
             more, decided = self.spec.step(self, plan.decodes, failed)
@@ -246,11 +296,55 @@ class Engine:
         return out
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
-        """End `req` alone: free what it holds and report an ERROR output naming why."""
+        """End `req` alone (one sample: its siblings go on): free what it holds and report an
+        ERROR output naming why."""
         log.warning("request %s failed: %s", req.id, why)
-        self.abort(req.id)
-        return RequestOutput(req.id, (), True, FinishReason.ERROR, req.prompt_len,
-                             req.cached_tokens, error=why)
+        self._abort_one(req.id)
+        return RequestOutput(req.key, (), True, FinishReason.ERROR, req.prompt_len,
+                             req.cached_tokens, error=why, sample=req.sample,
+                             open_samples=self._close(req.key, req.sample))
+
+    def _forked(self, sampled: list[tuple[Request, torch.Tensor]],
+                failed: list[RequestOutput]) -> list[tuple[Request, torch.Tensor]]:
+        """Each prompt that completed with n > 1 samples, forked: its n samples draw their
+        first tokens from the same logits."""
+        out = []
+        for req, logits in sampled:
+            if req.sampling.n == 1:
+                out.append((req, logits))
+                continue
+            try:
+                out.extend((r, logits) for r in self._fork(req))
+            except Exception as e:  # noqa: BLE001 - one request's failure must not end its batch
+                failed.append(self._fail(req, f"{type(e).__name__}: {e}"))
+        return out
+
+    def _fork(self, req: Request) -> list[Request]:
+        """The request's samples once its prompt is computed: itself as sample 0 and n - 1
+        new requests, each on a fork of its cache (`HybridCacheManager.fork`) unless it is
+        prefill-only (the prefill worker draws n first tokens and hands one cache over)."""
+        n, kids = req.sampling.n, [req]
+        try:
+            for i in range(1, n):
+                kid = Request(sample_id(req.id, i), req.prompt_ids, req.sampling.for_sample(i),
+                              req.session, req.prefill_only, phase=Phase.DECODE,
+                              num_computed=req.num_computed, cached_tokens=req.cached_tokens,
+                              prompt_logprobs=list(req.prompt_logprobs), arrival=req.arrival,
+                              family=req.id, sample=i)
+                if not req.prefill_only:
+                    self.cache.fork(req.id, kid.id, req.num_computed)
+                    kid.holds_cache = True
+                    self.scheduler.running.append(kid)
+                self.requests[kid.id] = kid
+                kids.append(kid)
+        except BaseException:
+            for kid in kids[1:]:
+                self._abort_one(kid.id)
+            raise
+        req.sampling = req.sampling.for_sample(0)
+        if n > 1:
+            self.samples[req.id] = set(range(n))
+        return kids
 
     def _guarded(self, req: Request, failed: list[RequestOutput], fn, *args) -> bool:
         """Run a per-request operation; on error fail that request alone and return False."""
@@ -422,6 +516,9 @@ class Engine:
         for r in reqs:
             if self.spec is not None:
                 self.spec.forget(r.id)
+            if r.prefill_only and r.family is not None:  # a drawn first token, no cache
+                self.requests.pop(r.id, None)
+                self.sampler.forget(r.id)
         for r in keep:
             self.requests.pop(r.id, None)
             self.sampler.forget(r.id)
@@ -442,7 +539,7 @@ class Engine:
         if finished and req.finish_time is not None:
             latency = (req.finish_time - req.arrival) * 1000
         return RequestOutput(
-            request_id=req.id,
+            request_id=req.key,
             new_token_ids=toks,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
@@ -456,4 +553,6 @@ class Engine:
             prompt_logprobs=tuple(req.prompt_logprobs) if len(req.output_ids) == 1 else (),
             draft_tokens=req.draft_tokens,
             accepted_tokens=req.accepted_tokens,
+            sample=req.sample,
+            open_samples=self._close(req.key, req.sample) if finished else 0,
         )
