@@ -69,7 +69,10 @@ class Engine:
         decode worker, the increments it prefilled itself (conditional disaggregation)."""
 
     # ---- admission -------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams,
+                 forks: bool = True) -> None:
+        """InvalidRequestError for what this engine can never run; `forks`: it will hold the
+        request's n samples (not a prefill worker, which draws n first tokens and no more)."""
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token")
@@ -89,7 +92,7 @@ class Engine:
             spec = self.pools.spec
             check_pool(len(prompt_ids) + sampling.max_tokens, spec.tokens_per_block,
                        spec.num_blocks)
-        if sampling.n > 1:
+        if sampling.n > 1 and forks:
             if self.spec is not None:
                 raise InvalidRequestError(
                     f"n={sampling.n}: several samples are not available with speculative "
@@ -102,7 +105,7 @@ class Engine:
     def add_request(self, req: Request) -> None:
         if req.id in self.requests:
             raise InvalidRequestError(f"request id {req.id!r} is already in use")
-        self.validate(req.prompt_ids, req.sampling)
+        self.validate(req.prompt_ids, req.sampling, forks=not req.prefill_only)
         self.requests[req.id] = req
         self.scheduler.add(req)
 

@@ -58,6 +58,11 @@ class Request:
     """Which of its request's samples this is (0: the request itself)."""
 
     @property
+    def forks(self) -> int:
+        """Samples it will hold a cache for (a prefill-only request hands one over)."""
+        return 1 if self.prefill_only else self.sampling.n
+
+    @property
     def key(self) -> str:
         """The id its outputs carry: the request's, for every one of its samples."""
         return self.family or self.id

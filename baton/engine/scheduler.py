@@ -92,7 +92,7 @@ class Scheduler:
         """Most blocks the request may hold (all its samples' when n > 1)."""
         if not self.cache.pools.has_kv:
             return 0
-        return sample_blocks(req.sampling.n, req.prompt_len, req.sampling.max_tokens, self.tpb,
+        return sample_blocks(req.forks, req.prompt_len, req.sampling.max_tokens, self.tpb,
                              self.max_model_len)
 
     def outstanding_blocks(self) -> int:
@@ -145,7 +145,7 @@ class Scheduler:
                 # prompt logprobs need every position's logits: nothing is restored for them
                 adm = self.cache.admit(req.id, req.prompt_ids, req.session,
                                        reuse=req.sampling.prompt_logprobs is None,
-                                       samples=req.sampling.n)
+                                       samples=req.forks)
             except CapacityError as e:
                 # live slots held outside `running` (a prefill handing off, a reservation
                 # waiting for its transfer) are freed by release or lease expiry: wait for them
