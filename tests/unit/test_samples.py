@@ -181,3 +181,16 @@ def test_requests_wait_for_the_slots_of_all_their_samples(model_dir):
     assert sorted(toks) == [(r, i) for r in "ab" for i in range(3)]
     assert all(len(t) == 5 for t in toks.values())
     eng.cache.check_integrity()
+
+
+def test_baton_generate_local_gives_one_result_a_sample(model_dir):
+    from baton.client.local import run_local
+    from baton.client.requests import RequestSpec
+
+    ids = prompt(11, 12)
+    s = SamplingParams(max_tokens=4, temperature=0.7, seed=3, ignore_eos=True, n=2)
+    specs = [RequestSpec("a", prompt_ids=ids, sampling=s),
+             RequestSpec("b", prompt_ids=ids, sampling=s.for_sample(0))]
+    out = run_local(engine_for(model_dir), specs, concurrency=2)
+    assert [(r["id"], r.get("index")) for r in out] == [("a", 0), ("a", 1), ("b", None)]
+    assert [r["token_ids"] for r in out] == [*alone(model_dir, ids, s, 2), out[0]["token_ids"]]
