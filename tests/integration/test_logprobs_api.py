@@ -403,3 +403,24 @@ def test_a_client_that_leaves_cancels_every_sample(setup):
             break
     stream.close()
     _assert_idle(setup)
+
+
+def test_n_samples_on_a_decode_worker_alone_compute_the_increment_once(setup):
+    """Conditional disaggregation: the decode worker holds the last turn, prefills the new
+    tokens itself once and forks its samples there."""
+    p = prompt(93, 20, vocab=500)
+    body = dict(model="tiny", max_tokens=5, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    (turn,) = setup["client"].completions.create(prompt=p, **body).choices
+    p2 = p + turn.token_ids + [7, 8, 9]
+    before = _computed(setup)
+    s = dict(max_tokens=5, temperature=0.9, seed=4)
+    r = setup["client"].completions.create(model="tiny", prompt=p2, n=3, **s,
+                                           extra_body={"return_token_ids": True,
+                                                       "ignore_eos": True})
+    after = _computed(setup)
+    assert r.model_extra["baton"]["prefill_worker"] == ""
+    assert (after[1] - before[1], after[2] - before[2]) == (0, 3)
+    assert [c.token_ids for c in r.choices] == [
+        local(setup, p2, **{**s, "seed": 4 + i}, ignore_eos=True) for i in range(3)]
+    _assert_idle(setup)
