@@ -21,6 +21,7 @@ from baton.contract.limits import check_length, check_pool, check_samples
 from baton.engine.logprobs import prompt_logprobs, token_logprobs
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams, sample_id
 from baton.engine.sampler import Sampler
+from baton.engine.samples import SampleFamilies, fork
 from baton.engine.scheduler import Scheduler
 from baton.engine.speculative.decoder import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
@@ -62,8 +63,8 @@ class Engine:
         self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
                                       getattr(cache, "reserved_slots", 0))
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
-        self.samples: dict[str, set[int]] = {}
-        """Requests forked into n samples (`_fork`): request id -> samples still open."""
+        self.samples = SampleFamilies()
+        """Requests forked into their n samples (baton/engine/samples.py)."""
         self.prefilled_tokens = 0
         """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
         decode worker, the increments it prefilled itself (conditional disaggregation)."""
@@ -112,30 +113,18 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Drop a request (every one of its samples) wherever it is and free what it holds;
         False if unknown."""
-        open_ = self.samples.pop(request_id, None)
         found = self._abort_one(request_id)
-        for i in sorted(open_ or ()):
+        for i in self.samples.pop(request_id):
             found = self._abort_one(sample_id(request_id, i)) or found
         return found
 
     def abort_sample(self, request_id: str, sample: int) -> int | None:
         """Drop one running sample of a forked request (its siblings go on); the samples
         still open after it, or None when that sample is not running (then nothing changed)."""
-        open_ = self.samples.get(request_id)
-        if open_ is None or sample not in open_:
+        if not self.samples.is_open(request_id, sample):
             return None
         self._abort_one(sample_id(request_id, sample))
-        return self._close(request_id, sample)
-
-    def _close(self, key: str, sample: int) -> int:
-        """A sample of request `key` ended: how many stay open (0 for a request of one)."""
-        open_ = self.samples.get(key)
-        if open_ is None:
-            return 0
-        open_.discard(sample)
-        if not open_:
-            del self.samples[key]
-        return len(open_)
+        return self.samples.close(request_id, sample)
 
     def _abort_one(self, request_id: str) -> bool:
         self.take_stream(request_id)
@@ -227,7 +216,7 @@ class Engine:
                 )
         req.phase = Phase.DECODE
         self.scheduler.running.append(req)
-        samples = self._fork(req)
+        samples = fork(self, req)
         for r in samples:
             r.first_token_time = time.monotonic()
         return self._append_tokens(list(zip(samples, firsts, strict=True)), [None] * len(firsts))
@@ -305,7 +294,7 @@ class Engine:
         self._abort_one(req.id)
         return RequestOutput(req.key, (), True, FinishReason.ERROR, req.prompt_len,
                              req.cached_tokens, error=why, sample=req.sample,
-                             open_samples=self._close(req.key, req.sample))
+                             open_samples=self.samples.close(req.key, req.sample))
 
     def _forked(self, sampled: list[tuple[Request, torch.Tensor]],
                 failed: list[RequestOutput]) -> list[tuple[Request, torch.Tensor]]:
@@ -317,37 +306,10 @@ class Engine:
                 out.append((req, logits))
                 continue
             try:
-                out.extend((r, logits) for r in self._fork(req))
+                out.extend((r, logits) for r in fork(self, req))
             except Exception as e:  # noqa: BLE001 - one request's failure must not end its batch
                 failed.append(self._fail(req, f"{type(e).__name__}: {e}"))
         return out
-
-    def _fork(self, req: Request) -> list[Request]:
-        """The request's samples once its prompt is computed: itself as sample 0 and n - 1
-        new requests, each on a fork of its cache (`HybridCacheManager.fork`) unless it is
-        prefill-only (the prefill worker draws n first tokens and hands one cache over)."""
-        n, kids = req.sampling.n, [req]
-        try:
-            for i in range(1, n):
-                kid = Request(sample_id(req.id, i), req.prompt_ids, req.sampling.for_sample(i),
-                              req.session, req.prefill_only, phase=Phase.DECODE,
-                              num_computed=req.num_computed, cached_tokens=req.cached_tokens,
-                              prompt_logprobs=list(req.prompt_logprobs), arrival=req.arrival,
-                              family=req.id, sample=i)
-                if not req.prefill_only:
-                    self.cache.fork(req.id, kid.id, req.num_computed)
-                    kid.holds_cache = True
-                    self.scheduler.running.append(kid)
-                self.requests[kid.id] = kid
-                kids.append(kid)
-        except BaseException:
-            for kid in kids[1:]:
-                self._abort_one(kid.id)
-            raise
-        req.sampling = req.sampling.for_sample(0)
-        if n > 1:
-            self.samples[req.id] = set(range(n))
-        return kids
 
     def _guarded(self, req: Request, failed: list[RequestOutput], fn, *args) -> bool:
         """Run a per-request operation; on error fail that request alone and return False."""
@@ -557,5 +519,5 @@ class Engine:
             draft_tokens=req.draft_tokens,
             accepted_tokens=req.accepted_tokens,
             sample=req.sample,
-            open_samples=self._close(req.key, req.sample) if finished else 0,
+            open_samples=self.samples.close(req.key, req.sample) if finished else 0,
         )

@@ -113,7 +113,7 @@ def test_one_sample_aborted_leaves_its_siblings_and_abort_frees_the_rest(model_d
         eng.step()
     eng.cache.check_integrity()
     assert eng.abort("r")
-    assert not eng.has_work and eng.requests == {} and eng.samples == {}
+    assert not eng.has_work and eng.requests == {} and len(eng.samples) == 0
     assert idle(eng) == before
     eng.cache.check_integrity()
 
