@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from baton.contract import GenerateInput, SamplingParams
 from baton.errors import InvalidRequestError
 from router.http.answer import Answer, Shape
-from router.http.bridge import Chunks, watch_disconnect
+from router.http.bridge import Chunks, SampleChunks, watch_disconnect
 from router.http.errors import ApiError, baton_error_response, param_of
 from router.http.logprobs import LogprobView, token_text
 from router.http.schemas import MAX_N, ChatCompletionRequest
@@ -144,13 +144,22 @@ def _end_all(choices: list[_Choice], watcher: asyncio.Task) -> None:
         _end(c.chunks, c.answer)
 
 
-async def _fold(chunks: Chunks, answer: Answer, batch: list) -> None:
-    while batch:
-        for c in batch:
-            answer.add(c)
-        if answer.done:
-            break
-        batch = await chunks.next_batch()
+async def _fold(chunks: Chunks | SampleChunks, answer: Answer, batch: list) -> None:
+    """The choice's whole answer. A sample that fails after its first token (n > 1) ends its
+    own choice with finish_reason "error"; its siblings' answers go out all the same."""
+    try:
+        while batch:
+            for c in batch:
+                answer.add(c)
+            if answer.done:
+                break
+            batch = await chunks.next_batch()
+    except Exception as e:  # noqa: BLE001 - one sample's failure: its choice says so
+        if not isinstance(chunks, SampleChunks):
+            raise
+        log.warning("choice %d failed after its first token: %s", answer.index, e)
+        answer.finish_reason = "error"
+        return
     await _settle(chunks, answer)
 
 
