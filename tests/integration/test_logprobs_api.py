@@ -424,3 +424,19 @@ def test_n_samples_on_a_decode_worker_alone_compute_the_increment_once(setup):
     assert [c.token_ids for c in r.choices] == [
         local(setup, p2, **{**s, "seed": 4 + i}, ignore_eos=True) for i in range(3)]
     _assert_idle(setup)
+
+
+def test_echo_and_logprobs_with_n_give_every_choice_the_scored_prompt(setup):
+    p = prompt(94, 14, vocab=500)
+    body = dict(model="tiny", prompt=p, max_tokens=3, echo=True, logprobs=2, temperature=0.8,
+                seed=6, extra_body={"ignore_eos": True, "return_token_ids": True})
+    (one,) = setup["client"].completions.create(**body).choices
+    r = setup["client"].completions.create(**body, n=2)
+    lp, first = one.logprobs.token_logprobs, r.choices[0].logprobs.token_logprobs
+    assert first[:14] == lp[:14] and r.choices[0].text == one.text
+    # the decode batch of two moves the last float bits of the answer's logprobs only
+    assert max(abs(a - b) for a, b in zip(first[14:], lp[14:], strict=True)) < 1e-4
+    second = r.choices[1].logprobs.token_logprobs
+    assert second[:14] == lp[:14] and len(second) == 17  # the prompt scored once, for both
+    assert r.choices[1].text.startswith(setup["tok"].decode(p))
+    _assert_idle(setup)
