@@ -95,6 +95,7 @@ class LocalServe:
     def _admit(self, req: Request, max_uncached: int) -> None:
         """On the loop thread: refuse what this worker cannot hold or should not compute."""
         engine = self.loop.engine
+        engine.validate(req.prompt_ids, req.sampling)  # what it can never hold: INVALID_ARGUMENT
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         reserved = sum(1 for r in engine.requests.values() if r not in engine.scheduler.running
                        and r not in engine.scheduler.waiting)
@@ -102,7 +103,6 @@ class LocalServe:
         if running + reserved + n > engine.cfg.max_num_seqs or engine.cache.live_room() < n:
             # live_room also counts snapshots held for a pull and quarantined slots
             raise CapacityError(f"decode worker is full ({engine.cfg.max_num_seqs} requests)")
-        engine.validate(req.prompt_ids, req.sampling)
         need = engine.scheduler.blocks_needed(req)
         if need and not engine.cache.can_allocate(engine.scheduler.outstanding_blocks() + need):
             raise CapacityError(f"decode worker has no room for {need} KV blocks")

@@ -9,6 +9,9 @@ Life of a request in the cache:
   3. `commit` at a point: insert the request's blocks as a tree path, move its lock down,
      copy live -> snapshot slot (and the partial page when the point is unaligned).
   4. `finish`: the decode-end snapshot (prompt + answer), then release; `abort`: release.
+  n samples (`admit(..., samples=n)` holds their n - 1 extra live slots from admission): once
+  the prompt is computed (or landed), `fork` gives each sample its own live entry sharing the
+  prompt's full blocks, with a private copy of the partial last block and of the state slot.
 
 Slots: `max_live` are reserved for live states; snapshots use at most the rest, so a
 snapshot can never starve a running request.

@@ -2,7 +2,10 @@
 
 Both worker roles run this engine: the prefill worker stops each request after its
 first token (`Request.prefill_only`) and keeps the cache for the handoff; the decode
-worker admits requests whose prompt state arrives by transfer (`reserve_remote`).
+worker admits requests whose prompt state arrives by transfer (`reserve_remote`). A request
+of n > 1 samples computes its prompt once and then forks into n sequences
+(baton/engine/samples.py): after its last prompt chunk, or on the decode worker at
+`start_remote` with the n first tokens the prefill worker drew.
 """
 
 from __future__ import annotations
