@@ -440,3 +440,27 @@ def test_echo_and_logprobs_with_n_give_every_choice_the_scored_prompt(setup):
     assert second[:14] == lp[:14] and len(second) == 17  # the prompt scored once, for both
     assert r.choices[1].text.startswith(setup["tok"].decode(p))
     _assert_idle(setup)
+
+
+def test_grpc_generate_streams_every_sample_as_baton_generate_local_does(setup):
+    from baton.client.remote import run_remote
+
+    s = SamplingParams(max_tokens=5, temperature=0.9, seed=8, ignore_eos=True, n=3)
+    spec = RequestSpec("g", prompt_ids=prompt(95, 19, vocab=500), sampling=s)
+    remote = run_remote(setup["cluster"].address, [spec])
+    here = run_local(setup["engine"], [spec])
+    assert [(r["index"], r["token_ids"]) for r in remote] == \
+        [(r["index"], r["token_ids"]) for r in here]
+    assert [r["index"] for r in remote] == [0, 1, 2] and remote[0]["prefill_worker"]
+    _assert_idle(setup)
+
+
+def test_samples_that_all_end_at_their_first_token_free_the_reservation(setup):
+    p = prompt(96, 17, vocab=500)
+    body = dict(model="tiny", prompt=p, max_tokens=1, temperature=1.0, seed=2,
+                extra_body={"return_token_ids": True})
+    r = setup["client"].completions.create(**body, n=3)
+    assert [c.token_ids for c in r.choices] == [
+        local(setup, p, max_tokens=1, temperature=1.0, seed=2 + i) for i in range(3)]
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3
+    _assert_idle(setup)
