@@ -9,14 +9,14 @@ import torch
 from baton.contract.limits import check_samples, max_samples, sample_blocks
 from baton.engine.request import Phase, Request, SamplingParams
 from baton.errors import InvalidRequestError
-from tests.engine_helpers import engine_for, make_checkpoint, prompt
+from tests.engine_helpers import engine_for, prompt
 
 TPB = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("samples"))
+def model_dir(model_tiny_dir):
+    return model_tiny_dir  # the session's checkpoint: written once for every test module
 
 
 def run(eng, reqs) -> dict[tuple[str, int], list[int]]:
@@ -63,6 +63,24 @@ def test_the_fork_shares_full_blocks_and_copies_the_tail_block_and_state(model_d
     for t in pools.state.values():
         for s in slots[1:]:
             assert torch.equal(t[:, s], t[:, slots[0]])
+    cache.check_integrity()
+
+
+def test_with_reuse_the_shared_blocks_are_tree_blocks_every_sample_locks(model_dir):
+    eng = engine_for(model_dir)  # prefix reuse on
+    eng.add_request(Request("a", prompt(12, 40), SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                n=3)))
+    while eng.requests["a"].phase is not Phase.DECODE:
+        eng.step()
+    cache = eng.cache
+    nodes = {n.block: n for n in cache.tree.nodes()}
+    shared = cache.block_table("a")[:2]
+    assert all(nodes[b].lock_ref == 3 for b in shared)  # the parent and its two samples
+    assert [cache.blocks.ref[b] for b in shared] == [4, 4]  # + the tree's own reference
+    assert eng.abort_sample("a", 0) == 2  # the first to end leaves them locked
+    assert all(nodes[b].lock_ref == 2 for b in shared)
+    cache.check_integrity()
+    assert eng.abort("a") and all(nodes[b].lock_ref == 0 for b in shared)
     cache.check_integrity()
 
 
