@@ -154,25 +154,21 @@ class LocalAttempt:
         """n > 1: the Serve stream carries every sample's chunks (router/samples.py)."""
         ttft_ms = (time.perf_counter() - start) * 1000
         cached = first.cached_tokens
-        sent0: list[int] = []
 
         def chunks():
             yield first
             yield from self._stream
 
-        def ended(c: DecodeChunk) -> None:
-            self.orch.turn_ended(self.d, self.prompt + (*sent0, *c.token_ids), c.snapshot_tokens)
+        def ended(output: tuple[int, ...], snapshot_tokens: int) -> None:
+            self.orch.turn_ended(self.d, self.prompt + output, snapshot_tokens)
 
         finished = False
         try:
-            for chunk in fan_out(self.rid, self.inp.sampling.n, self.orch.tokenizer, self.cancel,
-                                 chunks(), lambda r: self._summary(r, cached, start, ttft_ms,
-                                                                   retries),
-                                 lambda i: self.dc.abort(self.wid, i), self.d.worker_id,
-                                 on_end=ended):
-                if chunk.sample == 0:
-                    sent0.extend(chunk.token_ids)
-                yield chunk
+            yield from fan_out(self.rid, self.inp.sampling.n, self.orch.tokenizer, self.cancel,
+                               chunks(), lambda r: self._summary(r, cached, start, ttft_ms,
+                                                                 retries),
+                               lambda i: self.dc.abort(self.wid, i), self.d.worker_id,
+                               on_end=ended)
             finished = True
         finally:
             self._finish(abort=not finished)

@@ -72,7 +72,7 @@ from router.failover import PeerWatch, resumed
 from router.locality import SnapshotLocator
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
-from router.samples import fan_out
+from router.samples import fan_out, heads
 from router.shipping import DecodeEndShipper
 
 log = logging.getLogger(__name__)
@@ -423,34 +423,24 @@ class _Attempt:
         """n > 1: every sample's first token, then the decode worker's stream of them all
         (router/samples.py); the reservation is freed if every first token ended its sample."""
         ttft_ms = (time.perf_counter() - start) * 1000
-        firsts = first.firsts
-        heads = [DecodeChunk((f.first_token_id,), f.finish_reason if f.finished else None,
-                             logprobs=(f.logprobs,) if f.logprobs is not None else (), sample=i)
-                 for i, f in enumerate(firsts)]
-        decodes = not all(f.finished for f in firsts)
+        decodes = not all(f.finished for f in first.firsts)
 
         def chunks():
-            yield from heads
+            yield from heads(first)
             if decodes:
                 yield from self.dc.decode(self.wid, first.first_token_id, self.cancel,
                                           tuple(f.first_token_id for f in first.samples))
 
-        sent0: list[int] = []  # sample 0's tokens: its decode-end snapshot is indexed
-
-        def ended(c: DecodeChunk) -> None:
-            output = (*sent0, *c.token_ids)
-            self.orch.turn_ended(self.d, self.prompt + output, c.snapshot_tokens, self.p)
+        def ended(output: tuple[int, ...], snapshot_tokens: int) -> None:
+            self.orch.turn_ended(self.d, self.prompt + output, snapshot_tokens, self.p)
 
         finished = False
         try:
-            for chunk in fan_out(self.rid, len(firsts), self.orch.tokenizer, self.cancel,
-                                 chunks(), lambda r: self._summary(r, first, start, ttft_ms,
-                                                                   retries),
-                                 lambda i: self.dc.abort(self.wid, i), self.d.worker_id,
-                                 first.prompt_logprobs, ended):
-                if chunk.sample == 0:
-                    sent0.extend(chunk.token_ids)
-                yield chunk
+            yield from fan_out(self.rid, len(first.firsts), self.orch.tokenizer, self.cancel,
+                               chunks(), lambda r: self._summary(r, first, start, ttft_ms,
+                                                                 retries),
+                               lambda i: self.dc.abort(self.wid, i), self.d.worker_id,
+                               first.prompt_logprobs, ended)
             finished = True
         finally:
             if not decodes:

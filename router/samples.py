@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 
-from baton.contract import DecodeChunk, FinishReason, GenerateChunk, GenerateSummary
+from baton.contract import DecodeChunk, FinishReason, GenerateChunk, GenerateSummary, PrefillResult
 from baton.errors import WorkerFailed
 from baton.model.detokenizer import IncrementalDetokenizer
 from router.cancellation import Cancellation
@@ -27,13 +27,22 @@ from router.cancellation import Cancellation
 Summary = Callable[[FinishReason], GenerateSummary]
 
 
+def heads(first: PrefillResult) -> list[DecodeChunk]:
+    """Every sample's first token (the prefill worker's reply) as its first chunk."""
+    return [DecodeChunk((f.first_token_id,), f.finish_reason if f.finished else None,
+                        logprobs=(f.logprobs,) if f.logprobs is not None else (), sample=i)
+            for i, f in enumerate(first.firsts)]
+
+
 def fan_out(rid: str, n: int, tokenizer, cancel: Cancellation, chunks: Iterator[DecodeChunk],
             summary: Summary, abort_sample: Callable[[int], None], decode_worker: str,
-            prompt_logprobs=(), on_end: Callable[[DecodeChunk], None] | None = None,
+            prompt_logprobs=(), on_end: Callable[[tuple[int, ...], int], None] | None = None,
             ) -> Iterator[GenerateChunk]:
     """Every sample's GenerateChunks until each has its summary; WorkerFailed when the stream
-    ends first. `on_end`: told of sample 0's last chunk (its decode-end snapshot)."""
+    ends first. `on_end(output, snapshot_tokens)`: sample 0 finished with these tokens, leaving
+    a decode-end snapshot of that many tokens (the router indexes it as one turn)."""
     fan = _Fan(rid, n, tokenizer, summary, prompt_logprobs)
+    sent0: list[int] = []
 
     def stop(sample: int) -> None:
         threading.Thread(target=abort_sample, args=(sample,), daemon=True,
@@ -43,8 +52,10 @@ def fan_out(rid: str, n: int, tokenizer, cancel: Cancellation, chunks: Iterator[
         for c in chunks:
             yield from fan.stopped(cancel.stopped_samples)
             if c.sample in fan.open:
-                if c.finish_reason is not None and c.sample == 0 and on_end is not None:
-                    on_end(c)
+                if c.sample == 0:
+                    sent0.extend(c.token_ids)
+                    if c.finish_reason is not None and on_end is not None:
+                        on_end(tuple(sent0), c.snapshot_tokens)
                 yield fan.chunk(c)
             if not fan.open:
                 return
