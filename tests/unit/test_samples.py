@@ -212,3 +212,49 @@ def test_baton_generate_local_gives_one_result_a_sample(model_dir):
     out = run_local(engine_for(model_dir), specs, concurrency=2)
     assert [(r["id"], r.get("index")) for r in out] == [("a", 0), ("a", 1), ("b", None)]
     assert [r["token_ids"] for r in out] == [*alone(model_dir, ids, s, 2), out[0]["token_ids"]]
+
+
+def test_the_loop_serves_every_sample_through_one_callback(model_dir):
+    import queue
+
+    from baton.engine.loop import EngineLoop
+
+    eng = engine_for(model_dir)
+    before = idle(eng)
+    loop = EngineLoop(eng)
+    try:
+        box: queue.Queue = queue.Queue()
+        s = SamplingParams(max_tokens=1000, ignore_eos=True, n=3)
+        loop.submit(Request("L", prompt(13, 10), s), box.put)
+        seen: set[int] = set()
+        while len(seen) < 3:
+            seen.add(box.get(timeout=30).sample)
+        assert loop.abort_sample("L", 1) and not loop.abort_sample("L", 1)
+        assert loop.abort("L")  # the client left: every sample still running
+        outs = []
+        while not (outs and outs[-1].finished and not outs[-1].open_samples):
+            outs.append(box.get(timeout=30))
+        ends = [(o.sample, o.finish_reason.value, o.open_samples) for o in outs if o.finished]
+        assert ends == [(1, "abort", 2), (0, "abort", 0)]
+        assert loop.tracked()["output_callbacks"] == 0
+        assert loop.tracked()["sample_families"] == 0
+        assert loop.call(idle, eng) == before
+    finally:
+        loop.stop()
+
+
+def test_the_wire_carries_n_and_every_sample():
+    from baton.contract import DecodeChunk, FinishReason, GenerateChunk, PrefillResult, wire
+    from baton.contract.types import TokenLogprob
+
+    s = SamplingParams(n=4, seed=3)
+    assert wire.sampling_from_pb(wire.sampling_to_pb(s)) == s
+    assert not wire.sampling_to_pb(SamplingParams()).HasField("n")
+    lp = TokenLogprob(9, -0.5, ((9, -0.5),))
+    r = PrefillResult(5, 16, False, None, lp, (lp,), samples=(
+        PrefillResult(6, 16, True, FinishReason.STOP, lp), PrefillResult(7, 16)))
+    assert wire.prefill_result_from_pb(wire.prefill_result_to_pb(r)) == r
+    c = DecodeChunk((1, 2), FinishReason.LENGTH, sample=3)
+    assert wire.decode_chunk_from_pb(wire.decode_chunk_to_pb(c)) == c
+    g = GenerateChunk("r", (1,), "a", sample=2)
+    assert wire.chunk_from_pb(wire.chunk_to_pb(g)) == g
