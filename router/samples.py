@@ -11,7 +11,8 @@
 The client may end one sample's answer (`Cancellation.stop_sample`, an HTTP stop string):
 that sample is aborted on the decode worker in the background, and its STOP summary goes out
 with the stream's next chunk (one always comes while a sample is open: its own abort). A
-sample that fails alone ends with an ERROR summary; its siblings go on.
+sample stopped before the decode worker forked it is aborted again at its first chunk from
+there. A sample that fails alone ends with an ERROR summary; its siblings go on.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def heads(first: PrefillResult) -> list[DecodeChunk]:
 
 
 def fan_out(rid: str, n: int, tokenizer, cancel: Cancellation, chunks: Iterator[DecodeChunk],
-            summary: Summary, abort_sample: Callable[[int], None], decode_worker: str,
+            summary: Summary, abort_sample: Callable[[int], bool], decode_worker: str,
             prompt_logprobs=(), on_end: Callable[[tuple[int, ...], int], None] | None = None,
             ) -> Iterator[GenerateChunk]:
     """Every sample's GenerateChunks until each has its summary; WorkerFailed when the stream
@@ -43,14 +44,22 @@ def fan_out(rid: str, n: int, tokenizer, cancel: Cancellation, chunks: Iterator[
     a decode-end snapshot of that many tokens (the router indexes it as one turn)."""
     fan = _Fan(rid, n, tokenizer, summary, prompt_logprobs)
     sent0: list[int] = []
+    missed: set[int] = set()
+    """Stopped samples whose abort found nothing (Decode had not forked them yet)."""
 
     def stop(sample: int) -> None:
-        threading.Thread(target=abort_sample, args=(sample,), daemon=True,
-                         name=f"abort-{rid}-{sample}").start()
+        def run():
+            if not abort_sample(sample):
+                missed.add(sample)
+
+        threading.Thread(target=run, daemon=True, name=f"abort-{rid}-{sample}").start()
 
     with cancel.sample_hook(stop):
         for c in chunks:
             yield from fan.stopped(cancel.stopped_samples)
+            if c.sample in missed and c.finish_reason is None:
+                missed.discard(c.sample)  # it runs there now: this abort finds it
+                threading.Thread(target=abort_sample, args=(c.sample,), daemon=True).start()
             if c.sample in fan.open:
                 if c.sample == 0:
                     sent0.extend(c.token_ids)
