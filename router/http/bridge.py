@@ -31,6 +31,10 @@ from router.metrics import RequestTimer
 _END = object()
 
 
+class SampleFailed(WorkerFailed):
+    """One sample of a request with n > 1 failed on its decode worker; its siblings go on."""
+
+
 class _Failed:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -127,7 +131,7 @@ class Chunks:
     def _put_chunk(self, chunk: GenerateChunk) -> None:
         s = chunk.summary
         if self.n > 1 and s is not None and s.finish_reason is FinishReason.ERROR:
-            self._put(_Failed(WorkerFailed(s.decode_worker, "Decode", (
+            self._put(_Failed(SampleFailed(s.decode_worker, "Decode", (
                 f"sample {chunk.sample} of request {chunk.request_id} failed there; the "
                 "other samples went on"))), chunk.sample)
             return

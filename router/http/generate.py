@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from baton.contract import GenerateInput, SamplingParams
 from baton.errors import InvalidRequestError
 from router.http.answer import Answer, Shape
-from router.http.bridge import Chunks, SampleChunks, watch_disconnect
+from router.http.bridge import Chunks, SampleChunks, SampleFailed, watch_disconnect
 from router.http.errors import ApiError, baton_error_response, param_of
 from router.http.logprobs import LogprobView, token_text
 from router.http.schemas import MAX_N, ChatCompletionRequest
@@ -154,9 +154,7 @@ async def _fold(chunks: Chunks | SampleChunks, answer: Answer, batch: list) -> N
             if answer.done:
                 break
             batch = await chunks.next_batch()
-    except Exception as e:  # noqa: BLE001 - one sample's failure: its choice says so
-        if not isinstance(chunks, SampleChunks):
-            raise
+    except SampleFailed as e:  # one sample's failure: its choice says so
         log.warning("choice %d failed after its first token: %s", answer.index, e)
         answer.finish_reason = "error"
         return

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from baton.contract import FinishReason, GenerateChunk
+from baton.errors import WorkerFailed
 from baton.model.chat_template import TINY_CHAT_TEMPLATE, ChatTemplate
 from router.http.app import HttpContext
 from router.http.server import HttpServer
@@ -99,3 +100,17 @@ def test_a_sample_that_fails_alone_leaves_its_siblings(api):
         for ch in e.get("choices", []):
             texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
     assert texts == {0: "aA", 1: "b", 2: "cC"}
+
+
+def test_a_request_that_fails_for_every_sample_fails_the_response(api):
+    orch, port = api
+
+    def script(inp, cancel):
+        yield chunk(0, "a")
+        yield chunk(1, "b")
+        yield chunk(2, "c")
+        raise WorkerFailed("d0", "Decode", "the worker died")
+
+    orch.script = script
+    status, raw = request(port, "/v1/completions", BODY)
+    assert status >= 500 and "the worker died" in json.loads(raw)["error"]["message"]
