@@ -43,6 +43,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "the prompt or output; 1 = off")
     p.add_argument("--min-tokens", type=int, default=0,
                    help="EOS and stop tokens are not drawn before this many tokens")
+    p.add_argument("--n", type=int, default=1,
+                   help="samples of each prompt (one prefill, n decodes; sample i seeded "
+                        "seed + i); one result line each, --json adds its `index`")
 
 
 MODEL_HELP = "`tiny` (the embedded seeded model, made on first use) or a checkpoint folder"

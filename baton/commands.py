@@ -18,7 +18,7 @@ def cmd_generate(args) -> int:
         top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-        min_tokens=args.min_tokens,
+        min_tokens=args.min_tokens, n=args.n,
     )
     if args.requests:
         specs = load_jsonl(args.requests, defaults, args.session)
