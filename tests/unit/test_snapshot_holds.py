@@ -16,6 +16,7 @@ from baton.engine.request import Request
 from baton.errors import CapacityError
 from decode_worker.ship import MAX_HOLD_SHARE, SnapshotHolds
 from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from transfer.base import RecvTransport
 from transfer.receiver import SOURCE_INTERVAL_S, Receiver
 
 MAX_SEQS = 8
@@ -81,13 +82,30 @@ def test_holds_are_capped_and_polled_while_out(engine):
     holds.close()
 
 
-def test_the_receiver_polls_often_while_it_is_a_read_source(engine):
-    from transfer import TransferConfig, compute_fingerprint, make_receiver
+class _NoTransport(RecvTransport):
+    """No transport at all (NIXL must not load in the test process: UCXX may have)."""
 
-    rx = make_receiver(TransferConfig(), engine.pools,
-                       compute_fingerprint(engine.model.config, engine.pools.spec),
-                       bind_host="127.0.0.1")
-    assert isinstance(rx, Receiver)
+    backend = "none"
+
+    def __init__(self, cfg, pools, host, authorize):
+        pass
+
+    def metadata(self):
+        return {}
+
+    def drain(self):
+        return []
+
+    def close(self):
+        pass
+
+
+def test_the_receiver_polls_often_while_it_is_a_read_source(engine):
+    from transfer import TransferConfig, compute_fingerprint
+
+    rx = Receiver(TransferConfig(), engine.pools,
+                  compute_fingerprint(engine.model.config, engine.pools.spec), "127.0.0.1",
+                  _NoTransport)
     woken = []
     rx.on_activity = lambda: woken.append(1)
     try:
