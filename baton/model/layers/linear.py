@@ -59,6 +59,11 @@ def decode_path() -> str:
     return _state["path"]
 
 
+def decoding() -> bool:
+    """True inside a marked decode call (`decode_scope`) of this thread."""
+    return getattr(_local, "decoding", False)
+
+
 def _packed_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
