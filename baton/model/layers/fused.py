@@ -1,4 +1,4 @@
-"""Fused decode steps of the recurrent mixers (the fast decode path, `BATON_DECODE_PATH=fast`).
+"""Fused decode steps of the recurrent mixers and of paged attention (the fast decode path, `BATON_DECODE_PATH=fast`).
 
 What a Mamba2 or DeltaNet layer does per decode step between its input and output projections
 (conv window, gates, state update, read-out, gated norm) is a dozen small element-wise ops
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,16 @@ def fast_decoding(x: torch.Tensor) -> bool:
 @functools.cache
 def _compiled(name: str, threads: int, dims: tuple):
     """The compiled step `name` for one layer geometry and thread count (inductor bakes the
-    thread count into its kernels, so a process that changes it gets kernels for each)."""
-    fn = functools.partial(_STEPS[name], *dims)
-    return torch.compile(fn, fullgraph=True)
+    thread count into its kernels, so a process that changes it gets kernels for each).
+
+    Each gets a copy of the step's code object: dynamo keeps its compiled graphs (and its
+    recompile limit) per code object, so geometries and steps never evict each other."""
+    base = _STEPS[name]
+    code = base.__code__.replace(co_name=f"{base.__name__}_{_compiled.cache_info().currsize}")
+    fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__,
+                            base.__closure__)
+    compiled = torch.compile(fn, fullgraph=True)
+    return lambda *args: compiled(*dims, *args)
 
 
 def run(name: str, dims: tuple, *args):
@@ -48,8 +56,9 @@ def run(name: str, dims: tuple, *args):
     if name not in _broken:
         try:
             fn = _compiled(name, torch.get_num_threads(), dims)
-            for t in args[:_BATCHED[name]]:  # only the batch size varies between calls
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+            for i, dims_of in _DYNAMIC[name]:  # only batch (and key count) vary between calls
+                for d in dims_of:
+                    torch._dynamo.maybe_mark_dynamic(args[i], d)
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure: run it eagerly instead
             _broken.add(name)
@@ -121,6 +130,32 @@ def deltanet_step(hk: int, hv: int, dk: int, dv: int, eps: float,
     return (o * F.silu(z.reshape(b, hv, dv))).reshape(b, hv * dv)
 
 
-_STEPS = {"mamba2": mamba2_step, "deltanet": deltanet_step}
-_BATCHED = {"mamba2": 3, "deltanet": 6}
-"""How many leading arguments of each step have the batch as their first dimension."""
+def attention_step(scale: float, q, pool, key_rows, mask):
+    """One query per sequence over paged KV, read straight from the pool (no gathered
+    history): q [b, kv_heads, rep, hd]; pool [blocks, 2, tpb, kv_heads, hd] (one layer);
+    key_rows [b, S] token row of each key's K in `pool.view(-1, kv_heads, hd)` (V is `tpb`
+    rows on); mask [b, S] additive (0 / -inf). Returns [b, kv_heads, rep, hd]."""
+    tpb, kvh, hd = pool.shape[2], pool.shape[3], pool.shape[4]
+    rows = pool.view(-1, kvh, hd)
+    keys, values = rows[key_rows], rows[key_rows + tpb]  # [b, S, kvh, hd], fused into loads
+    scores = (q[:, None] * keys[:, :, :, None, :]).sum(-1) * scale + mask[:, :, None, None]
+    probs = torch.softmax(scores, dim=1)  # [b, S, kvh, rep]
+    return (probs[..., None] * values[:, :, :, None, :]).sum(1)
+
+
+def paged_attention(scale: float, q: torch.Tensor, pool: torch.Tensor, meta) -> torch.Tensor:
+    """`attention_step` for the decode queries q [b, heads, hd] of one layer, `meta` the
+    step's `AttnMeta`; returns [b, heads * hd]."""
+    b, heads, hd = q.shape
+    kvh, S = pool.shape[3], meta.num_keys
+    key_rows = meta.read_rows.view(2, b, kvh, S)[0, :, 0] // kvh
+    out = run("attention", (scale,), q.view(b, kvh, heads // kvh, hd), pool, key_rows,
+              meta.mask.view(b, S))
+    return out.reshape(b, heads * hd)
+
+
+_STEPS = {"mamba2": mamba2_step, "deltanet": deltanet_step, "attention": attention_step}
+_DYNAMIC = {"mamba2": ((0, (0,)), (1, (0,)), (2, (0,))),
+            "deltanet": tuple((i, (0,)) for i in range(6)),
+            "attention": ((0, (0,)), (2, (0, 1)), (3, (0, 1)))}
+"""(argument, dimensions) of each step that vary between calls: the batch, the key count."""
