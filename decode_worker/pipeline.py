@@ -75,6 +75,11 @@ class PipelineReceiver(StagedAgent):
             self._quarantines[request_id] = (q, keys)
         return q
 
+    def serve_reads(self, request_id: str, held: bool) -> None:
+        """Pulls between pipeline-parallel workers are refused by the puller: only this
+        stage's transport can be a READ source."""
+        self.local.serve_reads(request_id, held)
+
     def remote_pending(self) -> bool:
         with self._qlock:
             held = bool(self._quarantines)

@@ -7,6 +7,11 @@ that a later turn routed through that prefill worker restores the whole turn.
                           -> a signed Reservation naming this worker's transfer endpoint,
                           blocks and slot: the prefill worker reads from there
     release(rid)          the router's Abort once the pull is over, or the lease's end
+
+While a hold is out the transport is polled often (the receiver's `serve_reads`): a one-sided
+READ progresses only when this side calls into it. Holds are background work: at most
+MAX_HOLD_SHARE of worker.max_num_seqs at once, so that copy-back never takes the live room a
+new turn needs (a refused hold costs only that shipment; a later turn's covers it).
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from baton.auth import ClusterSecret
 from baton.auth.reservations import sign_reservation
 from baton.contract import Reservation, ReserveInput
 from baton.engine.loop import EngineLoop
-from baton.errors import SnapshotGone
+from baton.errors import CapacityError, SnapshotGone
 
 log = logging.getLogger("baton.decode")
+
+MAX_HOLD_SHARE = 0.25
+"""Snapshot holds a decode worker keeps at once, as a share of worker.max_num_seqs (at least
+one)."""
 
 
 class SnapshotHolds:
@@ -30,20 +39,34 @@ class SnapshotHolds:
         self.lease_seconds, self.secret = lease_seconds, secret
         self._lock = threading.Lock()
         self._held: dict[str, threading.Timer] = {}
+        self._claiming = 0
+        """Holds being taken now (counted against the limit before the loop has them)."""
         self.holds = 0
 
     def hold(self, inp: ReserveInput) -> Reservation:
         rid, tokens = inp.request_id, list(inp.prompt_ids)
         engine = self.loop.engine
-        held = self.loop.call(engine.cache.hold_snapshot, rid, tokens)
-        if held is None:
-            raise SnapshotGone(f"this decode worker no longer holds a snapshot of the "
-                               f"{len(tokens)} tokens of {rid}")
-        timer = threading.Timer(self.lease_seconds, self.release, args=(rid,))
-        timer.daemon = True
+        cap = max(1, int(engine.cfg.max_num_seqs * MAX_HOLD_SHARE))
         with self._lock:
-            self._held[rid] = timer
+            if len(self._held) + self._claiming >= cap:
+                raise CapacityError(f"this decode worker holds {len(self._held)} snapshots for "
+                                    f"pulls already, its limit ({MAX_HOLD_SHARE:g} of "
+                                    f"worker.max_num_seqs={engine.cfg.max_num_seqs})")
+            self._claiming += 1
+        try:
+            held = self.loop.call(engine.cache.hold_snapshot, rid, tokens)
+            if held is None:
+                raise SnapshotGone(f"this decode worker no longer holds a snapshot of the "
+                                   f"{len(tokens)} tokens of {rid}")
+            timer = threading.Timer(self.lease_seconds, self.release, args=(rid,))
+            timer.daemon = True
+            with self._lock:
+                self._held[rid] = timer
+        finally:
+            with self._lock:
+                self._claiming -= 1
         timer.start()
+        self.receiver.serve_reads(rid, True)
         self.holds += 1
         pools = engine.pools
         res = Reservation(self.worker_id, self.receiver.endpoint,
@@ -59,6 +82,7 @@ class SnapshotHolds:
         if timer is None:
             return False
         timer.cancel()
+        self.receiver.serve_reads(request_id, False)
         try:
             self.loop.call(self.loop.engine.cache.abort, request_id)
         except RuntimeError:  # the loop stopped: shutting down

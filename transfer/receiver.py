@@ -57,6 +57,10 @@ to deliver bytes it had already sent (a few TCP retransmissions on a working lin
 WAIT_INTERVAL_S = 0.05
 """Poll interval while destinations are reserved but nothing was posted yet (leases, early
 notifications); a lost `posted` message costs at most this much latency."""
+SOURCE_INTERVAL_S = 0.0005
+"""Poll interval while local blocks are held as the source of a peer's one-sided READ (a
+decode-end snapshot being pulled back): without progress calls here the transport serves the
+read only at the next housekeeping tick (a second)."""
 
 
 @dataclass
@@ -127,6 +131,8 @@ class Receiver:
         self._held: dict[str, str] = {}
         """Request id -> key of its latest quarantine."""
         self._released: list[str] = []
+        self._sources: set[str] = set()
+        """Requests whose local blocks are held for a peer to READ (`serve_reads`)."""
         self._gone: dict[bytes, float] = {}
         """Senders whose side-channel connection closed -> when (a reservation they were
         granted may fail after that)."""
@@ -209,8 +215,21 @@ class Receiver:
         with self._lock:
             if self._posted:
                 return WATCH_INTERVAL_S
+            if self._sources:
+                return SOURCE_INTERVAL_S
             busy = self._expected or self._early or self._quarantine or self._released
             return WAIT_INTERVAL_S if busy else None
+
+    def serve_reads(self, request_id: str, held: bool) -> None:
+        """`request_id`'s blocks are (held=True) or no longer are the source of a peer's
+        one-sided READ: poll often meanwhile, so that the transport serves it."""
+        with self._lock:
+            if held:
+                self._sources.add(request_id)
+            else:
+                self._sources.discard(request_id)
+        if held and self.on_activity is not None:
+            self.on_activity()
 
     @property
     def pending(self) -> list[str]:

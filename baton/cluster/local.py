@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import ssl
@@ -44,7 +45,29 @@ STABLE_S = 60.0
 SUPERVISE_PERIOD_S = 0.2
 
 
+PICK_RANGE = (20000, 32768)
+"""Ports handed out ahead of a process's start come from below the kernel's ephemeral range
+(32768-60999 by default), where nothing else binds by chance: a port 0 picks from that range,
+so a port chosen there can be taken by an outgoing connection or another process's port 0
+listener before the process it was chosen for binds it."""
+
+
 def free_port() -> int:
+    """A port free now, for a process about to start: random in PICK_RANGE (cut at the
+    ephemeral range's start), else the kernel's choice."""
+    lo, hi = PICK_RANGE
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            hi = min(hi, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in random.sample(range(lo, hi), min(64, max(0, hi - lo))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from baton.cluster.local import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 3
 PACKAGES = ("slurm-wlm", "munge")
@@ -39,12 +41,6 @@ router: {policy: round_robin, heartbeat_seconds: 0.5}
 
 class Skip(Exception):
     """This machine cannot run the check (the one line says why)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_slurm() -> None:

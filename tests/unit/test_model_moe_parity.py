@@ -8,7 +8,6 @@ latent MoE with group top-k saved in transformers 5's fused layout (`model.`, [E
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -19,6 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 from baton.model.layers.moe import sigmoid_group_topk  # noqa: E402
 from baton.model.loader import load_model  # noqa: E402
+from tests.hf_parity import (  # noqa: E402
+    assert_batched_prefill_matches,
+    assert_greedy_matches,
+    assert_logits_match,
+    prompt_ids,
+    rescale,
+)
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
@@ -41,35 +47,11 @@ NEW_TOKENS = 12
 TPB = 16
 
 
-def _rescale(model, seed: int) -> None:
-    """Fan-in scaled weights (HF's 0.02 init gives near-tied logits and idle experts) and a
-    routing bias large enough to change the chosen experts."""
-    gen = torch.Generator().manual_seed(seed)
-    layers = model.config.num_hidden_layers
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("embeddings.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * 1.5 / math.sqrt(p.shape[1]))
-            elif p.dim() in (2, 3):
-                std = 1 / math.sqrt(p.shape[-1])
-                if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight",
-                                  "experts.down_proj")):
-                    std /= math.sqrt(layers)
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
-
-
 def _hf_model(fields: dict, seed: int):
     cfg = transformers.NemotronHConfig(**COMMON, **fields)
     torch.manual_seed(seed)
     hf = transformers.NemotronHForCausalLM(cfg).eval()
-    _rescale(hf, seed)
+    rescale(hf, seed, dims=(2, 3))
     return hf
 
 
@@ -96,10 +78,6 @@ def model_super_pair(tmp_path_factory):
 @pytest.fixture(params=["nano", "super"])
 def model_moe_pair(request):
     return request.getfixturevalue(f"model_{request.param}_pair")
-
-
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_checkpoint_layouts_are_the_ones_under_test(model_nano_pair, model_super_pair):
@@ -143,7 +121,7 @@ def _changed_fraction(gate, x, **override) -> float:
 
 def test_routing_bias_and_groups_change_the_chosen_experts(model_nano_pair, model_super_pair):
     for (hf, model, _), knob in ((model_nano_pair, "bias"), (model_super_pair, "groups")):
-        for i, x in _router_inputs(hf, _prompt(200, seed=3)).items():
+        for i, x in _router_inputs(hf, prompt_ids(200, seed=3)).items():
             gate = model.backbone.layers[i].mixer.gate
             if knob == "bias":
                 assert gate.e_score_correction_bias.abs().min() > 0
@@ -155,50 +133,15 @@ def test_routing_bias_and_groups_change_the_chosen_experts(model_nano_pair, mode
 
 def test_prefill_logits_match_hf_at_every_position(model_moe_pair):
     hf, model, _ = model_moe_pair
-    ids = _prompt(2048, seed=5)
-    pools = model.make_pools(num_blocks=128, tokens_per_block=TPB, num_slots=1)
-    ours = model.prefill(ids, 0, list(range(128)), 0, pools, all_logits=True)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-    assert ours.shape == ref.shape == (2048, 300)
-    assert (ours - ref).abs().max().item() < 1e-4
+    assert_logits_match(hf, model, prompt_ids(2048, seed=5), TPB)
 
 
 def test_batched_prefill_matches_hf_batch(model_moe_pair):
     hf, model, _ = model_moe_pair
-    ids = torch.stack([_prompt(160, seed=20 + i) for i in range(3)])
-    pools = model.make_pools(num_blocks=30, tokens_per_block=TPB, num_slots=3)
-    tables = [list(range(i, 30, 3)) for i in range(3)]
-    ours = model.prefill_batch(ids, [0, 0, 0], tables, [0, 1, 2], pools, all_logits=True)
-    with torch.no_grad():
-        ref = hf(ids).logits.float()
-    assert (ours - ref).abs().max().item() < 1e-4
+    ids = torch.stack([prompt_ids(160, seed=20 + i) for i in range(3)])
+    assert_batched_prefill_matches(hf, model, ids, TPB)
 
 
 def test_greedy_matches_hf_generate_with_batched_decode(model_moe_pair):
     hf, model, _ = model_moe_pair
-    prompts = [_prompt(n, seed=100 + n) for n in GREEDY_LENGTHS]
-    per_seq = -(-(max(GREEDY_LENGTHS) + NEW_TOKENS) // TPB)
-    pools = model.make_pools(len(prompts) * per_seq, TPB, len(prompts))
-    tables = [list(range(i, len(prompts) * per_seq, len(prompts))) for i in range(len(prompts))]
-    ours = _baton_greedy(model, prompts, tables, pools)
-    hf.generation_config.eos_token_id = None
-    for prompt, got in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert got == ref[0, len(prompt):].tolist(), f"prompt length {len(prompt)}"
-    assert len({t for seq in ours for t in seq}) > 8, "greedy output is degenerate"
-
-
-def _baton_greedy(model, prompts, tables, pools) -> list[list[int]]:
-    """Prefill each prompt into its own slot, then decode all of them as one batch."""
-    out = [[int(model.prefill(p, 0, tables[i], i, pools).argmax())] for i, p in enumerate(prompts)]
-    positions = torch.tensor([len(p) for p in prompts])
-    slots = torch.arange(len(prompts))
-    for _ in range(NEW_TOKENS - 1):
-        last = torch.tensor([seq[-1] for seq in out])
-        nxt = model.decode(last, positions, tables, slots, pools).argmax(-1)
-        for seq, t in zip(out, nxt.tolist(), strict=True):
-            seq.append(t)
-        positions = positions + 1
-    return out
+    assert_greedy_matches(hf, model, GREEDY_LENGTHS, NEW_TOKENS, TPB)

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from baton.model.loader import load_model  # noqa: E402
 from baton.model.qwen3_5.make import write_checkpoint  # noqa: E402
+from tests.hf_parity import assert_greedy_matches, assert_logits_match, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
@@ -49,57 +50,27 @@ def qwen_pair(request, tmp_path_factory):
     return hf, load_model(out)
 
 
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed))
-
-
 def _blocks(n_tokens: int) -> list[int]:
     return list(range(-(-n_tokens // TPB)))
 
 
 def test_prefill_logits_match_hf_at_every_position(qwen_pair):
     hf, model = qwen_pair
-    worst = 0.0
     for T in LOGIT_LENGTHS:
-        ids = _prompt(T, seed=T)
-        pools = model.make_pools(len(_blocks(T)), TPB, 1)
-        ours = model.prefill(ids, 0, _blocks(T), 0, pools, all_logits=True)
-        with torch.no_grad():
-            ref = hf(ids[None]).logits[0].float()
-        assert ours.shape == ref.shape == (T, 300)
-        worst = max(worst, (ours - ref).abs().max().item())
+        ours, ref = assert_logits_match(hf, model, prompt_ids(T, seed=T), TPB, MAX_ERR)
         assert (ours.argmax(-1) == ref.argmax(-1)).all(), f"length {T}"
-    assert worst < MAX_ERR, worst
 
 
 def test_greedy_matches_hf_generate_with_batched_decode(qwen_pair):
     hf, model = qwen_pair
-    prompts = [_prompt(n, seed=100 + n) for n in GREEDY_LENGTHS]
-    per_seq = -(-(max(GREEDY_LENGTHS) + NEW_TOKENS) // TPB)
-    pools = model.make_pools(len(prompts) * per_seq, TPB, len(prompts))
-    # Interleaved block tables, and slots in reverse order (not one consecutive range).
-    tables = [list(range(i, len(prompts) * per_seq, len(prompts))) for i in range(len(prompts))]
-    slots = list(reversed(range(len(prompts))))
-    out = [[int(model.prefill(p, 0, tables[i], slots[i], pools).argmax())]
-           for i, p in enumerate(prompts)]
-    positions = torch.tensor([len(p) for p in prompts])
-    for _ in range(NEW_TOKENS - 1):
-        last = torch.tensor([seq[-1] for seq in out])
-        nxt = model.decode(last, positions, tables, torch.tensor(slots), pools).argmax(-1)
-        for seq, t in zip(out, nxt.tolist(), strict=True):
-            seq.append(t)
-        positions = positions + 1
-    for prompt, got in zip(prompts, out, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert got == ref[0, len(prompt):].tolist(), f"prompt length {len(prompt)}"
-    assert len({t for seq in out for t in seq}) > 8, "greedy output is degenerate"
+    # interleaved block tables, and slots in reverse order (not one consecutive range)
+    assert_greedy_matches(hf, model, GREEDY_LENGTHS, NEW_TOKENS, TPB, reverse_slots=True)
 
 
 def test_batched_prefill_equals_each_alone(qwen_pair):
     _, model = qwen_pair
     for T in (1, 64, 65):
-        ids = torch.stack([_prompt(T, seed=500 + i) for i in range(3)])
+        ids = torch.stack([prompt_ids(T, seed=500 + i) for i in range(3)])
         n = len(_blocks(T))
         pools = model.make_pools(3 * n, TPB, 3)
         tables = [[i * n + j for j in range(n)] for i in range(3)]
@@ -122,7 +93,7 @@ def test_resumed_prefill_equals_one_shot(qwen_pair, cuts):
     chunks start at each call's first token)."""
     _, model = qwen_pair
     T = 150
-    ids = _prompt(T, seed=9)
+    ids = prompt_ids(T, seed=9)
     one_pools = model.make_pools(len(_blocks(T)), TPB, 1)
     one = model.prefill(ids, 0, _blocks(T), 0, one_pools, all_logits=True)
     pools = model.make_pools(len(_blocks(T)), TPB, 2)

@@ -22,6 +22,12 @@ from baton.model.layers.qwen_moe import QwenSparseMoe  # noqa: E402
 from baton.model.loader import load_model  # noqa: E402
 from baton.model.make_model import write_checkpoint  # noqa: E402
 from baton.worker.load import expert_load  # noqa: E402
+from tests.hf_parity import (  # noqa: E402
+    assert_batched_prefill_matches,
+    assert_greedy_matches,
+    assert_logits_match,
+    prompt_ids,
+)
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
@@ -53,10 +59,6 @@ def qwen_moe_pair(request, tmp_path_factory):
     return request.param, hf, load_model(out), out
 
 
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed))
-
-
 def test_layouts_and_layer_kinds(qwen_moe_pair):
     family, _, model, out = qwen_moe_pair
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -76,13 +78,7 @@ def test_layouts_and_layer_kinds(qwen_moe_pair):
 
 def test_prefill_logits_match_hf_at_every_position(qwen_moe_pair):
     _, hf, model, _ = qwen_moe_pair
-    ids = _prompt(2048, seed=5)
-    pools = model.make_pools(num_blocks=128, tokens_per_block=TPB, num_slots=1)
-    ours = model.prefill(ids, 0, list(range(128)), 0, pools, all_logits=True)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-    assert ours.shape == ref.shape == (2048, 300)
-    assert (ours - ref).abs().max().item() < 1e-4
+    assert_logits_match(hf, model, prompt_ids(2048, seed=5), TPB)
     moe = [m for m in model.modules() if isinstance(m, QwenSparseMoe)]
     assert all(m.routed_tokens.sum().item() >= 2048 * 3 for m in moe)
     load = expert_load(SimpleNamespace(model=model))  # what the worker's Stats report
@@ -92,34 +88,13 @@ def test_prefill_logits_match_hf_at_every_position(qwen_moe_pair):
 
 def test_batched_prefill_matches_hf_batch(qwen_moe_pair):
     _, hf, model, _ = qwen_moe_pair
-    ids = torch.stack([_prompt(150, seed=20 + i) for i in range(3)])
-    pools = model.make_pools(num_blocks=30, tokens_per_block=TPB, num_slots=3)
-    tables = [list(range(i, 30, 3)) for i in range(3)]
-    ours = model.prefill_batch(ids, [0, 0, 0], tables, [0, 1, 2], pools, all_logits=True)
-    with torch.no_grad():
-        ref = hf(ids).logits.float()
-    assert (ours - ref).abs().max().item() < 1e-4
+    ids = torch.stack([prompt_ids(150, seed=20 + i) for i in range(3)])
+    assert_batched_prefill_matches(hf, model, ids, TPB)
 
 
 def test_greedy_matches_hf_generate_with_batched_decode(qwen_moe_pair):
     _, hf, model, _ = qwen_moe_pair
-    prompts = [_prompt(n, seed=100 + n) for n in GREEDY_LENGTHS]
-    per_seq = -(-(max(GREEDY_LENGTHS) + NEW_TOKENS) // TPB)
-    pools = model.make_pools(len(prompts) * per_seq, TPB, len(prompts))
-    tables = [list(range(i, len(prompts) * per_seq, len(prompts))) for i in range(len(prompts))]
-    out = [[int(model.prefill(p, 0, tables[i], i, pools).argmax())] for i, p in enumerate(prompts)]
-    positions, slots = torch.tensor([len(p) for p in prompts]), torch.arange(len(prompts))
-    for _ in range(NEW_TOKENS - 1):
-        last = torch.tensor([seq[-1] for seq in out])
-        nxt = model.decode(last, positions, tables, slots, pools).argmax(-1)
-        for seq, t in zip(out, nxt.tolist(), strict=True):
-            seq.append(t)
-        positions = positions + 1
-    for prompt, got in zip(prompts, out, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert got == ref[0, len(prompt):].tolist(), f"prompt length {len(prompt)}"
-    assert len({t for seq in out for t in seq}) > 8, "greedy output is degenerate"
+    assert_greedy_matches(hf, model, GREEDY_LENGTHS, NEW_TOKENS, TPB)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
