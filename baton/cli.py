@@ -43,6 +43,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "the prompt or output; 1 = off")
     p.add_argument("--min-tokens", type=int, default=0,
                    help="EOS and stop tokens are not drawn before this many tokens")
+    p.add_argument("--n", type=int, default=1,
+                   help="samples of each prompt (one prefill, n decodes; sample i seeded "
+                        "seed + i); one result line each, --json adds its `index`")
 
 
 MODEL_HELP = "`tiny` (the embedded seeded model, made on first use) or a checkpoint folder"
@@ -65,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP port (default: config router.http_port, 8000)")
     p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="TP ranks of every prefill and decode worker (default: config "
+                        "worker.tensor_parallel_size and the per-role sections)")
 
     p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
@@ -93,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pipeline-parallel-size", type=int, default=None,
                        help="stage processes to split the layers over (default: config "
                             "worker.pipeline_parallel_size); stage 0 starts the others")
+        p.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="rank processes to split every layer over by heads (default: "
+                            "config worker.tensor_parallel_size); rank 0 starts the others")
         p.add_argument("--pp-rank", type=int, default=None,
                        help="run only this pipeline stage (with --pp-master), for launchers "
                             "that place stages on different hosts; 0 serves gRPC")

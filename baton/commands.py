@@ -18,7 +18,7 @@ def cmd_generate(args) -> int:
         top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-        min_tokens=args.min_tokens,
+        min_tokens=args.min_tokens, n=args.n,
     )
     if args.requests:
         specs = load_jsonl(args.requests, defaults, args.session)
@@ -65,7 +65,9 @@ def _with_speculation(cfg: BatonConfig, k: int) -> BatonConfig:
 
     from baton.config.speculative import SpeculativeConfig
 
-    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k))
+    # a configured tree stays (its depth must be k); speculation off drops it
+    tree = cfg.speculative.tree if k else None
+    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k, tree=tree))
 
 
 def _print_results(results: list[dict], as_json: bool) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from baton.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 """Most alternatives `logprobs` / `prompt_logprobs` may ask for (OpenAI's limit)."""
+MAX_SAMPLES = 16
+"""Most samples (`n`) one request may ask for; a worker's cache may allow fewer."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,15 @@ class SamplingParams:
     """(token id, bias) pairs added to the logits."""
     min_tokens: int = 0
     """EOS and the stop tokens cannot be drawn before this many tokens were generated."""
+    n: int = 1
+    """Samples of the prompt: one prefill, then n decodes sharing the prompt's cache; sample
+    i draws as a request of its own seeded `seed + i` would (`for_sample`)."""
+
+    def for_sample(self, i: int) -> SamplingParams:
+        """The parameters of sample `i` alone (n = 1; seeded seed + i, as n separate requests
+        with consecutive seeds would be)."""
+        seed = None if self.seed is None else (self.seed + i) % 2**63
+        return replace(self, n=1, seed=seed)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """InvalidRequestError naming the field, its value and the allowed range."""
@@ -70,6 +81,9 @@ class SamplingParams:
         self._validate_extras()
 
     def _validate_extras(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or \
+                not 1 <= self.n <= MAX_SAMPLES:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and not 0 <= n <= MAX_LOGPROBS:

@@ -1,10 +1,22 @@
-"""`baton bench spec`: MTP speculative decoding against speculation off, colocated.
+"""`baton bench spec`: MTP speculative decoding against speculation off, colocated and through
+a 1P+1D cluster.
 
 First the checkpoint's MTP head is distilled on the target's own greedy continuations
 (bench/spec_distill.py: fixed seed, bounded wall time, saved in the published names), then
-for K = 0 (off), 1, 2, 3 at 1, 8 and 32 concurrent requests: decode tokens/s, the mean
-accepted length (tokens emitted per request per speculative step: 1 + accepted drafts) and
-whether the tokens equal speculation off. Not measured here: through the cluster, trees.
+at 1, 8 and 32 concurrent requests, side by side in one run (off measured before and after
+the speculative runs, and averaged, so load drift shows in `off_drift`):
+
+    colocated   K = 0 (off), 1, 2, 3, a tree (TREE), and K = 3 with the compute-bound rule
+                (`speculative.max_batch` = MAX_BATCH: no drafts while more requests decode)
+    cluster     off and K = 3, one prefill and one decode worker (bench/spec_cluster.py)
+
+Each row: decode tokens/s, the mean accepted length (tokens emitted per request per
+speculative step: 1 + accepted drafts), whether the tokens equal speculation off, where a
+speculative step's time goes (MTP passes, the verify forward, acceptance and roll back, in
+ms per step, beside a plain decode step) and the memory a request holds for speculation.
+`cpu_speedup` compares decode tokens per CPU second of the process (`BATON_NUM_THREADS=1`
+makes that the engine's one thread): on a machine shared with other work, wall-clock
+ratios drift with the load, CPU seconds much less.
 """
 
 from __future__ import annotations
@@ -16,6 +28,9 @@ from pathlib import Path
 from bench.common import cache_dir, prompts
 
 TARGETS = {"accepted_length_at_k3": 2.0, "speedup_at_batch1": 1.6, "min_ratio_at_batch32": 1.0}
+TREE = {"top_k": [2, 2, 1], "max_total_draft_tokens": 6}
+MAX_BATCH = 2
+"""`speculative.max_batch` of the rule rows (its default): no drafts above 2 requests."""
 
 
 def _checkpoint(preset: str) -> Path:
@@ -27,41 +42,119 @@ def _checkpoint(preset: str) -> Path:
     return path
 
 
-def _run(path: Path, reqs: list[list[int]], out_len: int, k: int):
+def spec_section(variant) -> dict:
+    """The `speculative` config of a row's variant: 0 (off), K, "tree" or "rule"."""
+    if variant == "tree":
+        return {"num_draft_tokens": len(TREE["top_k"]), "tree": TREE, "max_batch": 0}
+    if variant == "rule":
+        return {"num_draft_tokens": 3, "max_batch": MAX_BATCH}
+    return {"num_draft_tokens": variant, "max_batch": 0}
+
+
+def rows_per_request(variant) -> int:
+    if variant == "tree":
+        return TREE["max_total_draft_tokens"]
+    return 3 if variant == "rule" else variant
+
+
+def config(n: int, total: int, variant) -> dict:
+    return {
+        "cache": {"enable_prefix_reuse": False, "num_blocks": n * (total // 16 + 2) + 16,
+                  "num_state_slots": n * (1 + rows_per_request(variant)) + 1},
+        "worker": {"max_num_seqs": n, "max_batch_tokens": 4096, "prefill_chunk_size": 2048,
+                   "max_model_len": total + 1},
+        "speculative": spec_section(variant),
+    }
+
+
+def _run(path: Path, reqs: list[list[int]], out_len: int, variant):
     from baton.config import BatonConfig
     from baton.engine.builder import build_engine
     from baton.engine.request import Request, SamplingParams
 
     n = len(reqs)
-    total = len(reqs[0]) + out_len
-    cfg = BatonConfig.from_dict({
-        "cache": {"enable_prefix_reuse": False, "num_blocks": n * (total // 16 + 2) + 16,
-                  "num_state_slots": n * (1 + k) + 1},
-        "worker": {"max_num_seqs": n, "max_batch_tokens": 4096, "prefill_chunk_size": 2048,
-                   "max_model_len": total + 1},
-        "speculative": {"num_draft_tokens": k},
-    })
-    eng = build_engine(cfg, str(path))
+    eng = build_engine(BatonConfig.from_dict(config(n, len(reqs[0]) + out_len, variant)),
+                       str(path))
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(reqs):
         eng.add_request(Request(f"b{i}", p, sp))
     out = {f"b{i}": [] for i in range(n)}
-    t_first = None
+    t_first, steps = None, 0
     while eng.has_work:
         for o in eng.step():
             out[o.request_id].extend(o.new_token_ids)
         if t_first is None and all(out.values()):
             t_first = time.perf_counter()  # every prompt done: decoding from here on
-    dt = time.perf_counter() - t_first
+            c_first = time.process_time()
+            if eng.spec is not None:
+                eng.spec.seconds = dict.fromkeys(eng.spec.seconds, 0.0)
+                eng.spec.steps = 0
+        elif t_first is not None:
+            steps += 1
+    dt, cpu = time.perf_counter() - t_first, time.process_time() - c_first
     decoded = sum(len(v) - 1 for v in out.values())
-    al = None
-    if eng.spec is not None:
-        steps = sum(eng.spec.accepted_hist)
-        al = 1 + eng.spec.accepted_tokens / steps if steps else 1.0
-    return decoded / dt, al, out, eng
+    return {"tok_s": decoded / dt, "cpu_tok_s": decoded / cpu, "out": out, "eng": eng,
+            "step_ms": 1000 * dt / max(1, steps)}
+
+
+def _accepted_length(eng) -> float | None:
+    if eng.spec is None:
+        return None
+    steps = sum(eng.spec.accepted_hist)
+    return round(1 + eng.spec.accepted_tokens / steps, 2) if steps else 1.0
+
+
+def _row(preset: str, conc: int, variant, r: dict, base: dict, drift: float, ref, summary):
+    eng = r["eng"]
+    spec = eng.spec
+    rows = rows_per_request(variant)
+    head_kv = 0
+    if spec is not None and spec.draft_layers:  # the head's KV per token, beside the target's
+        ps = eng.pools.spec
+        head_kv = len(spec.draft_layers) * 2 * ps.num_kv_heads * ps.head_dim * \
+            eng.pools.kv.element_size()
+    row = {
+        "benchmark": "spec", "label": f"{preset}-c{conc}-{variant}", "model": preset,
+        "where": "colocated", "concurrency": conc, "variant": str(variant),
+        "off_decode_tok_s": round(base["tok_s"], 1), "off_drift": round(drift, 3),
+        "spec_decode_tok_s": round(r["tok_s"], 1), "speedup": round(r["tok_s"] / base["tok_s"], 2),
+        # per CPU second of this process: what a shared, loaded machine cannot skew
+        "cpu_speedup": round(r["cpu_tok_s"] / base["cpu_tok_s"], 2),
+        "accepted_length": _accepted_length(eng), "identical_to_off": r["out"] == ref,
+        "state_slots_per_request": 1 + rows,
+        "spec_state_bytes_per_request": rows * eng.pools.spec.state_bytes_per_slot(),
+        "mtp_kv_bytes_per_token": head_kv, "distill_steps": summary["steps"],
+    }
+    if spec is not None and spec.steps:
+        row.update({f"{k}_ms_per_step": round(1000 * v / spec.steps, 2)
+                    for k, v in spec.seconds.items()})
+    return row
 
 
 def run(args) -> list[dict]:
+    """Measured on the optimised decode path (`BATON_DECODE_PATH=fast`, its workers too):
+    the verify pass runs marked as decode, so it rounds as plain decode does there."""
+    import os
+
+    from baton.model.layers.linear import set_decode_path
+
+    before = os.environ.get("BATON_DECODE_PATH")
+    os.environ["BATON_DECODE_PATH"] = "fast"  # the cluster's workers inherit it
+    old = set_decode_path("fast")
+    try:
+        return _run_all(args)
+    finally:
+        set_decode_path(old)
+        if before is None:
+            os.environ.pop("BATON_DECODE_PATH", None)
+        else:
+            os.environ["BATON_DECODE_PATH"] = before
+
+
+def _run_all(args) -> list[dict]:
+    import json
+
+    from bench.spec_cluster import cluster_rows
     from bench.spec_distill import distill
 
     quick = getattr(args, "quick", False)
@@ -69,27 +162,24 @@ def run(args) -> list[dict]:
     path = _checkpoint(preset)
     summary = distill(path, seconds=20 if quick else 180)
     print(f"[bench spec] distilled {preset}: {summary}", file=sys.stderr, flush=True)
-    import json
-
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    prompt_len, out_len = 32, (32 if quick else 96)
+    prompt_len, out_len = 32, (32 if quick else 64)
     _run(path, prompts(1, 16, vocab), 4, 1)  # first calls pay one-off setup
-    rows = []
+    rows, refs = [], {}
     for conc in (1, 8, 32):
         reqs = prompts(conc, prompt_len, vocab, seed=100 + conc)
-        base, _, ref, _ = _run(path, reqs, out_len, 0)
-        for k in (1, 2, 3):
-            tok_s, al, out, eng = _run(path, reqs, out_len, k)
-            row = {
-                "benchmark": "spec", "label": f"{preset}-c{conc}-k{k}", "model": preset,
-                "concurrency": conc, "k": k, "output_tokens": out_len,
-                "off_decode_tok_s": round(base, 1), "spec_decode_tok_s": round(tok_s, 1),
-                "speedup": round(tok_s / base, 2), "accepted_length": round(al, 2),
-                "identical_to_off": out == ref,
-                "state_slots_per_request": 1 + k,
-                "spec_state_bytes_per_request": k * eng.pools.spec.state_bytes_per_slot(),
-                "distill_steps": summary["steps"],
-            }
+        before = _run(path, reqs, out_len, 0)
+        runs = {v: _run(path, reqs, out_len, v) for v in (1, 2, 3, "tree", "rule")}
+        after = _run(path, reqs, out_len, 0)
+        base = {k: (before[k] + after[k]) / 2 for k in ("tok_s", "cpu_tok_s")}
+        drift = after["tok_s"] / before["tok_s"] - 1
+        refs[conc] = (reqs, before["out"])
+        for v, r in runs.items():
+            row = _row(preset, conc, v, r, base, drift, before["out"], summary)
+            row["off_step_ms"] = round((before["step_ms"] + after["step_ms"]) / 2, 2)
             print(f"[bench spec] {row}", file=sys.stderr, flush=True)
             rows.append(row)
+    for row in cluster_rows(path, preset, refs, out_len):
+        print(f"[bench spec] {row}", file=sys.stderr, flush=True)
+        rows.append(row)
     return rows

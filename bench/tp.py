@@ -6,6 +6,12 @@ decode step (count and seconds, from every rank's counters).
 On a CPU host with few cores TP only divides the threads the ranks share, and every layer
 adds a gloo all-reduce: expect it slower than TP 1. TP here is for capacity (each rank
 holds 1/N of the weights and cache) and correctness, and the figures say by how much.
+Cluster rows (`bench/tp_cluster.py`): prefill / decode TP pairs through the router.
+
+MoE rows (`label` ...-moe-...): a NemotronH MoE (bench engine's MoE model: 32 experts, top 4)
+and a Qwen3.5-MoE (8 experts, top 2), each at TP 1 and at TP 2 and 4 with both
+`worker.moe_tp_split` values: whole experts per rank vs every expert split within, the
+measurement behind the default.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import cache_dir, checkpoint, prompts
+from bench.common import cache_dir, checkpoint, cpu_seconds, prompts
 
 SIZES = (1, 2, 4)
 
@@ -31,7 +37,17 @@ def _model(quick: bool) -> Path:
     return path
 
 
-def _engine(path, tp: int, n: int, prompt_len: int, steps: int):
+def _moe_models(quick: bool) -> dict[str, Path]:
+    from baton.model.qwen3_5.moe_make import write_checkpoint
+    from bench.moe import checkpoints
+
+    qwen = cache_dir() / f"bench-tp-qwen3_5_moe-{'tiny' if quick else '100m'}-v1"
+    if not (qwen / "config.json").is_file():
+        write_checkpoint(qwen, family="qwen3_5_moe", preset="tiny" if quick else "100m", seed=1)
+    return {"nemotron_h-moe": checkpoints(quick)["moe"], "qwen3_5-moe": qwen}
+
+
+def _engine(path, tp: int, n: int, prompt_len: int, steps: int, split: str = "experts"):
     from baton.config import BatonConfig
     from baton.engine.builder import build_engine
 
@@ -41,7 +57,7 @@ def _engine(path, tp: int, n: int, prompt_len: int, steps: int):
                   "num_state_slots": n + 1},
         "worker": {"max_num_seqs": n, "max_batch_tokens": n * prompt_len,
                    "prefill_chunk_size": prompt_len, "max_model_len": prompt_len + steps + 8,
-                   "tensor_parallel_size": tp},
+                   "tensor_parallel_size": tp, "moe_tp_split": split},
     })
     return build_engine(cfg, str(path))
 
@@ -66,41 +82,56 @@ def _collectives(engine) -> list[dict]:
     return stats() if stats is not None else [{"collectives": 0, "collective_s": 0.0}]
 
 
+def _pids(engine) -> list[int]:
+    ranks = getattr(engine.model, "local_stages", None)
+    return [os.getpid(), *(ranks.pids().values() if ranks is not None else [])]
+
+
+def _cpu(pids: list[int]) -> list[float]:
+    return [cpu_seconds(p) for p in pids]
+
+
 def _run(engine, reqs, steps: int, tag: str) -> dict:
-    """Prefill every prompt (until each has its first token), then decode to the end."""
+    """Prefill every prompt (until each has its first token), then decode to the end.
+    Besides wall time, each rank's CPU seconds per phase: on a loaded host the wall clock
+    mostly measures the other processes, a rank's CPU time much less so."""
     from baton.engine.request import Request, SamplingParams
 
     sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for i, p in enumerate(reqs):
         engine.add_request(Request(f"{tag}{i}", p, sp))
+    pids = _pids(engine)
+    cpu0 = _cpu(pids)
     t0, first, done = time.perf_counter(), set(), 0
     while len(first) < len(reqs):
         for out in engine.step():
             first.add(out.request_id)
             done += out.finished
-    t1, c1, n_steps = time.perf_counter(), _collectives(engine), 0
+    t1, c1, n_steps, cpu1 = time.perf_counter(), _collectives(engine), 0, _cpu(pids)
     while done < len(reqs):
         outs = engine.step()
         n_steps += 1
         done += sum(o.finished for o in outs)
-    t2, c2 = time.perf_counter(), _collectives(engine)
+    t2, c2, cpu2 = time.perf_counter(), _collectives(engine), _cpu(pids)
     per_rank = [{"collectives_per_step": round((b["collectives"] - a["collectives"])
                                                / max(n_steps, 1), 1),
                  "collective_ms_per_step": round(1e3 * (b["collective_s"] - a["collective_s"])
                                                  / max(n_steps, 1), 3)}
                 for a, b in zip(c1, c2, strict=True)]
+    for i, row in enumerate(per_rank):
+        row["prefill_cpu_s"] = round(cpu1[i] - cpu0[i], 2)
+        row["decode_cpu_ms_per_step"] = round(1e3 * (cpu2[i] - cpu1[i]) / max(n_steps, 1), 1)
     return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": n_steps,
             "per_rank": per_rank}
 
 
-def _measure(path, tp: int, n: int, prompt_len: int, steps: int, vocab: int) -> dict:
-    engine = _engine(path, tp, n, prompt_len, steps)
+def _measure(path, tp: int, n: int, prompt_len: int, steps: int, vocab: int,
+             split: str = "experts") -> dict:
+    engine = _engine(path, tp, n, prompt_len, steps, split)
     try:
         _run(engine, prompts(n, prompt_len, vocab, seed=99), 4, "w")  # warm-up, same shapes
         r = _run(engine, prompts(n, prompt_len, vocab, seed=7), steps, "m")
-        ranks = getattr(engine.model, "local_stages", None)
-        pids = [os.getpid(), *(ranks.pids().values() if ranks is not None else [])]
-        r["rss_mib_per_rank"] = [_rss_mib(p) for p in pids]
+        r["rss_mib_per_rank"] = [_rss_mib(p) for p in _pids(engine)]
         r.update(_rank_bytes(engine))
     finally:
         close = getattr(engine.model, "close", None)
@@ -126,12 +157,32 @@ def run(args) -> list[dict]:
         res[1, "1"] = _measure(path, 1, n, prompt_len, steps, vocab)
     finally:
         os.environ["BATON_NUM_THREADS"] = total
-    rows, base = [], res[1, total]
-    for (tp, threads), r in res.items():
+    rows = _rows(path.name, res, res[1, total], n, prompt_len)
+    for name, mpath in _moe_models(quick).items():
+        mvocab = json.loads((mpath / "config.json").read_text())["vocab_size"]
+        mres = {(1, total, "experts"): _measure(mpath, 1, n, prompt_len, steps, mvocab)}
+        for tp in SIZES[1:]:
+            for split in ("experts", "within"):
+                mres[tp, total, split] = _measure(mpath, tp, n, prompt_len, steps, mvocab, split)
+        rows += _rows(name, mres, mres[1, total, "experts"], n, prompt_len)
+    from bench import tp_cluster
+
+    for row in tp_cluster.run(path, vocab, quick, cache_dir()):  # prefill / decode TP pairs
+        print(f"[bench tp] {row}", file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _rows(name: str, res: dict, base: dict, n: int, prompt_len: int) -> list[dict]:
+    rows = []
+    for key, r in res.items():
+        tp, threads = key[:2]
+        split = key[2] if len(key) > 2 else None
         pre = n * prompt_len / r["prefill_s"]
         dec = n * r["decode_steps"] / r["decode_s"]
-        row = {"benchmark": "tp", "label": f"{path.name}-tp{tp}-t{threads}",
-               "tensor_parallel_size": tp,
+        row = {"benchmark": "tp",
+               "label": f"{name}-tp{tp}{f'-{split}' if split and tp > 1 else ''}-t{threads}",
+               "tensor_parallel_size": tp, **({"moe_tp_split": split} if split else {}),
                "prompts": n, "prompt_tokens": prompt_len, "decode_steps": r["decode_steps"],
                "total_threads": int(threads), "threads_per_rank": max(1, int(threads) // tp),
                "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1),

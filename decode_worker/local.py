@@ -25,6 +25,7 @@ from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import CapacityError, LocalPrefillDeclined
 from baton.worker.metrics import WorkerMetrics
+from decode_worker.samples import closes, drain_samples
 
 log = logging.getLogger("baton.decode")
 
@@ -42,6 +43,9 @@ class LocalServe:
         box: queue.Queue[RequestOutput] = queue.Queue()
         req = Request(rid, list(inp.prompt_ids), inp.sampling, inp.session_id or None)
         self.loop.call_watching(rid, box.put, self._admit, req, inp.max_uncached_tokens)
+        if inp.sampling.n > 1:
+            yield from self._samples(rid, box)
+            return
         first, ended = True, False
         try:
             while True:
@@ -65,16 +69,40 @@ class LocalServe:
                 self.metrics.request_ended("aborted")
             self.loop.abort(rid)  # no-op when finished; frees on client cancel
 
+    def _samples(self, rid: str, box: queue.Queue[RequestOutput]) -> Iterator[DecodeChunk]:
+        """A request forked into n samples after its prompt: each sample's chunks, each
+        ending on its own; the first drain carries cached_tokens on every sample's chunk."""
+        first, ended = True, False
+        try:
+            while not ended:
+                for chunk, last in drain_samples(box):
+                    self.metrics.generation_tokens.labels(self.metrics.role).inc(
+                        len(chunk.token_ids))
+                    if first:
+                        chunk = replace(chunk, cached_tokens=last.cached_tokens)
+                    if closes(last):
+                        self.metrics.request_ended(
+                            "failed" if last.error and last.finish_reason != "abort"
+                            else last.finish_reason.value)
+                        ended = True
+                    yield chunk
+                first = False
+        finally:
+            if not ended:
+                self.metrics.request_ended("aborted")
+            self.loop.abort(rid)  # no-op when finished; frees on client cancel
+
     def _admit(self, req: Request, max_uncached: int) -> None:
         """On the loop thread: refuse what this worker cannot hold or should not compute."""
         engine = self.loop.engine
+        engine.validate(req.prompt_ids, req.sampling)  # what it can never hold: INVALID_ARGUMENT
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         reserved = sum(1 for r in engine.requests.values() if r not in engine.scheduler.running
                        and r not in engine.scheduler.waiting)
-        if running + reserved >= engine.cfg.max_num_seqs or engine.cache.live_room() <= 0:
+        n = req.sampling.n
+        if running + reserved + n > engine.cfg.max_num_seqs or engine.cache.live_room() < n:
             # live_room also counts snapshots held for a pull and quarantined slots
             raise CapacityError(f"decode worker is full ({engine.cfg.max_num_seqs} requests)")
-        engine.validate(req.prompt_ids, req.sampling)
         need = engine.scheduler.blocks_needed(req)
         if need and not engine.cache.can_allocate(engine.scheduler.outstanding_blocks() + need):
             raise CapacityError(f"decode worker has no room for {need} KV blocks")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from baton.contract import Role
 from baton.proto_gen import worker_pb2_grpc
 from baton.worker.host import serve_until_signalled
+from baton.worker.staged import rank_of
 from decode_worker.server import DecodeServicer
 from decode_worker.service import DecodeService
 from decode_worker.ship import SnapshotHolds
@@ -12,11 +13,12 @@ from decode_worker.ship import SnapshotHolds
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
            metrics=None) -> DecodeService:
-    from transfer import SIDE_CHANNEL, compute_fingerprint, make_receiver
+    from transfer import SIDE_CHANNEL, make_receiver, tp_identity
 
-    fp = compute_fingerprint(engine.model.config, engine.pools.spec)
+    fp, _ = tp_identity(engine.model.config, engine.pools.spec, *rank_of(engine.model))
     key = None if secret is None else secret.key(SIDE_CHANNEL)
-    pipelined = cfg.worker.pipeline_parallel_size > 1
+    # PP stages or TP ranks: each process receives into its own pools (one endpoint each)
+    pipelined = cfg.worker.pipeline_parallel_size > 1 or cfg.worker.tensor_parallel_size > 1
     receiver = make_receiver(cfg.transfer, engine.pools.local if pipelined else engine.pools, fp,
                              bind_host=host, key=key)
     if pipelined:

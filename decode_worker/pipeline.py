@@ -177,12 +177,12 @@ def stage_handlers(cfg, secret, host: str):
     """The handlers of a decode stage other than 0: its own Receiver on its own pools."""
 
     def make(model, pools, channel):
-        from transfer import SIDE_CHANNEL, compute_fingerprint, make_receiver
+        from baton.worker.staged import rank_of, whole_config
+        from transfer import SIDE_CHANNEL, make_receiver, tp_identity
 
         key = None if secret is None else secret.key(SIDE_CHANNEL)
-        receiver = make_receiver(cfg.transfer, pools,
-                                 compute_fingerprint(model.config, pools.spec), bind_host=host,
-                                 key=key)
+        fp, _ = tp_identity(whole_config(model), pools.spec, *rank_of(model, channel))
+        receiver = make_receiver(cfg.transfer, pools, fp, bind_host=host, key=key)
 
         def init(a):
             receiver.incarnation = a["incarnation"]  # before any handshake: one for all stages

@@ -28,7 +28,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         context.add_callback(lambda: self.service.abort(rid))
         try:
-            for chunk in self.service.decode(rid, request.first_token_id):
+            firsts = [request.first_token_id, *request.more_first_token_ids]
+            for chunk in self.service.decode(rid, firsts if len(firsts) > 1 else firsts[0]):
                 yield wire.decode_chunk_to_pb(chunk)
         except (BatonError, ValueError, RuntimeError) as e:
             log.warning("decode %.80r failed: %s", rid, e)
@@ -55,6 +56,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Abort(self, request, context):
         rid = request.request_id
+        if request.HasField("sample"):
+            return baton_pb2.AbortReply(found=self.service.abort_sample(rid, request.sample))
         held = self.service.shipper is not None and self.service.shipper.release(rid)
         return baton_pb2.AbortReply(found=self.service.abort(rid) or held)
 

@@ -27,6 +27,7 @@ from baton.errors import TransferError, UnknownRequestError
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 from decode_worker.local import LocalServe
+from decode_worker.samples import closes, drain_samples
 
 log = logging.getLogger("baton.decode")
 
@@ -94,8 +95,9 @@ class DecodeService:
         self._start_lease(request_id)
         return res
 
-    def decode(self, request_id: str, first_token: int) -> Iterator[DecodeChunk]:
-        """Yields the new tokens of each step until a chunk with a finish reason."""
+    def decode(self, request_id: str, first_token: int | list[int]) -> Iterator[DecodeChunk]:
+        """Yields the new tokens of each step until a chunk with a finish reason (with n > 1
+        first tokens: until every sample's chunk with its finish reason)."""
         if not self._end_lease(request_id):  # else it would wait a whole lease for nothing
             raise UnknownRequestError(
                 f"request {request_id!r} holds no reservation on this worker (never reserved, "
@@ -114,6 +116,9 @@ class DecodeService:
         box: queue.Queue[RequestOutput] = queue.Queue()
         first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
                                         request_id, first_token)
+        if len(first) > 1:
+            yield from self._decode_samples(request_id, first, box)
+            return
         if first and first[0].finished:
             self.metrics.request_ended(first[0].finish_reason.value)
             yield DecodeChunk((), first[0].finish_reason)
@@ -136,6 +141,35 @@ class DecodeService:
             if not ended:
                 self.metrics.request_ended("aborted")
             self.loop.abort(request_id)  # no-op when finished; frees on client cancel
+
+    def _decode_samples(self, request_id: str, first: list[RequestOutput],
+                        box: queue.Queue[RequestOutput]) -> Iterator[DecodeChunk]:
+        """Decode of a request forked into samples: each one's chunks, each ending on its own
+        (decode_worker/samples.py)."""
+        ended = False
+        try:
+            for out in first:  # samples whose first token ended them
+                if out.finished:
+                    yield DecodeChunk((), out.finish_reason, sample=out.sample)
+            if closes(first[-1]):
+                self.metrics.request_ended(_outcome(first[-1]))
+                ended = True
+            while not ended:
+                for chunk, last in drain_samples(box):
+                    self.metrics.generation_tokens.labels(self.metrics.role).inc(
+                        len(chunk.token_ids))
+                    if closes(last):
+                        self.metrics.request_ended(_outcome(last))
+                        ended = True
+                    yield chunk
+        finally:
+            if not ended:
+                self.metrics.request_ended("aborted")
+            self.loop.abort(request_id)  # no-op when finished; frees on client cancel
+
+    def abort_sample(self, request_id: str, sample: int) -> bool:
+        """One sample of a decoding request with n > 1 (the client ended its answer)."""
+        return self.loop.abort_sample(request_id, sample)
 
     def serve(self, inp: ServeInput) -> Iterator[DecodeChunk]:
         """Conditional disaggregation: the whole request here (decode_worker/local.py)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from baton.contract import Role
 from baton.proto_gen import worker_pb2_grpc
 from baton.worker.host import serve_until_signalled
+from baton.worker.staged import rank_of
 from prefill_worker.server import PrefillServicer
 from prefill_worker.service import PrefillService
 from prefill_worker.snapshots import SnapshotPulls
@@ -12,12 +13,14 @@ from prefill_worker.snapshots import SnapshotPulls
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
            metrics=None) -> PrefillService:
-    from transfer import SIDE_CHANNEL, compute_fingerprint, make_sender
+    from transfer import SIDE_CHANNEL, make_sender, tp_identity
 
-    fp = compute_fingerprint(engine.model.config, engine.pools.spec)
+    fp, tp = tp_identity(engine.model.config, engine.pools.spec, *rank_of(engine.model))
     key = None if secret is None else secret.key(SIDE_CHANNEL)
-    pipelined = cfg.worker.pipeline_parallel_size > 1
-    sender = make_sender(cfg.transfer, engine.pools.local if pipelined else engine.pools, fp, key)
+    # PP stages or TP ranks: each process sends its own pools, rank / stage 0 drives the rest
+    pipelined = cfg.worker.pipeline_parallel_size > 1 or cfg.worker.tensor_parallel_size > 1
+    sender = make_sender(cfg.transfer, engine.pools.local if pipelined else engine.pools, fp, key,
+                         tp)
     if pipelined:
         from prefill_worker.pipeline import PipelineSender
         from transfer.base import TransferEvent

@@ -65,11 +65,12 @@ def stage_handlers(cfg, secret):
     """The handlers of a prefill stage other than 0: its own Sender on its own pools."""
 
     def make(model, pools, channel):
-        from transfer import SIDE_CHANNEL, compute_fingerprint, make_sender
+        from baton.worker.staged import rank_of, whole_config
+        from transfer import SIDE_CHANNEL, make_sender, tp_identity
 
         key = None if secret is None else secret.key(SIDE_CHANNEL)
-        sender = make_sender(cfg.transfer, pools, compute_fingerprint(model.config, pools.spec),
-                             key)
+        fp, tp = tp_identity(whole_config(model), pools.spec, *rank_of(model, channel))
+        sender = make_sender(cfg.transfer, pools, fp, key, tp)
 
         def send(a):
             sender.send(a["rid"], a["endpoints"], a["src_blocks"], a["src_slot"],

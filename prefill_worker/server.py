@@ -48,6 +48,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             abort_with(context, e)
 
     def Abort(self, request, context):
+        if request.HasField("sample"):  # a prefill worker holds no sample past its first token
+            return baton_pb2.AbortReply(found=False)
         return baton_pb2.AbortReply(found=self.service.abort(request.request_id))
 
     def Stats(self, request, context):

@@ -17,7 +17,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from baton.auth import ClusterSecret
 from baton.auth.reservations import verify_reservation
@@ -160,21 +160,22 @@ class PrefillService:
         stream = _Stream(self, rid, dest, deadline)
         if self.layerwise:
             self.loop.engine.stream_layers(rid, stream)  # picked up mid-forward if need be
-        out = _last(box)
+        outs = _last(box)
+        out = outs[0]
         streamed = self.layerwise and self.loop.engine.take_stream(rid) is None
         t1 = time.perf_counter()
         m, outcome = self.metrics, "failed"
         m.prefill_seconds.labels(m.role).observe(t1 - t0)
         try:
-            if out.error:
-                outcome = "aborted" if out.finish_reason == FinishReason.ABORT else "failed"
-                raise TransferError(f"prefill of {rid} failed: {out.error}")
-            m.generation_tokens.labels(m.role).inc(len(out.new_token_ids))
-            reason = out.finish_reason
-            result = PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None,
-                                   reason, out.logprobs[0] if out.logprobs else None,
-                                   out.prompt_logprobs)
-            if result.finished:
+            failed = next((o for o in outs if o.error), None)
+            if failed is not None:  # the prompt is shared: no sample can go on without it
+                outcome = "aborted" if failed.finish_reason == FinishReason.ABORT else "failed"
+                raise TransferError(f"prefill of {rid} failed: {failed.error}")
+            m.generation_tokens.labels(m.role).inc(sum(len(o.new_token_ids) for o in outs))
+            result = replace(_first(out), prompt_logprobs=out.prompt_logprobs,
+                             samples=tuple(_first(o) for o in outs[1:]))
+            if all(r.finished for r in result.firsts):
+                reason = out.finish_reason
                 outcome = reason.value
                 # bytes may have gone out (or been granted) for a request that needs none
                 self.sender.abort(rid, ENDED_AT_FIRST_TOKEN)
@@ -262,11 +263,26 @@ class PrefillService:
         return seen
 
 
-def _last(box: queue.Queue[RequestOutput]) -> RequestOutput:
-    out = box.get()
-    while not out.finished:
+def _last(box: queue.Queue[RequestOutput]) -> list[RequestOutput]:
+    """The request's first-token outputs, one per sample in sample order (an error or abort
+    output alone when the request failed before its first tokens)."""
+    outs: dict[int, RequestOutput] = {}
+    while True:
         out = box.get()
-    return out
+        if not out.finished:
+            continue
+        if out.error and not outs:
+            return [out]
+        outs[out.sample] = out
+        if not out.open_samples:
+            return [outs[i] for i in sorted(outs)]
+
+
+def _first(out: RequestOutput) -> PrefillResult:
+    """One sample's first token as the reply carries it (prompt_logprobs set apart)."""
+    reason = out.finish_reason
+    return PrefillResult(out.new_token_ids[0], out.cached_tokens, reason is not None, reason,
+                         out.logprobs[0] if out.logprobs else None)
 
 
 def _misfit(rid: str, dest: Reservation, num_blocks: int) -> str | None:

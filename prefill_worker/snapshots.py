@@ -36,7 +36,7 @@ class SnapshotPulls:
         loop, sender, events = self.service.loop, self.service.sender, self.service.events
         if len(src.endpoints) > 1 or getattr(loop.engine.model, "size", 1) > 1:
             # every prefill stage would READ its layers from every decode stage: not built yet
-            raise SnapshotGone(f"snapshot {rid} not pulled: pulling between pipeline-parallel "
+            raise SnapshotGone(f"snapshot {rid} not pulled: pulling between pipeline- or tensor-parallel "
                                "workers is not supported yet (the next turn recomputes it)")
         cache, pools = loop.engine.cache, loop.engine.pools
         tokens = list(s.token_ids)

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from baton.config.router import RouterConfig
-from baton.contract import SamplingParams, WorkerView
-from baton.contract.limits import check_length, check_pool
+from baton.contract import Role, SamplingParams, WorkerView
+from baton.contract.limits import check_length, check_pool, check_samples
 from baton.errors import CapacityError, RequestCancelled
+from baton.sampling import MAX_SAMPLES
 from router.cancellation import Cancellation
 
 RETRY_S = 0.05
@@ -43,6 +44,13 @@ def check_limits(prompt: Sequence[int], sampling: SamplingParams,
     if pools:
         blocks, tpb = min(pools)
         check_pool(len(prompt) + sampling.max_tokens, tpb, blocks)
+    decode = [(w.load.total_blocks, w.tokens_per_block) for w in workers
+              if w.load.total_blocks and w.role is Role.DECODE]  # where the samples live
+    if decode and sampling.n > 1:
+        blocks, tpb = min(decode)
+        # their state slots are checked by the decode worker (worker.max_num_seqs)
+        check_samples(sampling.n, len(prompt), sampling.max_tokens, min(lens, default=2**31),
+                      MAX_SAMPLES, tpb, blocks)
 
 
 @dataclass(order=True)

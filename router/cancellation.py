@@ -4,6 +4,7 @@
 `stop()`:   the client ended the answer itself (the HTTP API's stop strings): the workers are
             cancelled all the same, but the stream still ends with the request's summary
             (finish_reason STOP), as an answer ended by max_tokens or EOS does.
+`stop_sample(i)`: the same for one sample of a request with n > 1; its siblings go on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class Cancellation:
         self._cancelled = False
         self._stopped = False
         self._hooks: list[Callable[[], None]] = []
+        self._samples: set[int] = set()
+        self._sample_hooks: list[Callable[[int], None]] = []
 
     @property
     def cancelled(self) -> bool:
@@ -35,6 +38,36 @@ class Cancellation:
     def stop(self) -> None:
         """Ends the request as complete (no-op once cancelled: nobody waits for a summary)."""
         self._end(stopped=True)
+
+    def stop_sample(self, sample: int) -> None:
+        """Ends one sample's answer as complete (n > 1): its summary is still wanted."""
+        with self._lock:
+            if self._cancelled or sample in self._samples:
+                return
+            self._samples.add(sample)
+            hooks = list(self._sample_hooks)
+        for hook in hooks:
+            hook(sample)
+
+    @property
+    def stopped_samples(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._samples)
+
+    @contextmanager
+    def sample_hook(self, on_stop: Callable[[int], None]) -> Iterator[None]:
+        """Runs `on_stop(sample)` for each sample stopped inside the block (at once for those
+        stopped before it)."""
+        with self._lock:
+            already = sorted(self._samples)
+            self._sample_hooks.append(on_stop)
+        for sample in already:
+            on_stop(sample)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sample_hooks.remove(on_stop)
 
     def _end(self, stopped: bool) -> None:
         with self._lock:

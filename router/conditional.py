@@ -36,6 +36,7 @@ from baton.contract import (
 )
 from baton.errors import RequestCancelled, WorkerBusy, WorkerFailed
 from baton.model.detokenizer import IncrementalDetokenizer
+from router.samples import fan_out
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class LocalAttempt:
             raise
 
     def stream(self, first: DecodeChunk, start: float, retries: int) -> Iterator[GenerateChunk]:
+        if self.inp.sampling.n > 1:
+            yield from self._samples(first, start, retries)
+            return
         finished = False
         try:
             ttft_ms = (time.perf_counter() - start) * 1000
@@ -142,6 +146,30 @@ class LocalAttempt:
                 if chunk is None:
                     raise WorkerFailed(self.d.worker_id, "Serve",
                                        "stream ended without a finish_reason")
+        finally:
+            self._finish(abort=not finished)
+
+    def _samples(self, first: DecodeChunk, start: float,
+                 retries: int) -> Iterator[GenerateChunk]:
+        """n > 1: the Serve stream carries every sample's chunks (router/samples.py)."""
+        ttft_ms = (time.perf_counter() - start) * 1000
+        cached = first.cached_tokens
+
+        def chunks():
+            yield first
+            yield from self._stream
+
+        def ended(output: tuple[int, ...], snapshot_tokens: int) -> None:
+            self.orch.turn_ended(self.d, self.prompt + output, snapshot_tokens)
+
+        finished = False
+        try:
+            yield from fan_out(self.rid, self.inp.sampling.n, self.orch.tokenizer, self.cancel,
+                               chunks(), lambda r: self._summary(r, cached, start, ttft_ms,
+                                                                 retries),
+                               lambda i: self.dc.abort(self.wid, i), self.d.worker_id,
+                               on_end=ended)
+            finished = True
         finally:
             self._finish(abort=not finished)
 

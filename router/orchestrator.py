@@ -72,6 +72,7 @@ from router.failover import PeerWatch, resumed
 from router.locality import SnapshotLocator
 from router.policies import RouteChoice, RouteRequest, RoutingPolicy
 from router.registry import Registry
+from router.samples import fan_out, heads
 from router.shipping import DecodeEndShipper
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,9 @@ class Orchestrator:
                     yield chunk
                 return
             except WorkerFailed as e:
-                if e.worker_id != run.d.worker_id or not sent or moves >= self.config.max_retries:
-                    raise
+                if e.worker_id != run.d.worker_id or not sent or \
+                        moves >= self.config.max_retries or inp.sampling.n > 1:
+                    raise  # (a request of several samples is not moved)
                 log.warning("request %s: decode worker %s died after %d tokens; moving it to a "
                             "new pair (%s)", rid, e.worker_id, len(sent), e)
                 detok, ticket = run._detok, Ticket(seq, rid)  # its place: its arrival
@@ -371,6 +373,9 @@ class _Attempt:
             raise
 
     def stream(self, first: PrefillResult, start: float, retries: int) -> Iterator[GenerateChunk]:
+        if first.samples:
+            yield from self._samples(first, start, retries)
+            return
         finished = False
         try:
             ttft_ms = (time.perf_counter() - start) * 1000
@@ -410,6 +415,35 @@ class _Attempt:
                 FinishReason.STOP, first, start, ttft_ms, retries))
         finally:
             if first.finished:
+                self.dc.abort(self.wid)  # releases the reservation Decode would have used
+            self._finish(abort=not finished)
+
+    def _samples(self, first: PrefillResult, start: float,
+                 retries: int) -> Iterator[GenerateChunk]:
+        """n > 1: every sample's first token, then the decode worker's stream of them all
+        (router/samples.py); the reservation is freed if every first token ended its sample."""
+        ttft_ms = (time.perf_counter() - start) * 1000
+        decodes = not all(f.finished for f in first.firsts)
+
+        def chunks():
+            yield from heads(first)
+            if decodes:
+                yield from self.dc.decode(self.wid, first.first_token_id, self.cancel,
+                                          tuple(f.first_token_id for f in first.samples))
+
+        def ended(output: tuple[int, ...], snapshot_tokens: int) -> None:
+            self.orch.turn_ended(self.d, self.prompt + output, snapshot_tokens, self.p)
+
+        finished = False
+        try:
+            yield from fan_out(self.rid, len(first.firsts), self.orch.tokenizer, self.cancel,
+                               chunks(), lambda r: self._summary(r, first, start, ttft_ms,
+                                                                 retries),
+                               lambda i: self.dc.abort(self.wid, i), self.d.worker_id,
+                               first.prompt_logprobs, ended)
+            finished = True
+        finally:
+            if not decodes:
                 self.dc.abort(self.wid)  # releases the reservation Decode would have used
             self._finish(abort=not finished)
 

@@ -100,14 +100,20 @@ class GrpcWorkerClient:
         return GrpcPrefillCall(self, req, cancel)
 
     def decode(
-        self, request_id: str, first_token_id: int, cancel: Cancellation
+        self, request_id: str, first_token_id: int, cancel: Cancellation,
+        more_first_token_ids: tuple[int, ...] = (),
     ) -> Iterator[DecodeChunk]:
-        msg = wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id)
-        return self._chunks("Decode", self._stub.Decode, msg, request_id, cancel)
+        """`more_first_token_ids`: n > 1, the first tokens of samples 1.. ."""
+        msg = wpb.DecodeRequest(request_id=request_id, first_token_id=first_token_id,
+                                more_first_token_ids=more_first_token_ids)
+        return self._chunks("Decode", self._stub.Decode, msg, request_id, cancel,
+                            1 + len(more_first_token_ids))
 
     def _chunks(self, name: str, method, msg, request_id: str,
-                cancel: Cancellation) -> Iterator[DecodeChunk]:
-        """A stream of DecodeChunks (Decode, Serve), ended as `_end` says."""
+                cancel: Cancellation, samples: int = 1) -> Iterator[DecodeChunk]:
+        """A stream of DecodeChunks (Decode, Serve) of `samples` samples, ended as `_end`
+        says (finished once every sample's last chunk came)."""
+        open_ = samples
         try:
             call = method(msg)
         except ValueError as e:  # the channel closed: the worker was ejected meanwhile
@@ -118,7 +124,8 @@ class GrpcWorkerClient:
             with cancel.hook(call.cancel):
                 for m in call:
                     chunk = wire.decode_chunk_from_pb(m)
-                    finished = chunk.finish_reason is not None
+                    open_ -= chunk.finish_reason is not None
+                    finished = open_ <= 0
                     yield chunk
         except grpc.RpcError as e:
             raise self._error(name, request_id, e, cancel) from e
@@ -142,7 +149,7 @@ class GrpcWorkerClient:
     def serve(self, req: ServeInput, cancel: Cancellation) -> Iterator[DecodeChunk]:
         """The whole request on this decode worker (conditional disaggregation)."""
         return self._chunks("Serve", self._stub.Serve, wire.serve_to_pb(req), req.request_id,
-                            cancel)
+                            cancel, req.sampling.n)
 
     def hold_snapshot(self, req: ReserveInput, cancel: Cancellation) -> Reservation:
         """Decode worker: hold its snapshot of exactly `req.prompt_ids` for a pull."""
@@ -158,12 +165,14 @@ class GrpcWorkerClient:
                             shipment.source.lease_seconds + 5, cancel)
         return reply.blocks_pulled
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, sample: int | None = None) -> bool:
+        """`sample`: only that sample of a request with n > 1 (None: the whole request)."""
         if self.ejected or self.lost:
             return False  # unreachable (channel closed, or the process died): nothing to free
         try:
             reply = self._stub.Abort(
-                pb.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_seconds
+                pb.AbortRequest(request_id=request_id, sample=sample),
+                timeout=self.config.abort_timeout_seconds
             )
             return reply.found
         except (grpc.RpcError, ValueError) as e:  # ValueError: channel closed at shutdown

@@ -23,6 +23,8 @@ def engine_for(model_dir: Path, **sections) -> Engine:
     data["worker"] = {"max_num_seqs": 16, **data["worker"]}
     data.setdefault("cache", {})
     data["cache"] = {"num_blocks": 512, "num_state_slots": 64, **data["cache"]}
+    if "speculative" in data:  # tests draft at any batch size unless they say otherwise
+        data["speculative"] = {"max_batch": 0, **data["speculative"]}
     return build_engine(BatonConfig.from_dict(data), str(model_dir))
 
 

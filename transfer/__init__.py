@@ -50,7 +50,7 @@ _BACKENDS = {"nixl": ("transfer.nixl_backend", "NixlReceiver", "NixlSender"),
              "ucx": ("transfer.ucx_backend", "UcxReceiver", "UcxSender")}
 
 __all__ = ["SIDE_CHANNEL", "TransferConfig", "TransferEvent", "compute_fingerprint",
-           "make_receiver", "make_sender"]
+           "make_receiver", "make_sender", "tp_identity"]
 
 SIDE_CHANNEL = "transfer-side-channel"
 """The purpose name of the side-channel key derived from the cluster secret."""
@@ -69,8 +69,21 @@ def make_receiver(cfg: TransferConfig, pools: Pools, fingerprint: dict,
     return Receiver(cfg, pools, fingerprint, bind_host, _backend(cfg, 0), key)
 
 
-def make_sender(cfg: TransferConfig, pools: Pools, fingerprint: dict, key: bytes | None = None):
-    """Prefill-side endpoint of one stage (see module doc); `key` seals the side channel."""
+def make_sender(cfg: TransferConfig, pools: Pools, fingerprint: dict, key: bytes | None = None,
+                tp=None):
+    """Prefill-side endpoint of one stage (see module doc); `key` seals the side channel;
+    `tp` (`tp_identity`): this rank's place, to write decode ranks of any TP size."""
     from transfer.sender import Sender
 
-    return Sender(cfg, pools, fingerprint, _backend(cfg, 1), key)
+    return Sender(cfg, pools, fingerprint, _backend(cfg, 1), key, tp)
+
+
+def tp_identity(model, spec, rank: int = 0, size: int = 1):
+    """(fingerprint, TPSide) of rank `rank` of a TP-`size` worker of the whole model `model`
+    whose pools follow `spec` (dtype, tokens per block)."""
+    from transfer.tp_route import TPSide
+
+    fingerprint = compute_fingerprint(model, spec, tp_size=size, tp_rank=rank)
+    side = TPSide(rank, size, model, str(spec.dtype).removeprefix("torch."),
+                  spec.tokens_per_block)
+    return fingerprint, side

@@ -7,7 +7,8 @@ the first differing field in `FIELDS` order (most specific first).
 
 Tensor parallelism: `tp_units` (the shardable units of every cache tensor's sections: KV
 heads, Mamba2 heads / groups) must be equal; `tp_size` is the side's TP size and
-`tp_layout` what each of its ranks holds ([lo, hi) units per section per rank). A peer's
+`tp_layout` what each of its ranks holds ([lo, hi) units per section per rank), `tp_rank`
+the rank whose pools this side's endpoint holds (checked against the reservation). A peer's
 `tp_layout` is re-derived from the shared units and its `tp_size` and must match exactly
 (a peer that shards KV heads by modulo, or scales replicated B/C, is refused before any
 byte moves). Different TP sizes on the two sides pass only with `hetero_tp=True` (the
@@ -29,11 +30,11 @@ from baton.model.tp_shard import held_units
 HEAD_FIELDS = ("dtype", "tokens_per_block", "num_layers", "pattern", "kv_block_bytes")
 """Compared first, in this order; then the state tensors' fields (`state_fields`), then
 `model` (a hash of every model field) last, as the catch-all."""
-TP_FIELDS = ("tp_size", "tp_layout")
+TP_FIELDS = ("tp_size", "tp_layout", "tp_rank")
 """Not compared for equality: checked by `_tp_mismatch`."""
 
 
-def compute_fingerprint(model, spec: PoolSpec, tp_size: int = 1) -> dict:
+def compute_fingerprint(model, spec: PoolSpec, tp_size: int = 1, tp_rank: int = 0) -> dict:
     """Plain dict (msgpack-ready) describing what a cache built for `model`/`spec` holds.
 
     Per declared state tensor t: `t_sections` (only when it has more than one section: e.g.
@@ -60,6 +61,7 @@ def compute_fingerprint(model, spec: PoolSpec, tp_size: int = 1) -> dict:
     out["tp_units"] = tp_units(model)
     out["tp_size"] = tp_size
     out["tp_layout"] = tp_layout(out["tp_units"], tp_size)
+    out["tp_rank"] = tp_rank  # which shard this side's pools hold (a decode rank's place)
     out["model"] = model_hash(model)
     return out
 
@@ -128,6 +130,9 @@ def _tp_mismatch(local: dict, peer: dict, hetero_tp: bool):
                         or _deep(got.get(k)) != want[k]), "tp_layout")
             return (f"tp_layout.{bad}", _deep(local.get("tp_layout", {}).get(bad)),
                     _deep(got.get(bad)) if isinstance(got, dict) else got)
+    rank = peer.get("tp_rank", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < peer["tp_size"]:
+        return ("tp_rank", local.get("tp_rank", 0), rank)
     if not hetero_tp and local["tp_size"] != peer["tp_size"]:
         return ("tp_size", local["tp_size"], peer["tp_size"])
     return None

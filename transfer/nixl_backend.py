@@ -96,8 +96,8 @@ class NixlReceiver(RecvTransport):
 
 
 class _Peer:
-    def __init__(self, name: str, dlist):
-        self.name, self.dlist = name, dlist
+    def __init__(self, name: str, dlist, units, mem: str):
+        self.name, self.dlist, self.units, self.mem = name, dlist, units, mem
 
 
 class NixlSender(SendTransport):
@@ -108,6 +108,7 @@ class NixlSender(SendTransport):
         self._reg = _register(self._agent, pools)
         self._mem = _MEM[layout.device]
         units = layout.unit_table()
+        self._units = units
         self._local = self._agent.prep_xfer_dlist("", units, self._mem) if len(units) else None
 
     def add_peer(self, meta: dict, layout: StageLayout) -> _Peer:
@@ -122,7 +123,7 @@ class NixlSender(SendTransport):
         except Exception:
             self._agent.remove_remote_agent(name)
             raise
-        return _Peer(name, dlist)
+        return _Peer(name, dlist, units, _MEM[layout.device])
 
     def remove_peer(self, peer: _Peer) -> None:
         _quietly(self._agent.release_dlist_handle, peer.dlist)
@@ -133,12 +134,30 @@ class NixlSender(SendTransport):
             if plan.length.size == 0:
                 self._agent.send_notif(peer.name, notif)  # layers covered, nothing to move
                 return None
-            h = self._agent.make_prepped_xfer("WRITE", self._local, plan.src_units.astype("i4"),
-                                              peer.dlist, plan.dst_units.astype("i4"), notif)
+            if _whole_units(plan, self._units, peer.units):
+                h = self._agent.make_prepped_xfer("WRITE", self._local,
+                                                  plan.src_units.astype("i4"), peer.dlist,
+                                                  plan.dst_units.astype("i4"), notif)
+            else:  # tensor-parallel pieces: ranges inside units, posted by address
+                h = self._by_address("WRITE", peer, plan, notif)
             state = self._agent.transfer(h)
         except Exception as e:
             return _Failed(f"NIXL post to {peer.name} failed: {type(e).__name__}: {e}")
         return _Failed(f"NIXL post to {peer.name} returned ERR") if state == "ERR" else h
+
+    def _by_address(self, op: str, peer: _Peer, plan: Plan, notif: bytes = b""):
+        """One transfer over the plan's coalesced ranges (inside the registered pools)."""
+        import numpy as np
+
+        src, dst = plan.coalesced()
+
+        def rows(ranges, units):  # (addr, len, device id of the pool)
+            dev = np.full((len(ranges), 1), units[0, 2] if len(units) else 0, dtype=np.uint64)
+            return np.hstack([ranges, dev])
+
+        local = self._agent.get_xfer_descs(rows(src, self._units), self._mem)
+        remote = self._agent.get_xfer_descs(rows(dst, peer.units), peer.mem)
+        return self._agent.initialize_xfer(op, local, remote, peer.name, notif)
 
     def read(self, peer: _Peer, plan: Plan):
         try:
@@ -173,6 +192,16 @@ class NixlSender(SendTransport):
             _quietly(self._agent.deregister_memory, self._reg)
             _retire(self._agent)
             self._agent = None
+
+
+def _whole_units(plan: Plan, local, remote) -> bool:
+    """Whether every descriptor is exactly one unit on both sides (the prepped path)."""
+    import numpy as np
+
+    s, d = plan.src_units.astype(np.int64), plan.dst_units.astype(np.int64)
+    return bool((local[s, 0] == plan.src_addr).all() and (local[s, 1] == plan.length).all()
+                and (remote[d, 0] == plan.dst_addr).all()
+                and (remote[d, 1] == plan.length).all())
 
 
 class _Failed:

@@ -74,6 +74,22 @@ class _Expected:
     writers: dict[bytes, set[int] | None] = field(default_factory=dict)
     """Granted senders (side-channel identity) -> the layers they said they posted here
     (None: not said yet, any layer may still land)."""
+    parts: dict[int, set[int]] = field(default_factory=dict)
+    """Layer -> the source TP ranks whose share of it landed (a layer written by several
+    tensor-parallel prefill ranks is complete once all of them did: `landed.parts`)."""
+    src: dict[bytes, int] = field(default_factory=dict)
+    """Granted senders -> their TP rank (what their `landed` names)."""
+
+    def landed(self, msg: dict) -> None:
+        _landed(self, msg)
+
+
+def _landed(e, msg: dict) -> None:
+    for g, k in zip(msg["layers"], msg["parts"], strict=True):
+        got = e.parts.setdefault(g, set())
+        got.add(msg["src"])
+        if len(got) >= k:
+            e.pending.discard(g)
 
 
 @dataclass
@@ -90,6 +106,17 @@ class Quarantined:
     writers: dict[bytes, set[int] | None]
     gone: dict[bytes, float] = field(default_factory=dict)
     """Writers whose connection closed -> when."""
+    parts: dict[int, set[int]] = field(default_factory=dict)
+    src: dict[bytes, int] = field(default_factory=dict)
+    """As on `_Expected`: which writer's share of each layer landed."""
+
+    def landed(self, msg: dict) -> None:
+        _landed(self, msg)
+
+    def _writer_done(self, ident: bytes, posted: set[int]) -> bool:
+        """Every layer the writer posted here landed (its own share of it)."""
+        me = self.src.get(ident, 0)
+        return all(g not in self.pending or me in self.parts.get(g, ()) for g in posted)
 
     def safe(self, now: float) -> bool:
         return self.why_safe(now) is not None
@@ -100,7 +127,7 @@ class Quarantined:
             return "every layer landed"
         why = set()
         for ident, posted in self.writers.items():
-            if posted is not None and not posted & self.pending:
+            if posted is not None and self._writer_done(ident, posted):
                 why.add("what the writer posted landed" if posted else "nothing was posted")
                 continue
             t = self.gone.get(ident)
@@ -147,8 +174,12 @@ class Receiver:
         self._welcome = None
         self._listener = Listener(bind_host, cfg.max_message_bytes, self._on_message, key,
                                   cfg.side_channel_ports)
-        self.endpoint = self._listener.endpoint
-        """`tcp://host:port` of the side channel, handed to prefill workers."""
+        from transfer.tp_route import annotate
+
+        self.endpoint = annotate(self._listener.endpoint, fingerprint.get("tp_rank", 0),
+                                 fingerprint.get("tp_size", 1))
+        """`tcp://host:port` of the side channel, handed to prefill workers (a rank of a
+        tensor-parallel worker adds its place, `#tp=RANK/SIZE`: transfer/tp_route.py)."""
 
     def expect(self, request_id: str, block_ids: list[int], slot: int | None,
                lease_s: float | None = None) -> None:
@@ -260,7 +291,7 @@ class Receiver:
         if rid in self._held and (e is None or self._check(e, msg["slot"], blocks)):
             for q in self._quarantine.values():  # late bytes of a failed transfer
                 if q.rid == rid and not self._check(q, msg["slot"], blocks):
-                    q.pending -= set(msg["layers"])
+                    q.landed(msg)
                     return
         if rid not in self._expected:
             if len(self._early) < _MAX_EARLY:
@@ -275,7 +306,7 @@ class Receiver:
         if err:
             self._fail(rid, err)
         else:
-            e.pending -= set(msg["layers"])
+            e.landed(msg)
 
     def _check(self, e: _Expected | Quarantined, slot: int | None, blocks: np.ndarray) -> str | None:
         stray = set(blocks.tolist()) - e.blocks if self.layout.kv else set()
@@ -305,7 +336,8 @@ class Receiver:
             return
         key = rid if rid not in self._quarantine else f"{rid}#{self.quarantined_total}"
         q = Quarantined(key, rid, e.blocks, e.slot, time.monotonic(), set(e.pending),
-                        dict(e.writers), {i: self._gone[i] for i in e.writers if i in self._gone})
+                        dict(e.writers), {i: self._gone[i] for i in e.writers if i in self._gone},
+                        {g: set(s) for g, s in e.parts.items()}, dict(e.src))
         held = bool(q.writers) and not q.safe(q.since)
         if held:
             self._quarantine[key] = q
@@ -361,6 +393,7 @@ class Receiver:
         if err:
             return wire.encode("deny", rid=rid, cid=cid, error=err)
         e.writers.setdefault(ident, None)
+        e.src[ident] = msg["src"]
         return wire.encode("grant", rid=rid, cid=cid)
 
     def _peer_gone(self, ident: bytes) -> None:
@@ -405,7 +438,9 @@ class Receiver:
             return wire.encode("refused", field="backend", error=(
                 "incompatible peer: fingerprint field 'backend' differs from this decode "
                 "worker's; set transfer.backend the same on both"))
-        diff = fp.mismatch(self.fingerprint, msg["fingerprint"])
+        # TP sizes may differ: each side's declared shard layout is checked, and the sender
+        # plans its ranks' pieces against this rank's (transfer/tp_route.py)
+        diff = fp.mismatch(self.fingerprint, msg["fingerprint"], hetero_tp=True)
         if diff is not None:
             return wire.encode("refused", field=diff[0], error=(
                 f"incompatible peer: fingerprint field '{diff[0]}' differs from this decode "

@@ -33,11 +33,13 @@ from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
 from baton.model.pools import Pools
 from transfer import fingerprint as fp
-from transfer import wire
+from transfer import tp_route, wire
 from transfer.base import SendTransport, TransferEvent
 from transfer.layout import StageLayout
 from transfer.planner import Plan, plan
 from transfer.side_channel import Client
+from transfer.tp_plan import expand
+from transfer.tp_route import TPSide
 
 WATCH_INTERVAL_S = 0.0002
 """Poll interval while writes are in flight (progress happens only when we poll)."""
@@ -67,6 +69,8 @@ class _Peer:
     layout: StageLayout
     handle: object
     incarnation: str = ""
+    fingerprint: dict = field(default_factory=dict)
+    """The peer's own (its TP size and rank: checked against the reservation's place)."""
 
 
 @dataclass
@@ -92,14 +96,20 @@ class _InFlight:
     posted to tell it)."""
     hold_until: float = 0.0
     """Not done before this time.monotonic() (TEST_HOLD_ENV)."""
+    parts: dict[int, dict[int, int]] = field(default_factory=dict)
+    """id(peer) -> layer -> writers of that layer there (tensor-parallel plans; else 1)."""
 
 
 class Sender:
     """Thread-safe: one lock guards the transport, the peers and the in-flight table."""
 
     def __init__(self, cfg: TransferConfig, pools: Pools, fingerprint: dict,
-                 transport_cls: type[SendTransport], key: bytes | None = None):
+                 transport_cls: type[SendTransport], key: bytes | None = None,
+                 tp: TPSide | None = None):
         self.cfg = cfg
+        self.tp = tp
+        """This sender's TP rank and the whole model: plans pieces for decode ranks of any TP
+        size (None: whole-model stages on both sides only)."""
         self.layout = StageLayout.from_pools(pools)
         self.fingerprint = fingerprint
         self._key = key
@@ -153,7 +163,7 @@ class Sender:
             self._claims[request_id] = (time.monotonic(), endpoints)
             for ep in endpoints:
                 peer = self._peer_of(ep, incarnation, request_id)
-                if set(self.layout.layers) & set(peer.layout.layers):
+                if set(self.layout.layers) & set(peer.layout.layers) and self._writes(ep, peer):
                     self._send_claim(ep, peer, request_id, dst_slot, dst_block_ids[skip_blocks:])
 
     def connect(self, endpoint: str) -> StageLayout:
@@ -213,8 +223,8 @@ class Sender:
                 for ep in endpoints:
                     peer = self._peer_of(ep, incarnation, request_id)
                     fl.peers.append(peer)
-                    p = plan(self.layout, peer.layout, src_block_ids, src_slot, dst_block_ids,
-                             dst_slot, skip_blocks)
+                    p = self._plan(ep, peer, fl, src_block_ids, src_slot, dst_block_ids,
+                                   dst_slot, skip_blocks)
                     if p.layers:
                         fl.plans.append((peer, p))
                         fl.unsent |= set(p.layers)
@@ -301,6 +311,39 @@ class Sender:
 
     # -- internals (lock held) ------------------------------------------------------------
 
+    def _tp_pair(self, ep: str, peer: _Peer) -> tuple[int, int] | None:
+        """(decode rank, its TP size) when this pair is planned by tensor-parallel pieces;
+        None for whole-model stages on both sides (the per-stage planner)."""
+        _, d, q = tp_route.parse(ep)
+        if (self.tp is None or self.tp.size == 1) and q == 1 \
+                and peer.fingerprint.get("tp_size", 1) == 1:
+            return None
+        if self.tp is None:
+            raise TransferError(f"decode peer {ep} is a tensor-parallel rank but this sender "
+                                "has no TP plan; nothing was sent")
+        self.tp.check_peer(ep, d, q, peer.fingerprint, peer.layout)
+        return d, q
+
+    def _writes(self, ep: str, peer: _Peer) -> bool:
+        """Whether this rank has anything to write into that decode rank."""
+        pair = self._tp_pair(ep, peer)
+        return pair is None or bool(self.tp.pieces(*pair))
+
+    def _plan(self, ep: str, peer: _Peer, fl: _InFlight, src_blocks, src_slot, dst_blocks,
+              dst_slot, skip: int) -> Plan:
+        pair = self._tp_pair(ep, peer)
+        if pair is None:
+            return plan(self.layout, peer.layout, src_blocks, src_slot, dst_blocks, dst_slot,
+                        skip)
+        if fl.read:
+            raise TransferError(f"reading back from decode peer {ep} is not built for "
+                                "tensor-parallel pairs; nothing was read")
+        p = expand(self.tp.pieces(*pair), self.layout, peer.layout, src_blocks, src_slot,
+                   dst_blocks, dst_slot, skip)
+        fl.parts[id(peer)] = dict(zip(p.layers, self.tp.parts(*pair, peer.layout, p.layers),
+                                      strict=True))
+        return p
+
     def _peer(self, endpoint: str) -> _Peer:
         if endpoint in self._peers:
             return self._peers[endpoint]
@@ -310,7 +353,7 @@ class Sender:
     def _hello(self, endpoint: str) -> tuple[Client, dict]:
         """The handshake's exchange (no lock needed): a client of its own and the checked
         welcome."""
-        client = Client(endpoint, self.cfg.max_message_bytes, self._key)
+        client = Client(tp_route.parse(endpoint)[0], self.cfg.max_message_bytes, self._key)
         try:
             hello = wire.encode("hello", fingerprint=self.fingerprint,
                                 backend=self._transport.backend)
@@ -319,7 +362,7 @@ class Sender:
                 mine = self._own_value(reply["field"])
                 raise TransferError(f"decode peer {endpoint} refused the handshake "
                                     f"(field '{reply['field']}'): {reply['error']}{mine}")
-            fp.check(self.fingerprint, reply["fingerprint"], who="decode peer")
+            fp.check(self.fingerprint, reply["fingerprint"], who="decode peer", hetero_tp=True)
         except BaseException:
             client.close()
             raise
@@ -336,7 +379,8 @@ class Sender:
         except BaseException:
             client.close()
             raise
-        self._peers[endpoint] = peer = _Peer(client, layout, handle, reply["incarnation"])
+        self._peers[endpoint] = peer = _Peer(client, layout, handle, reply["incarnation"],
+                                             reply["fingerprint"])
         return peer
 
     def _peer_of(self, endpoint: str, incarnation: str | None, request_id: str) -> _Peer:
@@ -368,7 +412,7 @@ class Sender:
         cid = next(self._next_claim)
         self._grants[ep, rid] = ""
         self._claim_ids[ep, rid] = cid
-        peer.client.send(wire.claim(rid, slot, blocks, cid))
+        peer.client.send(wire.claim(rid, slot, blocks, cid, self.tp.rank if self.tp else 0))
 
     def _await_grant(self, ep: str, peer: _Peer, rid: str) -> None:
         """The claim's answer, waited for here (a destination nobody claimed ahead)."""
@@ -438,8 +482,10 @@ class Sender:
             elif part.layers:
                 first = id(peer) not in fl.posted
                 fl.posted.setdefault(id(peer), set()).update(part.layers)
-                post = self._transport.post(peer.handle, part,
-                                            wire.landed(rid, part.layers, slot, blocks))
+                parts = fl.parts.get(id(peer), {})
+                post = self._transport.post(peer.handle, part, wire.landed(
+                    rid, part.layers, slot, blocks, self.tp.rank if self.tp else 0,
+                    [parts.get(g, 1) for g in part.layers]))
                 fl.posts.append((peer, post))
                 if first:
                     peer.client.send(wire.encode("posted", rid=rid))  # wakes its poller

@@ -16,7 +16,7 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
     sender -> receiver   {"v": 1, "op": "abort", "rid": "...", "error": "...",
                           "posted": [layers]}   (layers posted to this receiver: [] = none)
     sender -> receiver   {"v": 1, "op": "claim", "rid": "...", "slot": int | None,
-                          "blocks": bytes, "cid": int}
+                          "blocks": bytes, "cid": int, "src": int}
                           (asks to write the reservation: before any post; cid: the sender's
                           number for this claim, unique per sender)
     receiver -> sender   {"v": 1, "op": "grant", "rid": "...", "cid": int}    (write it now)
@@ -31,7 +31,10 @@ and strips it (Unauthenticated if it does not verify), before anything is parsed
     receiver -> sender   {"v": 1, "op": "bye"}                 (receiver closing)
     ucx data header      {"v": 1, "op": "ucx_data", "seq": int, "notif": bytes, "ranges": bytes}
     data notification    {"v": 1, "op": "landed", "rid": "...", "layers": [..],
-                          "slot": int | None, "blocks": bytes}  (int32 dst block ids)
+                          "slot": int | None, "blocks": bytes,  (int32 dst block ids)
+                          "src": int, "parts": [..]}  (the writer's TP rank; per layer, how
+                          many writers it has on this receiver: tensor-parallel prefill
+                          ranks each write their share, transfer/tp_route.py)
 """
 
 from __future__ import annotations
@@ -52,14 +55,16 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                 "incarnation": (str,)},
     "refused": {"error": (str,), "field": (str,)},
     "abort": {"rid": (str,), "error": (str,), "posted": (list,)},
-    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,), "cid": (int,)},
+    "claim": {"rid": (str,), "slot": (int, type(None)), "blocks": (bytes,), "cid": (int,),
+              "src": (int,)},
     "grant": {"rid": (str,), "cid": (int,)},
     "posted": {"rid": (str,)},
     "sent": {"rid": (str,), "posted": (list,)},
     "deny": {"rid": (str,), "cid": (int,), "error": (str,)},
     "bye": {},
     "ucx_data": {"seq": (int,), "notif": (bytes,), "ranges": (bytes,)},
-    "landed": {"rid": (str,), "layers": (list,), "slot": (int, type(None)), "blocks": (bytes,)},
+    "landed": {"rid": (str,), "layers": (list,), "slot": (int, type(None)), "blocks": (bytes,),
+               "src": (int,), "parts": (list,)},
 }
 
 
@@ -113,17 +118,20 @@ def unseal(data: object, key: bytes | None) -> bytes:
     return body
 
 
-def landed(rid: str, layers, slot: int | None, blocks) -> bytes:
-    """The completion notification a data transfer carries (after its bytes)."""
-    return encode("landed", rid=rid, layers=[int(g) for g in layers], slot=slot,
-                  blocks=np.asarray(blocks, dtype="<i4").tobytes())
+def landed(rid: str, layers, slot: int | None, blocks, src: int = 0, parts=None) -> bytes:
+    """The completion notification a data transfer carries (after its bytes); `parts`: per
+    layer, the writers that layer has on the receiver (None: 1 each)."""
+    layers = [int(g) for g in layers]
+    parts = [1] * len(layers) if parts is None else [int(k) for k in parts]
+    return encode("landed", rid=rid, layers=layers, slot=slot,
+                  blocks=np.asarray(blocks, dtype="<i4").tobytes(), src=int(src), parts=parts)
 
 
-def claim(rid: str, slot: int | None, blocks, cid: int = 0) -> bytes:
+def claim(rid: str, slot: int | None, blocks, cid: int = 0, src: int = 0) -> bytes:
     """A sender asks to write the reservation it was given (checked like `landed`); its
-    answer names `cid`."""
+    answer names `cid`; `src`: the writer's TP rank (what its `landed` will name)."""
     return encode("claim", rid=rid, slot=slot, blocks=np.asarray(blocks, dtype="<i4").tobytes(),
-                  cid=cid)
+                  cid=cid, src=int(src))
 
 
 def landed_blocks(msg: dict) -> np.ndarray:
@@ -132,6 +140,10 @@ def landed_blocks(msg: dict) -> np.ndarray:
         raise TransferError("landed.blocks is not a whole number of int32 ids")
     if not all(isinstance(g, int) and not isinstance(g, bool) for g in msg.get("layers", ())):
         raise TransferError("landed.layers must be integers")
+    parts = msg.get("parts", [1] * len(msg.get("layers", ())))
+    if len(parts) != len(msg.get("layers", ())) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 1024 for k in parts):
+        raise TransferError("landed.parts must be one writer count (1..1024) per layer")
     return np.frombuffer(b, dtype="<i4")
 
 

@@ -9,6 +9,9 @@ Life of a request in the cache:
   3. `commit` at a point: insert the request's blocks as a tree path, move its lock down,
      copy live -> snapshot slot (and the partial page when the point is unaligned).
   4. `finish`: the decode-end snapshot (prompt + answer), then release; `abort`: release.
+  n samples (`admit(..., samples=n)` holds their n - 1 extra live slots from admission): once
+  the prompt is computed (or landed), `fork` gives each sample its own live entry sharing the
+  prompt's full blocks, with a private copy of the partial last block and of the state slot.
 
 Slots: `max_live` are reserved for live states; snapshots use at most the rest, so a
 snapshot can never starve a running request.
@@ -56,6 +59,8 @@ class _Live:
     points: list[int]
     """Snapshot points not yet reached, ascending."""
     turn: list[Snapshot] | None = None
+    spare: int = 0
+    """Live slots promised to the samples it forks (n - 1 until `fork`)."""
 
 
 class HybridCacheManager:
@@ -135,7 +140,10 @@ class HybridCacheManager:
     @property
     def num_free_slots(self) -> int:
         """Slots not held by a running request (snapshot slots are always evictable)."""
-        return self.slots.num_slots - len(self._live) - self._quarantined_slots()
+        return self.slots.num_slots - len(self._live) - self._quarantined_slots() - self._spare()
+
+    def _spare(self) -> int:
+        return sum(live.spare for live in self._live.values())
 
     def _quarantined_slots(self) -> int:
         return sum(1 for _, slot in self._quarantine.values() if slot is not None)
@@ -154,13 +162,15 @@ class HybridCacheManager:
 
     # ---- admission ---------------------------------------------------------------------
     def admit(self, req_id: str, prompt: list[int], session: str | None = None,
-              reuse: bool = True) -> Admission:
+              reuse: bool = True, samples: int = 1) -> Admission:
         """Start a request on this worker, restoring the deepest usable snapshot (none when
-        `reuse` is False: a request that scores every prompt position computes them all)."""
-        self._check_new(req_id, prompt)
+        `reuse` is False: a request that scores every prompt position computes them all);
+        `samples` > 1 also holds the live slots its samples will `fork` into."""
+        self._check_new(req_id, prompt, samples)
         none = MatchResult(self.tree.root, None, 0)
         m = self.tree.match(prompt, len(prompt) - 1) if self._reuse and reuse else none
         live = self._register(req_id, prompt, m.node)
+        live.spare = samples - 1
         try:
             self._restore(live, m.snapshot)
         except CapacityError:
@@ -172,9 +182,11 @@ class HybridCacheManager:
         self._hit += m.cached_tokens
         return Admission(m.cached_tokens, list(live.table), live.slot, tuple(live.points))
 
-    def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None) -> Admission:
-        """Decode side: blocks for the whole prompt (leading full tree blocks shared) + a slot."""
-        adm = self._admit_blocks(req_id, prompt, session)
+    def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None,
+                     samples: int = 1) -> Admission:
+        """Decode side: blocks for the whole prompt (leading full tree blocks shared) + a slot
+        (+ the slots of the samples it will `fork`)."""
+        adm = self._admit_blocks(req_id, prompt, session, samples)
         self._rqueried += len(prompt)
         self._rhit += adm.cached_tokens
         return adm
@@ -184,10 +196,12 @@ class HybridCacheManager:
         then `adopt`ed; not a prompt, so the prefix hit counters do not see it."""
         return self._admit_blocks(req_id, tokens, None)
 
-    def _admit_blocks(self, req_id: str, prompt: list[int], session: str | None) -> Admission:
-        self._check_new(req_id, prompt)
+    def _admit_blocks(self, req_id: str, prompt: list[int], session: str | None,
+                      samples: int = 1) -> Admission:
+        self._check_new(req_id, prompt, samples)
         node = self.tree.match_blocks(prompt, len(prompt)) if self._reuse else self.tree.root
         live = self._register(req_id, prompt, node)
+        live.spare = samples - 1
         self.pools.zero_slot(live.slot)  # the prompt's state arrives by transfer
         cached = len(live.table) * self.tpb
         try:
@@ -215,6 +229,44 @@ class HybridCacheManager:
             self._release(req_id)
             raise
         return Admission(m.cached_tokens, list(live.table), live.slot, ())
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> Admission:
+        """Another sample of the parent's prompt (n > 1), after its first `num_tokens`: the
+        full blocks shared (one reference per sample, as prefix reuse shares them), the
+        partial last block copied into a private one, the state slot copied into a new one.
+        With reuse on, the full blocks become tree blocks the parent and every sample lock,
+        so a sample that finishes first can never leave them unlocked yet held."""
+        parent = self._get(parent_id)
+        if parent.spare < 1:
+            raise CapacityError(f"request {parent_id!r} holds no slot for another sample")
+        parent.spare -= 1  # this sample's slot, held since admission
+        self._check_new(child_id, parent.prompt)
+        full = num_tokens // self.tpb if self._kv else 0
+        if self._reuse and full:
+            self._lock_path(parent, self.tree.insert(parent.prompt, parent.table[:full]))
+        slot = self.slots.allocate()
+        assert slot is not None, "snapshot budget invariant broken: no slot for a live request"
+        self.tree.lock(parent.node)
+        child = self._live[child_id] = _Live(list(parent.prompt), slot, parent.table[:full],
+                                             parent.node, [])
+        for b in child.table:
+            self.blocks.incref(b)
+        try:
+            if self._kv and num_tokens % self.tpb:
+                child.table.append(self.store.alloc_block())
+                self.pools.copy_block(parent.table[full], child.table[-1])
+        except CapacityError:
+            self._release(child_id)
+            raise
+        self.pools.copy_slot(parent.slot, child.slot)
+        return Admission(num_tokens, list(child.table), child.slot, ())
+
+    def _lock_path(self, live: _Live, node: Node) -> None:
+        """Move the request's lock down to `node` (never up)."""
+        if node.depth > live.node.depth:
+            self.tree.lock(node)
+            self.tree.unlock(live.node)
+            live.node = node
 
     def ensure_blocks(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's block table to cover `num_tokens` tokens, evicting if needed."""
@@ -370,7 +422,7 @@ class HybridCacheManager:
 
     def live_room(self) -> int:
         """Requests (or snapshot holds) that can still be admitted before `max_live`."""
-        return self.max_live - len(self._live) - self._quarantined_slots()
+        return self.max_live - len(self._live) - self._quarantined_slots() - self._spare()
 
     # ---- internals ---------------------------------------------------------------------
     def _get(self, req_id: str) -> _Live:
@@ -380,12 +432,12 @@ class HybridCacheManager:
             msg = f"request {req_id!r} holds no cache (unknown or already released)"
             raise KeyError(msg) from None
 
-    def _check_new(self, req_id: str, prompt: list[int]) -> None:
+    def _check_new(self, req_id: str, prompt: list[int], samples: int = 1) -> None:
         if req_id in self._live:
             raise InvalidRequestError(f"request id {req_id!r} is already admitted")
         if not prompt:
             raise InvalidRequestError(f"request {req_id!r} has an empty prompt")
-        if len(self._live) + self._quarantined_slots() >= self.max_live:
+        if len(self._live) + self._quarantined_slots() + self._spare() + samples > self.max_live:
             raise CapacityError(
                 f"all {self.max_live} live slots are in use (worker.max_num_seqs; "
                 f"{self._quarantined_slots()} quarantined after failed transfers); "
@@ -428,10 +480,7 @@ class HybridCacheManager:
             )
         full = n // tpb
         node = self.tree.insert(tokens, live.table[:full] if self._kv else [None] * full)
-        if node.depth > live.node.depth:
-            self.tree.lock(node)
-            self.tree.unlock(live.node)
-            live.node = node
+        self._lock_path(live, node)
         tail = tuple(tokens[full * tpb : n])
         tail_block = live.table[full] if tail and self._kv else None
         snap = self.store.take(node, tail, live.slot, tail_block)

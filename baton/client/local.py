@@ -11,22 +11,25 @@ from baton.errors import BatonError
 
 
 def run_local(engine: Engine, specs: list[RequestSpec], concurrency: int = 1) -> list[dict]:
-    """Submit in order with at most `concurrency` in flight; one result (or error) per spec."""
+    """Submit in order with at most `concurrency` in flight; one result (or error) per spec,
+    or per sample of a spec with n > 1 (each with its `index`)."""
     pending = deque(specs)
-    live: dict[str, dict] = {}
-    results: dict[str, dict] = {}
+    live: dict[tuple[str, int], dict] = {}
+    results: dict[tuple[str, int], dict] = {}
+    ns = {s.id: s.sampling.n for s in specs}
     while pending or live:
-        while pending and len(live) < max(1, concurrency):
+        while pending and len({rid for rid, _ in live}) < max(1, concurrency):
             spec = pending.popleft()
             try:
                 ids = spec.prompt_ids if spec.prompt_ids is not None else engine.tokenizer.encode(spec.prompt)
                 engine.add_request(Request(spec.id, list(ids), spec.sampling, spec.session))
             except BatonError as e:
-                results[spec.id] = {"id": spec.id, "error": str(e)}
+                results[(spec.id, 0)] = {"id": spec.id, "error": str(e)}
                 continue
-            live[spec.id] = _acc(spec)
+            live.update({(spec.id, i): _acc(spec) for i in range(spec.sampling.n)})
         for out in engine.step():
-            acc = live[out.request_id]
+            key = (out.request_id, out.sample)
+            acc = live[key]
             acc["token_ids"].extend(out.new_token_ids)
             if "logprobs" in acc:
                 acc["logprobs"].extend(out.logprobs)
@@ -39,10 +42,14 @@ def run_local(engine: Engine, specs: list[RequestSpec], concurrency: int = 1) ->
                 )
                 if engine.spec is not None:  # speculative decoding: drafts made, accepted
                     acc.update(draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens)
-                del live[out.request_id]
+                del live[key]
                 text = engine.tokenizer.decode(acc["token_ids"]) if engine.tokenizer else ""
-                results[out.request_id] = result_dict(out.request_id, acc, text, "local", "local")
-    return [results[s.id] for s in specs]
+                results[key] = result_dict(out.request_id, acc, text, "local", "local")
+                if ns[out.request_id] > 1:
+                    results[key]["index"] = out.sample
+    return [results[(s.id, i)] for s in specs for i in range(s.sampling.n)
+            if (s.id, i) in results]
+
 
 
 def _acc(spec: RequestSpec) -> dict:

@@ -36,32 +36,53 @@ def to_pb(spec: RequestSpec):
 
 
 def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: float = 600) -> dict:
-    acc: dict = {"token_ids": []}
-    if spec.sampling.logprobs is not None:
-        acc["logprobs"] = []
-    if spec.sampling.prompt_logprobs is not None:
-        acc["prompt_logprobs"] = []
-    text = []
+    """The spec's result (its first sample's when n > 1)."""
+    return generate_samples(stub, spec, timeout)[0]
+
+
+def generate_samples(stub: router_pb2_grpc.RouterStub, spec: RequestSpec,
+                     timeout: float = 600) -> list[dict]:
+    """The spec's result, or one per sample (each with its `index`) when n > 1."""
+    n = spec.sampling.n
+    accs = [_acc(spec) for _ in range(n)]
     t0 = time.perf_counter()
     try:
         req = to_pb(spec)
     except InvalidRequestError as e:
-        return {"id": spec.id, "error": f"invalid request: {e}"}
+        return [{"id": spec.id, "error": f"invalid request: {e}"}]
     try:
-        last = None
         for msg in stub.Generate(req, timeout=timeout):
             last = wire.chunk_from_pb(msg)
+            acc = accs[last.sample]
             acc["token_ids"].extend(last.token_ids)
-            text.append(last.text)
+            acc["text"].append(last.text)
             if "logprobs" in acc:
                 acc["logprobs"].extend(last.logprobs)
             if "prompt_logprobs" in acc and last.prompt_logprobs:
                 acc["prompt_logprobs"] = list(last.prompt_logprobs)
-        if last is None or last.summary is None:
-            return {"id": spec.id, "error": "stream ended without a finish reason"}
+            acc["summary"] = last.summary
     except grpc.RpcError as e:
-        return {"id": spec.id, "error": f"{e.code().name}: {e.details()}"}
-    s = last.summary
+        return [{"id": spec.id, "error": f"{e.code().name}: {e.details()}"}]
+    out = [_result(spec.id, acc, t0) for acc in accs]
+    if n > 1:
+        for i, r in enumerate(out):
+            r["index"] = i
+    return out
+
+
+def _acc(spec: RequestSpec) -> dict:
+    acc: dict = {"token_ids": [], "text": [], "summary": None}
+    if spec.sampling.logprobs is not None:
+        acc["logprobs"] = []
+    if spec.sampling.prompt_logprobs is not None:
+        acc["prompt_logprobs"] = []
+    return acc
+
+
+def _result(spec_id: str, acc: dict, t0: float) -> dict:
+    s = acc.pop("summary")
+    if s is None:
+        return {"id": spec_id, "error": "stream ended without a finish reason"}
     acc.update(
         finish_reason=s.finish_reason.value,
         prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
@@ -69,7 +90,8 @@ def generate_one(stub: router_pb2_grpc.RouterStub, spec: RequestSpec, timeout: f
     )
     if s.draft_tokens:  # the decode worker speculated
         acc.update(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
-    return result_dict(spec.id, acc, "".join(text), s.prefill_worker, s.decode_worker)
+    return result_dict(spec_id, acc, "".join(acc.pop("text")), s.prefill_worker,
+                       s.decode_worker)
 
 
 def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1,
@@ -81,6 +103,6 @@ def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1,
     with open_channel(router, key, credentials) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         if concurrency <= 1:
-            return [generate_one(stub, s) for s in specs]
+            return [r for s in specs for r in generate_samples(stub, s)]
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(lambda s: generate_one(stub, s), specs))
+            return [r for rs in pool.map(lambda s: generate_samples(stub, s), specs) for r in rs]

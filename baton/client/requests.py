@@ -11,7 +11,7 @@ from baton.errors import InvalidRequestError
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
                  "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens")
+                 "repetition_penalty", "logit_bias", "min_tokens", "n")
 LINE_KEYS = {"id", "prompt", "prompt_ids", "session", *SAMPLING_KEYS}
 
 

@@ -87,7 +87,8 @@ class LocalCluster:
     """
 
     def __init__(self, model: str, prefill: int, decode: int, port: int, config: str | None,
-                 log_level: str = "INFO", host: str = "127.0.0.1", http_port: int | None = None):
+                 log_level: str = "INFO", host: str = "127.0.0.1", http_port: int | None = None,
+                 worker_args: tuple[str, ...] = ()):
         local = host in ("0.0.0.0", "::", "")
         reach = "127.0.0.1" if local else host
         self.address = f"{reach}:{port}"
@@ -122,7 +123,7 @@ class LocalCluster:
                 mport = free_port()
                 self.metrics_ports.append((role.removesuffix("-worker"), mport))
                 self._spawn(_cmd(*base, role, "--router", self.address, "--model", model,
-                                 "--metrics-port", str(mport), *extra))
+                                 "--metrics-port", str(mport), *extra, *worker_args))
 
     def _spawn(self, cmd: list[str]) -> None:
         self.procs.append(self._popen(cmd))
@@ -250,8 +251,10 @@ def serve_local(args) -> int:
     model = str(resolve_model(args.model))  # make `tiny` once, before the workers race for it
     # SIGTERM (a supervisor, `timeout`) must stop the workers too: they run in their own sessions
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    tp = getattr(args, "tensor_parallel_size", None)
     cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config,
-                           host=args.host, http_port=_http_port(args))
+                           host=args.host, http_port=_http_port(args),
+                           worker_args=() if tp is None else ("--tensor-parallel-size", str(tp)))
     try:
         cluster.wait_ready()
         metrics = ", ".join(f"{role} :{port}" for role, port in cluster.metrics_ports)

@@ -83,11 +83,25 @@ class WorkerConfig:
     """Rank processes every layer is split over by heads (`--tensor-parallel-size`): rank 0
     schedules and owns the cache manager; each rank holds 1/N of the weights and of every
     pool (KV heads, Mamba heads and groups; KV heads and n_groups == 1 replicated when fewer
-    than N). Heads, groups, FFN and vocab must divide (refused at start naming the field).
-    The cores are split between the ranks. Combines with `pipeline_parallel_size` (TP x PP
-    processes: each stage split over TP ranks, the layout printed on start). NemotronH and
-    Qwen3.5 (DeltaNet by key / value heads), in the local engine (`generate --local`) for
-    now: not yet in prefill / decode workers (refused)."""
+    than N). Heads, groups, FFN and vocab must divide (refused at start naming the field);
+    MoE layers split their experts as `moe_tp_split` says.
+    The cores are split between the ranks; the layout is printed on start. NemotronH and
+    Qwen3.5 (DeltaNet by key / value heads). Combines with `pipeline_parallel_size` (TP x PP
+    processes: each stage split over TP ranks). Prefill and decode may use different sizes:
+    each prefill rank writes its pieces into every decode rank that needs them."""
+    moe_tp_split: Literal["experts", "within"] = "experts"
+    """How a MoE layer's routed experts are split over the TP ranks (router, Qwen's shared
+    gate and NemotronH's latent projections replicated; the shared expert split within;
+    one all-reduce per MoE layer either way; `baton/model/layers/moe_tp.py`):
+    `experts` whole experts per rank (expert parallel; the expert count must divide by
+    TP): each rank runs only the tokens routed to its experts; `within` every expert on
+    every rank, its up / gate rows and down columns split (the expert width must divide).
+    `experts` is the default: on the 2-core CPU host (`bench tp` MoE rows, slowest rank's
+    CPU time) it used 17% / 12% less than `within` for prefill / decode at TP 2 and 11% /
+    12% at TP 4 on a NemotronH MoE of 32 experts (top 4): fewer, larger matmuls per rank,
+    each rank looping over its own experts only. With few experts (Qwen3.5-MoE, 8, top 2)
+    the two tie at TP 2 and `within` is 2% / 15% cheaper at TP 4 (2 experts per rank leave
+    the ranks' loads uneven)."""
 
     def __post_init__(self) -> None:
         if not self.prefill_max_wait_s >= 0:

@@ -32,3 +32,44 @@ def check_pool(tokens: int, tokens_per_block: int, num_blocks: int) -> None:
             f"{tokens_per_block} tokens but a worker's whole pool has {num_blocks} "
             f"(cache.num_blocks); shorten the prompt or lower max_tokens"
         )
+
+
+def sample_blocks(n: int, prompt_len: int, max_tokens: int, tokens_per_block: int,
+                  max_model_len: int | None = None) -> int:
+    """KV blocks a request of `n` samples may hold at most: the prompt's full blocks once
+    (shared), and per sample the rest of its prompt + max_tokens (its partial prompt block is
+    a private copy)."""
+    total = prompt_len + max_tokens if max_model_len is None else \
+        min(prompt_len + max_tokens, max_model_len)
+    per = -(-total // tokens_per_block)
+    full = prompt_len // tokens_per_block
+    return full + n * (per - full)
+
+
+def max_samples(prompt_len: int, max_tokens: int, max_seqs: int, tokens_per_block: int,
+                num_blocks: int, bound: int) -> int:
+    """Most samples (`n`) the cache can hold for this request, at most `bound`: one live
+    state slot each (`max_seqs`), and their KV blocks (`num_blocks`; 0: no KV pool)."""
+    most = min(bound, max_seqs)
+    if num_blocks:
+        while most > 1 and sample_blocks(most, prompt_len, max_tokens,
+                                         tokens_per_block) > num_blocks:
+            most -= 1
+    return most
+
+
+def check_samples(n: int, prompt_len: int, max_tokens: int, max_model_len: int, max_seqs: int,
+                  tokens_per_block: int, num_blocks: int) -> None:
+    """`n` samples need a live state slot each and blocks for their n tails (num_blocks 0:
+    no KV pool); InvalidRequestError naming n and the most this cache can hold."""
+    if n <= 1:
+        return
+    most = max_samples(prompt_len, min(max_tokens, max_model_len - prompt_len), max_seqs,
+                       tokens_per_block, num_blocks, n)
+    if n > most:
+        raise InvalidRequestError(
+            f"n={n} samples of this request need {n} state slots and "
+            f"{sample_blocks(n, prompt_len, max_tokens, tokens_per_block, max_model_len)} KV "
+            f"blocks, but a worker's cache holds at most {most} such samples "
+            f"({max_seqs} sequences, {num_blocks} blocks); lower n to at most {most}"
+        )

@@ -130,6 +130,14 @@ class PrefillResult:
     """The first token's logprob (None unless the request asked for logprobs)."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """Prompt tokens 1.. (token 0 has none), when the request asked for prompt_logprobs."""
+    samples: tuple[PrefillResult, ...] = ()
+    """n > 1: the first tokens of samples 1.. (this result is sample 0's), drawn from the
+    same logits; their cached_tokens and prompt_logprobs are left unset (shared)."""
+
+    @property
+    def firsts(self) -> tuple[PrefillResult, ...]:
+        """Every sample's first token, sample 0 first."""
+        return (self, *self.samples)
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,8 @@ class DecodeChunk:
     """Last chunk only: speculative decoding's drafts verified for the request..."""
     accepted_tokens: int = 0
     """...and of those the accepted ones (0 without speculation)."""
+    sample: int = 0
+    """The sample (n > 1) the chunk is of; `finish_reason` ends that sample only."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,8 @@ class GenerateChunk:
     """One per token of `token_ids` when the request asked for logprobs, else empty."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """First chunk only, when asked: prompt tokens 1.. (token 0 has none)."""
+    sample: int = 0
+    """The sample (n > 1) the chunk is of: each sample ends with its own summary."""
 
 
 @dataclass(frozen=True)

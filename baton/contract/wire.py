@@ -72,6 +72,7 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         else d.repetition_penalty,
         logit_bias=tuple(sorted(m.logit_bias.items())),
         min_tokens=m.min_tokens,
+        n=m.n if m.HasField("n") else d.n,
     )
 
 
@@ -96,6 +97,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
             setattr(m, name, getattr(s, name))
     if s.repetition_penalty != 1.0:
         m.repetition_penalty = s.repetition_penalty
+    if s.n != 1:
+        m.n = s.n
     return m
 
 
@@ -250,7 +253,7 @@ def generate_to_pb(g: GenerateInput) -> rpb.GenerateRequest:
 def chunk_to_pb(c: GenerateChunk) -> rpb.GenerateResponse:
     m = rpb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
                              logprobs=logprobs_to_pb(c.logprobs),
-                             prompt_logprobs=logprobs_to_pb(c.prompt_logprobs))
+                             prompt_logprobs=logprobs_to_pb(c.prompt_logprobs), sample=c.sample)
     s = c.summary
     if s is not None:
         m.finish_reason = finish_to_pb(s.finish_reason)
@@ -283,7 +286,8 @@ def chunk_from_pb(m: rpb.GenerateResponse) -> GenerateChunk:
             accepted_tokens=m.accepted_tokens,
         )
     return GenerateChunk(m.request_id, tuple(m.token_ids), m.text, summary,
-                         logprobs_from_pb(m.logprobs), logprobs_from_pb(m.prompt_logprobs))
+                         logprobs_from_pb(m.logprobs), logprobs_from_pb(m.prompt_logprobs),
+                         m.sample)
 
 
 # ---- DecodeWorker / PrefillWorker (router <-> workers) --------------------------------------
@@ -364,10 +368,15 @@ def destination_from_pb(m: wpb.PrefillRequest) -> Reservation | None:
 
 
 def prefill_result_from_pb(m: wpb.PrefillReply) -> PrefillResult:
+    samples = tuple(
+        PrefillResult(s.first_token_id, m.cached_tokens, s.finished,
+                      finish_from_pb(s.finish_reason),
+                      logprob_from_pb(s.logprobs) if s.HasField("logprobs") else None)
+        for s in m.samples)
     return PrefillResult(
         m.first_token_id, m.cached_tokens, m.finished, finish_from_pb(m.finish_reason),
         logprob_from_pb(m.logprobs) if m.HasField("logprobs") else None,
-        logprobs_from_pb(m.prompt_logprobs),
+        logprobs_from_pb(m.prompt_logprobs), samples,
     )
 
 
@@ -381,20 +390,26 @@ def prefill_result_to_pb(r: PrefillResult) -> wpb.PrefillReply:
     )
     if r.logprobs is not None:
         m.logprobs.CopyFrom(logprob_to_pb(r.logprobs))
+    for s in r.samples:
+        sm = m.samples.add(first_token_id=s.first_token_id, finished=s.finished,
+                           finish_reason=finish_to_pb(s.finish_reason))
+        if s.logprobs is not None:
+            sm.logprobs.CopyFrom(logprob_to_pb(s.logprobs))
     return m
 
 
 def decode_chunk_from_pb(m: wpb.DecodeResponse) -> DecodeChunk:
     return DecodeChunk(tuple(m.token_ids), finish_from_pb(m.finish_reason), m.cached_tokens,
                        m.snapshot_tokens, logprobs_from_pb(m.logprobs), m.draft_tokens,
-                       m.accepted_tokens)
+                       m.accepted_tokens, m.sample)
 
 
 def decode_chunk_to_pb(c: DecodeChunk) -> wpb.DecodeResponse:
     return wpb.DecodeResponse(token_ids=c.token_ids, finish_reason=finish_to_pb(c.finish_reason),
                               cached_tokens=c.cached_tokens, snapshot_tokens=c.snapshot_tokens,
                               logprobs=logprobs_to_pb(c.logprobs),
-                              draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens)
+                              draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
+                              sample=c.sample)
 
 
 def serve_to_pb(r: ServeInput) -> wpb.ServeRequest:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -40,17 +41,12 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
         from baton.engine.tp.pp_model import build_tp_pipeline_engine
 
-        return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost)
+        return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost, stage_argv)
     if cfg.worker.tensor_parallel_size > 1:
         from baton.engine.tp.launch import build_tp_engine
 
-        return build_tp_engine(cfg, path, on_stage_death, on_link_lost)
+        return build_tp_engine(cfg, path, on_stage_death, on_link_lost, stage_argv)
     if cfg.worker.pipeline_parallel_size > 1:
-        if cfg.speculative.num_draft_tokens:
-            raise ConfigError(
-                f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
-                f"supported with worker.pipeline_parallel_size="
-                f"{cfg.worker.pipeline_parallel_size} yet; set it to 0 or use one stage")
         return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master,
                                      on_link_lost)
     dtype = DTYPES[cfg.model.dtype]
@@ -118,6 +114,7 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
     )
     from baton.engine.pipeline.mirror import MirroredPools
     from baton.engine.pipeline.model import PipelineModel
+    from baton.model.loader import mtp_head_meta
     from baton.model.tokenizer import load_tokenizer
 
     layers = stage_layers(cfg, path)
@@ -138,11 +135,21 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=local.spec.dtype,
                               device=cfg.model.device)
+    # speculation: the MTP head (its weights and KV) is the last stage's; stage 0 accounts
+    # for its KV layer and keeps the verify pass's scratch slots out of the cache manager
+    head = mtp_head_meta(path) if cfg.speculative.num_draft_tokens else None
+    full = with_draft_layers(full, SimpleNamespace(mtp=head, config=stage.config),
+                             cfg.speculative)
     pools = MirroredPools(full, local)
-    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
+    reserved = reserved_slots(cfg.speculative, full.num_slots, cfg.worker.max_num_seqs)
+    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
+                               reserved_slots=reserved)
     _maybe_arm_canaries(cache)  # the fills reach stages 1..N-1 as mirrored operations
     model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages,
                           on_link_lost=on_link_lost)
-    log.info("pipeline engine ready: %d stages, layers %s", size,
-             [[r.start, r.stop] for r in layers])
-    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))
+    model.mtp = head
+    log.info("pipeline engine ready: %d stages, layers %s%s", size,
+             [[r.start, r.stop] for r in layers],
+             f", MTP head on stage {size - 1}" if head is not None else "")
+    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
+                  speculative=cfg.speculative)

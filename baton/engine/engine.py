@@ -2,7 +2,10 @@
 
 Both worker roles run this engine: the prefill worker stops each request after its
 first token (`Request.prefill_only`) and keeps the cache for the handoff; the decode
-worker admits requests whose prompt state arrives by transfer (`reserve_remote`).
+worker admits requests whose prompt state arrives by transfer (`reserve_remote`). A request
+of n > 1 samples computes its prompt once and then forks into n sequences
+(baton/engine/samples.py): after its last prompt chunk, or on the decode worker at
+`start_remote` with the n first tokens the prefill worker drew.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
 from baton.contract import FinishReason, TokenLogprob
-from baton.contract.limits import check_length, check_pool
+from baton.contract.limits import check_length, check_pool, check_samples
 from baton.engine.logprobs import prompt_logprobs, token_logprobs
-from baton.engine.request import Phase, Request, RequestOutput, SamplingParams
+from baton.engine.request import Phase, Request, RequestOutput, SamplingParams, sample_id
 from baton.engine.sampler import Sampler
+from baton.engine.samples import SampleFamilies, fork
 from baton.engine.scheduler import Scheduler
 from baton.engine.speculative.decoder import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
@@ -62,12 +66,17 @@ class Engine:
         self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
                                       getattr(cache, "reserved_slots", 0))
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
+        self.samples = SampleFamilies()
+        """Requests forked into their n samples (baton/engine/samples.py)."""
         self.prefilled_tokens = 0
         """Prompt tokens this engine computed (chunks committed), for Stats and metrics: on a
         decode worker, the increments it prefilled itself (conditional disaggregation)."""
 
     # ---- admission -------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams,
+                 forks: bool = True) -> None:
+        """InvalidRequestError for what this engine can never run; `forks`: it will hold the
+        request's n samples (not a prefill worker, which draws n first tokens and no more)."""
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token")
@@ -87,16 +96,40 @@ class Engine:
             spec = self.pools.spec
             check_pool(len(prompt_ids) + sampling.max_tokens, spec.tokens_per_block,
                        spec.num_blocks)
+        if sampling.n > 1 and forks:
+            if self.spec is not None:
+                raise InvalidRequestError(
+                    f"n={sampling.n}: several samples are not available with speculative "
+                    "decoding on this worker; send n = 1 or serve without speculative")
+            spec = self.pools.spec
+            check_samples(sampling.n, len(prompt_ids), sampling.max_tokens, self.max_model_len,
+                          self.cache.max_live, spec.tokens_per_block,
+                          spec.num_blocks if self.pools.has_kv else 0)
 
     def add_request(self, req: Request) -> None:
         if req.id in self.requests:
             raise InvalidRequestError(f"request id {req.id!r} is already in use")
-        self.validate(req.prompt_ids, req.sampling)
+        self.validate(req.prompt_ids, req.sampling, forks=not req.prefill_only)
         self.requests[req.id] = req
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free what it holds; False if unknown."""
+        """Drop a request (every one of its samples) wherever it is and free what it holds;
+        False if unknown."""
+        found = self._abort_one(request_id)
+        for i in self.samples.pop(request_id):
+            found = self._abort_one(sample_id(request_id, i)) or found
+        return found
+
+    def abort_sample(self, request_id: str, sample: int) -> int | None:
+        """Drop one running sample of a forked request (its siblings go on); the samples
+        still open after it, or None when that sample is not running (then nothing changed)."""
+        if not self.samples.is_open(request_id, sample):
+            return None
+        self._abort_one(sample_id(request_id, sample))
+        return self.samples.close(request_id, sample)
+
+    def _abort_one(self, request_id: str) -> bool:
         self.take_stream(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -130,7 +163,8 @@ class Engine:
         """Per-request bookkeeping besides `requests`: sampler generators, layer streams."""
         with self._streams_lock:
             streams = len(self._streams)
-        out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams}
+        out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams,
+               "sample_families": len(self.samples)}
         if self.spec is not None:
             out["spec_pending"] = self.spec.tracked
         return out
@@ -145,12 +179,13 @@ class Engine:
         self.validate(req.prompt_ids, req.sampling)
         if req.id in self.requests:
             raise InvalidRequestError(f"request id {req.id!r} is already in use")
-        if len(self.scheduler.running) + self._num_reserved() >= self.cfg.max_num_seqs:
+        n = req.sampling.n
+        if len(self.scheduler.running) + self._num_reserved() + n > self.cfg.max_num_seqs:
             raise CapacityError(f"decode worker is full ({self.cfg.max_num_seqs} requests)")
         need = self.scheduler.blocks_needed(req)
         if need and not self.cache.can_allocate(self.scheduler.outstanding_blocks() + need):
             raise CapacityError(f"decode worker has no room for {need} KV blocks")
-        adm = self.cache.admit_remote(req.id, req.prompt_ids, req.session)
+        adm = self.cache.admit_remote(req.id, req.prompt_ids, req.session, samples=n)
         req.num_computed = req.prompt_len
         req.holds_cache = True
         req.cached_tokens = adm.cached_tokens
@@ -158,26 +193,36 @@ class Engine:
         return adm
 
     def _num_reserved(self) -> int:
-        return sum(1 for r in self.requests.values() if r.phase is Phase.WAITING and r.holds_cache)
+        return sum(r.sampling.n for r in self.requests.values()
+                   if r.phase is Phase.WAITING and r.holds_cache)
 
-    def start_remote(self, request_id: str, first_token: int) -> list[RequestOutput]:
-        """Decode side: the prompt state has landed; decode from `first_token` on."""
+    def start_remote(self, request_id: str, first_token: int | list[int]) -> list[RequestOutput]:
+        """Decode side: the prompt state has landed; decode from `first_token` on (one per
+        sample when the request has n > 1: the request forks into its samples here)."""
         req = self.requests.get(request_id)
         if req is None or req.phase is not Phase.WAITING:
             raise TransferError(
                 f"request {request_id} holds no reservation here (its lease expired or it was "
                 f"aborted); the router retries or reports it"
             )
-        vocab = self.model.config.vocab_size
-        if not 0 <= first_token < vocab:  # it would fail the whole decode batch's forward
+        firsts = [first_token] if isinstance(first_token, int) else list(first_token)
+        if len(firsts) != req.sampling.n:
             raise InvalidRequestError(
-                f"first token id {first_token} of request {request_id} is outside the "
-                f"vocabulary [0, {vocab}); send the token the prefill worker returned"
-            )
+                f"request {request_id} has n={req.sampling.n} samples but {len(firsts)} first "
+                "tokens came; send one first token per sample")
+        vocab = self.model.config.vocab_size
+        for tok in firsts:
+            if not 0 <= tok < vocab:  # it would fail the whole decode batch's forward
+                raise InvalidRequestError(
+                    f"first token id {tok} of request {request_id} is outside the "
+                    f"vocabulary [0, {vocab}); send the token the prefill worker returned"
+                )
         req.phase = Phase.DECODE
-        req.first_token_time = time.monotonic()
         self.scheduler.running.append(req)
-        return self._append_tokens([(req, first_token)], [None])
+        samples = fork(self, req)
+        for r in samples:
+            r.first_token_time = time.monotonic()
+        return self._append_tokens(list(zip(samples, firsts, strict=True)), [None] * len(firsts))
 
     def stream_layers(self, request_id: str, stream: LayerStream) -> None:
         """Any thread, even mid-step: stream the prefill request's last chunk layer by layer,
@@ -204,7 +249,7 @@ class Engine:
         state is half-updated), never the rest of the batch."""
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
-        sampled = self._prefill(plan.prefills, failed)
+        sampled = self._forked(self._prefill(plan.prefills, failed), failed)
         decided: list[RequestOutput] = []  # decoded by speculation (drafts verified)
         if plan.decodes and self.spec is not None:
             more, decided = self.spec.step(self, plan.decodes, failed)
@@ -246,11 +291,28 @@ class Engine:
         return out
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
-        """End `req` alone: free what it holds and report an ERROR output naming why."""
+        """End `req` alone (one sample: its siblings go on): free what it holds and report an
+        ERROR output naming why."""
         log.warning("request %s failed: %s", req.id, why)
-        self.abort(req.id)
-        return RequestOutput(req.id, (), True, FinishReason.ERROR, req.prompt_len,
-                             req.cached_tokens, error=why)
+        self._abort_one(req.id)
+        return RequestOutput(req.key, (), True, FinishReason.ERROR, req.prompt_len,
+                             req.cached_tokens, error=why, sample=req.sample,
+                             open_samples=self.samples.close(req.key, req.sample))
+
+    def _forked(self, sampled: list[tuple[Request, torch.Tensor]],
+                failed: list[RequestOutput]) -> list[tuple[Request, torch.Tensor]]:
+        """Each prompt that completed with n > 1 samples, forked: its n samples draw their
+        first tokens from the same logits."""
+        out = []
+        for req, logits in sampled:
+            if req.sampling.n == 1:
+                out.append((req, logits))
+                continue
+            try:
+                out.extend((r, logits) for r in fork(self, req))
+            except Exception as e:  # noqa: BLE001 - one request's failure must not end its batch
+                failed.append(self._fail(req, f"{type(e).__name__}: {e}"))
+        return out
 
     def _guarded(self, req: Request, failed: list[RequestOutput], fn, *args) -> bool:
         """Run a per-request operation; on error fail that request alone and return False."""
@@ -290,8 +352,12 @@ class Engine:
         logprobs has its chunk's positions scored (the group then computes every position)."""
         ids = [req.prompt_ids[req.num_computed : end] for req, end in group]
         scored = [i for i, (req, _) in enumerate(group) if req.sampling.prompt_logprobs is not None]
-        hidden = [] if self.spec is not None and any(self.spec.kv_wanted(r) for r, _ in group) \
-            else None  # the MTP head reads the chunk's hidden states
+        # the MTP head reads the chunk's hidden states (a pipeline runs it in the forward)
+        nexts = self.spec.prefill_inputs(group, self.cache) if self.spec is not None else None
+        hidden = [] if nexts is not None else None
+        extra = {} if hidden is None else {"hidden_out": hidden}
+        if nexts is not None and self.spec.drafter.in_forward:
+            extra["mtp_next"] = nexts
         on_layer = self._begin_streams(group)
         out = self.model.prefill_batch(
             torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -301,10 +367,10 @@ class Engine:
             self.pools,
             all_logits=bool(scored),
             on_layer=on_layer,
-            **({} if hidden is None else {"hidden_out": hidden}),
+            **extra,
         )
         if hidden:
-            self.spec.after_prefill(group, hidden[0], self.cache)
+            self.spec.after_prefill(group, nexts, hidden[0], self.cache)
             for layer in self.spec.draft_layers if on_layer is not None else ():
                 on_layer(layer)  # the head's KV ships with the target's
         if not scored:
@@ -422,6 +488,9 @@ class Engine:
         for r in reqs:
             if self.spec is not None:
                 self.spec.forget(r.id)
+            if r.prefill_only and r.family is not None:  # a drawn first token, no cache
+                self.requests.pop(r.id, None)
+                self.sampler.forget(r.id)
         for r in keep:
             self.requests.pop(r.id, None)
             self.sampler.forget(r.id)
@@ -442,7 +511,7 @@ class Engine:
         if finished and req.finish_time is not None:
             latency = (req.finish_time - req.arrival) * 1000
         return RequestOutput(
-            request_id=req.id,
+            request_id=req.key,
             new_token_ids=toks,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
@@ -456,4 +525,6 @@ class Engine:
             prompt_logprobs=tuple(req.prompt_logprobs) if len(req.output_ids) == 1 else (),
             draft_tokens=req.draft_tokens,
             accepted_tokens=req.accepted_tokens,
+            sample=req.sample,
+            open_samples=self.samples.close(req.key, req.sample) if finished else 0,
         )

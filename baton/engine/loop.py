@@ -78,6 +78,22 @@ class EngineLoop:
 
         return self.call(run)
 
+    def abort_sample(self, request_id: str, sample: int) -> bool:
+        """Free one sample of a request with n > 1 (its siblings go on); its waiter gets that
+        sample's `abort` output. False when that sample is not running."""
+
+        def run():
+            left = self.engine.abort_sample(request_id, sample)
+            if left is None:
+                return False
+            cb = self._callbacks.get(request_id) if left else self._callbacks.pop(request_id, None)
+            if cb is not None:
+                cb(RequestOutput(request_id, (), True, FinishReason.ABORT, error="aborted",
+                                 sample=sample, open_samples=left))
+            return True
+
+        return self.call(run)
+
     def tracked(self) -> dict[str, int]:
         """Per-request bookkeeping sizes (worker Stats `tracked_*`)."""
         return {"output_callbacks": len(self._callbacks), **self.engine.tracked()}
@@ -117,14 +133,16 @@ class EngineLoop:
             outs = []
             sched = self.engine.scheduler
             for req in [*sched.running, *sched.waiting]:
-                self.engine.abort(req.id)
-                outs.append(RequestOutput(req.id, (), True, FinishReason.ERROR, req.prompt_len,
-                                          error=str(e)))
+                if self.engine.abort(req.key):  # every sample: one output ends the request
+                    outs.append(RequestOutput(req.key, (), True, FinishReason.ERROR,
+                                              req.prompt_len, error=str(e)))
             return outs
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            cb = self._callbacks.pop(out.request_id, None) if out.finished else \
+            # the callback serves every sample of a request: it goes with the last one
+            done = out.finished and not out.open_samples
+            cb = self._callbacks.pop(out.request_id, None) if done else \
                 self._callbacks.get(out.request_id)
             if cb is not None:
                 cb(out)

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from baton.contract import FinishReason, TokenLogprob
 from baton.sampling import SamplingParams
 
-__all__ = ["Phase", "Request", "RequestOutput", "SamplingParams"]
+__all__ = ["Phase", "Request", "RequestOutput", "SamplingParams", "sample_id"]
+
+
+def sample_id(request_id: str, sample: int) -> str:
+    """The engine's id of sample `sample` of a request with n > 1 (sample 0 is the request)."""
+    return request_id if sample == 0 else f"{request_id}#{sample}"
 
 
 class Phase(enum.Enum):
@@ -47,6 +52,20 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    family: str | None = None
+    """Samples 1.. of a request with n > 1: that request's id (its outputs carry it)."""
+    sample: int = 0
+    """Which of its request's samples this is (0: the request itself)."""
+
+    @property
+    def forks(self) -> int:
+        """Samples it will hold a cache for (a prefill-only request hands one over)."""
+        return 1 if self.prefill_only else self.sampling.n
+
+    @property
+    def key(self) -> str:
+        """The id its outputs carry: the request's, for every one of its samples."""
+        return self.family or self.id
 
     @property
     def prompt_len(self) -> int:
@@ -90,3 +109,8 @@ class RequestOutput:
     """Speculative decoding: drafts verified for the request so far, and of those..."""
     accepted_tokens: int = 0
     """...the ones accepted (totals up to this output)."""
+    sample: int = 0
+    """Which sample of the request (n > 1) the output is of."""
+    open_samples: int = 0
+    """Finished outputs: samples of the request still running after this one (0: the
+    request is over; always 0 when n = 1)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
+from baton.contract.limits import sample_blocks
 from baton.engine.inflight import waits_for_snapshot
 from baton.engine.request import Phase, Request
 from baton.errors import CapacityError
@@ -88,8 +89,11 @@ class Scheduler:
             self.waiting.remove(req)
 
     def blocks_needed(self, req: Request) -> int:
-        total = min(req.prompt_len + req.sampling.max_tokens, self.max_model_len)
-        return -(-total // self.tpb) if self.cache.pools.has_kv else 0
+        """Most blocks the request may hold (all its samples' when n > 1)."""
+        if not self.cache.pools.has_kv:
+            return 0
+        return sample_blocks(req.forks, req.prompt_len, req.sampling.max_tokens, self.tpb,
+                             self.max_model_len)
 
     def outstanding_blocks(self) -> int:
         """Blocks running requests may still allocate."""
@@ -140,7 +144,8 @@ class Scheduler:
             try:
                 # prompt logprobs need every position's logits: nothing is restored for them
                 adm = self.cache.admit(req.id, req.prompt_ids, req.session,
-                                       reuse=req.sampling.prompt_logprobs is None)
+                                       reuse=req.sampling.prompt_logprobs is None,
+                                       samples=req.forks)
             except CapacityError as e:
                 # live slots held outside `running` (a prefill handing off, a reservation
                 # waiting for its transfer) are freed by release or lease expiry: wait for them

@@ -106,20 +106,38 @@ def load_model(
 
 def load_stage(
     path: str | Path, layers: range, first: bool, last: bool,
-    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mtp: bool = False,
 ):
     """Only one pipeline stage's tensors: global `layers`, the embeddings if `first`, the final
-    norm and LM head if `last`. Other stages' tensors are skipped silently."""
+    norm and LM head if `last`. Other stages' tensors are skipped silently. `mtp` (the last
+    stage of a speculating worker): also the MTP head, when the checkpoint has it, and the
+    embeddings it reads (`model.mtp`)."""
     path = Path(path)
     cfg = load_config(path)
+    fam = family_loader(cfg)
     with torch.device("meta"):
-        model = _class(family_loader(cfg).stage)(cfg, layers, first, last)
+        model = _class(fam.stage)(cfg, layers, first, last)
+        if mtp and last and attach_mtp(model, _tensor_names(path)) and not first:
+            parent, _, name = fam.embeddings.rpartition(".")[0].rpartition(".")
+            model.get_submodule(parent).add_module(
+                name, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size))
     expected = model.state_dict()
     state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype)
     state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return install_linears(model.eval())
+
+
+def mtp_head_meta(path: str | Path):
+    """The MTP head the checkpoint at `path` declares and holds, on the meta device (its
+    layer ids and spec; no weights), or None."""
+    from types import SimpleNamespace
+
+    holder = SimpleNamespace(config=load_config(Path(path)))
+    with torch.device("meta"):
+        attach_mtp(holder, _tensor_names(Path(path)))
+    return getattr(holder, "mtp", None)
 
 
 def checkpoint_files(path: Path) -> list[Path]:

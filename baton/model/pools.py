@@ -149,6 +149,13 @@ class Pools:
         if self.has_kv:
             self.kv[:, dst].copy_(self.kv[:, src])
 
+    def copy_token(self, src: int, dst: int) -> None:
+        """Copy the K/V of one token position (every attention layer) onto another; a
+        position is block * tokens_per_block + offset (tree drafts' kept rows)."""
+        if self.has_kv:
+            tpb = self.spec.tokens_per_block
+            self.kv[:, dst // tpb, :, dst % tpb].copy_(self.kv[:, src // tpb, :, src % tpb])
+
     def zero_slot(self, slot: int) -> None:
         if self.has_state:
             for t in self.state.values():

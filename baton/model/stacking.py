@@ -71,7 +71,8 @@ class ExpertStacks:
 
     def _stack(self, target: str, pieces: list[Piece], device, dtype) -> torch.Tensor:
         want = self.expected[target]
-        _check_complete(target, pieces, want)
+        first = self._first(target)
+        _check_complete(target, pieces, want, first)
         out = torch.empty(want.shape, dtype=dtype, device=device)
         rows = want.shape[1] // 2
         by_file: dict[Path, list[Piece]] = defaultdict(list)
@@ -80,36 +81,48 @@ class ExpertStacks:
         for file, group in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for p in group:
-                    dst = out[p.expert] if p.half is None else \
-                        out[p.expert, p.half * rows:(p.half + 1) * rows]
-                    got = tuple(f.get_slice(p.name).get_shape())
-                    if got != tuple(dst.shape):
+                    e = p.expert - first
+                    dst = out[e] if p.half is None else out[e, p.half * rows:(p.half + 1) * rows]
+                    got = self._read(f.get_slice(p.name), target)
+                    if tuple(got.shape) != tuple(dst.shape):
                         raise ConfigError(
-                            f"tensor {p.name!r} in {file.name} has shape {list(got)} but "
-                            f"config.json implies {list(dst.shape)}"
+                            f"tensor {p.name!r} in {file.name} has shape {list(got.shape)} "
+                            f"but config.json implies {list(dst.shape)}"
                         )
-                    dst.copy_(f.get_tensor(p.name))
+                    dst.copy_(got)
         return out
 
+    def _first(self, target: str) -> int:
+        """The checkpoint expert id of the stack's row 0 (a TP rank's first expert)."""
+        return 0
 
-def _check_complete(target: str, pieces: list[Piece], want: torch.Tensor) -> None:
-    """Every expert (and both halves of a gated one) once; errors name the missing tensor."""
+    def _read(self, piece, target: str) -> torch.Tensor:
+        """The part of one expert's tensor (a safetensors slice) this model holds."""
+        return piece[:]
+
+
+def _check_complete(target: str, pieces: list[Piece], want: torch.Tensor,
+                    first: int = 0) -> None:
+    """Every expert of the stack, [first, first + rows), (and both halves of a gated one)
+    once; errors name the missing tensor."""
     num = want.shape[0]
     halves = (None,) if pieces[0].half is None else (0, 1)
     have = {(p.expert, p.half) for p in pieces}
-    extra = [p.name for p in pieces if p.expert >= num]
+    extra = [p.name for p in pieces if p.expert >= first + num]
     if extra:
         raise ConfigError(
             f"checkpoint tensor {extra[0]!r} names an expert beyond n_routed_experts={num} "
             f"(experts 0..{num - 1})"
         )
-    for e in range(num):
+    for e in range(first, first + num):
         for h in halves:
             if (e, h) not in have:
                 proj = target.rsplit(".", 1)[1] if h is None else ("gate_proj", "up_proj")[h]
                 raise ConfigError(
                     f"checkpoint is missing tensor {_expert_name(pieces[0].name, e, proj)!r} "
-                    f"(expert {e} of {num} for {target!r})"
+                    + (f"(expert {e} of {num} for {target!r})" if not first else
+                       f"(expert {e} for {target!r}, experts {first}..{first + num - 1} on "
+                       "this rank)")
                 )
 
 

@@ -153,8 +153,10 @@ def tp_rules(cfg) -> list[tuple[str, int, str]]:
                       ("n_groups", cfg.n_groups, "split_or_one")]
         if "-" in p:
             rules.append(("intermediate_size", cfg.intermediate_size, "split"))
-    if cfg.family == "qwen3_5":  # DeltaNet: value heads split, key heads split or replicated
-        rules += [("intermediate_size", cfg.intermediate_size, "split")]
+    if cfg.family in ("qwen3_5", "qwen3_5_moe"):  # DeltaNet: value heads split, key heads
+        # split or replicated; the dense MLP (where a layer has one) by its width
+        if len(getattr(cfg, "moe_layers", ())) < cfg.num_layers:
+            rules += [("intermediate_size", cfg.intermediate_size, "split")]
         if "G" in p:
             rules += [("linear_num_value_heads", cfg.linear_num_value_heads, "split"),
                       ("linear_num_key_heads", cfg.linear_num_key_heads, "split_or_replicate")]

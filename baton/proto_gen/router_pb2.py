@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.proto_gen import baton_pb2 as baton_dot_v1_dot_baton__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\x1a\x14\x62\x61ton/v1/baton.proto\"\x89\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\"\x93\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x0f\n\x07ttft_ms\x18\t \x01(\x01\x12\x12\n\nlatency_ms\x18\n \x01(\x01\x12\x0f\n\x07retries\x18\x0b \x01(\r\x12(\n\x08logprobs\x18\x0c \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x14\n\x0c\x64raft_tokens\x18\x0e \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0f \x01(\r\"8\n\x12ListWorkersRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.baton.v1.WorkerRole\"\xf7\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04load\x18\x04 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x19\n\x11tracked_snapshots\x18\x07 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\"9\n\x10ListWorkersReply\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo\"\xd3\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04load\x18\x04 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x18\n\x10tokens_per_block\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12#\n\x06stages\x18\x07 \x03(\x0b\x32\x13.baton.v1.StageInfo\"O\n\tStageInfo\x12\x13\n\x0b\x66irst_layer\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x19\n\x11transfer_endpoint\x18\x03 \x01(\t\"G\n\rRegisterReply\x12\x19\n\x11heartbeat_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x65ject_after_seconds\x18\x02 \x01(\x01\"{\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x30\n\x0fsnapshot_events\x18\x03 \x03(\x0b\x32\x17.baton.v1.SnapshotEvent\"$\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x96\x01\n\x06Router\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12G\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1a.baton.v1.ListWorkersReply2\xd3\x01\n\x08Registry\x12>\n\x08Register\x12\x19.baton.v1.RegisterRequest\x1a\x17.baton.v1.RegisterReply\x12\x41\n\tHeartbeat\x12\x1a.baton.v1.HeartbeatRequest\x1a\x18.baton.v1.HeartbeatReply\x12\x44\n\nDeregister\x12\x1b.baton.v1.DeregisterRequest\x1a\x19.baton.v1.DeregisterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\x1a\x14\x62\x61ton/v1/baton.proto\"\x89\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\"\xa3\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x0f\n\x07ttft_ms\x18\t \x01(\x01\x12\x12\n\nlatency_ms\x18\n \x01(\x01\x12\x0f\n\x07retries\x18\x0b \x01(\r\x12(\n\x08logprobs\x18\x0c \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x14\n\x0c\x64raft_tokens\x18\x0e \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0f \x01(\r\x12\x0e\n\x06sample\x18\x10 \x01(\r\"8\n\x12ListWorkersRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.baton.v1.WorkerRole\"\xf7\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04load\x18\x04 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x19\n\x11tracked_snapshots\x18\x07 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\"9\n\x10ListWorkersReply\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo\"\xd3\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04load\x18\x04 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x18\n\x10tokens_per_block\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12#\n\x06stages\x18\x07 \x03(\x0b\x32\x13.baton.v1.StageInfo\"O\n\tStageInfo\x12\x13\n\x0b\x66irst_layer\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x19\n\x11transfer_endpoint\x18\x03 \x01(\t\"G\n\rRegisterReply\x12\x19\n\x11heartbeat_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x65ject_after_seconds\x18\x02 \x01(\x01\"{\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x30\n\x0fsnapshot_events\x18\x03 \x03(\x0b\x32\x17.baton.v1.SnapshotEvent\"$\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x96\x01\n\x06Router\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12G\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1a.baton.v1.ListWorkersReply2\xd3\x01\n\x08Registry\x12>\n\x08Register\x12\x19.baton.v1.RegisterRequest\x1a\x17.baton.v1.RegisterReply\x12\x41\n\tHeartbeat\x12\x1a.baton.v1.HeartbeatRequest\x1a\x18.baton.v1.HeartbeatReply\x12\x44\n\nDeregister\x12\x1b.baton.v1.DeregisterRequest\x1a\x19.baton.v1.DeregisterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=58
   _globals['_GENERATEREQUEST']._serialized_end=195
   _globals['_GENERATERESPONSE']._serialized_start=198
-  _globals['_GENERATERESPONSE']._serialized_end=601
-  _globals['_LISTWORKERSREQUEST']._serialized_start=603
-  _globals['_LISTWORKERSREQUEST']._serialized_end=659
-  _globals['_WORKERINFO']._serialized_start=662
-  _globals['_WORKERINFO']._serialized_end=909
-  _globals['_LISTWORKERSREPLY']._serialized_start=911
-  _globals['_LISTWORKERSREPLY']._serialized_end=968
-  _globals['_REGISTERREQUEST']._serialized_start=971
-  _globals['_REGISTERREQUEST']._serialized_end=1182
-  _globals['_STAGEINFO']._serialized_start=1184
-  _globals['_STAGEINFO']._serialized_end=1263
-  _globals['_REGISTERREPLY']._serialized_start=1265
-  _globals['_REGISTERREPLY']._serialized_end=1336
-  _globals['_HEARTBEATREQUEST']._serialized_start=1338
-  _globals['_HEARTBEATREQUEST']._serialized_end=1461
-  _globals['_HEARTBEATREPLY']._serialized_start=1463
-  _globals['_HEARTBEATREPLY']._serialized_end=1499
-  _globals['_DEREGISTERREQUEST']._serialized_start=1501
-  _globals['_DEREGISTERREQUEST']._serialized_end=1539
-  _globals['_DEREGISTERREPLY']._serialized_start=1541
-  _globals['_DEREGISTERREPLY']._serialized_end=1573
-  _globals['_ROUTER']._serialized_start=1576
-  _globals['_ROUTER']._serialized_end=1726
-  _globals['_REGISTRY']._serialized_start=1729
-  _globals['_REGISTRY']._serialized_end=1940
+  _globals['_GENERATERESPONSE']._serialized_end=617
+  _globals['_LISTWORKERSREQUEST']._serialized_start=619
+  _globals['_LISTWORKERSREQUEST']._serialized_end=675
+  _globals['_WORKERINFO']._serialized_start=678
+  _globals['_WORKERINFO']._serialized_end=925
+  _globals['_LISTWORKERSREPLY']._serialized_start=927
+  _globals['_LISTWORKERSREPLY']._serialized_end=984
+  _globals['_REGISTERREQUEST']._serialized_start=987
+  _globals['_REGISTERREQUEST']._serialized_end=1198
+  _globals['_STAGEINFO']._serialized_start=1200
+  _globals['_STAGEINFO']._serialized_end=1279
+  _globals['_REGISTERREPLY']._serialized_start=1281
+  _globals['_REGISTERREPLY']._serialized_end=1352
+  _globals['_HEARTBEATREQUEST']._serialized_start=1354
+  _globals['_HEARTBEATREQUEST']._serialized_end=1477
+  _globals['_HEARTBEATREPLY']._serialized_start=1479
+  _globals['_HEARTBEATREPLY']._serialized_end=1515
+  _globals['_DEREGISTERREQUEST']._serialized_start=1517
+  _globals['_DEREGISTERREQUEST']._serialized_end=1555
+  _globals['_DEREGISTERREPLY']._serialized_start=1557
+  _globals['_DEREGISTERREPLY']._serialized_end=1589
+  _globals['_ROUTER']._serialized_start=1592
+  _globals['_ROUTER']._serialized_end=1742
+  _globals['_REGISTRY']._serialized_start=1745
+  _globals['_REGISTRY']._serialized_end=1956
 # @@protoc_insertion_point(module_scope)

@@ -74,31 +74,47 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., destination: _Optional[_Union[Destination, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token_id", "cached_tokens", "finished", "finish_reason", "logprobs", "prompt_logprobs")
+    __slots__ = ("first_token_id", "cached_tokens", "finished", "finish_reason", "logprobs", "prompt_logprobs", "samples")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     cached_tokens: int
     finished: bool
     finish_reason: _baton_pb2.FinishReason
     logprobs: _baton_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_baton_pb2.TokenLogprob]
-    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Union[_baton_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_baton_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[SampleFirst]
+    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Union[_baton_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_baton_pb2.TokenLogprob, _Mapping]]] = ..., samples: _Optional[_Iterable[_Union[SampleFirst, _Mapping]]] = ...) -> None: ...
+
+class SampleFirst(_message.Message):
+    __slots__ = ("first_token_id", "finished", "finish_reason", "logprobs")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    finished: bool
+    finish_reason: _baton_pb2.FinishReason
+    logprobs: _baton_pb2.TokenLogprob
+    def __init__(self, first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Union[_baton_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id")
+    __slots__ = ("request_id", "first_token_id", "more_first_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    more_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., more_first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "snapshot_tokens", "logprobs", "draft_tokens", "accepted_tokens")
+    __slots__ = ("token_ids", "finish_reason", "cached_tokens", "snapshot_tokens", "logprobs", "draft_tokens", "accepted_tokens", "sample")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +122,7 @@ class DecodeResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _baton_pb2.FinishReason
     cached_tokens: int
@@ -113,7 +130,8 @@ class DecodeResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_baton_pb2.TokenLogprob]
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., snapshot_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_baton_pb2.TokenLogprob, _Mapping]]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    sample: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_baton_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., snapshot_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_baton_pb2.TokenLogprob, _Mapping]]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "max_uncached_tokens")

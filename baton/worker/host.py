@@ -75,12 +75,13 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     """`host` None, "" or "auto": the address that routes to `router`; `metrics_port` None:
     the config's `worker.metrics_port`. With `worker.pipeline_parallel_size` > 1 this is
     stage 0: it starts the other stages (`baton <role>-worker --pp-rank R`) unless
-    `pp_master` says they are started elsewhere and meet at that HOST:PORT."""
-    if cfg.worker.tensor_parallel_size > 1:
-        raise ConfigError(
-            f"worker.tensor_parallel_size={cfg.worker.tensor_parallel_size}: {role.value} "
-            "workers do not run tensor parallelism yet (the local engine does: generate "
-            "--local --tensor-parallel-size N); set it to 1")
+    `pp_master` says they are started elsewhere and meet at that HOST:PORT. With
+    `worker.tensor_parallel_size` > 1 this is rank 0: it starts ranks 1..N-1 the same way
+    (`--pp-rank R` names the TP rank then), each with its own transfer agent."""
+    w = cfg.worker
+    if w.tensor_parallel_size > 1 and pp_master is not None:
+        raise ConfigError(f"worker.tensor_parallel_size={w.tensor_parallel_size}: the ranks "
+                          "start on this host (no --pp-master with tensor parallelism)")
     host = advertised_host(host, router)
     _pin_ucx_tcp(cfg, host)
     secret = load_secret(cfg.cluster, role=f"{role.value} worker")
@@ -116,10 +117,13 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
 
 
 def _stages(engine: Engine, service) -> tuple[StageInfo, ...]:
-    """Every stage's layers and (decode workers) transfer side channel, for the registration."""
+    """Every stage's layers and (decode workers) transfer side channel, for the registration
+    (a tensor-parallel worker: one stage, every rank's side channel, comma-separated)."""
     layers = getattr(engine.model, "layers", None) or [range(engine.model.config.num_layers)]
     receiver = getattr(service, "receiver", None)
     endpoints = receiver.endpoint.split(",") if receiver is not None else [""] * len(layers)
+    if len(endpoints) != len(layers):  # TP ranks: every side channel on the first entry
+        endpoints = [",".join(endpoints)] + [""] * (len(layers) - 1)
     return tuple(StageInfo(r.start, len(r), ep) for r, ep in zip(layers, endpoints, strict=True))
 
 
@@ -154,10 +158,10 @@ def _worker_config(args, role: Role) -> BatonConfig:
     from baton.engine.pipeline.launch import config_from_env
 
     cfg = config_from_env(args.config).for_role(role.value)
-    size = getattr(args, "pipeline_parallel_size", None)
-    if size is not None and size != cfg.worker.pipeline_parallel_size:
-        worker = dataclasses.replace(cfg.worker, pipeline_parallel_size=size)
-        cfg = dataclasses.replace(cfg, worker=worker)
+    for key in ("pipeline_parallel_size", "tensor_parallel_size"):
+        size = getattr(args, key, None)
+        if size is not None and size != getattr(cfg.worker, key):
+            cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, **{key: size}))
     return cfg
 
 
@@ -187,6 +191,14 @@ def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None)
         _pin_ucx_tcp(cfg, host)
         secret = load_secret(cfg.cluster, role=f"{role.value} worker stage {rank}")
         make = None if stage_handlers is None else stage_handlers(cfg, secret, host)
+        if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
+            from baton.engine.tp.pipeline import serve  # a world rank of TP x PP
+
+            exit_now(serve(cfg, resolve_model(args.model), rank, args.pp_master, make))
+        if cfg.worker.tensor_parallel_size > 1:  # a rank of this worker's TP group
+            from baton.engine.tp.launch import serve_rank
+
+            exit_now(serve_rank(cfg, resolve_model(args.model), rank, args.pp_master, make))
         exit_now(serve_stage(cfg, resolve_model(args.model), rank, args.pp_master, make))
     ports = cfg.worker.ports if args.port is None else port_range(args.port, "--port")
     worker = start_worker(cfg, role, attach, args.router, args.model, args.host or cfg.worker.host,
@@ -195,6 +207,9 @@ def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    layout = getattr(worker.loop.engine.model, "rank_layout", None)
+    if layout:  # tensor parallelism: what every rank process holds
+        print(layout, flush=True)
     print(f"{role.value} worker {worker.worker_id} serving on {worker.address}, metrics on "
           f"http://{worker.address.rpartition(':')[0]}:{worker.metrics_port}/metrics", flush=True)
     stop.wait()

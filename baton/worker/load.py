@@ -39,6 +39,11 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
             ok = 1.0
         except AssertionError:
             ok = 0.0
+        digests = getattr(loop.engine.model, "ops_digests", None)
+        if digests is not None and len(set(digests())) != 1:
+            # a tensor-parallel rank applied other cache operations than rank 0 decided
+            log.error("tensor-parallel ranks' cache operation digests differ: %s", digests())
+            ok = 0.0
         out = {k: float(v) for k, v in vars(cache.stats()).items()}
         out.update(integrity_ok=ok, live_requests=float(len(cache.live_requests())),
                    engine_requests=float(len(loop.engine.requests)),

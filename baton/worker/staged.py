@@ -28,7 +28,8 @@ class StagedAgent:
         """Stage 0's own agent."""
         self.model = loop.engine.model
         """The PipelineModel: `call(name, args_of, reply)` reaches stages 1..N-1."""
-        self.size = self.model.size
+        self.size = getattr(self.model, "agents", self.model.size)
+        """Processes with an agent: PP stages, TP ranks, or every rank of TP x PP."""
         self._make_event = make_event
         self._oks: dict[str, set[int]] = {}
         """Requests in flight on the stages -> stages that reported ok."""
@@ -89,6 +90,25 @@ class StagedAgent:
             self.remote("abort", {"rid": request_id, "reason": reason})
         except RuntimeError as e:  # the engine loop is stopped: the stages go with it
             log.debug("abort of %s on the other stages skipped: %s", request_id, e)
+
+
+def rank_of(model, channel=None) -> tuple[int, int]:
+    """(TP rank, TP size) of the process holding `model`: rank 0's engine model (`TPModel`,
+    `.tp`), a rank's shard (`.full_config`; its place is its channel's), else (0, 1)."""
+    place = getattr(model, "tp_place", None)
+    if place is not None:  # a TP x PP rank (its TP rank within its stage) or world rank 0
+        return place
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        return tp.rank, tp.size
+    if channel is not None and getattr(model, "full_config", None) is not None:
+        return channel.rank, channel.size
+    return 0, 1
+
+
+def whole_config(model):
+    """The whole model's config (a TP rank's shard holds its local one in `.config`)."""
+    return getattr(model, "full_config", None) or model.config
 
 
 def stage_events(agent) -> dict:

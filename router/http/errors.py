@@ -20,7 +20,7 @@ TYPE_OF_STATUS = {
 }
 FIELD_WORDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "prompt",
                "messages", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "logit_bias", "min_tokens")
+               "repetition_penalty", "logit_bias", "min_tokens", "n")
 """Fields an error from the router or a worker may start with; it becomes `param`."""
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -1,5 +1,6 @@
-"""One response's requests: a choice per prompt and sample (`n`), each run through the
-orchestrator (`bridge.Chunks`), folded into its `Answer` and worded by a `Shape`, whole or as
+"""One response's requests: a request per prompt, whose `n` samples are its choices (one
+prefill, n decodes), run through the orchestrator (`bridge.Chunks`, a `SampleChunks` a choice
+when n > 1), each choice folded into its `Answer` and worded by a `Shape`, whole or as
 server-sent events that name their choice's index.
 
 A stop string ends a choice early: its request is stopped on both workers and its summary
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from baton.contract import GenerateInput, SamplingParams
 from baton.errors import InvalidRequestError
 from router.http.answer import Answer, Shape
-from router.http.bridge import Chunks, watch_disconnect
+from router.http.bridge import Chunks, SampleChunks, SampleFailed, watch_disconnect
 from router.http.errors import ApiError, baton_error_response, param_of
 from router.http.logprobs import LogprobView, token_text
 from router.http.schemas import MAX_N, ChatCompletionRequest
@@ -28,8 +29,8 @@ from router.http.stops import StopStrings
 log = logging.getLogger("baton.http")
 
 
-def _sampling(body, max_tokens: int, sample: int) -> SamplingParams:
-    """The engine's parameters for choice `sample` of a prompt (seeded: seed + sample)."""
+def _sampling(body, max_tokens: int, n: int = 1) -> SamplingParams:
+    """The engine's parameters for a prompt's `n` choices (choice i seeded seed + i)."""
     chat = isinstance(body, ChatCompletionRequest)
     if chat:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -37,8 +38,9 @@ def _sampling(body, max_tokens: int, sample: int) -> SamplingParams:
     else:
         logprobs = body.logprobs
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    seed = None if body.seed is None else (body.seed + sample) % 2**63
+    seed = None if body.seed is None else body.seed % 2**63
     s = SamplingParams(
+        n=n,
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -88,7 +90,7 @@ async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], s
     wants_lp = getattr(body, "logprobs", None) not in (None, False)
     shape = shape_cls(ctx.model_name, body.return_token_ids,
                       LogprobView(token_text(tok)) if wants_lp else None)
-    many = len(prompts) * n > 1
+    many = len(prompts) > 1
     choices = [c for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))
                for c in _prompt_choices(ctx, body, shape, i, prompt, limit, many)]
     watcher = asyncio.create_task(watch_disconnect(request, _All(choices)))
@@ -114,17 +116,17 @@ async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], s
 
 def _prompt_choices(ctx, body, shape: Shape, i: int, prompt: tuple[list[int], str | None],
                     limit: int, many: bool) -> list[_Choice]:
-    """Prompt i's n choices (indexes i * n ..), their requests started; `many`: the response
-    has several choices, whose requests are labelled `<response id>-<index>`."""
+    """Prompt i's n choices (indexes i * n ..), its request started (one for all n); `many`:
+    the response has several prompts, whose requests are labelled `<response id>-<i>`."""
     ids, text = prompt
     n, tok = body.n or 1, ctx.orchestrator.tokenizer
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    rid = f"{shape.id}-{i}" if many else shape.id
+    inp = GenerateInput(rid, tuple(ids), None, _sampling(body, limit, n), body.session_id or "")
+    chunks = Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"), ctx.pool)
     out = []
     for j in range(n):
         index = i * n + j
-        rid = f"{shape.id}-{index}" if many else shape.id
-        inp = GenerateInput(rid, tuple(ids), None, _sampling(body, limit, j),
-                            body.session_id or "")
         answer = Answer(StopStrings(stops), len(ids), body.session_id or "",
                         tok.decode if tok is not None else None, index=index,
                         counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
@@ -132,8 +134,7 @@ def _prompt_choices(ctx, body, shape: Shape, i: int, prompt: tuple[list[int], st
             answer.echo_ids = list(ids)
             answer.echo_text = text if text is not None else (
                 tok.decode(ids) if tok is not None else "")
-        out.append(_Choice(answer, Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"),
-                                          ctx.pool)))
+        out.append(_Choice(answer, chunks.sample(j) if n > 1 else chunks))
     return out
 
 
@@ -143,13 +144,20 @@ def _end_all(choices: list[_Choice], watcher: asyncio.Task) -> None:
         _end(c.chunks, c.answer)
 
 
-async def _fold(chunks: Chunks, answer: Answer, batch: list) -> None:
-    while batch:
-        for c in batch:
-            answer.add(c)
-        if answer.done:
-            break
-        batch = await chunks.next_batch()
+async def _fold(chunks: Chunks | SampleChunks, answer: Answer, batch: list) -> None:
+    """The choice's whole answer. A sample that fails after its first token (n > 1) ends its
+    own choice with finish_reason "error"; its siblings' answers go out all the same."""
+    try:
+        while batch:
+            for c in batch:
+                answer.add(c)
+            if answer.done:
+                break
+            batch = await chunks.next_batch()
+    except SampleFailed as e:  # one sample's failure: its choice says so
+        log.warning("choice %d failed after its first token: %s", answer.index, e)
+        answer.finish_reason = "error"
+        return
     await _settle(chunks, answer)
 
 

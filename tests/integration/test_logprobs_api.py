@@ -24,6 +24,7 @@ from baton.model.make_model import write_checkpoint
 from baton.model.tokenizer import load_tokenizer
 from tests.engine_helpers import prompt
 from tests.integration.cluster_helpers import (
+    assert_clean,
     list_workers,
     start_cluster,
     worker_counters,
@@ -308,3 +309,158 @@ def test_streamed_echo_puts_the_scored_prompt_in_the_first_chunk(setup):
     assert lps[0] is None and len(lps) == 14 and offsets == whole.logprobs.text_offset
     assert all(abs(a - b) < 1e-4 for a, b in zip(lps[1:], whole.logprobs.token_logprobs[1:],
                                                  strict=True))
+
+
+def _computed(setup) -> dict[int, float]:
+    """Prompt tokens each worker computed (Stats `prefilled_tokens`), by role (1: prefill)."""
+    c = setup["cluster"]
+    return {w.role: worker_counters(w, c.secret.bearer)["prefilled_tokens"]
+            for w in list_workers(c.address, c.secret.bearer)}
+
+
+def _assert_idle(setup) -> None:
+    """Every sample's blocks, slots and bookkeeping are back on both workers."""
+    for c in assert_clean(setup["cluster"]).values():
+        assert c["slots_live"] == 0 and c["tracked_sample_families"] == 0, c
+        assert c["tracked_output_callbacks"] == 0, c
+        assert c["blocks_free"] + c["blocks_evictable"] == c["blocks_total"], c
+
+
+def test_n_4_shares_one_prefill_and_greedy_choices_equal_one_request(setup):
+    p = prompt(90, 29, vocab=500)
+    body = dict(model="tiny", prompt=p, max_tokens=7, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    before = _computed(setup)
+    r = setup["client"].completions.create(**body, n=4)
+    after = _computed(setup)
+    assert (after[1] - before[1], after[2] - before[2]) == (29, 0)  # once, on the prefill side
+    (one,) = setup["client"].completions.create(**body).choices
+    assert one.token_ids == local(setup, p, max_tokens=7, ignore_eos=True)
+    assert [c.token_ids for c in r.choices] == [one.token_ids] * 4
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 29 and r.usage.completion_tokens == 28
+    _assert_idle(setup)
+
+
+def test_n_4_chat_with_a_seed_keeps_each_choice_and_computes_the_prompt_once(setup):
+    msgs = [{"role": "user", "content": "Name a river that flows to the sea."}]
+    ids = setup["tok"].encode("<|user|>\nName a river that flows to the sea.\n<|assistant|>\n")
+    before = _computed(setup)
+    r = setup["client"].chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, n=4, temperature=0.9, seed=5,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert _computed(setup)[1] - before[1] == len(ids) == r.usage.prompt_tokens
+    got = [c.token_ids for c in r.choices]
+    assert len({tuple(g) for g in got}) == 4  # the samples differ from each other
+    for i, toks in enumerate(got):  # choice i is what choice i was as a request of its own
+        assert toks == local(setup, ids, max_tokens=6, temperature=0.9, seed=5 + i,
+                             ignore_eos=True)
+    assert r.usage.completion_tokens == 24
+    _assert_idle(setup)
+
+
+def test_a_stop_in_one_choice_does_not_end_the_others(setup):
+    p = prompt(91, 18, vocab=500)
+    s = dict(max_tokens=8, temperature=1.0, seed=9, ignore_eos=True)
+    free = [local(setup, p, **{**s, "seed": 9 + i}) for i in range(3)]
+    stop = free[1][3]
+    assert all(stop not in f for f in (free[0], free[2]))
+    body = dict(model="tiny", prompt=p, n=3, max_tokens=8, temperature=1.0, seed=9)
+    r = setup["client"].completions.create(**body, extra_body={
+        "return_token_ids": True, "ignore_eos": True, "stop_token_ids": [stop]})
+    assert [c.token_ids for c in r.choices] == [free[0], free[1][:4], free[2]]
+    assert [c.finish_reason for c in r.choices] == ["length", "stop", "length"]
+    # a stop string: the router ends that sample alone on the decode worker
+    texts = [setup["tok"].decode(f) for f in free]
+    word = next(w for k in range(1, len(texts[0]) - 2) for w in [texts[0][k:k + 3]]
+                if w.strip() and all(w not in t for t in texts[1:]))
+    for stream in (False, True):
+        out = setup["client"].completions.create(**body, stop=[word], stream=stream,
+                                                 extra_body={"ignore_eos": True})
+        got: dict[int, str] = {}
+        for chunk in (out if stream else [out]):
+            for c in chunk.choices:
+                got[c.index] = got.get(c.index, "") + c.text
+        assert got == {0: texts[0][:texts[0].index(word)], 1: texts[1], 2: texts[2]}, word
+    _assert_idle(setup)
+
+
+def test_n_above_what_the_decode_cache_holds_names_n_and_the_limit(setup):
+    code, reply = post(setup, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7],
+                                                  "max_tokens": 2000, "n": 16})
+    assert (code, reply["error"]["param"]) == (400, "n"), reply
+    assert "lower n to at most 4" in reply["error"]["message"], reply
+
+
+def test_a_client_that_leaves_cancels_every_sample(setup):
+    body = dict(model="tiny", prompt=prompt(92, 25, vocab=500), max_tokens=400, n=3,
+                temperature=0.8, seed=1, stream=True, extra_body={"ignore_eos": True})
+    stream = setup["client"].completions.create(**body)
+    seen = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices)
+        if len(seen) == 3:
+            break
+    stream.close()
+    _assert_idle(setup)
+
+
+def test_n_samples_on_a_decode_worker_alone_compute_the_increment_once(setup):
+    """Conditional disaggregation: the decode worker holds the last turn, prefills the new
+    tokens itself once and forks its samples there."""
+    p = prompt(93, 20, vocab=500)
+    body = dict(model="tiny", max_tokens=5, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    (turn,) = setup["client"].completions.create(prompt=p, **body).choices
+    p2 = p + turn.token_ids + [7, 8, 9]
+    before = _computed(setup)
+    s = dict(max_tokens=5, temperature=0.9, seed=4)
+    r = setup["client"].completions.create(model="tiny", prompt=p2, n=3, **s,
+                                           extra_body={"return_token_ids": True,
+                                                       "ignore_eos": True})
+    after = _computed(setup)
+    assert r.model_extra["baton"]["prefill_worker"] == ""
+    assert (after[1] - before[1], after[2] - before[2]) == (0, 3)
+    assert [c.token_ids for c in r.choices] == [
+        local(setup, p2, **{**s, "seed": 4 + i}, ignore_eos=True) for i in range(3)]
+    _assert_idle(setup)
+
+
+def test_echo_and_logprobs_with_n_give_every_choice_the_scored_prompt(setup):
+    p = prompt(94, 14, vocab=500)
+    body = dict(model="tiny", prompt=p, max_tokens=3, echo=True, logprobs=2, temperature=0.8,
+                seed=6, extra_body={"ignore_eos": True, "return_token_ids": True})
+    (one,) = setup["client"].completions.create(**body).choices
+    r = setup["client"].completions.create(**body, n=2)
+    lp, first = one.logprobs.token_logprobs, r.choices[0].logprobs.token_logprobs
+    assert first[:14] == lp[:14] and r.choices[0].text == one.text
+    # the decode batch of two moves the last float bits of the answer's logprobs only
+    assert max(abs(a - b) for a, b in zip(first[14:], lp[14:], strict=True)) < 1e-4
+    second = r.choices[1].logprobs.token_logprobs
+    assert second[:14] == lp[:14] and len(second) == 17  # the prompt scored once, for both
+    assert r.choices[1].text.startswith(setup["tok"].decode(p))
+    _assert_idle(setup)
+
+
+def test_grpc_generate_streams_every_sample_as_baton_generate_local_does(setup):
+    from baton.client.remote import run_remote
+
+    s = SamplingParams(max_tokens=5, temperature=0.9, seed=8, ignore_eos=True, n=3)
+    spec = RequestSpec("g", prompt_ids=prompt(95, 19, vocab=500), sampling=s)
+    remote = run_remote(setup["cluster"].address, [spec])
+    here = run_local(setup["engine"], [spec])
+    assert [(r["index"], r["token_ids"]) for r in remote] == \
+        [(r["index"], r["token_ids"]) for r in here]
+    assert [r["index"] for r in remote] == [0, 1, 2] and remote[0]["prefill_worker"]
+    _assert_idle(setup)
+
+
+def test_samples_that_all_end_at_their_first_token_free_the_reservation(setup):
+    p = prompt(96, 17, vocab=500)
+    body = dict(model="tiny", prompt=p, max_tokens=1, temperature=1.0, seed=2,
+                extra_body={"return_token_ids": True})
+    r = setup["client"].completions.create(**body, n=3)
+    assert [c.token_ids for c in r.choices] == [
+        local(setup, p, max_tokens=1, temperature=1.0, seed=2 + i) for i in range(3)]
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3
+    _assert_idle(setup)

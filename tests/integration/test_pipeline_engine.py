@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.request import Request
+from baton.engine.request import Request, SamplingParams
 from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
 PATTERNS = {"nemotron_h": "MMM*-M*-", "qwen3_5": "GGG*G***"}
@@ -80,3 +80,21 @@ def test_pipeline_stage_pools_hold_only_their_layers(pp_engine):
     params = {n.split(".")[2] for n, _ in model.stage.named_parameters() if ".layers." in n}
     assert params == {str(i) for i in model.layers[0]}
     assert not hasattr(model.stage, "lm_head")
+
+
+def test_pipeline_samples_fork_on_every_stage_as_colocated(pp_engine, model_dir):
+    """n samples: the fork's block and slot copies reach every stage (mirrored pools)."""
+    s = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True, n=3)
+    ids = prompt(50, 37)
+
+    def samples(eng) -> dict[int, list[int]]:
+        eng.add_request(Request("n3", ids, s))
+        got: dict[int, list[int]] = {}
+        while eng.has_work:
+            for o in eng.step():
+                got.setdefault(o.sample, []).extend(o.new_token_ids)
+        return got
+
+    want = samples(engine_for(model_dir, worker=WORKER))
+    assert samples(pp_engine) == want and len({tuple(v) for v in want.values()}) == 3
+    pp_engine.cache.check_integrity()

@@ -105,7 +105,10 @@ class _Stage:
     def setup(self, role: str, backend: str, model: dict, layers: list[int], num_blocks: int,
               tokens_per_block: int, num_slots: int, seed: int, dtype: str = "float32",
               lease_seconds: float = 30.0, handshake_timeout_s: float = 10.0,
-              layerwise: bool = False, env: dict | None = None):
+              layerwise: bool = False, env: dict | None = None, tp: list[int] | None = None):
+        """`tp` [rank, size]: this process is that tensor-parallel rank (its pools the rank's
+        shard; a prefill rank's bytes are its shard of the TP-1 pools `seed` fills, so
+        replicated units are equal on every rank: `tests/support/tp_bytes.py`)."""
         import torch
 
         from baton.model.config import config_from_dict
@@ -115,16 +118,34 @@ class _Stage:
         os.environ.update(env or {})
         self.close()
         mc = config_from_dict(model)
-        spec = PoolSpec.for_model(mc, num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-                                  num_slots=num_slots, layers=layers,
-                                  dtype=getattr(torch, dtype))
+        rank, size = tp or (0, 1)
+        local = mc
+        if tp is not None:
+            from baton.model.nemotron_h.tp import family_tp
+
+            local = family_tp(mc).local_config(mc, size)
+        spec = PoolSpec.for_model(local, num_blocks=num_blocks,
+                                  tokens_per_block=tokens_per_block, num_slots=num_slots,
+                                  layers=layers, dtype=getattr(torch, dtype))
         self.pools = Pools(spec)
-        self.fill(seed)
+        if tp is not None and seed >= 0:
+            from tests.support.tp_bytes import fill_shard
+
+            fill_shard(self.pools, mc, layers, seed, rank, size)
+        else:
+            self.fill(seed)
         cfg = TransferConfig(backend=backend, lease_seconds=lease_seconds,
                              handshake_timeout_s=handshake_timeout_s, layerwise=layerwise)
         fp = compute_fingerprint(mc, spec)
-        make = make_receiver if role == "decode" else make_sender
-        self.end = make(cfg, self.pools, fp)
+        side = None
+        if tp is not None:
+            from transfer import tp_identity
+
+            fp, side = tp_identity(mc, spec, rank, size)
+        if role == "decode":
+            self.end = make_receiver(cfg, self.pools, fp)
+        else:
+            self.end = make_sender(cfg, self.pools, fp, tp=side)
         self.poller = _Poller(self.end)
         return {"endpoint": getattr(self.end, "endpoint", None)}
 

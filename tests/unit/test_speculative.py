@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from baton.contract import FinishReason
 from baton.engine.request import Request, SamplingParams
 from tests.engine_helpers import engine_for, greedy, run_all
 from tests.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpoint
@@ -27,57 +28,84 @@ def agree_dir(request, tmp_path_factory):
     return make(root)
 
 
+N_REQUESTS = 54
+TREE = {"top_k": [3, 2, 2], "max_total_draft_tokens": 8}
+
+
+def _sampled(i: int) -> bool:
+    return i % 9 == 5
+
+
 def _workload(stops: dict[str, int]) -> list[Request]:
-    """48 requests, prompts of 1..2000 tokens at concurrency 8: groups extending one another's
-    prompts (prefix hits on prompt-end snapshots), seeded sampled requests mixed in,
-    max_tokens from 1 up, stop tokens from `stops`."""
+    """54 requests, prompts of 1..2000 tokens at concurrency 8: groups extending one another's
+    prompts (prefix hits on prompt-end snapshots), 6 seeded sampled requests and 6 greedy
+    ones asking for logprobs (they do not speculate: one token a step through the sampler,
+    in the same batches) mixed in, max_tokens from 1 up, stop tokens from `stops`. The 48
+    greedy ones must match speculation off token for token."""
     rng = random.Random(7)
     lengths = [1, 2, 3, 5, 9, 17, 31, 64, 100, 250, 600, 2000]
     reqs = []
-    for i in range(48):
+    for i in range(N_REQUESTS):
         base = [rng.randrange(3, 512) for _ in range(lengths[i % 12])]
         if i >= 12 and i % 3 == 0:  # extends an earlier request's prompt: a prefix hit
             base = reqs[i - 12].prompt_ids + base[:9]
         rid = f"r{i:02d}"
         n = [1, 2, 4, 7, 16, 33][i % 6]
-        if i % 8 == 5:
+        stop = (stops[rid],) if rid in stops else ()
+        if _sampled(i):
             s = SamplingParams(max_tokens=n, temperature=0.8, seed=i)
+        elif i % 8 == 1:
+            s = greedy(n, stop_token_ids=stop, logprobs=1)
         else:
-            s = greedy(n, stop_token_ids=(stops[rid],) if rid in stops else ())
+            s = greedy(n, stop_token_ids=stop)
         reqs.append(Request(rid, base[:2000], s))
     return reqs
 
 
-def _run(model_dir, k: int, stops: dict[str, int]):
+def _run(model_dir, k, stops: dict[str, int]):
+    spec, cache = {"num_draft_tokens": k}, {}
+    if k == "tree":  # 8 nodes x 8 requests kept for the verify pass, the rest for snapshots
+        spec, cache = {"num_draft_tokens": 3, "tree": TREE}, {"num_state_slots": 128}
     eng = engine_for(model_dir, worker={"max_num_seqs": 8, "prefill_chunk_size": 256},
-                     speculative={"num_draft_tokens": k})
+                     speculative=spec, cache=cache)
     out = run_all(eng, _workload(stops))
     return eng, out
 
 
 @pytest.fixture(scope="module")
 def reference(agree_dir):
-    """Speculation off; stop tokens picked from its own answers (a token inside each)."""
+    """Speculation off; stop tokens picked from its own greedy answers (a token inside
+    each); with them the answers are these cut after the stop token's first occurrence (a
+    stop only ends a greedy answer)."""
     _, plain = _run(agree_dir, 0, {})
     stops = {rid: toks[len(toks) // 2] for rid, toks in plain["tokens"].items()
-             if len(toks) >= 4 and int(rid[1:]) % 2 == 0}
-    _, off = _run(agree_dir, 0, stops)
+             if len(toks) >= 4 and int(rid[1:]) % 2 == 0 and not _sampled(int(rid[1:]))}
+    off = {}
+    for rid, toks in plain["tokens"].items():
+        if rid in stops:
+            cut = toks.index(stops[rid]) + 1
+            off[rid] = (toks[:cut], FinishReason.STOP)
+        else:
+            off[rid] = (toks, plain["outputs"][rid].finish_reason)
     return stops, off
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 3, 5, "tree"])
 def test_greedy_identical_to_speculation_off(agree_dir, reference, k):
     stops, off = reference
     eng, on = _run(agree_dir, k, stops)
     sampled = {r.id for r in _workload(stops) if not r.sampling.greedy}
-    assert len(sampled) == 6
-    for rid, o in off["outputs"].items():
+    assert len(sampled) == 6 and len(off) - len(sampled) == 48
+    for rid, (toks, reason) in off.items():
         if rid not in sampled:  # sampled ones speculate too, by the rejection rule
-            assert on["tokens"][rid] == off["tokens"][rid], rid
-            assert on["outputs"][rid].finish_reason == o.finish_reason, rid
+            assert on["tokens"][rid] == toks, rid
+            assert on["outputs"][rid].finish_reason == reason, rid
     # speculation really ran: drafts were made and some were accepted, some rejected
     assert eng.spec.accepted_tokens > 0
     assert eng.spec.draft_tokens > eng.spec.accepted_tokens
+    if k == "tree":  # branches: more nodes than depth, and paths deeper than one accepted
+        assert eng.spec.draft_tokens > 3 * sum(eng.spec.accepted_hist)
+        assert sum(eng.spec.accepted_hist[2:]) > 0
     hits = sum(o.cached_tokens > 0 for o in on["outputs"].values())
     assert hits > 0
     stopped = [rid for rid in stops if on["tokens"][rid][-1] == stops[rid]]
@@ -90,10 +118,21 @@ def _state(pools, slot: int) -> dict[str, torch.Tensor]:
     return {n: t[:, slot].clone() for n, t in pools.state.items()}
 
 
-def test_acceptance_counted_and_state_equals_recompute_after_every_verify(agree_dir):
-    """One request at K=3 beside a second one; after every step the live state of the first
-    equals that of plain decoding over the tokens it has computed, step by step."""
-    eng = engine_for(agree_dir, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+def _kv(pools, layers, table, n: int) -> torch.Tensor:
+    """K/V of positions 0..n-1 of the global attention `layers`: [layers, 2, n, heads, dim]."""
+    tpb = pools.spec.tokens_per_block
+    rows = [pools.kv[pools.spec.attn_index[g]] for g in layers]
+    return torch.stack([torch.stack([r[table[p // tpb], :, p % tpb] for p in range(n)], 1)
+                        for r in rows])
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_acceptance_counted_and_state_equals_recompute_after_every_verify(agree_dir, tree):
+    """One request at K=3 (a chain, or a tree) beside a second one; after every step the live
+    state of the first equals that of plain decoding over the tokens it has computed, step
+    by step (a tree: its attention KV too, where the kept nodes' rows were moved)."""
+    spec = {"num_draft_tokens": 3, **({"tree": TREE} if tree else {})}
+    eng = engine_for(agree_dir, worker={"max_num_seqs": 4}, speculative=spec)
     rng = random.Random(3)
     main = Request("a", [rng.randrange(3, 512) for _ in range(37)], greedy(60))
     other = Request("b", [rng.randrange(3, 512) for _ in range(5)], greedy(60))
@@ -124,6 +163,10 @@ def test_acceptance_counted_and_state_equals_recompute_after_every_verify(agree_
             assert torch.allclose(got[name], want[name], atol=1e-5, rtol=0), name
             if done > start:  # the check can tell one position from the next
                 assert (want[name] - prev[name]).abs().max() > 1e-3
+        if tree:
+            layers = ref.spec.attn_layers
+            assert torch.allclose(_kv(eng.pools, layers, eng.cache.block_table("a"), done),
+                                  _kv(ref, layers, table, done), atol=1e-5, rtol=0)
     assert accepted_steps > 3 and rejected_steps > 3
     assert len(main.output_ids) == 60
     while eng.has_work:
@@ -196,6 +239,27 @@ def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
     logits, refs, _, a, b, _ = _verify_vs_decode(model_tiny, 4)
     for j in range(4):
         assert (logits[:, j] - refs[j]).abs().max() < 1e-5
+
+
+def test_verify_rows_equal_plain_decode_on_the_fast_path(tmp_path):
+    """With `BATON_DECODE_PATH=fast` the verify pass runs marked as decode, so its linear
+    layers take decode's kernels: rows and states equal plain decode bit for bit again."""
+    from baton.model.layers.linear import set_decode_path
+    from baton.model.loader import load_model
+    from baton.model.make_model import write_checkpoint
+
+    recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
+    old = set_decode_path("fast")
+    try:
+        logits, refs, states, a, _, scratch = _verify_vs_decode(recurrent, 4)
+    finally:
+        set_decode_path(old)
+    for j in range(4):
+        assert torch.equal(logits[:, j], refs[j]), j
+        for name in a.state:
+            for i in range(4):
+                got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
+                assert torch.equal(got, states[j][name][:, i]), (j, name, i)
 
 
 def _context_head(root):

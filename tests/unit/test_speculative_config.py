@@ -74,6 +74,63 @@ def test_draft_tokens_out_of_range(k):
     assert "speculative.num_draft_tokens" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("spec, message", [
+    ({"num_draft_tokens": 2, "tree": {"top_k": [2, 2, 1]}},
+     "speculative.tree.top_k has 3 depths but speculative.num_draft_tokens=2: they must be "
+     "equal (the tree's depth)"),
+    ({"num_draft_tokens": 2, "tree": {"top_k": [2, 9]}},
+     "speculative.tree.top_k entries must be in 1..8, got [2, 9]"),
+    ({"num_draft_tokens": 0, "tree": {"top_k": [2]}},
+     "speculative.tree needs speculative.num_draft_tokens > 0 (the tree's depth); got 0"),
+    ({"num_draft_tokens": 3, "tree": {"top_k": [8, 8, 8]}},
+     "speculative.tree.top_k [8, 8, 8] allows 584 nodes, more than 64; set "
+     "max_total_draft_tokens to at most 64"),
+    ({"num_draft_tokens": 1, "tree": {"top_k": [2], "max_total_draft_tokens": 65}},
+     "speculative.tree.max_total_draft_tokens must be in 0..64 (0 = what top_k allows), "
+     "got 65"),
+])
+def test_bad_trees_are_refused_in_one_line(spec, message):
+    with pytest.raises(ConfigError) as e:
+        BatonConfig.from_dict({"speculative": spec})
+    assert str(e.value) == message
+
+
+def test_tree_sizes_and_a_tree_larger_than_the_state_pool(tmp_path):
+    """A tree keeps one state slot per node and request for the verify pass; one the pool
+    cannot hold is refused naming the numbers."""
+    from baton.config.speculative import TreeConfig
+
+    assert TreeConfig((3, 2, 1)).max_nodes == 3 + 6 + 6
+    assert TreeConfig((3, 2, 1), 8).max_nodes == 8
+    ck = write_checkpoint(tmp_path / "m", seed=0, mtp_layers=1)
+    tree = {"top_k": [2, 2], "max_total_draft_tokens": 6}
+    eng = engine_for(ck, worker={"max_num_seqs": 8}, cache={"num_state_slots": 64},
+                     speculative={"num_draft_tokens": 2, "tree": tree})
+    assert eng.cache.stats().slots_speculative == 48
+    assert eng.spec.scratch.rows_per_request == 6
+    with pytest.raises(ConfigError) as e:
+        engine_for(ck, worker={"max_num_seqs": 16}, cache={"num_state_slots": 64},
+                   speculative={"num_draft_tokens": 2, "tree": tree})
+    assert str(e.value) == (
+        "speculative.tree (6 nodes) needs 112 state slots (worker.max_num_seqs=16 x (1 live + "
+        "6 per node)) but cache.num_state_slots=64; raise num_state_slots to at least 112 "
+        "(more for snapshots) or lower max_total_draft_tokens or max_num_seqs")
+
+
+def test_tree_acceptance_follows_the_targets_argmax():
+    from baton.engine.speculative.tree import accept_greedy, depths, path
+
+    # root -> a(1) b(2); a -> c(3) d(4); b -> e(5); d -> f(6)
+    parents, tokens = [0, 0, 1, 1, 2, 4], [10, 11, 12, 13, 14, 15]
+    assert depths(parents) == [0, 1, 1, 2, 2, 2, 3]
+    assert path(parents, 6) == [0, 1, 4, 6]
+    # target argmax per row: the root's is 10 (a), a's 13 (d), d's 15 (f), f's 99
+    target = [10, 13, 0, 0, 15, 0, 99]
+    assert accept_greedy(parents, tokens, target) == [0, 1, 4, 6]
+    assert accept_greedy(parents, tokens, [11, 0, 14, 0, 0, 7, 0]) == [0, 2, 5]
+    assert accept_greedy(parents, tokens, [42] * 7) == [0]
+
+
 def test_generate_json_reports_drafts(tmp_path, capsys):
     from baton.cli import main
 
@@ -186,3 +243,48 @@ def test_moe_head_loads_from_per_expert_tensors(tmp_path):
     for p in ("up_proj", "down_proj"):
         want = torch.stack([t[f"mtp.layers.1.mixer.experts.{e}.{p}.weight"] for e in range(n)])
         assert torch.equal(getattr(head.layers[1].mixer.experts, p), want)
+
+
+def test_compute_bound_batches_decode_without_drafts(tmp_path):
+    """`speculative.max_batch`: a step with more decoding requests drafts nothing (plain
+    decode through the verify path, same tokens); a smaller batch drafts again."""
+    from baton.engine.request import Request
+    from tests.engine_helpers import greedy, prompt, run_all
+    from tests.speculative_helpers import agreeing_checkpoint
+
+    ck = agreeing_checkpoint(tmp_path)
+
+    def reqs(n):
+        return [Request(f"q{i}", prompt(i, 5 + i, vocab=512), greedy(12)) for i in range(n)]
+
+    off = run_all(engine_for(ck, worker={"max_num_seqs": 4}), reqs(3))["tokens"]
+    eng = engine_for(ck, worker={"max_num_seqs": 4},
+                     speculative={"num_draft_tokens": 3, "max_batch": 2})
+    assert run_all(eng, reqs(3))["tokens"] == off
+    assert eng.spec.draft_tokens == 0  # three decoded together all along
+    assert run_all(eng, reqs(1))["tokens"] == {"q0": off["q0"]}
+    assert eng.spec.accepted_tokens > 0
+    with pytest.raises(ConfigError, match=r"^speculative.max_batch must be an integer >= 0"):
+        BatonConfig.from_dict({"speculative": {"num_draft_tokens": 1, "max_batch": -1}})
+
+
+def test_verify_pass_keeps_to_the_packed_kernels_row_count():
+    """At most MAX_PACKED_ROWS verify rows while plain decode of the batch would have at
+    most that many (one kernel, one rounding): the largest draft counts give way first."""
+    from types import SimpleNamespace
+
+    from baton.engine.speculative.decoder import _fit_rows
+    from baton.model.layers.linear import MAX_PACKED_ROWS
+
+    assert MAX_PACKED_ROWS == 64
+    reqs = [SimpleNamespace(id=f"r{i}") for i in range(32)]
+    ks = {r.id: 3 for r in reqs}
+    _fit_rows(reqs, ks)
+    assert sum(ks.values()) + 32 == 64 and set(ks.values()) == {1}
+    ks = {r.id: (5 if i < 4 else 0) for i, r in enumerate(reqs)}
+    _fit_rows(reqs, ks)  # 32 + 20 rows: nothing to cut
+    assert sum(ks.values()) == 20
+    many = [SimpleNamespace(id=f"m{i}") for i in range(65)]
+    ks = {r.id: 2 for r in many}
+    _fit_rows(many, ks)  # plain decode of 65 rows is on MKL too: left alone
+    assert set(ks.values()) == {2}

@@ -117,21 +117,42 @@ def test_tp_size_difference_needs_the_tp_plan():
     assert fp.mismatch(one, bad, hetero_tp=True) == ("tp_size", 1, 3)
 
 
-def test_moe_and_families_without_a_tp_build_refused_before_any_rank():
+@pytest.mark.parametrize("kw, tp, split, msg", [
+    (dict(n_routed_experts=6), 4, "experts",
+     "tensor_parallel_size=4: n_routed_experts=6 must be a multiple of 4 to split whole "
+     "experts per rank (worker.moe_tp_split='experts'; sizes that divide this model: 1, 2)"),
+    (dict(moe_intermediate_size=6), 4, "within",
+     "tensor_parallel_size=4: moe_intermediate_size=6 must be a multiple of 4 to split each "
+     "expert within (worker.moe_tp_split='within'; sizes that divide this model: 1, 2)"),
+    (dict(moe_shared_expert_intermediate_size=6), 4, "experts",
+     "tensor_parallel_size=4: moe_shared_expert_intermediate_size=6 must be a multiple of 4 "
+     "to split the shared expert within (worker.moe_tp_split='experts'; sizes that divide "
+     "this model: 1, 2)"),
+])
+def test_moe_split_that_cannot_divide_refused_before_any_rank(kw, tp, split, msg):
     from baton.model.nemotron_h.tp import family_tp
 
-    moe = ModelConfig.from_dict(tiny_model("M*E-", mamba_num_heads=8, n_groups=1))
+    moe = ModelConfig.from_dict(tiny_model("M*E-", mamba_num_heads=8, n_groups=1, **kw))
     with pytest.raises(ConfigError) as e:
-        family_tp(moe).local_config(moe, 2)
-    assert str(e.value) == ("tensor_parallel_size=2: the model has MoE layers [2], whose "
-                            "experts are not split over TP ranks yet; use "
-                            "tensor_parallel_size 1 (pipeline parallelism splits MoE models)")
-    assert family_tp(moe).local_config(moe, 1) is moe
+        family_tp(moe).local_config(moe, tp, split)
+    assert str(e.value) == msg
+    assert family_tp(moe).local_config(moe, 1, split) is moe
+    local = family_tp(moe).local_config(moe, 2, split)  # MoE fields stay the model's
+    assert (local.n_routed_experts, local.moe_intermediate_size) == (
+        moe.n_routed_experts, moe.moe_intermediate_size)
+
+
+def test_unknown_moe_split_and_families_without_a_tp_build_refused():
+    from baton.config import BatonConfig
+    from baton.model.nemotron_h.tp import family_tp
+
+    with pytest.raises(ConfigError, match=r"moe_tp_split"):
+        BatonConfig.from_dict({"worker": {"moe_tp_split": "rows"}})
 
     class Other:
         family = "qwen3_next"
 
     with pytest.raises(ConfigError, match=r"family 'qwen3_next' has no tensor-parallel build "
                                           r"yet \(families with one: \['nemotron_h', "
-                                          r"'qwen3_5'\]\)"):
+                                          r"'qwen3_5', 'qwen3_5_moe'\]\)"):
         family_tp(Other())

@@ -1,6 +1,7 @@
 """`--tensor-parallel-size` and `worker.tensor_parallel_size` as users meet them: the rank
 layout and one warning line when the ranks outnumber the cores, tokens equal to TP 1,
-undividable models and TP workers refused in one line naming the field."""
+undividable models and remote TP ranks refused in one line naming the field, the flags
+per role."""
 
 from __future__ import annotations
 
@@ -75,13 +76,14 @@ def test_config_field_per_role_and_refusals():
     assert (both.tensor_parallel_size, both.pipeline_parallel_size) == (2, 2)
 
 
-def test_workers_refuse_tp_before_loading_anything():
+def test_tp_workers_refuse_remote_ranks_before_loading_anything():
     from baton.worker.host import start_worker
 
     cfg = BatonConfig.from_dict({"worker": {"tensor_parallel_size": 2}})
-    with pytest.raises(ConfigError, match=r"worker.tensor_parallel_size=2: decode workers do "
-                                          r"not run tensor parallelism yet"):
-        start_worker(cfg, Role.DECODE, None, "127.0.0.1:1", "tiny", None, None)
+    with pytest.raises(ConfigError, match=r"^worker.tensor_parallel_size=2: the ranks start on "
+                                          r"this host \(no --pp-master with tensor "):
+        start_worker(cfg, Role.DECODE, None, "127.0.0.1:1", "tiny", None, None,
+                     pp_master="10.0.0.1:29500")
 
 
 def test_tp_with_speculation_refused_in_one_line(groups1_dir, capsys):
@@ -91,3 +93,19 @@ def test_tp_with_speculation_refused_in_one_line(groups1_dir, capsys):
     assert err == ["baton generate: error: speculative.num_draft_tokens=2 is not supported "
                    "with worker.tensor_parallel_size=2 yet; set it to 0 or use "
                    "tensor_parallel_size 1"]
+
+
+def test_worker_and_serve_flags_set_the_tp_size_per_role(tmp_path):
+    from baton.cli import build_parser
+    from baton.worker.host import _worker_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("decode: {tensor_parallel_size: 4}\n")
+    parse = build_parser().parse_args
+    args = parse(["decode-worker", "--router", "h:1", "--config", str(cfg)])
+    assert _worker_config(args, Role.DECODE).worker.tensor_parallel_size == 4  # role section
+    assert _worker_config(args, Role.PREFILL).worker.tensor_parallel_size == 1
+    args = parse(["prefill-worker", "--router", "h:1", "--config", str(cfg),
+                  "--tensor-parallel-size", "2"])
+    assert _worker_config(args, Role.PREFILL).worker.tensor_parallel_size == 2  # flag wins
+    assert parse(["serve", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2

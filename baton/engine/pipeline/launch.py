@@ -58,16 +58,22 @@ def join_group(store: dist.TCPStore, rank: int, size: int) -> None:
 
 def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
                 ) -> tuple[StageModel, Pools]:
+    """One stage's weights and pools. With speculation on, the last stage also holds the
+    MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
     from baton.engine.builder import DTYPES
+    from baton.engine.speculative.decoder import with_draft_layers
     from baton.model.loader import load_stage
 
     dtype = DTYPES[cfg.model.dtype]
-    model = load_stage(model_path, layers[rank], rank == 0, rank == len(layers) - 1,
-                       device=cfg.model.device, dtype=dtype)
+    last = rank == len(layers) - 1
+    model = load_stage(model_path, layers[rank], rank == 0, last, device=cfg.model.device,
+                       dtype=dtype, mtp=bool(cfg.speculative.num_draft_tokens))
     spec = PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, layers=layers[rank],
                               dtype=dtype, device=cfg.model.device)
+    if getattr(model, "mtp", None) is not None:
+        spec = with_draft_layers(spec, model, cfg.speculative, cfg.cache.num_blocks)
     return model, Pools(spec)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from baton.model.pools import Pools, PoolSpec
 
 Op = tuple[str, int, int]
-"""("slot", src, dst) | ("block", src, dst) | ("zero", slot, 0) | ("fill_block", block, value)
-| ("fill_slot", slot, value)."""
+"""("slot", src, dst) | ("block", src, dst) | ("token", src, dst) | ("zero", slot, 0) |
+("fill_block", block, value) | ("fill_slot", slot, value)."""
 
 
 class MirroredPools:
@@ -58,6 +58,10 @@ class MirroredPools:
         self.local.copy_block(src, dst)
         self.ops.append(("block", src, dst))
 
+    def copy_token(self, src: int, dst: int) -> None:
+        self.local.copy_token(src, dst)
+        self.ops.append(("token", src, dst))
+
     def zero_slot(self, slot: int) -> None:
         self.local.zero_slot(slot)
         self.ops.append(("zero", slot, 0))
@@ -82,6 +86,8 @@ def apply_ops(pools: Pools, ops: list) -> None:
             pools.copy_slot(a, b)
         elif kind == "block":
             pools.copy_block(a, b)
+        elif kind == "token":
+            pools.copy_token(a, b)
         elif kind == "fill_block":
             pools.fill_block(a, b)
         elif kind == "fill_slot":

@@ -102,17 +102,46 @@ class PipelineModel:
     """Only the last stage holds the head and it returns last-position logits: requests that
     ask for prompt logprobs are refused up front (Engine.validate)."""
 
+    mtp = None
+    """The MTP head (on the meta device: its layers' ids; the weights are the last stage's)
+    when the worker speculates (pipeline/speculative.py)."""
+
     def prefill_batch(self, input_ids, start_positions, block_tables, slots, pools=None,
-                      all_logits: bool = False, on_layer=None) -> torch.Tensor:
+                      all_logits: bool = False, on_layer=None, hidden_out: list | None = None,
+                      mtp_next: list | None = None) -> torch.Tensor:
+        """`mtp_next`: per sequence the tokens after its chunk's positions (None: no head
+        pass); the last stage writes the MTP head's KV and `hidden_out` gets the last
+        position's final-normed hidden [n, 1, H]."""
         if all_logits:
             raise NotImplementedError("all_logits is not available with pipeline parallelism")
         n, T = input_ids.shape
-        return self._run(False, input_ids, list(start_positions), block_tables, list(slots), T,
-                         2 * self.micro_batches)
+        extra = None if mtp_next is None else {"mtp_next": mtp_next}
+        out, hidden = self._run(False, input_ids, list(start_positions), block_tables,
+                                list(slots), T, 2 * self.micro_batches, extra)
+        if hidden_out is not None and hidden is not None:
+            hidden_out.append(hidden[:, None])
+        return out
 
     def decode(self, input_ids, positions, block_tables, slots, pools=None) -> torch.Tensor:
         return self._run(True, input_ids, positions.tolist(), block_tables, slots.tolist(), 1,
-                         self.micro_batches)
+                         self.micro_batches)[0]
+
+    def verify(self, rows, scratch, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`verify_forward` through every stage: (final-normed hidden [R, H], logits)."""
+        from baton.engine.speculative.verify import VerifyPlan
+
+        plan = VerifyPlan.of(rows, scratch, tree)
+        ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long)
+        extra = {"verify": {"counts": plan.counts, "scratch": plan.scratch,
+                            "parents": plan.parents}}
+        logits, hidden = self._run(True, ids, plan.starts, plan.tables, plan.slots, 1,
+                                   self.micro_batches, extra)
+        return hidden, logits
+
+    def drafter(self):
+        from baton.engine.pipeline.speculative import PipelineDrafter
+
+        return PipelineDrafter(self)
 
     # ---- control --------------------------------------------------------------------------
     def sync(self) -> None:
@@ -165,14 +194,17 @@ class PipelineModel:
         for k in range(1, self.size):
             self.ch.send_msg(msg, k, TAG_CTRL)
 
-    def _run(self, decode, ids, starts, tables, slots, T, parts) -> torch.Tensor:
+    def _run(self, decode, ids, starts, tables, slots, T, parts, extra=None):
+        """(logits, the last stage's hidden states or None); `extra`: speculation's fields
+        of the micro-batches (pipeline/speculative.py)."""
         with self._link():
-            out, error = self._exchange(decode, ids, starts, tables, slots, T, parts)
+            out, hidden, error = self._exchange(decode, ids, starts, tables, slots, T, parts,
+                                                extra or {})
         if error is not None:
             raise error
         if torch.isnan(out).any():
             raise RuntimeError("a pipeline stage's forward failed (see that stage's log)")
-        return out
+        return out, hidden
 
     def plan(self, n: int, T: int, parts: int, decode: bool) -> list[tuple[range, range]]:
         """The micro-batches of a forward: (sequences, tokens), each sequence's token ranges
@@ -185,8 +217,15 @@ class PipelineModel:
         self.token_split_forwards += len(tokens) > 1
         return [(r, t) for t in tokens for r in groups]
 
-    def _exchange(self, decode, ids, starts, tables, slots, T, parts):
-        """Every micro-batch through every stage: (logits, this stage's forward error)."""
+    def _exchange(self, decode, ids, starts, tables, slots, T, parts, extra):
+        """Every micro-batch through every stage: (logits, hidden states the last stage sent
+        back or None, this stage's forward error)."""
+        from baton.engine.pipeline.speculative import run_verify
+        from baton.engine.pipeline.stage import hidden_shape, out_rows, wants_hidden
+
+        counts = extra["verify"]["counts"] if "verify" in extra else None
+        row0 = [0] if counts is None else [sum(counts[:i]) for i in range(len(counts) + 1)]
+        nexts = extra.get("mtp_next")
         mbs = []
         plan = self.plan(len(starts), T, parts, decode)
         for i, (r, t) in enumerate(plan):
@@ -194,6 +233,15 @@ class PipelineModel:
                   "starts": [p + t.start for p in starts[r.start:r.stop]],
                   "tables": [list(b) for b in tables[r.start:r.stop]],
                   "slots": slots[r.start:r.stop], "out": t.stop == T}
+            if counts is not None:
+                v = extra["verify"]
+                mb["verify"] = {"counts": counts[r.start:r.stop],
+                                "scratch": v["scratch"][r.start:r.stop],
+                                "parents": None if v["parents"] is None
+                                else v["parents"][r.start:r.stop]}
+            if nexts is not None:
+                mb["mtp_next"] = [None if n is None else n[t.start:t.stop]
+                                  for n in nexts[r.start:r.stop]]
             if i == 0:
                 self._broadcast(mb)
             else:
@@ -202,20 +250,29 @@ class PipelineModel:
                     self.ch.send_msg(mb, k, TAG_CTRL)
             mbs.append((r, t, mb))
         error = None
+        local = self.pools.local
         for r, t, mb in mbs:
             t0 = time.perf_counter()
             try:
-                part = ids[r.start:r.stop] if decode else ids[r.start:r.stop, t.start:t.stop]
-                h = run_layers(self.stage, self.pools.local, mb, part)
+                if counts is not None:
+                    part = ids[row0[r.start]:row0[r.stop]]
+                    h = run_verify(self.stage, local, mb, part)
+                else:
+                    part = ids[r.start:r.stop] if decode else ids[r.start:r.stop, t.start:t.stop]
+                    h = run_layers(self.stage, local, mb, part)
             except Exception as e:  # noqa: BLE001 - the later stages still expect an input
                 error = error or e
-                shape = (len(r), self.config.hidden_size) if decode else \
-                    (len(r), len(t), self.config.hidden_size)
-                h = torch.full(shape, float("nan"), dtype=self.dtype)
+                h = torch.full(hidden_shape(self.stage, mb), float("nan"), dtype=self.dtype)
             self.busy_s += time.perf_counter() - t0
             self.ch.isend(h, 1, TAG_HIDDEN)
-        vocab = self.config.vocab_size
-        out = torch.cat([self.ch.recv((len(r), vocab), torch.float32, self.size - 1, TAG_OUT)
-                         for r, _, mb in mbs if mb["out"]])
+        vocab, hs, last = self.config.vocab_size, self.config.hidden_size, self.size - 1
+        outs, hiddens = [], []
+        for _, _, mb in mbs:
+            if not mb["out"]:
+                continue
+            n = out_rows(mb)
+            outs.append(self.ch.recv((n, vocab), torch.float32, last, TAG_OUT))
+            if wants_hidden(mb):
+                hiddens.append(self.ch.recv((n, hs), self.dtype, last, TAG_OUT))
         self.ch.flush()
-        return out, error
+        return torch.cat(outs), torch.cat(hiddens) if hiddens else None, error

@@ -4,6 +4,11 @@ A micro-batch's plan (msgpack, from stage 0):
     {"op": "fwd", "decode": bool, "T": tokens per sequence (prefill), "starts": [position],
      "tables": [[block]], "slots": [slot], "out": whether the last stage returns logits
      (False for a token range before a sequence's last), "ops": [mirrored cache operations]}
+With MTP speculation (pipeline/speculative.py) a decode micro-batch may be a verify pass,
+"verify": {"counts": rows per request, "scratch": [[slot per position but the last]]}, and
+a prefill one may carry "mtp_next": per sequence the tokens after its positions (or None);
+the last stage then sends the final-normed hidden states (every verify row, the last
+prefill position) to stage 0 after the logits.
 A stage other than 0 receives its input hidden states from the stage before it and sends
 its output to the stage after it; the last stage sends float32 logits (last token of each
 sequence) to stage 0. Other control ops: "sync" (apply ops, reply), "call" (a role's
@@ -59,7 +64,20 @@ def last_logits(model: StageModel, h: torch.Tensor, decode: bool) -> torch.Tenso
 
 def hidden_shape(model: StageModel, mb: dict) -> tuple[int, ...]:
     n, hs = len(mb["starts"]), model.config.hidden_size
+    if "verify" in mb:
+        return (sum(mb["verify"]["counts"]), hs)
     return (n, hs) if mb["decode"] else (n, mb["T"], hs)
+
+
+def out_rows(mb: dict) -> int:
+    """Rows of logits (and of hidden states, with speculation) the last stage sends back."""
+    return sum(mb["verify"]["counts"]) if "verify" in mb else len(mb["starts"])
+
+
+def wants_hidden(mb: dict) -> bool:
+    """Whether the last stage sends final-normed hidden states after the logits: a verify
+    pass (every row) or a prefill whose head reads them (the last position)."""
+    return "verify" in mb or mb.get("mtp_next") is not None
 
 
 class StageLoop:
@@ -77,6 +95,13 @@ class StageLoop:
                                                "bad_slots": bad_slots(pools, a["slots"])}
         self.handlers["expert_load"] = lambda a: {
             "layers": {str(i): c for i, c in routed_tokens(model).items()}}
+        self.drafter = None
+        """The MTP head's drafter (the last stage of a speculating worker)."""
+        if getattr(model, "mtp", None) is not None:
+            from baton.engine.pipeline.speculative import Drafter, stage_handlers
+
+            self.drafter = Drafter(model, pools)
+            self.handlers.update(stage_handlers(self.drafter))
 
     def run(self) -> None:
         while True:
@@ -101,13 +126,23 @@ class StageLoop:
         apply_ops(self.pools, ops)
 
     def _forward(self, mb: dict) -> None:
+        from baton.engine.pipeline import speculative as spec
+
         h = self.ch.recv(hidden_shape(self.model, mb), self.model.dtype, self.ch.rank - 1,
                          TAG_HIDDEN)
         out = mb.get("out", True)
+        verify = "verify" in mb
+        extra = None  # the hidden states sent back after the logits (speculation)
         t0 = time.perf_counter()
         try:
-            h = run_layers(self.model, self.pools, mb, h)
-            if self.last and out:
+            h = spec.run_verify(self.model, self.pools, mb, h) if verify \
+                else run_layers(self.model, self.pools, mb, h)
+            if self.last and verify:
+                h, extra = spec.verify_out(self.model, h)
+            elif self.last and mb.get("mtp_next") is not None:
+                hidden = spec.head_prefill(self.model, self.drafter, mb, h)
+                h, extra = self.model.lm_head(hidden[:, -1]).float(), hidden[:, -1]
+            elif self.last and out:
                 h = last_logits(self.model, h, mb["decode"])
             failed = False
         except Exception:  # noqa: BLE001 - stage 0 fails this forward's requests (NaN out)
@@ -123,10 +158,14 @@ class StageLoop:
         self._failed = self._failed or failed
         if not out:
             return
+        rows, cfg = out_rows(mb), self.model.config
         if self._failed:
-            h = torch.full((len(mb["starts"]), self.model.config.vocab_size), float("nan"))
+            h = torch.full((rows, cfg.vocab_size), float("nan"))
+            extra = torch.full((rows, cfg.hidden_size), float("nan"), dtype=self.model.dtype)
         self._failed = False
         self.ch.isend(h, 0, TAG_OUT)
+        if wants_hidden(mb):
+            self.ch.isend(extra.to(self.model.dtype), 0, TAG_OUT)
 
     def _call(self, msg: dict) -> None:
         handler = self.handlers.get(msg["name"])

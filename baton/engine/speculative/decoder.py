@@ -20,42 +20,59 @@ import dataclasses
 import logging
 import time
 
-from baton.config.speculative import SpeculativeConfig
+import torch
+
+from baton.config.speculative import SpeculativeConfig, TreeConfig
 from baton.engine.request import Request, RequestOutput
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
 from baton.engine.speculative.rejection import accept_sampled
+from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
 from baton.errors import ConfigError
+from baton.model.layers.linear import MAX_PACKED_ROWS
 
 log = logging.getLogger("baton.engine")
 
 
 def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
-    """State slots speculation keeps out of the cache manager: K per running request (the
-    state after each verified position but the last, which is the live slot). ConfigError
+    """State slots speculation keeps out of the cache manager: one per draft row of every
+    running request (K for a chain: the state after each verified position but the last,
+    which is the live slot; a tree's node count: the state after each node). ConfigError
     naming the numbers when the pool cannot hold them beside the live slots."""
-    k = cfg.num_draft_tokens if cfg is not None else 0
+    k = cfg.rows_per_request if cfg is not None else 0
     if not k or not num_slots:
         return 0
     need = max_requests * (1 + k)
     if num_slots < need:
+        tree = cfg.tree is not None
+        what = f"speculative.tree ({k} nodes)" if tree else f"speculative.num_draft_tokens={k}"
         raise ConfigError(
-            f"speculative.num_draft_tokens={k} needs {need} state slots (worker.max_num_seqs="
-            f"{max_requests} x (1 live + {k} per position)) but cache.num_state_slots="
-            f"{num_slots}; raise num_state_slots to at least {need} (more for snapshots) or "
-            f"lower num_draft_tokens or max_num_seqs"
+            f"{what} needs {need} state slots (worker.max_num_seqs="
+            f"{max_requests} x (1 live + {k} per {'node' if tree else 'position'})) but "
+            f"cache.num_state_slots={num_slots}; raise num_state_slots to at least {need} "
+            f"(more for snapshots) or lower "
+            f"{'max_total_draft_tokens' if tree else 'num_draft_tokens'} or max_num_seqs"
         )
     return max_requests * k
 
 
-def with_draft_layers(spec, model, cfg: SpeculativeConfig | None):
+def with_draft_layers(spec, model, cfg: SpeculativeConfig | None, num_blocks: int = 0):
     """`spec` with the MTP head's attention layers appended to the KV pool when speculation
     is on: its KV then shares the target's blocks, prefix tree, snapshots and transfer
-    layout (an attention-only layer: no recurrent state)."""
+    layout (an attention-only layer: no recurrent state). An attention-free spec gets a KV
+    pool of `num_blocks` for them (a pipeline's last stage), or none when 0 (the head then
+    keeps a pool of its own)."""
     head = getattr(model, "mtp", None)
-    if cfg is None or not cfg.num_draft_tokens or head is None or not spec.attn_layers:
+    if cfg is None or not cfg.num_draft_tokens or head is None:
         return spec
+    if not spec.attn_layers:
+        if not num_blocks:
+            return spec
+        mcfg = model.config
+        return dataclasses.replace(spec, attn_layers=tuple(head.attention_layers),
+                                   num_blocks=num_blocks, num_kv_heads=mcfg.num_key_value_heads,
+                                   head_dim=mcfg.head_dim)
     extra = tuple(x for x in head.attention_layers if x not in spec.attn_layers)
     return dataclasses.replace(spec, attn_layers=spec.attn_layers + extra)
 
@@ -78,14 +95,20 @@ def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests:
             f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "
             f"checkpoint with MTP weights"
         )
-    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved)
+    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved,
+                              cfg.tree, cfg.max_batch)
 
 
 class SpeculativeDecoder:
-    def __init__(self, model, pools, k: int, max_requests: int, first_slot: int):
+    def __init__(self, model, pools, k: int, max_requests: int, first_slot: int,
+                 tree: TreeConfig | None = None, max_batch: int = 0):
         self.model, self.pools, self.k = model, pools, k
-        self.drafter = Drafter(model, pools)
-        self.scratch = StateScratch(pools, first_slot, max_requests, k)
+        self.tree = tree
+        """Tree drafts for greedy requests (tree.py), None: chains."""
+        # a pipeline's head runs on its last stage (baton/engine/pipeline/speculative.py)
+        self.drafter = model.drafter() if hasattr(model, "drafter") else Drafter(model, pools)
+        self.scratch = StateScratch(pools, first_slot, max_requests,
+                                    tree.max_nodes if tree is not None else k)
         self.pending: dict[str, Pending] = {}
         """Per speculating request: target hiddens whose MTP entries are still to write."""
         self.draft_tokens = 0
@@ -94,6 +117,12 @@ class SpeculativeDecoder:
         """Steps (per request that drafted) by drafts accepted, 0..K."""
         self.last_hidden = HiddenCache()
         """Last hidden state of recent decode-end snapshots, by their tokens."""
+        self.max_batch = max_batch
+        """Draft only while at most this many requests decode in a step (0: always)."""
+        self.seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
+        """Where the decode steps' time went: MTP passes (pending entries and drafts), the
+        target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
+        self.steps = 0
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
@@ -121,57 +150,96 @@ class SpeculativeDecoder:
         return len(self.pending)
 
     # ---- prefill -----------------------------------------------------------------------
-    def after_prefill(self, group: list[tuple[Request, int]], hidden, cache) -> None:
-        """The head's KV for a prefill group's chunk (hidden [n, T, H]) of the requests that
-        speculate; the last chunk leaves its last hidden pending for the first draft."""
-        idx = [i for i, (r, _) in enumerate(group) if self.kv_wanted(r)]
-        if not idx:
-            return
-        next_ids, starts, tables = [], [], []
-        for i in idx:
-            req, end = group[i]
+    def prefill_inputs(self, group: list[tuple[Request, int]], cache) -> list | None:
+        """Before a prefill group's forward: per sequence the tokens after its chunk's
+        positions (what the head reads beside the chunk's hiddens), None for one whose head
+        KV is not wanted; None when no sequence wants it. A first chunk after a hit on a
+        decode-end snapshot writes the entry that lags there first (`resume_entry`)."""
+        out = []
+        for req, end in group:
+            if not self.kv_wanted(req):
+                out.append(None)
+                continue
             if req.num_computed == req.cached_tokens > 0:  # its first chunk after a hit
                 self.resume_entry(req, cache)
             nxt = req.prompt_ids[req.num_computed + 1 : end + 1]
             if end >= req.prompt_len:  # the token after the prompt is not drawn yet
                 nxt = nxt + [0]
-                if self.wants(req):
-                    self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
-            next_ids.append(nxt)
-            starts.append(req.num_computed)
-            tables.append(cache.block_table(req.id))
+            out.append(nxt)
+        return out if any(n is not None for n in out) else None
+
+    def after_prefill(self, group: list[tuple[Request, int]], nexts: list, hidden,
+                      cache) -> None:
+        """The head's KV for a prefill group's chunk (hidden [n, T, H], `nexts` from
+        `prefill_inputs`; a pipeline wrote it in the forward and gives [n, 1, H]); the last
+        chunk leaves its last hidden pending for the first draft."""
+        idx = [i for i, n in enumerate(nexts) if n is not None]
+        for i in idx:
+            req, end = group[i]
+            if end >= req.prompt_len and self.wants(req):
+                self.pending[req.id] = Pending(end - 1, hidden[i, -1:].clone())
+        if self.drafter.in_forward:
+            return
         sel = hidden if len(idx) == len(group) else hidden[idx]
-        self.drafter.prefill(sel, next_ids, starts, tables)
+        self.drafter.prefill(sel, [nexts[i] for i in idx],
+                             [group[i][0].num_computed for i in idx],
+                             [cache.block_table(group[i][0].id) for i in idx])
 
     # ---- decode ------------------------------------------------------------------------
     def num_drafts(self, req: Request, max_model_len: int) -> int:
+        """Draft rows of `req` this step: K (a tree: its node budget), never more than it
+        may still emit - 1."""
         if not self.wants(req) or req.id not in self.pending:
             return 0
         out, s = len(req.output_ids), req.sampling
         remaining = min(s.max_tokens - out, max_model_len - req.prompt_len - out)
-        return max(0, min(self.k, remaining - 1))
+        rows = self.tree.max_nodes if self.tree is not None and s.greedy else self.k
+        return max(0, min(rows, remaining - 1))
 
     def step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
         """Decode `reqs` once; returns (sampled: [(request, logits)] for the engine's sampler,
         outputs of the requests decided here)."""
-        ks = {r.id: self.num_drafts(r, engine.max_model_len) for r in reqs}
+        # a compute-bound batch (more than max_batch requests) verifies K+1 rows each for
+        # about K+1 times a plain step: it decodes without drafts
+        drafting = not self.max_batch or len(reqs) <= self.max_batch
+        ks = {r.id: self.num_drafts(r, engine.max_model_len) if drafting else 0 for r in reqs}
+        _fit_rows(reqs, ks)
         reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks, r.id,
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
             return [], []
         # every request with pending entries writes them, drafting or not (none may be left
         # from drafts: a snapshot and the next drafts read them)
+        t0 = time.perf_counter()
         drafts = self._draft(engine, [r for r in reqs if r.id in self.pending], ks)
+        t1 = time.perf_counter()
+        self.seconds["draft"] += t1 - t0
         cache = engine.cache
-        rows = [VerifyRow([r.output_ids[-1], *drafts.get(r.id, ())], r.num_computed,
-                          cache.slot(r.id), cache.block_table(r.id)) for r in reqs]
+        rows = []
+        for r in reqs:
+            d = drafts.get(r.id)
+            tokens, parents = (d.tokens, tuple(d.parents)) if self.tree is not None and d \
+                else (d or [], ())
+            rows.append(VerifyRow([r.output_ids[-1], *tokens], r.num_computed,
+                                  cache.slot(r.id), cache.block_table(r.id), parents))
         try:
-            hidden, logits = verify_forward(self.model, self.pools, rows, self.scratch)
+            hidden, logits = self._verify(rows)
         except Exception as e:  # noqa: BLE001 - fails this forward's requests only
             log.exception("verify forward of %d requests failed", len(reqs))
             failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
             return [], []
-        return self._accept(engine, reqs, rows, hidden, logits, failed)
+        t2 = time.perf_counter()
+        self.seconds["verify"] += t2 - t1
+        out = self._accept(engine, reqs, rows, hidden, logits, failed)
+        self.seconds["accept"] += time.perf_counter() - t2
+        self.steps += 1
+        return out
+
+    def _verify(self, rows: list[VerifyRow]):
+        tree = self.tree is not None
+        if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
+            return self.model.verify(rows, self.scratch, tree)
+        return verify_forward(self.model, self.pools, rows, self.scratch, tree)
 
     def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
         if not reqs:
@@ -182,6 +250,11 @@ class SpeculativeDecoder:
             nxt = r.all_ids[p.start + 1 : p.start + 1 + p.hidden.shape[0]]
             jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
         try:
+            if self.tree is not None:  # greedy requests a tree, sampled ones a chain
+                depth = self.tree.depth
+                out = self.drafter.draft_tree(jobs, [
+                    self.tree.top_k if r.sampling.greedy else (1,) * depth for r in reqs])
+                return {r.id: t for r, t in zip(reqs, out, strict=True) if t.tokens}
             out = self.drafter.draft(jobs)
         except Exception:  # noqa: BLE001 - drafts are optional: verify the last token alone
             log.exception("MTP drafting of %d requests failed; decoding without drafts",
@@ -189,16 +262,21 @@ class SpeculativeDecoder:
             return {}
         return {r.id: d for r, d in zip(reqs, out, strict=True) if d}
 
-    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> list[int]:
-        """The tokens verification keeps: accepted drafts, then one target token."""
+    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> tuple[list[int], list]:
+        """(the tokens verification keeps: accepted drafts, then one target token; the rows
+        they follow, root first)."""
         drafts = row.tokens[1:]
         if not r.sampling.greedy:
-            return accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
+            cand = accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
+            return cand, list(range(len(cand)))
         target = lg.argmax(-1).tolist()
+        if row.parents:  # a tree: follow the target's argmax from the root
+            path = accept_greedy(list(row.parents), drafts, target)
+            return [target[p] for p in path], path
         a = 0
         while a < len(drafts) and drafts[a] == target[a]:
             a += 1
-        return target[: a + 1]
+        return target[: a + 1], list(range(a + 1))
 
     def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
@@ -213,14 +291,20 @@ class SpeculativeDecoder:
                 sampled.append((r, lg[0]))
                 continue
             try:
-                cand = self._candidates(engine, r, row, lg)
+                cand, path = self._candidates(engine, r, row, lg)
             except (ValueError, RuntimeError) as ex:
                 failed.append(engine._fail(r, f"sampling failed: {ex}"))
                 continue
             a = len(cand) - 1
             toks = _emit(engine, r, cand)
             e = len(toks)
-            if e < m:  # the live slot holds the state after all m rows: take row e-1's
+            if self.tree is not None:  # kept rows' KV to their positions, the last's state
+                path = path[:e]
+                relocate(self.pools, row.table, row.start, path)
+                if path[-1]:
+                    self.scratch.restore(i, path[-1] - 1, row.slot)
+                hd = hd.index_select(0, torch.tensor(path, device=hd.device))
+            elif e < m:  # the live slot holds the state after all m rows: take row e-1's
                 self.scratch.restore(i, e - 1, row.slot)
             r.num_computed = row.start + e
             self.draft_tokens += m - 1
@@ -255,7 +339,7 @@ class SpeculativeDecoder:
             cache.ensure_blocks(r.id, r.num_computed + 1)
         rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
                           cache.block_table(r.id)) for r in reqs]
-        hidden, _ = verify_forward(self.model, self.pools, rows, self.scratch)
+        hidden, _ = self._verify(rows)
         for r, h in zip(reqs, hidden, strict=True):
             r.num_computed += 1
             if self.drafter.shared:
@@ -284,6 +368,20 @@ class SpeculativeDecoder:
             self.drafter.write(jobs)
         except Exception:  # noqa: BLE001 - only the snapshot's draft KV is the worse for it
             log.exception("settling the MTP KV of %d finished requests failed", len(jobs))
+
+
+def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
+    """Fewer drafts (the most first) until the verify pass has at most MAX_PACKED_ROWS rows,
+    when plain decode of the batch would have at most that many: decode's matmuls of up to
+    that many rows take the fast path's packed kernels (BATON_DECODE_PATH=fast), larger
+    ones MKL's, which rounds differently; within one kernel a row's bits do not depend on
+    the row count, so the verify pass equals plain decode again."""
+    if len(reqs) > MAX_PACKED_ROWS:
+        return
+    extra = len(reqs) + sum(ks.values()) - MAX_PACKED_ROWS
+    for _ in range(max(0, extra)):
+        rid = max(ks, key=ks.get)
+        ks[rid] -= 1
 
 
 def _emit(engine, req: Request, toks: list[int]) -> list[int]:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.model.layers.linear import decode_scope
 from baton.model.paged import StepContext, decode_meta, prefill_meta
 
 
@@ -45,6 +46,10 @@ class DraftJob(NamedTuple):
 
 
 class Drafter:
+    in_forward = False
+    """The head's prompt KV is written by `prefill` after the target's forward (a pipeline's
+    stand-in writes it inside the forward)."""
+
     def __init__(self, model, target_pools):
         self.head = model.mtp
         self.embed = model.backbone.embeddings if hasattr(model, "backbone") \
@@ -68,11 +73,31 @@ class Drafter:
         self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx, decode=False,
                   logits=False)
 
-    def _rows(self, hidden, next_ids, positions, tables):
+    def _rows(self, hidden, next_ids, positions, tables, logits: bool = True):
         meta = decode_meta(self._longs(positions), tables, self.pools)
         ctx = StepContext(self.pools, meta, None)
-        return self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx,
-                         decode=True)
+        with decode_scope():  # few rows: decode's linear kernels
+            return self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx,
+                             decode=True, logits=logits)
+
+    def _first_pass(self, jobs: list[DraftJob]):
+        """The pending rows of every job (their entries written); (the last row's output per
+        job, float32 logits of it per job that drafts, zeros for the others): the LM head
+        runs on those rows only."""
+        hid = torch.cat([j.pending.hidden for j in jobs])
+        ids = [t for j in jobs for t in j.next_ids]
+        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
+        out, _ = self._rows(hid, ids, pos, [j.table for j in jobs for _ in j.next_ids],
+                            logits=False)
+        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
+        g = out.index_select(0, ends)
+        want = [i for i, j in enumerate(jobs) if j.num_drafts]
+        logits = torch.zeros(len(jobs), self.lm_head.weight.shape[0], device=g.device)
+        if want:
+            sel = self._longs(want)
+            with decode_scope():
+                logits.index_copy_(0, sel, self.lm_head(g.index_select(0, sel)).float())
+        return g, logits
 
     def write(self, jobs: list[DraftJob]) -> None:
         """Only the first pass's entries (verified hiddens and tokens), no drafts: what a
@@ -88,13 +113,8 @@ class Drafter:
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries
         written (a request that may emit one more token: nothing to draft)."""
-        hid = torch.cat([j.pending.hidden for j in jobs])
-        ids = [t for j in jobs for t in j.next_ids]
-        pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
-        tables = [j.table for j in jobs for _ in j.next_ids]
-        out, logits = self._rows(hid, ids, pos, tables)
-        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
-        g, tok = out.index_select(0, ends), logits.index_select(0, ends).argmax(-1)
+        g, first = self._first_pass(jobs)
+        tok = first.argmax(-1)
         drafts = [[t] if j.num_drafts else [] for j, t in zip(jobs, tok.tolist(), strict=True)]
         for k in range(2, max(j.num_drafts for j in jobs) + 1):
             live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
@@ -107,3 +127,54 @@ class Drafter:
             for i, t in zip(live, logits.argmax(-1).tolist(), strict=True):
                 drafts[i].append(t)
         return drafts
+
+    def draft_tree(self, jobs: list[DraftJob], top_k: list[tuple[int, ...]]) -> list:
+        """Tree drafts (tree.py) of each job: `num_drafts` is its node budget, top_k[i] its
+        children per node at each depth (all 1: a chain). Returns a `Tree` per job."""
+        from baton.engine.speculative.tree import Tree, path, path_meta
+
+        g0, first = self._first_pass(jobs)
+        trees = [Tree([], []) for _ in jobs]
+        n = [j.pending.start + len(j.next_ids) for j in jobs]
+        score = [[0.0] for _ in jobs]  # summed log-probability of each row (root 0)
+        # frontier: (job, row, output hidden row of its pass, log-probs of its children)
+        lp = torch.log_softmax(first, -1)
+        frontier = [(i, 0, g0[i], lp[i]) for i in range(len(jobs))]
+        depth = 0
+        while frontier:
+            depth += 1
+            grown = []
+            for i in sorted({f[0] for f in frontier}):
+                j, ks = jobs[i], top_k[i]
+                room = j.num_drafts - len(trees[i].tokens)
+                if depth > len(ks) or room <= 0:
+                    continue
+                cands = []
+                for _, row, g, lps in (f for f in frontier if f[0] == i):
+                    top = torch.topk(lps, ks[depth - 1])
+                    cands += [(score[i][row] + v, row, t, g) for v, t in
+                              zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+                cands.sort(key=lambda c: -c[0])  # stable: ties keep parent, then rank order
+                for s, row, t, g in cands[:room]:
+                    trees[i].tokens.append(t)
+                    trees[i].parents.append(row)
+                    score[i].append(s)
+                    grown.append((i, len(trees[i].tokens), g))
+            # one head pass over the new nodes that may still have children
+            grown = [x for x in grown if depth < len(top_k[x[0]])
+                     and jobs[x[0]].num_drafts > len(trees[x[0]].tokens)]
+            if not grown:
+                break
+            paths = [[n[i] - 1 + q for q in path(trees[i].parents, r)[1:]] for i, r, _ in grown]
+            meta = path_meta([n[i] for i, _, _ in grown], paths,
+                             [n[i] - 1 + r for i, r, _ in grown],
+                             [n[i] + depth - 1 for i, _, _ in grown],
+                             [jobs[i].table for i, _, _ in grown], self.pools)
+            with decode_scope():
+                g_out, lg = self.head(torch.stack([g for _, _, g in grown]),
+                                      self._longs([trees[i].tokens[r - 1] for i, r, _ in grown]),
+                                      self.embed, self.lm_head,
+                                      StepContext(self.pools, meta, None), decode=True)
+            lps = torch.log_softmax(lg, -1)
+            frontier = [(i, r, g_out[x], lps[x]) for x, (i, r, _) in enumerate(grown)]
+        return trees

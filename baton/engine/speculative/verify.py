@@ -2,7 +2,8 @@
 recurrent state kept after every position so a rejected draft rolls back exactly.
 
 Numerics are the decode path's, position by position, so a verified token is the one plain
-decoding would have produced:
+decoding would have produced (the layers run marked as decode, `decode_scope`, so the opt-in
+fast path's linear kernels round here as they do in decode):
 
     rows (r, j)    request r's position n_r + j, ordered by request then position
     norms, MLPs    every row at once (row-wise ops)
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.model.layers.linear import decode_scope
 from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
 from baton.model.pools import Pools
@@ -37,6 +39,9 @@ class VerifyRow(NamedTuple):
     start: int
     slot: int
     table: list[int]
+    parents: tuple[int, ...] = ()
+    """Tree drafts (tree.py): the parent row of each row after the first (0 = the last
+    emitted token); empty: a chain (row j's parent is row j-1)."""
 
 
 class StateScratch:
@@ -57,53 +62,103 @@ class StateScratch:
     def slot(self, request: int, position: int) -> int:
         return self.first_slot + request * self.rows_per_request + position
 
-    def save(self, local_layer: int, slots: torch.Tensor, dst: torch.Tensor) -> None:
-        """Slots `dst` <- live slots `slots`, every state tensor of one state layer."""
-        for t in self.pools.state.values():
-            t[local_layer].index_copy_(0, dst, t[local_layer].index_select(0, slots))
-
     def restore(self, request: int, position: int, slot: int) -> None:
         """Live slot `slot` <- the state after `position` of the pass's request `request`."""
         self.pools.copy_slot(self.slot(request, position), slot)
 
 
-def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch):
+class VerifyPlan(NamedTuple):
+    """Where the rows of a verify pass sit, as plain lists (a pipeline stage gets it in its
+    micro-batch's control message): per request its row count, first position, live slot,
+    block table and the scratch slots of its positions but the last."""
+
+    counts: list[int]
+    starts: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    scratch: list[list[int]]
+    parents: list[list[int]] | None = None
+    """A tree pass (tree.py): per request the parent row of each row after the first, and
+    scratch[i][r-1] then holds the state after row r; None: chains."""
+
+    @classmethod
+    def of(cls, rows: list[VerifyRow], scratch: StateScratch, tree: bool = False) -> VerifyPlan:
+        parents = [list(r.parents or range(len(r.tokens) - 1)) for r in rows] if tree else None
+        return cls([len(r.tokens) for r in rows], [r.start for r in rows],
+                   [r.slot for r in rows], [list(r.table) for r in rows],
+                   [[scratch.slot(i, j) for j in range(len(r.tokens) - 1)]
+                    for i, r in enumerate(rows)], parents)
+
+
+def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch,
+                   tree: bool = False):
     """Run every row's tokens; returns (final-normed hidden [R, H], float32 logits [R, vocab])
     with R = total tokens, in row order. Leaves each live slot at the state after its last
-    token and the scratch rows at the states after the earlier ones."""
-    counts = [len(r.tokens) for r in rows]
-    starts = [sum(counts[:i]) for i in range(len(rows))]
+    token and the scratch rows at the states after the earlier ones (`tree`: the live slot
+    after the first row, scratch row r-1 after row r; see tree.py)."""
+    ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long,
+                       device=pools.kv.device)
+    h = verify_layers(model, pools, VerifyPlan.of(rows, scratch, tree), embed(model, ids))
+    hidden = final_norm(model, h)
+    with decode_scope():  # as `model.decode` runs its LM head
+        return hidden, model.lm_head(hidden).float()
+
+
+def embed(model, ids: torch.Tensor) -> torch.Tensor:
+    """The token embeddings of a whole model or a pipeline stage of either family."""
+    table = model.backbone.embeddings if hasattr(model, "backbone") else model.model.embed_tokens
+    return table(ids.to(table.weight.device))
+
+
+def final_norm(model, h: torch.Tensor) -> torch.Tensor:
+    return model.backbone.norm_f(h) if hasattr(model, "backbone") else model.model.norm(h)
+
+
+def _layers(container) -> list:
+    layers = container.layers
+    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+
+
+def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> torch.Tensor:
+    """The model's (or a stage's) layers over the verify rows' input hiddens h [R, H]
+    (`pools`: the layers' own tensors, a stage's local pools)."""
+    counts = plan.counts
+    starts = [sum(counts[:i]) for i in range(len(counts))]
     dev = pools.kv.device
-    ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
-    pos = torch.tensor([r.start + j for r in rows for j in range(len(r.tokens))],
-                       dtype=torch.long, device=dev)
     attn = None
-    if pools.has_kv:
-        tables = [r.table for r, m in zip(rows, counts, strict=True) for _ in range(m)]
-        attn = decode_meta(pos, tables, pools)
+    if plan.parents is not None:  # a tree: every node reads its path, starts from its parent
+        from baton.engine.speculative.tree import tree_levels, tree_verify_meta
+
+        attn = tree_verify_meta(plan, pools) if pools.has_kv else None
+        per_pos = tree_levels(pools, plan, starts, dev)
+    else:
+        if pools.has_kv:
+            pos = torch.tensor([s + j for s, m in zip(plan.starts, counts, strict=True)
+                                for j in range(m)], dtype=torch.long, device=dev)
+            tables = [t for t, m in zip(plan.tables, counts, strict=True) for _ in range(m)]
+            attn = decode_meta(pos, tables, pools)
+        per_pos = _positions(pools, plan, starts, dev)
     flat = StepContext(pools, attn, None)
-    per_pos = _positions(pools, rows, counts, starts, scratch, dev)
 
     def mix(mixer, x: torch.Tensor) -> torch.Tensor:
         if mixer.layer_idx in pools.spec.attn_index:
             return mixer.decode(x, flat)
-        return _recurrent(mixer, x, pools, per_pos, scratch)
+        return _recurrent(mixer, x, pools, per_pos)
 
+    with decode_scope():  # decode's linear kernels (BATON_DECODE_PATH): its rounding
+        return _run_layers(model, h, mix)
+
+
+def _run_layers(model, h: torch.Tensor, mix) -> torch.Tensor:
     if hasattr(model, "backbone"):  # NemotronH: one mixer per pre-norm residual block
-        bb = model.backbone
-        h = bb.embeddings(ids.to(model.device))
-        for block in bb.layers:
+        for block in _layers(model.backbone):
             x = block.norm(h)
             h = h + (block.mixer(x) if block.stateless else mix(block.mixer, x))
-        hidden = bb.norm_f(h)
     else:  # Qwen3.5: mixer then MLP in each decoder layer (its DecoderLayer.forward)
-        tm = model.model
-        h = tm.embed_tokens(ids.to(model.device))
-        for layer in tm.layers:
+        for layer in _layers(model.model):
             h = h + mix(layer.mixer, layer.input_layernorm(h))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        hidden = tm.norm(h)
-    return hidden, model.lm_head(hidden).float()
+    return h
 
 
 class _Position(NamedTuple):
@@ -114,21 +169,24 @@ class _Position(NamedTuple):
     save_to: torch.Tensor | None
     """Scratch rows for the requests with a later position (their state is saved)."""
     save_slots: torch.Tensor | None
+    copy_from: torch.Tensor | None = None
+    """Tree levels: the parents' slots, copied into `ctx.slots` before the step."""
 
 
-def _positions(pools, rows, counts, starts, scratch, dev) -> list[_Position]:
+def _positions(pools, plan: VerifyPlan, starts, dev) -> list[_Position]:
     def longs(xs):
         return torch.tensor(xs, dtype=torch.long, device=dev)
 
+    counts = plan.counts
     out = []
     for j in range(max(counts)):
         sel = [i for i, m in enumerate(counts) if m > j]
         keep = [i for i in sel if counts[i] > j + 1]
         out.append(_Position(
-            slot_context(pools, None, [rows[i].slot for i in sel]),
+            slot_context(pools, None, [plan.slots[i] for i in sel]),
             longs([starts[i] + j for i in sel]),
-            longs([scratch.slot(i, j) for i in keep]) if keep else None,
-            longs([rows[i].slot for i in keep]) if keep else None,
+            longs([plan.scratch[i][j] for i in keep]) if keep else None,
+            longs([plan.slots[i] for i in keep]) if keep else None,
         ))
     return out
 
@@ -137,24 +195,30 @@ _MAMBA2_PARTS = ("_split", "_live_states", "_conv", "_ssm_inputs", "_dt", "_A", 
                  "_out")
 
 
-def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
-               scratch: StateScratch) -> torch.Tensor:
+def _save(pools: Pools, local_layer: int, slots: torch.Tensor, dst: torch.Tensor) -> None:
+    """Slots `dst` <- live slots `slots`, every state tensor of one state layer."""
+    for t in pools.state.values():
+        t[local_layer].index_copy_(0, dst, t[local_layer].index_select(0, slots))
+
+
+def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position]) -> torch.Tensor:
     """One recurrent layer: a Mamba2 mixer with its projections over every row at once and
     the conv + SSM step position after position (`_mamba2`), any other mixer its own decode
     per position."""
     if all(hasattr(mixer, n) for n in _MAMBA2_PARTS):
-        return _mamba2(mixer, x, pools, per_pos, scratch)
+        return _mamba2(mixer, x, pools, per_pos)
     out = torch.empty_like(x)
     local = pools.spec.state_index[mixer.layer_idx]
     for p in per_pos:
+        if p.copy_from is not None:
+            _save(pools, local, p.copy_from, p.ctx.slots)
         out.index_copy_(0, p.rows, mixer.decode(x.index_select(0, p.rows), p.ctx))
         if p.save_to is not None:
-            scratch.save(local, p.save_slots, p.save_to)
+            _save(pools, local, p.save_slots, p.save_to)
     return out
 
 
-def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
-            scratch: StateScratch) -> torch.Tensor:
+def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position]) -> torch.Tensor:
     """`Mamba2Mixer.decode`, operation for operation, over the positions of a verify pass:
     in_proj, dt, gated norm and out_proj are row-wise (all rows in one call); the conv
     window and the SSM state advance one position at a time."""
@@ -167,6 +231,8 @@ def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
     y_all = None
     for p in per_pos:
         ctx = p.ctx
+        if p.copy_from is not None:
+            _save(pools, local, p.copy_from, ctx.slots)
         in_place = ctx.slot_range is not None and \
             ctx.state(mixer.layer_idx, "ssm").dtype == torch.float32
         conv, ssm = mixer._live_states(ctx, in_place)
@@ -183,5 +249,5 @@ def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position],
             y_all = y.new_empty((x.shape[0], H * P))
         y_all.index_copy_(0, p.rows, y.reshape(b, -1))
         if p.save_to is not None:
-            scratch.save(local, p.save_slots, p.save_to)
+            _save(pools, local, p.save_slots, p.save_to)
     return mixer._out(y_all, gate, x.dtype)

@@ -79,7 +79,8 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     from baton.engine.builder import DTYPES
     from baton.model.nemotron_h.tp import load_tp_model
 
-    model = load_tp_model(path, tp, device=cfg.model.device, dtype=DTYPES[cfg.model.dtype])
+    model = load_tp_model(path, tp, device=cfg.model.device, dtype=DTYPES[cfg.model.dtype],
+                          moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
     return model, pools
@@ -90,20 +91,28 @@ def rank_argv(model_path: str):
                                  str(model_path), str(rank), master]
 
 
-def start_ranks(cfg: BatonConfig, path, on_death=None):
-    """(store, the rank processes 1..N-1) after checking the model splits."""
+def start_ranks(cfg: BatonConfig, path, on_death=None, argv=None):
+    """(store, the rank processes 1..N-1) after checking the model splits; `argv(rank,
+    master)`: a rank's command line (default a bare rank; a worker's ranks run its role's
+    transfer agent: `baton <role>-worker --pp-rank R --pp-master M`)."""
     from baton.model.nemotron_h.tp import family_tp
 
     size = cfg.worker.tensor_parallel_size
     mcfg = load_config(path)
-    family_tp(mcfg).local_config(mcfg, size)  # refused here, before any rank starts
+    family_tp(mcfg).local_config(mcfg, size, cfg.worker.moe_tp_split)  # refused here, before
+    # any rank starts
     warn_cores(size)
     store = open_store(0, size, None)
-    ranks = LocalStages(cfg, rank_argv(str(path)), f"127.0.0.1:{store.port}", size, on_death)
+    ranks = LocalStages(cfg, argv or rank_argv(str(path)), f"127.0.0.1:{store.port}", size,
+                        on_death)
     return store, ranks
 
 
-def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str) -> int:
+def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str,
+               make_handlers=None) -> int:
+    """Rank `rank` (1..N-1): join the group, load its shard, obey rank 0 until "stop";
+    `make_handlers(model, pools, channel)`: a worker role's control handlers (its rank's
+    transfer agent)."""
     from baton.engine.pipeline.channel import Channel
     from baton.engine.tp.rank import TPRankLoop
 
@@ -113,9 +122,11 @@ def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str) -> int:
     store = open_store(rank, size, master)
     tp = join(rank, size, store)
     model, pools = load_rank(cfg, model_path, tp)
+    ch = Channel(rank, size)
+    handlers = make_handlers(model, pools, ch) if make_handlers is not None else None
     log.info("tensor-parallel rank %d/%d ready", rank, size)
     try:
-        TPRankLoop(model, pools, Channel(rank, size), tp).run()
+        TPRankLoop(model, pools, ch, tp, handlers).run()
     except Exception as e:  # noqa: BLE001 - rank 0 is gone or a forward failed: leave
         log.warning("tensor-parallel rank %d: leaving (%s)", rank, e)
         return 1
@@ -134,7 +145,8 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None):
+def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
+                    rank_argv_of=None):
     """Rank 0 of a tensor-parallel worker: starts ranks 1..N-1, joins their group, loads its
     shard, and runs the scheduler and cache manager for every rank (`on_rank_death(rank,
     code)`: a rank exited; `on_link_lost(error)`: the group broke)."""
@@ -148,7 +160,7 @@ def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=Non
     size = cfg.worker.tensor_parallel_size
     threads = rank_threads(size)
     torch.set_num_threads(threads)
-    store, ranks = start_ranks(cfg, path, on_rank_death)
+    store, ranks = start_ranks(cfg, path, on_rank_death, rank_argv_of)
     try:
         tp = join(0, size, store)
         shard, local = load_rank(cfg, path, tp)
@@ -159,7 +171,8 @@ def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=Non
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
     _maybe_arm_canaries(cache)  # the fills reach ranks 1..N-1 as mirrored operations
     model = TPModel(shard, shard.full_config, pools, Channel(0, size), tp, ranks, on_link_lost)
-    log.info("tensor-parallel engine ready: TP %d x PP 1 = %d rank processes, %d torch "
-             "thread(s) each\n%s", size, size, threads,
-             rank_layout(shard.full_config, size, ranks.pids()))
+    model.rank_layout = (f"tensor-parallel engine ready: TP {size} x PP 1 = {size} rank processes, "
+                         f"{threads} torch thread(s) each\n"
+                         f"{rank_layout(shard.full_config, size, ranks.pids())}")
+    log.info("%s", model.rank_layout)
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

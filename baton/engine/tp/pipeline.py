@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from baton.engine.pipeline.channel import TAG_CTRL, Channel
+from baton.engine.pipeline.channel import TAG_CTRL, TAG_REPLY, Channel
 from baton.engine.pipeline.launch import (
     _die_with_parent,
     config_from_env,
@@ -95,9 +95,19 @@ class Leader:
             self.ch.send_msg({"op": "stop", "ops": []}, p, TAG_CTRL)
         self.ch.flush()
 
+    def call(self, name: str, args: dict, reply: bool) -> list[dict]:
+        """A role's handler on every TP peer of the stage (their replies, in peer order)."""
+        for p in self.peers:
+            self.ch.send_msg({"op": "call", "name": name, "args": args, "reply": reply,
+                              "ops": []}, p, TAG_CTRL)
+        return [self.ch.recv_msg(p, TAG_PEER_REPLY) for p in self.peers] if reply else []
 
-def attach_leader(model, pools, ch: Channel, peers: list[int], loop: StageLoop | None = None):
-    """Hook a stage leader's model (and its loop's op application and canary audit)."""
+
+def attach_leader(model, pools, ch: Channel, peers: list[int], loop: StageLoop | None = None,
+                  forward: frozenset[str] = frozenset()):
+    """Hook a stage leader's model (and its loop's op application and canary audit); a role
+    call named in `forward` (a worker's transfer agent) runs on the leader, then on each of
+    its TP peers, and its reply carries theirs (`peers`, in peer order)."""
     from baton.cache.canary import bad_blocks, bad_slots
 
     lead = Leader(ch, peers)
@@ -112,16 +122,39 @@ def attach_leader(model, pools, ch: Channel, peers: list[int], loop: StageLoop |
             return {"bad_blocks": sorted(set(bad_blocks(pools, a["blocks"])) | set(b)),
                     "bad_slots": sorted(set(bad_slots(pools, a["slots"])) | set(s))}
 
+        def call(msg, _call=loop._call):
+            if msg["name"] not in forward:
+                return _call(msg)
+            own = call_handler(loop.handlers, msg, f"stage {ch.rank}")
+            peers = lead.call(msg["name"], msg.get("args") or {}, bool(msg.get("reply")))
+            if msg.get("reply"):
+                ch.send_msg({**own, "peers": peers}, 0, TAG_REPLY)
+
         loop._apply = apply
+        loop._call = call
         loop.handlers["canaries"] = canaries
     return lead
+
+
+def call_handler(handlers: dict, msg: dict, who: str) -> dict:
+    """A "call" message's reply: {"ok": True, **the handler's} or {"ok": False, "error"}."""
+    handler = handlers.get(msg["name"])
+    try:
+        if handler is None:
+            raise KeyError(f"{who} has no handler {msg['name']!r}")
+        return {"ok": True, **(handler(msg.get("args") or {}) or {})}
+    except Exception as e:  # noqa: BLE001 - reported to world rank 0, which decides
+        log.exception("%s: %s failed", who, msg["name"])
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
 class PeerLoop:
     """A stage's TP rank j >= 1: obey its leader until "stop"."""
 
-    def __init__(self, model, pools, ch: Channel, leader: int):
+    def __init__(self, model, pools, ch: Channel, leader: int, handlers=None):
         self.model, self.pools, self.ch, self.leader = model, pools, ch, leader
+        self.handlers = dict(handlers or {})
+        """A worker role's control handlers (this rank's transfer agent)."""
 
     def run(self) -> None:
         from baton.cache.canary import bad_blocks, bad_slots
@@ -140,6 +173,10 @@ class PeerLoop:
                 self.ch.send_msg({"bad_blocks": bad_blocks(self.pools, a["blocks"]),
                                   "bad_slots": bad_slots(self.pools, a["slots"])},
                                  self.leader, TAG_PEER_REPLY)
+            elif op == "call":
+                reply = call_handler(self.handlers, msg, f"TP x PP rank {self.ch.rank}")
+                if msg.get("reply"):
+                    self.ch.send_msg(reply, self.leader, TAG_PEER_REPLY)
 
     def _forward(self, mb: dict) -> None:
         n = len(mb["starts"])
@@ -172,7 +209,9 @@ def setup(cfg, path, rank: int, store):
     group = join_stage_groups(rank, pp, tp)
     dtype = DTYPES[cfg.model.dtype]
     model = load_tp_model(path, group, cfg.model.device, dtype,
-                          stage=(layers[stage], stage == 0, stage == pp - 1))
+                          stage=(layers[stage], stage == 0, stage == pp - 1),
+                          moe_split=cfg.worker.moe_tp_split)
+    model.tp_place = (group.rank, tp)  # its TP rank within the stage (transfer agents)
     pools = Pools(PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                                      tokens_per_block=cfg.cache.tokens_per_block,
                                      num_slots=cfg.cache.num_state_slots, layers=layers[stage],
@@ -180,22 +219,25 @@ def setup(cfg, path, rank: int, store):
     return stage, model, pools, group, layers
 
 
-def serve(cfg, path, rank: int, master: str) -> int:
-    """A process other than world rank 0: a stage leader or a stage's TP rank."""
+def serve(cfg, path, rank: int, master: str, make_handlers=None) -> int:
+    """A process other than world rank 0: a stage leader or a stage's TP rank;
+    `make_handlers(model, pools, channel)`: a worker role's handlers (its transfer agent)."""
     pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
     _die_with_parent()
     torch.set_num_threads(rank_threads(pp * tp))
     store = open_store(rank, pp * tp, master)
     stage, model, pools, _, _ = setup(cfg, path, rank, store)
     try:
+        ch = Channel(stage, pp) if rank < pp else Channel(rank, pp * tp)
+        handlers = make_handlers(model, pools, ch) if make_handlers is not None else {}
         if rank < pp:
-            ch = Channel(stage, pp)
-            loop = StageLoop(model, pools, ch)
-            lead = attach_leader(model, pools, ch, peer_ranks(stage, pp, tp), loop)
+            loop = StageLoop(model, pools, ch, handlers)
+            lead = attach_leader(model, pools, ch, peer_ranks(stage, pp, tp), loop,
+                                 frozenset(handlers))
             loop.run()
             lead.stop()
         else:
-            PeerLoop(model, pools, Channel(rank, pp * tp), stage).run()
+            PeerLoop(model, pools, ch, stage, handlers).run()
     except Exception as e:  # noqa: BLE001 - the group broke or a forward failed: leave
         log.warning("TP x PP rank %d: leaving (%s)", rank, e)
         return 1

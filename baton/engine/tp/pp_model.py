@@ -34,17 +34,34 @@ class LeaderPools(MirroredPools):
         return ops
 
 
+BUILT_IN = frozenset({"stats", "canaries", "expert_load"})
+"""Stage-loop calls answered by the leaders alone; any other (a worker role's transfer agent)
+runs on every process of the world."""
+
+
 class TPPipelineModel(PipelineModel):
     def __init__(self, *a, lead: Leader, full_config, **kw):
         super().__init__(*a, **kw)
         self.lead, self.config = lead, full_config
+        self.agents = self.size * (len(lead.peers) + 1)
+        """Processes with a transfer agent each (`baton.worker.staged`): every world rank."""
+        self.tp_place = (0, len(lead.peers) + 1)
 
     def call(self, name: str, args_of, reply: bool = True) -> list[dict]:
+        """As the pipeline's; a role call reaches every world rank, its replies flattened in
+        world order after world rank 0's: each leader, its peers, ..., stage 0's peers."""
         out = super().call(name, args_of, reply)
         if name == "canaries":  # stage 0's own TP ranks too
             with self._link():
                 b, s = self.lead.canaries(args_of(1) or {})
             out.append({"ok": True, "bad_blocks": b, "bad_slots": s})
+        elif name not in BUILT_IN:
+            flat = []
+            for r in out:
+                flat += [{k: v for k, v in r.items() if k != "peers"}, *r.get("peers", [])]
+            with self._link():
+                flat += self.lead.call(name, args_of(0) or {}, reply)
+            out = flat
         return out
 
     def close(self) -> None:
@@ -70,8 +87,9 @@ class TPPipelineModel(PipelineModel):
             dist.destroy_process_group()
 
 
-def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None):
-    """World rank 0 (stage 0's leader) of a TP x PP worker."""
+def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None, argv=None):
+    """World rank 0 (stage 0's leader) of a TP x PP worker; `argv(rank, master)`: the other
+    ranks' command line (default bare ranks; a worker's run its role's transfer agent)."""
     from baton.cache.manager import HybridCacheManager
     from baton.engine.builder import _maybe_arm_canaries
     from baton.engine.engine import Engine
@@ -84,10 +102,11 @@ def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None):
     from baton.model.nemotron_h.tp import family_tp
 
     mcfg = load_config(path)
-    family_tp(mcfg).local_config(mcfg, tp)  # refused here, before any rank starts
+    family_tp(mcfg).local_config(mcfg, tp, cfg.worker.moe_tp_split)  # refused here, before
+    # any rank starts
     warn_cores(world, f"TP {tp} x PP {pp} = {world}")
     store = open_store(0, world, None)
-    ranks = LocalStages(cfg, world_argv(str(path)), f"127.0.0.1:{store.port}", world,
+    ranks = LocalStages(cfg, argv or world_argv(str(path)), f"127.0.0.1:{store.port}", world,
                         on_rank_death)
     try:
         _, shard, local, group, layers = setup(cfg, path, 0, store)
@@ -112,7 +131,8 @@ def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None):
         f"{[k, *peer_ranks(k, pp, tp)]} (TP ranks 0..{tp - 1}), pids "
         f"{[pids.get(x, os.getpid()) for x in [k, *peer_ranks(k, pp, tp)]]}"
         for k, r in enumerate(layers))
-    log.info("tensor-parallel engine ready: TP %d x PP %d = %d rank processes, %d torch "
-             "thread(s) each; stage 0 TP rank 0 schedules\n%s\n%s", tp, pp, world, threads,
-             stages, rank_layout(shard.full_config, tp, {}))
+    model.rank_layout = (f"tensor-parallel engine ready: TP {tp} x PP {pp} = {world} rank "
+                         f"processes, {threads} torch thread(s) each; stage 0 TP rank 0 "
+                         f"schedules\n{stages}\n{rank_layout(shard.full_config, tp, {})}")
+    log.info("%s", model.rank_layout)
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

@@ -65,22 +65,29 @@ def softmax_topk(logits: torch.Tensor, *, top_k: int, norm: bool) -> Routing:
 
 def run_experts(
     x: torch.Tensor, routing: Routing, up: torch.Tensor, down: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor], first: int = 0, total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted sum of the chosen experts' outputs for tokens x [N, d_in].
 
     up [E, U, d_in] (U = I, or 2I for gated experts whose `act` splits it), down [E, d_out, I].
-    Returns (out [N, d_out] in x's dtype, tokens routed to each expert [E] long on the CPU).
+    Expert parallel (`layers.moe_tp`): up / down hold experts [first, first + E) of `total`
+    (0: just E); choices of other experts add nothing here (another rank runs them).
+    Returns (out [N, d_out] in x's dtype, tokens routed to each of the `total` experts, long
+    on the CPU).
     """
     n, k = routing.experts.shape
+    held = up.shape[0]
     flat = routing.experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=up.shape[0]).cpu()  # one sync: run lengths
+    counts = torch.bincount(flat, minlength=total or held).cpu()  # one sync: run lengths
+    runs = counts[first:first + held].tolist()
+    lo = int(counts[:first].sum())  # sorted by expert: the held experts' pairs are one run
+    order = order[lo:lo + sum(runs)]
     token = order // k
     xs = x[token]
-    ys = torch.empty(n * k, down.shape[1], dtype=x.dtype, device=x.device)
+    ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
     start = 0
-    for e, c in enumerate(counts.tolist()):
+    for e, c in enumerate(runs):
         if c:
             run = slice(start, start + c)
             torch.mm(act(torch.mm(xs[run], up[e].t())), down[e].t(), out=ys[run])

@@ -11,6 +11,12 @@ weights cut from the TP-1 checkpoint section by section.
     A_log, D, dt_bias, norm                by heads / channels
     out_proj, o_proj, down_proj columns    row parallel (one all-reduce each)
     q rows by heads; k, v rows by KV heads (replicated: head r*K // t, division)
+    MoE (`E`)                              `layers.moe_tp`: router and latent projections
+                                            whole; routed experts whole per rank
+                                            (`experts`, rows of [E, ..]) or each split
+                                            within (`within`); shared expert by its width;
+                                            one all-reduce per layer. Published per-expert
+                                            tensors: only the rank's are read (`tp_stacks`)
 
 The local config's pools are exactly the rank's shard of the cache (`tp_shard`): KV heads
 max(K/t, 1), conv (I/t + 2*G_local*N, K-1), ssm (H/t, P, N).
@@ -26,6 +32,8 @@ from safetensors import safe_open
 
 from baton.errors import ConfigError
 from baton.model.config import load_config
+from baton.model.layers.moe import MoE
+from baton.model.layers.moe_tp import MODES, TPMoE, check_split
 from baton.model.layers.parallel import (
     ReplicatedGroupGatedNorm,
     RowParallelLinear,
@@ -37,12 +45,16 @@ from baton.model.loader import _canonical, checkpoint_files, family_loader
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.tp_shard import check_tp, held_units
+from baton.model.tp_stacks import TPExpertStacks
 
 
-def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config whose modules and pools are one rank's shard."""
+def local_config(cfg: ModelConfig, tp: int, moe_split: str = MODES[0]) -> ModelConfig:
+    """The config whose modules and pools are one rank's shard (the MoE fields stay the
+    model's: `layers.moe_tp` shards those modules itself)."""
     check_tp(cfg, tp)
-    refuse_moe(cfg, tp, tuple(i for i, c in enumerate(cfg.pattern) if c == "E"))
+    if "E" in cfg.pattern:
+        check_split(cfg, tp, moe_split, "n_routed_experts", "moe_intermediate_size",
+                    "moe_shared_expert_intermediate_size")
     if tp == 1:
         return cfg
     return dataclasses.replace(
@@ -51,14 +63,6 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
         intermediate_size=cfg.intermediate_size // tp,
         mamba_num_heads=cfg.mamba_num_heads // tp, n_groups=max(cfg.n_groups // tp, 1),
         vocab_size=cfg.vocab_size // tp)
-
-
-def refuse_moe(cfg, tp: int, moe_layers: tuple[int, ...]) -> None:
-    if tp > 1 and moe_layers:
-        raise ConfigError(
-            f"tensor_parallel_size={tp}: the model has MoE layers {list(moe_layers)[:8]}, "
-            "whose experts are not split over TP ranks yet; use tensor_parallel_size 1 "
-            "(pipeline parallelism splits MoE models)")
 
 
 def sections(cfg: ModelConfig, what: str) -> list[tuple[int, int]]:
@@ -71,6 +75,8 @@ def sections(cfg: ModelConfig, what: str) -> list[tuple[int, int]]:
         "q": [(cfg.num_attention_heads, cfg.head_dim)],
         "kv": [(cfg.num_key_value_heads, cfg.head_dim)],
         "ffn": [(cfg.intermediate_size, 1)], "vocab": [(cfg.vocab_size, 1)],
+        "experts": [(cfg.n_routed_experts, 1)], "moe_ffn": [(cfg.moe_intermediate_size, 1)],
+        "shared": [(cfg.moe_shared_expert_intermediate_size, 1)],
     }[what]
 
 
@@ -84,15 +90,26 @@ RULES = (  # (name suffix, sections, axis); anything else is replicated
     ("mixer.up_proj.weight", "ffn", 0), ("mixer.up_proj.bias", "ffn", 0),
     ("mixer.down_proj.weight", "ffn", 1),
     ("backbone.embeddings.weight", "vocab", 0), ("lm_head.weight", "vocab", 0),
+    ("mixer.shared_experts.up_proj.weight", "shared", 0),
+    ("mixer.shared_experts.up_proj.bias", "shared", 0),
+    ("mixer.shared_experts.down_proj.weight", "shared", 1),
 )
+MOE_RULES = {  # the stacked routed experts [E, out, in], by `moe_split`
+    "experts": (("mixer.experts.up_proj", "experts", 0),
+                ("mixer.experts.down_proj", "experts", 0)),
+    "within": (("mixer.experts.up_proj", "moe_ffn", 1),
+               ("mixer.experts.down_proj", "moe_ffn", 2)),
+}
 
 
-def shard_tensor(cfg, name: str, t, tp: int, rank: int) -> torch.Tensor:
+def shard_tensor(cfg, name: str, t, tp: int, rank: int,
+                 moe_split: str = MODES[0]) -> torch.Tensor:
     """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules.
     `t` is a tensor or a safetensors slice: then only the rank's rows are read, so a rank
     never holds a whole tensor it shards."""
     fam = family_tp(cfg)
-    rule = next(((s, a) for suf, s, a in fam.RULES if name.endswith(suf)), None)
+    rules = fam.MOE_RULES[moe_split] + fam.RULES
+    rule = next(((s, a) for suf, s, a in rules if name.endswith(suf)), None)
     if rule is None or tp == 1:
         return t[:] if not isinstance(t, torch.Tensor) else t
     what, axis = rule
@@ -101,7 +118,7 @@ def shard_tensor(cfg, name: str, t, tp: int, rank: int) -> torch.Tensor:
     for units, width in fam.sections(cfg, what):
         lo, hi = held_units(units, tp, rank)
         a, b = start + lo * width, start + hi * width
-        parts.append(t[a:b] if axis == 0 else t[:, a:b])
+        parts.append(t[(slice(None),) * axis + (slice(a, b),)])
         start += units * width
     if start != size:
         raise ConfigError(f"checkpoint tensor {name}: {size} rows along axis {axis}, "
@@ -109,30 +126,35 @@ def shard_tensor(cfg, name: str, t, tp: int, rank: int) -> torch.Tensor:
     return torch.cat(parts, dim=axis).contiguous()
 
 
-def build_local(cfg: ModelConfig, tp: TPGroup) -> NemotronHModel:
+def build_local(cfg: ModelConfig, tp: TPGroup, moe_split: str = MODES[0]) -> NemotronHModel:
     """The rank's module tree (on the meta device): parallel layers where TP talks."""
-    model = NemotronHModel(local_config(cfg, tp.size))
-    _parallelize(cfg, tp, model.backbone.layers, model.backbone, model)
+    model = NemotronHModel(local_config(cfg, tp.size, moe_split))
+    _parallelize(cfg, tp, model.backbone.layers, model.backbone, model, moe_split)
     return model
 
 
-def build_local_stage(cfg: ModelConfig, tp: TPGroup, layers: range, first: bool, last: bool):
+def build_local_stage(cfg: ModelConfig, tp: TPGroup, layers: range, first: bool, last: bool,
+                      moe_split: str = MODES[0]):
     """One pipeline stage's share on this TP rank (meta device)."""
     from baton.model.stage import StageModel
 
-    model = StageModel(local_config(cfg, tp.size), layers, first, last)
+    model = StageModel(local_config(cfg, tp.size, moe_split), layers, first, last)
     _parallelize(cfg, tp, model.backbone.layers.values(), model.backbone if first else None,
-                 model if last else None)
+                 model if last else None, moe_split)
     return model
 
 
-def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner) -> None:
+def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner,
+                 moe_split: str) -> None:
     """Swap in the modules that talk over the group (TP 1: nothing to swap)."""
     if tp.size == 1:
         return
-    lc = local_config(cfg, tp.size)
+    lc = local_config(cfg, tp.size, moe_split)
     for block in blocks:
         m = block.mixer
+        if isinstance(m, MoE):
+            block.mixer = TPMoE(cfg, m.layer_idx, tp, moe_split)
+            continue
         for proj in ("out_proj", "o_proj", "down_proj"):
             old = getattr(m, proj, None)
             if old is not None:
@@ -148,7 +170,8 @@ def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner)
         head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
 
 
-FAMILY_TP = {"nemotron_h": "baton.model.nemotron_h.tp", "qwen3_5": "baton.model.qwen3_5.tp"}
+FAMILY_TP = {"nemotron_h": "baton.model.nemotron_h.tp", "qwen3_5": "baton.model.qwen3_5.tp",
+             "qwen3_5_moe": "baton.model.qwen3_5.tp"}
 """Family -> module with `local_config`, `sections`, `RULES`, `build_local(_stage)`."""
 
 
@@ -161,34 +184,40 @@ def family_tp(cfg):
 
 
 def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
-                  stage: tuple[range, bool, bool] | None = None):
+                  stage: tuple[range, bool, bool] | None = None, moe_split: str = MODES[0]):
     """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
     pipeline stage) with its shard of the checkpoint's weights; `.config` is the shard's
-    (its pools'), `.full_config` the whole model's."""
+    (its pools'), `.full_config` the whole model's. `moe_split`: how routed experts are
+    split (`layers.moe_tp.MODES`)."""
     path = Path(path)
     cfg = load_config(path)
     ftp = family_tp(cfg)
     with torch.device("meta"):
-        model = ftp.build_local(cfg, tp) if stage is None else \
-            ftp.build_local_stage(cfg, tp, *stage)
+        model = ftp.build_local(cfg, tp, moe_split) if stage is None else \
+            ftp.build_local_stage(cfg, tp, *stage, moe_split=moe_split)
     expected = model.state_dict()
     fam = family_loader(cfg)
     state = {}
+    stacks = TPExpertStacks(expected, tp.size, tp.rank, moe_split)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 ours = _canonical(name, fam.prefix_aliases)
+                if stacks.claim(ours, name, file):  # one expert's tensor (published layout)
+                    continue
                 # a tied head (possibly on a last stage without the embeddings) reads them
                 targets = [ours, "lm_head.weight"] if cfg.tie_word_embeddings \
                     and ours == fam.embeddings else [ours]
                 for tgt in (x for x in targets if x in expected and x not in state):
-                    t = shard_tensor(cfg, tgt, f.get_slice(name), tp.size, tp.rank)
+                    t = shard_tensor(cfg, tgt, f.get_slice(name), tp.size, tp.rank,
+                                     moe_split)
                     if tuple(t.shape) != tuple(expected[tgt].shape):
                         raise ConfigError(
                             f"checkpoint tensor {name}: rank {tp.rank} shard {list(t.shape)}, "
                             f"expected {list(expected[tgt].shape)}")
                     want = torch.float32 if tgt.endswith(fam.fp32_suffixes) else dtype
                     state[tgt] = t.to(device=device, dtype=want)
+    stacks.load(state, device, dtype)
     missing = [k for k in expected if k not in state]
     if missing:
         raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")

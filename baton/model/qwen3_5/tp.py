@@ -10,28 +10,35 @@ by `baton.model.nemotron_h.tp.load_tp_model`).
     in_proj_z, in_proj_a/b, A_log, dt_bias   by value heads; norm (per head) replicated
     q_proj rows by heads ([q_h | gate_h] per head); k, v by KV heads (replicated: division)
     out_proj, o_proj, down_proj columns: row parallel, one all-reduce per mixer and per MLP
+    MoE `mlp` (Qwen3.5-MoE)           `layers.moe_tp`: router and shared-expert gate whole;
+                                      experts whole per rank or split within (gate and up
+                                      rows each, down columns); shared expert by its width
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from baton.model.layers.moe_tp import MODES, TPQwenMoe, check_split
 from baton.model.layers.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
+from baton.model.layers.qwen_moe import QwenSparseMoe
 from baton.model.qwen3_5.config import Qwen35Config
 from baton.model.qwen3_5.model import Qwen35Model
 from baton.model.tp_shard import check_tp
 
 
-def local_config(cfg: Qwen35Config, tp: int) -> Qwen35Config:
-    from baton.model.nemotron_h.tp import refuse_moe
-
+def local_config(cfg: Qwen35Config, tp: int, moe_split: str = MODES[0]) -> Qwen35Config:
+    """The config whose modules and pools are one rank's shard (the MoE fields stay the
+    model's: `layers.moe_tp` shards those modules itself)."""
     check_tp(cfg, tp)
-    refuse_moe(cfg, tp, tuple(getattr(cfg, "moe_layers", ())))
+    if getattr(cfg, "moe_layers", ()):
+        check_split(cfg, tp, moe_split, "num_experts", "moe_intermediate_size",
+                    "shared_expert_intermediate_size")
     if tp == 1:
         return cfg
     return dataclasses.replace(
@@ -51,6 +58,10 @@ def sections(cfg: Qwen35Config, what: str) -> list[tuple[int, int]]:
         "o": [(cfg.num_attention_heads, cfg.head_dim)],
         "kv": [(cfg.num_key_value_heads, cfg.head_dim)],
         "ffn": [(cfg.intermediate_size, 1)], "vocab": [(cfg.vocab_size, 1)],
+        "experts": [(getattr(cfg, "num_experts", 0), 1)],
+        "moe_ffn": [(getattr(cfg, "moe_intermediate_size", 0), 1)],
+        "moe_gate_up": [(getattr(cfg, "moe_intermediate_size", 0), 1)] * 2,
+        "shared": [(getattr(cfg, "shared_expert_intermediate_size", 0), 1)],
     }[what]
 
 
@@ -64,29 +75,42 @@ RULES = (  # (name suffix, sections, axis); anything else is replicated
     ("mlp.gate_proj.weight", "ffn", 0), ("mlp.up_proj.weight", "ffn", 0),
     ("mlp.down_proj.weight", "ffn", 1),
     ("model.embed_tokens.weight", "vocab", 0), ("lm_head.weight", "vocab", 0),
+    ("mlp.shared_expert.gate_proj.weight", "shared", 0),
+    ("mlp.shared_expert.up_proj.weight", "shared", 0),
+    ("mlp.shared_expert.down_proj.weight", "shared", 1),
 )
+MOE_RULES = {  # the stacked routed experts, by `moe_split`: gate_up [E, 2I, H], down [E, H, I]
+    "experts": (("mlp.experts.gate_up_proj", "experts", 0),
+                ("mlp.experts.down_proj", "experts", 0)),
+    "within": (("mlp.experts.gate_up_proj", "moe_gate_up", 1),  # gate and up rows each
+               ("mlp.experts.down_proj", "moe_ffn", 2)),
+}
 
 
-def build_local(cfg: Qwen35Config, tp: TPGroup) -> Qwen35Model:
-    model = Qwen35Model(local_config(cfg, tp.size))
-    _parallelize(cfg, tp, model.model.layers, model.model, model)
+def build_local(cfg: Qwen35Config, tp: TPGroup, moe_split: str = MODES[0]) -> Qwen35Model:
+    model = Qwen35Model(local_config(cfg, tp.size, moe_split))
+    _parallelize(cfg, tp, model.model.layers, model.model, model, moe_split)
     return model
 
 
-def build_local_stage(cfg: Qwen35Config, tp: TPGroup, layers: range, first: bool, last: bool):
+def build_local_stage(cfg: Qwen35Config, tp: TPGroup, layers: range, first: bool, last: bool,
+                      moe_split: str = MODES[0]):
     from baton.model.qwen3_5.stage import Qwen35Stage
 
-    model = Qwen35Stage(local_config(cfg, tp.size), layers, first, last)
+    model = Qwen35Stage(local_config(cfg, tp.size, moe_split), layers, first, last)
     _parallelize(cfg, tp, model.model.layers.values(), model.model if first else None,
-                 model if last else None)
+                 model if last else None, moe_split)
     return model
 
 
-def _parallelize(cfg: Qwen35Config, tp: TPGroup, layers, embed_owner, head_owner) -> None:
+def _parallelize(cfg: Qwen35Config, tp: TPGroup, layers, embed_owner, head_owner,
+                 moe_split: str) -> None:
     if tp.size == 1:
         return
-    lc = local_config(cfg, tp.size)
+    lc = local_config(cfg, tp.size, moe_split)
     for layer in layers:
+        if isinstance(layer.mlp, QwenSparseMoe):
+            layer.mlp = TPQwenMoe(cfg, layer.mlp.layer_idx, layer.mlp.norm, tp, moe_split)
         for owner, proj in ((layer.mixer, "out_proj"), (layer.mixer, "o_proj"),
                             (layer.mlp, "down_proj")):
             old = getattr(owner, proj, None)
