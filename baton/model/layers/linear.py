@@ -60,7 +60,21 @@ def set_decode_path(path: str) -> str:
 
 
 def decode_path() -> str:
-    return _state["path"]
+    """This thread's decode path: `reference` inside `reference_scope`, else the process's."""
+    return getattr(_local, "path", None) or _state["path"]
+
+
+@contextlib.contextmanager
+def reference_scope():
+    """The calls inside run on the reference path whatever the process's: an engine that
+    speculates (its verify pass of K+1 rows must equal plain decode bit for bit, which the fast
+    path's compiled one-row steps and packed kernels do not promise)."""
+    before = getattr(_local, "path", None)
+    _local.path = "reference"
+    try:
+        yield
+    finally:
+        _local.path = before
 
 
 def decoding() -> bool:
