@@ -28,6 +28,7 @@ from baton.engine.samples import SampleFamilies, fork
 from baton.engine.scheduler import Scheduler
 from baton.engine.speculative.decoder import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
+from baton.model.layers.linear import reference_scope
 
 log = logging.getLogger("baton.engine")
 
@@ -246,7 +247,15 @@ class Engine:
         """One step. A failure is confined to the requests it concerns: a request the pools
         can never hold, or whose blocks, snapshot or draw fail, ends alone with an ERROR
         output; a forward pass that raises ends the requests of that forward only (their
-        state is half-updated), never the rest of the batch."""
+        state is half-updated), never the rest of the batch. An engine that speculates runs
+        on the reference decode path (`BATON_DECODE_PATH=fast` is for engines that do not):
+        greedy output stays identical to speculation off."""
+        if self.spec is None:
+            return self._step()
+        with reference_scope():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
         sampled = self._forked(self._prefill(plan.prefills, failed), failed)

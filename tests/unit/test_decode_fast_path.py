@@ -5,7 +5,9 @@ prefixes with earlier ones (reuse hits), long prompts prefill in chunks in the s
 the decodes. Every sampled token must be equal, and every live request's state slot (all
 state layers, all state tensors) after every step must agree. The fast path's kernels
 (packed oneDNN matmuls, the FMA state update) round differently from MKL / the two-op update
-by about 1 ulp, so states are compared to 1e-5 absolute (they are O(1)); tokens exactly.
+by about 1 ulp, so states are compared to 1e-5 absolute (they are O(1)); tokens exactly. Run
+for NemotronH (Mamba2 + attention) and Qwen3.5 (gated DeltaNet + gated attention): the fast
+path's fused recurrent steps (`baton.model.layers.fused`) are each family's own.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt
 STEPS = 200
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("fastpath"))
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+def model_dir(request, tmp_path_factory):
+    """The tiny seeded checkpoint of each recurrent family (Mamba2; gated DeltaNet)."""
+    return make_checkpoint(tmp_path_factory.mktemp(f"fastpath-{request.param}"),
+                           family=request.param)
 
 
 def _workload() -> list[tuple[int, Request]]:
@@ -92,12 +96,21 @@ def test_fast_decode_equals_reference_over_200_mixed_steps(model_dir):
     assert ref_packed == 0 and packed > 0  # each run took its own path
     assert tokens == ref_tokens
     assert cached == ref_cached
+    # NemotronH: 1e-5 absolute. Qwen3.5's conv state holds raw projections up to ~4 and
+    # its fused DeltaNet step sums S^T k in another order: 1e-5 of the tensor's magnitude.
+    tol = 1e-5
+    if "qwen3_5" in model_dir.parent.name:
+        def scale(t):
+            return max(1.0, t.abs().max().item())
+    else:
+        def scale(t):
+            return 1.0
     checked = 0
     for step, (got, ref) in enumerate(zip(states, ref_states, strict=True)):
         assert got.keys() == ref.keys(), f"step {step}"
         for rid, tensors in ref.items():
             for name, want in tensors.items():
                 diff = (got[rid][name] - want).abs().max().item()
-                assert diff <= 1e-5, f"step {step} {rid} {name}: {diff}"
+                assert diff <= tol * scale(want), f"step {step} {rid} {name}: {diff}"
                 checked += 1
     assert checked > 1000

@@ -11,7 +11,7 @@ import torch
 
 from baton.contract import FinishReason
 from baton.engine.request import Request, SamplingParams
-from tests.engine_helpers import engine_for, greedy, run_all
+from tests.engine_helpers import engine_for, greedy, prompt, run_all
 from tests.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpoint
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
@@ -241,25 +241,42 @@ def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
         assert (logits[:, j] - refs[j]).abs().max() < 1e-5
 
 
-def test_verify_rows_equal_plain_decode_on_the_fast_path(tmp_path):
-    """With `BATON_DECODE_PATH=fast` the verify pass runs marked as decode, so its linear
-    layers take decode's kernels: rows and states equal plain decode bit for bit again."""
-    from baton.model.layers.linear import set_decode_path
+def test_a_speculating_engine_decodes_on_the_reference_path_under_the_fast_path(tmp_path,
+                                                                              monkeypatch):
+    """`BATON_DECODE_PATH=fast` rounds a one-row decode (compiled fused steps, packed kernels)
+    differently from a verify pass of K+1 rows, so an engine that speculates runs every step
+    in `reference_scope`: there a verify pass equals plain decode bit for bit (rows and
+    states), every verify of the engine runs on the reference path, and greedy output equals
+    speculation off."""
+    from baton.engine.speculative import decoder
+    from baton.model.layers.linear import decode_path, reference_scope, set_decode_path
     from baton.model.loader import load_model
     from baton.model.make_model import write_checkpoint
 
     recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
     old = set_decode_path("fast")
     try:
-        logits, refs, states, a, _, scratch = _verify_vs_decode(recurrent, 4)
+        with reference_scope():
+            logits, refs, states, a, _, scratch = _verify_vs_decode(recurrent, 4)
+        for j in range(4):
+            assert torch.equal(logits[:, j], refs[j]), j
+            for name in a.state:
+                for i in range(4):
+                    got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
+                    assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+        paths = []
+        verify = decoder.verify_forward
+        monkeypatch.setattr(decoder, "verify_forward",
+                            lambda *a, **k: (paths.append(decode_path()), verify(*a, **k))[1])
+        ck = agreeing_checkpoint(tmp_path)
+        reqs = [(f"r{i}", prompt(60 + i, 5 + 9 * i)) for i in range(4)]
+        spec = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
+        got = run_all(spec, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
+        assert decode_path() == "fast" and paths and set(paths) == {"reference"}
     finally:
         set_decode_path(old)
-    for j in range(4):
-        assert torch.equal(logits[:, j], refs[j]), j
-        for name in a.state:
-            for i in range(4):
-                got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
-                assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+    plain = engine_for(ck, worker={"max_num_seqs": 4})
+    assert got == run_all(plain, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
 
 
 def _context_head(root):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers import fused
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext
 
@@ -49,6 +50,11 @@ class Attention(nn.Module):
         masked kernel here, and need no repeat of K/V for the GQA group.
         """
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
+        if fused.fast_decoding(x) and ctx.kv(self.layer_idx).dtype == torch.float32:
+            q = self.q_proj(x).view(b, self.num_heads, self.head_dim)
+            self._store(x, ctx)
+            return self.o_proj(fused.paged_attention(self.scale, q, ctx.kv(self.layer_idx),
+                                                     ctx.attn))
         q = self.q_proj(x).view(b * self.num_kv_heads, rep, self.head_dim)
         keys, values = self._store_and_read(x, b, ctx)
         S = ctx.attn.num_keys
@@ -66,10 +72,15 @@ class Attention(nn.Module):
         exactly the values (same dtype rounding) that a one-shot prefill saw.
         """
         meta, pool = ctx.attn, ctx.kv(self.layer_idx)
+        self._store(x, ctx)
+        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
+        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
+        return kv[0], kv[1]
+
+    def _store(self, x: torch.Tensor, ctx: StepContext) -> None:
+        """Write the K/V of tokens x [n, hidden] at the call's write rows."""
+        meta, pool = ctx.attn, ctx.kv(self.layer_idx)
         tpb = pool.shape[2]
         tokens = pool.view(-1, self.num_kv_heads * self.head_dim)
         tokens.index_copy_(0, meta.write_rows, self.k_proj(x).to(pool.dtype))
         tokens.index_copy_(0, meta.write_rows + tpb, self.v_proj(x).to(pool.dtype))
-        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
-        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
-        return kv[0], kv[1]

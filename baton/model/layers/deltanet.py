@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers import fused
 from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.gdn import chunk_scan, recurrent_step_
 from baton.model.paged import StepContext
@@ -61,6 +62,8 @@ class GatedDeltaNet(nn.Module):
         qkv = self.in_proj_qkv(h)
         conv_pool = ctx.state(self.layer_idx, "conv")
         rec_pool = ctx.state(self.layer_idx, "recurrent")
+        if fused.fast_decoding(qkv) and conv_pool.dtype == rec_pool.dtype == torch.float32:
+            return self.out_proj(self._fused_step(h, qkv, ctx, conv_pool, rec_pool))
         in_place = ctx.slot_range is not None
         conv = conv_pool[ctx.slot_range] if in_place else conv_pool.index_select(0, ctx.slots)
         window = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], dim=-1)
@@ -75,6 +78,23 @@ class GatedDeltaNet(nn.Module):
         if not live:
             rec_pool.index_copy_(0, ctx.slots, rec.to(rec_pool.dtype))
         return self._out(o.to(h.dtype), h)
+
+    def _fused_step(self, h, qkv, ctx: StepContext, conv_pool, rec_pool) -> torch.Tensor:
+        """The fast path's decode step between the projections: one compiled function
+        (`fused.deltanet_step`) on the live slots (views when consecutive, else gathered)."""
+        in_place = ctx.slot_range is not None
+        if in_place:
+            conv, rec = conv_pool[ctx.slot_range], rec_pool[ctx.slot_range]
+        else:
+            conv, rec = conv_pool.index_select(0, ctx.slots), rec_pool.index_select(0, ctx.slots)
+        dims = (self.hk, self.hv, self.dk, self.dv, self.norm.eps)
+        o = fused.run("deltanet", dims, qkv, conv, rec, self.in_proj_a(h), self.in_proj_b(h),
+                      self.in_proj_z(h), self.conv1d.weight[:, 0], self.dt_bias, self.A_log,
+                      self.norm.weight)
+        if not in_place:
+            conv_pool.index_copy_(0, ctx.slots, conv)
+            rec_pool.index_copy_(0, ctx.slots, rec)
+        return o
 
     def _prefill_states(self, ctx: StepContext):
         """(conv, recurrent) the n sequences start from: their slots', zeros where fresh (a

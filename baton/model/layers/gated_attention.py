@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers import fused
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
 from baton.model.paged import StepContext
 
@@ -71,6 +72,11 @@ class GatedAttention(nn.Module):
         """x [b, hidden], one token of each of b sequences at ctx.attn.positions [b]."""
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
         q, gate, k, v = self._project(x, ctx.attn.positions)
+        pool = ctx.kv(self.layer_idx)
+        if fused.fast_decoding(x) and pool.dtype == torch.float32:
+            self._store(k, v, ctx)
+            out = fused.paged_attention(self.scale, q, pool, ctx.attn)
+            return self.o_proj(out * torch.sigmoid(gate))
         keys, values = self._store_and_read(k, v, b, ctx)
         S, hd = ctx.attn.num_keys, self.head_dim
         q = q.reshape(b * self.num_kv_heads, rep, hd)
@@ -94,10 +100,15 @@ class GatedAttention(nn.Module):
         """Write the new tokens' K/V, then gather [b, kv_heads, keys, hd] K, V from the pool
         (read back even for fresh tokens, so a resumed prefill sees what a one-shot one saw)."""
         meta, pool = ctx.attn, ctx.kv(self.layer_idx)
+        self._store(k, v, ctx)
+        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
+        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
+        return kv[0], kv[1]
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        """Write the new tokens' K/V at the call's write rows."""
+        meta, pool = ctx.attn, ctx.kv(self.layer_idx)
         tpb, width = pool.shape[2], self.num_kv_heads * self.head_dim
         tokens = pool.view(-1, width)
         tokens.index_copy_(0, meta.write_rows, k.reshape(-1, width).to(pool.dtype))
         tokens.index_copy_(0, meta.write_rows + tpb, v.reshape(-1, width).to(pool.dtype))
-        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
-        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
-        return kv[0], kv[1]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers import fused
 from baton.model.layers.norms import GatedRMSNorm
 from baton.model.layers.ssd import ssd_scan, ssd_step_
 from baton.model.nemotron_h.config import ModelConfig
@@ -76,7 +77,10 @@ class Mamba2Mixer(nn.Module):
     def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [B, hidden], one token per sequence; updates the states of `ctx.slots` in place."""
         cfg, b = self.cfg, h.shape[0]
-        gate, xbc, dt = self._split(self.in_proj(h))
+        zxbcdt = self.in_proj(h)
+        if fused.fast_decoding(zxbcdt) and self._fusable(ctx):
+            return self.out_proj(self._fused_step(zxbcdt, ctx))
+        gate, xbc, dt = self._split(zxbcdt)
         in_place = ctx.slot_range is not None and ctx.state(self.layer_idx, "ssm").dtype == torch.float32
         conv, ssm = self._live_states(ctx, in_place)
         window = torch.cat([conv.to(xbc.dtype), xbc[:, :, None]], dim=-1)
@@ -94,6 +98,23 @@ class Mamba2Mixer(nn.Module):
         if not in_place:
             self._write_back(ctx, conv, ssm)
         return self._out(y.reshape(b, -1), gate, h.dtype)
+
+    def _fusable(self, ctx: StepContext) -> bool:
+        return all(ctx.state(self.layer_idx, n).dtype == torch.float32 for n in ("conv", "ssm"))
+
+    def _fused_step(self, zxbcdt: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The fast path's decode step between the projections: one compiled function
+        (`fused.mamba2_step`) on the live slots (views when consecutive, else gathered)."""
+        cfg, in_place = self.cfg, ctx.slot_range is not None
+        conv, ssm = self._live_states(ctx, in_place)
+        lo, hi = cfg.dt_limit
+        dims = (cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
+                cfg.ssm_state_size, float(lo), float(hi), self.norm.group_size, self.norm.eps)
+        y = fused.run("mamba2", dims, zxbcdt, conv, ssm, self.conv1d.weight[:, 0],
+                      self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight)
+        if not in_place:
+            self._write_back(ctx, conv, ssm)
+        return y
 
     def _live_states(self, ctx: StepContext, in_place: bool):
         """(conv, ssm) of the batch's slots to update: views of the pools when the slots are
