@@ -25,7 +25,7 @@ from baton.engine.pipeline.launch import (
     open_store,
 )
 from baton.model.config import load_config
-from baton.model.layers.parallel import TPGroup
+from baton.model.layers.parallel import TPGroup, collective_backend, rank_device
 from baton.model.tp_shard import held_units
 
 log = logging.getLogger("baton.tp")
@@ -68,10 +68,13 @@ def warn_cores(size: int, what: str = "") -> None:
                     what or f"tensor_parallel_size={size}", cores)
 
 
-def join(rank: int, size: int, store) -> TPGroup:
-    """The control group (p2p) and the collectives' group: every rank calls this in order."""
+def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
+    """The control group (p2p, gloo) and the collectives' group (gloo, or NCCL for CUDA
+    ranks): every rank calls this in order."""
     join_group(store, rank, size)
-    return TPGroup(rank, size, dist.new_group(list(range(size)), backend="gloo"))
+    backend = collective_backend(device)
+    return TPGroup(rank, size, dist.new_group(list(range(size)), backend=backend),
+                   backend=backend)
 
 
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
@@ -79,7 +82,8 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     from baton.engine.builder import DTYPES
     from baton.model.nemotron_h.tp import load_tp_model
 
-    model = load_tp_model(path, tp, device=cfg.model.device, dtype=DTYPES[cfg.model.dtype],
+    model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
+                          dtype=DTYPES[cfg.model.dtype],
                           moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
@@ -120,7 +124,7 @@ def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str,
     size = cfg.worker.tensor_parallel_size
     torch.set_num_threads(rank_threads(size))
     store = open_store(rank, size, master)
-    tp = join(rank, size, store)
+    tp = join(rank, size, store, cfg.model.device)
     model, pools = load_rank(cfg, model_path, tp)
     ch = Channel(rank, size)
     handlers = make_handlers(model, pools, ch) if make_handlers is not None else None
@@ -162,7 +166,7 @@ def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=Non
     torch.set_num_threads(threads)
     store, ranks = start_ranks(cfg, path, on_rank_death, rank_argv_of)
     try:
-        tp = join(0, size, store)
+        tp = join(0, size, store, cfg.model.device)
         shard, local = load_rank(cfg, path, tp)
     except BaseException:
         ranks.kill()

@@ -34,7 +34,7 @@ from baton.engine.pipeline.launch import (
 from baton.engine.pipeline.mirror import apply_ops
 from baton.engine.pipeline.stage import StageLoop, hidden_shape, last_logits, run_layers
 from baton.engine.tp.launch import rank_threads
-from baton.model.layers.parallel import TPGroup
+from baton.model.layers.parallel import TPGroup, collective_backend, rank_device
 from baton.model.pools import Pools, PoolSpec
 
 log = logging.getLogger("baton.tp")
@@ -54,14 +54,16 @@ def place(rank: int, pp: int, tp: int) -> tuple[int, int]:
     return k, j + 1
 
 
-def join_stage_groups(rank: int, pp: int, tp: int) -> TPGroup:
-    """Every process creates every stage's group, in order; returns this rank's."""
+def join_stage_groups(rank: int, pp: int, tp: int, device: str = "cpu") -> TPGroup:
+    """Every process creates every stage's group, in order; returns this rank's (gloo, or
+    NCCL for CUDA ranks)."""
     mine = None
+    backend = collective_backend(device)
     for k in range(pp):
         ranks = [k, *peer_ranks(k, pp, tp)]
-        g = dist.new_group(ranks, backend="gloo")
+        g = dist.new_group(ranks, backend=backend)
         if rank in ranks:
-            mine = TPGroup(ranks.index(rank), tp, g, root=k)
+            mine = TPGroup(ranks.index(rank), tp, g, root=k, backend=backend)
     return mine
 
 
@@ -206,9 +208,9 @@ def setup(cfg, path, rank: int, store):
     layers = stage_layers(cfg, path)
     stage, _ = place(rank, pp, tp)
     join_group(store, rank, pp * tp)
-    group = join_stage_groups(rank, pp, tp)
+    group = join_stage_groups(rank, pp, tp, cfg.model.device)
     dtype = DTYPES[cfg.model.dtype]
-    model = load_tp_model(path, group, cfg.model.device, dtype,
+    model = load_tp_model(path, group, rank_device(cfg.model.device, rank), dtype,
                           stage=(layers[stage], stage == 0, stage == pp - 1),
                           moe_split=cfg.worker.moe_tp_split)
     model.tp_place = (group.rank, tp)  # its TP rank within the stage (transfer agents)

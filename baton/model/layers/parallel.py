@@ -11,7 +11,10 @@ over it. Each is a drop-in for the module a TP-1 model has, holding only its ran
     gated norm        Mamba2's grouped norm when the groups are replicated (n_groups 1):
                       the group spans every rank, so the sums of squares are all-reduced
 
-`TPGroup.stats` counts collectives and their seconds (for `bench tp`).
+`TPGroup.stats` counts collectives and their seconds (for `bench tp`). The collectives run
+on gloo over host memory, or on NCCL in device memory when the ranks are CUDA ranks and torch
+has NCCL (`collective_backend`; one GPU a rank, `rank_device`). Only gloo has run here: the
+project's test machines have no GPU.
 """
 
 from __future__ import annotations
@@ -24,13 +27,32 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def collective_backend(device: str) -> str:
+    """The TP collectives' backend for ranks on `device`: NCCL for CUDA ranks where torch has
+    it, gloo otherwise (CPU ranks, or a torch without NCCL: tensors staged through the host)."""
+    return "nccl" if str(device).startswith("cuda") and dist.is_nccl_available() else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """TP rank `rank`'s device: CUDA ranks take one GPU each, counting from the configured one
+    (`cuda` is `cuda:0`) and wrapping over the GPUs there are (NCCL refuses two ranks of a
+    group on one GPU); any other device as configured."""
+    if not str(device).startswith("cuda"):
+        return device
+    first = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{(first + rank) % max(1, torch.cuda.device_count())}"
+
+
 class TPGroup:
     """This rank's place in a tensor-parallel group (size 1: no communication at all)."""
 
-    def __init__(self, rank: int, size: int, group=None, root: int = 0):
+    def __init__(self, rank: int, size: int, group=None, root: int = 0,
+                 backend: str = "gloo"):
         self.rank, self.size, self.group = rank, size, group
         self.root = root
         """Global rank of the group's rank 0 (a stage's leader under TP x PP)."""
+        self.on_device = backend == "nccl"
+        """NCCL: collectives on the tensors where they are, no host copies."""
         self.calls = 0
         self.seconds = 0.0
 
@@ -38,7 +60,8 @@ class TPGroup:
         if self.size == 1:
             return t
         t0 = time.perf_counter()
-        buf = t.contiguous() if t.device.type == "cpu" else t.cpu().contiguous()
+        host = t.device.type == "cpu" or self.on_device
+        buf = t.contiguous() if host else t.cpu().contiguous()
         dist.all_reduce(buf, group=self.group)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
@@ -50,7 +73,7 @@ class TPGroup:
         if self.size == 1:
             return t
         t0 = time.perf_counter()
-        buf = t.detach().cpu().contiguous()
+        buf = t.detach().contiguous() if self.on_device else t.detach().cpu().contiguous()
         parts = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(buf, parts, dst=self.root, group=self.group)
         self.calls += 1
