@@ -216,6 +216,18 @@ def _verify_vs_decode(model, positions: int):
     return logits.view(4, positions, -1), refs, states, a, b, scratch
 
 
+def _assert_verify_equals_decode_bit_for_bit(model) -> None:
+    """4 sequences x 4 positions: verify logits and every position's state (scratch slots for
+    the first three, the live slot for the last) equal plain decode's bit for bit."""
+    logits, refs, states, a, _, scratch = _verify_vs_decode(model, 4)
+    for j in range(4):
+        assert torch.equal(logits[:, j], refs[j]), j
+        for name in a.state:
+            for i in range(4):
+                got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
+                assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+
+
 def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
     """A verify pass is plain decode, position by position: bit for bit on an attention-free
     model (recurrent and MLP layers: the same kernels, >= 4 rows per matmul, where this CPU's
@@ -227,13 +239,7 @@ def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
     from baton.model.make_model import write_checkpoint
 
     recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
-    logits, refs, states, a, b, scratch = _verify_vs_decode(recurrent, 4)
-    for j in range(4):
-        assert torch.equal(logits[:, j], refs[j]), j
-        for name in a.state:
-            for i in range(4):
-                got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
-                assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+    _assert_verify_equals_decode_bit_for_bit(recurrent)
     logits, refs, *_ = _verify_vs_decode(model_tiny, 1)
     assert torch.equal(logits[:, 0], refs[0])
     logits, refs, _, a, b, _ = _verify_vs_decode(model_tiny, 4)
@@ -257,13 +263,7 @@ def test_a_speculating_engine_decodes_on_the_reference_path_under_the_fast_path(
     old = set_decode_path("fast")
     try:
         with reference_scope():
-            logits, refs, states, a, _, scratch = _verify_vs_decode(recurrent, 4)
-        for j in range(4):
-            assert torch.equal(logits[:, j], refs[j]), j
-            for name in a.state:
-                for i in range(4):
-                    got = a.state[name][:, scratch.slot(i, j)] if j < 3 else a.state[name][:, i]
-                    assert torch.equal(got, states[j][name][:, i]), (j, name, i)
+            _assert_verify_equals_decode_bit_for_bit(recurrent)
         paths = []
         verify = decoder.verify_forward
         monkeypatch.setattr(decoder, "verify_forward",
