@@ -20,9 +20,19 @@ from bench import llamacpp_peer as peer
 from bench.common import checkpoint, prompts
 from bench.roofline import roofline_rows
 
-FAMILIES = {"nemotron_h": ("100m", ()), "qwen3_5": ("100m", ("--no-mtp",))}
-"""Family -> (bench checkpoint preset, extra converter flags: the bench Qwen3.5 has no MTP
-head). An MoE family joins once a bench preset of it converts."""
+FAMILIES = {"nemotron_h": ("100m", ()), "qwen3_5": ("100m", ("--no-mtp",)),
+            "nemotron_h_moe": ("moe", ()), "qwen3_5_moe": ("100m", ("--no-mtp",))}
+"""Family -> (bench checkpoint preset, extra converter flags: the bench Qwen3.5 models have no
+MTP head). `nemotron_h_moe` is `bench moe`'s 18-layer MoE model (100m widths, 32 experts, 4
+active); the Qwen3.5-MoE one is its family's 100m preset (8 experts, 2 active)."""
+
+
+def _checkpoint(family: str, preset: str):
+    if family == "nemotron_h_moe":
+        from bench.moe import checkpoints
+
+        return checkpoints(quick=False)["moe"]
+    return checkpoint(preset, family)
 
 
 def sizes(quick: bool) -> dict:
@@ -46,7 +56,7 @@ def run(args) -> list[dict]:
         return [{"benchmark": "engine", "peer": "llamacpp", "skipped": str(e)}]
     rows = []
     for family, (preset, flags) in FAMILIES.items():
-        path = checkpoint(preset, family)
+        path = _checkpoint(family, preset)
         try:
             rows += _family(family, path, py, sz, flags)
         except peer.PeerUnavailable as e:

@@ -142,13 +142,21 @@ def _stage(checkpoint: Path, dst: Path) -> None:
     for f in checkpoint.iterdir():
         if f.is_file() and not (dst / f.name).exists():
             (dst / f.name).symlink_to(f)
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    if "n_routed_experts" in cfg and "n_shared_experts" not in cfg:
+        # NemotronH MoE: the converter reads `n_shared_experts`, which HF ignores (one
+        # shared MLP of `moe_shared_expert_intermediate_size`); older Baton checkpoints lack it
+        (dst / "config.json").unlink()
+        (dst / "config.json").write_text(json.dumps({**cfg, "n_shared_experts": 1}))
     if not (checkpoint / "tokenizer.json").is_file():
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         (dst / "tokenizer.json").write_text(json.dumps(byte_tokenizer(vocab)))
         (dst / "tokenizer_config.json").unlink(missing_ok=True)
         (dst / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-            "eos_token": "</s>", "pad_token": "<pad>"}))
+            # unk named: transformers maps some model types (qwen3_5_moe_text) to a
+            # tokenizer class that otherwise adds its own unk token past the vocab
+            "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<pad>"}))
 
 
 def byte_tokenizer(vocab: int) -> dict:

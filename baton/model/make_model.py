@@ -101,6 +101,7 @@ def _moe_defaults(d: dict) -> dict:
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=d["intermediate_size"] // 2,
         moe_shared_expert_intermediate_size=d["intermediate_size"], routed_scaling_factor=2.5,
         n_group=1, topk_group=1, norm_topk_prob=True,
+        n_shared_experts=1,  # as published: HF ignores it, llama.cpp's converter reads it
     )
 
 
