@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger("baton.model")
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("gemv_kernels.h"))
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 """No -march: each kernel carries its own target attribute and is chosen at run time, so a
 build runs on any x86-64. -fopenmp makes at::parallel_for use torch's OpenMP pool; fp
@@ -44,7 +45,7 @@ def cache_root() -> Path:
 
 
 def build_name() -> str:
-    key = "\n".join([SOURCE.read_text(), torch.__version__, " ".join(FLAGS), sys.version])
+    key = "\n".join([*(p.read_text() for p in SOURCES), torch.__version__, " ".join(FLAGS), sys.version])
     return "baton_gemv_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

@@ -1,0 +1,344 @@
+// The kernels of gemv.cpp without torch: y[M,N] = x[M,K] @ W[N,K]^T (+ bias) for a range of
+// outputs, one function per instruction set, chosen at run time (see gemv.cpp for the contract).
+#pragma once
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace baton_gemv {
+
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+constexpr int64_t kLanes = 16;
+#ifndef BATON_PREFETCH
+#define BATON_PREFETCH (32 << 10)
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1  // into L2: the stream runs ahead without crowding L1
+#endif
+constexpr int64_t kPrefetch = BATON_PREFETCH;  // bytes ahead in the weight stream
+
+struct Args {
+  const float* x;     // [M, kp], rows padded with zeros to kp = K rounded up to 16
+  int64_t kp;
+  const void* w;      // [N, K] with row stride ldw (elements)
+  int64_t ldw;
+  int64_t k;
+  float* y;           // [M, N], row stride n
+  int64_t n;
+  int64_t m;
+  const float* bias;  // [N] or null
+};
+
+inline int64_t chunk_outputs(int64_t k, int64_t es) {
+  return std::max<int64_t>(8, ((256 << 10) / std::max<int64_t>(k * es, 1)) & ~int64_t{7});
+}
+
+inline const char* wbase(const Args& a, int wt, int64_t row) {
+  const int64_t es = wt == kF32 ? 4 : 2;
+  return static_cast<const char*>(a.w) + row * a.ldw * es;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain C++ (any x86-64): the reference order, std::fma one element at a time.
+inline uint32_t half_bits(uint16_t h) {  // IEEE half -> float bits, exact
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f) return sign | 0x7f800000 | (man << 13);
+  if (exp == 0) {
+    if (man == 0) return sign;
+    exp = 127 - 15 + 1;
+    while (!(man & 0x400)) { man <<= 1; --exp; }
+    return sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  return sign | ((exp + 127 - 15) << 23) | (man << 13);
+}
+
+inline float upcast(const char* p, int wt, int64_t k) {
+  if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
+  uint16_t h = reinterpret_cast<const uint16_t*>(p)[k];
+  uint32_t u = wt == kF16 ? half_bits(h) : static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float tree16(const float* a) {
+  float s8[8], s4[4], s2[2];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  return s2[0] + s2[1];
+}
+
+void scalar_range(const Args& a, int wt, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const char* wr = wbase(a, wt, n);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const float* xr = a.x + i * a.kp;
+      float acc[kLanes] = {0.f};
+      for (int64_t k0 = 0; k0 < a.kp; k0 += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const int64_t k = k0 + l;
+          const float wv = k < a.k ? upcast(wr, wt, k) : 0.f;
+          acc[l] = std::fma(xr[k], wv, acc[l]);
+        }
+      float s = tree16(acc);
+      if (a.bias) s = s + a.bias[n];
+      a.y[i * a.n + n] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+template <int WT>
+inline __m512 w512(const char* p, int64_t k) {
+  if constexpr (WT == kF32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + k);
+  } else {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        reinterpret_cast<const uint16_t*>(p) + k));
+    if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <int WT>
+inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
+  if constexpr (WT == kF32) {
+    return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(p) + k);
+  } else {
+    __m256i h = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(p) + k);
+    if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline float tree512(__m512 v) {
+  __m256 lo = _mm512_castps512_ps256(v);
+  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// MR rows of x times NR outputs, all of K.
+template <int WT, int MR, int NR>
+inline void block512(const Args& a, int64_t i0, int64_t n0) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* xr = a.x + i0 * a.kp;
+  const int64_t kf = a.k & ~(kLanes - 1);
+  constexpr int64_t es = WT == kF32 ? 4 : 2;
+  const int64_t ahead = kPrefetch;
+  for (int64_t k = 0; k < kf; k += kLanes) {
+    __m512 wv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      if (kPrefetch) _mm_prefetch(wr[j] + ahead + k * es, PF_HINT);
+      wv[j] = w512<WT>(wr[j], k);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m512 xv = _mm512_loadu_ps(xr + r * a.kp + k);
+      asm("" : "+v"(xv));  // one load of x a row, kept in a register (not refolded per FMA)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (kf < a.k) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (a.k - kf)) - 1);
+    __m512 wv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) wv[j] = w512_tail<WT>(wr[j], kf, mask);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m512 xv = _mm512_loadu_ps(xr + r * a.kp + kf);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      float s = tree512(acc[r][j]);
+      if (a.bias) s = s + a.bias[n0 + j];
+      a.y[(i0 + r) * a.n + n0 + j] = s;
+    }
+}
+
+// Outputs n0..n1 for rows i0..i0+MR: NR outputs at a time (MR * NR <= 16 accumulators), so the
+// weights stream from memory once while x (MR rows) is re-read from cache.
+template <int WT, int MR>
+inline void outs512(const Args& a, int64_t i0, int64_t n0, int64_t n1) {
+  constexpr int NR = MR <= 2 ? 8 : MR <= 4 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) block512<WT, MR, NR>(a, i0, n);
+  for (; n < n1; ++n) block512<WT, MR, 1>(a, i0, n);
+}
+
+// More than 8 rows: outputs in chunks of ~256 KiB of weights (they stay in L2), each chunk
+// for all its blocks of 8 rows.
+template <int WT>
+void range512(const Args& a, int64_t n0, int64_t n1) {
+  const int64_t chunk = a.m <= 8 ? n1 - n0 : chunk_outputs(a.k, WT == kF32 ? 4 : 2);
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk);
+    for (int64_t i = 0; i < a.m; i += 8) {
+      switch (std::min<int64_t>(a.m - i, 8)) {
+        case 8: outs512<WT, 8>(a, i, c0, c1); break;
+        case 7: outs512<WT, 7>(a, i, c0, c1); break;
+        case 6: outs512<WT, 6>(a, i, c0, c1); break;
+        case 5: outs512<WT, 5>(a, i, c0, c1); break;
+        case 4: outs512<WT, 4>(a, i, c0, c1); break;
+        case 3: outs512<WT, 3>(a, i, c0, c1); break;
+        case 2: outs512<WT, 2>(a, i, c0, c1); break;
+        default: outs512<WT, 1>(a, i, c0, c1); break;
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+struct V16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+
+inline __m256 bf16x8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int WT>
+inline V16 w256(const char* p, int64_t k) {
+  if constexpr (WT == kF32) {
+    const float* f = reinterpret_cast<const float*>(p) + k;
+    return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+  } else {
+    const __m128i* q = reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + k);
+    __m128i h0 = _mm_loadu_si128(q), h1 = _mm_loadu_si128(q + 1);
+    if constexpr (WT == kF16) return {_mm256_cvtph_ps(h0), _mm256_cvtph_ps(h1)};
+    return {bf16x8(h0), bf16x8(h1)};
+  }
+}
+
+template <int WT>
+inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
+  alignas(32) uint32_t buf[kLanes] = {0};  // big enough for 16 floats or 16 halves
+  std::memcpy(buf, p + k * (WT == kF32 ? 4 : 2), left * (WT == kF32 ? 4 : 2));
+  return w256<WT>(reinterpret_cast<const char*>(buf), 0);
+}
+
+inline float tree256(V16 v) {
+  __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+template <int WT, int MR, int NR>
+inline void block256(const Args& a, int64_t i0, int64_t n0) {
+  V16 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[r][j] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const float* xr = a.x + i0 * a.kp;
+  const int64_t kf = a.k & ~(kLanes - 1);
+  for (int64_t k = 0; k < a.kp; k += kLanes) {
+    V16 wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m256 x0 = _mm256_loadu_ps(xr + r * a.kp + k), x1 = _mm256_loadu_ps(xr + r * a.kp + k + 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) {
+        acc[r][j].lo = _mm256_fmadd_ps(x0, wv[j].lo, acc[r][j].lo);
+        acc[r][j].hi = _mm256_fmadd_ps(x1, wv[j].hi, acc[r][j].hi);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      float s = tree256(acc[r][j]);
+      if (a.bias) s = s + a.bias[n0 + j];
+      a.y[(i0 + r) * a.n + n0 + j] = s;
+    }
+}
+
+template <int WT>
+void range256(const Args& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const bool two = n + 2 <= n1;
+    int64_t i = 0;
+    for (; i + 2 <= a.m; i += 2) {
+      if (two) block256<WT, 2, 2>(a, i, n); else block256<WT, 2, 1>(a, i, n);
+    }
+    if (i < a.m) {
+      if (two) block256<WT, 1, 2>(a, i, n); else block256<WT, 1, 1>(a, i, n);
+    }
+    n += two ? 1 : 0;
+  }
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------
+int detect_isa() {
+  unsigned eax, ebx, ecx, edx;
+  bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  __builtin_cpu_init();
+  if (f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+    return kAvx512;
+  if (f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  return kScalar;
+}
+
+int best_isa() {
+  static const int isa = detect_isa();
+  return isa;
+}
+
+void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
+  if (isa == kAvx512) {
+    if (wt == kF32) range512<kF32>(a, n0, n1);
+    else if (wt == kF16) range512<kF16>(a, n0, n1);
+    else range512<kBF16>(a, n0, n1);
+  } else if (isa == kAvx2) {
+    if (wt == kF32) range256<kF32>(a, n0, n1);
+    else if (wt == kF16) range256<kF16>(a, n0, n1);
+    else range256<kBF16>(a, n0, n1);
+  } else {
+    scalar_range(a, wt, n0, n1);
+  }
+}
+
+}  // namespace baton_gemv
