@@ -52,13 +52,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     b = bias->to(torch::kFloat32).contiguous();
     TORCH_CHECK(b.numel() == n, "cpu kernel: bias has ", b.numel(), " elements, want ", n);
   }
-  const int64_t kp = (k + kLanes - 1) / kLanes * kLanes;
-  torch::Tensor xp = torch::zeros({m, kp}, x.options());
+  // x padded with zeros to whole 16-lane chunks; one line more a row, so rows a multiple of
+  // 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set.
+  const int64_t ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
+  torch::Tensor xp = torch::zeros({m, ldx}, x.options());
   xp.narrow(1, 0, k).copy_(x);
   torch::Tensor y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   if (isa < 0 || isa > best_isa()) isa = best_isa();
-  Args a{xp.data_ptr<float>(), kp, w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n, m,
+  Args a{xp.data_ptr<float>(), ldx, w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n, m,
          b.defined() ? b.data_ptr<float>() : nullptr};
   const int64_t blocks = (n + 7) / 8;
   at::parallel_for(0, blocks, grain_blocks(k, wt == kF32 ? 4 : 2), [&](int64_t b0, int64_t b1) {

@@ -12,21 +12,18 @@
 
 namespace baton_gemv {
 
-
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 constexpr int64_t kLanes = 16;
-#ifndef BATON_PREFETCH
-#define BATON_PREFETCH (32 << 10)
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1  // into L2: the stream runs ahead without crowding L1
-#endif
-constexpr int64_t kPrefetch = BATON_PREFETCH;  // bytes ahead in the weight stream
+// Weights are prefetched this many bytes ahead of their use into L2 (_MM_HINT_T1): without it
+// the few-row blocks stalled on memory (8 rows: 50 -> 26 ms for the bench NemotronH's linears,
+// one row 20 -> 16 ms); 16-96 KiB measured the same, L1 prefetch was slower.
+constexpr int64_t kPrefetch = 32 << 10;
+#define BATON_PF_HINT _MM_HINT_T1
 
 struct Args {
-  const float* x;     // [M, kp], rows padded with zeros to kp = K rounded up to 16
-  int64_t kp;
+  const float* x;     // [M, >= K rounded up to 16] with row stride ldx, zeros past K
+  int64_t ldx;
   const void* w;      // [N, K] with row stride ldw (elements)
   int64_t ldw;
   int64_t k;
@@ -35,10 +32,6 @@ struct Args {
   int64_t m;
   const float* bias;  // [N] or null
 };
-
-inline int64_t chunk_outputs(int64_t k, int64_t es) {
-  return std::max<int64_t>(8, ((256 << 10) / std::max<int64_t>(k * es, 1)) & ~int64_t{7});
-}
 
 inline const char* wbase(const Args& a, int wt, int64_t row) {
   const int64_t es = wt == kF32 ? 4 : 2;
@@ -81,9 +74,9 @@ void scalar_range(const Args& a, int wt, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const char* wr = wbase(a, wt, n);
     for (int64_t i = 0; i < a.m; ++i) {
-      const float* xr = a.x + i * a.kp;
+      const float* xr = a.x + i * a.ldx;
       float acc[kLanes] = {0.f};
-      for (int64_t k0 = 0; k0 < a.kp; k0 += kLanes)
+      for (int64_t k0 = 0; k0 < a.k; k0 += kLanes)
         for (int64_t l = 0; l < kLanes; ++l) {
           const int64_t k = k0 + l;
           const float wv = k < a.k ? upcast(wr, wt, k) : 0.f;
@@ -143,20 +136,19 @@ inline void block512(const Args& a, int64_t i0, int64_t n0) {
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  const float* xr = a.x + i0 * a.kp;
+  const float* xr = a.x + i0 * a.ldx;
   const int64_t kf = a.k & ~(kLanes - 1);
   constexpr int64_t es = WT == kF32 ? 4 : 2;
-  const int64_t ahead = kPrefetch;
   for (int64_t k = 0; k < kf; k += kLanes) {
     __m512 wv[NR];
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
-      if (kPrefetch) _mm_prefetch(wr[j] + ahead + k * es, PF_HINT);
+      _mm_prefetch(wr[j] + kPrefetch + k * es, BATON_PF_HINT);
       wv[j] = w512<WT>(wr[j], k);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      __m512 xv = _mm512_loadu_ps(xr + r * a.kp + k);
+      __m512 xv = _mm512_loadu_ps(xr + r * a.ldx + k);
       asm("" : "+v"(xv));  // one load of x a row, kept in a register (not refolded per FMA)
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
@@ -169,7 +161,7 @@ inline void block512(const Args& a, int64_t i0, int64_t n0) {
     for (int j = 0; j < NR; ++j) wv[j] = w512_tail<WT>(wr[j], kf, mask);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      __m512 xv = _mm512_loadu_ps(xr + r * a.kp + kf);
+      __m512 xv = _mm512_loadu_ps(xr + r * a.ldx + kf);
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
     }
@@ -184,36 +176,35 @@ inline void block512(const Args& a, int64_t i0, int64_t n0) {
     }
 }
 
-// Outputs n0..n1 for rows i0..i0+MR: NR outputs at a time (MR * NR <= 16 accumulators), so the
-// weights stream from memory once while x (MR rows) is re-read from cache.
-template <int WT, int MR>
-inline void outs512(const Args& a, int64_t i0, int64_t n0, int64_t n1) {
-  constexpr int NR = MR <= 2 ? 8 : MR <= 4 ? 4 : 2;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) block512<WT, MR, NR>(a, i0, n);
-  for (; n < n1; ++n) block512<WT, MR, 1>(a, i0, n);
+// Rows i..i+mr (mr <= MAXMR) for outputs n0..n0+NR.
+template <int WT, int NR, int MAXMR>
+inline void rows512(const Args& a, int64_t i, int64_t n0, int64_t mr) {
+  if constexpr (MAXMR > 1) {
+    if (mr < MAXMR) return rows512<WT, NR, MAXMR - 1>(a, i, n0, mr);
+  }
+  block512<WT, MAXMR, NR>(a, i, n0);
 }
 
-// More than 8 rows: outputs in chunks of ~256 KiB of weights (they stay in L2), each chunk
-// for all its blocks of 8 rows.
+// Outputs n0..n1, NR at a time (MR * NR <= 16 accumulators), each block of NR weight rows
+// for all rows of x before the next: the weights stream from memory once, x is re-read from
+// cache. Rows go in near-equal blocks of at most 8.
+template <int WT, int NR, int MAXMR>
+inline void outs512(const Args& a, int64_t n0, int64_t n1, int64_t rb) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    for (int64_t i = 0; i < a.m; i += rb) rows512<WT, NR, MAXMR>(a, i, n, std::min(rb, a.m - i));
+  for (; n < n1; ++n)
+    for (int64_t i = 0; i < a.m; i += rb) rows512<WT, 1, MAXMR>(a, i, n, std::min(rb, a.m - i));
+}
+
+// Rows in near-equal blocks of at most 6 (4 outputs a block: 24 accumulators, 4 weight and one
+// x register; 8 x 2 blocks were 20-30% slower at 8-32 rows, x re-read for every 2 outputs).
 template <int WT>
 void range512(const Args& a, int64_t n0, int64_t n1) {
-  const int64_t chunk = a.m <= 8 ? n1 - n0 : chunk_outputs(a.k, WT == kF32 ? 4 : 2);
-  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-    const int64_t c1 = std::min(n1, c0 + chunk);
-    for (int64_t i = 0; i < a.m; i += 8) {
-      switch (std::min<int64_t>(a.m - i, 8)) {
-        case 8: outs512<WT, 8>(a, i, c0, c1); break;
-        case 7: outs512<WT, 7>(a, i, c0, c1); break;
-        case 6: outs512<WT, 6>(a, i, c0, c1); break;
-        case 5: outs512<WT, 5>(a, i, c0, c1); break;
-        case 4: outs512<WT, 4>(a, i, c0, c1); break;
-        case 3: outs512<WT, 3>(a, i, c0, c1); break;
-        case 2: outs512<WT, 2>(a, i, c0, c1); break;
-        default: outs512<WT, 1>(a, i, c0, c1); break;
-      }
-    }
-  }
+  const int64_t blocks = (a.m + 5) / 6, rb = (a.m + blocks - 1) / blocks;
+  if (rb <= 2) outs512<WT, 8, 2>(a, n0, n1, rb);
+  else if (rb <= 6) outs512<WT, 4, 6>(a, n0, n1, rb);
+  else outs512<WT, 2, 8>(a, n0, n1, rb);
 }
 
 #pragma GCC pop_options
@@ -267,15 +258,19 @@ inline void block256(const Args& a, int64_t i0, int64_t n0) {
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[r][j] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const float* xr = a.x + i0 * a.kp;
+  const float* xr = a.x + i0 * a.ldx;
   const int64_t kf = a.k & ~(kLanes - 1);
-  for (int64_t k = 0; k < a.kp; k += kLanes) {
+  for (int64_t k = 0; k < a.k; k += kLanes) {
     V16 wv[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
+      wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      __m256 x0 = _mm256_loadu_ps(xr + r * a.kp + k), x1 = _mm256_loadu_ps(xr + r * a.kp + k + 8);
+      __m256 x0 = _mm256_loadu_ps(xr + r * a.ldx + k), x1 = _mm256_loadu_ps(xr + r * a.ldx + k + 8);
+      asm("" : "+x"(x0), "+x"(x1));
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         acc[r][j].lo = _mm256_fmadd_ps(x0, wv[j].lo, acc[r][j].lo);
