@@ -77,14 +77,20 @@ def _load():
 
 
 def _build_or_import(name: str, folder: Path):
-    done = folder / f"{name}.ok"
+    done, failed = folder / f"{name}.ok", folder / f"{name}.failed"
     if done.is_file():
         return _import(name, folder / f"{name}.so")
+    if failed.is_file():  # a compile error does not go away: don't pay for it in every process
+        raise RuntimeError(f"{failed.read_text().strip()} (delete {failed} to build again)")
     (folder / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
     from torch.utils.cpp_extension import load
 
-    module = load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
-                  extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    try:
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    except RuntimeError as e:  # the compiler ran and failed (a missing one raises otherwise)
+        failed.write_text((str(e).strip().splitlines() or ["build failed"])[0][:200] + "\n")
+        raise
     done.write_text(module.isa() + "\n")
     return module
 
