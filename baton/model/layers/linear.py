@@ -1,33 +1,42 @@
 """The linear layers of every family: a fast path for decode-sized matmuls on CPU, and weights
 stored at half the bytes (`model.weight_dtype`) but computed in float32.
 
-Why (measured on the 2-core AMD EPYC dev machine, torch 2.13 CPU, MKL 2024.2, oneDNN 3.12;
-thread CPU time of all 57 linear layers of the bench 100m NemotronH per decode step):
+Why (measured on the 2-core AMD EPYC dev machine, Zen 4 with AVX-512, torch 2.13 CPU, MKL
+2024.2, oneDNN 3.12; CPU time of all 57 linear layers of the bench 100m NemotronH per decode
+step, 1 thread, median of 7 passes, `python -m bench.linears`; read bandwidth ~25 GB/s a core,
+i.e. ~15 ms for its 366 MB of float32 weights):
 
-    rows per matmul         1       8      32
-    F.linear (MKL sgemm)   26 ms   49 ms   97 ms     8 rows cost 2x one row, 32 rows 4x
-    oneDNN, packed (32)    23 ms   28 ms   66 ms     weights reordered once into its blocks
+    rows per matmul                       1       8      16      32
+    F.linear (MKL sgemm)                 33 ms   60 ms   83 ms  123 ms
+    previous fast path (MKL / oneDNN)    30 ms   31 ms   44 ms   73 ms
+    Baton's kernel, float32 weights      18 ms   22 ms   37 ms   74 ms
+      float16 / bfloat16 weights         11 ms   18 ms   34 ms   63 ms
+    previous half path (chunked upcast)  35 ms   71 ms
 
 `F.linear` on fp32 CPU goes to MKL's sgemm, whose small-M path on this AMD part is weak (MKL
 picks its non-Intel code path) and does not split one-row matmuls over threads; oneDNN's
-matmul on a weight reordered once for its kernel (`torch.ops.mkldnn._reorder_linear_weight`,
-the same primitive inductor's CPU freezing uses) is 1.5x faster at 8-32 rows. The results
-differ from MKL's in rounding only (about 1e-6 relative; MKL itself differs by as much between
-a row alone and the same row in a batch).
-
-One row (batch-1 decode) of a layer at least as wide as it is deep: MKL's sgemm on a copy of
-the weight stored [in, out] (made once): all 57 linears of the bench NemotronH in 25.3 instead
-of 31.1 ms a step (Qwen3.5 29.6 vs 33.0); it costs that copy's memory on the fast path.
+matmul on a weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`) is faster at
+8-64 rows, MKL on a transposed copy for one row of a wide layer. Baton's kernel
+(`baton/model/layers/cpu_kernels/gemv.cpp`, compiled on first use) beats both at every row
+count up to 64 (ties at 32-64, where the step is compute bound): it reads the weight in place
+(no copy), upcasts half weights in registers (so they take about half the float32 time at
+1-8 rows), prefetches the weight stream, and splits the outputs over torch's threads. And it
+sums each output element in one fixed order (`gemv.cpp`'s contract), so a row's result does
+not depend on the batch it is in, the thread count or the instruction set; MKL differs by
+about 1e-6 between a row alone and the same row in a batch. Where it cannot be built (no
+compiler), the previous fast path and the chunked upcast remain, with one line in the log.
 
 `install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
 the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, at most
-`MAX_PACKED_ROWS` rows in fp32 on CPU take the packed path; everything else (all of prefill,
-so a prompt's logits do not depend on how it was chunked or batched; CUDA; low-precision
-models) plain `F.linear`. The fast path is opt-in
-(`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
-unoptimised path, bit for bit what it was): it rounds differently from the multi-row kernels,
-and speculative verification (tests/unit/test_speculative.py) requires a verify pass to equal
-plain decode bit for bit. tests/unit/test_decode_fast_path.py compares the two paths.
+`MAX_PACKED_ROWS` rows in fp32 on CPU take the kernel (or the packed path); everything else
+(all of prefill, so a prompt's logits do not depend on how it was chunked or batched; CUDA;
+low-precision models) plain `F.linear`. Half weights take the kernel at up to
+`MAX_PACKED_ROWS` rows on either path (judged by their own parity test). The fast path is
+opt-in (`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
+unoptimised path, bit for bit what it was): it rounds differently from MKL, and speculative
+verification (tests/unit/test_speculative.py) requires a verify pass to equal plain decode bit
+for bit. tests/unit/test_decode_fast_path.py compares the two paths,
+tests/unit/test_cpu_linear_kernel.py the kernel's accuracy and contract.
 """
 
 from __future__ import annotations
@@ -70,7 +79,8 @@ def decode_path() -> str:
 def reference_scope():
     """The calls inside run on the reference path whatever the process's: an engine that
     speculates (its verify pass of K+1 rows must equal plain decode bit for bit, which the fast
-    path's compiled one-row steps and packed kernels do not promise)."""
+    path's compiled one-row steps do not promise; its linears do when Baton's kernel is built,
+    `cpu_kernels.gemv() is not None`, not on the oneDNN / MKL fallback)."""
     before = getattr(_local, "path", None)
     _local.path = "reference"
     try:

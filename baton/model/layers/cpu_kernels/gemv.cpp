@@ -29,10 +29,11 @@ namespace {
 using namespace baton_gemv;
 
 // Outputs a thread takes at a time: blocks of 8 (whole register blocks, so a thread's range
-// never splits one) holding at least ~32 KiB of weights, so tiny layers stay on one thread.
+// never splits one) holding at least ~64 KiB of weights (a few microseconds of streaming, more
+// than waking a thread costs), so tiny layers stay on one thread.
 int64_t grain_blocks(int64_t k, int64_t es) {
   const int64_t block_bytes = 8 * k * es;
-  return std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(block_bytes, 1));
+  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(block_bytes, 1));
 }
 
 at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias,
