@@ -2,25 +2,27 @@
 stored at half the bytes (`model.weight_dtype`) but computed in float32.
 
 Why (measured on the 2-core AMD EPYC dev machine, Zen 4 with AVX-512, torch 2.13 CPU, MKL
-2024.2, oneDNN 3.12; CPU time of all 57 linear layers of the bench 100m NemotronH per decode
-step, 1 thread, median of 7 passes, `python -m bench.linears`; read bandwidth ~25 GB/s a core,
-i.e. ~15 ms for its 366 MB of float32 weights):
+2024.2, oneDNN 3.12; all 57 linear layers of the bench 100m NemotronH, one decode step,
+`python -m bench.linears`: ms at 1 / 2 threads, each layer's best of 9 passes summed, as the
+machine is shared; `sum()` reads 22.5 / 32.6 GB/s, i.e. 16 / 11 ms for the 366 MB of fp32
+weights):
 
-    rows per matmul                       1       8      16      32
-    F.linear (MKL sgemm)                 33 ms   60 ms   83 ms  123 ms
-    previous fast path (MKL / oneDNN)    30 ms   31 ms   44 ms   73 ms
-    Baton's kernel, float32 weights      18 ms   22 ms   37 ms   74 ms
-      float16 / bfloat16 weights         11 ms   18 ms   34 ms   63 ms
-    previous half path (chunked upcast)  35 ms   71 ms
+    rows per matmul                    1           8           16          32
+    F.linear (MKL sgemm)            35 / 31     66 / 64     74 / 80    105 / 189
+    previous fast path (MKL/oneDNN) 24 / 21     30 / 19     40 / 30     70 / 60
+    Baton's kernel, fp32 weights    15 / 8.5    20 / 13     32 / 18     68 / 41
+      fp16 (bf16 the same)         9.0 / 5.6    15 / 10     30 / 17     62 / 41
+    previous half path (chunked)    26 / -      74 / 64     62 / 54     87 / 74
 
 `F.linear` on fp32 CPU goes to MKL's sgemm, whose small-M path on this AMD part is weak (MKL
 picks its non-Intel code path) and does not split one-row matmuls over threads; oneDNN's
 matmul on a weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`) is faster at
 8-64 rows, MKL on a transposed copy for one row of a wide layer. Baton's kernel
 (`baton/model/layers/cpu_kernels/gemv.cpp`, compiled on first use) beats both at every row
-count up to 64 (ties at 32-64, where the step is compute bound): it reads the weight in place
-(no copy), upcasts half weights in registers (so they take about half the float32 time at
-1-8 rows), prefetches the weight stream, and splits the outputs over torch's threads. And it
+count up to 64 (ties at 32-64 on one thread, where the step is compute bound) and gains
+1.5-1.7x from the second thread: it reads the weight in place (no copy, near the read
+bandwidth at one row), upcasts half weights in registers (0.6x the fp32 time at one row, 0.75x
+at 8), prefetches the weight stream, and splits the outputs over torch's threads. And it
 sums each output element in one fixed order (`gemv.cpp`'s contract), so a row's result does
 not depend on the batch it is in, the thread count or the instruction set; MKL differs by
 about 1e-6 between a row alone and the same row in a batch. Where it cannot be built (no
