@@ -266,6 +266,7 @@ inline void block256(const Args& a, int64_t i0, int64_t n0) {
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
       wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
+      asm("" : "+x"(wv[j].lo), "+x"(wv[j].hi));  // loaded once, not refolded for every row
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
