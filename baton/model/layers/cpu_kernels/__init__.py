@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger("baton.model")
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-SOURCES = (SOURCE, SOURCE.with_name("gemv_kernels.h"))
+SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("gemv_kernels.h", "gemv_avx2.h")))
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 """No -march: each kernel carries its own target attribute and is chosen at run time, so a
 build runs on any x86-64. -fopenmp makes at::parallel_for use torch's OpenMP pool; fp
