@@ -1,33 +1,44 @@
 """The linear layers of every family: a fast path for decode-sized matmuls on CPU, and weights
 stored at half the bytes (`model.weight_dtype`) but computed in float32.
 
-Why (measured on the 2-core AMD EPYC dev machine, torch 2.13 CPU, MKL 2024.2, oneDNN 3.12;
-thread CPU time of all 57 linear layers of the bench 100m NemotronH per decode step):
+Why (measured on the 2-core AMD EPYC dev machine, Zen 4 with AVX-512, torch 2.13 CPU, MKL
+2024.2, oneDNN 3.12; all 57 linear layers of the bench 100m NemotronH, one decode step,
+`python -m bench.linears`: ms at 1 / 2 threads, each layer's best of 9 passes summed, as the
+machine is shared; `sum()` reads 22.5 / 32.6 GB/s, i.e. 16 / 11 ms for the 366 MB of fp32
+weights):
 
-    rows per matmul         1       8      32
-    F.linear (MKL sgemm)   26 ms   49 ms   97 ms     8 rows cost 2x one row, 32 rows 4x
-    oneDNN, packed (32)    23 ms   28 ms   66 ms     weights reordered once into its blocks
+    rows per matmul                    1           8           16          32
+    F.linear (MKL sgemm)            35 / 31     66 / 64     74 / 80    105 / 189
+    previous fast path (MKL/oneDNN) 24 / 21     30 / 19     40 / 30     70 / 60
+    Baton's kernel, fp32 weights    15 / 8.5    20 / 13     32 / 18     68 / 41
+      fp16 (bf16 the same)         9.0 / 5.6    15 / 10     30 / 17     62 / 41
+    previous half path (chunked)    26 / -      74 / 64     62 / 54     87 / 74
 
 `F.linear` on fp32 CPU goes to MKL's sgemm, whose small-M path on this AMD part is weak (MKL
 picks its non-Intel code path) and does not split one-row matmuls over threads; oneDNN's
-matmul on a weight reordered once for its kernel (`torch.ops.mkldnn._reorder_linear_weight`,
-the same primitive inductor's CPU freezing uses) is 1.5x faster at 8-32 rows. The results
-differ from MKL's in rounding only (about 1e-6 relative; MKL itself differs by as much between
-a row alone and the same row in a batch).
-
-One row (batch-1 decode) of a layer at least as wide as it is deep: MKL's sgemm on a copy of
-the weight stored [in, out] (made once): all 57 linears of the bench NemotronH in 25.3 instead
-of 31.1 ms a step (Qwen3.5 29.6 vs 33.0); it costs that copy's memory on the fast path.
+matmul on a weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`) is faster at
+8-64 rows, MKL on a transposed copy for one row of a wide layer. Baton's kernel
+(`baton/model/layers/cpu_kernels/gemv.cpp`, compiled on first use) beats both at every row
+count up to 64 (ties at 32-64 on one thread, where the step is compute bound) and gains
+1.5-1.7x from the second thread: it reads the weight in place (no copy, near the read
+bandwidth at one row), upcasts half weights in registers (0.6x the fp32 time at one row, 0.75x
+at 8), prefetches the weight stream, and splits the outputs over torch's threads. And it
+sums each output element in one fixed order (`gemv.cpp`'s contract), so a row's result does
+not depend on the batch it is in, the thread count or the instruction set; MKL differs by
+about 1e-6 between a row alone and the same row in a batch. Where it cannot be built (no
+compiler), the previous fast path and the chunked upcast remain, with one line in the log.
 
 `install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
 the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, at most
-`MAX_PACKED_ROWS` rows in fp32 on CPU take the packed path; everything else (all of prefill,
-so a prompt's logits do not depend on how it was chunked or batched; CUDA; low-precision
-models) plain `F.linear`. The fast path is opt-in
-(`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
-unoptimised path, bit for bit what it was): it rounds differently from the multi-row kernels,
-and speculative verification (tests/unit/test_speculative.py) requires a verify pass to equal
-plain decode bit for bit. tests/unit/test_decode_fast_path.py compares the two paths.
+`MAX_PACKED_ROWS` rows in fp32 on CPU take the kernel (or the packed path); everything else
+(all of prefill, so a prompt's logits do not depend on how it was chunked or batched; CUDA;
+low-precision models) plain `F.linear`. Half weights take the kernel at up to
+`MAX_PACKED_ROWS` rows on either path (judged by their own parity test). The fast path is
+opt-in (`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
+unoptimised path, bit for bit what it was): it rounds differently from MKL, and speculative
+verification (tests/unit/test_speculative.py) requires a verify pass to equal plain decode bit
+for bit. tests/unit/test_decode_fast_path.py compares the two paths,
+tests/unit/test_cpu_linear_kernel.py the kernel's accuracy and contract.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from baton.model.layers import cpu_kernels
 
 MAX_PACKED_ROWS = 64
 """Matmuls with more rows (prefill) stay on MKL's sgemm, which is at its peak there."""
@@ -68,7 +81,8 @@ def decode_path() -> str:
 def reference_scope():
     """The calls inside run on the reference path whatever the process's: an engine that
     speculates (its verify pass of K+1 rows must equal plain decode bit for bit, which the fast
-    path's compiled one-row steps and packed kernels do not promise)."""
+    path's compiled one-row steps do not promise; its linears do when Baton's kernel is built,
+    `cpu_kernels.gemv() is not None`, not on the oneDNN / MKL fallback)."""
     before = getattr(_local, "path", None)
     _local.path = "reference"
     try:
@@ -97,10 +111,17 @@ class FastLinear(nn.Linear):
         if (rows > MAX_PACKED_ROWS or rows == 0 or _state["path"] != "fast"
                 or not getattr(_local, "decoding", False)
                 or x.dtype != torch.float32 or w.dtype != torch.float32
-                or x.device.type != "cpu" or not _packed_ok()):
+                or x.device.type != "cpu"):
+            return F.linear(x, w, self.bias)
+        kernel = cpu_kernels.gemv()
+        if kernel is None and not _packed_ok():
             return F.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
-        if rows == 1 and w.shape[0] >= w.shape[1]:
+        if kernel is not None:
+            # Baton's kernel: each output element summed in one fixed order (a row alone equals
+            # the same row in any batch, at any thread count), faster than both below.
+            y = kernel.linear(x2, self._packed(), self.bias)
+        elif rows == 1 and w.shape[0] >= w.shape[1]:
             # One row: MKL's sgemm on the weight stored [in, out] streams it at close to the
             # memory bandwidth, 1.2-1.45x faster than oneDNN for the wide layers (in_proj,
             # up_proj, lm_head); at 2+ rows, or narrow layers, it is no faster or slower.
@@ -122,13 +143,19 @@ class FastLinear(nn.Linear):
         return cached[1]
 
     def _packed(self) -> torch.Tensor:
-        """The weight reordered for oneDNN, made once (again if the weight is replaced)."""
+        """The weight in the fast path's layout, made once (again if the weight is replaced):
+        for Baton's kernel the weight itself ([out, in], rows contiguous; a copy only if they
+        are not), for oneDNN reordered into its blocks."""
         w = self.weight
-        key = (w.data_ptr(), tuple(w.shape))
+        ours = cpu_kernels.gemv() is not None
+        key = (w.data_ptr(), tuple(w.shape), ours)
         cached = getattr(self, "_baton_packed", None)
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
+                if ours:
+                    packed = w.detach() if w.stride(-1) == 1 else w.detach().contiguous()
+                else:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
             object.__setattr__(self, "_baton_packed", (key, packed))  # not a buffer: no state
             cached = self._baton_packed
         return cached[1]
@@ -149,6 +176,10 @@ def _half_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Ten
         return F.linear(x, w.float(), bias)
     n_out, k = w.shape
     x2 = x.reshape(rows, k)
+    kernel = cpu_kernels.gemv()
+    if kernel is not None and w.stride(-1) == 1:
+        # Baton's kernel upcasts each weight in registers: the half-size weight is read once.
+        return kernel.linear(x2, w, bias).view(*x.shape[:-1], n_out)
     out_t = x2.new_empty(n_out, rows)
     buf = x2.new_empty(min(HALF_CHUNK, n_out), k)
     for i in range(0, n_out, HALF_CHUNK):

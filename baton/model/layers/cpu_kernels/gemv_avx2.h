@@ -1,0 +1,104 @@
+// The AVX2 + FMA kernels of gemv_kernels.h (CPUs without AVX-512): each 16-lane accumulator
+// is two ymm registers (lanes 0-7, 8-15), so the sums are those of the AVX-512 and plain paths.
+// Included by gemv_kernels.h after its common part (Args, loads, prefetch distance).
+#pragma once
+
+namespace baton_gemv {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+struct V16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+
+inline __m256 bf16x8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int WT>
+inline V16 w256(const char* p, int64_t k) {
+  if constexpr (WT == kF32) {
+    const float* f = reinterpret_cast<const float*>(p) + k;
+    return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+  } else {
+    const __m128i* q = reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + k);
+    __m128i h0 = _mm_loadu_si128(q), h1 = _mm_loadu_si128(q + 1);
+    if constexpr (WT == kF16) return {_mm256_cvtph_ps(h0), _mm256_cvtph_ps(h1)};
+    return {bf16x8(h0), bf16x8(h1)};
+  }
+}
+
+template <int WT>
+inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
+  alignas(32) uint32_t buf[kLanes] = {0};  // big enough for 16 floats or 16 halves
+  std::memcpy(buf, p + k * (WT == kF32 ? 4 : 2), left * (WT == kF32 ? 4 : 2));
+  return w256<WT>(reinterpret_cast<const char*>(buf), 0);
+}
+
+inline float tree256(V16 v) {
+  __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+template <int WT, int MR, int NR>
+inline void block256(const Args& a, int64_t i0, int64_t n0) {
+  V16 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[r][j] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const float* xr = a.x + i0 * a.ldx;
+  const int64_t kf = a.k & ~(kLanes - 1);
+  for (int64_t k = 0; k < a.k; k += kLanes) {
+    V16 wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
+      wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
+      asm("" : "+x"(wv[j].lo), "+x"(wv[j].hi));  // loaded once, not refolded for every row
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m256 x0 = _mm256_loadu_ps(xr + r * a.ldx + k), x1 = _mm256_loadu_ps(xr + r * a.ldx + k + 8);
+      asm("" : "+x"(x0), "+x"(x1));
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) {
+        acc[r][j].lo = _mm256_fmadd_ps(x0, wv[j].lo, acc[r][j].lo);
+        acc[r][j].hi = _mm256_fmadd_ps(x1, wv[j].hi, acc[r][j].hi);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      float s = tree256(acc[r][j]);
+      if (a.bias) s = s + a.bias[n0 + j];
+      a.y[(i0 + r) * a.n + n0 + j] = s;
+    }
+}
+
+template <int WT>
+void range256(const Args& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const bool two = n + 2 <= n1;
+    int64_t i = 0;
+    for (; i + 2 <= a.m; i += 2) {
+      if (two) block256<WT, 2, 2>(a, i, n); else block256<WT, 2, 1>(a, i, n);
+    }
+    if (i < a.m) {
+      if (two) block256<WT, 1, 2>(a, i, n); else block256<WT, 1, 1>(a, i, n);
+    }
+    n += two ? 1 : 0;
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace baton_gemv

@@ -1,0 +1,249 @@
+// The kernels of gemv.cpp without torch: y[M,N] = x[M,K] @ W[N,K]^T (+ bias) for a range of
+// outputs, one function per instruction set, chosen at run time (see gemv.cpp for the contract).
+#pragma once
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace baton_gemv {
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+constexpr int64_t kLanes = 16;
+// Weights are prefetched this many bytes ahead of their use into L2 (_MM_HINT_T1): without it
+// the few-row blocks stalled on memory (8 rows: 50 -> 26 ms for the bench NemotronH's linears,
+// one row 20 -> 16 ms); 16-96 KiB measured the same, L1 prefetch was slower.
+constexpr int64_t kPrefetch = 32 << 10;
+#define BATON_PF_HINT _MM_HINT_T1
+
+struct Args {
+  const float* x;     // [M, >= K rounded up to 16] with row stride ldx, zeros past K
+  int64_t ldx;
+  const void* w;      // [N, K] with row stride ldw (elements)
+  int64_t ldw;
+  int64_t k;
+  float* y;           // [M, N], row stride n
+  int64_t n;
+  int64_t m;
+  const float* bias;  // [N] or null
+};
+
+inline const char* wbase(const Args& a, int wt, int64_t row) {
+  const int64_t es = wt == kF32 ? 4 : 2;
+  return static_cast<const char*>(a.w) + row * a.ldw * es;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain C++ (any x86-64): the reference order, std::fma one element at a time.
+inline uint32_t half_bits(uint16_t h) {  // IEEE half -> float bits, exact
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f) return sign | 0x7f800000 | (man << 13);
+  if (exp == 0) {
+    if (man == 0) return sign;
+    exp = 127 - 15 + 1;
+    while (!(man & 0x400)) { man <<= 1; --exp; }
+    return sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  return sign | ((exp + 127 - 15) << 23) | (man << 13);
+}
+
+inline float upcast(const char* p, int wt, int64_t k) {
+  if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
+  uint16_t h = reinterpret_cast<const uint16_t*>(p)[k];
+  uint32_t u = wt == kF16 ? half_bits(h) : static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float tree16(const float* a) {
+  float s8[8], s4[4], s2[2];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  return s2[0] + s2[1];
+}
+
+void scalar_range(const Args& a, int wt, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const char* wr = wbase(a, wt, n);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const float* xr = a.x + i * a.ldx;
+      float acc[kLanes] = {0.f};
+      for (int64_t k0 = 0; k0 < a.k; k0 += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const int64_t k = k0 + l;
+          const float wv = k < a.k ? upcast(wr, wt, k) : 0.f;
+          acc[l] = std::fma(xr[k], wv, acc[l]);
+        }
+      float s = tree16(acc);
+      if (a.bias) s = s + a.bias[n];
+      a.y[i * a.n + n] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+template <int WT>
+inline __m512 w512(const char* p, int64_t k) {
+  if constexpr (WT == kF32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + k);
+  } else {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        reinterpret_cast<const uint16_t*>(p) + k));
+    if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <int WT>
+inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
+  if constexpr (WT == kF32) {
+    return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(p) + k);
+  } else {
+    __m256i h = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(p) + k);
+    if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline float tree512(__m512 v) {
+  __m256 lo = _mm512_castps512_ps256(v);
+  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// MR rows of x times NR outputs, all of K.
+template <int WT, int MR, int NR>
+inline void block512(const Args& a, int64_t i0, int64_t n0) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* xr = a.x + i0 * a.ldx;
+  const int64_t kf = a.k & ~(kLanes - 1);
+  constexpr int64_t es = WT == kF32 ? 4 : 2;
+  for (int64_t k = 0; k < kf; k += kLanes) {
+    __m512 wv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + k * es, BATON_PF_HINT);
+      wv[j] = w512<WT>(wr[j], k);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m512 xv = _mm512_loadu_ps(xr + r * a.ldx + k);
+      asm("" : "+v"(xv));  // one load of x a row, kept in a register (not refolded per FMA)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if (kf < a.k) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (a.k - kf)) - 1);
+    __m512 wv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) wv[j] = w512_tail<WT>(wr[j], kf, mask);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m512 xv = _mm512_loadu_ps(xr + r * a.ldx + kf);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      float s = tree512(acc[r][j]);
+      if (a.bias) s = s + a.bias[n0 + j];
+      a.y[(i0 + r) * a.n + n0 + j] = s;
+    }
+}
+
+// Rows i..i+mr (mr <= MAXMR) for outputs n0..n0+NR.
+template <int WT, int NR, int MAXMR>
+inline void rows512(const Args& a, int64_t i, int64_t n0, int64_t mr) {
+  if constexpr (MAXMR > 1) {
+    if (mr < MAXMR) return rows512<WT, NR, MAXMR - 1>(a, i, n0, mr);
+  }
+  block512<WT, MAXMR, NR>(a, i, n0);
+}
+
+// Outputs n0..n1, NR at a time (MR * NR <= 16 accumulators), each block of NR weight rows
+// for all rows of x before the next: the weights stream from memory once, x is re-read from
+// cache. Rows go in near-equal blocks of at most 8.
+template <int WT, int NR, int MAXMR>
+inline void outs512(const Args& a, int64_t n0, int64_t n1, int64_t rb) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    for (int64_t i = 0; i < a.m; i += rb) rows512<WT, NR, MAXMR>(a, i, n, std::min(rb, a.m - i));
+  for (; n < n1; ++n)
+    for (int64_t i = 0; i < a.m; i += rb) rows512<WT, 1, MAXMR>(a, i, n, std::min(rb, a.m - i));
+}
+
+// Rows in near-equal blocks of at most 6 (4 outputs a block: 24 accumulators, 4 weight and one
+// x register; 8 x 2 blocks were 20-30% slower at 8-32 rows, x re-read for every 2 outputs).
+template <int WT>
+void range512(const Args& a, int64_t n0, int64_t n1) {
+  const int64_t blocks = (a.m + 5) / 6, rb = (a.m + blocks - 1) / blocks;
+  if (rb <= 2) outs512<WT, 8, 2>(a, n0, n1, rb);
+  else if (rb <= 6) outs512<WT, 4, 6>(a, n0, n1, rb);
+  else outs512<WT, 2, 8>(a, n0, n1, rb);
+}
+
+#pragma GCC pop_options
+
+}  // namespace baton_gemv
+
+#include "gemv_avx2.h"
+
+namespace baton_gemv {
+
+// ---------------------------------------------------------------------------------------------
+int detect_isa() {
+  unsigned eax, ebx, ecx, edx;
+  bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  __builtin_cpu_init();
+  if (f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+    return kAvx512;
+  if (f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  return kScalar;
+}
+
+int best_isa() {
+  static const int isa = detect_isa();
+  return isa;
+}
+
+void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
+  if (isa == kAvx512) {
+    if (wt == kF32) range512<kF32>(a, n0, n1);
+    else if (wt == kF16) range512<kF16>(a, n0, n1);
+    else range512<kBF16>(a, n0, n1);
+  } else if (isa == kAvx2) {
+    if (wt == kF32) range256<kF32>(a, n0, n1);
+    else if (wt == kF16) range256<kF16>(a, n0, n1);
+    else range256<kBF16>(a, n0, n1);
+  } else {
+    scalar_range(a, wt, n0, n1);
+  }
+}
+
+}  // namespace baton_gemv

@@ -1,0 +1,172 @@
+"""Baton's CPU kernel for decode-sized linears (`baton/model/layers/cpu_kernels/gemv.cpp`).
+
+Accuracy: within a rigorous float32 rounding bound of a float64 reference, for float32,
+float16 and bfloat16 weights. Exactness contract: a row's result is bit-identical alone or in
+a batch of any size, at 1 or 2 threads, on every instruction set the CPU has. Wiring: the fast
+decode path and the half-weight path use it, and without it they fall back to torch's kernels.
+A build that fails logs one line and leaves `gemv()` None.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.model.layers import cpu_kernels, linear
+from baton.model.layers.linear import FastLinear, decode_scope
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+U = 2.0 ** -24  # float32 unit roundoff
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_kernels.gemv()
+    if k is None:
+        pytest.skip("the C++ kernel does not build here (no compiler?)")
+    return k
+
+
+def _data(m: int, n: int, k: int, dtype, seed: int = 0, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+def _bound(x, w, b):
+    """|error| of any float32 evaluation whose longest chain of roundings is ceil(K/16) lane
+    steps + 4 tree levels + the bias add, each product exact inside its FMA."""
+    depth = -(-x.shape[1] // 16) + 5
+    mag = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    return 1.01 * depth * U * mag
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 13, 15), (3, 37, 17), (16, 100, 77),
+                                   (7, 41, 768), (12, 9, 100), (2, 64, 32)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_matches_float64_within_rounding_bound(kernel, dtype, m, n, k, bias):
+    x, w, b = _data(m, n, k, dtype, bias=bias)
+    y = kernel.linear(x, w, b)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    err = (y.double() - ref).abs()
+    assert bool((err <= _bound(x, w, b)).all()), f"max error {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+def test_every_instruction_set_gives_the_same_bits(kernel, dtype):
+    # Odd K (a masked tail), N not a multiple of any register block, rows of every block size.
+    x, w, b = _data(13, 75, 203, dtype, seed=1)
+    want = kernel.linear(x, w, b, ISAS["scalar"])
+    for isa in ISAS.values():
+        assert torch.equal(kernel.linear(x, w, b, isa), want), isa
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, dtype):
+    # 600 outputs: enough weight for both threads to take a share.
+    x, w, b = _data(64, 600, 203, dtype, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernel.linear(x[i:i + 1], w, b) for i in range(64)])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in range(1, 65):
+                got = kernel.linear(x[:m], w, b)
+                assert torch.equal(got, alone[:m]), f"{m} rows, {threads} threads"
+            got = kernel.linear(x[5:17], w, b)  # rows at other places in a batch
+            assert torch.equal(got, alone[5:17]), f"rows 5-16, {threads} threads"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_inputs_and_bad_arguments(kernel):
+    x, w, b = _data(4, 20, 48, torch.float32, seed=3)
+    xt = x.t().contiguous().t()  # same values, column-major
+    assert torch.equal(kernel.linear(xt, w, b), kernel.linear(x, w, b))
+    assert kernel.linear(x[:0], w, b).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernel.linear(x, w.t().contiguous().t(), b)  # K not contiguous
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernel.linear(x.double(), w, b)
+
+
+def _fast_linear(n: int, k: int, dtype, seed: int = 4) -> FastLinear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n)
+    lin.__class__ = FastLinear
+    if dtype != torch.float32:
+        lin.weight = torch.nn.Parameter(lin.weight.detach().to(dtype), requires_grad=False)
+    return lin
+
+
+@pytest.fixture
+def fast_path():
+    old = linear.set_decode_path("fast")
+    yield
+    linear.set_decode_path(old)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+def test_fast_linear_takes_the_kernel_for_decode_rows(kernel, fast_path, dtype):
+    lin = _fast_linear(96, 80, dtype)
+    x = torch.randn(1, 9, 80)
+    with torch.no_grad(), decode_scope():
+        y = lin(x)
+        rows = [lin(x[:, i:i + 1]) for i in range(9)]
+    assert torch.equal(y, kernel.linear(x[0], lin.weight, lin.bias)[None])
+    assert torch.equal(torch.cat(rows, dim=1), y)
+    if dtype == torch.float32:  # the kernel reads the weight in place: no second copy
+        assert lin._baton_packed[1].data_ptr() == lin.weight.data_ptr()
+
+
+def test_without_the_kernel_the_fast_path_is_onednn_and_mkl(monkeypatch, fast_path):
+    monkeypatch.setitem(cpu_kernels._cache, "gemv", None)
+    lin = _fast_linear(96, 80, torch.float32)
+    x = torch.randn(5, 80)
+    w = lin.weight.detach()
+    with torch.no_grad(), decode_scope():
+        one, many = lin(x[:1]), lin(x)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, linear.PACK_HINT)
+        want = torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
+        assert torch.equal(one, torch.mm(x[:1], w.t().contiguous()) + lin.bias)
+    assert torch.equal(many, want)
+    half = _fast_linear(96, 80, torch.float16)
+    with torch.no_grad():
+        got = half(x)
+    ref = x.double() @ half.weight.double().T + half.bias.double()
+    assert bool(((got.double() - ref).abs() <= 1e-5).all())
+
+
+def _subprocess_gemv(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from baton.model.layers import cpu_kernels\n"
+            "print('module', cpu_kernels.gemv())\n")
+    root = str(Path(__file__).resolve().parents[2])
+    full = {**os.environ, "PYTHONPATH": root, "TORCH_EXTENSIONS_DIR": str(tmp_path), **env}
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, timeout=120, cwd=root)
+
+
+def test_a_failed_build_logs_one_line_and_falls_back(tmp_path):
+    out = _subprocess_gemv(tmp_path, CXX="/bin/false")
+    assert out.returncode == 0, out.stderr
+    assert "module None" in out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if "baton" in ln]
+    assert len(lines) == 1 and "cpu kernels unavailable" in lines[0], out.stderr
+
+
+def test_switched_off_builds_nothing(tmp_path):
+    out = _subprocess_gemv(tmp_path, BATON_CPU_KERNELS="0")
+    assert "module None" in out.stdout and "baton" not in out.stderr
+    assert list(tmp_path.iterdir()) == []
