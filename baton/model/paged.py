@@ -43,6 +43,11 @@ class AttnMeta:
     (SDPA turns a bool mask into exactly this float one, per call)."""
     positions: torch.Tensor | None = None
     """Position of each new token, for rotary embeddings: long [n, T] (prefill), [b] (decode)."""
+    tables: torch.Tensor | None = None
+    """Decode: long [b, nb] block table of each sequence (what the fast path's attention
+    kernel reads keys through; padded with its column 0)."""
+    lens: torch.Tensor | None = None
+    """Decode: long [b] keys each sequence reads (its position + 1)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: P
     mask.masked_fill_(keys[None, None, :] > pos[:, None, None], float("-inf"))
     return AttnMeta(
         _write_rows(tables, pos[:, None], pools), _read_rows(tables, num_keys, pools), num_keys,
-        mask, pos,
+        mask, pos, tables, pos + 1,
     )
 
 

@@ -35,7 +35,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from baton.model.layers import linear
+from baton.model.layers import linear, step_kernels
 
 _broken: set[str] = set()
 
@@ -156,6 +156,9 @@ def attention_step(scale: float, q, pool, key_rows, mask):
 def paged_attention(scale: float, q: torch.Tensor, pool: torch.Tensor, meta) -> torch.Tensor:
     """`attention_step` for the decode queries q [b, heads, hd] of one layer, `meta` the
     step's `AttnMeta`; returns [b, heads * hd]."""
+    k = step_kernels.kernels()
+    if k is not None and meta.tables is not None:
+        return k.paged_attention(q.contiguous(), pool, meta.tables, meta.lens, scale)
     b, heads, hd = q.shape
     kvh, S = pool.shape[3], meta.num_keys
     key_rows = meta.read_rows.view(2, b, kvh, S)[0, :, 0] // kvh
