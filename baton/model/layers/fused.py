@@ -153,6 +153,14 @@ def attention_step(scale: float, q, pool, key_rows, mask):
     return (probs[..., None] * values[:, :, :, None, :]).sum(1)
 
 
+def kernel_attention(pools) -> bool:
+    """True when this decode call's attention layers read KV through the step kernel (the
+    fast path, float32 on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
+    return (linear.decode_path() == "fast" and linear.decoding() and pools.has_kv
+            and pools.kv.dtype == torch.float32 and pools.kv.device.type == "cpu"
+            and step_kernels.kernels() is not None)
+
+
 def paged_attention(scale: float, q: torch.Tensor, pool: torch.Tensor, meta) -> torch.Tensor:
     """`attention_step` for the decode queries q [b, heads, hd] of one layer, `meta` the
     step's `AttnMeta`; returns [b, heads * hd]."""

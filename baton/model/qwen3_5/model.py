@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from baton.errors import ConfigError, InvalidRequestError
+from baton.model.layers import fused
 from baton.model.layers.deltanet import GatedDeltaNet
 from baton.model.layers.gated_attention import GatedAttention
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
@@ -121,7 +122,8 @@ class Qwen35Model(nn.Module):
         """One token for each of B sequences (token input_ids[i] at positions[i], table
         block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]."""
         _check_pools(self.config, pools)
-        attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
+        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
+                if pools.has_kv else None)
         ctx = slot_context(pools, attn, slots.tolist())
         h = self.model(input_ids.to(self.device), ctx, decode=True)
         return self.lm_head(h).float()
