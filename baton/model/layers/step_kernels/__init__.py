@@ -1,5 +1,6 @@
-"""The fast decode path's step kernels (`step.cpp`: the Mamba2 and DeltaNet steps, paged
-attention, RMSNorm), compiled on first use with torch's JIT extension builder.
+"""The fast decode path's step kernels (`recurrent.cpp`: the Mamba2 and DeltaNet steps;
+`attention.cpp`: paged attention, RMSNorm), compiled on first use with torch's JIT extension
+builder.
 
 `kernels()` is the compiled module, or None where it cannot be built (no compiler, not
 x86-64, or `BATON_STEP_KERNELS=0`): the fast path then keeps its torch.compile'd steps
@@ -28,7 +29,9 @@ import torch
 
 log = logging.getLogger("baton.model")
 
-SOURCE = Path(__file__).with_name("step.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "recurrent.cpp", HERE / "attention.cpp"]
+HEADERS = [HERE / "common.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 """-ffp-contract=off: no FMA the source does not write, so sums round like the reference's
 separate multiply and add; -fopenmp: at::parallel_for uses torch's thread pool, and the
@@ -53,7 +56,8 @@ def _cpu() -> str:
 
 
 def build_name() -> str:
-    key = "\n".join([SOURCE.read_text(), torch.__version__, " ".join(FLAGS), sys.version, _cpu()])
+    texts = [p.read_text() for p in SOURCES + HEADERS]
+    key = "\n".join([*texts, torch.__version__, " ".join(FLAGS), sys.version, _cpu()])
     return "baton_step_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -69,9 +73,9 @@ def _load():
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
-    name = build_name()
-    folder = cache_root() / name
     try:
+        name = build_name()
+        folder = cache_root() / name
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder.parent / f"{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # held until the file closes (or the process dies)
@@ -93,7 +97,8 @@ def _build_or_import(name: str, folder: Path):
     (folder / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
     from torch.utils.cpp_extension import load
 
-    module = load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
-                  extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    module = load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
+                  extra_include_paths=[str(HERE)], extra_ldflags=["-fopenmp"],
+                  build_directory=str(folder), verbose=False)
     done.write_text("ok\n")
     return module

@@ -13,46 +13,11 @@
 // Rounding differs from the eager reference only in the order of sums (~1e-6 relative), as the
 // compiled steps did; tests/unit/test_decode_fast_path.py compares the two paths.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "common.h"
 
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include <sleef.h>  // torch's own vectorised exp (exported by libtorch_cpu)
-#endif
+using namespace baton_step;
 
 namespace {
-
-
-// x[i] = exp(x[i] + shift) in place: 16 lanes at a time where AVX-512 is there (a scalar expf
-// per element was a third of the Mamba2 step at batch 32: ~1.5M of them a step).
-void exp_(float* x, int64_t n, float shift) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 sh = _mm512_set1_ps(shift);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_add_ps(_mm512_loadu_ps(x + i), sh)));
-#endif
-  for (; i < n; ++i) x[i] = std::exp(x[i] + shift);
-}
-
-// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch.
-void silu_(const float* x, float* out, float* tmp, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) tmp[i] = -x[i];
-  exp_(tmp, n, 0.f);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.f + tmp[i]);
-}
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
-
-void check(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
-              " must be a float32 CPU tensor");
-}
 
 // Depthwise causal conv of one token over the window [state | x] + silu, then the state
 // shifts by one: conv [C, K-1] (in place), x [C], w [C, K], bias [C] or null -> out [C];
@@ -74,6 +39,7 @@ void conv_step(float* conv, const float* x, const float* w, const float* bias, f
 }
 
 }  // namespace
+
 
 // One token of a Mamba2 layer after in_proj (see fused.mamba2_step for the same ops in torch).
 at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tensor ssm_pool,
@@ -238,87 +204,3 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
   return o;
 }
 
-// One query per sequence over paged KV, read through the block tables: q [b, heads, hd];
-// pool [blocks, 2, tpb, kvh, hd]; tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence.
-// Per sequence, every head at once: each block's keys (then values) are read front to back,
-// once, which is what keeps the hardware prefetcher streaming (a head at a time, the rows of
-// one kv head are 1/kvh of each line run and the reads were latency-bound, 2-4x slower).
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables,
-                           const at::Tensor& lens, double scale) {
-  check(q, "q"); check(pool, "kv pool");
-  TORCH_CHECK(q.is_contiguous() && pool.is_contiguous(), "q and the kv pool must be contiguous");
-  const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
-  const int64_t tpb = pool.size(2), kvh = pool.size(3), rep = heads / kvh;
-  const int64_t ts = tables.stride(0), row = kvh * hd;
-  auto out = at::empty({b, heads * hd}, q.options());
-  const float *qp = q.data_ptr<float>(), *pp = pool.data_ptr<float>();
-  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, b, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t S = lp[i];
-      const float* qi = qp + i * heads * hd;
-      float* oi = o + i * heads * hd;
-      sc.resize(heads * S);
-      for (int64_t t = 0; t < S; ++t) {
-        const float* keys = pp + (tp[i * ts + t / tpb] * 2 * tpb + t % tpb) * row;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float *qh = qi + h * hd, *key = keys + (h / rep) * hd;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < hd; ++d) acc += qh[d] * key[d];
-          sc[h * S + t] = acc * (float)scale;
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* sr = sc.data() + h * S;
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < S; ++t) mx = std::fmax(mx, sr[t]);
-        exp_(sr, S, -mx);
-        for (int64_t t = 0; t < S; ++t) sum += sr[t];
-        for (int64_t t = 0; t < S; ++t) sr[t] = sr[t] / sum;
-      }
-      for (int64_t d = 0; d < heads * hd; ++d) oi[d] = 0.f;
-      for (int64_t t = 0; t < S; ++t) {
-        const float* vals = pp + ((tp[i * ts + t / tpb] * 2 + 1) * tpb + t % tpb) * row;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float pr = sc[h * S + t];
-          const float* val = vals + (h / rep) * hd;
-          float* oh = oi + h * hd;
-#pragma omp simd
-          for (int64_t d = 0; d < hd; ++d) oh[d] += pr * val[d];
-        }
-      }
-    }
-  });
-  return out;
-}
-
-// RMSNorm of rows x [n, d]: w * (x * rsqrt(mean(x^2) + eps)) (w already 1 + w for Qwen's).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check(x, "x");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rms_norm inputs must be contiguous");
-  const int64_t d = x.size(-1), n = x.numel() / d;
-  auto out = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xr = xp + i * d;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
-    const float inv = 1.f / std::sqrt(ss / d + (float)eps);
-    float* orow = op + i * d;
-#pragma omp simd
-    for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
-  }
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mamba2_step", &mamba2_step);
-  m.def("deltanet_step", &deltanet_step);
-  m.def("paged_attention", &paged_attention);
-  m.def("rms_norm", &rms_norm);
-}
