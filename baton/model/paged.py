@@ -116,21 +116,26 @@ def prefill_meta(
                     num_keys, mask, pos)
 
 
-def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: Pools,
-                lean: bool = False) -> AttnMeta:
+def decode_meta(positions: torch.Tensor, block_tables: list[list[int]] | torch.Tensor,
+                pools: Pools, lean: bool = False) -> AttnMeta:
     """One query per sequence at positions[i]; keys are padded to the longest sequence.
+    `block_tables`: lists, or the [b, nb] tensor `_tables` would build from them (each row cut
+    to the blocks its length needs, padded with its column 0; not checked again here).
     `lean`: every attention layer of the call reads K/V through `tables` and `lens` (the fast
     path's kernel, `fused.kernel_attention`), so the gather rows and the mask are not built."""
-    pos_list = positions.tolist()
-    tables = _tables(block_tables, [p + 1 for p in pos_list], pools)
+    if isinstance(block_tables, torch.Tensor):  # [b, nb] as `_tables` builds (DecodeBatch)
+        tables, num_keys = block_tables, int(positions.max()) + 1
+    else:
+        pos_list = positions.tolist()
+        tables = _tables(block_tables, [p + 1 for p in pos_list], pools)
+        num_keys = max(pos_list) + 1
     dev = tables.device
-    num_keys = max(pos_list) + 1
     pos = positions.to(dev)
     write_rows = _write_rows(tables, pos[:, None], pools)
     if lean:
         return AttnMeta(write_rows, None, num_keys, None, pos, tables, pos + 1)
     keys = torch.arange(num_keys, device=dev)
-    mask = torch.zeros(len(pos_list), 1, num_keys, device=dev, dtype=pools.kv.dtype)
+    mask = torch.zeros(pos.shape[0], 1, num_keys, device=dev, dtype=pools.kv.dtype)
     mask.masked_fill_(keys[None, None, :] > pos[:, None, None], float("-inf"))
     return AttnMeta(write_rows, _read_rows(tables, num_keys, pools), num_keys, mask, pos, tables,
                     pos + 1)

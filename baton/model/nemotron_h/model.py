@@ -60,6 +60,9 @@ class Backbone(nn.Module):
 
 
 class NemotronHModel(nn.Module):
+    decode_takes_tables = True
+    """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -144,7 +147,7 @@ class NemotronHModel(nn.Module):
         self,
         input_ids: torch.LongTensor,
         positions: torch.LongTensor,
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | torch.Tensor,
         slots: torch.LongTensor,
         pools: Pools,
     ) -> torch.Tensor:

@@ -65,6 +65,9 @@ class TextModel(nn.Module):
 
 
 class Qwen35Model(nn.Module):
+    decode_takes_tables = True
+    """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
+
     def __init__(self, config: Qwen35Config):
         super().__init__()
         self.config = config
@@ -117,7 +120,7 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.LongTensor, positions: torch.LongTensor,
-               block_tables: list[list[int]], slots: torch.LongTensor,
+               block_tables: list[list[int]] | torch.Tensor, slots: torch.LongTensor,
                pools: Pools) -> torch.Tensor:
         """One token for each of B sequences (token input_ids[i] at positions[i], table
         block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]."""
