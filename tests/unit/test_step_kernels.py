@@ -76,6 +76,10 @@ def test_paged_attention_reads_through_block_tables():
     mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf"))
     want = fused.attention_step(hd ** -0.5, q.view(3, kvh, heads // kvh, hd), pool, rows, mask)
     torch.testing.assert_close(got, want.reshape(3, -1), rtol=1e-5, atol=1e-6)
+    # a sequence alone (at 2+ threads split over its kv heads) gets its row of the batch
+    for i in range(3):
+        alone = K.paged_attention(q[i:i + 1], pool, tables[i:i + 1], lens[i:i + 1], hd ** -0.5)
+        assert torch.equal(alone[0], got[i])
 
 
 def test_rms_norm_matches_the_module():

@@ -34,16 +34,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
   const float *qp = q.data_ptr<float>(), *pp = pool.data_ptr<float>();
   const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, b, 1, [&](int64_t i0, int64_t i1) {
+  // Fewer sequences than threads (batch 1 at 2 threads): one task per (sequence, kv head),
+  // each reading its heads' part of every row, so the second thread has work too.
+  const int64_t parts = b >= at::get_num_threads() ? 1 : kvh, hpp = heads / parts;
+  at::parallel_for(0, b * parts, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> sc;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t S = lp[i];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = j / parts, h0 = (j % parts) * hpp, h1 = h0 + hpp, S = lp[i];
       const float* qi = qp + i * heads * hd;
       float* oi = o + i * heads * hd;
       sc.resize(heads * S);
       for (int64_t t = 0; t < S; ++t) {
         const float* keys = pp + (tp[i * ts + t / tpb] * 2 * tpb + t % tpb) * row;
-        for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           const float *qh = qi + h * hd, *key = keys + (h / rep) * hd;
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -51,7 +54,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
           sc[h * S + t] = acc * (float)scale;
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         float* sr = sc.data() + h * S;
         float mx = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < S; ++t) mx = std::fmax(mx, sr[t]);
@@ -59,10 +62,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
         for (int64_t t = 0; t < S; ++t) sum += sr[t];
         for (int64_t t = 0; t < S; ++t) sr[t] = sr[t] / sum;
       }
-      for (int64_t d = 0; d < heads * hd; ++d) oi[d] = 0.f;
+      for (int64_t d = h0 * hd; d < h1 * hd; ++d) oi[d] = 0.f;
       for (int64_t t = 0; t < S; ++t) {
         const float* vals = pp + ((tp[i * ts + t / tpb] * 2 + 1) * tpb + t % tpb) * row;
-        for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           const float pr = sc[h * S + t];
           const float* val = vals + (h / rep) * hd;
           float* oh = oi + h * hd;
