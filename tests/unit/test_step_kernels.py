@@ -63,22 +63,30 @@ def test_deltanet_step_updates_its_slots_in_place():
     assert torch.equal(rec[OTHERS], before_rec[OTHERS])
 
 
-def test_paged_attention_reads_through_block_tables():
+def test_paged_attention_stores_then_reads_through_block_tables():
     g = _gen()
     kvh, hd, heads, tpb = 2, 16, 6, 4
     pool = torch.randn(12, 2, tpb, kvh, hd, generator=g)
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 5, 5], [9, 9, 9, 9]])  # padded with column 0
     lens = torch.tensor([13, 6, 1])
     q = torch.randn(3, heads, hd, generator=g)
-    got = K.paged_attention(q, pool, tables, lens, hd ** -0.5)
+    k, v = torch.randn(3, kvh, hd, generator=g), torch.randn(3, kvh, hd, generator=g)
+    want_pool = pool.clone()
+    pos = lens - 1
+    blocks = tables[torch.arange(3), pos // tpb]
+    want_pool[blocks, 0, pos % tpb], want_pool[blocks, 1, pos % tpb] = k, v
+    got = K.paged_attention(q, k, v, pool, tables, lens, hd ** -0.5)
+    assert torch.equal(pool, want_pool)  # the new K/V at their positions, nothing else moved
     keys = torch.arange(13)
     rows = tables[:, keys // tpb] * (2 * tpb) + keys % tpb
     mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf"))
-    want = fused.attention_step(hd ** -0.5, q.view(3, kvh, heads // kvh, hd), pool, rows, mask)
+    want = fused.attention_step(hd ** -0.5, q.view(3, kvh, heads // kvh, hd), want_pool, rows,
+                                mask)
     torch.testing.assert_close(got, want.reshape(3, -1), rtol=1e-5, atol=1e-6)
     # a sequence alone (at 2+ threads split over its kv heads) gets its row of the batch
     for i in range(3):
-        alone = K.paged_attention(q[i:i + 1], pool, tables[i:i + 1], lens[i:i + 1], hd ** -0.5)
+        alone = K.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], pool, tables[i:i + 1],
+                                  lens[i:i + 1], hd ** -0.5)
         assert torch.equal(alone[0], got[i])
 
 

@@ -165,14 +165,20 @@ def kernel_attention(pools) -> bool:
             and step_kernels.kernels() is not None)
 
 
-def paged_attention(scale: float, q: torch.Tensor, pool: torch.Tensor, meta) -> torch.Tensor:
-    """`attention_step` for the decode queries q [b, heads, hd] of one layer, `meta` the
-    step's `AttnMeta`; returns [b, heads * hd]."""
-    k = step_kernels.kernels()
-    if k is not None and meta.tables is not None:
-        return k.paged_attention(q.contiguous(), pool, meta.tables, meta.lens, scale)
+def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    pool: torch.Tensor, meta) -> torch.Tensor:
+    """Store the decode tokens' k, v [b, kv_heads, hd] in one layer's pool, then
+    `attention_step` for their queries q [b, heads, hd], `meta` the step's `AttnMeta`;
+    returns [b, heads * hd]."""
+    kern = step_kernels.kernels()
+    if kern is not None and meta.tables is not None:
+        return kern.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool,
+                                    meta.tables, meta.lens, scale)
     b, heads, hd = q.shape
-    kvh, S = pool.shape[3], meta.num_keys
+    kvh, S, tpb = pool.shape[3], meta.num_keys, pool.shape[2]
+    tokens = pool.view(-1, kvh * hd)
+    tokens.index_copy_(0, meta.write_rows, k.reshape(b, -1))
+    tokens.index_copy_(0, meta.write_rows + tpb, v.reshape(b, -1))
     key_rows = meta.read_rows.view(2, b, kvh, S)[0, :, 0] // kvh
     out = run("attention", (scale,), q.view(b, kvh, heads // kvh, hd), pool, key_rows,
               meta.mask.view(b, S))

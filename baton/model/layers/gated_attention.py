@@ -74,8 +74,7 @@ class GatedAttention(nn.Module):
         q, gate, k, v = self._project(x, ctx.attn)
         pool = ctx.kv(self.layer_idx)
         if fused.fast_decoding(x) and pool.dtype == torch.float32:
-            self._store(k, v, ctx)
-            out = fused.paged_attention(self.scale, q, pool, ctx.attn)
+            out = fused.paged_attention(self.scale, q, k, v, pool, ctx.attn)
             return self.o_proj(out * torch.sigmoid(gate))
         keys, values = self._store_and_read(k, v, b, ctx)
         S, hd = ctx.attn.num_keys, self.head_dim

@@ -18,22 +18,33 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
                          const at::Tensor& A_log, const at::Tensor& norm_w, int64_t hk,
                          int64_t hv, int64_t dk, int64_t dv, double eps);
 
-// One query per sequence over paged KV, read through the block tables: q [b, heads, hd];
-// pool [blocks, 2, tpb, kvh, hd]; tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence.
+// One query per sequence over paged KV, read through the block tables, after writing the new
+// token's k, v [b, kvh, hd] there: q [b, heads, hd]; pool [blocks, 2, tpb, kvh, hd];
+// tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence (the new token's position + 1).
 // Per sequence, every head at once: each block's keys (then values) are read front to back,
 // once, which is what keeps the hardware prefetcher streaming (a head at a time, the rows of
 // one kv head are 1/kvh of each line run and the reads were latency-bound, 2-4x slower).
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables,
-                           const at::Tensor& lens, double scale) {
-  check(q, "q"); check(pool, "kv pool");
-  TORCH_CHECK(q.is_contiguous() && pool.is_contiguous(), "q and the kv pool must be contiguous");
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
+                           double scale) {
+  check(q, "q"); check(k, "k"); check(v, "v"); check(pool, "kv pool");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous()
+              && pool.is_contiguous(), "q, k, v and the kv pool must be contiguous");
   const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
   const int64_t tpb = pool.size(2), kvh = pool.size(3), rep = heads / kvh;
   const int64_t ts = tables.stride(0), row = kvh * hd;
+  TORCH_CHECK(k.numel() == b * row && v.numel() == b * row, "k and v must be [b, kv_heads, hd]");
   auto out = at::empty({b, heads * hd}, q.options());
-  const float *qp = q.data_ptr<float>(), *pp = pool.data_ptr<float>();
+  const float *qp = q.data_ptr<float>();
+  float* pp = pool.data_ptr<float>();
   const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
+  // The new token's K and V first (at position len - 1), so every read below sees them.
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t p = lp[i] - 1, blk = tp[i * ts + p / tpb];
+    std::copy_n(k.data_ptr<float>() + i * row, row, pp + (blk * 2 * tpb + p % tpb) * row);
+    std::copy_n(v.data_ptr<float>() + i * row, row, pp + ((blk * 2 + 1) * tpb + p % tpb) * row);
+  }
   // Fewer sequences than threads (batch 1 at 2 threads): one task per (sequence, kv head),
   // each reading its heads' part of every row, so the second thread has work too.
   const int64_t parts = b >= at::get_num_threads() ? 1 : kvh, hpp = heads / parts;
