@@ -98,3 +98,19 @@ def test_rms_norm_matches_the_module():
     norm.weight.data = torch.randn(24, generator=g)
     x = torch.randn(3, 24, generator=g)
     torch.testing.assert_close(K.rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_of_strided_rows():
+    """Qwen's q: every other head_dim run of its projection; size-1 dims in any stride."""
+    from baton.model.layers.gated_norms import ZeroCentredRMSNorm
+
+    g = _gen()
+    norm = ZeroCentredRMSNorm(8, 1e-6)
+    norm.weight.data = torch.randn(8, generator=g)
+    proj = torch.randn(3, 4, 16, generator=g)
+    for x in (proj.chunk(2, dim=-1)[0], proj[:1].chunk(2, dim=-1)[1], proj[:, :1, :8],
+              proj.view(3, 4, 2, 8)[:, :, 1]):
+        got = K.rms_norm(x, norm._scale(), 1e-6)
+        assert got is not None and got.is_contiguous()
+        torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+    assert K.rms_norm(proj.transpose(0, 1)[:, :, :8], norm._scale(), 1e-6) is None

@@ -89,16 +89,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// RMSNorm of rows x [n, d]: w * (x * rsqrt(mean(x^2) + eps)) (w already 1 + w for Qwen's).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// RMSNorm of rows x [..., d]: w * (x * rsqrt(mean(x^2) + eps)) (w already 1 + w for Qwen's),
+// into a new contiguous tensor. The rows may be strided (q of Qwen's attention is every other
+// hd-run of its projection) as long as one stride walks them all; None if they are not.
+c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, "x");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rms_norm inputs must be contiguous");
+  TORCH_CHECK(w.is_contiguous(), "rms_norm weight must be contiguous");
   const int64_t d = x.size(-1), n = x.numel() / d;
-  auto out = at::empty_like(x);
+  if (x.stride(-1) != 1) return c10::nullopt;
+  int64_t rs = d, inner = -1;  // the row stride: that of the innermost leading dim of size > 1
+  for (int64_t i = x.dim() - 2; i >= 0; --i) {
+    if (x.size(i) == 1) continue;
+    if (inner < 0) rs = x.stride(i);
+    else if (x.stride(i) != x.size(inner) * x.stride(inner)) return c10::nullopt;
+    inner = i;
+  }
+  auto out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
-    const float* xr = xp + i * d;
+    const float* xr = xp + i * rs;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
