@@ -80,8 +80,9 @@ class GatedDeltaNet(nn.Module):
         return self._out(o.to(h.dtype), h)
 
     def _fused_step(self, h, qkv, ctx: StepContext, conv_pool, rec_pool) -> torch.Tensor:
-        """The fast path's decode step between the projections: one compiled function
-        (`fused.deltanet_step`) on the live slots (views when consecutive, else gathered)."""
+        """The fast path's decode step between the projections: the C++ step kernel on the
+        pools' slot rows in place (`step_kernels`), or where it is not built the compiled
+        `fused.deltanet_step` on the live slots (views when consecutive, else gathered)."""
         k = step_kernels.kernels()
         if k is not None:  # in place in the pools' slot rows, whatever the slots
             return k.deltanet_step(qkv, conv_pool, rec_pool, ctx.slots, self.in_proj_a(h),

@@ -103,8 +103,9 @@ class Mamba2Mixer(nn.Module):
         return all(ctx.state(self.layer_idx, n).dtype == torch.float32 for n in ("conv", "ssm"))
 
     def _fused_step(self, zxbcdt: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The fast path's decode step between the projections: one compiled function
-        (`fused.mamba2_step`) on the live slots (views when consecutive, else gathered)."""
+        """The fast path's decode step between the projections: the C++ step kernel on the
+        pools' slot rows in place (`step_kernels`), or where it is not built the compiled
+        `fused.mamba2_step` on the live slots (views when consecutive, else gathered)."""
         cfg, in_place = self.cfg, ctx.slot_range is not None
         lo, hi = cfg.dt_limit
         dims = (cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
