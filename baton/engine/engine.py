@@ -21,6 +21,7 @@ from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
 from baton.contract import FinishReason, TokenLogprob
 from baton.contract.limits import check_length, check_pool, check_samples
+from baton.engine.decode_batch import DecodeBatch
 from baton.engine.logprobs import prompt_logprobs, token_logprobs
 from baton.engine.request import Phase, Request, RequestOutput, SamplingParams, sample_id
 from baton.engine.sampler import Sampler
@@ -67,6 +68,10 @@ class Engine:
         self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
                                       getattr(cache, "reserved_slots", 0))
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
+        self.batch = (DecodeBatch(cache, cfg.max_num_seqs, self.device)
+                      if getattr(model, "decode_takes_tables", False) else None)
+        """The plain decode step's metadata tensors (baton/engine/decode_batch.py); None for
+        models that take lists (pipeline, tensor parallel)."""
         self.samples = SampleFamilies()
         """Requests forked into their n samples (baton/engine/samples.py)."""
         self.prefilled_tokens = 0
@@ -443,6 +448,12 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
         for r in reqs:
             self.cache.ensure_blocks(r.id, r.num_computed + 1)
+        if self.batch is not None:  # the metadata tensors of the last step, moved on in place
+            ids, pos, tables, slots = self.batch.update(reqs)
+            logits = self.model.decode(ids, pos, tables, slots, self.pools)
+            for r in reqs:
+                r.num_computed += 1
+            return logits
         ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
         pos = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
         slots = torch.tensor([self.cache.slot(r.id) for r in reqs], dtype=torch.long, device=self.device)

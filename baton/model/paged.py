@@ -21,7 +21,7 @@ Both prefill (T queries per sequence) and decode (one query each) are described 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,8 +33,9 @@ from baton.model.pools import Pools
 class AttnMeta:
     write_rows: torch.Tensor
     """[n] token row of each new token's K (its V row is `tpb` further); n = all new tokens."""
-    read_rows: torch.Tensor
-    """[2*b*kv_heads*num_keys] head rows to gather: all K rows, then all V rows."""
+    read_rows: torch.Tensor | None
+    """[2*b*kv_heads*num_keys] head rows to gather: all K rows, then all V rows (None in a
+    `decode_meta(lean=True)`, whose layers read through `tables`)."""
     num_keys: int
     """Keys each sequence reads (padded to the longest in a batch)."""
     mask: torch.Tensor | None
@@ -43,6 +44,14 @@ class AttnMeta:
     (SDPA turns a bool mask into exactly this float one, per call)."""
     positions: torch.Tensor | None = None
     """Position of each new token, for rotary embeddings: long [n, T] (prefill), [b] (decode)."""
+    tables: torch.Tensor | None = None
+    """Decode: long [b, nb] block table of each sequence (what the fast path's attention
+    kernel reads keys through; padded with its column 0)."""
+    lens: torch.Tensor | None = None
+    """Decode: long [b] keys each sequence reads (its position + 1)."""
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """What the call's layers compute alike from the above, by the first that needs it (the
+    rotary tables of the positions), so the other layers reuse the same tensors."""
 
 
 @dataclass(frozen=True)
@@ -107,20 +116,29 @@ def prefill_meta(
                     num_keys, mask, pos)
 
 
-def decode_meta(positions: torch.Tensor, block_tables: list[list[int]], pools: Pools) -> AttnMeta:
-    """One query per sequence at positions[i]; keys are padded to the longest sequence."""
-    pos_list = positions.tolist()
-    tables = _tables(block_tables, [p + 1 for p in pos_list], pools)
+def decode_meta(positions: torch.Tensor, block_tables: list[list[int]] | torch.Tensor,
+                pools: Pools, lean: bool = False) -> AttnMeta:
+    """One query per sequence at positions[i]; keys are padded to the longest sequence.
+    `block_tables`: lists, or the [b, nb] tensor `_tables` would build from them (each row cut
+    to the blocks its length needs, padded with its column 0; not checked again here).
+    `lean`: every attention layer of the call reads K/V through `tables` and `lens` (the fast
+    path's kernel, `fused.kernel_attention`), so the gather rows and the mask are not built."""
+    if isinstance(block_tables, torch.Tensor):  # [b, nb] as `_tables` builds (DecodeBatch)
+        tables, num_keys = block_tables, int(positions.max()) + 1
+    else:
+        pos_list = positions.tolist()
+        tables = _tables(block_tables, [p + 1 for p in pos_list], pools)
+        num_keys = max(pos_list) + 1
     dev = tables.device
-    num_keys = max(pos_list) + 1
     pos = positions.to(dev)
+    write_rows = _write_rows(tables, pos[:, None], pools)
+    if lean:
+        return AttnMeta(write_rows, None, num_keys, None, pos, tables, pos + 1)
     keys = torch.arange(num_keys, device=dev)
-    mask = torch.zeros(len(pos_list), 1, num_keys, device=dev, dtype=pools.kv.dtype)
+    mask = torch.zeros(pos.shape[0], 1, num_keys, device=dev, dtype=pools.kv.dtype)
     mask.masked_fill_(keys[None, None, :] > pos[:, None, None], float("-inf"))
-    return AttnMeta(
-        _write_rows(tables, pos[:, None], pools), _read_rows(tables, num_keys, pools), num_keys,
-        mask, pos,
-    )
+    return AttnMeta(write_rows, _read_rows(tables, num_keys, pools), num_keys, mask, pos, tables,
+                    pos + 1)
 
 
 def _tables(block_tables: list[list[int]], lengths: list[int], pools: Pools) -> torch.Tensor:

@@ -52,8 +52,8 @@ class Attention(nn.Module):
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
         if fused.fast_decoding(x) and ctx.kv(self.layer_idx).dtype == torch.float32:
             q = self.q_proj(x).view(b, self.num_heads, self.head_dim)
-            self._store(x, ctx)
-            return self.o_proj(fused.paged_attention(self.scale, q, ctx.kv(self.layer_idx),
+            return self.o_proj(fused.paged_attention(self.scale, q, self.k_proj(x),
+                                                     self.v_proj(x), ctx.kv(self.layer_idx),
                                                      ctx.attn))
         q = self.q_proj(x).view(b * self.num_kv_heads, rep, self.head_dim)
         keys, values = self._store_and_read(x, b, ctx)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused
+from baton.model.layers import fused, step_kernels
 from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.gdn import chunk_scan, recurrent_step_
 from baton.model.paged import StepContext
@@ -80,8 +80,15 @@ class GatedDeltaNet(nn.Module):
         return self._out(o.to(h.dtype), h)
 
     def _fused_step(self, h, qkv, ctx: StepContext, conv_pool, rec_pool) -> torch.Tensor:
-        """The fast path's decode step between the projections: one compiled function
-        (`fused.deltanet_step`) on the live slots (views when consecutive, else gathered)."""
+        """The fast path's decode step between the projections: the C++ step kernel on the
+        pools' slot rows in place (`step_kernels`), or where it is not built the compiled
+        `fused.deltanet_step` on the live slots (views when consecutive, else gathered)."""
+        k = step_kernels.kernels()
+        if k is not None:  # in place in the pools' slot rows, whatever the slots
+            return k.deltanet_step(qkv, conv_pool, rec_pool, ctx.slots, self.in_proj_a(h),
+                                   self.in_proj_b(h), self.in_proj_z(h), self.conv1d.weight[:, 0],
+                                   self.dt_bias, self.A_log, self.norm.weight, self.hk, self.hv,
+                                   self.dk, self.dv, self.norm.eps)
         in_place = ctx.slot_range is not None
         if in_place:
             conv, rec = conv_pool[ctx.slot_range], rec_pool[ctx.slot_range]

@@ -23,7 +23,11 @@ baked in, which is what lets inductor vectorise the state loops (a fully dynamic
 decode call), so the fast path stays opt-in: see `baton.model.layers.linear`.
 
 Only the fast path calls these, and only on CPU float32; a compiler failure (no C++ toolchain)
-falls back once, with a warning, to running the same function eagerly.
+falls back once, with a warning, to running the same function eagerly. Where the C++ step
+kernels build (`baton.model.layers.step_kernels`: the same steps, one pybind call each, on the
+pools' slot rows in place), the layers call those instead and these compiled steps are the
+fallback: between two linears of a decode step the caches are cold, and a compiled call's
+dynamo guards and wrappers then cost ~200 us against the kernel's ~10-15 us.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from baton.model.layers import linear
+from baton.model.layers import linear, step_kernels
 
 _broken: set[str] = set()
 
@@ -153,11 +157,28 @@ def attention_step(scale: float, q, pool, key_rows, mask):
     return (probs[..., None] * values[:, :, :, None, :]).sum(1)
 
 
-def paged_attention(scale: float, q: torch.Tensor, pool: torch.Tensor, meta) -> torch.Tensor:
-    """`attention_step` for the decode queries q [b, heads, hd] of one layer, `meta` the
-    step's `AttnMeta`; returns [b, heads * hd]."""
+def kernel_attention(pools) -> bool:
+    """True when this decode call's attention layers read KV through the step kernel (the
+    fast path, float32 on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
+    return (linear.decode_path() == "fast" and linear.decoding() and pools.has_kv
+            and pools.kv.dtype == torch.float32 and pools.kv.device.type == "cpu"
+            and step_kernels.kernels() is not None)
+
+
+def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    pool: torch.Tensor, meta) -> torch.Tensor:
+    """Store the decode tokens' k, v [b, kv_heads, hd] in one layer's pool, then
+    `attention_step` for their queries q [b, heads, hd], `meta` the step's `AttnMeta`;
+    returns [b, heads * hd]."""
+    kern = step_kernels.kernels()
+    if kern is not None and meta.tables is not None:
+        return kern.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool,
+                                    meta.tables, meta.lens, scale)
     b, heads, hd = q.shape
-    kvh, S = pool.shape[3], meta.num_keys
+    kvh, S, tpb = pool.shape[3], meta.num_keys, pool.shape[2]
+    tokens = pool.view(-1, kvh * hd)
+    tokens.index_copy_(0, meta.write_rows, k.reshape(b, -1))
+    tokens.index_copy_(0, meta.write_rows + tpb, v.reshape(b, -1))
     key_rows = meta.read_rows.view(2, b, kvh, S)[0, :, 0] // kvh
     out = run("attention", (scale,), q.view(b, kvh, heads // kvh, hd), pool, key_rows,
               meta.mask.view(b, S))

@@ -56,7 +56,7 @@ class GatedAttention(nn.Module):
     def prefill(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [n, T, hidden]: T tokens of each of n sequences at ctx.attn.positions [n, T]."""
         n, T, _ = x.shape
-        q, gate, k, v = self._project(x, ctx.attn.positions)
+        q, gate, k, v = self._project(x, ctx.attn)
         keys, values = self._store_and_read(k, v, n, ctx)
         mask = ctx.attn.mask
         out = F.scaled_dot_product_attention(
@@ -71,11 +71,10 @@ class GatedAttention(nn.Module):
     def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [b, hidden], one token of each of b sequences at ctx.attn.positions [b]."""
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
-        q, gate, k, v = self._project(x, ctx.attn.positions)
+        q, gate, k, v = self._project(x, ctx.attn)
         pool = ctx.kv(self.layer_idx)
         if fused.fast_decoding(x) and pool.dtype == torch.float32:
-            self._store(k, v, ctx)
-            out = fused.paged_attention(self.scale, q, pool, ctx.attn)
+            out = fused.paged_attention(self.scale, q, k, v, pool, ctx.attn)
             return self.o_proj(out * torch.sigmoid(gate))
         keys, values = self._store_and_read(k, v, b, ctx)
         S, hd = ctx.attn.num_keys, self.head_dim
@@ -86,13 +85,19 @@ class GatedAttention(nn.Module):
         out = torch.bmm(probs.view(-1, rep, S), values.to(q.dtype).view(-1, S, hd))
         return self.o_proj(out.view(b, -1) * torch.sigmoid(gate))
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """(q [..., heads, hd], gate [..., heads*hd], k, v [..., kv_heads, hd]) of x [..., hidden]."""
+    def _project(self, x: torch.Tensor, meta):
+        """(q [..., heads, hd], gate [..., heads*hd], k, v [..., kv_heads, hd]) of x [..., hidden]
+        at the call's positions (`meta`: its AttnMeta)."""
         lead, hd = x.shape[:-1], self.head_dim
         q, gate = self.q_proj(x).view(*lead, self.num_heads, 2 * hd).chunk(2, dim=-1)
         k = self.k_norm(self.k_proj(x).view(*lead, self.num_kv_heads, hd))
         v = self.v_proj(x).view(*lead, self.num_kv_heads, hd)
-        cos, sin = rotary(positions.to(x.device), self.rotary_dim, self.theta, x.dtype)
+        # the same (cos, sin) for every attention layer of the call: computed by the first
+        key = ("rotary", self.rotary_dim, self.theta, x.dtype, x.device)
+        if key not in meta.memo:
+            meta.memo[key] = rotary(meta.positions.to(x.device), self.rotary_dim, self.theta,
+                                    x.dtype)
+        cos, sin = meta.memo[key]
         q = apply_rotary(self.q_norm(q), cos, sin)
         return q, gate.reshape(*lead, -1), apply_rotary(k, cos, sin), v
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused
+from baton.model.layers import fused, step_kernels
 from baton.model.layers.norms import GatedRMSNorm
 from baton.model.layers.ssd import ssd_scan, ssd_step_
 from baton.model.nemotron_h.config import ModelConfig
@@ -103,13 +103,20 @@ class Mamba2Mixer(nn.Module):
         return all(ctx.state(self.layer_idx, n).dtype == torch.float32 for n in ("conv", "ssm"))
 
     def _fused_step(self, zxbcdt: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The fast path's decode step between the projections: one compiled function
-        (`fused.mamba2_step`) on the live slots (views when consecutive, else gathered)."""
+        """The fast path's decode step between the projections: the C++ step kernel on the
+        pools' slot rows in place (`step_kernels`), or where it is not built the compiled
+        `fused.mamba2_step` on the live slots (views when consecutive, else gathered)."""
         cfg, in_place = self.cfg, ctx.slot_range is not None
-        conv, ssm = self._live_states(ctx, in_place)
         lo, hi = cfg.dt_limit
         dims = (cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
                 cfg.ssm_state_size, float(lo), float(hi), self.norm.group_size, self.norm.eps)
+        k = step_kernels.kernels()
+        if k is not None:  # in place in the pools' slot rows, whatever the slots
+            conv_pool = ctx.state(self.layer_idx, "conv")
+            return k.mamba2_step(zxbcdt, conv_pool, ctx.state(self.layer_idx, "ssm"), ctx.slots,
+                                 self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias,
+                                 self.A_log, self.D, self.norm.weight, *dims)
+        conv, ssm = self._live_states(ctx, in_place)
         y = fused.run("mamba2", dims, zxbcdt, conv, ssm, self.conv1d.weight[:, 0],
                       self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight)
         if not in_place:

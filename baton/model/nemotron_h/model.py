@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from baton.errors import ConfigError, InvalidRequestError
+from baton.model.layers import fused
 from baton.model.layers.attention import Attention
 from baton.model.layers.mamba2 import Mamba2Mixer
 from baton.model.layers.mlp import MLP
@@ -59,6 +60,9 @@ class Backbone(nn.Module):
 
 
 class NemotronHModel(nn.Module):
+    decode_takes_tables = True
+    """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -143,7 +147,7 @@ class NemotronHModel(nn.Module):
         self,
         input_ids: torch.LongTensor,
         positions: torch.LongTensor,
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | torch.Tensor,
         slots: torch.LongTensor,
         pools: Pools,
     ) -> torch.Tensor:
@@ -151,7 +155,8 @@ class NemotronHModel(nn.Module):
         positions[i] of the sequence with block table block_tables[i] and state slot slots[i].
         Returns float32 logits [B, vocab]."""
         _check_pools(self.config, pools)
-        attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
+        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
+                if pools.has_kv else None)
         ctx = slot_context(pools, attn, slots.tolist())
         h = self.backbone(input_ids.to(self.device), ctx, decode=True)
         return self.lm_head(h).float()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from baton.errors import ConfigError, InvalidRequestError
+from baton.model.layers import fused
 from baton.model.layers.deltanet import GatedDeltaNet
 from baton.model.layers.gated_attention import GatedAttention
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
@@ -64,6 +65,9 @@ class TextModel(nn.Module):
 
 
 class Qwen35Model(nn.Module):
+    decode_takes_tables = True
+    """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
+
     def __init__(self, config: Qwen35Config):
         super().__init__()
         self.config = config
@@ -116,12 +120,13 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.LongTensor, positions: torch.LongTensor,
-               block_tables: list[list[int]], slots: torch.LongTensor,
+               block_tables: list[list[int]] | torch.Tensor, slots: torch.LongTensor,
                pools: Pools) -> torch.Tensor:
         """One token for each of B sequences (token input_ids[i] at positions[i], table
         block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]."""
         _check_pools(self.config, pools)
-        attn = decode_meta(positions, block_tables, pools) if pools.has_kv else None
+        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
+                if pools.has_kv else None)
         ctx = slot_context(pools, attn, slots.tolist())
         h = self.model(input_ids.to(self.device), ctx, decode=True)
         return self.lm_head(h).float()

@@ -1,0 +1,128 @@
+// Paged attention and RMSNorm of the fast decode path (see recurrent.cpp for why these
+// kernels exist), and the module's bindings.
+
+#include "common.h"
+
+using namespace baton_step;
+
+at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tensor ssm_pool,
+                       const at::Tensor& slots, const at::Tensor& conv_w,
+                       const c10::optional<at::Tensor>& conv_b, const at::Tensor& dt_bias,
+                       const at::Tensor& A_log, const at::Tensor& D, const at::Tensor& norm_w,
+                       int64_t inter, int64_t H, int64_t P, int64_t G, int64_t N, double lo,
+                       double hi, int64_t group_size, double eps);
+at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor rec_pool,
+                         const at::Tensor& slots, const at::Tensor& a,
+                         const at::Tensor& beta_logit, const at::Tensor& zg,
+                         const at::Tensor& conv_w, const at::Tensor& dt_bias,
+                         const at::Tensor& A_log, const at::Tensor& norm_w, int64_t hk,
+                         int64_t hv, int64_t dk, int64_t dv, double eps);
+
+// One query per sequence over paged KV, read through the block tables, after writing the new
+// token's k, v [b, kvh, hd] there: q [b, heads, hd]; pool [blocks, 2, tpb, kvh, hd];
+// tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence (the new token's position + 1).
+// Per sequence, every head at once: each block's keys (then values) are read front to back,
+// once, which is what keeps the hardware prefetcher streaming (a head at a time, the rows of
+// one kv head are 1/kvh of each line run and the reads were latency-bound, 2-4x slower).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
+                           double scale) {
+  check(q, "q"); check(k, "k"); check(v, "v"); check(pool, "kv pool");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous()
+              && pool.is_contiguous(), "q, k, v and the kv pool must be contiguous");
+  const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
+  const int64_t tpb = pool.size(2), kvh = pool.size(3), rep = heads / kvh;
+  const int64_t ts = tables.stride(0), row = kvh * hd;
+  TORCH_CHECK(k.numel() == b * row && v.numel() == b * row, "k and v must be [b, kv_heads, hd]");
+  auto out = at::empty({b, heads * hd}, q.options());
+  const float *qp = q.data_ptr<float>();
+  float* pp = pool.data_ptr<float>();
+  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  // The new token's K and V first (at position len - 1), so every read below sees them.
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t p = lp[i] - 1, blk = tp[i * ts + p / tpb];
+    std::copy_n(k.data_ptr<float>() + i * row, row, pp + (blk * 2 * tpb + p % tpb) * row);
+    std::copy_n(v.data_ptr<float>() + i * row, row, pp + ((blk * 2 + 1) * tpb + p % tpb) * row);
+  }
+  // Fewer sequences than threads (batch 1 at 2 threads): one task per (sequence, kv head),
+  // each reading its heads' part of every row, so the second thread has work too.
+  const int64_t parts = b >= at::get_num_threads() ? 1 : kvh, hpp = heads / parts;
+  at::parallel_for(0, b * parts, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> sc;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = j / parts, h0 = (j % parts) * hpp, h1 = h0 + hpp, S = lp[i];
+      const float* qi = qp + i * heads * hd;
+      float* oi = o + i * heads * hd;
+      sc.resize(heads * S);
+      for (int64_t t = 0; t < S; ++t) {
+        const float* keys = pp + (tp[i * ts + t / tpb] * 2 * tpb + t % tpb) * row;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float *qh = qi + h * hd, *key = keys + (h / rep) * hd;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < hd; ++d) acc += qh[d] * key[d];
+          sc[h * S + t] = acc * (float)scale;
+        }
+      }
+      for (int64_t h = h0; h < h1; ++h) {
+        float* sr = sc.data() + h * S;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < S; ++t) mx = std::fmax(mx, sr[t]);
+        exp_(sr, S, -mx);
+        for (int64_t t = 0; t < S; ++t) sum += sr[t];
+        for (int64_t t = 0; t < S; ++t) sr[t] = sr[t] / sum;
+      }
+      for (int64_t d = h0 * hd; d < h1 * hd; ++d) oi[d] = 0.f;
+      for (int64_t t = 0; t < S; ++t) {
+        const float* vals = pp + ((tp[i * ts + t / tpb] * 2 + 1) * tpb + t % tpb) * row;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float pr = sc[h * S + t];
+          const float* val = vals + (h / rep) * hd;
+          float* oh = oi + h * hd;
+#pragma omp simd
+          for (int64_t d = 0; d < hd; ++d) oh[d] += pr * val[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// RMSNorm of rows x [..., d]: w * (x * rsqrt(mean(x^2) + eps)) (w already 1 + w for Qwen's),
+// into a new contiguous tensor. The rows may be strided (q of Qwen's attention is every other
+// hd-run of its projection) as long as one stride walks them all; None if they are not.
+c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check(x, "x");
+  TORCH_CHECK(w.is_contiguous(), "rms_norm weight must be contiguous");
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  if (x.stride(-1) != 1) return c10::nullopt;
+  int64_t rs = d, inner = -1;  // the row stride: that of the innermost leading dim of size > 1
+  for (int64_t i = x.dim() - 2; i >= 0; --i) {
+    if (x.size(i) == 1) continue;
+    if (inner < 0) rs = x.stride(i);
+    else if (x.stride(i) != x.size(inner) * x.stride(inner)) return c10::nullopt;
+    inner = i;
+  }
+  auto out = at::empty(x.sizes(), x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xr = xp + i * rs;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
+    const float inv = 1.f / std::sqrt(ss / d + (float)eps);
+    float* orow = op + i * d;
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mamba2_step", &mamba2_step);
+  m.def("deltanet_step", &deltanet_step);
+  m.def("paged_attention", &paged_attention);
+  m.def("rms_norm", &rms_norm);
+}

@@ -1,0 +1,206 @@
+// Decode-step kernels of the fast path (BATON_DECODE_PATH=fast): everything a decode step does
+// between its linear layers, one call each, for float32 on CPU.
+//
+// Why C++ and not inductor: a decode step streams ~400 MB of weights through the caches, so
+// every call between two linears starts cold; a torch.compile'd call then costs ~200 us of
+// cache misses in dynamo's guard and wrapper code alone (60 us hot), and an eager RMSNorm's
+// seven ops ~60 us. One pybind call here costs ~10-15 us cold.
+//
+// The recurrent states are read and written in place in their pool rows through the batch's
+// slot ids (no gather / scatter copies), and attention reads keys and values straight from the
+// paged pool through the block tables (no index rows, no mask). Each kernel computes each row
+// of the batch alone, in a fixed order: a sequence's result does not depend on its batch.
+// Rounding differs from the eager reference only in the order of sums (~1e-6 relative), as the
+// compiled steps did; tests/unit/test_decode_fast_path.py compares the two paths.
+
+#include "common.h"
+
+using namespace baton_step;
+
+namespace {
+
+// Depthwise causal conv of one token over the window [state | x] + silu, then the state
+// shifts by one: conv [C, K-1] (in place), x [C], w [C, K], bias [C] or null -> out [C];
+// tmp: C floats of scratch.
+void conv_step(float* conv, const float* x, const float* w, const float* bias, float* out,
+               float* tmp, int64_t C, int64_t K) {
+  for (int64_t c = 0; c < C; ++c) {
+    float* st = conv + c * (K - 1);
+    const float* wc = w + c * K;
+    float acc = 0.f;
+    for (int64_t k = 0; k < K - 1; ++k) acc += st[k] * wc[k];
+    acc += x[c] * wc[K - 1];
+    if (bias) acc += bias[c];
+    for (int64_t k = 0; k + 1 < K - 1; ++k) st[k] = st[k + 1];
+    st[K - 2] = x[c];
+    out[c] = acc;
+  }
+  silu_(out, out, tmp, C);
+}
+
+}  // namespace
+
+
+// One token of a Mamba2 layer after in_proj (see fused.mamba2_step for the same ops in torch).
+at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tensor ssm_pool,
+                       const at::Tensor& slots, const at::Tensor& conv_w,
+                       const c10::optional<at::Tensor>& conv_b, const at::Tensor& dt_bias,
+                       const at::Tensor& A_log, const at::Tensor& D, const at::Tensor& norm_w,
+                       int64_t inter, int64_t H, int64_t P, int64_t G, int64_t N, double lo,
+                       double hi, int64_t group_size, double eps) {
+  check(zxbcdt, "zxbcdt"); check(conv_pool, "conv pool"); check(ssm_pool, "ssm pool");
+  TORCH_CHECK(conv_pool.is_contiguous() && ssm_pool.is_contiguous() && conv_w.is_contiguous(),
+              "pools and conv weight must be contiguous");
+  TORCH_CHECK(zxbcdt.stride(1) == 1, "zxbcdt rows must be contiguous");
+  const int64_t b = zxbcdt.size(0), C = conv_pool.size(1), K = conv_pool.size(2) + 1;
+  const int64_t zs = zxbcdt.stride(0), r = H / G;
+  auto xbc = at::empty({b, C}, zxbcdt.options());
+  auto dts = at::empty({b, H}, zxbcdt.options());
+  auto y = at::empty({b, inter}, zxbcdt.options());
+  const float* z = zxbcdt.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* cp = conv_pool.data_ptr<float>();
+  float* sp = ssm_pool.data_ptr<float>();
+  const float* bias = conv_b.has_value() ? conv_b->data_ptr<float>() : nullptr;
+  const float *wp = conv_w.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>(),
+              *al = A_log.data_ptr<float>(), *Dp = D.data_ptr<float>(),
+              *nw = norm_w.data_ptr<float>();
+  float *xo = xbc.data_ptr<float>(), *dto = dts.data_ptr<float>(), *yo = y.data_ptr<float>();
+  at::parallel_for(0, b, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> tmp(C);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* row = z + i * zs;
+      conv_step(cp + sl[i] * C * (K - 1), row + inter, wp, bias, xo + i * C, tmp.data(), C, K);
+      for (int64_t h = 0; h < H; ++h) {
+        float dt = softplus(row[inter + C + h] + dtb[h]);
+        dto[i * H + h] = std::fmin(std::fmax(dt, (float)lo), (float)hi);
+      }
+    }
+  });
+  at::parallel_for(0, b * H, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> dtB(N);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = j / H, h = j % H, g = h / r;
+      const float* out = xo + i * C;
+      const float *x = out + h * P, *B = out + H * P + g * N, *Cm = out + H * P + G * N + g * N;
+      const float dt = dto[i * H + h];
+      const float dA = std::exp(dt * -std::exp(al[h]));
+      for (int64_t n = 0; n < N; ++n) dtB[n] = dt * B[n];
+      float* s = sp + ((sl[i] * H + h) * P) * N;
+      for (int64_t p = 0; p < P; ++p, s += N) {
+        const float xv = x[p];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = s[n] * dA + dtB[n] * xv;
+          s[n] = v;
+          acc += v * Cm[n];
+        }
+        yo[i * inter + h * P + p] = acc + Dp[h] * xv;
+      }
+    }
+  });
+  // gated RMSNorm per group of group_size channels: w * norm(y * silu(gate))
+  at::parallel_for(0, b, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sg(inter), tmp(inter);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* gate = z + i * zs;
+      float* yr = yo + i * inter;
+      silu_(gate, sg.data(), tmp.data(), inter);
+      for (int64_t c = 0; c < inter; ++c) yr[c] = yr[c] * sg[c];
+      for (int64_t g0 = 0; g0 < inter; g0 += group_size) {
+        float ss = 0.f;
+        for (int64_t c = g0; c < g0 + group_size; ++c) ss += yr[c] * yr[c];
+        const float inv = 1.f / std::sqrt(ss / group_size + (float)eps);
+        for (int64_t c = g0; c < g0 + group_size; ++c) yr[c] = nw[c] * (yr[c] * inv);
+      }
+    }
+  });
+  return y;
+}
+
+// One token of a gated DeltaNet layer after its projections (see fused.deltanet_step).
+at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor rec_pool,
+                         const at::Tensor& slots, const at::Tensor& a,
+                         const at::Tensor& beta_logit, const at::Tensor& zg,
+                         const at::Tensor& conv_w, const at::Tensor& dt_bias,
+                         const at::Tensor& A_log, const at::Tensor& norm_w, int64_t hk,
+                         int64_t hv, int64_t dk, int64_t dv, double eps) {
+  check(qkv, "qkv"); check(conv_pool, "conv pool"); check(rec_pool, "recurrent pool");
+  TORCH_CHECK(conv_pool.is_contiguous() && rec_pool.is_contiguous() && conv_w.is_contiguous()
+              && qkv.is_contiguous() && a.is_contiguous() && beta_logit.is_contiguous()
+              && zg.is_contiguous(), "deltanet step inputs must be contiguous");
+  const int64_t b = qkv.size(0), C = conv_pool.size(1), K = conv_pool.size(2) + 1;
+  const int64_t r = hv / hk;
+  auto act = at::empty({b, C}, qkv.options());
+  auto o = at::empty({b, hv * dv}, qkv.options());
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float *cp = conv_pool.data_ptr<float>(), *rp = rec_pool.data_ptr<float>();
+  float *ac = act.data_ptr<float>(), *op = o.data_ptr<float>();
+  const float *qp = qkv.data_ptr<float>(), *ap = a.data_ptr<float>(),
+              *bp = beta_logit.data_ptr<float>(), *zp = zg.data_ptr<float>(),
+              *wp = conv_w.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>(),
+              *al = A_log.data_ptr<float>(), *nw = norm_w.data_ptr<float>();
+  auto zs = at::empty({b, hv * dv}, qkv.options());  // silu(z)
+  float* zsp = zs.data_ptr<float>();
+  at::parallel_for(0, b, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> tmp(std::max(C, hv * dv));
+    for (int64_t i = i0; i < i1; ++i) {
+      float* out = ac + i * C;
+      conv_step(cp + sl[i] * C * (K - 1), qp + i * C, wp, nullptr, out, tmp.data(), C, K);
+      silu_(zp + i * hv * dv, zsp + i * hv * dv, tmp.data(), hv * dv);
+      // q and k: L2 norm per key head (q also scaled by dk^-0.5)
+      for (int64_t part = 0; part < 2; ++part) {
+        for (int64_t h = 0; h < hk; ++h) {
+          float* v = out + part * hk * dk + h * dk;
+          float ss = 0.f;
+          for (int64_t d = 0; d < dk; ++d) ss += v[d] * v[d];
+          const float inv = 1.f / std::sqrt(ss + 1e-6f);
+          const float sc = part == 0 ? (float)std::pow((double)dk, -0.5) : 1.f;
+          for (int64_t d = 0; d < dk; ++d) v[d] = part == 0 ? v[d] * inv * sc : v[d] * inv;
+        }
+      }
+    }
+  });
+  at::parallel_for(0, b * hv, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> mem(dv);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = j / hv, h = j % hv, kh = h / r;
+      const float* out = ac + i * C;
+      const float *q = out + kh * dk, *k = out + hk * dk + kh * dk,
+                  *v = out + 2 * hk * dk + h * dv;
+      const float g = -std::exp(al[h]) * softplus(ap[i * hv + h] + dtb[h]);
+      const float decay = std::exp(g), beta = sigmoid(bp[i * hv + h]);
+      float* st = rp + ((sl[i] * hv + h) * dk) * dv;
+      for (int64_t e = 0; e < dv; ++e) mem[e] = 0.f;
+      for (int64_t d = 0; d < dk; ++d) {
+        float* row = st + d * dv;
+        const float kd = k[d];
+#pragma omp simd
+        for (int64_t e = 0; e < dv; ++e) {
+          row[e] = row[e] * decay;
+          mem[e] += row[e] * kd;
+        }
+      }
+      for (int64_t e = 0; e < dv; ++e) mem[e] = (v[e] - mem[e]) * beta;  // delta
+      float* oh = op + i * hv * dv + h * dv;
+      for (int64_t e = 0; e < dv; ++e) oh[e] = 0.f;
+      for (int64_t d = 0; d < dk; ++d) {
+        float* row = st + d * dv;
+        const float kd = k[d], qd = q[d];
+#pragma omp simd
+        for (int64_t e = 0; e < dv; ++e) {
+          row[e] = row[e] + kd * mem[e];
+          oh[e] += row[e] * qd;
+        }
+      }
+      float ss = 0.f;
+      for (int64_t e = 0; e < dv; ++e) ss += oh[e] * oh[e];
+      const float inv = 1.f / std::sqrt(ss / dv + (float)eps);
+      const float* zh = zsp + i * hv * dv + h * dv;
+      for (int64_t e = 0; e < dv; ++e) oh[e] = (oh[e] * inv * nw[e]) * zh[e];
+    }
+  });
+  return o;
+}
+

@@ -1,0 +1,77 @@
+"""The engine's in-place decode metadata (baton/engine/decode_batch.py): after every step of a
+workload where requests join and leave and sequences cross block boundaries, the tensors it
+hands the model equal a rebuild from the requests and the cache's lists (what the engine built
+before), and the tokens equal an engine that builds them afresh every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from baton.engine.request import Request
+from baton.model.paged import _tables
+from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("decode-batch"))
+
+
+def _workload() -> list[tuple[int, Request]]:
+    """(arrival step, request): 12 requests arriving over 50 steps, prompts of 2-20 tokens,
+    answers of 8-40 (blocks of 4 tokens: many crossings)."""
+    rng = random.Random(3)
+    return [(int(i * 4.5), Request(f"q{i}", prompt(i, rng.randrange(2, 21)),
+                                   greedy(rng.randrange(8, 41)))) for i in range(12)]
+
+
+def _engine(model_dir):
+    return engine_for(model_dir, worker={"max_num_seqs": 6, "prefill_chunk_size": 8},
+                      cache={"tokens_per_block": 4})
+
+
+def _run(eng, check=None) -> dict[str, list[int]]:
+    pending, tokens = _workload(), {}
+    for step in range(200):
+        for _, r in [x for x in pending if x[0] <= step]:
+            eng.add_request(r)
+        pending = [x for x in pending if x[0] > step]
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not pending and not eng.has_work:
+            break
+    return tokens
+
+
+def test_in_place_metadata_equals_a_rebuild_every_step(model_dir):
+    eng = _engine(model_dir)
+    assert eng.batch is not None
+    update, checked = eng.batch.update, []
+
+    def checked_update(reqs):
+        ids, pos, tables, slots = update(reqs)
+        want_pos = [r.num_computed for r in reqs]
+        assert ids.tolist() == [r.output_ids[-1] for r in reqs]
+        assert pos.tolist() == want_pos
+        assert slots.tolist() == [eng.cache.slot(r.id) for r in reqs]
+        want = _tables([eng.cache.block_table(r.id) for r in reqs], [p + 1 for p in want_pos],
+                       eng.pools)
+        assert tables.shape == want.shape and torch.equal(tables, want)
+        checked.append(len(reqs))
+        return ids, pos, tables, slots
+
+    eng.batch.update = checked_update
+    tokens = _run(eng)
+    # the workload is what it claims: many steps, most of them moved on in place, batches
+    # that grew and shrank, sequences that crossed into new blocks
+    assert len(checked) > 60 and eng.batch.rebuilds < len(checked) / 2
+    assert max(checked) == 6 and min(checked) == 1
+    assert eng.batch.tables.shape[1] >= 8
+    assert sum(map(len, tokens.values())) > 150
+
+    fresh = _engine(model_dir)
+    fresh.batch = None  # the lists the engine built every step before
+    assert _run(fresh) == tokens

@@ -1,0 +1,116 @@
+"""The fast path's C++ step kernels (baton.model.layers.step_kernels) against the torch steps
+they replace (baton.model.layers.fused, run eagerly), on slots that are not consecutive and not
+in order: each kernel updates exactly its batch's pool rows, in place, and leaves every other
+row as it was (bit for bit); results agree to float32 rounding (sums in another order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.model.layers import fused
+from baton.model.layers.step_kernels import kernels
+
+K = kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="step kernels not built on this machine")
+SLOTS = torch.tensor([5, 1, 3])
+OTHERS = [0, 2, 4, 6]
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+def test_mamba2_step_updates_its_slots_in_place():
+    g = _gen()
+    H, P, G, N, inter = 4, 8, 2, 16, 32
+    C = inter + 2 * G * N
+    dims = (inter, H, P, G, N, 0.0, float("inf"), inter // G, 1e-5)
+    zx = torch.randn(3, inter + C + H, generator=g)
+    conv, ssm = torch.randn(7, C, 3, generator=g), torch.randn(7, H, P, N, generator=g) * 0.1
+    params = (torch.randn(C, 4, generator=g), torch.randn(C, generator=g),
+              torch.randn(H, generator=g), torch.randn(H, generator=g),
+              torch.randn(H, generator=g), torch.randn(inter, generator=g))
+    want_conv, want_ssm = conv[SLOTS].clone(), ssm[SLOTS].clone()
+    want = fused.mamba2_step(*dims, zx, want_conv, want_ssm, *params)
+    before_conv, before_ssm = conv.clone(), ssm.clone()
+    got = K.mamba2_step(zx, conv, ssm, SLOTS, *params, *dims)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv[SLOTS], want_conv, rtol=0, atol=0)  # a shift: exact
+    torch.testing.assert_close(ssm[SLOTS], want_ssm, rtol=1e-5, atol=1e-6)
+    assert torch.equal(conv[OTHERS], before_conv[OTHERS])
+    assert torch.equal(ssm[OTHERS], before_ssm[OTHERS])
+
+
+def test_deltanet_step_updates_its_slots_in_place():
+    g = _gen()
+    hk, hv, dk, dv = 2, 4, 16, 8
+    C = 2 * hk * dk + hv * dv
+    qkv = torch.randn(3, C, generator=g)
+    conv, rec = torch.randn(7, C, 3, generator=g), torch.randn(7, hv, dk, dv, generator=g) * 0.1
+    gates = (torch.randn(3, hv, generator=g), torch.randn(3, hv, generator=g),
+             torch.randn(3, hv * dv, generator=g))
+    params = (torch.randn(C, 4, generator=g), torch.randn(hv, generator=g),
+              torch.randn(hv, generator=g), torch.randn(dv, generator=g))
+    want_conv, want_rec = conv[SLOTS].clone(), rec[SLOTS].clone()
+    want = fused.deltanet_step(hk, hv, dk, dv, 1e-6, qkv, want_conv, want_rec, *gates, *params)
+    before_conv, before_rec = conv.clone(), rec.clone()
+    got = K.deltanet_step(qkv, conv, rec, SLOTS, *gates, *params, hk, hv, dk, dv, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv[SLOTS], want_conv, rtol=0, atol=0)
+    torch.testing.assert_close(rec[SLOTS], want_rec, rtol=1e-5, atol=1e-6)
+    assert torch.equal(conv[OTHERS], before_conv[OTHERS])
+    assert torch.equal(rec[OTHERS], before_rec[OTHERS])
+
+
+def test_paged_attention_stores_then_reads_through_block_tables():
+    g = _gen()
+    kvh, hd, heads, tpb = 2, 16, 6, 4
+    pool = torch.randn(12, 2, tpb, kvh, hd, generator=g)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 5, 5], [9, 9, 9, 9]])  # padded with column 0
+    lens = torch.tensor([13, 6, 1])
+    q = torch.randn(3, heads, hd, generator=g)
+    k, v = torch.randn(3, kvh, hd, generator=g), torch.randn(3, kvh, hd, generator=g)
+    want_pool = pool.clone()
+    pos = lens - 1
+    blocks = tables[torch.arange(3), pos // tpb]
+    want_pool[blocks, 0, pos % tpb], want_pool[blocks, 1, pos % tpb] = k, v
+    got = K.paged_attention(q, k, v, pool, tables, lens, hd ** -0.5)
+    assert torch.equal(pool, want_pool)  # the new K/V at their positions, nothing else moved
+    keys = torch.arange(13)
+    rows = tables[:, keys // tpb] * (2 * tpb) + keys % tpb
+    mask = torch.where(keys[None, :] < lens[:, None], 0.0, float("-inf"))
+    want = fused.attention_step(hd ** -0.5, q.view(3, kvh, heads // kvh, hd), want_pool, rows,
+                                mask)
+    torch.testing.assert_close(got, want.reshape(3, -1), rtol=1e-5, atol=1e-6)
+    # a sequence alone (at 2+ threads split over its kv heads) gets its row of the batch
+    for i in range(3):
+        alone = K.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], pool, tables[i:i + 1],
+                                  lens[i:i + 1], hd ** -0.5)
+        assert torch.equal(alone[0], got[i])
+
+
+def test_rms_norm_matches_the_module():
+    from baton.model.layers.norms import RMSNorm
+
+    g = _gen()
+    norm = RMSNorm(24, 1e-5)
+    norm.weight.data = torch.randn(24, generator=g)
+    x = torch.randn(3, 24, generator=g)
+    torch.testing.assert_close(K.rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_of_strided_rows():
+    """Qwen's q: every other head_dim run of its projection; size-1 dims in any stride."""
+    from baton.model.layers.gated_norms import ZeroCentredRMSNorm
+
+    g = _gen()
+    norm = ZeroCentredRMSNorm(8, 1e-6)
+    norm.weight.data = torch.randn(8, generator=g)
+    proj = torch.randn(3, 4, 16, generator=g)
+    for x in (proj.chunk(2, dim=-1)[0], proj[:1].chunk(2, dim=-1)[1], proj[:, :1, :8],
+              proj.view(3, 4, 2, 8)[:, :, 1]):
+        got = K.rms_norm(x, norm._scale(), 1e-6)
+        assert got is not None and got.is_contiguous()
+        torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+    assert K.rms_norm(proj.transpose(0, 1)[:, :, :8], norm._scale(), 1e-6) is None
