@@ -1,8 +1,11 @@
 // Helpers shared by the step kernels (see recurrent.cpp for why these kernels exist).
 #pragma once
 
-#include <torch/extension.h>
+// The few ATen headers used (torch/extension.h would triple the compile time).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
