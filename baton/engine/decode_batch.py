@@ -9,7 +9,8 @@ gains a block when its position crosses a block boundary. So the tensors live in
 
     positions[:b] += 1                      every step
     tables[i, p // tpb] = new block         only rows whose new position p is p % tpb == 0
-    rebuild                                 when a request joins or leaves (or the order moves)
+    rebuild                                 when a request joins or leaves (or the order moves),
+                                            or a position moved other than by one
 
 `tables[:b, :nb]` is exactly what `baton.model.paged.decode_meta` builds from lists (each row
 cut to the blocks its length needs, padded with its column 0), so the model computes the same
@@ -40,6 +41,8 @@ class DecodeBatch:
         """Grows (doubling its columns) when a sequence needs more blocks."""
         self.rows: list[Request] = []
         """The requests of the last update, in batch order (the buffers' rows)."""
+        self._pos: list[int] = []
+        """Their positions at the last update (a row moves on only from exactly there)."""
         self.width = 0
         """Columns of `tables` the batch's longest sequence needs (`nb`)."""
         self.rebuilds = 0
@@ -48,10 +51,15 @@ class DecodeBatch:
         """(ids, positions, tables [b, nb], slots) of `reqs`' next decode step, each request at
         position `num_computed` reading its last output token; views of the buffers."""
         b = len(reqs)
-        if b != len(self.rows) or any(a is not r for a, r in zip(reqs, self.rows, strict=True)):
+        pos = [r.num_computed for r in reqs]
+        if (b != len(self.rows) or any(a is not r for a, r in zip(reqs, self.rows, strict=True))
+                or any(p != q + 1 for p, q in zip(pos, self._pos, strict=True))):
+            # members changed, or a member moved on other than by this path's one step (a
+            # speculative step, a preemption): rebuilt, never guessed
             self._rebuild(reqs)
         else:
             self._advance()
+        self._pos = pos
         self.ids[:b].copy_(torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long))
         return self.ids[:b], self.positions[:b], self.tables[:b, :self.width], self.slots[:b]
 

@@ -75,3 +75,32 @@ def test_in_place_metadata_equals_a_rebuild_every_step(model_dir):
     fresh = _engine(model_dir)
     fresh.batch = None  # the lists the engine built every step before
     assert _run(fresh) == tokens
+
+
+def test_same_members_moved_on_by_more_than_one_step_are_rebuilt(model_dir):
+    """The same requests in the same order whose positions moved on by more than this path's
+    one step since its last update (a speculative step in between): rebuilt from the
+    requests, not advanced by one."""
+    eng = _engine(model_dir)
+    reqs = [Request(f"s{i}", prompt(40 + i, 5 + 3 * i), greedy(30)) for i in range(3)]
+    for r in reqs:
+        eng.add_request(r)
+    while any(r.num_computed < len(r.prompt_ids) or not r.output_ids for r in reqs):
+        eng.step()
+    for r in reqs:
+        eng.cache.ensure_blocks(r.id, r.num_computed + 8)
+    batch = eng.batch
+    batch.update(reqs)
+    rebuilds = batch.rebuilds
+    for r in reqs:  # as a verify pass that accepted 2 drafts + 1 token would leave them
+        r.num_computed += 3
+    _, pos, tables, _ = batch.update(reqs)
+    assert batch.rebuilds == rebuilds + 1
+    assert pos.tolist() == [r.num_computed for r in reqs]
+    want = _tables([eng.cache.block_table(r.id) for r in reqs],
+                   [r.num_computed + 1 for r in reqs], eng.pools)
+    assert torch.equal(tables, want)
+    for r in reqs:  # one step on from there: advanced in place
+        r.num_computed += 1
+    _, pos, _, _ = batch.update(reqs)
+    assert batch.rebuilds == rebuilds + 1 and pos.tolist() == [r.num_computed for r in reqs]
