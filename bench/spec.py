@@ -80,20 +80,24 @@ def _run(path: Path, reqs: list[list[int]], out_len: int, variant):
     for i, p in enumerate(reqs):
         eng.add_request(Request(f"b{i}", p, sp))
     out = {f"b{i}": [] for i in range(n)}
-    t_first, steps = None, 0
+    t_first, steps, prompts_done, base = None, 0, False, 0
     while eng.has_work:
         for o in eng.step():
             out[o.request_id].extend(o.new_token_ids)
-        if t_first is None and all(out.values()):
-            t_first = time.perf_counter()  # every prompt done: decoding from here on
-            c_first = time.process_time()
+        if t_first is None and prompts_done:
+            # every prompt done and one decode step run: that step paid the one-off set up
+            # of the decode kernels (weights packed or transposed once per model, compiled
+            # steps), seconds that are no decode speed; the clock starts after it
+            t_first, c_first = time.perf_counter(), time.process_time()
+            base = sum(len(v) for v in out.values())
             if eng.spec is not None:
                 eng.spec.seconds = dict.fromkeys(eng.spec.seconds, 0.0)
                 eng.spec.steps = 0
         elif t_first is not None:
             steps += 1
+        prompts_done = prompts_done or all(out.values())
     dt, cpu = time.perf_counter() - t_first, time.process_time() - c_first
-    decoded = sum(len(v) - 1 for v in out.values())
+    decoded = sum(len(v) for v in out.values()) - base
     return {"tok_s": decoded / dt, "cpu_tok_s": decoded / cpu, "out": out, "eng": eng,
             "step_ms": 1000 * dt / max(1, steps)}
 
