@@ -2,7 +2,7 @@
 a 1P+1D cluster.
 
 First the checkpoint's MTP head is fitted to what its target computes (bench/spec_distill.py:
-fixed seeds, bounded wall time: 6 minutes for the 100m, 1 for the tiny; saved in the
+fixed seeds, bounded wall time: 6 minutes for the 100m, 1.5 for the tiny; saved in the
 published names), then
 at 1, 8 and 32 concurrent requests, side by side in one run (off measured before and after
 the speculative runs, and averaged, so load drift shows in `off_drift`):
@@ -166,7 +166,7 @@ def _run_all(args) -> list[dict]:
     preset = "tiny" if quick else "100m"
     path = _checkpoint(preset)
     # the tiny head gains from tuning on continuations, the 100m's from data (spec_distill.py)
-    summary = distill(path, seconds=60, greedy=48) if quick else \
+    summary = distill(path, seconds=90, greedy=48) if quick else \
         distill(path, seconds=360, greedy=4, data_share=0.85)
     print(f"[bench spec] distilled {preset}: {summary}", file=sys.stderr, flush=True)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]

@@ -26,7 +26,7 @@ hungry. So:
            held-out continuations (the tiny gains; the 100m, a few steps in, does not)
 
 Bounded by wall time (data `data_share` of `seconds`, at least the `greedy` continuations;
-tuning the remainder; the bench: 6 minutes for the 100m, 1 for the tiny); the fitted `mtp.*`
+tuning the remainder; the bench: 6 minutes for the 100m, 1.5 for the tiny); the fitted `mtp.*`
 tensors are written back under their published names.
 """
 
