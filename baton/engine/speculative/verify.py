@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.engine.speculative import mamba_verify
 from baton.model.layers.linear import decode_scope
 from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
@@ -143,6 +144,9 @@ def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> tor
     def mix(mixer, x: torch.Tensor) -> torch.Tensor:
         if mixer.layer_idx in pools.spec.attn_index:
             return mixer.decode(x, flat)
+        if all(hasattr(mixer, n) for n in _MAMBA2_PARTS) and \
+                mamba_verify.fits(mixer, per_pos[0].ctx, counts, plan.parents is not None):
+            return mamba_verify.mamba2_positions(mixer, x, per_pos, counts[0])
         return _recurrent(mixer, x, pools, per_pos)
 
     with decode_scope():  # decode's linear kernels (BATON_DECODE_PATH): its rounding
