@@ -108,7 +108,7 @@ class FastLinear(nn.Linear):
         rows = x.numel() // max(x.shape[-1], 1)
         if w.dtype in HALF and x.dtype == torch.float32:
             return _half_linear(x, rows, w, self.bias)
-        if (rows > MAX_PACKED_ROWS or rows == 0 or _state["path"] != "fast"
+        if (rows > MAX_PACKED_ROWS or rows == 0 or decode_path() != "fast"
                 or not getattr(_local, "decoding", False)
                 or x.dtype != torch.float32 or w.dtype != torch.float32
                 or x.device.type != "cpu"):
