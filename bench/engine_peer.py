@@ -155,12 +155,17 @@ def _decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps) -
                               lambda: workers["f32"].call("decode", prompts=reqs, steps=steps))
     row = _row(family, f"decode-b{batch}", threads, batch * steps, ours, theirs, "decode",
                prompt_tokens=plen, steps=steps, batch=batch)
-    if batch <= 8:  # llama.cpp with f16 weights: what the fp16 weight path is aimed at
-        f16 = [workers["f16"].call("decode", prompts=reqs, steps=steps)
-               for _ in range(sz["repeats"])]
-        row["llamacpp_f16_tok_s"] = round(batch * steps / _median(f16, "wall_s"), 1)
-        row["llamacpp_f16_cpu_ms_per_token"] = round(
-            _median(f16, "cpu_s") / (batch * steps) * 1e3, 3)
+    if batch <= 8:  # both engines with f16 weights (Baton's `model.weight_dtype: float16`)
+        del eng
+        half = _engine(path, batch, plen + steps + 2, weight_dtype="float16")
+        _baton_decode(half, [r[:16] for r in reqs], 4)
+        ours16, f16 = _alternate(sz["repeats"], lambda: _baton_decode(half, reqs, steps),
+                                 lambda: workers["f16"].call("decode", prompts=reqs, steps=steps))
+        h = _row(family, "", threads, batch * steps, ours16, f16, "decode")
+        row |= {"baton_f16_tok_s": h["baton_tok_s"], "llamacpp_f16_tok_s": h["llamacpp_tok_s"],
+                "baton_f16_cpu_ms_per_token": h["baton_cpu_ms_per_token"],
+                "llamacpp_f16_cpu_ms_per_token": h["llamacpp_cpu_ms_per_token"],
+                "f16_ratio": h["ratio"], "f16_cpu_ratio": h["cpu_ratio"]}
     print(f"[bench engine] {row}", file=sys.stderr, flush=True)
     return row
 
@@ -205,11 +210,12 @@ def _row(family, work, threads, tokens, ours, theirs, kind, **extra) -> dict:
     return row
 
 
-def _engine(path, batch: int, seq_len: int):
+def _engine(path, batch: int, seq_len: int, weight_dtype: str = "float32"):
     from baton.config import BatonConfig
     from baton.engine.builder import build_engine
 
     cfg = BatonConfig.from_dict({
+        "model": {"weight_dtype": weight_dtype},
         "cache": {"enable_prefix_reuse": False, "num_blocks": batch * (seq_len // 16 + 2) + 16,
                   "num_state_slots": batch + 1},
         "worker": {"max_num_seqs": batch, "max_batch_tokens": 2048, "prefill_chunk_size": 2048,
