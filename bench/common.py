@@ -27,6 +27,23 @@ def checkpoint(preset: str, family: str = "nemotron_h") -> Path:
     return path
 
 
+def decode_engine(path, batch: int, seq_len: int, max_batch_tokens: int = 4096,
+                  weight_dtype: str = "float32"):
+    """An engine for `batch` sequences of up to `seq_len` tokens each, prefix reuse off (what
+    the decode benchmarks time)."""
+    from baton.config import BatonConfig
+    from baton.engine.builder import build_engine
+
+    cfg = BatonConfig.from_dict({
+        "model": {"weight_dtype": weight_dtype},
+        "cache": {"enable_prefix_reuse": False, "num_blocks": batch * (seq_len // 16 + 2) + 16,
+                  "num_state_slots": batch + 1},
+        "worker": {"max_num_seqs": batch, "max_batch_tokens": max_batch_tokens,
+                   "prefill_chunk_size": 2048, "max_model_len": seq_len + 1},
+    })
+    return build_engine(cfg, str(path))
+
+
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]

@@ -10,23 +10,15 @@ import time
 
 import torch
 
-from bench.common import checkpoint, prompts
+from bench.common import checkpoint, decode_engine, prompts
 
 
 def _baton(path, reqs, out_len: int) -> float:
-    from baton.config import BatonConfig
-    from baton.engine.builder import build_engine
     from baton.engine.request import Request, SamplingParams
 
     n = len(reqs)
     total = len(reqs[0]) + out_len
-    cfg = BatonConfig.from_dict({
-        "cache": {"enable_prefix_reuse": False, "num_blocks": n * (total // 16 + 2) + 16,
-                  "num_state_slots": n + 1},
-        "worker": {"max_num_seqs": n, "max_batch_tokens": 4096, "prefill_chunk_size": 2048,
-                   "max_model_len": total + 1},
-    })
-    eng = build_engine(cfg, str(path))
+    eng = decode_engine(path, n, total)
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(reqs):

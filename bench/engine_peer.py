@@ -17,7 +17,7 @@ import time
 import torch
 
 from bench import llamacpp_peer as peer
-from bench.common import checkpoint, prompts
+from bench.common import checkpoint, decode_engine, prompts
 from bench.roofline import roofline_rows
 
 FAMILIES = {"nemotron_h": ("100m", ()), "qwen3_5": ("100m", ("--no-mtp",)),
@@ -211,17 +211,7 @@ def _row(family, work, threads, tokens, ours, theirs, kind, **extra) -> dict:
 
 
 def _engine(path, batch: int, seq_len: int, weight_dtype: str = "float32"):
-    from baton.config import BatonConfig
-    from baton.engine.builder import build_engine
-
-    cfg = BatonConfig.from_dict({
-        "model": {"weight_dtype": weight_dtype},
-        "cache": {"enable_prefix_reuse": False, "num_blocks": batch * (seq_len // 16 + 2) + 16,
-                  "num_state_slots": batch + 1},
-        "worker": {"max_num_seqs": batch, "max_batch_tokens": 2048, "prefill_chunk_size": 2048,
-                   "max_model_len": seq_len + 1},
-    })
-    return build_engine(cfg, str(path))
+    return decode_engine(path, batch, seq_len, max_batch_tokens=2048, weight_dtype=weight_dtype)
 
 
 def _baton_prefill(eng, prompt: list[int]) -> dict:

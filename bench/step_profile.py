@@ -26,7 +26,7 @@ import time
 import torch
 
 from baton.model.layers import linear, step_kernels
-from bench.common import checkpoint, prompts
+from bench.common import checkpoint, decode_engine, prompts
 from bench.roofline import _linears
 
 PROMPTS = {1: 512, 8: 512, 32: 128}
@@ -36,20 +36,12 @@ after); other batch sizes get 128."""
 
 def build(family: str, batch: int, steps: int, prompt: int | None = None):
     """A fast-path engine with `batch` requests that have finished their prompts."""
-    from baton.config import BatonConfig
-    from baton.engine.builder import build_engine
     from baton.engine.request import Request, SamplingParams
 
     path = checkpoint("100m", family)
     prompt = prompt or PROMPTS.get(batch, 128)
     total = prompt + 2 * steps + 32
-    cfg = BatonConfig.from_dict({
-        "cache": {"enable_prefix_reuse": False, "num_blocks": batch * (total // 16 + 2) + 16,
-                  "num_state_slots": batch + 1},
-        "worker": {"max_num_seqs": batch, "max_batch_tokens": 4096, "prefill_chunk_size": 2048,
-                   "max_model_len": total + 1},
-    })
-    eng = build_engine(cfg, str(path))
+    eng = decode_engine(path, batch, total)
     sp = SamplingParams(max_tokens=2 * steps + 24, ignore_eos=True)
     for i, p in enumerate(prompts(batch, prompt, eng.model.config.vocab_size, seed=batch)):
         eng.add_request(Request(f"s{i}", p, sp))
