@@ -13,6 +13,22 @@ from baton.cluster.local import LocalCluster, free_port
 from baton.proto_gen import baton_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (a worker's stage or rank processes)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
 def write_config(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data))
     return path

@@ -31,7 +31,9 @@ from baton.engine.request import Request, SamplingParams
 from baton.proto_gen import baton_pb2
 from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
+    alive,
     assert_clean,
+    children,
     list_workers,
     start_cluster,
     worker_counters,
@@ -164,20 +166,6 @@ def prefill_side_hits(setup, specs) -> list[int]:
     return hits
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def _metric(cluster, name: str) -> float:
     with urllib.request.urlopen(f"{cluster.http_address}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
@@ -190,15 +178,15 @@ def _retries(cluster) -> float:
 
 def _await_gone(pids: list[int], since: float) -> None:
     """Every pid exits (or is a zombie) within 5 s of `since`."""
-    while any(_alive(p) for p in pids) and time.monotonic() - since < 5:
+    while any(alive(p) for p in pids) and time.monotonic() - since < 5:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
 
 
 def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     cluster = setup["cluster"]
     stage0 = cluster.procs[1]  # `baton serve`'s prefill worker: PP 3
-    stages = _children(stage0.pid)
+    stages = children(stage0.pid)
     assert len(stages) == 2
     specs = [RequestSpec(f"k{i}", prompt_ids=prompt(50 + i, 200 + 10 * i), sampling=greedy(8))
              for i in range(12)]
@@ -232,7 +220,7 @@ def test_killing_one_decode_stage_mid_stream_moves_requests_and_leaves_no_orphan
                 if w.role == baton_pb2.WORKER_ROLE_DECODE and pp_of(setup, w.worker_id) == 2)
     # `baton serve`'s decode worker (PP 2); the earlier kill shifted the list
     stage0 = next(p for p in cluster.procs if p.pid == int(info.worker_id.split("-")[-2]))
-    stages = _children(stage0.pid)
+    stages = children(stage0.pid)
     assert len(stages) == 1
     specs = [RequestSpec(f"dk{i}", prompt_ids=prompt(90 + i, 40 + 13 * i), sampling=greedy(48))
              for i in range(12)]

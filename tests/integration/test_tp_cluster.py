@@ -40,7 +40,9 @@ from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2
 from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
+    alive,
     assert_clean,
+    children,
     list_workers,
     start_cluster,
     worker_counters,
@@ -173,26 +175,12 @@ def _metric(cluster, name: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def test_killing_one_decode_tp_rank_mid_stream_moves_requests_and_leaves_no_orphans(setup):
     cluster = setup["cluster"]
     info = next(w for w in list_workers(cluster.address, cluster.secret.bearer)
                 if w.role == baton_pb2.WORKER_ROLE_DECODE and kind_of(setup, w.worker_id) == "tp2")
     rank0 = next(p for p in cluster.procs if p.pid == int(info.worker_id.split("-")[-2]))
-    ranks = _children(rank0.pid)
+    ranks = children(rank0.pid)
     assert len(ranks) == 1
     specs, want, margins = kept_specs(setup, "k", 12, 500)
     specs = [RequestSpec(s.id, prompt_ids=s.prompt_ids, sampling=greedy(48)) for s in specs]
@@ -216,9 +204,9 @@ def test_killing_one_decode_tp_rank_mid_stream_moves_requests_and_leaves_no_orph
     got = tokens(out)
     assert got == want, explain(got, want, {k: [0.0] * 48 for k in want})
     assert _metric(cluster, "baton_router_retries_total") > retries  # its requests moved
-    while any(_alive(p) for p in [rank0.pid, *ranks]) and time.monotonic() - killed_at < 5:
+    while any(alive(p) for p in [rank0.pid, *ranks]) and time.monotonic() - killed_at < 5:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in [rank0.pid, *ranks])  # no orphan rank
+    assert not any(alive(p) for p in [rank0.pid, *ranks])  # no orphan rank
     cluster.procs.remove(rank0)
     cluster.expected -= 1
     time.sleep(BASE["router"]["eject_after_seconds"] + 1)  # the router ejects the dead worker
