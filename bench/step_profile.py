@@ -1,9 +1,10 @@
 """Where a decode step's time goes: an engine step at batch 1, 8, 32 on the fast path
 (`BATON_DECODE_PATH=fast`) next to the time of its linear layers alone (the same modules on
-inputs of the same shape), for the bench 100m NemotronH and Qwen3.5.
+inputs of the same shape), for the bench 100m NemotronH and Qwen3.5 (and the peer bench's
+`nemotron_h_moe`, `qwen3_5_moe`; their "linears" leave out the routed experts).
 
     PYTHONPATH=$PWD python -m bench.step_profile [--family nemotron_h] [--batch 1 8 32]
-        [--threads 1] [--steps 12] [--profile]
+        [--threads 1] [--steps 12] [--weight-dtype float16] [--profile]
 
 "step / linears" is the figure of issue 24 (target <= 1.15 at batch 32). Steps and linear
 passes alternate, and each figure is the median over its passes, so load from other processes
@@ -34,14 +35,23 @@ PROMPTS = {1: 512, 8: 512, 32: 128}
 after); other batch sizes get 128."""
 
 
-def build(family: str, batch: int, steps: int, prompt: int | None = None):
+def _checkpoint(family: str):
+    """The bench model of `family`: the peer bench's (`nemotron_h_moe` is `bench moe`'s)."""
+    from bench.engine_peer import FAMILIES, _checkpoint
+
+    return _checkpoint(family, FAMILIES[family][0]) if family in FAMILIES else checkpoint(
+        "100m", family)
+
+
+def build(family: str, batch: int, steps: int, prompt: int | None = None,
+          weight_dtype: str = "float32"):
     """A fast-path engine with `batch` requests that have finished their prompts."""
     from baton.engine.request import Request, SamplingParams
 
-    path = checkpoint("100m", family)
+    path = _checkpoint(family)
     prompt = prompt or PROMPTS.get(batch, 128)
     total = prompt + 2 * steps + 32
-    eng = decode_engine(path, batch, total)
+    eng = decode_engine(path, batch, total, weight_dtype=weight_dtype)
     sp = SamplingParams(max_tokens=2 * steps + 24, ignore_eos=True)
     for i, p in enumerate(prompts(batch, prompt, eng.model.config.vocab_size, seed=batch)):
         eng.add_request(Request(f"s{i}", p, sp))
@@ -129,6 +139,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompt", type=int, help="prompt tokens (default: PROMPTS)")
     ap.add_argument("--path", default="fast", choices=["fast", "reference"])
+    ap.add_argument("--weight-dtype", default="float32",
+                    choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compare", choices=sorted(VARIANTS),
                     help="alternate steps with this change off and on")
@@ -137,8 +149,9 @@ def main(argv=None) -> None:
     linear.set_decode_path(args.path)
     for family in args.family:
         for b in args.batch:
-            eng = build(family, b, args.steps, args.prompt)
+            eng = build(family, b, args.steps, args.prompt, args.weight_dtype)
             row = {"family": family, "path": args.path, "threads": args.threads,
+                   "weight_dtype": args.weight_dtype,
                    **measure(eng, b, args.steps, args.compare)}
             print(json.dumps(row), flush=True)
             if args.profile:

@@ -229,8 +229,8 @@ def _decoding(fn, when: str | None = None, position: int = 0):
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Store the weights of every linear layer in `dtype` (the compute stays in the inputs'
-    dtype); returns the bytes saved. A weight shared with another module (a tied lm_head)
+    """Store the weights of every linear layer and MoE expert stack in `dtype` (the compute
+    stays in the inputs' dtype); returns the bytes saved. A weight shared with another module (a tied lm_head)
     is left alone, so the embedding lookup stays exact."""
     shared = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
               for p in m.parameters(recurse=False)}
@@ -247,4 +247,10 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
             for cached in ("_baton_packed", "_baton_wt"):
                 if hasattr(m, cached):
                     object.__delattr__(m, cached)
+    for m in model.modules():  # MoE expert stacks [E, out, in] (`moe.run_experts` reads them)
+        for name in getattr(m, "stacked", ()):
+            old = getattr(m, name)
+            if old.dtype != dtype and old.dtype.is_floating_point:
+                setattr(m, name, nn.Parameter(old.detach().to(dtype), requires_grad=False))
+                saved += old.numel() * (old.element_size() - dtype.itemsize)
     return saved

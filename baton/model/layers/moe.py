@@ -10,6 +10,15 @@ Only the experts a token is routed to run, one matmul pair per active expert:
     out [N, d] float32  index_add_(token, weight * y)  -> cast to x's dtype
 
 The float32 accumulation is transformers' (its experts add into a float32 buffer).
+
+On the fast decode path (`fused.fast_decoding`, Baton's CPU kernel built) each expert's two
+matmuls (and NemotronH's router) take `cpu_kernels.gemv().linear`, which reads the stacked
+weight [U, d_in] in place (already its [N, K] layout; float16 / bfloat16 stacks of
+`model.weight_dtype` upcast in registers) and sums each output in a fixed order: a token's
+expert output is then the same bits whichever other tokens share its experts (what a
+speculative verify pass relies on), where MKL's sgemm rounds by the run's row count. It is
+also 2-3x faster than sgemm on a transposed view at the few rows a decode step routes to an
+expert. The reference path (prefill, `decode_path` reference) keeps torch.mm, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers import cpu_kernels, fused
 from baton.model.layers.mlp import MLP, activation
 from baton.model.nemotron_h.config import ModelConfig
 
@@ -38,7 +48,7 @@ def sigmoid_group_topk(
 ) -> Routing:
     """DeepSeek-V3 routing as transformers' NemotronHTopkRouter: the bias steers the choice
     only; the weights are the unbiased sigmoid scores of the chosen experts."""
-    scores = logits.sigmoid()
+    scores = sigmoid_by_element(logits) if fused.fast_decoding(logits) else logits.sigmoid()
     choice = scores + bias
     if topk_group < n_group:  # with every group kept the mask is a no-op
         n, e = choice.shape
@@ -52,6 +62,16 @@ def sigmoid_group_topk(
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return Routing(experts, weights * scale)
+
+
+def sigmoid_by_element(t: torch.Tensor) -> torch.Tensor:
+    """`t.sigmoid()` with every element through one code path, whatever t's size: torch's
+    vectorised loop leaves a tail of up to 31 elements to its scalar sigmoid, which rounds
+    differently, so a token's score would depend on how many tokens share the call. Read
+    through a stride-2 view, the whole call takes the scalar loop (router-sized tensors)."""
+    spaced = t.new_empty(*t.shape[:-1], 2 * t.shape[-1])[..., ::2]
+    spaced.copy_(t)
+    return spaced.sigmoid()
 
 
 def softmax_topk(logits: torch.Tensor, *, top_k: int, norm: bool) -> Routing:
@@ -77,6 +97,7 @@ def run_experts(
     """
     n, k = routing.experts.shape
     held = up.shape[0]
+    kernel = _kernel(x, up, down)
     flat = routing.experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=total or held).cpu()  # one sync: run lengths
@@ -85,16 +106,37 @@ def run_experts(
     order = order[lo:lo + sum(runs)]
     token = order // k
     xs = x[token]
-    ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, c in enumerate(runs):
-        if c:
-            run = slice(start, start + c)
-            torch.mm(act(torch.mm(xs[run], up[e].t())), down[e].t(), out=ys[run])
-            start += c
+    if kernel is not None:  # all the active experts in one kernel call a matmul
+        held_counts = counts[first:first + held]
+        active = held_counts.nonzero().flatten()
+        spans = torch.stack([active, held_counts[active]], dim=1)
+        ys = kernel.grouped_linear(act(kernel.grouped_linear(xs, up, spans)), down, spans)
+    else:
+        ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, c in enumerate(runs):
+            if c:
+                run = slice(start, start + c)
+                torch.mm(act(torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
+                         out=ys[run])
+                start += c
     out = torch.zeros(n, down.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
     return out.to(x.dtype), counts
+
+
+def _kernel(x: torch.Tensor, *weights: torch.Tensor):
+    """Baton's CPU kernel module when the experts of this call take it (module doc), else
+    None."""
+    if not fused.fast_decoding(x) or any(w.device.type != "cpu" or w.stride(-1) != 1
+                                         for w in weights):
+        return None
+    return cpu_kernels.gemv()
+
+
+def _as(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert's weight in x's dtype (half stacks of `model.weight_dtype`: upcast, exact)."""
+    return w if w.dtype == x.dtype else w.to(x.dtype)
 
 
 class TopkRouter(nn.Module):
@@ -109,7 +151,9 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         c = self.cfg
-        logits = F.linear(x.float(), self.weight)
+        x = x.float()
+        kernel = _kernel(x, self.weight)
+        logits = kernel.linear(x, self.weight) if kernel is not None else F.linear(x, self.weight)
         return sigmoid_group_topk(
             logits, self.e_score_correction_bias, top_k=c.num_experts_per_tok,
             n_group=c.n_group, topk_group=c.topk_group, norm=c.norm_topk_prob,
@@ -119,6 +163,9 @@ class TopkRouter(nn.Module):
 
 class Experts(nn.Module):
     """`mixer.experts`: non-gated experts stacked as transformers 5 stores them."""
+
+    stacked = ("up_proj", "down_proj")
+    """The expert weights `model.weight_dtype` stores narrower (`linear.cast_weights`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -18,13 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers import fused
 from baton.model.layers.gated_mlp import GatedMLP
 from baton.model.layers.mlp import activation
-from baton.model.layers.moe import Routing, run_experts, softmax_topk
+from baton.model.layers.moe import Routing, run_experts, sigmoid_by_element, softmax_topk
 
 
 class GatedExperts(nn.Module):
     """`mlp.experts`: gate and up halves fused per expert, first half the gate."""
+
+    stacked = ("gate_up_proj", "down_proj")
+    """The expert weights `model.weight_dtype` stores narrower (`linear.cast_weights`)."""
 
     def __init__(self, num: int, hidden: int, width: int):
         super().__init__()
@@ -66,7 +70,9 @@ class QwenSparseMoe(nn.Module):
         routed, counts = run_experts(flat, routing, self.experts.gate_up_proj,
                                      self.experts.down_proj, self._swiglu)
         self.routed_tokens += counts
-        shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        gate = self.shared_expert_gate(flat)
+        gate = sigmoid_by_element(gate) if fused.fast_decoding(gate) else F.sigmoid(gate)
+        shared = gate * self.shared_expert(flat)
         return (routed + shared).view(shape)
 
 

@@ -23,6 +23,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <vector>
+
 #include "gemv_kernels.h"
 
 namespace {
@@ -36,40 +38,136 @@ int64_t grain_blocks(int64_t k, int64_t es) {
   return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(block_bytes, 1));
 }
 
-at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias,
-                     int64_t isa) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu kernel: tensors must be on CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "cpu kernel: x must be 2-d float32, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1) && w.stride(1) == 1,
-              "cpu kernel: weight must be [N, K] with K=", x.size(1), " contiguous in K, got ",
-              w.sizes(), " strides ", w.strides());
-  int wt;
+int weight_type(const at::Tensor& w) {
   switch (w.scalar_type()) {
-    case at::kFloat: wt = kF32; break;
-    case at::kHalf: wt = kF16; break;
-    case at::kBFloat16: wt = kBF16; break;
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
     default: TORCH_CHECK(false, "cpu kernel: weight dtype ", w.scalar_type(), " not supported");
   }
+  return kF32;
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "cpu kernel: x must be 2-d float32 on CPU, got ", x.sizes(), " ", x.scalar_type());
+}
+
+void check_w(const at::Tensor& w, int64_t dims, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == dims && w.size(dims - 1) == k &&
+              w.stride(dims - 1) == 1, "cpu kernel: weight must be ", dims == 2 ? "" : "[E, ",
+              "[N, K] with K=", k, " contiguous in K, got ", w.sizes(), " strides ", w.strides());
+}
+
+// x padded with zeros to whole 16-lane chunks; one line more a row, so rows a multiple of
+// 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set.
+at::Tensor padded(const at::Tensor& x) {
+  const int64_t k = x.size(1), ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
+  at::Tensor xp = at::zeros({x.size(0), ldx}, x.options());
+  xp.narrow(1, 0, k).copy_(x);
+  return xp;
+}
+
+int pick(int64_t isa) { return isa < 0 || isa > best_isa() ? best_isa() : static_cast<int>(isa); }
+
+at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t isa) {
+  check_x(x);
+  check_w(w, 2, x.size(1));
+  const int wt = weight_type(w);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == n, "cpu kernel: bias has ", b.numel(), " elements, want ", n);
   }
-  // x padded with zeros to whole 16-lane chunks; one line more a row, so rows a multiple of
-  // 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set.
-  const int64_t ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
-  at::Tensor xp = at::zeros({m, ldx}, x.options());
-  xp.narrow(1, 0, k).copy_(x);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  if (isa < 0 || isa > best_isa()) isa = best_isa();
-  Args a{xp.data_ptr<float>(), ldx, w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n, m,
-         b.defined() ? b.data_ptr<float>() : nullptr};
+  at::Tensor xp = padded(x);
+  const int is = pick(isa);
+  Args a{xp.data_ptr<float>(), xp.size(1), w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n,
+         m, b.defined() ? b.data_ptr<float>() : nullptr};
   const int64_t blocks = (n + 7) / 8;
   at::parallel_for(0, blocks, grain_blocks(k, wt == kF32 ? 4 : 2), [&](int64_t b0, int64_t b1) {
-    run_range(a, static_cast<int>(isa), wt, b0 * 8, std::min(b1 * 8, n));
+    run_range(a, is, wt, b0 * 8, std::min(b1 * 8, n));
+  });
+  return y;
+}
+
+// Several weights [N_i, K] on one x, no bias: y = [x @ W_0^T | x @ W_1^T | ...] [M, sum N_i],
+// each output computed exactly as `linear` computes it (x padded once, one thread split over
+// all the weights' blocks: one call where a layer has several input projections).
+at::Tensor linear_cat(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa) {
+  check_x(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<int64_t> first_block{0}, col{0};
+  for (const auto& w : ws) {
+    check_w(w, 2, k);
+    weight_type(w);
+    first_block.push_back(first_block.back() + (w.size(0) + 7) / 8);
+    col.push_back(col.back() + w.size(0));
+  }
+  const int64_t total = col.back();
+  at::Tensor y = at::empty({m, total}, x.options());
+  if (m == 0 || total == 0) return y;
+  at::Tensor xp = padded(x);
+  const int is = pick(isa);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
+      if (lo >= hi) continue;
+      const at::Tensor& w = ws[i];
+      const int64_t n = w.size(0);
+      Args a{xp.data_ptr<float>(), xp.size(1), w.data_ptr(), w.stride(0), k, yp + col[i], total,
+             m, nullptr};
+      run_range(a, is, weight_type(w), (lo - first_block[i]) * 8,
+                std::min((hi - first_block[i]) * 8, n));
+    }
+  });
+  return y;
+}
+
+// Mixture-of-experts runs: rows [start_g, start_g + rows_g) of x (runs in order, rows summing
+// to M) times expert e_g of the stack w [E, N, K]; runs [G, 2] long (e_g, rows_g). Each output
+// is computed exactly as `linear(x rows, w[e_g])` computes it, so a row's result does not
+// depend on the other rows of its run. One call for all of a layer's active experts.
+at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor runs, int64_t isa) {
+  check_x(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  check_w(w, 3, k);
+  TORCH_CHECK(runs.device().is_cpu() && runs.scalar_type() == at::kLong && runs.dim() == 2 &&
+              runs.size(1) == 2, "cpu kernel: runs must be [G, 2] long on CPU, got ",
+              runs.sizes(), " ", runs.scalar_type());
+  const int wt = weight_type(w);
+  const int64_t n = w.size(1), groups = runs.size(0);
+  at::Tensor r = runs.contiguous();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  std::vector<int64_t> start{0};
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(rp[2 * g] >= 0 && rp[2 * g] < w.size(0) && rp[2 * g + 1] >= 0,
+                "cpu kernel: run ", g, " has expert ", rp[2 * g], " (of ", w.size(0),
+                ") and rows ", rp[2 * g + 1]);
+    start.push_back(start.back() + rp[2 * g + 1]);
+  }
+  TORCH_CHECK(start.back() == m, "cpu kernel: runs hold ", start.back(), " rows, x has ", m);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  at::Tensor xp = padded(x);
+  const int is = pick(isa);
+  const int64_t nb = (n + 7) / 8, es = wt == kF32 ? 4 : 2, ldx = xp.size(1);
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const float* xpp = xp.data_ptr<float>();
+  at::parallel_for(0, groups * nb, grain_blocks(k, es), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1;) {
+      const int64_t g = b / nb, end = std::min(b1, (g + 1) * nb);
+      if (rp[2 * g + 1] > 0) {
+        Args a{xpp + start[g] * ldx, ldx, wp + rp[2 * g] * w.stride(0) * es, w.stride(1), k,
+               yp + start[g] * n, n, rp[2 * g + 1], nullptr};
+        run_range(a, is, wt, (b - g * nb) * 8, std::min((end - g * nb) * 8, n));
+      }
+      b = end;
+    }
   });
   return y;
 }
@@ -86,5 +184,9 @@ namespace py = pybind11;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ w.T (+ bias), fixed accumulation order (see gemv.cpp)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("isa") = -1);
+  m.def("linear_cat", &linear_cat, "[x @ w.T for w in ws] side by side, one call (gemv.cpp)",
+        py::arg("x"), py::arg("ws"), py::arg("isa") = -1);
+  m.def("grouped_linear", &grouped_linear, "x's runs of rows times their experts (gemv.cpp)",
+        py::arg("x"), py::arg("w"), py::arg("runs"), py::arg("isa") = -1);
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
 }
