@@ -78,7 +78,15 @@ def _kernels(on: bool) -> None:
     step_kernels._cache["step"] = built if on else None
 
 
-VARIANTS = {"kernels": _kernels}
+_fused = linear.fused_linears
+
+
+def _fused_projections(on: bool) -> None:
+    """A layer's input projections in one kernel call (`linear.fused_linears`), or one by one."""
+    linear.fused_linears = _fused if on else (lambda x, *layers: None)
+
+
+VARIANTS = {"kernels": _kernels, "fused": _fused_projections}
 """What `--compare` switches off and on between alternate steps (before / after a change)."""
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused
+from baton.model.layers import fused, linear
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext
 
@@ -51,10 +51,12 @@ class Attention(nn.Module):
         """
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
         if fused.fast_decoding(x) and ctx.kv(self.layer_idx).dtype == torch.float32:
-            q = self.q_proj(x).view(b, self.num_heads, self.head_dim)
-            return self.o_proj(fused.paged_attention(self.scale, q, self.k_proj(x),
-                                                     self.v_proj(x), ctx.kv(self.layer_idx),
-                                                     ctx.attn))
+            qkv = linear.fused_linears(x, self.q_proj, self.k_proj, self.v_proj)
+            q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x),
+                                                   self.v_proj(x))
+            q = q.reshape(b, self.num_heads, self.head_dim)
+            return self.o_proj(fused.paged_attention(self.scale, q, k, v,
+                                                     ctx.kv(self.layer_idx), ctx.attn))
         q = self.q_proj(x).view(b * self.num_kv_heads, rep, self.head_dim)
         keys, values = self._store_and_read(x, b, ctx)
         S = ctx.attn.num_keys

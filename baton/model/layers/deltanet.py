@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused, step_kernels
+from baton.model.layers import fused, linear, step_kernels
 from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.gdn import chunk_scan, recurrent_step_
 from baton.model.paged import StepContext
@@ -59,11 +59,11 @@ class GatedDeltaNet(nn.Module):
     def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [b, hidden], one token per sequence; updates the states of `ctx.slots`."""
         b = h.shape[0]
-        qkv = self.in_proj_qkv(h)
         conv_pool = ctx.state(self.layer_idx, "conv")
         rec_pool = ctx.state(self.layer_idx, "recurrent")
-        if fused.fast_decoding(qkv) and conv_pool.dtype == rec_pool.dtype == torch.float32:
-            return self.out_proj(self._fused_step(h, qkv, ctx, conv_pool, rec_pool))
+        if fused.fast_decoding(h) and conv_pool.dtype == rec_pool.dtype == torch.float32:
+            return self.out_proj(self._fused_step(h, ctx, conv_pool, rec_pool))
+        qkv = self.in_proj_qkv(h)
         in_place = ctx.slot_range is not None
         conv = conv_pool[ctx.slot_range] if in_place else conv_pool.index_select(0, ctx.slots)
         window = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], dim=-1)
@@ -79,25 +79,34 @@ class GatedDeltaNet(nn.Module):
             rec_pool.index_copy_(0, ctx.slots, rec.to(rec_pool.dtype))
         return self._out(o.to(h.dtype), h)
 
-    def _fused_step(self, h, qkv, ctx: StepContext, conv_pool, rec_pool) -> torch.Tensor:
+    def _projections(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """(qkv, a, beta logit, z) of h: on the fast path one kernel call for all four (the
+        step kernel reads contiguous rows: copies of the column views, none at batch 1)."""
+        outs = linear.fused_linears(h, self.in_proj_qkv, self.in_proj_a, self.in_proj_b,
+                                    self.in_proj_z)
+        if outs is None:
+            return [self.in_proj_qkv(h), self.in_proj_a(h), self.in_proj_b(h), self.in_proj_z(h)]
+        return [o.contiguous() for o in outs]
+
+    def _fused_step(self, h, ctx: StepContext, conv_pool, rec_pool) -> torch.Tensor:
         """The fast path's decode step between the projections: the C++ step kernel on the
         pools' slot rows in place (`step_kernels`), or where it is not built the compiled
         `fused.deltanet_step` on the live slots (views when consecutive, else gathered)."""
+        qkv, a, beta, z = self._projections(h)
         k = step_kernels.kernels()
         if k is not None:  # in place in the pools' slot rows, whatever the slots
-            return k.deltanet_step(qkv, conv_pool, rec_pool, ctx.slots, self.in_proj_a(h),
-                                   self.in_proj_b(h), self.in_proj_z(h), self.conv1d.weight[:, 0],
-                                   self.dt_bias, self.A_log, self.norm.weight, self.hk, self.hv,
-                                   self.dk, self.dv, self.norm.eps)
+            return k.deltanet_step(qkv, conv_pool, rec_pool, ctx.slots, a, beta, z,
+                                   self.conv1d.weight[:, 0], self.dt_bias, self.A_log,
+                                   self.norm.weight, self.hk, self.hv, self.dk, self.dv,
+                                   self.norm.eps)
         in_place = ctx.slot_range is not None
         if in_place:
             conv, rec = conv_pool[ctx.slot_range], rec_pool[ctx.slot_range]
         else:
             conv, rec = conv_pool.index_select(0, ctx.slots), rec_pool.index_select(0, ctx.slots)
         dims = (self.hk, self.hv, self.dk, self.dv, self.norm.eps)
-        o = fused.run("deltanet", dims, qkv, conv, rec, self.in_proj_a(h), self.in_proj_b(h),
-                      self.in_proj_z(h), self.conv1d.weight[:, 0], self.dt_bias, self.A_log,
-                      self.norm.weight)
+        o = fused.run("deltanet", dims, qkv, conv, rec, a, beta, z, self.conv1d.weight[:, 0],
+                      self.dt_bias, self.A_log, self.norm.weight)
         if not in_place:
             conv_pool.index_copy_(0, ctx.slots, conv)
             rec_pool.index_copy_(0, ctx.slots, rec)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused
+from baton.model.layers import fused, linear
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
 from baton.model.paged import StepContext
 
@@ -89,9 +89,11 @@ class GatedAttention(nn.Module):
         """(q [..., heads, hd], gate [..., heads*hd], k, v [..., kv_heads, hd]) of x [..., hidden]
         at the call's positions (`meta`: its AttnMeta)."""
         lead, hd = x.shape[:-1], self.head_dim
-        q, gate = self.q_proj(x).view(*lead, self.num_heads, 2 * hd).chunk(2, dim=-1)
-        k = self.k_norm(self.k_proj(x).view(*lead, self.num_kv_heads, hd))
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, hd)
+        qkv = linear.fused_linears(x, self.q_proj, self.k_proj, self.v_proj)  # fast decode
+        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, gate = q.view(*lead, self.num_heads, 2 * hd).chunk(2, dim=-1)
+        k = self.k_norm(k.view(*lead, self.num_kv_heads, hd))
+        v = v.view(*lead, self.num_kv_heads, hd)
         # the same (cos, sin) for every attention layer of the call: computed by the first
         key = ("rotary", self.rotary_dim, self.theta, x.dtype, x.device)
         if key not in meta.memo:

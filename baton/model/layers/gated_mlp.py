@@ -1,10 +1,15 @@
-"""The SwiGLU MLP of Qwen-style layers: `down(silu(gate(x)) * up(x))`."""
+"""The SwiGLU MLP of Qwen-style layers: `down(silu(gate(x)) * up(x))`; on the fast decode
+path gate and up are one kernel call (`linear.fused_linears`), whose column views also keep
+silu's rounding per row (a contiguous [rows, width] would leave a size-dependent tail to
+torch's scalar loop)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from baton.model.layers import linear
 
 
 class GatedMLP(nn.Module):
@@ -15,4 +20,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        both = linear.fused_linears(x, self.gate_proj, self.up_proj)  # fast decode path
+        gate, up = both if both is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)

@@ -161,6 +161,34 @@ class FastLinear(nn.Linear):
         return cached[1]
 
 
+def fused_linears(x: torch.Tensor, *layers) -> list[torch.Tensor] | None:
+    """x through each of `layers` (bias-free `nn.Linear`s, or bare [out, in] weights) in one
+    call of Baton's kernel (`linear_cat`), on the fast decode path; None where that path is
+    not taken (the caller then runs them one by one). Each output is the same bits as its own
+    `FastLinear` call; one call saves a layer's small projections (DeltaNet's in_proj_a / b
+    are 8 x 768) their fixed cost and cold start. Outputs are column views of one [rows, sum
+    out] result (not contiguous when rows > 1)."""
+    kernel = cpu_kernels.gemv()
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (kernel is None or not 0 < rows <= MAX_PACKED_ROWS or decode_path() != "fast"
+            or not getattr(_local, "decoding", False) or x.dtype != torch.float32
+            or x.device.type != "cpu"):
+        return None
+    ws = []
+    for layer in layers:
+        w = layer if isinstance(layer, torch.Tensor) else layer.weight
+        if (getattr(layer, "bias", None) is not None or w.stride(-1) != 1
+                or w.dtype not in (torch.float32, *HALF) or w.device.type != "cpu"):
+            return None
+        ws.append(w)
+    y = kernel.linear_cat(x.reshape(rows, x.shape[-1]), ws)
+    outs, lo = [], 0
+    for w in ws:
+        outs.append(y[:, lo:lo + w.shape[0]].unflatten(0, x.shape[:-1]))
+        lo += w.shape[0]
+    return outs
+
+
 HALF_CHUNK = 256
 """Weight rows upcast at a time on the few-row path: 256 x hidden float32 stays in L2."""
 

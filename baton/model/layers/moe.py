@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import cpu_kernels, fused
+from baton.model.layers import cpu_kernels, fused, linear
 from baton.model.layers.mlp import MLP, activation
 from baton.model.nemotron_h.config import ModelConfig
 
@@ -150,10 +150,14 @@ class TopkRouter(nn.Module):
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor) -> Routing:
-        c = self.cfg
         x = x.float()
         kernel = _kernel(x, self.weight)
         logits = kernel.linear(x, self.weight) if kernel is not None else F.linear(x, self.weight)
+        return self.route(logits)
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """The routing of router logits [N, E] (float32)."""
+        c = self.cfg
         return sigmoid_group_topk(
             logits, self.e_score_correction_bias, top_k=c.num_experts_per_tok,
             n_group=c.n_group, topk_group=c.topk_group, norm=c.norm_topk_prob,
@@ -200,13 +204,23 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.gate(flat)
-        h = self.fc1_latent_proj(flat) if self.latent else flat
+        se = self.shared_experts
+        # fast decode path: the router, the shared expert's up and the latent projection in
+        # one kernel call
+        outs = linear.fused_linears(flat, self.gate.weight, se.up_proj,
+                                    *((self.fc1_latent_proj,) if self.latent else ()))
+        if outs is None:
+            routing = self.gate(flat)
+            h = self.fc1_latent_proj(flat) if self.latent else flat
+        else:
+            routing = self.gate.route(outs[0])
+            h = outs[2].contiguous() if self.latent else flat
         h, counts = run_experts(h, routing, self.experts.up_proj, self.experts.down_proj, self.act)
         self.routed_tokens += counts
         if self.latent:
             h = self.fc2_latent_proj(h)
-        return h.view(shape) + self.shared_experts(x)
+        shared = self.shared_experts(x) if outs is None else se.down_proj(se.act(outs[1]))
+        return h.view(shape) + shared.view(shape)
 
 
 def routed_tokens(model: nn.Module) -> dict[int, list[int]]:

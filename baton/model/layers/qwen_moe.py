@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused
+from baton.model.layers import linear
 from baton.model.layers.gated_mlp import GatedMLP
 from baton.model.layers.mlp import activation
 from baton.model.layers.moe import Routing, run_experts, sigmoid_by_element, softmax_topk
@@ -64,15 +64,21 @@ class QwenSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = self.gate(flat)
+        se = self.shared_expert
+        # fast decode path: the router, the shared gate and the shared expert's gate / up in
+        # one kernel call
+        outs = linear.fused_linears(flat, self.gate, self.shared_expert_gate, se.gate_proj,
+                                    se.up_proj)
+        logits = self.gate(flat) if outs is None else outs[0]
         r = softmax_topk(logits, top_k=self.top_k, norm=self.norm)
         routing = Routing(r.experts, r.weights.to(logits.dtype))  # transformers casts back
         routed, counts = run_experts(flat, routing, self.experts.gate_up_proj,
                                      self.experts.down_proj, self._swiglu)
         self.routed_tokens += counts
-        gate = self.shared_expert_gate(flat)
-        gate = sigmoid_by_element(gate) if fused.fast_decoding(gate) else F.sigmoid(gate)
-        shared = gate * self.shared_expert(flat)
+        if outs is None:
+            shared = F.sigmoid(self.shared_expert_gate(flat)) * se(flat)
+        else:  # sigmoid_by_element: a token's gate whatever the batch (speculative verify)
+            shared = sigmoid_by_element(outs[1]) * se.down_proj(F.silu(outs[2]) * outs[3])
         return (routed + shared).view(shape)
 
 

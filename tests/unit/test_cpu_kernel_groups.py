@@ -1,0 +1,99 @@
+"""The kernel's several-matmul calls (`gemv.cpp`): `linear_cat` (several weights on one x: a
+layer's input projections) and `grouped_linear` (runs of rows times their experts: MoE), and
+`linear.fused_linears`, which takes `linear_cat` on the fast decode path. Each output must be
+the same bits as the one-weight `linear` computes for it, at 1 and 2 threads, on every
+instruction set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.model.layers import cpu_kernels, linear
+from baton.model.layers.linear import FastLinear
+
+ISAS = (0, 1, 2)  # scalar, avx2, avx512 (an ISA the CPU lacks falls back to the best one)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_kernels.gemv()
+    if k is None:
+        pytest.skip("the C++ kernel does not build here (no compiler?)")
+    return k
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _w(n: int, k: int, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+
+
+def test_linear_cat_is_each_weights_linear_side_by_side(kernel, threads):
+    x = torch.randn(11, 203, generator=torch.Generator().manual_seed(1))
+    ws = [_w(n, 203, dt, i) for i, (n, dt) in enumerate(
+        [(300, torch.float32), (8, torch.float16), (75, torch.bfloat16), (1, torch.float32)])]
+    want = torch.cat([kernel.linear(x, w) for w in ws], dim=1)
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        for isa in ISAS:
+            assert torch.equal(kernel.linear_cat(x, ws, isa), want), (t, isa)
+    assert torch.equal(kernel.linear_cat(x[3:4], ws), want[3:4])  # a row alone
+    assert kernel.linear_cat(x, []).shape == (11, 0)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernel.linear_cat(x, [ws[0], _w(4, 200, torch.float32, 9)])
+
+
+def test_grouped_linear_is_each_runs_linear(kernel, threads):
+    x = torch.randn(9, 130, generator=torch.Generator().manual_seed(2))
+    stack = torch.stack([_w(70, 130, torch.float32, i) for i in range(6)])
+    runs = torch.tensor([[4, 3], [0, 0], [1, 1], [4, 5]])  # an empty run; an expert twice
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        w = stack.to(dtype)
+        want = torch.cat([kernel.linear(x[:3], w[4]), kernel.linear(x[3:4], w[1]),
+                          kernel.linear(x[4:], w[4])])
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for isa in ISAS:
+                assert torch.equal(kernel.grouped_linear(x, w, runs, isa), want), (dtype, t)
+    with pytest.raises(RuntimeError, match="run 1 has expert 6"):
+        kernel.grouped_linear(x, stack, torch.tensor([[0, 4], [6, 5]]))
+    with pytest.raises(RuntimeError, match="runs hold 8 rows, x has 9"):
+        kernel.grouped_linear(x, stack, torch.tensor([[0, 8]]))
+
+
+def _layer(n: int, k: int, dtype, bias: bool = False, seed: int = 0) -> FastLinear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    lin.__class__ = FastLinear
+    lin.weight = torch.nn.Parameter(lin.weight.detach().to(dtype), requires_grad=False)
+    return lin
+
+
+def test_fused_linears_on_the_fast_path_only(kernel):
+    layers = [_layer(40, 96, torch.float32, seed=1), _layer(8, 96, torch.float16, seed=2)]
+    x = torch.randn(5, 1, 96)
+    old = linear.set_decode_path("fast")
+    try:
+        with torch.no_grad():
+            assert linear.fused_linears(x, *layers) is None  # not a marked decode call
+            with linear.decode_scope():
+                outs = linear.fused_linears(x, *layers)
+                assert [o.shape for o in outs] == [(5, 1, 40), (5, 1, 8)]
+                for o, lin in zip(outs, layers, strict=True):
+                    assert torch.equal(o, lin(x))
+                # a bare weight; a layer with a bias is not fused
+                assert torch.equal(linear.fused_linears(x, layers[0].weight)[0], outs[0])
+                assert linear.fused_linears(x, _layer(8, 96, torch.float32, bias=True)) is None
+                assert linear.fused_linears(torch.randn(65, 96), *layers) is None  # prefill
+        linear.set_decode_path("reference")
+        with torch.no_grad(), linear.decode_scope():
+            assert linear.fused_linears(x, *layers) is None
+    finally:
+        linear.set_decode_path(old)
