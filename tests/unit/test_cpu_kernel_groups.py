@@ -53,19 +53,20 @@ def test_linear_cat_is_each_weights_linear_side_by_side(kernel, threads):
 def test_grouped_linear_is_each_runs_linear(kernel, threads):
     x = torch.randn(9, 130, generator=torch.Generator().manual_seed(2))
     stack = torch.stack([_w(70, 130, torch.float32, i) for i in range(6)])
-    runs = torch.tensor([[4, 3], [0, 0], [1, 1], [4, 5]])  # an empty run; an expert twice
+    counts = torch.tensor([0, 1, 0, 0, 8, 0])  # rows sorted by expert; idle experts
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         w = stack.to(dtype)
-        want = torch.cat([kernel.linear(x[:3], w[4]), kernel.linear(x[3:4], w[1]),
-                          kernel.linear(x[4:], w[4])])
+        want = torch.cat([kernel.linear(x[:1], w[1]), kernel.linear(x[1:], w[4])])
         for t in (1, 2):
             torch.set_num_threads(t)
             for isa in ISAS:
-                assert torch.equal(kernel.grouped_linear(x, w, runs, isa), want), (dtype, t)
-    with pytest.raises(RuntimeError, match="run 1 has expert 6"):
-        kernel.grouped_linear(x, stack, torch.tensor([[0, 4], [6, 5]]))
-    with pytest.raises(RuntimeError, match="runs hold 8 rows, x has 9"):
-        kernel.grouped_linear(x, stack, torch.tensor([[0, 8]]))
+                assert torch.equal(kernel.grouped_linear(x, w, counts, isa), want), (dtype, t)
+    assert torch.equal(kernel.grouped_linear(x[:0], stack, torch.zeros(6, dtype=torch.long)),
+                       torch.empty(0, 70))
+    with pytest.raises(RuntimeError, match="counts hold 8 rows, x has 9"):
+        kernel.grouped_linear(x, stack, torch.tensor([0, 0, 8, 0, 0, 0]))
+    with pytest.raises(RuntimeError, match="counts must be"):
+        kernel.grouped_linear(x, stack, torch.tensor([9]))
 
 
 def _layer(n: int, k: int, dtype, bias: bool = False, seed: int = 0) -> FastLinear:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from baton.model.layers import cpu_kernels, linear
-from baton.model.layers.moe import MoE
+from baton.model.layers.moe import MoE, Routing, run_experts
 from baton.model.layers.qwen_moe import QwenSparseMoe
 from baton.model.make_model import checkpoint_config
 from baton.model.nemotron_h.config import ModelConfig
@@ -124,3 +124,26 @@ def test_half_expert_stacks_go_through_the_kernel(kind, dtype):
     assert torch.equal(_run(half, x[:1], "fast")[0], got[0])
     ref = _run(half, x, "reference")  # torch.mm on each expert upcast
     assert (ref - got).abs().max().item() < 1e-5
+
+
+def test_expert_parallel_shard_on_the_kernel():
+    """A rank holding experts [first, first + held) adds exactly the held experts' terms: the
+    full layer with the other experts' weights zeroed, bit for bit."""
+    block, x = _block("nemotron"), _tokens()
+    experts = block.experts
+    first, held = 4, 6
+    with torch.inference_mode(), linear.decode_scope():
+        old = linear.set_decode_path("fast")
+        try:
+            routing = block.gate(x)
+            got, counts = run_experts(x, routing, experts.up_proj[first:first + held],
+                                      experts.down_proj[first:first + held], block.act,
+                                      first, 16)
+            mine = (routing.experts >= first) & (routing.experts < first + held)
+            assert 0 < int(mine.sum()) < mine.numel()
+            zeroed = Routing(routing.experts, routing.weights * mine)
+            want, _ = run_experts(x, zeroed, experts.up_proj, experts.down_proj, block.act)
+        finally:
+            linear.set_decode_path(old)
+    assert torch.equal(got, want)
+    assert counts.tolist() == torch.bincount(routing.experts.flatten(), minlength=16).tolist()

@@ -95,9 +95,11 @@ def run_experts(
     Returns (out [N, d_out] in x's dtype, tokens routed to each of the `total` experts, long
     on the CPU).
     """
+    kernel = _kernel(x, up, down)
+    if kernel is not None:
+        return _kernel_experts(kernel, x, routing, up, down, act, first, total)
     n, k = routing.experts.shape
     held = up.shape[0]
-    kernel = _kernel(x, up, down)
     flat = routing.experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=total or held).cpu()  # one sync: run lengths
@@ -106,21 +108,35 @@ def run_experts(
     order = order[lo:lo + sum(runs)]
     token = order // k
     xs = x[token]
-    if kernel is not None:  # all the active experts in one kernel call a matmul
-        held_counts = counts[first:first + held]
-        active = held_counts.nonzero().flatten()
-        spans = torch.stack([active, held_counts[active]], dim=1)
-        ys = kernel.grouped_linear(act(kernel.grouped_linear(xs, up, spans)), down, spans)
-    else:
-        ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, c in enumerate(runs):
-            if c:
-                run = slice(start, start + c)
-                torch.mm(act(torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
-                         out=ys[run])
-                start += c
+    ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, c in enumerate(runs):
+        if c:
+            run = slice(start, start + c)
+            torch.mm(act(torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
+                     out=ys[run])
+            start += c
     out = torch.zeros(n, down.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
+    return out.to(x.dtype), counts
+
+
+def _kernel_experts(kernel, x, routing: Routing, up, down, act, first: int, total: int):
+    """`run_experts` on Baton's kernel: every active expert's matmul in one `grouped_linear`
+    call (each row's result independent of the run it is in), no host round trip, no Python
+    loop over experts."""
+    n, k = routing.experts.shape
+    held = up.shape[0]
+    flat = routing.experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=total or held)
+    mine = counts[first:first + held]
+    if held != counts.shape[0]:  # expert parallel: the held experts' pairs are one run
+        lo = int(counts[:first].sum())
+        order = order[lo:lo + int(mine.sum())]
+    token = order // k
+    ys = kernel.grouped_linear(act(kernel.grouped_linear(x[token], up, mine)), down, mine)
+    out = torch.zeros(n, down.shape[1], dtype=torch.float32)
     out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
     return out.to(x.dtype), counts
 

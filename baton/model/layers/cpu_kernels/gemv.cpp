@@ -127,45 +127,46 @@ at::Tensor linear_cat(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa) {
   return y;
 }
 
-// Mixture-of-experts runs: rows [start_g, start_g + rows_g) of x (runs in order, rows summing
-// to M) times expert e_g of the stack w [E, N, K]; runs [G, 2] long (e_g, rows_g). Each output
-// is computed exactly as `linear(x rows, w[e_g])` computes it, so a row's result does not
-// depend on the other rows of its run. One call for all of a layer's active experts.
-at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor runs, int64_t isa) {
+// Mixture-of-experts runs: x's rows sorted by expert, counts [E] long the rows of each expert
+// of the stack w [E, N, K] (summing to M): rows [start_e, start_e + counts[e]) times expert e.
+// Each output is computed exactly as `linear(x rows, w[e])` computes it, so a row's result
+// does not depend on the other rows of its run. One call for all of a layer's active experts.
+at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts, int64_t isa) {
   check_x(x);
   const int64_t m = x.size(0), k = x.size(1);
   check_w(w, 3, k);
-  TORCH_CHECK(runs.device().is_cpu() && runs.scalar_type() == at::kLong && runs.dim() == 2 &&
-              runs.size(1) == 2, "cpu kernel: runs must be [G, 2] long on CPU, got ",
-              runs.sizes(), " ", runs.scalar_type());
+  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == at::kLong &&
+              counts.dim() == 1 && counts.size(0) == w.size(0),
+              "cpu kernel: counts must be [E] long on CPU with E=", w.size(0), ", got ",
+              counts.sizes(), " ", counts.scalar_type());
   const int wt = weight_type(w);
-  const int64_t n = w.size(1), groups = runs.size(0);
-  at::Tensor r = runs.contiguous();
-  const int64_t* rp = r.data_ptr<int64_t>();
-  std::vector<int64_t> start{0};
-  for (int64_t g = 0; g < groups; ++g) {
-    TORCH_CHECK(rp[2 * g] >= 0 && rp[2 * g] < w.size(0) && rp[2 * g + 1] >= 0,
-                "cpu kernel: run ", g, " has expert ", rp[2 * g], " (of ", w.size(0),
-                ") and rows ", rp[2 * g + 1]);
-    start.push_back(start.back() + rp[2 * g + 1]);
+  const int64_t n = w.size(1);
+  at::Tensor c = counts.contiguous();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  std::vector<int64_t> expert, start, rows;  // the active experts' runs
+  int64_t at = 0;
+  for (int64_t e = 0; e < w.size(0); ++e) {
+    TORCH_CHECK(cp[e] >= 0, "cpu kernel: expert ", e, " has ", cp[e], " rows");
+    if (cp[e] == 0) continue;
+    expert.push_back(e), start.push_back(at), rows.push_back(cp[e]);
+    at += cp[e];
   }
-  TORCH_CHECK(start.back() == m, "cpu kernel: runs hold ", start.back(), " rows, x has ", m);
+  TORCH_CHECK(at == m, "cpu kernel: counts hold ", at, " rows, x has ", m);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   at::Tensor xp = padded(x);
   const int is = pick(isa);
   const int64_t nb = (n + 7) / 8, es = wt == kF32 ? 4 : 2, ldx = xp.size(1);
+  const int64_t groups = static_cast<int64_t>(expert.size());
   const char* wp = static_cast<const char*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   const float* xpp = xp.data_ptr<float>();
   at::parallel_for(0, groups * nb, grain_blocks(k, es), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const int64_t g = b / nb, end = std::min(b1, (g + 1) * nb);
-      if (rp[2 * g + 1] > 0) {
-        Args a{xpp + start[g] * ldx, ldx, wp + rp[2 * g] * w.stride(0) * es, w.stride(1), k,
-               yp + start[g] * n, n, rp[2 * g + 1], nullptr};
-        run_range(a, is, wt, (b - g * nb) * 8, std::min((end - g * nb) * 8, n));
-      }
+      Args a{xpp + start[g] * ldx, ldx, wp + expert[g] * w.stride(0) * es, w.stride(1), k,
+             yp + start[g] * n, n, rows[g], nullptr};
+      run_range(a, is, wt, (b - g * nb) * 8, std::min((end - g * nb) * 8, n));
       b = end;
     }
   });
@@ -187,6 +188,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_cat", &linear_cat, "[x @ w.T for w in ws] side by side, one call (gemv.cpp)",
         py::arg("x"), py::arg("ws"), py::arg("isa") = -1);
   m.def("grouped_linear", &grouped_linear, "x's runs of rows times their experts (gemv.cpp)",
-        py::arg("x"), py::arg("w"), py::arg("runs"), py::arg("isa") = -1);
+        py::arg("x"), py::arg("w"), py::arg("counts"), py::arg("isa") = -1);
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
 }
