@@ -7,7 +7,8 @@ state layers, all state tensors) after every step must agree. The fast path's ke
 (packed oneDNN matmuls, the FMA state update) round differently from MKL / the two-op update
 by about 1 ulp, so states are compared to 1e-5 absolute (they are O(1)); tokens exactly. Run
 for NemotronH (Mamba2 + attention) and Qwen3.5 (gated DeltaNet + gated attention): the fast
-path's fused recurrent steps (`baton.model.layers.fused`) are each family's own.
+path's fused recurrent steps (`baton.model.layers.fused`) are each family's own; and for both
+with MoE layers (the experts on the kernel's grouped matmuls, `moe.run_experts`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt
 STEPS = 200
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+FAMILIES = {"nemotron_h": {}, "qwen3_5": {}, "qwen3_5_moe": {},
+            "nemotron_h_moe": {"family": "nemotron_h", "pattern": "ME*EME"}}
+"""Each recurrent family (Mamba2; gated DeltaNet), and each with MoE feed-forwards (the
+routed experts on the kernel's grouped calls)."""
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def model_dir(request, tmp_path_factory):
-    """The tiny seeded checkpoint of each recurrent family (Mamba2; gated DeltaNet)."""
-    return make_checkpoint(tmp_path_factory.mktemp(f"fastpath-{request.param}"),
-                           family=request.param)
+    """The tiny seeded checkpoint of each family."""
+    fields = FAMILIES[request.param] or {"family": request.param}
+    return make_checkpoint(tmp_path_factory.mktemp(f"fastpath-{request.param}"), **fields)
 
 
 def _workload() -> list[tuple[int, Request]]:
