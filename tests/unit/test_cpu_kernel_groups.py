@@ -60,13 +60,39 @@ def test_grouped_linear_is_each_runs_linear(kernel, threads):
         for t in (1, 2):
             torch.set_num_threads(t)
             for isa in ISAS:
-                assert torch.equal(kernel.grouped_linear(x, w, counts, isa), want), (dtype, t)
+                got = kernel.grouped_linear(x, w, counts, isa=isa)
+                assert torch.equal(got, want), (dtype, t)
+        rows = torch.tensor([3, 0, 0, 8, 1, 2, 7, 7, 5])  # gathered rows, repeats
+        assert torch.equal(kernel.grouped_linear(x, w, counts, rows),
+                           kernel.grouped_linear(x[rows], w, counts))
     assert torch.equal(kernel.grouped_linear(x[:0], stack, torch.zeros(6, dtype=torch.long)),
                        torch.empty(0, 70))
     with pytest.raises(RuntimeError, match="counts hold 8 rows, x has 9"):
         kernel.grouped_linear(x, stack, torch.tensor([0, 0, 8, 0, 0, 0]))
     with pytest.raises(RuntimeError, match="counts must be"):
         kernel.grouped_linear(x, stack, torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="row 9 of x with 9"):
+        kernel.grouped_linear(x, stack, counts, torch.tensor([9] * 9))
+
+
+def test_moe_sort_and_combine_are_argsort_bincount_and_index_add(kernel):
+    g = torch.Generator().manual_seed(5)
+    experts = torch.stack([torch.randperm(10, generator=g)[:3] for _ in range(7)])  # [7, 3]
+    weights = torch.rand(7, 3, generator=g)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    pair, token, counts = kernel.moe_sort(experts, 0, 10, 10)
+    assert torch.equal(pair, order) and torch.equal(token, order // 3)
+    assert torch.equal(counts, torch.bincount(flat, minlength=10))
+    ys = torch.randn(21, 33, generator=g)
+    want = torch.zeros(7, 33).index_add_(0, order // 3, ys * weights.flatten()[order, None])
+    assert torch.equal(kernel.moe_combine(ys, pair, token, weights.flatten(), 7), want)
+    # experts [4, 7) held here: their pairs only, in the same order; counts still of all 10
+    pair, token, counts = kernel.moe_sort(experts, 4, 3, 10)
+    assert torch.equal(pair, order[(flat[order] >= 4) & (flat[order] < 7)])
+    assert torch.equal(counts, torch.bincount(flat, minlength=10))
+    with pytest.raises(RuntimeError, match="expert 12 of 10"):
+        kernel.moe_sort(torch.tensor([[12]]), 0, 10, 10)
 
 
 def _layer(n: int, k: int, dtype, bias: bool = False, seed: int = 0) -> FastLinear:

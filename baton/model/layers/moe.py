@@ -122,22 +122,16 @@ def run_experts(
 
 
 def _kernel_experts(kernel, x, routing: Routing, up, down, act, first: int, total: int):
-    """`run_experts` on Baton's kernel: every active expert's matmul in one `grouped_linear`
-    call (each row's result independent of the run it is in), no host round trip, no Python
-    loop over experts."""
-    n, k = routing.experts.shape
+    """`run_experts` on Baton's kernel: the pairs sorted by expert in C++ (`moe_sort`: no
+    sort call, no host round trip), every active expert's matmul in one `grouped_linear` call
+    (each row's result independent of the run it is in; the first gathers each pair's token
+    row itself), and the weighted sum as `index_add_` does it (`moe_combine`)."""
+    n = routing.experts.shape[0]
     held = up.shape[0]
-    flat = routing.experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=total or held)
+    pair, token, counts = kernel.moe_sort(routing.experts, first, held, total or held)
     mine = counts[first:first + held]
-    if held != counts.shape[0]:  # expert parallel: the held experts' pairs are one run
-        lo = int(counts[:first].sum())
-        order = order[lo:lo + int(mine.sum())]
-    token = order // k
-    ys = kernel.grouped_linear(act(kernel.grouped_linear(x[token], up, mine)), down, mine)
-    out = torch.zeros(n, down.shape[1], dtype=torch.float32)
-    out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
+    ys = kernel.grouped_linear(act(kernel.grouped_linear(x, up, mine, token)), down, mine)
+    out = kernel.moe_combine(ys, pair, token, routing.weights.reshape(-1), n)
     return out.to(x.dtype), counts
 
 

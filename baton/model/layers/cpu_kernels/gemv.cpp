@@ -20,9 +20,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstring>
 #include <vector>
 
 #include "gemv_kernels.h"
@@ -60,12 +62,31 @@ void check_w(const at::Tensor& w, int64_t dims, int64_t k) {
 }
 
 // x padded with zeros to whole 16-lane chunks; one line more a row, so rows a multiple of
-// 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set.
-at::Tensor padded(const at::Tensor& x) {
-  const int64_t k = x.size(1), ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
-  at::Tensor xp = at::zeros({x.size(0), ldx}, x.options());
-  xp.narrow(1, 0, k).copy_(x);
-  return xp;
+// 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set. In a scratch buffer of the
+// calling thread, reused call to call (a tensor would cost ~5 ATen calls per matmul: a tenth
+// of a small layer's time at batch 1), valid until its next call.
+struct Padded {
+  const float* p;
+  int64_t ld;
+};
+
+// `rows` (optional, long): row r of the result is x[rows[r]] (MoE: each pair's token).
+Padded padded(const at::Tensor& x, const at::Tensor& rows = at::Tensor()) {
+  const int64_t m = rows.defined() ? rows.numel() : x.size(0), k = x.size(1);
+  const int64_t ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < m * ldx) buf.resize(m * ldx);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const float* src = xc.data_ptr<float>();
+  const int64_t* idx = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = idx ? idx[i] : i;
+    TORCH_CHECK(r >= 0 && r < x.size(0), "cpu kernel: row ", r, " of x with ", x.size(0));
+    float* row = buf.data() + i * ldx;
+    std::memcpy(row, src + r * xc.stride(0), k * sizeof(float));
+    std::memset(row + k, 0, (ldx - k) * sizeof(float));
+  }
+  return {buf.data(), ldx};
 }
 
 int pick(int64_t isa) { return isa < 0 || isa > best_isa() ? best_isa() : static_cast<int>(isa); }
@@ -82,9 +103,9 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  at::Tensor xp = padded(x);
+  const Padded xp = padded(x);
   const int is = pick(isa);
-  Args a{xp.data_ptr<float>(), xp.size(1), w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n,
+  Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n,
          m, b.defined() ? b.data_ptr<float>() : nullptr};
   const int64_t blocks = (n + 7) / 8;
   at::parallel_for(0, blocks, grain_blocks(k, wt == kF32 ? 4 : 2), [&](int64_t b0, int64_t b1) {
@@ -109,7 +130,7 @@ at::Tensor linear_cat(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa) {
   const int64_t total = col.back();
   at::Tensor y = at::empty({m, total}, x.options());
   if (m == 0 || total == 0) return y;
-  at::Tensor xp = padded(x);
+  const Padded xp = padded(x);
   const int is = pick(isa);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
@@ -118,7 +139,7 @@ at::Tensor linear_cat(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa) {
       if (lo >= hi) continue;
       const at::Tensor& w = ws[i];
       const int64_t n = w.size(0);
-      Args a{xp.data_ptr<float>(), xp.size(1), w.data_ptr(), w.stride(0), k, yp + col[i], total,
+      Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp + col[i], total,
              m, nullptr};
       run_range(a, is, weight_type(w), (lo - first_block[i]) * 8,
                 std::min((hi - first_block[i]) * 8, n));
@@ -131,9 +152,16 @@ at::Tensor linear_cat(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa) {
 // of the stack w [E, N, K] (summing to M): rows [start_e, start_e + counts[e]) times expert e.
 // Each output is computed exactly as `linear(x rows, w[e])` computes it, so a row's result
 // does not depend on the other rows of its run. One call for all of a layer's active experts.
-at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts, int64_t isa) {
+at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts,
+                          c10::optional<at::Tensor> rows, int64_t isa) {
   check_x(x);
-  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor ri;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->device().is_cpu(),
+                "cpu kernel: rows must be 1-d long on CPU, got ", rows->sizes());
+    ri = rows->contiguous();
+  }
+  const int64_t m = ri.defined() ? ri.numel() : x.size(0), k = x.size(1);
   check_w(w, 3, k);
   TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == at::kLong &&
               counts.dim() == 1 && counts.size(0) == w.size(0),
@@ -143,34 +171,94 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts, int64_t
   const int64_t n = w.size(1);
   at::Tensor c = counts.contiguous();
   const int64_t* cp = c.data_ptr<int64_t>();
-  std::vector<int64_t> expert, start, rows;  // the active experts' runs
+  std::vector<int64_t> expert, start, run_rows;  // the active experts' runs
   int64_t at = 0;
   for (int64_t e = 0; e < w.size(0); ++e) {
     TORCH_CHECK(cp[e] >= 0, "cpu kernel: expert ", e, " has ", cp[e], " rows");
     if (cp[e] == 0) continue;
-    expert.push_back(e), start.push_back(at), rows.push_back(cp[e]);
+    expert.push_back(e), start.push_back(at), run_rows.push_back(cp[e]);
     at += cp[e];
   }
   TORCH_CHECK(at == m, "cpu kernel: counts hold ", at, " rows, x has ", m);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  at::Tensor xp = padded(x);
+  const Padded xp = padded(x, ri);
   const int is = pick(isa);
-  const int64_t nb = (n + 7) / 8, es = wt == kF32 ? 4 : 2, ldx = xp.size(1);
+  const int64_t nb = (n + 7) / 8, es = wt == kF32 ? 4 : 2, ldx = xp.ld;
   const int64_t groups = static_cast<int64_t>(expert.size());
   const char* wp = static_cast<const char*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
-  const float* xpp = xp.data_ptr<float>();
+  const float* xpp = xp.p;
   at::parallel_for(0, groups * nb, grain_blocks(k, es), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const int64_t g = b / nb, end = std::min(b1, (g + 1) * nb);
       Args a{xpp + start[g] * ldx, ldx, wp + expert[g] * w.stride(0) * es, w.stride(1), k,
-             yp + start[g] * n, n, rows[g], nullptr};
+             yp + start[g] * n, n, run_rows[g], nullptr};
       run_range(a, is, wt, (b - g * nb) * 8, std::min((end - g * nb) * 8, n));
       b = end;
     }
   });
   return y;
+}
+
+// A MoE layer's routing bookkeeping, with no sort call and no host round trip: experts
+// [N, k] long, each token's choices. The (token, choice) pairs p = token * k + choice whose
+// expert is held here ([first, first + held) of `total`), ordered by expert and, within one,
+// by p (a stable counting sort); returns (pairs [P], their tokens [P], counts [total]: pairs
+// per expert over all experts).
+std::vector<at::Tensor> moe_sort(at::Tensor experts, int64_t first, int64_t held,
+                                 int64_t total) {
+  TORCH_CHECK(experts.device().is_cpu() && experts.scalar_type() == at::kLong &&
+              experts.dim() == 2, "cpu kernel: experts must be [N, k] long on CPU, got ",
+              experts.sizes(), " ", experts.scalar_type());
+  TORCH_CHECK(first >= 0 && held >= 0 && first + held <= total, "cpu kernel: experts [", first,
+              ", ", first + held, ") not within ", total);
+  const at::Tensor e = experts.contiguous();
+  const int64_t pairs = e.numel(), k = e.size(1);
+  const int64_t* ep = e.data_ptr<int64_t>();
+  at::Tensor counts = at::zeros({total}, e.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ep[p] >= 0 && ep[p] < total, "cpu kernel: expert ", ep[p], " of ", total);
+    ++cp[ep[p]];
+  }
+  std::vector<int64_t> next(held + 1, 0);
+  for (int64_t i = 0; i < held; ++i) next[i + 1] = next[i] + cp[first + i];
+  at::Tensor order = at::empty({next[held]}, e.options()), token = at::empty_like(order);
+  int64_t *op = order.data_ptr<int64_t>(), *tp = token.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t i = ep[p] - first;
+    if (i < 0 || i >= held) continue;
+    const int64_t at = next[i]++;
+    op[at] = p, tp[at] = p / k;
+  }
+  return {order, token, counts};
+}
+
+// out [n, d] float32: zeros, then for each sorted pair q in order
+// out[token[q]] += ys[q] * weights[pair[q]] (the product rounded, then the sum: what
+// `index_add_` of the weighted rows does, in the same order). weights: [N * k] float32.
+at::Tensor moe_combine(at::Tensor ys, at::Tensor pair, at::Tensor token, at::Tensor weights,
+                       int64_t n) {
+  TORCH_CHECK(ys.scalar_type() == at::kFloat && ys.dim() == 2 && weights.scalar_type() ==
+              at::kFloat && pair.numel() == ys.size(0) && token.numel() == ys.size(0),
+              "cpu kernel: moe_combine wants ys [P, d] and weights float32, P pairs and tokens");
+  const at::Tensor y = ys.contiguous(), w = weights.contiguous();
+  const at::Tensor pc = pair.contiguous(), tc = token.contiguous();
+  const int64_t d = y.size(1), P = y.size(0);
+  at::Tensor out = at::zeros({n, d}, y.options());
+  const float *yp = y.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const int64_t *pp = pc.data_ptr<int64_t>(), *tp = tc.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t q = 0; q < P; ++q) {
+    TORCH_CHECK(tp[q] >= 0 && tp[q] < n && pp[q] >= 0 && pp[q] < w.numel(),
+                "cpu kernel: pair ", pp[q], " token ", tp[q], " out of range");
+    const float wt = wp[pp[q]];
+    float* orow = o + tp[q] * d;
+    const float* yr = yp + q * d;
+    for (int64_t j = 0; j < d; ++j) orow[j] = orow[j] + yr[j] * wt;
+  }
+  return out;
 }
 
 std::string isa_name() {
@@ -188,6 +276,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_cat", &linear_cat, "[x @ w.T for w in ws] side by side, one call (gemv.cpp)",
         py::arg("x"), py::arg("ws"), py::arg("isa") = -1);
   m.def("grouped_linear", &grouped_linear, "x's runs of rows times their experts (gemv.cpp)",
-        py::arg("x"), py::arg("w"), py::arg("counts"), py::arg("isa") = -1);
+        py::arg("x"), py::arg("w"), py::arg("counts"), py::arg("rows") = py::none(),
+        py::arg("isa") = -1);
+  m.def("moe_sort", &moe_sort, "a MoE layer's pairs sorted by expert, and the expert counts",
+        py::arg("experts"), py::arg("first"), py::arg("held"), py::arg("total"));
+  m.def("moe_combine", &moe_combine, "the weighted sum of each token's expert rows",
+        py::arg("ys"), py::arg("pair"), py::arg("token"), py::arg("weights"), py::arg("n"));
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
 }
