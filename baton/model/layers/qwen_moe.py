@@ -74,7 +74,7 @@ class QwenSparseMoe(nn.Module):
         routing = Routing(r.experts, r.weights.to(logits.dtype))  # transformers casts back
         routed, counts = run_experts(flat, routing, self.experts.gate_up_proj,
                                      self.experts.down_proj, self._swiglu)
-        self.routed_tokens += counts
+        self.routed_tokens.add_(counts)  # in place: no Module.__setattr__
         if outs is None:
             shared = F.sigmoid(self.shared_expert_gate(flat)) * se(flat)
         else:  # sigmoid_by_element: a token's gate whatever the batch (speculative verify)
