@@ -24,6 +24,7 @@ import torch
 
 from baton.config.speculative import SpeculativeConfig, TreeConfig
 from baton.engine.request import Request, RequestOutput
+from baton.engine.speculative import kernel_verify
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
 from baton.engine.speculative.rejection import accept_sampled
@@ -123,6 +124,13 @@ class SpeculativeDecoder:
         """Where the decode steps' time went: MTP passes (pending entries and drafts), the
         target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
         self.steps = 0
+
+    def on_fast_path(self) -> bool:
+        """Whether this engine's steps may run on the fast decode path: its verify passes
+        then equal plain fast decode (kernel_verify); a pipeline's stages keep the reference
+        path (each stage process decides for itself: see pipeline/launch.py)."""
+        return not hasattr(self.model, "verify") and \
+            kernel_verify.applies(self.pools, self.tree is not None)
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),

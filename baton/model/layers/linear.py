@@ -106,22 +106,23 @@ class FastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
+        fast = (rows > 0 and decode_path() == "fast" and getattr(_local, "decoding", False)
+                and x.dtype == torch.float32 and x.device.type == "cpu")
+        kernel = cpu_kernels.gemv() if fast else None
+        if kernel is not None and w.dtype in (torch.float32, *HALF):
+            # Baton's kernel, at any row count: each output element summed in one fixed order
+            # (a row alone equals the same row in any batch, at any thread count, so a verify
+            # pass of K+1 rows a request equals plain decode), faster than both below.
+            x2 = x.reshape(rows, x.shape[-1])
+            bias = None if self.bias is None else self.bias.float()
+            return kernel.linear(x2, self._packed(), bias).view(*x.shape[:-1], w.shape[0])
         if w.dtype in HALF and x.dtype == torch.float32:
             return _half_linear(x, rows, w, self.bias)
-        if (rows > MAX_PACKED_ROWS or rows == 0 or decode_path() != "fast"
-                or not getattr(_local, "decoding", False)
-                or x.dtype != torch.float32 or w.dtype != torch.float32
-                or x.device.type != "cpu"):
-            return F.linear(x, w, self.bias)
-        kernel = cpu_kernels.gemv()
-        if kernel is None and not _packed_ok():
+        if (not fast or rows > MAX_PACKED_ROWS or w.dtype != torch.float32
+                or not _packed_ok()):
             return F.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
-        if kernel is not None:
-            # Baton's kernel: each output element summed in one fixed order (a row alone equals
-            # the same row in any batch, at any thread count), faster than both below.
-            y = kernel.linear(x2, self._packed(), self.bias)
-        elif rows == 1 and w.shape[0] >= w.shape[1]:
+        if rows == 1 and w.shape[0] >= w.shape[1]:
             # One row: MKL's sgemm on the weight stored [in, out] streams it at close to the
             # memory bandwidth, 1.2-1.45x faster than oneDNN for the wide layers (in_proj,
             # up_proj, lm_head); at 2+ rows, or narrow layers, it is no faster or slower.
