@@ -380,10 +380,11 @@ class SpeculativeDecoder:
 
 def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
     """Fewer drafts (the most first) until the verify pass has at most MAX_PACKED_ROWS rows,
-    when plain decode of the batch would have at most that many: decode's matmuls of up to
-    that many rows take the fast path's packed kernels (BATON_DECODE_PATH=fast), larger
-    ones MKL's, which rounds differently; within one kernel a row's bits do not depend on
-    the row count, so the verify pass equals plain decode again."""
+    when plain decode of the batch would have at most that many: half-precision weights
+    (`model.weight_dtype`) take Baton's kernel for up to that many rows on the reference
+    path, and larger matmuls an upcast copy on MKL, which rounds differently; within one
+    kernel a row's bits do not depend on the row count, so the verify pass equals plain
+    decode again. (On the fast path the kernel takes every row count: `kernel_verify`.)"""
     if len(reqs) > MAX_PACKED_ROWS:
         return
     extra = len(reqs) + sum(ks.values()) - MAX_PACKED_ROWS

@@ -2,8 +2,9 @@
 recurrent state kept after every position so a rejected draft rolls back exactly.
 
 Numerics are the decode path's, position by position, so a verified token is the one plain
-decoding would have produced (the layers run marked as decode, `decode_scope`, so the opt-in
-fast path's linear kernels round here as they do in decode):
+decoding would have produced. On the fast decode path (chains, float32 pools, the kernels
+built) every layer runs decode's own kernels: `kernel_verify`. Otherwise (the reference path,
+which an engine whose passes cannot take the kernels runs on):
 
     rows (r, j)    request r's position n_r + j, ordered by request then position
     norms, MLPs    every row at once (row-wise ops)

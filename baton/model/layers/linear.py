@@ -29,16 +29,18 @@ about 1e-6 between a row alone and the same row in a batch. Where it cannot be b
 compiler), the previous fast path and the chunked upcast remain, with one line in the log.
 
 `install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
-the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, at most
-`MAX_PACKED_ROWS` rows in fp32 on CPU take the kernel (or the packed path); everything else
-(all of prefill, so a prompt's logits do not depend on how it was chunked or batched; CUDA;
-low-precision models) plain `F.linear`. Half weights take the kernel at up to
-`MAX_PACKED_ROWS` rows on either path (judged by their own parity test). The fast path is
-opt-in (`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
-unoptimised path, bit for bit what it was): it rounds differently from MKL, and speculative
-verification (tests/unit/test_speculative.py) requires a verify pass to equal plain decode bit
-for bit. tests/unit/test_decode_fast_path.py compares the two paths,
-tests/unit/test_cpu_linear_kernel.py the kernel's accuracy and contract.
+the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, fp32
+activations on CPU take the kernel at any row count (also faster than MKL at 64-256 rows:
+0.6-0.9x its time on this machine), so a speculative verify pass of K+1 rows a request
+rounds every row as plain decode does (`baton.engine.speculative.kernel_verify`); without the
+kernel, at most `MAX_PACKED_ROWS` rows take the packed path. Everything else (all of prefill,
+so a prompt's logits do not depend on how it was chunked or batched; CUDA; low-precision
+models) runs plain `F.linear`. Half weights take the kernel at up to `MAX_PACKED_ROWS` rows
+on the reference path too (judged by their own parity test). The fast path is opt-in
+(`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
+unoptimised path, bit for bit what it was): it rounds differently from MKL.
+tests/unit/test_decode_fast_path.py compares the two paths, tests/unit/test_cpu_linear_kernel.py
+the kernel's accuracy and contract.
 """
 
 from __future__ import annotations
@@ -80,9 +82,9 @@ def decode_path() -> str:
 @contextlib.contextmanager
 def reference_scope():
     """The calls inside run on the reference path whatever the process's: an engine that
-    speculates (its verify pass of K+1 rows must equal plain decode bit for bit, which the fast
-    path's compiled one-row steps do not promise; its linears do when Baton's kernel is built,
-    `cpu_kernels.gemv() is not None`, not on the oneDNN / MKL fallback)."""
+    speculates where its verify pass cannot run on the fast path's kernels (a tree, a
+    pipeline, a kernel not built: `kernel_verify.applies`), so that it equals plain decode
+    bit for bit there."""
     before = getattr(_local, "path", None)
     _local.path = "reference"
     try:
