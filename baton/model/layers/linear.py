@@ -120,6 +120,10 @@ class FastLinear(nn.Linear):
             return kernel.linear(x2, self._packed(), bias).view(*x.shape[:-1], w.shape[0])
         if w.dtype in HALF and x.dtype == torch.float32:
             return _half_linear(x, rows, w, self.bias)
+        if (rows > 0 and not getattr(_local, "decoding", False) and decode_path() == "fast"
+                and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
+                and _packed_ok()):
+            return _prefill_linear(x, rows, w, self.bias)
         if (not fast or rows > MAX_PACKED_ROWS or w.dtype != torch.float32
                 or not _packed_ok()):
             return F.linear(x, w, self.bias)
@@ -162,6 +166,21 @@ class FastLinear(nn.Linear):
             object.__setattr__(self, "_baton_packed", (key, packed))  # not a buffer: no state
             cached = self._baton_packed
         return cached[1]
+
+
+def _prefill_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:
+    """A prefill matmul on the fast path: oneDNN on the weight as it lies (no reordered copy
+    is kept; oneDNN blocks it per call, which is noise beside a prefill's matmul). On this
+    machine 1.2-1.4x faster than MKL's sgemm at 256-2048 rows (about 100 against 80 GFLOP/s
+    on one thread), and a row's result does not depend on the rows beside it from two rows
+    up, nor on the thread count; one row takes another path, so it is computed as two
+    (itself twice): a prompt's logits then do not depend on how it was chunked or batched."""
+    k = x.shape[-1]
+    x2 = x.reshape(rows, k)
+    if rows == 1:
+        x2 = x2.expand(2, k)
+    y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), w, bias, "none", [], "")
+    return y[:rows].view(*x.shape[:-1], w.shape[0])
 
 
 HALF_CHUNK = 256
