@@ -252,10 +252,12 @@ class Engine:
         """One step. A failure is confined to the requests it concerns: a request the pools
         can never hold, or whose blocks, snapshot or draw fail, ends alone with an ERROR
         output; a forward pass that raises ends the requests of that forward only (their
-        state is half-updated), never the rest of the batch. An engine that speculates runs
-        on the reference decode path (`BATON_DECODE_PATH=fast` is for engines that do not):
-        greedy output stays identical to speculation off."""
-        if self.spec is None:
+        state is half-updated), never the rest of the batch. An engine that speculates keeps
+        the fast decode path (`BATON_DECODE_PATH=fast`) where its verify passes run on the
+        same kernels as plain decode (`kernel_verify`: chains on float32 pools, one process),
+        else runs on the reference path: greedy output stays identical to speculation off
+        either way."""
+        if self.spec is None or self.spec.on_fast_path():
             return self._step()
         with reference_scope():
             return self._step()

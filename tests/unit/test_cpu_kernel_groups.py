@@ -118,7 +118,8 @@ def test_fused_linears_on_the_fast_path_only(kernel):
                 # a bare weight; a layer with a bias is not fused
                 assert torch.equal(linear.fused_linears(x, layers[0].weight)[0], outs[0])
                 assert linear.fused_linears(x, _layer(8, 96, torch.float32, bias=True)) is None
-                assert linear.fused_linears(torch.randn(65, 96), *layers) is None  # prefill
+                many = torch.randn(80, 96)  # a verify pass's rows: any row count
+                assert torch.equal(linear.fused_linears(many, *layers)[1], layers[1](many))
         linear.set_decode_path("reference")
         with torch.no_grad(), linear.decode_scope():
             assert linear.fused_linears(x, *layers) is None

@@ -130,6 +130,42 @@ def test_fast_linear_takes_the_kernel_for_decode_rows(kernel, fast_path, dtype):
         assert lin._baton_packed[1].data_ptr() == lin.weight.data_ptr()
 
 
+def test_fast_linear_takes_the_kernel_for_verify_sized_decode_rows(kernel, fast_path):
+    """More than MAX_PACKED_ROWS decode rows (a verify pass of K+1 rows a request) stay on
+    the kernel: each row as it is alone."""
+    lin = _fast_linear(48, 80, torch.float32)
+    x = torch.randn(linear.MAX_PACKED_ROWS * 2 + 3, 80)
+    with torch.no_grad(), decode_scope():
+        y = lin(x)
+        assert torch.equal(y[7:8], lin(x[7:8]))
+    assert torch.equal(y, kernel.linear(x, lin.weight, lin.bias))
+
+
+def test_fast_path_prefill_rows_do_not_depend_on_their_chunk_nor_threads(fast_path):
+    """Prefill matmuls on the fast path (oneDNN on the weight in place): a row's result is
+    the same bits in a chunk of 1, 2, 3, 17 or 300 rows, at 1 and 2 threads, and within
+    float32 rounding of float64."""
+    lin = _fast_linear(200, 96, torch.float32)
+    x = torch.randn(300, 96)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            full = lin(x[None])[0]
+            torch.set_num_threads(2)
+            assert torch.equal(lin(x), full)
+            for m in (1, 2, 3, 17):
+                assert torch.equal(lin(x[5:5 + m]), full[5:5 + m]), m
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    assert float((full.double() - ref).abs().max()) < 1e-4
+    linear.set_decode_path("reference")  # the reference path: MKL's sgemm, as it was
+    with torch.no_grad():
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
 def test_without_the_kernel_the_fast_path_is_onednn_and_mkl(monkeypatch, fast_path):
     monkeypatch.setitem(cpu_kernels._cache, "gemv", None)
     lin = _fast_linear(96, 80, torch.float32)

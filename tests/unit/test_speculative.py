@@ -74,6 +74,10 @@ def _run(model_dir, k, stops: dict[str, int]):
 
 @pytest.fixture(scope="module")
 def reference(agree_dir):
+    return _reference(agree_dir)
+
+
+def _reference(agree_dir):
     """Speculation off; stop tokens picked from its own greedy answers (a token inside
     each); with them the answers are these cut after the stop token's first occurrence (a
     stop only ends a greedy answer)."""
@@ -92,6 +96,10 @@ def reference(agree_dir):
 
 @pytest.mark.parametrize("k", [1, 3, 5, "tree"])
 def test_greedy_identical_to_speculation_off(agree_dir, reference, k):
+    _assert_identical(agree_dir, reference, k)
+
+
+def _assert_identical(agree_dir, reference, k):
     stops, off = reference
     eng, on = _run(agree_dir, k, stops)
     sampled = {r.id for r in _workload(stops) if not r.sampling.greedy}
@@ -247,36 +255,88 @@ def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
         assert (logits[:, j] - refs[j]).abs().max() < 1e-5
 
 
-def test_a_speculating_engine_decodes_on_the_reference_path_under_the_fast_path(tmp_path,
-                                                                              monkeypatch):
-    """`BATON_DECODE_PATH=fast` rounds a one-row decode (compiled fused steps, packed kernels)
-    differently from a verify pass of K+1 rows, so an engine that speculates runs every step
-    in `reference_scope`: there a verify pass equals plain decode bit for bit (rows and
-    states), every verify of the engine runs on the reference path, and greedy output equals
-    speculation off."""
-    from baton.engine.speculative import decoder
-    from baton.model.layers.linear import decode_path, reference_scope, set_decode_path
-    from baton.model.loader import load_model
-    from baton.model.make_model import write_checkpoint
+@pytest.fixture
+def fast_path():
+    """The fast decode path with both kernel modules (its verify passes take the kernels)."""
+    from baton.model.layers import cpu_kernels, step_kernels
+    from baton.model.layers.linear import set_decode_path
 
-    recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
+    if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
+        pytest.skip("Baton's CPU kernels are not built on this machine")
+    old = set_decode_path("fast")
+    yield
+    set_decode_path(old)
+
+
+def test_verify_rows_equal_plain_decode_on_the_fast_path_kernels(model_tiny, tmp_path,
+                                                                  fast_path):
+    """On the fast path a verify pass is plain fast decode bit for bit, attention included
+    (each row reads exactly its own keys through the kernel), on NemotronH and on Qwen3.5
+    (gated DeltaNet, gated attention): logits and the state after every position."""
+    from baton.model.loader import load_model
+
+    _assert_verify_equals_decode_bit_for_bit(model_tiny)
+    _assert_verify_equals_decode_bit_for_bit(
+        load_model(agreeing_qwen_checkpoint(tmp_path)))
+
+
+def test_a_speculating_engine_keeps_the_fast_path_and_a_tree_the_reference(tmp_path,
+                                                                          monkeypatch,
+                                                                          fast_path):
+    """Under `BATON_DECODE_PATH=fast` a chain-speculating engine verifies on the fast path
+    (and its greedy output equals a fast engine with speculation off); a tree's verify pass
+    is not one query a row, so a tree engine runs every step on the reference path, and its
+    output equals a reference engine with speculation off."""
+    from baton.engine.speculative import decoder
+    from baton.model.layers.linear import decode_path, reference_scope
+
+    paths = []
+    verify = decoder.verify_forward
+    monkeypatch.setattr(decoder, "verify_forward",
+                        lambda *a, **k: (paths.append(decode_path()), verify(*a, **k))[1])
+    ck = agreeing_checkpoint(tmp_path)
+    reqs = [(f"r{i}", prompt(60 + i, 5 + 9 * i)) for i in range(4)]
+
+    def tokens(**spec):
+        eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative=spec)
+        return run_all(eng, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
+
+    chain = tokens(num_draft_tokens=3)
+    assert paths and set(paths) == {"fast"}
+    assert chain == tokens()
+    paths.clear()
+    tree = tokens(num_draft_tokens=3, tree=TREE)
+    assert paths and set(paths) == {"reference"} and decode_path() == "fast"
+    with reference_scope():
+        assert tree == tokens()
+
+
+@pytest.fixture(scope="module")
+def fast_reference(agree_dir):
+    """`reference` on the fast decode path (skipped without the kernels)."""
+    from baton.model.layers import cpu_kernels, step_kernels
+    from baton.model.layers.linear import set_decode_path
+
+    if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
+        pytest.skip("Baton's CPU kernels are not built on this machine")
     old = set_decode_path("fast")
     try:
-        with reference_scope():
-            _assert_verify_equals_decode_bit_for_bit(recurrent)
-        paths = []
-        verify = decoder.verify_forward
-        monkeypatch.setattr(decoder, "verify_forward",
-                            lambda *a, **k: (paths.append(decode_path()), verify(*a, **k))[1])
-        ck = agreeing_checkpoint(tmp_path)
-        reqs = [(f"r{i}", prompt(60 + i, 5 + 9 * i)) for i in range(4)]
-        spec = engine_for(ck, worker={"max_num_seqs": 4}, speculative={"num_draft_tokens": 3})
-        got = run_all(spec, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
-        assert decode_path() == "fast" and paths and set(paths) == {"reference"}
+        yield _reference(agree_dir)
     finally:
         set_decode_path(old)
-    plain = engine_for(ck, worker={"max_num_seqs": 4})
-    assert got == run_all(plain, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
+
+
+def test_greedy_identical_to_speculation_off_on_the_fast_path(agree_dir, fast_reference):
+    """The 54-request workload at K=3 on the fast decode path (verify on the kernels) equals
+    the fast path with speculation off, every greedy token, with acceptance, prefix hits and
+    stop tokens inside accepted drafts."""
+    from baton.model.layers.linear import set_decode_path
+
+    old = set_decode_path("fast")
+    try:
+        _assert_identical(agree_dir, fast_reference, 3)
+    finally:
+        set_decode_path(old)
 
 
 def _context_head(root):

@@ -1,7 +1,9 @@
 """The fast path's C++ step kernels (baton.model.layers.step_kernels) against the torch steps
 they replace (baton.model.layers.fused, run eagerly), on slots that are not consecutive and not
 in order: each kernel updates exactly its batch's pool rows, in place, and leaves every other
-row as it was (bit for bit); results agree to float32 rounding (sums in another order)."""
+row as it was (bit for bit); results agree to float32 rounding (sums in another order). With
+destination slots apart from the source ones (a verify pass's next position) the recurrent
+kernels write exactly the in-place result there and leave the sources as they were."""
 
 from __future__ import annotations
 
@@ -15,6 +17,19 @@ K = kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="step kernels not built on this machine")
 SLOTS = torch.tensor([5, 1, 3])
 OTHERS = [0, 2, 4, 6]
+DST = torch.tensor([2, 6, 0])
+
+
+def _moved(step, inputs, pools: list[torch.Tensor], in_place: list[torch.Tensor], got):
+    """`step` from SLOTS into DST on the pools as they were: the same output and the in-place
+    states, bit for bit, in DST; every other row unchanged."""
+    before = [p.clone() for p in pools]
+    out = step(inputs, pools, SLOTS, DST)
+    assert torch.equal(out, got)
+    for p, b, want in zip(pools, before, in_place, strict=True):
+        assert torch.equal(p[DST], want)
+        keep = [i for i in range(p.shape[0]) if i not in DST.tolist()]
+        assert torch.equal(p[keep], b[keep])
 
 
 def _gen():
@@ -34,12 +49,14 @@ def test_mamba2_step_updates_its_slots_in_place():
     want_conv, want_ssm = conv[SLOTS].clone(), ssm[SLOTS].clone()
     want = fused.mamba2_step(*dims, zx, want_conv, want_ssm, *params)
     before_conv, before_ssm = conv.clone(), ssm.clone()
-    got = K.mamba2_step(zx, conv, ssm, SLOTS, *params, *dims)
+    got = K.mamba2_step(zx, conv, ssm, SLOTS, SLOTS, *params, *dims)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv[SLOTS], want_conv, rtol=0, atol=0)  # a shift: exact
     torch.testing.assert_close(ssm[SLOTS], want_ssm, rtol=1e-5, atol=1e-6)
     assert torch.equal(conv[OTHERS], before_conv[OTHERS])
     assert torch.equal(ssm[OTHERS], before_ssm[OTHERS])
+    _moved(lambda x, p, s, d: K.mamba2_step(x, *p, s, d, *params, *dims), zx,
+           [before_conv, before_ssm], [conv[SLOTS], ssm[SLOTS]], got)
 
 
 def test_deltanet_step_updates_its_slots_in_place():
@@ -55,12 +72,15 @@ def test_deltanet_step_updates_its_slots_in_place():
     want_conv, want_rec = conv[SLOTS].clone(), rec[SLOTS].clone()
     want = fused.deltanet_step(hk, hv, dk, dv, 1e-6, qkv, want_conv, want_rec, *gates, *params)
     before_conv, before_rec = conv.clone(), rec.clone()
-    got = K.deltanet_step(qkv, conv, rec, SLOTS, *gates, *params, hk, hv, dk, dv, 1e-6)
+    got = K.deltanet_step(qkv, conv, rec, SLOTS, SLOTS, *gates, *params, hk, hv, dk, dv, 1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv[SLOTS], want_conv, rtol=0, atol=0)
     torch.testing.assert_close(rec[SLOTS], want_rec, rtol=1e-5, atol=1e-6)
     assert torch.equal(conv[OTHERS], before_conv[OTHERS])
     assert torch.equal(rec[OTHERS], before_rec[OTHERS])
+    _moved(lambda x, p, s, d: K.deltanet_step(x, *p, s, d, *gates, *params, hk, hv, dk, dv,
+                                              1e-6), qkv,
+           [before_conv, before_rec], [conv[SLOTS], rec[SLOTS]], got)
 
 
 def test_paged_attention_stores_then_reads_through_block_tables():

@@ -24,6 +24,7 @@ import torch
 
 from baton.config.speculative import SpeculativeConfig, TreeConfig
 from baton.engine.request import Request, RequestOutput
+from baton.engine.speculative import kernel_verify
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
 from baton.engine.speculative.rejection import accept_sampled
@@ -123,6 +124,13 @@ class SpeculativeDecoder:
         """Where the decode steps' time went: MTP passes (pending entries and drafts), the
         target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
         self.steps = 0
+
+    def on_fast_path(self) -> bool:
+        """Whether this engine's steps may run on the fast decode path: its verify passes
+        then equal plain fast decode (kernel_verify); a pipeline's stages keep the reference
+        path (each stage process decides for itself: see pipeline/launch.py)."""
+        return not hasattr(self.model, "verify") and \
+            kernel_verify.applies(self.pools, self.tree is not None)
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
@@ -372,10 +380,11 @@ class SpeculativeDecoder:
 
 def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
     """Fewer drafts (the most first) until the verify pass has at most MAX_PACKED_ROWS rows,
-    when plain decode of the batch would have at most that many: decode's matmuls of up to
-    that many rows take the fast path's packed kernels (BATON_DECODE_PATH=fast), larger
-    ones MKL's, which rounds differently; within one kernel a row's bits do not depend on
-    the row count, so the verify pass equals plain decode again."""
+    when plain decode of the batch would have at most that many: half-precision weights
+    (`model.weight_dtype`) take Baton's kernel for up to that many rows on the reference
+    path, and larger matmuls an upcast copy on MKL, which rounds differently; within one
+    kernel a row's bits do not depend on the row count, so the verify pass equals plain
+    decode again. (On the fast path the kernel takes every row count: `kernel_verify`.)"""
     if len(reqs) > MAX_PACKED_ROWS:
         return
     extra = len(reqs) + sum(ks.values()) - MAX_PACKED_ROWS

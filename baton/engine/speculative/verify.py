@@ -2,8 +2,9 @@
 recurrent state kept after every position so a rejected draft rolls back exactly.
 
 Numerics are the decode path's, position by position, so a verified token is the one plain
-decoding would have produced (the layers run marked as decode, `decode_scope`, so the opt-in
-fast path's linear kernels round here as they do in decode):
+decoding would have produced. On the fast decode path (chains, float32 pools, the kernels
+built) every layer runs decode's own kernels: `kernel_verify`. Otherwise (the reference path,
+which an engine whose passes cannot take the kernels runs on):
 
     rows (r, j)    request r's position n_r + j, ordered by request then position
     norms, MLPs    every row at once (row-wise ops)
@@ -25,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from baton.engine.speculative import mamba_verify
+from baton.engine.speculative import kernel_verify, mamba_verify
+from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
 from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
@@ -100,8 +102,8 @@ def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScr
     ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long,
                        device=pools.kv.device)
     h = verify_layers(model, pools, VerifyPlan.of(rows, scratch, tree), embed(model, ids))
-    hidden = final_norm(model, h)
-    with decode_scope():  # as `model.decode` runs its LM head
+    with decode_scope():  # as `model.decode` runs its final norm and LM head
+        hidden = final_norm(model, h)
         return hidden, model.lm_head(hidden).float()
 
 
@@ -123,21 +125,35 @@ def _layers(container) -> list:
 def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> torch.Tensor:
     """The model's (or a stage's) layers over the verify rows' input hiddens h [R, H]
     (`pools`: the layers' own tensors, a stage's local pools)."""
+    with decode_scope():  # decode's kernels (BATON_DECODE_PATH) and their rounding
+        return _verify_layers(model, pools, plan, h)
+
+
+def _verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> torch.Tensor:
     counts = plan.counts
     starts = [sum(counts[:i]) for i in range(len(counts))]
     dev = pools.kv.device
     attn = None
-    if plan.parents is not None:  # a tree: every node reads its path, starts from its parent
+    tree = plan.parents is not None
+    if kernel_verify.applies(pools, tree):  # plain fast decode's kernels, bit for bit
+        steps = kernel_verify.schedule(plan, starts, dev)
+        flat = StepContext(pools, _chain_meta(plan, pools, fused.kernel_attention(pools)), None)
+
+        def on_kernels(mixer, x: torch.Tensor) -> torch.Tensor:
+            if mixer.layer_idx in pools.spec.attn_index:
+                return mixer.decode(x, flat)
+            if kernel_verify.fits(mixer):
+                return kernel_verify.recurrent_rows(mixer, x, flat, steps)
+            return _recurrent(mixer, x, pools, _positions(pools, plan, starts, dev))
+
+        return _run_layers(model, h, on_kernels)
+    if tree:  # a tree: every node reads its path, starts from its parent
         from baton.engine.speculative.tree import tree_levels, tree_verify_meta
 
         attn = tree_verify_meta(plan, pools) if pools.has_kv else None
         per_pos = tree_levels(pools, plan, starts, dev)
     else:
-        if pools.has_kv:
-            pos = torch.tensor([s + j for s, m in zip(plan.starts, counts, strict=True)
-                                for j in range(m)], dtype=torch.long, device=dev)
-            tables = [t for t, m in zip(plan.tables, counts, strict=True) for _ in range(m)]
-            attn = decode_meta(pos, tables, pools)
+        attn = _chain_meta(plan, pools)
         per_pos = _positions(pools, plan, starts, dev)
     flat = StepContext(pools, attn, None)
 
@@ -149,8 +165,19 @@ def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> tor
             return mamba_verify.mamba2_positions(mixer, x, per_pos, counts[0])
         return _recurrent(mixer, x, pools, per_pos)
 
-    with decode_scope():  # decode's linear kernels (BATON_DECODE_PATH): its rounding
-        return _run_layers(model, h, mix)
+    return _run_layers(model, h, mix)
+
+
+def _chain_meta(plan: VerifyPlan, pools: Pools, lean: bool = False):
+    """Attention metadata of a chain pass: its rows as independent one-token queries
+    (`decode_meta`), row (r, j) at position n_r + j; None without attention layers."""
+    if not pools.has_kv:
+        return None
+    counts = plan.counts
+    pos = torch.tensor([s + j for s, m in zip(plan.starts, counts, strict=True)
+                        for j in range(m)], dtype=torch.long, device=pools.kv.device)
+    tables = [t for t, m in zip(plan.tables, counts, strict=True) for _ in range(m)]
+    return decode_meta(pos, tables, pools, lean=lean)
 
 
 def _run_layers(model, h: torch.Tensor, mix) -> torch.Tensor:

@@ -79,26 +79,13 @@ class GatedDeltaNet(nn.Module):
             rec_pool.index_copy_(0, ctx.slots, rec.to(rec_pool.dtype))
         return self._out(o.to(h.dtype), h)
 
-    def _projections(self, h: torch.Tensor) -> list[torch.Tensor]:
-        """(qkv, a, beta logit, z) of h: on the fast path one kernel call for all four (the
-        step kernel reads contiguous rows: copies of the column views, none at batch 1)."""
-        outs = linear.fused_linears(h, self.in_proj_qkv, self.in_proj_a, self.in_proj_b,
-                                    self.in_proj_z)
-        if outs is None:
-            return [self.in_proj_qkv(h), self.in_proj_a(h), self.in_proj_b(h), self.in_proj_z(h)]
-        return [o.contiguous() for o in outs]
-
     def _fused_step(self, h, ctx: StepContext, conv_pool, rec_pool) -> torch.Tensor:
         """The fast path's decode step between the projections: the C++ step kernel on the
         pools' slot rows in place (`step_kernels`), or where it is not built the compiled
         `fused.deltanet_step` on the live slots (views when consecutive, else gathered)."""
-        qkv, a, beta, z = self._projections(h)
-        k = step_kernels.kernels()
-        if k is not None:  # in place in the pools' slot rows, whatever the slots
-            return k.deltanet_step(qkv, conv_pool, rec_pool, ctx.slots, a, beta, z,
-                                   self.conv1d.weight[:, 0], self.dt_bias, self.A_log,
-                                   self.norm.weight, self.hk, self.hv, self.dk, self.dv,
-                                   self.norm.eps)
+        if step_kernels.kernels() is not None:  # in place in the pools' slot rows
+            return self.kernel_step(self.kernel_inputs(h), ctx, ctx.slots, ctx.slots)
+        qkv, a, beta, z = self.kernel_inputs(h)
         in_place = ctx.slot_range is not None
         if in_place:
             conv, rec = conv_pool[ctx.slot_range], rec_pool[ctx.slot_range]
@@ -111,6 +98,27 @@ class GatedDeltaNet(nn.Module):
             conv_pool.index_copy_(0, ctx.slots, conv)
             rec_pool.index_copy_(0, ctx.slots, rec)
         return o
+
+    def kernel_inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows the step kernel reads (`kernel_step`): qkv, a, b and z's projections, on
+        the fast path in one kernel call (`linear.fused_linears`; the step kernel reads
+        contiguous rows: copies of the column views, none at batch 1)."""
+        outs = linear.fused_linears(h, self.in_proj_qkv, self.in_proj_a, self.in_proj_b,
+                                    self.in_proj_z)
+        if outs is None:
+            return (self.in_proj_qkv(h), self.in_proj_a(h), self.in_proj_b(h), self.in_proj_z(h))
+        return tuple(o.contiguous() for o in outs)
+
+    def kernel_step(self, inputs: tuple[torch.Tensor, ...], ctx: StepContext,
+                    src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """The C++ step kernel over rows `inputs` (`kernel_inputs`): each row's state read
+        from slot src[i] and the next one written to slot dst[i] (the same slots in decode;
+        a verify pass's next position elsewhere); returns the gated-normed output."""
+        qkv, a, b, z = inputs
+        return step_kernels.kernels().deltanet_step(
+            qkv, ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "recurrent"), src,
+            dst, a, b, z, self.conv1d.weight[:, 0], self.dt_bias, self.A_log, self.norm.weight,
+            self.hk, self.hv, self.dk, self.dv, self.norm.eps)
 
     def _prefill_states(self, ctx: StepContext):
         """(conv, recurrent) the n sequences start from: their slots', zeros where fresh (a

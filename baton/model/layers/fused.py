@@ -19,8 +19,8 @@ the compiled loop, so no dense [b, kv_heads, keys, hd] history is gathered first
 
 Shapes: only the batch (and, for attention, the key count) are dynamic; every other size is
 baked in, which is what lets inductor vectorise the state loops (a fully dynamic compile was
-1.6-3x slower). The speculative verify pass keeps the reference kernels (it is not a marked
-decode call), so the fast path stays opt-in: see `baton.model.layers.linear`.
+1.6-3x slower). A speculating engine whose verify passes cannot run on the C++ step kernels
+(`baton.engine.speculative.kernel_verify`) decodes on the reference path instead.
 
 Only the fast path calls these, and only on CPU float32; a compiler failure (no C++ toolchain)
 falls back once, with a warning, to running the same function eagerly. Where the C++ step

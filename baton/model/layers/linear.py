@@ -29,19 +29,23 @@ about 1e-6 between a row alone and the same row in a batch. Where it cannot be b
 compiler), the previous fast path and the chunked upcast remain, with one line in the log.
 
 `install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
-the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, at most
-`MAX_PACKED_ROWS` rows in fp32 on CPU take the kernel (or the packed path); everything else
-(all of prefill, so a prompt's logits do not depend on how it was chunked or batched; CUDA;
-low-precision models) plain `F.linear`. `fused_linears` runs a layer's several input
-projections on one input (q/k/v, DeltaNet's in_proj qkv/a/b/z, SwiGLU gate/up, MoE routers
-with the shared expert's input) in one kernel call on that path, the same bits as one call
-each (bench 100m, 1 thread, batch 1: ~1-1.5 ms a step less, Qwen3.5 most). Half weights take the kernel at up to
-`MAX_PACKED_ROWS` rows on either path (judged by their own parity test). The fast path is
-opt-in (`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
-unoptimised path, bit for bit what it was): it rounds differently from MKL, and speculative
-verification (tests/unit/test_speculative.py) requires a verify pass to equal plain decode bit
-for bit. tests/unit/test_decode_fast_path.py compares the two paths,
-tests/unit/test_cpu_linear_kernel.py the kernel's accuracy and contract.
+the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, fp32
+activations on CPU take the kernel at any row count (also faster than MKL at 64-256 rows:
+0.6-0.9x its time on this machine), so a speculative verify pass of K+1 rows a request
+rounds every row as plain decode does (`baton.engine.speculative.kernel_verify`); without the
+kernel, at most `MAX_PACKED_ROWS` rows take the packed path. Prefill on the fast path takes
+oneDNN on the weight in place (`_prefill_linear`: 1.2-1.4x MKL at 256-2048 rows here, and a
+row's bits do not depend on its chunk or the thread count). Everything else (prefill on the
+reference path; CUDA; low-precision models) runs plain `F.linear`. `fused_linears` runs a
+layer's several input projections on one input (q/k/v, DeltaNet's in_proj qkv/a/b/z, SwiGLU
+gate/up, MoE routers with the shared expert's input) in one kernel call on the fast decode
+path, the same bits as one call each (bench 100m, 1 thread, batch 1: ~1-1.5 ms a step less,
+Qwen3.5 most). Half weights take the kernel at up to `MAX_PACKED_ROWS` rows on the reference
+path too (judged by their own parity test). The fast path is opt-in
+(`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
+unoptimised path, bit for bit what it was): it rounds differently from MKL.
+tests/unit/test_decode_fast_path.py compares the two paths, tests/unit/test_cpu_linear_kernel.py
+the kernel's accuracy and contract.
 """
 
 from __future__ import annotations
@@ -83,9 +87,9 @@ def decode_path() -> str:
 @contextlib.contextmanager
 def reference_scope():
     """The calls inside run on the reference path whatever the process's: an engine that
-    speculates (its verify pass of K+1 rows must equal plain decode bit for bit, which the fast
-    path's compiled one-row steps do not promise; its linears do when Baton's kernel is built,
-    `cpu_kernels.gemv() is not None`, not on the oneDNN / MKL fallback)."""
+    speculates where its verify pass cannot run on the fast path's kernels (a tree, a
+    pipeline, a kernel not built: `kernel_verify.applies`), so that it equals plain decode
+    bit for bit there."""
     before = getattr(_local, "path", None)
     _local.path = "reference"
     try:
@@ -109,22 +113,27 @@ class FastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
+        fast = (rows > 0 and decode_path() == "fast" and getattr(_local, "decoding", False)
+                and x.dtype == torch.float32 and x.device.type == "cpu")
+        kernel = cpu_kernels.gemv() if fast else None
+        if kernel is not None and w.dtype in (torch.float32, *HALF):
+            # Baton's kernel, at any row count: each output element summed in one fixed order
+            # (a row alone equals the same row in any batch, at any thread count, so a verify
+            # pass of K+1 rows a request equals plain decode), faster than both below.
+            x2 = x.reshape(rows, x.shape[-1])
+            bias = None if self.bias is None else self.bias.float()
+            return kernel.linear(x2, self._packed(), bias).view(*x.shape[:-1], w.shape[0])
         if w.dtype in HALF and x.dtype == torch.float32:
             return _half_linear(x, rows, w, self.bias)
-        if (rows > MAX_PACKED_ROWS or rows == 0 or decode_path() != "fast"
-                or not getattr(_local, "decoding", False)
-                or x.dtype != torch.float32 or w.dtype != torch.float32
-                or x.device.type != "cpu"):
-            return F.linear(x, w, self.bias)
-        kernel = cpu_kernels.gemv()
-        if kernel is None and not _packed_ok():
+        if (rows > 0 and not getattr(_local, "decoding", False) and decode_path() == "fast"
+                and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
+                and _packed_ok()):
+            return _prefill_linear(x, rows, w, self.bias)
+        if (not fast or rows > MAX_PACKED_ROWS or w.dtype != torch.float32
+                or not _packed_ok()):
             return F.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
-        if kernel is not None:
-            # Baton's kernel: each output element summed in one fixed order (a row alone equals
-            # the same row in any batch, at any thread count), faster than both below.
-            y = kernel.linear(x2, self._packed(), self.bias)
-        elif rows == 1 and w.shape[0] >= w.shape[1]:
+        if rows == 1 and w.shape[0] >= w.shape[1]:
             # One row: MKL's sgemm on the weight stored [in, out] streams it at close to the
             # memory bandwidth, 1.2-1.45x faster than oneDNN for the wide layers (in_proj,
             # up_proj, lm_head); at 2+ rows, or narrow layers, it is no faster or slower.
@@ -164,6 +173,21 @@ class FastLinear(nn.Linear):
         return cached[1]
 
 
+def _prefill_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:
+    """A prefill matmul on the fast path: oneDNN on the weight as it lies (no reordered copy
+    is kept; oneDNN blocks it per call, which is noise beside a prefill's matmul). On this
+    machine 1.2-1.4x faster than MKL's sgemm at 256-2048 rows (about 100 against 80 GFLOP/s
+    on one thread), and a row's result does not depend on the rows beside it from two rows
+    up, nor on the thread count; one row takes another path, so it is computed as two
+    (itself twice): a prompt's logits then do not depend on how it was chunked or batched."""
+    k = x.shape[-1]
+    x2 = x.reshape(rows, k)
+    if rows == 1:
+        x2 = x2.expand(2, k)
+    y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), w, bias, "none", [], "")
+    return y[:rows].view(*x.shape[:-1], w.shape[0])
+
+
 def fused_linears(x: torch.Tensor, *layers) -> list[torch.Tensor] | None:
     """x through each of `layers` (bias-free `nn.Linear`s, or bare [out, in] weights) in one
     call of Baton's kernel (`linear_cat`), on the fast decode path; None where that path is
@@ -173,7 +197,7 @@ def fused_linears(x: torch.Tensor, *layers) -> list[torch.Tensor] | None:
     out] result (not contiguous when rows > 1)."""
     kernel = cpu_kernels.gemv()
     rows = x.numel() // max(x.shape[-1], 1)
-    if (kernel is None or not 0 < rows <= MAX_PACKED_ROWS or decode_path() != "fast"
+    if (kernel is None or rows == 0 or decode_path() != "fast"
             or not getattr(_local, "decoding", False) or x.dtype != torch.float32
             or x.device.type != "cpu"):
         return None

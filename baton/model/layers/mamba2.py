@@ -110,18 +110,32 @@ class Mamba2Mixer(nn.Module):
         lo, hi = cfg.dt_limit
         dims = (cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
                 cfg.ssm_state_size, float(lo), float(hi), self.norm.group_size, self.norm.eps)
-        k = step_kernels.kernels()
-        if k is not None:  # in place in the pools' slot rows, whatever the slots
-            conv_pool = ctx.state(self.layer_idx, "conv")
-            return k.mamba2_step(zxbcdt, conv_pool, ctx.state(self.layer_idx, "ssm"), ctx.slots,
-                                 self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias,
-                                 self.A_log, self.D, self.norm.weight, *dims)
+        if step_kernels.kernels() is not None:  # in place in the pools' slot rows
+            return self.kernel_step((zxbcdt,), ctx, ctx.slots, ctx.slots)
         conv, ssm = self._live_states(ctx, in_place)
         y = fused.run("mamba2", dims, zxbcdt, conv, ssm, self.conv1d.weight[:, 0],
                       self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight)
         if not in_place:
             self._write_back(ctx, conv, ssm)
         return y
+
+    def kernel_inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows the step kernel reads (`kernel_step`): in_proj's output."""
+        return (self.in_proj(h),)
+
+    def kernel_step(self, inputs: tuple[torch.Tensor, ...], ctx: StepContext,
+                    src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """The C++ step kernel over rows `inputs` (`kernel_inputs`): each row's state read
+        from slot src[i] and the next one written to slot dst[i] (the same slots in decode;
+        a verify pass's next position elsewhere); returns the gated-normed y for out_proj."""
+        cfg = self.cfg
+        lo, hi = cfg.dt_limit
+        return step_kernels.kernels().mamba2_step(
+            inputs[0], ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm"), src,
+            dst, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+            self.norm.weight, cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim,
+            cfg.n_groups, cfg.ssm_state_size, float(lo), float(hi), self.norm.group_size,
+            self.norm.eps)
 
     def _live_states(self, ctx: StepContext, in_place: bool):
         """(conv, ssm) of the batch's slots to update: views of the pools when the slots are

@@ -6,13 +6,15 @@
 using namespace baton_step;
 
 at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tensor ssm_pool,
-                       const at::Tensor& slots, const at::Tensor& conv_w,
+                       const at::Tensor& slots, const at::Tensor& dst_slots,
+                       const at::Tensor& conv_w,
                        const c10::optional<at::Tensor>& conv_b, const at::Tensor& dt_bias,
                        const at::Tensor& A_log, const at::Tensor& D, const at::Tensor& norm_w,
                        int64_t inter, int64_t H, int64_t P, int64_t G, int64_t N, double lo,
                        double hi, int64_t group_size, double eps);
 at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor rec_pool,
-                         const at::Tensor& slots, const at::Tensor& a,
+                         const at::Tensor& slots, const at::Tensor& dst_slots,
+                         const at::Tensor& a,
                          const at::Tensor& beta_logit, const at::Tensor& zg,
                          const at::Tensor& conv_w, const at::Tensor& dt_bias,
                          const at::Tensor& A_log, const at::Tensor& norm_w, int64_t hk,

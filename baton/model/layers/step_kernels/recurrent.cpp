@@ -20,19 +20,21 @@ using namespace baton_step;
 namespace {
 
 // Depthwise causal conv of one token over the window [state | x] + silu, then the state
-// shifts by one: conv [C, K-1] (in place), x [C], w [C, K], bias [C] or null -> out [C];
-// tmp: C floats of scratch.
-void conv_step(float* conv, const float* x, const float* w, const float* bias, float* out,
-               float* tmp, int64_t C, int64_t K) {
+// shifts by one: the window's state is read from src [C, K-1] and the shifted one written to
+// dst (the same rows, in place, in plain decode; a verify pass's next position slot else),
+// x [C], w [C, K], bias [C] or null -> out [C]; tmp: C floats of scratch.
+void conv_step(const float* src, float* dst, const float* x, const float* w, const float* bias,
+               float* out, float* tmp, int64_t C, int64_t K) {
   for (int64_t c = 0; c < C; ++c) {
-    float* st = conv + c * (K - 1);
+    const float* st = src + c * (K - 1);
+    float* dt = dst + c * (K - 1);
     const float* wc = w + c * K;
     float acc = 0.f;
     for (int64_t k = 0; k < K - 1; ++k) acc += st[k] * wc[k];
     acc += x[c] * wc[K - 1];
     if (bias) acc += bias[c];
-    for (int64_t k = 0; k + 1 < K - 1; ++k) st[k] = st[k + 1];
-    st[K - 2] = x[c];
+    for (int64_t k = 0; k + 1 < K - 1; ++k) dt[k] = st[k + 1];  // st[k+1] is read before
+    dt[K - 2] = x[c];                                           // dt[k+1] is written
     out[c] = acc;
   }
   silu_(out, out, tmp, C);
@@ -43,7 +45,8 @@ void conv_step(float* conv, const float* x, const float* w, const float* bias, f
 
 // One token of a Mamba2 layer after in_proj (see fused.mamba2_step for the same ops in torch).
 at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tensor ssm_pool,
-                       const at::Tensor& slots, const at::Tensor& conv_w,
+                       const at::Tensor& slots, const at::Tensor& dst_slots,
+                       const at::Tensor& conv_w,
                        const c10::optional<at::Tensor>& conv_b, const at::Tensor& dt_bias,
                        const at::Tensor& A_log, const at::Tensor& D, const at::Tensor& norm_w,
                        int64_t inter, int64_t H, int64_t P, int64_t G, int64_t N, double lo,
@@ -58,7 +61,9 @@ at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tenso
   auto dts = at::empty({b, H}, zxbcdt.options());
   auto y = at::empty({b, inter}, zxbcdt.options());
   const float* z = zxbcdt.data_ptr<float>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
+  TORCH_CHECK(slots.numel() == b && dst_slots.numel() == b, "one source and one destination "
+              "slot per row");
+  const int64_t *sl = slots.data_ptr<int64_t>(), *dl = dst_slots.data_ptr<int64_t>();
   float* cp = conv_pool.data_ptr<float>();
   float* sp = ssm_pool.data_ptr<float>();
   const float* bias = conv_b.has_value() ? conv_b->data_ptr<float>() : nullptr;
@@ -70,7 +75,8 @@ at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tenso
     std::vector<float> tmp(C);
     for (int64_t i = i0; i < i1; ++i) {
       const float* row = z + i * zs;
-      conv_step(cp + sl[i] * C * (K - 1), row + inter, wp, bias, xo + i * C, tmp.data(), C, K);
+      conv_step(cp + sl[i] * C * (K - 1), cp + dl[i] * C * (K - 1), row + inter, wp, bias,
+                xo + i * C, tmp.data(), C, K);
       for (int64_t h = 0; h < H; ++h) {
         float dt = softplus(row[inter + C + h] + dtb[h]);
         dto[i * H + h] = std::fmin(std::fmax(dt, (float)lo), (float)hi);
@@ -86,14 +92,15 @@ at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tenso
       const float dt = dto[i * H + h];
       const float dA = std::exp(dt * -std::exp(al[h]));
       for (int64_t n = 0; n < N; ++n) dtB[n] = dt * B[n];
-      float* s = sp + ((sl[i] * H + h) * P) * N;
-      for (int64_t p = 0; p < P; ++p, s += N) {
+      const float* s = sp + ((sl[i] * H + h) * P) * N;
+      float* d = sp + ((dl[i] * H + h) * P) * N;
+      for (int64_t p = 0; p < P; ++p, s += N, d += N) {
         const float xv = x[p];
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < N; ++n) {
           const float v = s[n] * dA + dtB[n] * xv;
-          s[n] = v;
+          d[n] = v;
           acc += v * Cm[n];
         }
         yo[i * inter + h * P + p] = acc + Dp[h] * xv;
@@ -121,7 +128,8 @@ at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tenso
 
 // One token of a gated DeltaNet layer after its projections (see fused.deltanet_step).
 at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor rec_pool,
-                         const at::Tensor& slots, const at::Tensor& a,
+                         const at::Tensor& slots, const at::Tensor& dst_slots,
+                         const at::Tensor& a,
                          const at::Tensor& beta_logit, const at::Tensor& zg,
                          const at::Tensor& conv_w, const at::Tensor& dt_bias,
                          const at::Tensor& A_log, const at::Tensor& norm_w, int64_t hk,
@@ -134,7 +142,9 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
   const int64_t r = hv / hk;
   auto act = at::empty({b, C}, qkv.options());
   auto o = at::empty({b, hv * dv}, qkv.options());
-  const int64_t* sl = slots.data_ptr<int64_t>();
+  TORCH_CHECK(slots.numel() == b && dst_slots.numel() == b, "one source and one destination "
+              "slot per row");
+  const int64_t *sl = slots.data_ptr<int64_t>(), *dl = dst_slots.data_ptr<int64_t>();
   float *cp = conv_pool.data_ptr<float>(), *rp = rec_pool.data_ptr<float>();
   float *ac = act.data_ptr<float>(), *op = o.data_ptr<float>();
   const float *qp = qkv.data_ptr<float>(), *ap = a.data_ptr<float>(),
@@ -147,7 +157,8 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
     std::vector<float> tmp(std::max(C, hv * dv));
     for (int64_t i = i0; i < i1; ++i) {
       float* out = ac + i * C;
-      conv_step(cp + sl[i] * C * (K - 1), qp + i * C, wp, nullptr, out, tmp.data(), C, K);
+      conv_step(cp + sl[i] * C * (K - 1), cp + dl[i] * C * (K - 1), qp + i * C, wp, nullptr,
+                out, tmp.data(), C, K);
       silu_(zp + i * hv * dv, zsp + i * hv * dv, tmp.data(), hv * dv);
       // q and k: L2 norm per key head (q also scaled by dk^-0.5)
       for (int64_t part = 0; part < 2; ++part) {
@@ -171,14 +182,16 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
                   *v = out + 2 * hk * dk + h * dv;
       const float g = -std::exp(al[h]) * softplus(ap[i * hv + h] + dtb[h]);
       const float decay = std::exp(g), beta = sigmoid(bp[i * hv + h]);
-      float* st = rp + ((sl[i] * hv + h) * dk) * dv;
+      const float* src = rp + ((sl[i] * hv + h) * dk) * dv;
+      float* st = rp + ((dl[i] * hv + h) * dk) * dv;
       for (int64_t e = 0; e < dv; ++e) mem[e] = 0.f;
       for (int64_t d = 0; d < dk; ++d) {
+        const float* old = src + d * dv;
         float* row = st + d * dv;
         const float kd = k[d];
 #pragma omp simd
         for (int64_t e = 0; e < dv; ++e) {
-          row[e] = row[e] * decay;
+          row[e] = old[e] * decay;
           mem[e] += row[e] * kd;
         }
       }

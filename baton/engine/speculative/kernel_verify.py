@@ -1,0 +1,90 @@
+"""A verify pass on the fast decode path's kernels: every row computed as plain fast decode
+computes it, bit for bit, so an engine that speculates decodes on the fast path too.
+
+What makes each part of a verify row equal to the same token decoded alone:
+
+    linears     Baton's gemv kernel at any row count (`FastLinear`): one fixed summation
+                order per output element, whatever the batch (cpu_kernels/gemv.cpp)
+    norms       the RMSNorm kernel, row by row
+    attention   the paged-attention kernel: all rows' K/V written first, then each row reads
+                keys 0..its own position through its block table (no padding to the pass's
+                longest row, no mask: a row reads what one-token decode reads)
+    Mamba2,     the step kernel once per position j over the requests with a row there:
+    DeltaNet    `mixer.kernel_step(inputs, ctx, src, dst)` reads each state from slot src
+                and writes the next one to slot dst (`schedule`); the input projections run
+                over all rows at once before, out_proj after (`mixer.kernel_inputs`)
+    MoE         the experts on the gemv kernel (a token's output does not depend on which
+                other tokens chose its experts)
+
+Slots of a chain of m rows (the contract of `verify.StateScratch`): position j reads the live
+slot (j = 0) or scratch j-1 and writes scratch j, the last position writes the live slot, so
+the live slot ends at the state after the last row without a copy and scratch j holds the
+state after row j. Trees (their attention is not one-query-per-row) and pools that are not
+float32 keep the reference path (`applies`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from baton.model.layers import cpu_kernels, linear, step_kernels
+
+
+class KernelRows(NamedTuple):
+    """One position of the pass: its rows and, per row, the slot read and the slot written."""
+
+    rows: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    all_rows: bool
+    """The rows are every row of the pass, in order (no gather, no scatter)."""
+
+
+def applies(pools, tree: bool) -> bool:
+    """Whether verify passes of this thread take the kernels (and then equal plain fast
+    decode): the fast decode path with both kernel modules built, float32 pools on the CPU,
+    chains."""
+    if tree or linear.decode_path() != "fast":
+        return False
+    if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
+        return False
+    tensors = [*pools.state.values(), *([pools.kv] if pools.has_kv else [])]
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
+    """The recurrent layers' steps of chain `plan` (verify.VerifyPlan), one per position."""
+    counts = plan.counts
+    total = sum(counts)
+    out = []
+    for j in range(max(counts)):
+        sel = [i for i, m in enumerate(counts) if m > j]
+        src = [plan.slots[i] if j == 0 else plan.scratch[i][j - 1] for i in sel]
+        dst = [plan.scratch[i][j] if counts[i] > j + 1 else plan.slots[i] for i in sel]
+        rows = [starts[i] + j for i in sel]
+        out.append(KernelRows(*(torch.tensor(v, dtype=torch.long, device=dev)
+                                for v in (rows, src, dst)), rows == list(range(total))))
+    return out
+
+
+def fits(mixer) -> bool:
+    """Whether a recurrent mixer has the kernel step (Mamba2, gated DeltaNet)."""
+    return hasattr(mixer, "kernel_step") and hasattr(mixer, "kernel_inputs")
+
+
+def recurrent_rows(mixer, x: torch.Tensor, ctx, steps: list[KernelRows]) -> torch.Tensor:
+    """One recurrent layer over the pass's rows x [R, H] (see the module docstring)."""
+    inputs = mixer.kernel_inputs(x)
+    y = None
+    for p in steps:
+        part = inputs if p.all_rows else tuple(t.index_select(0, p.rows) for t in inputs)
+        out = mixer.kernel_step(part, ctx, p.src, p.dst)
+        if p.all_rows:
+            y = out
+            continue
+        if y is None:
+            y = out.new_empty(x.shape[0], out.shape[1])
+        y.index_copy_(0, p.rows, out)
+    return mixer.out_proj(y)
