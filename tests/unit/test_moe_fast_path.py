@@ -147,3 +147,23 @@ def test_expert_parallel_shard_on_the_kernel():
             linear.set_decode_path(old)
     assert torch.equal(got, want)
     assert counts.tolist() == torch.bincount(routing.experts.flatten(), minlength=16).tolist()
+
+
+@pytest.mark.parametrize("fields", [{"pattern": "M*EME"}, {"family": "qwen3_5_moe"}],
+                         ids=["nemotron_h_moe", "qwen3_5_moe"])
+def test_verify_rows_equal_plain_decode_with_moe_layers(fields, tmp_path):
+    """A speculative verify pass on the fast path (4 sequences x 4 positions) is plain fast
+    decode bit for bit through MoE layers too: logits and every position's state."""
+    from baton.model.layers import step_kernels
+    from baton.model.loader import load_model
+    from baton.model.make_model import write_checkpoint
+    from tests.unit.test_speculative import _assert_verify_equals_decode_bit_for_bit
+
+    if step_kernels.kernels() is None:
+        pytest.skip("step kernels not built")
+    model = load_model(write_checkpoint(tmp_path / "m", seed=2, **fields))
+    old = linear.set_decode_path("fast")
+    try:
+        _assert_verify_equals_decode_bit_for_bit(model)
+    finally:
+        linear.set_decode_path(old)
