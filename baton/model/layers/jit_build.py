@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def _build_or_import(b: KernelBuild, name: str, folder: Path):
     (folder / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
     from torch.utils.cpp_extension import load as jit_load
 
+    log.warning("baton %s: compiling for this machine (once, about a minute; cached in %s)",
+                b.label, folder)
+    t0 = time.monotonic()
     includes = sorted({str(p.parent) for p in b.headers})
     try:
         module = jit_load(name=name, sources=[str(p) for p in b.sources],
@@ -108,4 +112,5 @@ def _build_or_import(b: KernelBuild, name: str, folder: Path):
         failed.write_text((str(e).strip().splitlines() or ["build failed"])[0][:200] + "\n")
         raise
     done.write_text("ok\n")
+    log.warning("baton %s: compiled in %.0f s", b.label, time.monotonic() - t0)
     return module
