@@ -13,6 +13,15 @@ os.environ.setdefault("BATON_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["BATON_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Baton's CPU kernels built (first run on a machine: about a minute) before any test, so
+    no worker process a test starts compiles them against that test's time limits."""
+    from baton.model.layers import cpu_kernels, step_kernels
+
+    return cpu_kernels.gemv(), step_kernels.kernels()
+
+
 @pytest.fixture(scope="session")
 def model_tiny_dir(tmp_path_factory):
     """A seeded tiny NemotronH checkpoint (all three layer kinds), written once per session."""

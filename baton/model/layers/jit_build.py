@@ -21,6 +21,8 @@ import logging
 import os
 import platform
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,10 @@ class KernelBuild:
     """What the log line calls it (`cpu kernels`)."""
     fallback: str
     """What runs instead (`torch's matmuls`), for the log line."""
+
+
+PROGRESS_AFTER_S = 3.0
+"""A build still running after this long says so in the log (and how long it took)."""
 
 
 def cache_root() -> Path:
@@ -99,6 +105,14 @@ def _build_or_import(b: KernelBuild, name: str, folder: Path):
     (folder / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
     from torch.utils.cpp_extension import load as jit_load
 
+    t0 = time.monotonic()
+    # Progress only for a build that takes a while (a compiler that fails at once logs its one
+    # failure line and nothing else).
+    note = threading.Timer(PROGRESS_AFTER_S, log.warning, (
+        "baton %s: compiling for this machine (once, about a minute; cached in %s)",
+        b.label, folder))
+    note.daemon = True
+    note.start()
     includes = sorted({str(p.parent) for p in b.headers})
     try:
         module = jit_load(name=name, sources=[str(p) for p in b.sources],
@@ -107,5 +121,9 @@ def _build_or_import(b: KernelBuild, name: str, folder: Path):
     except RuntimeError as e:  # the compiler ran and failed (a missing one raises otherwise)
         failed.write_text((str(e).strip().splitlines() or ["build failed"])[0][:200] + "\n")
         raise
+    finally:
+        note.cancel()
     done.write_text("ok\n")
+    if time.monotonic() - t0 >= PROGRESS_AFTER_S:
+        log.warning("baton %s: compiled in %.0f s", b.label, time.monotonic() - t0)
     return module

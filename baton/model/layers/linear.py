@@ -41,9 +41,13 @@ layer's several input projections on one input (q/k/v, DeltaNet's in_proj qkv/a/
 gate/up, MoE routers with the shared expert's input) in one kernel call on the fast decode
 path, the same bits as one call each (bench 100m, 1 thread, batch 1: ~1-1.5 ms a step less,
 Qwen3.5 most). Half weights take the kernel at up to `MAX_PACKED_ROWS` rows on the reference
-path too (judged by their own parity test). The fast path is opt-in
-(`set_decode_path("fast")` or `BATON_DECODE_PATH=fast`; the default `reference` is the
-unoptimised path, bit for bit what it was): it rounds differently from MKL.
+path too (judged by their own parity test). The fast path is the default
+(`BATON_DECODE_PATH=reference` or `set_decode_path("reference")` picks the unoptimised path,
+bit for bit what it was before the kernels): it rounds differently from MKL (about 1e-6
+relative), is exact in itself (a row's bits do not depend on its batch, a verify pass equals
+plain decode, prefill does not depend on chunking), and the whole test suite holds on either
+path. `install` loads the kernels when a model is loaded (built once per machine, ~1 min, on
+first use), so a worker is ready only once they are.
 tests/unit/test_decode_fast_path.py compares the two paths, tests/unit/test_cpu_linear_kernel.py
 the kernel's accuracy and contract.
 """
@@ -67,12 +71,19 @@ PACK_HINT = 32
 """Batch size the weights are reordered for: as fast as a hint of 1 or 8 at every size 1-64."""
 HALF = (torch.float16, torch.bfloat16)
 
-_state = {"path": os.environ.get("BATON_DECODE_PATH", "reference")}
+def _env_path() -> str:
+    path = os.environ.get("BATON_DECODE_PATH", "fast")
+    if path not in ("fast", "reference"):
+        raise ValueError(f"BATON_DECODE_PATH must be 'fast' or 'reference', got {path!r}")
+    return path
+
+
+_state = {"path": _env_path()}
 _local = threading.local()  # .decoding: inside a marked decode call of this thread
 
 
 def set_decode_path(path: str) -> str:
-    """`fast` or `reference` (default); returns the previous one."""
+    """`fast` (default) or `reference`; returns the previous one."""
     if path not in ("fast", "reference"):
         raise ValueError(f"decode path must be 'fast' or 'reference', got {path!r}")
     old, _state["path"] = _state["path"], path
@@ -257,6 +268,11 @@ def install(model: nn.Module) -> nn.Module:
         model.decode = _decoding(model.decode)
     if hasattr(model, "run_layers"):
         model.run_layers = _decoding(model.run_layers, when="decode", position=2)
+    if decode_path() == "fast" and any(p.device.type == "cpu" for p in model.parameters()):
+        from baton.model.layers import step_kernels
+
+        cpu_kernels.gemv()  # built (first use on this machine) or loaded now, not in a request
+        step_kernels.kernels()
     return model
 
 
