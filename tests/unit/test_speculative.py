@@ -280,13 +280,13 @@ def test_verify_rows_equal_plain_decode_on_the_fast_path_kernels(model_tiny, tmp
         load_model(agreeing_qwen_checkpoint(tmp_path)))
 
 
-def test_a_speculating_engine_keeps_the_fast_path_and_a_tree_the_reference(tmp_path,
+def test_a_speculating_engine_keeps_the_fast_path_where_the_kernels_verify(tmp_path,
                                                                           monkeypatch,
                                                                           fast_path):
-    """Under `BATON_DECODE_PATH=fast` a chain-speculating engine verifies on the fast path
-    (and its greedy output equals a fast engine with speculation off); a tree's verify pass
-    is not one query a row, so a tree engine runs every step on the reference path, and its
-    output equals a reference engine with speculation off."""
+    """On the fast path a speculating engine verifies on the fast path, chains and trees
+    alike, and its greedy output equals a fast engine with speculation off; where the
+    kernels cannot take its verify passes (here: bfloat16 pools) it runs on the reference
+    path, and its output equals a reference engine with speculation off."""
     from baton.engine.speculative import decoder
     from baton.model.layers.linear import decode_path, reference_scope
 
@@ -297,18 +297,21 @@ def test_a_speculating_engine_keeps_the_fast_path_and_a_tree_the_reference(tmp_p
     ck = agreeing_checkpoint(tmp_path)
     reqs = [(f"r{i}", prompt(60 + i, 5 + 9 * i)) for i in range(4)]
 
-    def tokens(**spec):
-        eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative=spec)
+    def tokens(model=None, **spec):
+        eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative=spec, model=model or {})
         return run_all(eng, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
 
-    chain = tokens(num_draft_tokens=3)
-    assert paths and set(paths) == {"fast"}
-    assert chain == tokens()
+    plain = tokens()
+    for spec in ({"num_draft_tokens": 3}, {"num_draft_tokens": 3, "tree": TREE}):
+        paths.clear()
+        assert tokens(**spec) == plain, spec
+        assert paths and set(paths) == {"fast"}, spec
     paths.clear()
-    tree = tokens(num_draft_tokens=3, tree=TREE)
+    half = {"dtype": "bfloat16"}  # bfloat16 pools: no kernel verify
+    got = tokens(half, num_draft_tokens=3)
     assert paths and set(paths) == {"reference"} and decode_path() == "fast"
     with reference_scope():
-        assert tree == tokens()
+        assert got == tokens(half)
 
 
 @pytest.fixture(scope="module")
@@ -326,15 +329,16 @@ def fast_reference(agree_dir):
         set_decode_path(old)
 
 
-def test_greedy_identical_to_speculation_off_on_the_fast_path(agree_dir, fast_reference):
-    """The 54-request workload at K=3 on the fast decode path (verify on the kernels) equals
-    the fast path with speculation off, every greedy token, with acceptance, prefix hits and
-    stop tokens inside accepted drafts."""
+@pytest.mark.parametrize("k", [3, "tree"])
+def test_greedy_identical_to_speculation_off_on_the_fast_path(agree_dir, fast_reference, k):
+    """The 54-request workload at K=3 and with a tree on the fast decode path (verify on the
+    kernels) equals the fast path with speculation off, every greedy token, with acceptance,
+    prefix hits and stop tokens inside accepted drafts."""
     from baton.model.layers.linear import set_decode_path
 
     old = set_decode_path("fast")
     try:
-        _assert_identical(agree_dir, fast_reference, 3)
+        _assert_identical(agree_dir, fast_reference, k)
     finally:
         set_decode_path(old)
 

@@ -126,9 +126,9 @@ class SpeculativeDecoder:
         self.steps = 0
 
     def on_fast_path(self) -> bool:
-        """Whether this engine's steps may run on the fast decode path: its verify passes
-        then equal plain fast decode (kernel_verify); a pipeline's stages keep the reference
-        path (each stage process decides for itself: see pipeline/launch.py)."""
+        """Whether this engine's steps may run on the fast decode path: its verify passes,
+        chains and trees, then equal plain fast decode (kernel_verify); a pipeline's stages
+        keep the reference path (each stage process decides for itself: pipeline/launch.py)."""
         return not hasattr(self.model, "verify") and \
             kernel_verify.applies(self.pools, self.tree is not None)
 
