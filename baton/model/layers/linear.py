@@ -94,9 +94,9 @@ def decode_path() -> str:
 @contextlib.contextmanager
 def reference_scope():
     """The calls inside run on the reference path whatever the process's: an engine that
-    speculates where its verify pass cannot run on the fast path's kernels (a pipeline, a
-    kernel not built, pools not in float32: `kernel_verify.applies`), so that it equals
-    plain decode bit for bit there."""
+    speculates where its verify pass cannot run on the fast path's kernels (a kernel not
+    built, pools not in float32: `kernel_verify.applies`), so that it equals plain decode
+    bit for bit there."""
     before = getattr(_local, "path", None)
     _local.path = "reference"
     try:
