@@ -254,9 +254,8 @@ class Engine:
         output; a forward pass that raises ends the requests of that forward only (their
         state is half-updated), never the rest of the batch. An engine that speculates keeps
         the fast decode path (`BATON_DECODE_PATH=fast`) where its verify passes run on the
-        same kernels as plain decode (`kernel_verify`: chains on float32 pools, one process),
-        else runs on the reference path: greedy output stays identical to speculation off
-        either way."""
+        same kernels as plain decode (`kernel_verify`: float32 pools, one process), else runs
+        on the reference path: greedy output stays identical to speculation off either way."""
         if self.spec is None or self.spec.on_fast_path():
             return self._step()
         with reference_scope():

@@ -49,6 +49,9 @@ class AttnMeta:
     kernel reads keys through; padded with its column 0)."""
     lens: torch.Tensor | None = None
     """Decode: long [b] keys each sequence reads (its position + 1)."""
+    keys: torch.Tensor | None = None
+    """A tree verify pass on the kernel: long [b, >= lens] the storage position of each key
+    a row reads (its prompt, then its path's rows; its own last), None: 0..lens-1."""
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """What the call's layers compute alike from the above, by the first that needs it (the
     rotary tables of the positions), so the other layers reuse the same tensors."""

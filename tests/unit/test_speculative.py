@@ -1,6 +1,7 @@
 """MTP speculative decoding in the colocated engine, on NemotronH (dense `*-` MTP block; MoE
-layers with a MoE `*E` block) and Qwen3.5 (its gated-attention MTP layer): greedy output identical to speculation off at every
-K, acceptance really happens, and the rolled-back state equals a recompute."""
+layers with a MoE `*E` block) and Qwen3.5 (its gated-attention MTP layer): greedy output
+identical to speculation off at every K, on the default (fast) decode path and on the
+reference path, acceptance really happens, and the rolled-back state equals a recompute."""
 
 from __future__ import annotations
 
@@ -236,21 +237,23 @@ def _assert_verify_equals_decode_bit_for_bit(model) -> None:
                 assert torch.equal(got, states[j][name][:, i]), (j, name, i)
 
 
-def test_verify_rows_equal_plain_decode(model_tiny, tmp_path):
-    """A verify pass is plain decode, position by position: bit for bit on an attention-free
-    model (recurrent and MLP layers: the same kernels, >= 4 rows per matmul, where this CPU's
-    GEMM gives a row the same bits whatever the row count) and for one position with
-    attention; with attention over several positions the keys a query reads are padded to
-    the pass's longest row, which moves the last bits (as batching with a longer sequence
-    does in plain decode)."""
+def test_verify_rows_equal_plain_decode_on_the_reference_path(model_tiny, tmp_path):
+    """On the reference path a verify pass is plain decode, position by position: bit for bit
+    on an attention-free model (recurrent and MLP layers: the same kernels, >= 4 rows per
+    matmul, where this CPU's GEMM gives a row the same bits whatever the row count) and for
+    one position with attention; with attention over several positions the keys a query
+    reads are padded to the pass's longest row, which moves the last bits (as batching with
+    a longer sequence does in plain decode)."""
+    from baton.model.layers.linear import reference_scope
     from baton.model.loader import load_model
     from baton.model.make_model import write_checkpoint
 
     recurrent = load_model(write_checkpoint(tmp_path / "m", seed=0, pattern="M-MM-M"))
-    _assert_verify_equals_decode_bit_for_bit(recurrent)
-    logits, refs, *_ = _verify_vs_decode(model_tiny, 1)
-    assert torch.equal(logits[:, 0], refs[0])
-    logits, refs, _, a, b, _ = _verify_vs_decode(model_tiny, 4)
+    with reference_scope():
+        _assert_verify_equals_decode_bit_for_bit(recurrent)
+        logits, refs, *_ = _verify_vs_decode(model_tiny, 1)
+        assert torch.equal(logits[:, 0], refs[0])
+        logits, refs, _, a, b, _ = _verify_vs_decode(model_tiny, 4)
     for j in range(4):
         assert (logits[:, j] - refs[j]).abs().max() < 1e-5
 
@@ -280,13 +283,13 @@ def test_verify_rows_equal_plain_decode_on_the_fast_path_kernels(model_tiny, tmp
         load_model(agreeing_qwen_checkpoint(tmp_path)))
 
 
-def test_a_speculating_engine_keeps_the_fast_path_and_a_tree_the_reference(tmp_path,
+def test_a_speculating_engine_keeps_the_fast_path_where_the_kernels_verify(tmp_path,
                                                                           monkeypatch,
                                                                           fast_path):
-    """Under `BATON_DECODE_PATH=fast` a chain-speculating engine verifies on the fast path
-    (and its greedy output equals a fast engine with speculation off); a tree's verify pass
-    is not one query a row, so a tree engine runs every step on the reference path, and its
-    output equals a reference engine with speculation off."""
+    """On the fast path a speculating engine verifies on the fast path, chains and trees
+    alike, and its greedy output equals a fast engine with speculation off; where the
+    kernels cannot take its verify passes (here: bfloat16 pools) it runs on the reference
+    path, and its output equals a reference engine with speculation off."""
     from baton.engine.speculative import decoder
     from baton.model.layers.linear import decode_path, reference_scope
 
@@ -297,44 +300,47 @@ def test_a_speculating_engine_keeps_the_fast_path_and_a_tree_the_reference(tmp_p
     ck = agreeing_checkpoint(tmp_path)
     reqs = [(f"r{i}", prompt(60 + i, 5 + 9 * i)) for i in range(4)]
 
-    def tokens(**spec):
-        eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative=spec)
+    def tokens(model=None, **spec):
+        eng = engine_for(ck, worker={"max_num_seqs": 4}, speculative=spec, model=model or {})
         return run_all(eng, [Request(r, p, greedy(12)) for r, p in reqs])["tokens"]
 
-    chain = tokens(num_draft_tokens=3)
-    assert paths and set(paths) == {"fast"}
-    assert chain == tokens()
+    plain = tokens()
+    for spec in ({"num_draft_tokens": 3}, {"num_draft_tokens": 3, "tree": TREE}):
+        paths.clear()
+        assert tokens(**spec) == plain, spec
+        assert paths and set(paths) == {"fast"}, spec
     paths.clear()
-    tree = tokens(num_draft_tokens=3, tree=TREE)
+    half = {"dtype": "bfloat16"}  # bfloat16 pools: no kernel verify
+    got = tokens(half, num_draft_tokens=3)
     assert paths and set(paths) == {"reference"} and decode_path() == "fast"
     with reference_scope():
-        assert tree == tokens()
+        assert got == tokens(half)
 
 
 @pytest.fixture(scope="module")
-def fast_reference(agree_dir):
-    """`reference` on the fast decode path (skipped without the kernels)."""
-    from baton.model.layers import cpu_kernels, step_kernels
+def reference_path_off(agree_dir):
+    """`reference` on the reference decode path (the default is the fast path)."""
     from baton.model.layers.linear import set_decode_path
 
-    if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
-        pytest.skip("Baton's CPU kernels are not built on this machine")
-    old = set_decode_path("fast")
+    old = set_decode_path("reference")
     try:
         yield _reference(agree_dir)
     finally:
         set_decode_path(old)
 
 
-def test_greedy_identical_to_speculation_off_on_the_fast_path(agree_dir, fast_reference):
-    """The 54-request workload at K=3 on the fast decode path (verify on the kernels) equals
-    the fast path with speculation off, every greedy token, with acceptance, prefix hits and
-    stop tokens inside accepted drafts."""
+@pytest.mark.parametrize("k", [3, "tree"])
+def test_greedy_identical_to_speculation_off_on_the_reference_path(agree_dir,
+                                                                   reference_path_off, k):
+    """The 54-request workload at K=3 and with a tree on the reference decode path (where an
+    engine speculates when the kernels cannot take its verify passes) equals the reference
+    path with speculation off, every greedy token, with acceptance, prefix hits and stop
+    tokens inside accepted drafts."""
     from baton.model.layers.linear import set_decode_path
 
-    old = set_decode_path("fast")
+    old = set_decode_path("reference")
     try:
-        _assert_identical(agree_dir, fast_reference, 3)
+        _assert_identical(agree_dir, reference_path_off, k)
     finally:
         set_decode_path(old)
 

@@ -95,7 +95,7 @@ def test_paged_attention_stores_then_reads_through_block_tables():
     pos = lens - 1
     blocks = tables[torch.arange(3), pos // tpb]
     want_pool[blocks, 0, pos % tpb], want_pool[blocks, 1, pos % tpb] = k, v
-    got = K.paged_attention(q, k, v, pool, tables, lens, hd ** -0.5)
+    got = K.paged_attention(q, k, v, pool, tables, lens, hd ** -0.5, None)
     assert torch.equal(pool, want_pool)  # the new K/V at their positions, nothing else moved
     keys = torch.arange(13)
     rows = tables[:, keys // tpb] * (2 * tpb) + keys % tpb
@@ -106,8 +106,23 @@ def test_paged_attention_stores_then_reads_through_block_tables():
     # a sequence alone (at 2+ threads split over its kv heads) gets its row of the batch
     for i in range(3):
         alone = K.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], pool, tables[i:i + 1],
-                                  lens[i:i + 1], hd ** -0.5)
+                                  lens[i:i + 1], hd ** -0.5, None)
         assert torch.equal(alone[0], got[i])
+    # explicit key positions (a tree row): the same keys in the same order give the same bits
+    pool2 = want_pool.clone()
+    keys = torch.zeros(3, 16, dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        keys[i, :n] = torch.arange(n)
+    assert torch.equal(K.paged_attention(q, k, v, pool2, tables, lens, hd ** -0.5, keys), got)
+    # a row that reads positions 0, 1 then 5 and writes its token at 5 equals the token at
+    # position 2 of a sequence whose keys sit at 0, 1, 2
+    seq, tree = want_pool.clone(), want_pool.clone()
+    ref = K.paged_attention(q[2:], k[2:], v[2:], seq, torch.tensor([[9]]), torch.tensor([3]),
+                            hd ** -0.5, None)
+    got_tree = K.paged_attention(q[2:], k[2:], v[2:], tree, torch.tensor([[9, 10]]),
+                                 torch.tensor([3]), hd ** -0.5, torch.tensor([[0, 1, 5]]))
+    assert torch.equal(got_tree, ref)
+    assert torch.equal(tree[10, :, 1], seq[9, :, 2])
 
 
 def test_rms_norm_matches_the_module():

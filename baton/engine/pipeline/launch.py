@@ -143,10 +143,6 @@ def serve_stage(cfg: BatonConfig, model_path, rank: int, master: str,
         import torch
 
         torch.set_num_threads(int(threads))
-    if cfg.speculative.num_draft_tokens:  # as stage 0's engine: see Engine.step
-        from baton.model.layers.linear import set_decode_path
-
-        set_decode_path("reference")
     layers = stage_layers(cfg, model_path)
     size = len(layers)
     store = open_store(rank, size, master)

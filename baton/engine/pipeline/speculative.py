@@ -21,6 +21,7 @@ import torch
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.tree import Tree
 from baton.engine.speculative.verify import VerifyPlan, final_norm, verify_layers
+from baton.model.layers.linear import decode_scope
 
 
 def pack_tensor(t: torch.Tensor) -> dict:
@@ -124,9 +125,11 @@ def run_verify(model, pools, mb: dict, h: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def verify_out(model, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last stage's (float32 logits [R, vocab], final-normed hidden [R, H])."""
-    hidden = final_norm(model, h)
-    return model.lm_head(hidden).float(), hidden
+    """The last stage's (float32 logits [R, vocab], final-normed hidden [R, H]), as decode
+    computes them (`stage.last_logits`)."""
+    with decode_scope():
+        hidden = final_norm(model, h)
+        return model.lm_head(hidden).float(), hidden
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ import torch
 from baton.cache.canary import bad_blocks, bad_slots
 from baton.engine.pipeline.channel import TAG_CTRL, TAG_HIDDEN, TAG_OUT, TAG_REPLY, Channel
 from baton.engine.pipeline.mirror import apply_ops
+from baton.model.layers.linear import decode_scope
 from baton.model.layers.moe import routed_tokens
 from baton.model.paged import decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools
@@ -59,7 +60,10 @@ def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> to
 
 @torch.inference_mode()
 def last_logits(model: StageModel, h: torch.Tensor, decode: bool) -> torch.Tensor:
-    return model.logits(h if decode else h[:, -1])
+    if not decode:
+        return model.logits(h[:, -1])
+    with decode_scope():  # decode's final norm and LM head, as a colocated `model.decode`
+        return model.logits(h)
 
 
 def hidden_shape(model: StageModel, mb: dict) -> tuple[int, ...]:

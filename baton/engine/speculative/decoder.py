@@ -126,11 +126,10 @@ class SpeculativeDecoder:
         self.steps = 0
 
     def on_fast_path(self) -> bool:
-        """Whether this engine's steps may run on the fast decode path: its verify passes
-        then equal plain fast decode (kernel_verify); a pipeline's stages keep the reference
-        path (each stage process decides for itself: see pipeline/launch.py)."""
-        return not hasattr(self.model, "verify") and \
-            kernel_verify.applies(self.pools, self.tree is not None)
+        """Whether this engine's steps may run on the fast decode path: its verify passes,
+        chains and trees, then equal plain fast decode (kernel_verify). A pipeline's other
+        stages decide the same for their own layers (same machine, same kernels)."""
+        return kernel_verify.applies(self.pools, self.tree is not None)
 
     def wants(self, req: Request) -> bool:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),

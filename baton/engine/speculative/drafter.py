@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
 from baton.model.paged import StepContext, decode_meta, prefill_meta
 
@@ -74,9 +75,10 @@ class Drafter:
                   logits=False)
 
     def _rows(self, hidden, next_ids, positions, tables, logits: bool = True):
-        meta = decode_meta(self._longs(positions), tables, self.pools)
-        ctx = StepContext(self.pools, meta, None)
-        with decode_scope():  # few rows: decode's linear kernels
+        with decode_scope():  # few rows: decode's kernels (lean metadata where they read it)
+            meta = decode_meta(self._longs(positions), tables, self.pools,
+                               lean=fused.kernel_attention(self.pools))
+            ctx = StepContext(self.pools, meta, None)
             return self.head(hidden, self._longs(next_ids), self.embed, self.lm_head, ctx,
                              decode=True, logits=logits)
 
@@ -105,10 +107,11 @@ class Drafter:
         hid = torch.cat([j.pending.hidden for j in jobs])
         ids = [t for j in jobs for t in j.next_ids]
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
-        meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
-                           self.pools)
-        self.head(hid, self._longs(ids), self.embed, self.lm_head,
-                  StepContext(self.pools, meta, None), decode=True, logits=False)
+        with decode_scope():
+            meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
+                               self.pools, lean=fused.kernel_attention(self.pools))
+            self.head(hid, self._longs(ids), self.embed, self.lm_head,
+                      StepContext(self.pools, meta, None), decode=True, logits=False)
 
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries

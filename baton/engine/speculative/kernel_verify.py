@@ -19,8 +19,10 @@ What makes each part of a verify row equal to the same token decoded alone:
 Slots of a chain of m rows (the contract of `verify.StateScratch`): position j reads the live
 slot (j = 0) or scratch j-1 and writes scratch j, the last position writes the live slot, so
 the live slot ends at the state after the last row without a copy and scratch j holds the
-state after row j. Trees (their attention is not one-query-per-row) and pools that are not
-float32 keep the reference path (`applies`).
+state after row j. A tree (tree.py): the root steps in the live slot, node j reads its
+parent's slot and writes scratch j-1; its attention rows read their prompt and then their
+path's storage positions, in order, through the kernel's key list (`tree_kernel_meta`).
+Pools that are not float32 keep the reference path (`applies`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ class KernelRows(NamedTuple):
     """The rows are every row of the pass, in order (no gather, no scatter)."""
 
 
-def applies(pools, tree: bool) -> bool:
+def applies(pools, tree: bool = False) -> bool:
     """Whether verify passes of this thread take the kernels (and then equal plain fast
-    decode): the fast decode path with both kernel modules built, float32 pools on the CPU,
-    chains."""
-    if tree or linear.decode_path() != "fast":
+    decode): the fast decode path with both kernel modules built, float32 pools on the CPU
+    (chains and trees alike; `tree` is kept for the callers' sake)."""
+    if linear.decode_path() != "fast":
         return False
     if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
         return False
@@ -55,18 +57,39 @@ def applies(pools, tree: bool) -> bool:
 
 
 def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
-    """The recurrent layers' steps of chain `plan` (verify.VerifyPlan), one per position."""
+    """The recurrent layers' steps of `plan` (verify.VerifyPlan), one per row index j: a
+    chain's position j, or a tree's node j (breadth-first, so its parent ran before it)."""
     counts = plan.counts
     total = sum(counts)
     out = []
     for j in range(max(counts)):
         sel = [i for i, m in enumerate(counts) if m > j]
-        src = [plan.slots[i] if j == 0 else plan.scratch[i][j - 1] for i in sel]
-        dst = [plan.scratch[i][j] if counts[i] > j + 1 else plan.slots[i] for i in sel]
+        if plan.parents is None:
+            src = [plan.slots[i] if j == 0 else plan.scratch[i][j - 1] for i in sel]
+            dst = [plan.scratch[i][j] if counts[i] > j + 1 else plan.slots[i] for i in sel]
+        else:
+            src, dst = _tree_slots(plan, sel, j)
         rows = [starts[i] + j for i in sel]
         out.append(KernelRows(*(torch.tensor(v, dtype=torch.long, device=dev)
                                 for v in (rows, src, dst)), rows == list(range(total))))
     return out
+
+
+def _tree_slots(plan, sel: list[int], j: int) -> tuple[list[int], list[int]]:
+    """Slots of node j of the trees `sel` (tree.py's contract): the root steps in the live
+    slot, node j >= 1 reads its parent's state (the live slot's, or scratch parent-1) and
+    writes scratch j-1."""
+    if j == 0:
+        live = [plan.slots[i] for i in sel]
+        return live, live
+    src, dst = [], []
+    for i in sel:
+        parent = plan.parents[i][j - 1]
+        if parent >= j:
+            raise ValueError(f"tree node {j} has parent {parent}: nodes must be breadth-first")
+        src.append(plan.slots[i] if parent == 0 else plan.scratch[i][parent - 1])
+        dst.append(plan.scratch[i][j - 1])
+    return src, dst
 
 
 def fits(mixer) -> bool:

@@ -87,6 +87,32 @@ def path_meta(prefix: list[int], paths: list[list[int]], writes: list[int],
                     torch.tensor(positions, dtype=torch.long, device=dev))
 
 
+def tree_kernel_meta(plan, pools) -> AttnMeta:
+    """`tree_verify_meta` for the attention kernel (fast path, `kernel_verify`): per row its
+    block table, its key count and the storage positions of its keys (its prompt, then its
+    path's rows, root to itself: the keys plain decoding of that path reads, in order)."""
+    dev = pools.kv.device
+    tpb = pools.spec.tokens_per_block
+    paths, positions, tables, need = [], [], [], []
+    for n, par, table in zip(plan.starts, plan.parents, plan.tables, strict=True):
+        d = depths(par)
+        for r in range(len(d)):
+            paths.append((n, [n + q for q in path(par, r)]))
+            positions.append(n + d[r])
+            tables.append(table)
+            need.append(n + r + 1)
+    lens = [n + len(q) for n, q in paths]
+    keys = torch.arange(max(lens), device=dev).repeat(len(paths), 1)
+    for i, (n, q) in enumerate(paths):
+        keys[i, n : n + len(q)] = torch.tensor(q, device=dev)
+    tab = _tables(tables, need, pools)
+    w = torch.tensor([q[-1] for _, q in paths], device=dev)
+    write_rows = tab.gather(1, (w // tpb)[:, None])[:, 0] * (2 * tpb) + w % tpb
+    return AttnMeta(write_rows, None, max(lens), None,
+                    torch.tensor(positions, dtype=torch.long, device=dev), tab,
+                    torch.tensor(lens, dtype=torch.long, device=dev), keys)
+
+
 def tree_verify_meta(plan, pools) -> AttnMeta:
     """The target's attention over every row of a tree verify pass (see the module doc)."""
     prefix, paths, writes, positions, tables = [], [], [], [], []

@@ -2,8 +2,8 @@
 recurrent state kept after every position so a rejected draft rolls back exactly.
 
 Numerics are the decode path's, position by position, so a verified token is the one plain
-decoding would have produced. On the fast decode path (chains, float32 pools, the kernels
-built) every layer runs decode's own kernels: `kernel_verify`. Otherwise (the reference path,
+decoding would have produced. On the fast decode path (float32 pools, the kernels built)
+every layer runs decode's own kernels, chains and trees: `kernel_verify`. Otherwise (the reference path,
 which an engine whose passes cannot take the kernels runs on):
 
     rows (r, j)    request r's position n_r + j, ordered by request then position
@@ -137,13 +137,23 @@ def _verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> to
     tree = plan.parents is not None
     if kernel_verify.applies(pools, tree):  # plain fast decode's kernels, bit for bit
         steps = kernel_verify.schedule(plan, starts, dev)
-        flat = StepContext(pools, _chain_meta(plan, pools, fused.kernel_attention(pools)), None)
+        if tree and pools.has_kv:
+            from baton.engine.speculative.tree import tree_kernel_meta
+
+            meta = tree_kernel_meta(plan, pools)
+        else:
+            meta = _chain_meta(plan, pools, fused.kernel_attention(pools))
+        flat = StepContext(pools, meta, None)
 
         def on_kernels(mixer, x: torch.Tensor) -> torch.Tensor:
             if mixer.layer_idx in pools.spec.attn_index:
                 return mixer.decode(x, flat)
             if kernel_verify.fits(mixer):
                 return kernel_verify.recurrent_rows(mixer, x, flat, steps)
+            if tree:
+                from baton.engine.speculative.tree import tree_levels
+
+                return _recurrent(mixer, x, pools, tree_levels(pools, plan, starts, dev))
             return _recurrent(mixer, x, pools, _positions(pools, plan, starts, dev))
 
         return _run_layers(model, h, on_kernels)

@@ -173,7 +173,7 @@ def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     kern = step_kernels.kernels()
     if kern is not None and meta.tables is not None:
         return kern.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool,
-                                    meta.tables, meta.lens, scale)
+                                    meta.tables, meta.lens, scale, meta.keys)
     b, heads, hd = q.shape
     kvh, S, tpb = pool.shape[3], meta.num_keys, pool.shape[2]
     tokens = pool.view(-1, kvh * hd)

@@ -98,8 +98,8 @@ def decode_path() -> str:
 @contextlib.contextmanager
 def reference_scope():
     """The calls inside run on the reference path whatever the process's: an engine that
-    speculates where its verify pass cannot run on the fast path's kernels (a tree, a
-    pipeline, a kernel not built: `kernel_verify.applies`), so that it equals plain decode
+    speculates where its verify pass cannot run on the fast path's kernels (a kernel not
+    built, pools not in float32: `kernel_verify.applies`), so that it equals plain decode
     bit for bit there."""
     before = getattr(_local, "path", None)
     _local.path = "reference"

@@ -22,13 +22,16 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
 
 // One query per sequence over paged KV, read through the block tables, after writing the new
 // token's k, v [b, kvh, hd] there: q [b, heads, hd]; pool [blocks, 2, tpb, kvh, hd];
-// tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence (the new token's position + 1).
+// tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence. Without `keys` sequence i reads
+// positions 0..lens[i]-1 and writes its token at lens[i]-1; with keys [b, >= lens] (a tree
+// verify pass: its prompt, then the storage positions of its path) it reads positions
+// keys[i, 0..lens[i]-1] in that order and writes its token at keys[i, lens[i]-1].
 // Per sequence, every head at once: each block's keys (then values) are read front to back,
 // once, which is what keeps the hardware prefetcher streaming (a head at a time, the rows of
 // one kv head are 1/kvh of each line run and the reads were latency-bound, 2-4x slower).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
-                           double scale) {
+                           double scale, const c10::optional<at::Tensor>& keys) {
   check(q, "q"); check(k, "k"); check(v, "v"); check(pool, "kv pool");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous()
               && pool.is_contiguous(), "q, k, v and the kv pool must be contiguous");
@@ -36,6 +39,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t tpb = pool.size(2), kvh = pool.size(3), rep = heads / kvh;
   const int64_t ts = tables.stride(0), row = kvh * hd;
   TORCH_CHECK(k.numel() == b * row && v.numel() == b * row, "k and v must be [b, kv_heads, hd]");
+  const int64_t* kp = keys.has_value() ? keys->data_ptr<int64_t>() : nullptr;
+  const int64_t ks = keys.has_value() ? keys->stride(0) : 0;
+  TORCH_CHECK(!keys.has_value() || (keys->dim() == 2 && keys->stride(1) == 1
+              && keys->size(0) == b), "keys must be [b, S] with contiguous rows");
+  // position of key t of sequence i
+  auto at_pos = [&](int64_t i, int64_t t) { return kp ? kp[i * ks + t] : t; };
   auto out = at::empty({b, heads * hd}, q.options());
   const float *qp = q.data_ptr<float>();
   float* pp = pool.data_ptr<float>();
@@ -43,7 +52,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   float* o = out.data_ptr<float>();
   // The new token's K and V first (at position len - 1), so every read below sees them.
   for (int64_t i = 0; i < b; ++i) {
-    const int64_t p = lp[i] - 1, blk = tp[i * ts + p / tpb];
+    const int64_t p = at_pos(i, lp[i] - 1), blk = tp[i * ts + p / tpb];
     std::copy_n(k.data_ptr<float>() + i * row, row, pp + (blk * 2 * tpb + p % tpb) * row);
     std::copy_n(v.data_ptr<float>() + i * row, row, pp + ((blk * 2 + 1) * tpb + p % tpb) * row);
   }
@@ -58,9 +67,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       float* oi = o + i * heads * hd;
       sc.resize(heads * S);
       for (int64_t t = 0; t < S; ++t) {
-        const float* keys = pp + (tp[i * ts + t / tpb] * 2 * tpb + t % tpb) * row;
+        const int64_t pos = at_pos(i, t);
+        const float* krow = pp + (tp[i * ts + pos / tpb] * 2 * tpb + pos % tpb) * row;
         for (int64_t h = h0; h < h1; ++h) {
-          const float *qh = qi + h * hd, *key = keys + (h / rep) * hd;
+          const float *qh = qi + h * hd, *key = krow + (h / rep) * hd;
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int64_t d = 0; d < hd; ++d) acc += qh[d] * key[d];
@@ -77,7 +87,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       for (int64_t d = h0 * hd; d < h1 * hd; ++d) oi[d] = 0.f;
       for (int64_t t = 0; t < S; ++t) {
-        const float* vals = pp + ((tp[i * ts + t / tpb] * 2 + 1) * tpb + t % tpb) * row;
+        const int64_t pos = at_pos(i, t);
+        const float* vals = pp + ((tp[i * ts + pos / tpb] * 2 + 1) * tpb + pos % tpb) * row;
         for (int64_t h = h0; h < h1; ++h) {
           const float pr = sc[h * S + t];
           const float* val = vals + (h / rep) * hd;
