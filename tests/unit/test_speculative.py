@@ -329,18 +329,19 @@ def reference_path_off(agree_dir):
         set_decode_path(old)
 
 
-@pytest.mark.parametrize("k", [3, "tree"])
 def test_greedy_identical_to_speculation_off_on_the_reference_path(agree_dir,
-                                                                   reference_path_off, k):
-    """The 54-request workload at K=3 and with a tree on the reference decode path (where an
-    engine speculates when the kernels cannot take its verify passes) equals the reference
-    path with speculation off, every greedy token, with acceptance, prefix hits and stop
-    tokens inside accepted drafts."""
+                                                                   reference_path_off):
+    """The 54-request workload with a tree on the reference decode path (where an engine
+    speculates when the kernels cannot take its verify passes) equals the reference path
+    with speculation off, every greedy token, with acceptance, prefix hits and stop tokens
+    inside accepted drafts. A tree runs every part of that path's verify pass (tree_levels,
+    the tree attention mask); its chains are checked bit for bit in
+    `test_verify_rows_equal_plain_decode_on_the_reference_path` and test_mamba_verify."""
     from baton.model.layers.linear import set_decode_path
 
     old = set_decode_path("reference")
     try:
-        _assert_identical(agree_dir, reference_path_off, k)
+        _assert_identical(agree_dir, reference_path_off, "tree")
     finally:
         set_decode_path(old)
 
