@@ -23,6 +23,14 @@ def cpu_kernels_built():
 
 
 @pytest.fixture(scope="session")
+def kernel(cpu_kernels_built):
+    """Baton's gemv kernel module (the tests that call it skip where it does not build)."""
+    if cpu_kernels_built[0] is None:
+        pytest.skip("the C++ kernel does not build here (no compiler?)")
+    return cpu_kernels_built[0]
+
+
+@pytest.fixture(scope="session")
 def model_tiny_dir(tmp_path_factory):
     """A seeded tiny NemotronH checkpoint (all three layer kinds), written once per session."""
     from baton.model.make_model import write_checkpoint

@@ -25,14 +25,6 @@ U = 2.0 ** -24  # float32 unit roundoff
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    k = cpu_kernels.gemv()
-    if k is None:
-        pytest.skip("the C++ kernel does not build here (no compiler?)")
-    return k
-
-
 def _data(m: int, n: int, k: int, dtype, seed: int = 0, bias: bool = True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
