@@ -44,6 +44,10 @@ class Answer:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     text_offset: int = 0
     """Where the next token's text starts in the choice's text (completions logprobs)."""
+    _held: tuple[tuple[int, ...], tuple[TokenLogprob, ...]] = field(default=((), ()), init=False)
+    """Tokens that came with no text: the worker holds their text back (a character cut in
+    two, or no text yet), so they wait for it here. A stop string completed by that text may
+    end the answer before them, and tokens already sent cannot be taken back."""
 
     @property
     def done(self) -> bool:
@@ -68,7 +72,11 @@ class Answer:
             if chunk.summary is not None:
                 self.finish_reason = "length"
             return "", [], []
-        ids, lps = list(chunk.token_ids), list(chunk.logprobs)
+        ids, lps = [*self._held[0], *chunk.token_ids], [*self._held[1], *chunk.logprobs]
+        if not chunk.text and chunk.summary is None:
+            self._held = (tuple(ids), tuple(lps))
+            return "", [], []
+        self._held = ((), ())
         text, hit = self.stops.feed(chunk.text)
         if hit:
             self.finish_reason = "stop"

@@ -236,6 +236,36 @@ def test_a_stop_string_inside_a_chunk_of_several_tokens_keeps_the_summary(api, s
     assert requests_total(ctx, "stop") == before + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_whose_text_comes_a_chunk_late_ends_the_answer_at_its_token(api, stream):
+    """The worker holds a chunk's text while it ends in a character cut in two: the chunk that
+    completes `STOP` also starts an emoji, and its text comes with the next chunk. The answer
+    still ends at the token that completed the stop string; no later token is sent."""
+    orch, ctx, port = api
+    enc = ByteTokenizer().encode
+    emoji = enc("\U0001F600")
+    orch.script = _stops_then_summarises([
+        GenerateChunk("r", tuple(enc("ab")), "ab"),
+        GenerateChunk("r", (*enc("STOP"), emoji[0]), ""),
+        GenerateChunk("r", (*emoji[1:], *enc("x")), "STOP\U0001F600x")])
+    body = {"model": "tiny", "prompt": [5] * 9, "stream": stream, "stop": ["STOP"],
+            "return_token_ids": True}
+    code, raw = request(port, "/v1/completions", body)
+    assert code == 200
+    if stream:
+        events = sse(raw)[:-1]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+        finish, usage = events[-1]["choices"][0]["finish_reason"], None
+    else:
+        reply = json.loads(raw)
+        (choice,) = reply["choices"]
+        text, ids, finish = choice["text"], choice["token_ids"], choice["finish_reason"]
+        usage = reply["usage"]["completion_tokens"]
+    assert (text, ids, finish) == ("ab", enc("abSTOP"), "stop")
+    assert usage in (None, 6)
+
+
 def test_the_first_stop_string_to_complete_ends_the_answer():
     """As if checked token by token, however the text is chunked: `cd` completes before
     `abcdef` does, so the answer is `ab` and the text through the stop is `abcd`."""
