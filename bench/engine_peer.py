@@ -47,7 +47,7 @@ def sizes(quick: bool) -> dict:
 def run(args) -> list[dict]:
     from baton.model.layers.linear import set_decode_path
 
-    set_decode_path("fast")  # what is measured: the optimised decode path (opt-in in serving)
+    set_decode_path("fast")  # what is measured: the optimised decode path (the default)
     sz = sizes(getattr(args, "quick", False))
     try:
         py = peer.ensure_venv()

@@ -41,13 +41,13 @@ layer's several input projections on one input (q/k/v, DeltaNet's in_proj qkv/a/
 gate/up, MoE routers with the shared expert's input) in one kernel call on the fast decode
 path, the same bits as one call each (bench 100m, 1 thread, batch 1: ~1-1.5 ms a step less,
 Qwen3.5 most). Half weights take the kernel at up to `MAX_PACKED_ROWS` rows on the reference
-path too (judged by their own parity test). The fast path is opt-in (`BATON_DECODE_PATH=fast`
-or `set_decode_path("fast")`; the default `reference` is the unoptimised path, bit for bit
-what it was before the kernels): it rounds differently from MKL (about 1e-6 relative) and is
-exact in itself (a row's bits do not depend on its batch, a verify pass equals plain decode,
-prefill does not depend on chunking). Under it, `install` loads the kernels when a model is
-loaded (built once per machine, ~1 min, on first use), so a worker is ready only once they
-are.
+path too (judged by their own parity test). The fast path is the default
+(`BATON_DECODE_PATH=reference` or `set_decode_path("reference")` picks the unoptimised path,
+bit for bit what it was before the kernels): it rounds differently from MKL (about 1e-6
+relative), is exact in itself (a row's bits do not depend on its batch, a verify pass equals
+plain decode, prefill does not depend on chunking), and the whole test suite holds on either
+path. `install` loads the kernels when a model is loaded (built once per machine, ~1 min, on
+first use), so a worker is ready only once they are.
 tests/unit/test_decode_fast_path.py compares the two paths, tests/unit/test_cpu_linear_kernel.py
 the kernel's accuracy and contract.
 """
@@ -72,7 +72,7 @@ PACK_HINT = 32
 HALF = (torch.float16, torch.bfloat16)
 
 def _env_path() -> str:
-    path = os.environ.get("BATON_DECODE_PATH", "reference")
+    path = os.environ.get("BATON_DECODE_PATH", "fast")
     if path not in ("fast", "reference"):
         raise ValueError(f"BATON_DECODE_PATH must be 'fast' or 'reference', got {path!r}")
     return path
@@ -83,7 +83,7 @@ _local = threading.local()  # .decoding: inside a marked decode call of this thr
 
 
 def set_decode_path(path: str) -> str:
-    """`fast` or `reference` (default); returns the previous one."""
+    """`fast` (default) or `reference`; returns the previous one."""
     if path not in ("fast", "reference"):
         raise ValueError(f"decode path must be 'fast' or 'reference', got {path!r}")
     old, _state["path"] = _state["path"], path
