@@ -133,9 +133,19 @@ c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   return out;
 }
 
+// prefill.cpp
+at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias);
+at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at::Tensor& w,
+                          int64_t group, double eps, bool norm_first);
+at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_step", &mamba2_step);
   m.def("deltanet_step", &deltanet_step);
   m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm);
+  m.def("conv_silu", &conv_silu);
+  m.def("gated_rms_norm", &gated_rms_norm);
+  m.def("ssd_decay", &ssd_decay);
 }
