@@ -52,14 +52,14 @@ def chunk_scan_fast(q, k, v, g, beta, state: torch.Tensor | None, chunk: int = 6
     cum64 = _chunked(g.double()[..., None], c, L)[..., 0].cumsum(-1)  # [n, HV, c, L]
     kern = step_kernels.kernels()
     # UT transform: the unit-lower-triangular system beta_i (k_i . k_j) decay(j -> i).
-    system = kern.ssd_decay(kh @ kh.transpose(-1, -2), cum64, r).mul_(bh)
+    system = kern.ssd_decay(kh @ kh.transpose(-1, -2), cum64, r, None).mul_(bh)
     ecum = _exp(cum64)[..., None]  # decay from the chunk's start, [n, HV, c, L, 1]
     kr = kh.view(n, HK, 1, c, L, dk)
     rhs = torch.cat([vh * bh, (kr * (bh * ecum).view(n, HK, r, c, L, 1)).view(n, HV, c, L, dk)],
                     dim=-1)
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     values, k_cum = sol[..., :dv], sol[..., dv:]
-    intra = kern.ssd_decay(qh @ kh.transpose(-1, -2), cum64, r)  # [n, HV, c, L, L]
+    intra = kern.ssd_decay(qh @ kh.transpose(-1, -2), cum64, r, None)  # [n, HV, c, L, L]
     to_end = _exp(cum64[..., -1:] - cum64).view(n, HK, r, c, L, 1)
     k_end = (kr * to_end).view(n * HV, c, L, dk).transpose(-1, -2)  # [nHV, c, dk, L]
     chunk_decay = _exp(cum64[..., -1]).view(n * HV, c, 1, 1)

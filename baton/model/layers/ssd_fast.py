@@ -20,6 +20,7 @@ but rounds differently from the reference (about 1e-6), so it runs only on the f
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from baton.model.layers import step_kernels
 
@@ -54,31 +55,26 @@ def ssd_scan_fast(x, dt, A, B, C, D, state: torch.Tensor | None = None, chunk: i
     r, L = H // G, chunk
     c = -(-T // L)
     x, dt = x.float(), dt.float()
-    # Head-major, padded to whole chunks: the padding has dt = 0 (no decay, no input).
-    xdt = _padded(x.new_empty(b, H, c * L, P), T)
-    torch.mul(x, dt[..., None], out=xdt[:, :, :T].transpose(1, 2))
-    Bg, Cg = (_group_major(t.float(), c, L) for t in (B, C))  # [b, G, c, L, N]
-    adt = _padded(dt.new_empty(b, H, c * L, dtype=torch.float64), T)
-    adt[:, :, :T] = (dt * A.float()).transpose(1, 2)
-    cum64 = adt.view(b, H, c, L).cumsum(-1)
-    # 1. within each chunk: (C B^T per group) x decay per head, then x dt.
-    CB = Cg @ Bg.transpose(-1, -2)  # [b, G, c, L, L]
-    k = step_kernels.kernels()
-    if k is not None:  # one pass instead of five
-        M = k.ssd_decay(CB, cum64, r).view(b, G, r, c, L, L)
-    else:
-        M = _decay(cum64).view(b, G, r, c, L, L).mul_(CB[:, :, None])
-    y = M @ xdt.view(b, G, r, c, L, P)
-    # 2. the state each chunk adds by its end, sum_t B_t (decay(t -> end) xdt_t)^T, group-major
+    if T % L:  # whole chunks: the padding has dt = 0 (no decay, no input)
+        pad = c * L - T
+        x, dt = F.pad(x, (0, 0, 0, 0, 0, pad)), F.pad(dt, (0, 0, 0, pad))
+        B, C = F.pad(B, (0, 0, 0, 0, 0, pad)), F.pad(C, (0, 0, 0, 0, 0, pad))
+    # X: per head and chunk the rows [x dt (L rows) ; state entering the chunk, transposed
+    # (N rows)]: with [M | C decay] (`_intra`) the chunk's whole output is one matmul.
+    X = x.new_empty(b, H, c, L + N, P)
+    xdt = X[:, :, :, :L]
+    torch.mul(_chunks(x, c), _chunks(dt[..., None], c), out=xdt)
+    Bg, Cg = (_chunks(t.float(), c).contiguous() for t in (B, C))  # [b, G, c, L, N]
+    cum64 = _chunks(dt.double()[..., None] * A.double()[:, None], c)[..., 0].cumsum(-1)
+    # 1. the state each chunk adds by its end, sum_t B_t (decay(t -> end) xdt_t)^T, group-major
     # [b, G, c, N, r*P] (the state transposed, heads side by side).
     to_end = _heads_last(_exp(cum64[..., -1:] - cum64), G)  # [b, G, c, L, r, 1]
     xs = x.new_empty(b, G, c, L, r, P)
     torch.mul(xdt.view(b, G, r, c, L, P).permute(0, 1, 3, 4, 2, 5), to_end, out=xs)
-    states = Bg.transpose(-1, -2) @ xs.view(b, G, c, L, r * P)
-    # 3. carried in order: the state entering each chunk, and the final one.
+    states = (Bg.transpose(-1, -2) @ xs.view(b, G, c, L, r * P)).view(b, G, c, N, r, P)
+    # 2. carried in order: the state entering each chunk (into X), and the final one.
     decay = _exp(cum64[..., -1]).view(b, G, r, c).permute(0, 1, 3, 2)[..., None, :, None]
-    entering = torch.empty_like(states).view(b, G, c, N, r, P)
-    states = states.view(b, G, c, N, r, P)
+    entering = X[:, :, :, L:].view(b, G, r, c, N, P).permute(0, 1, 3, 4, 2, 5)
     if state is None:
         entering[:, :, 0] = 0
     else:
@@ -87,32 +83,33 @@ def ssd_scan_fast(x, dt, A, B, C, D, state: torch.Tensor | None = None, chunk: i
         torch.addcmul(states[:, :, i], entering[:, :, i], decay[:, :, i],
                       out=entering[:, :, i + 1])
     final = states[:, :, -1] + entering[:, :, -1] * decay[:, :, -1]  # [b, G, N, r, P]
-    # 4. what the entering state gives each position: (C_t . S) decay(start -> t).
-    carried = (Cg @ entering.view(b, G, c, N, r * P)).view(b, G, c, L, r, P)
-    from_start = _heads_last(_exp(cum64), G)
-    out = x * D.float()[:, None]  # [b, T, H, P]
-    out += y.permute(0, 3, 4, 1, 2, 5).reshape(b, c * L, H, P)[:, :T]
-    tok = (0, 2, 3, 1, 4, 5)  # group-major -> token-major [b, c, L, G, r, P]
-    out.addcmul_(carried.permute(tok).reshape(b, c * L, H, P)[:, :T],
-                 from_start.permute(tok).reshape(b, c * L, H, 1)[:, :T])
+    # 3. every output: [M | C decay(start -> t)] @ [x dt ; S^T], then D x.
+    y = _intra(Cg, Bg, cum64, r) @ X  # [b, H, c, L, P]
+    out = x[:, :T] * D.float()[:, None]
+    out += y.permute(0, 2, 3, 1, 4).reshape(b, c * L, H, P)[:, :T]
     return out, final.permute(0, 1, 3, 4, 2).reshape(b, H, P, N)
+
+
+def _intra(Cg, Bg, cum64, r: int) -> torch.Tensor:
+    """[M | C_t exp(cum_t)] per head and chunk, [b, H, c, L, L + N]: M = (C B^T, per group) x
+    the decay (`_decay`)."""
+    CB = Cg @ Bg.transpose(-1, -2)  # [b, G, c, L, L]
+    k = step_kernels.kernels()
+    if k is not None:  # one pass instead of eight
+        return k.ssd_decay(CB, cum64, r, Cg)
+    b, G, c, L, N = Cg.shape
+    M = _decay(cum64).view(b, G, r, c, L, L).mul_(CB[:, :, None])
+    e = _exp(cum64).view(b, G, r, c, L, 1)
+    return torch.cat([M, Cg[:, :, None] * e], dim=-1).view(b, G * r, c, L, L + N)
+
+
+def _chunks(t: torch.Tensor, c: int) -> torch.Tensor:
+    """[b, c*L, X, Y] -> [b, X, c, L, Y] (a view)."""
+    b, T, X, Y = t.shape
+    return t.view(b, c, T // c, X, Y).permute(0, 3, 1, 2, 4)
 
 
 def _heads_last(t: torch.Tensor, G: int) -> torch.Tensor:
     """[b, H, c, L] -> [b, G, c, L, r, 1] (a view)."""
     b, H, c, L = t.shape
     return t.view(b, G, H // G, c, L).permute(0, 1, 3, 4, 2)[..., None]
-
-
-def _padded(t: torch.Tensor, T: int) -> torch.Tensor:
-    """`t` [b, X, c*L, ...] with its positions from T on zeroed (the rest is written after)."""
-    t[:, :, T:] = 0
-    return t
-
-
-def _group_major(t: torch.Tensor, c: int, L: int) -> torch.Tensor:
-    """[b, T, G, N] -> [b, G, c, L, N], zero-padded to c * L tokens."""
-    b, T, G, N = t.shape
-    out = _padded(t.new_empty(b, G, c * L, N), T)
-    out[:, :, :T] = t.transpose(1, 2)
-    return out.view(b, G, c, L, N)

@@ -120,16 +120,19 @@ c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   auto out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xr = xp + i * rs;
-    float ss = 0.f;
+  // rows split over threads only past 64 (a prefill's): a row's sum is the same either way
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* xr = xp + i * rs;
+      float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
-    const float inv = 1.f / std::sqrt(ss / d + (float)eps);
-    float* orow = op + i * d;
+      for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
+      const float inv = 1.f / std::sqrt(ss / d + (float)eps);
+      float* orow = op + i * d;
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
-  }
+      for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
+    }
+  });
   return out;
 }
 
@@ -138,7 +141,8 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
                      const c10::optional<at::Tensor>& bias);
 at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at::Tensor& w,
                           int64_t group, double eps, bool norm_first);
-at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r);
+at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
+                     const c10::optional<at::Tensor>& C);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_step", &mamba2_step);

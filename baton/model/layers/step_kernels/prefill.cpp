@@ -114,14 +114,27 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at:
 
 // The SSD scan's intra-chunk matrix: M[b, h, c, i, j] = CB[b, h / r, c, i, j] *
 // exp(cum[b, h, c, i] - cum[b, h, c, j]) for j <= i, 0 above; CB [b, G, c, l, l] float, cum
-// [b, H, c, l] float64 (the difference in float64, then rounded: no cancellation).
-at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r) {
+// [b, H, c, l] float64 (the difference in float64, then rounded: no cancellation). With C
+// [b, G, c, l, N] given, each row goes on with C[b, h / r, c, i, :] * exp(cum[i]) (what the
+// state entering the chunk gives row i): rows of l + N, one matmul with [x dt ; S^T] then.
+// Decays below e^-60 are 0 (their products would be denormals: see ssd_fast.FLUSH).
+at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
+                     const c10::optional<at::Tensor>& C) {
   check(CB, "CB");
   TORCH_CHECK(cum.scalar_type() == at::kDouble && cum.is_contiguous() && CB.is_contiguous() &&
               CB.dim() == 5 && cum.dim() == 4, "CB [b,G,c,l,l] float, cum [b,H,c,l] float64");
   const int64_t b = cum.size(0), H = cum.size(1), nc = cum.size(2), l = cum.size(3);
   TORCH_CHECK(CB.size(1) * r == H && CB.size(2) == nc && CB.size(3) == l, "CB/cum shapes");
-  auto out = at::empty({b, H, nc, l, l}, CB.options());
+  const float* cp_ = nullptr;
+  int64_t N = 0;
+  if (C.has_value()) {
+    check(*C, "C");
+    TORCH_CHECK(C->is_contiguous() && C->dim() == 5 && C->size(3) == l, "C [b,G,c,l,N]");
+    cp_ = C->data_ptr<float>();
+    N = C->size(4);
+  }
+  const int64_t W = l + N;
+  auto out = at::empty({b, H, nc, l, W}, CB.options());
   const float* cb = CB.data_ptr<float>();
   const double* cp = cum.data_ptr<double>();
   float* op = out.data_ptr<float>();
@@ -129,12 +142,13 @@ at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r) {
     for (int64_t blk = lo; blk < hi; ++blk) {
       const int64_t bi = blk / (H * nc), h = blk / nc % H, ci = blk % nc;
       const double* cr = cp + blk * l;
-      const float* cbb = cb + ((bi * (H / r) + h / r) * nc + ci) * l * l;
-      float* ob = op + blk * l * l;
+      const int64_t gblk = (bi * (H / r) + h / r) * nc + ci;
+      const float* cbb = cb + gblk * l * l;
+      float* ob = op + blk * l * W;
       for (int64_t i = 0; i < l; ++i) {
-        float* o = ob + i * l;
+        float* o = ob + i * W;
         const double ci_ = cr[i];
-        for (int64_t j = 0; j <= i; ++j) {  // below e^-60: 0 (see ssd_fast.FLUSH)
+        for (int64_t j = 0; j <= i; ++j) {
           const float d = (float)(ci_ - cr[j]);
           o[j] = d < -60.f ? -INFINITY : d;
         }
@@ -143,6 +157,12 @@ at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r) {
 #pragma omp simd
         for (int64_t j = 0; j <= i; ++j) o[j] = o[j] * cbr[j];
         for (int64_t j = i + 1; j < l; ++j) o[j] = 0.f;
+        if (N) {
+          const float e = (float)ci_ < -60.f ? 0.f : std::exp((float)ci_);
+          const float* crow = cp_ + (gblk * l + i) * N;
+#pragma omp simd
+          for (int64_t n = 0; n < N; ++n) o[l + n] = crow[n] * e;
+        }
       }
     }
   });
