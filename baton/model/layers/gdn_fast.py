@@ -7,9 +7,10 @@ Why (bench 100m Qwen3.5, 2,048 tokens, 1 thread): the reference scan took ~75 ms
   decay and beta differ), and no repeat of q and k per value head;
 - the decay matrices in one kernel pass each (`step_kernels` ssd_decay: the masked
   exp(cum_i - cum_j) times the shared product, the difference in float64, no cancellation);
-- one triangular solve for values and keys together (one right-hand side of dv + dk);
+- one triangular solve for values and keys together (one right-hand side of dv + dk), by a
+  forward-substitution kernel (LAPACK's batched trsm ran at a fifth of the matmul rate);
 - the per-chunk loop only carries the state (v_new, then S), two batched matmul-adds a chunk;
-  each chunk's output is then one batched matmul over all chunks;
+  every chunk's output is then one batched matmul, [intra | q decay] @ [v_new ; S];
 - no padding copies when T is a multiple of the chunk; decays below e^FLUSH are 0 (their
   products would be float32 denormals, which slow every op that meets them).
 It rounds differently from the reference (about 1e-6), so it runs only on the fast path, and
@@ -57,23 +58,24 @@ def chunk_scan_fast(q, k, v, g, beta, state: torch.Tensor | None, chunk: int = 6
     kr = kh.view(n, HK, 1, c, L, dk)
     rhs = torch.cat([vh * bh, (kr * (bh * ecum).view(n, HK, r, c, L, 1)).view(n, HV, c, L, dk)],
                     dim=-1)
-    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    W = dv + dk
+    sol = kern.unit_lower_solve(system.view(-1, L, L), rhs.view(-1, L, W)).view(n, HV, c, L, W)
     values, k_cum = sol[..., :dv], sol[..., dv:]
-    intra = kern.ssd_decay(qh @ kh.transpose(-1, -2), cum64, r, None)  # [n, HV, c, L, L]
+    # Each chunk's output, [intra | q decay(start -> t)] @ [v_new ; S entering], is one
+    # matmul: the kernel writes the first factor, the loop below the second (X).
+    lhs = kern.ssd_decay(qh @ kh.transpose(-1, -2), cum64, r, qh)  # [n, HV, c, L, L + dk]
     to_end = _exp(cum64[..., -1:] - cum64).view(n, HK, r, c, L, 1)
     k_end = (kr * to_end).view(n * HV, c, L, dk).transpose(-1, -2)  # [nHV, c, dk, L]
     chunk_decay = _exp(cum64[..., -1]).view(n * HV, c, 1, 1)
     S = (q.new_zeros(n * HV, dk, dv) if state is None
-         else state.float().reshape(n * HV, dk, dv).clone())
+         else state.float().reshape(n * HV, dk, dv))
     values, k_cum = values.reshape(n * HV, c, L, dv), k_cum.reshape(n * HV, c, L, dk)
-    entering, v_new = [], []
+    X = q.new_empty(n * HV, c, L + dk, dv)
     for i in range(c):
-        entering.append(S)
-        v_new.append(torch.baddbmm(values[:, i], k_cum[:, i], S, alpha=-1))
-        S = torch.baddbmm(S * chunk_decay[:, i], k_end[:, i], v_new[-1])
-    ent = torch.stack(entering, 1).view(n, HK, r, c, dk, dv)
-    vn = torch.stack(v_new, 1).view(n, HV, c, L, dv)
-    qs = qh.view(n, HK, 1, c, L, dk) * ecum.view(n, HK, r, c, L, 1)  # per value head
-    o = (qs @ ent).view(n, HV, c, L, dv).add_(intra @ vn)
+        X[:, i, L:] = S
+        v_new = torch.baddbmm(values[:, i], k_cum[:, i], S, alpha=-1)
+        X[:, i, :L] = v_new
+        S = torch.baddbmm(S * chunk_decay[:, i], k_end[:, i], v_new)
+    o = lhs.view(n * HV, c, L, L + dk) @ X
     o = o.view(n, HV, c * L, dv)[:, :, :T].transpose(1, 2).contiguous()
     return o, S.view(n, HV, dk, dv)
