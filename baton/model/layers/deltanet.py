@@ -79,6 +79,8 @@ class GatedDeltaNet(nn.Module):
                 else torch.cat([conv[..., T:], qkv.transpose(1, 2)], dim=-1))
         conv_pool.index_copy_(0, ctx.slots, tail)
         ctx.state(self.layer_idx, "recurrent").index_copy_(0, ctx.slots, final)
+        if type(self.norm) is not HeadGatedRMSNorm:
+            return self._out(o, h)
         z = self.in_proj_z(h)
         o = k.gated_rms_norm(o.view(n * T, -1), z.view(n * T, -1), self.norm.weight,
                              self.dv, self.norm.eps, True)

@@ -82,6 +82,8 @@ class Mamba2Mixer(nn.Module):
                 else torch.cat([conv_state[..., T:], xbc.transpose(1, 2)], dim=-1))
         conv_pool.index_copy_(0, ctx.slots, tail)
         ssm_pool.index_copy_(0, ctx.slots, final)
+        if type(self.norm) is not GatedRMSNorm:  # tensor parallel's all-reduced norm
+            return self._out(y.view(n, T, -1), gate, h.dtype)
         y = k.gated_rms_norm(y.view(n * T, -1), gate.reshape(n * T, -1), self.norm.weight,
                              self.norm.group_size, self.norm.eps, False)
         return self.out_proj(y.view(n, T, -1))
