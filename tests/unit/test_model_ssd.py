@@ -75,6 +75,7 @@ def test_fast_scan_equals_step_loop(T, chunk, with_state, kernel, monkeypatch):
     stack = [torch.stack(t) for t in zip(*xs, strict=True)]
     y, final = ssd_scan_fast(stack[0], stack[1], A, stack[2], stack[3], D,
                              stack[4] if with_state else None, chunk)
+    assert y.is_contiguous()  # the mixer views it as [rows, H * P]
     for i, (y_ref, final_ref) in enumerate(fins):
         assert torch.allclose(y[i], y_ref, atol=1e-5)
         assert torch.allclose(final[i], final_ref, atol=1e-5)

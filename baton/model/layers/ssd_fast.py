@@ -86,7 +86,8 @@ def ssd_scan_fast(x, dt, A, B, C, D, state: torch.Tensor | None = None, chunk: i
     # 3. every output: [M | C decay(start -> t)] @ [x dt ; S^T], then D x.
     y = _intra(Cg, Bg, cum64, r) @ X  # [b, H, c, L, P]
     y = y.permute(0, 2, 3, 1, 4).reshape(b, c * L, H, P)[:, :T]  # token-major (a view)
-    out = torch.addcmul(y, x[:, :T], D.float()[:, None])  # one pass: y + D x
+    out = x.new_empty(b, T, H, P)  # contiguous (an op's own output may take y's strides)
+    torch.addcmul(y, x[:, :T], D.float()[:, None], out=out)  # one pass: y + D x
     return out, final.permute(0, 1, 3, 4, 2).reshape(b, H, P, N)
 
 
