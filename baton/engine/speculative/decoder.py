@@ -124,6 +124,9 @@ class SpeculativeDecoder:
         """Where the decode steps' time went: MTP passes (pending entries and drafts), the
         target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
         self.steps = 0
+        self.plain = getattr(model, "decode_hidden", False) and not hasattr(model, "verify")
+        """Steps without drafts run the target's plain decode forward (`_plain_step`), not a
+        verify pass (a pipeline's stages run their verify pass either way)."""
 
     def on_fast_path(self) -> bool:
         """Whether this engine's steps may run on the fast decode path: its verify passes,
@@ -215,6 +218,8 @@ class SpeculativeDecoder:
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
             return [], []
+        if self.plain and not any(ks[r.id] for r in reqs):
+            return self._plain_step(engine, reqs, failed), []
         # every request with pending entries writes them, drafting or not (none may be left
         # from drafts: a snapshot and the next drafts read them)
         t0 = time.perf_counter()
@@ -242,6 +247,44 @@ class SpeculativeDecoder:
         self.steps += 1
         return out
 
+    def _plain_step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
+        """A step in which no request drafts (the batch is over `max_batch`, or no request
+        may emit two more tokens): the pending entries written (only what they need,
+        `Drafter.write`), then the target's plain decode forward, exactly speculation off's
+        (no verify pass, no slot copies); its hiddens are the requests' next pending rows and
+        the engine's sampler draws the tokens (a draw with no drafts is the sampler's own
+        draw, as the rejection rule's bonus token is). Returns [(request, logits)]."""
+        t0 = time.perf_counter()
+        self._write_pending(engine, [r for r in reqs if r.id in self.pending])
+        t1 = time.perf_counter()
+        self.seconds["draft"] += t1 - t0
+        hidden: list[torch.Tensor] = []
+        try:
+            logits = engine._decode(reqs, hidden)
+        except Exception as e:  # noqa: BLE001 - fails this forward's requests only
+            log.exception("decode forward of %d requests failed", len(reqs))
+            failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
+            return []
+        self.seconds["verify"] += time.perf_counter() - t1
+        h = hidden[0]
+        for i, r in enumerate(reqs):
+            if self.wants(r):
+                self.pending[r.id] = Pending(r.num_computed - 1, h[i : i + 1])
+        self.steps += 1
+        return list(zip(reqs, logits, strict=True))
+
+    def _write_pending(self, engine, reqs: list[Request]) -> None:
+        """The head's entries of `reqs`' pending rows, nothing else (no drafts)."""
+        if not reqs:
+            return
+        jobs = [DraftJob(p, _tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0]),
+                         engine.cache.block_table(r.id), 0)
+                for r in reqs for p in (self.pending[r.id],)]
+        try:
+            self.drafter.write(jobs)
+        except Exception:  # noqa: BLE001 - only acceptance is the worse for a stale entry
+            log.exception("writing the MTP KV of %d requests failed", len(jobs))
+
     def _verify(self, rows: list[VerifyRow]):
         tree = self.tree is not None
         if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
@@ -254,7 +297,7 @@ class SpeculativeDecoder:
         jobs = []
         for r in reqs:
             p = self.pending[r.id]
-            nxt = r.all_ids[p.start + 1 : p.start + 1 + p.hidden.shape[0]]
+            nxt = _tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0])
             jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
         try:
             if self.tree is not None:  # greedy requests a tree, sampled ones a chain
@@ -269,14 +312,14 @@ class SpeculativeDecoder:
             return {}
         return {r.id: d for r, d in zip(reqs, out, strict=True) if d}
 
-    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> tuple[list[int], list]:
+    def _candidates(self, engine, r: Request, row: VerifyRow, lg,
+                    target: list[int]) -> tuple[list[int], list]:
         """(the tokens verification keeps: accepted drafts, then one target token; the rows
-        they follow, root first)."""
+        they follow, root first). `target`: the argmax of each of the request's rows."""
         drafts = row.tokens[1:]
         if not r.sampling.greedy:
             cand = accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
             return cand, list(range(len(cand)))
-        target = lg.argmax(-1).tolist()
         if row.parents:  # a tree: follow the target's argmax from the root
             path = accept_greedy(list(row.parents), drafts, target)
             return [target[p] for p in path], path
@@ -287,18 +330,19 @@ class SpeculativeDecoder:
 
     def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
-        last: dict[str, Pending] = {}
+        argmax = logits.argmax(-1).tolist()  # one call for every row (greedy acceptance)
         off = 0
         for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
             m = len(row.tokens)
             lg, hd = logits[off : off + m], hidden[off : off + m]
+            target = argmax[off : off + m]
             off += m
             if not self.wants(r):
                 r.num_computed += 1
                 sampled.append((r, lg[0]))
                 continue
             try:
-                cand, path = self._candidates(engine, r, row, lg)
+                cand, path = self._candidates(engine, r, row, lg, target)
             except (ValueError, RuntimeError) as ex:
                 failed.append(engine._fail(r, f"sampling failed: {ex}"))
                 continue
@@ -320,15 +364,11 @@ class SpeculativeDecoder:
             r.accepted_tokens += a
             if m > 1:
                 self.accepted_hist[a] += 1
-            if r.finish_reason is None:
-                self.pending[r.id] = Pending(row.start, hd[:e].clone())
-            else:
-                self.pending.pop(r.id, None)
-                last[r.id] = Pending(row.start, hd[:e])
+            # a finished request's rows stay pending until its decode-end snapshot settles
+            # them (`feed_last`) or it is forgotten
+            self.pending[r.id] = Pending(row.start, hd[:e])
             kept.append((r, toks))
         done = [r for r, _ in kept if r.finish_reason is not None]
-        if done and engine.decode_end_snapshot and self.drafter.shared:
-            self._settle(engine, done, last)
         if done:  # after the roll back: a decode-end snapshot must see the kept state
             engine._finish(done)
         outs = [engine._output(r, tuple(t), finished=r.finish_reason is not None)
@@ -341,14 +381,22 @@ class SpeculativeDecoder:
         """`Engine._decode` for the decode-end snapshot (the last token fed; verify rows of
         one position are plain decode), keeping each request's last hidden state: the next
         turn, which hits that snapshot, writes the head's entry there with its own token."""
+        if self.drafter.shared:
+            self._settle(engine, [r for r in reqs if r.id in self.pending])
         cache = engine.cache
-        for r in reqs:
-            cache.ensure_blocks(r.id, r.num_computed + 1)
-        rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
-                          cache.block_table(r.id)) for r in reqs]
-        hidden, _ = self._verify(rows)
+        if self.plain:
+            out: list[torch.Tensor] = []
+            engine._decode(reqs, out)
+            hidden = out[0]
+        else:
+            for r in reqs:
+                cache.ensure_blocks(r.id, r.num_computed + 1)
+            rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
+                              cache.block_table(r.id)) for r in reqs]
+            hidden, _ = self._verify(rows)
+            for r in reqs:
+                r.num_computed += 1
         for r, h in zip(reqs, hidden, strict=True):
-            r.num_computed += 1
             if self.drafter.shared:
                 self.last_hidden.put(r.all_ids[: r.num_computed], h.clone())
 
@@ -362,13 +410,14 @@ class SpeculativeDecoder:
             self.drafter.write([DraftJob(Pending(c - 1, h[None]), [req.prompt_ids[c]],
                                          cache.block_table(req.id), 0)])
 
-    def _settle(self, engine, done: list[Request], last: dict[str, Pending]) -> None:
-        """Finished requests whose decode-end snapshot keeps the head's KV: rewrite the
-        entries the last drafts wrote from unverified inputs with the kept positions'
-        target hiddens (the snapshot never holds draft state; its last entry lags one
-        token, like a prompt's)."""
-        jobs = [DraftJob(last[r.id], r.all_ids[last[r.id].start + 1 : r.num_computed + 1],
-                         engine.cache.block_table(r.id), 0) for r in done if r.id in last]
+    def _settle(self, engine, done: list[Request]) -> None:
+        """Finished requests whose decode-end snapshot keeps the head's KV: write their
+        pending entries, rewriting those the last drafts wrote from unverified inputs with
+        the kept positions' target hiddens (the snapshot never holds draft state; its last
+        entry lags one token, like a prompt's)."""
+        jobs = [DraftJob(p, _tokens(r, p.start + 1, r.num_computed + 1),
+                         engine.cache.block_table(r.id), 0)
+                for r in done for p in (self.pending[r.id],)]
         if not jobs:
             return
         try:
@@ -390,6 +439,16 @@ def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
     for _ in range(max(0, extra)):
         rid = max(ks, key=ks.get)
         ks[rid] -= 1
+
+
+def _tokens(req: Request, lo: int, hi: int) -> list[int]:
+    """req.all_ids[lo:hi] without building the whole list."""
+    n = req.prompt_len
+    if hi <= n:
+        return req.prompt_ids[lo:hi]
+    if lo >= n:
+        return req.output_ids[lo - n : hi - n]
+    return req.prompt_ids[lo:] + req.output_ids[: hi - n]
 
 
 def _emit(engine, req: Request, toks: list[int]) -> list[int]:

@@ -102,16 +102,23 @@ class Drafter:
         return g, logits
 
     def write(self, jobs: list[DraftJob]) -> None:
-        """Only the first pass's entries (verified hiddens and tokens), no drafts: what a
-        finished request leaves for its decode-end snapshot."""
-        hid = torch.cat([j.pending.hidden for j in jobs])
+        """Only the first pass's entries (verified hiddens and tokens), no drafts: a step
+        without drafts, what a finished request leaves for its decode-end snapshot. A head
+        with `write_kv` computes only what the entries need (no query, attention, later
+        layers or LM head), the same bits as its full pass over these rows."""
+        hid = torch.cat([j.pending.hidden for j in jobs]) if len(jobs) > 1 \
+            else jobs[0].pending.hidden
         ids = [t for j in jobs for t in j.next_ids]
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
         with decode_scope():
             meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
                                self.pools, lean=fused.kernel_attention(self.pools))
-            self.head(hid, self._longs(ids), self.embed, self.lm_head,
-                      StepContext(self.pools, meta, None), decode=True, logits=False)
+            ctx = StepContext(self.pools, meta, None)
+            if hasattr(self.head, "write_kv"):
+                self.head.write_kv(hid, self._longs(ids), self.embed, ctx)
+            else:
+                self.head(hid, self._longs(ids), self.embed, self.lm_head, ctx, decode=True,
+                          logits=False)
 
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries
