@@ -127,6 +127,10 @@ class SpeculativeDecoder:
         self.plain = getattr(model, "decode_hidden", False) and not hasattr(model, "verify")
         """Steps without drafts run the target's plain decode forward (`_plain_step`), not a
         verify pass (a pipeline's stages run their verify pass either way)."""
+        self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
+        self._live_first = False
+        """Whether the last verify pass kept its chains' first-row states in the live slots
+        (`VerifyPlan.live_first`: the kernel path of a colocated engine)."""
 
     def on_fast_path(self) -> bool:
         """Whether this engine's steps may run on the fast decode path: its verify passes,
@@ -287,9 +291,13 @@ class SpeculativeDecoder:
 
     def _verify(self, rows: list[VerifyRow]):
         tree = self.tree is not None
+        self._live_first = False
         if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
             return self.model.verify(rows, self.scratch, tree)
-        return verify_forward(self.model, self.pools, rows, self.scratch, tree)
+        self._live_first = self._live_first_ok and not tree and \
+            kernel_verify.applies(self.pools)
+        return verify_forward(self.model, self.pools, rows, self.scratch, tree,
+                              self._live_first)
 
     def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
         if not reqs:
@@ -355,6 +363,9 @@ class SpeculativeDecoder:
                 if path[-1]:
                     self.scratch.restore(i, path[-1] - 1, row.slot)
                 hd = hd.index_select(0, torch.tensor(path, device=hd.device))
+            elif self._live_first:  # the live slot holds row 0's state, scratch j-1 row j's
+                if e > 1:
+                    self.scratch.restore(i, e - 2, row.slot)
             elif e < m:  # the live slot holds the state after all m rows: take row e-1's
                 self.scratch.restore(i, e - 1, row.slot)
             r.num_computed = row.start + e

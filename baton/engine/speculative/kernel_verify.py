@@ -21,7 +21,10 @@ slot (j = 0) or scratch j-1 and writes scratch j, the last position writes the l
 the live slot ends at the state after the last row without a copy and scratch j holds the
 state after row j. A tree (tree.py): the root steps in the live slot, node j reads its
 parent's slot and writes scratch j-1; its attention rows read their prompt and then their
-path's storage positions, in order, through the kernel's key list (`tree_kernel_meta`).
+path's storage positions, in order, through the kernel's key list (`tree_kernel_meta`). A
+colocated engine's chains take the tree's slots (`VerifyPlan.live_first`): the live slot
+then holds the state after the first row, so a step that keeps no draft (most, at low
+acceptance) copies no state; one that keeps e >= 2 rows copies scratch e-2 once.
 Pools that are not float32 keep the reference path (`applies`).
 """
 
@@ -64,7 +67,7 @@ def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
     out = []
     for j in range(max(counts)):
         sel = [i for i, m in enumerate(counts) if m > j]
-        if plan.parents is None:
+        if plan.parents is None and not plan.live_first:
             src = [plan.slots[i] if j == 0 else plan.scratch[i][j - 1] for i in sel]
             dst = [plan.scratch[i][j] if counts[i] > j + 1 else plan.slots[i] for i in sel]
         else:
@@ -78,18 +81,27 @@ def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
 def _tree_slots(plan, sel: list[int], j: int) -> tuple[list[int], list[int]]:
     """Slots of node j of the trees `sel` (tree.py's contract): the root steps in the live
     slot, node j >= 1 reads its parent's state (the live slot's, or scratch parent-1) and
-    writes scratch j-1."""
+    writes scratch j-1. A chain `live_first`: the same with row j's parent j-1."""
     if j == 0:
         live = [plan.slots[i] for i in sel]
         return live, live
     src, dst = [], []
     for i in sel:
-        parent = plan.parents[i][j - 1]
+        parent = plan.parents[i][j - 1] if plan.parents is not None else j - 1
         if parent >= j:
             raise ValueError(f"tree node {j} has parent {parent}: nodes must be breadth-first")
         src.append(plan.slots[i] if parent == 0 else plan.scratch[i][parent - 1])
         dst.append(plan.scratch[i][j - 1])
     return src, dst
+
+
+def all_fit(model, pools) -> bool:
+    """Whether every recurrent layer of `model` takes the kernel step (then a chain's verify
+    pass may keep its first row's state in the live slot: `VerifyPlan.live_first`)."""
+    index = pools.spec.state_index
+    mixers = [m for m in model.modules() if getattr(m, "layer_idx", None) in index
+              and hasattr(m, "decode")]
+    return all(fits(m) for m in mixers)
 
 
 def fits(mixer) -> bool:
