@@ -45,6 +45,9 @@ class KernelRows(NamedTuple):
     dst: torch.Tensor
     all_rows: bool
     """The rows are every row of the pass, in order (no gather, no scatter)."""
+    span: tuple[int, int] | None = None
+    """The rows as one consecutive range [lo, hi) (one request's chain: sliced, not
+    gathered); None: scattered."""
 
 
 def applies(pools, tree: bool = False) -> bool:
@@ -73,8 +76,9 @@ def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
         else:
             src, dst = _tree_slots(plan, sel, j)
         rows = [starts[i] + j for i in sel]
+        span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
         out.append(KernelRows(*(torch.tensor(v, dtype=torch.long, device=dev)
-                                for v in (rows, src, dst)), rows == list(range(total))))
+                                for v in (rows, src, dst)), rows == list(range(total)), span))
     return out
 
 
@@ -114,12 +118,20 @@ def recurrent_rows(mixer, x: torch.Tensor, ctx, steps: list[KernelRows]) -> torc
     inputs = mixer.kernel_inputs(x)
     y = None
     for p in steps:
-        part = inputs if p.all_rows else tuple(t.index_select(0, p.rows) for t in inputs)
+        if p.all_rows:
+            part = inputs
+        elif p.span is not None:
+            part = tuple(t[p.span[0]:p.span[1]] for t in inputs)
+        else:
+            part = tuple(t.index_select(0, p.rows) for t in inputs)
         out = mixer.kernel_step(part, ctx, p.src, p.dst)
         if p.all_rows:
             y = out
             continue
         if y is None:
             y = out.new_empty(x.shape[0], out.shape[1])
-        y.index_copy_(0, p.rows, out)
+        if p.span is not None:
+            y[p.span[0]:p.span[1]] = out
+        else:
+            y.index_copy_(0, p.rows, out)
     return mixer.out_proj(y)
