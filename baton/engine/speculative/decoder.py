@@ -35,6 +35,10 @@ from baton.model.layers.linear import MAX_PACKED_ROWS
 
 log = logging.getLogger("baton.engine")
 
+LAG_BYTES = 1 << 20
+"""Target hiddens a request may keep pending while steps do not draft (float32 rows):
+1 MiB, 341 rows of the bench 100m, 64 of a 4096-wide model."""
+
 
 def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
     """State slots speculation keeps out of the cache manager: one per draft row of every
@@ -127,6 +131,11 @@ class SpeculativeDecoder:
         self.plain = getattr(model, "decode_hidden", False) and not hasattr(model, "verify")
         """Steps without drafts run the target's plain decode forward (`_plain_step`), not a
         verify pass (a pipeline's stages run their verify pass either way)."""
+        self._lag: dict[str, torch.Tensor] = {}
+        """Per request, the buffer its pending rows grow in while steps do not draft."""
+        hidden = model.config.hidden_size
+        self.lag_rows = max(8, LAG_BYTES // (4 * hidden))
+        """Pending rows a request may gather before they are written (memory bound)."""
         self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
         self._live_first = False
         """Whether the last verify pass kept its chains' first-row states in the live slots
@@ -158,6 +167,7 @@ class SpeculativeDecoder:
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self._lag.pop(request_id, None)
 
     @property
     def tracked(self) -> int:
@@ -253,13 +263,24 @@ class SpeculativeDecoder:
 
     def _plain_step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
         """A step in which no request drafts (the batch is over `max_batch`, or no request
-        may emit two more tokens): the pending entries written (only what they need,
-        `Drafter.write`), then the target's plain decode forward, exactly speculation off's
-        (no verify pass, no slot copies); its hiddens are the requests' next pending rows and
-        the engine's sampler draws the tokens (a draw with no drafts is the sampler's own
-        draw, as the rejection rule's bonus token is). Returns [(request, logits)]."""
+        may emit two more tokens): the target's plain decode forward, exactly speculation
+        off's (no verify pass, no slot copies), whose hiddens become the requests' next
+        pending rows; the engine's sampler draws the tokens (a draw with no drafts is the
+        sampler's own draw, as the rejection rule's bonus token is). Returns [(request,
+        logits)].
+
+        The pending entries are written only when something reads them (`_lazy`): the
+        request's next draft (its first pass), its decode-end snapshot (`_settle`), or when
+        its pending rows would pass `lag_rows`; a request that finishes without either never
+        pays for them. Elsewhere (`_lazy` false) they are written here first (only what
+        they need, `Drafter.write`)."""
+        lazy = self._lazy()
         t0 = time.perf_counter()
-        self._write_pending(engine, [r for r in reqs if r.id in self.pending])
+        full = [r for r in reqs if r.id in self.pending
+                and (not lazy or self.pending[r.id].hidden.shape[0] >= self.lag_rows)]
+        self._write_pending(engine, full)
+        for r in full:
+            del self.pending[r.id]
         t1 = time.perf_counter()
         self.seconds["draft"] += t1 - t0
         hidden: list[torch.Tensor] = []
@@ -273,9 +294,30 @@ class SpeculativeDecoder:
         h = hidden[0]
         for i, r in enumerate(reqs):
             if self.wants(r):
-                self.pending[r.id] = Pending(r.num_computed - 1, h[i : i + 1])
+                self.pending[r.id] = self._append(r.id, r.num_computed - 1, h[i : i + 1])
         self.steps += 1
         return list(zip(reqs, logits, strict=True))
+
+    def _lazy(self) -> bool:
+        """Whether pending entries may wait for their reader: on the kernels only, where an
+        entry's bits do not depend on the batch it is written in (`kernel_verify`); on the
+        reference path each step writes its own, in the batches it always had."""
+        return self.plain and kernel_verify.applies(self.pools)
+
+    def _append(self, rid: str, pos: int, h: torch.Tensor) -> Pending:
+        """The pending rows of `rid` with the hidden h [1, H] of position `pos` after them
+        (rows in a buffer of `lag_rows` per request, so an append copies one row)."""
+        p = self.pending.get(rid)
+        if p is None:
+            return Pending(pos, h)
+        n = p.hidden.shape[0]
+        buf = self._lag.get(rid)
+        if buf is None or buf.shape[1:] != h.shape[1:] or buf.dtype != h.dtype:
+            buf = self._lag[rid] = h.new_empty(self.lag_rows + 1, h.shape[1])
+        if p.hidden.data_ptr() != buf.data_ptr():  # rows a verify pass or a prefill left
+            buf[:n] = p.hidden
+        buf[n] = h[0]
+        return Pending(p.start, buf[: n + 1])
 
     def _write_pending(self, engine, reqs: list[Request]) -> None:
         """The head's entries of `reqs`' pending rows, nothing else (no drafts)."""

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.engine.speculative import kernel_verify
 from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
 from baton.model.paged import StepContext, decode_meta, prefill_meta
@@ -85,8 +86,18 @@ class Drafter:
     def _first_pass(self, jobs: list[DraftJob]):
         """The pending rows of every job (their entries written); (the last row's output per
         job, float32 logits of it per job that drafts, zeros for the others): the LM head
-        runs on those rows only."""
-        hid = torch.cat([j.pending.hidden for j in jobs])
+        runs on those rows only. On the kernels (`kernel_verify.applies`: a row's bits do not
+        depend on its batch) the rows before each job's last write only their entries
+        (`write`), as many as steps without drafts left pending."""
+        if any(len(j.next_ids) > 1 for j in jobs) and kernel_verify.applies(self.pools):
+            self.write([DraftJob(Pending(j.pending.start, j.pending.hidden[:-1]),
+                                 j.next_ids[:-1], j.table, 0)
+                        for j in jobs if len(j.next_ids) > 1])
+            jobs = [DraftJob(Pending(j.pending.start + len(j.next_ids) - 1,
+                                     j.pending.hidden[-1:]), j.next_ids[-1:], j.table,
+                             j.num_drafts) for j in jobs]
+        hid = torch.cat([j.pending.hidden for j in jobs]) if len(jobs) > 1 \
+            else jobs[0].pending.hidden
         ids = [t for j in jobs for t in j.next_ids]
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
         out, _ = self._rows(hid, ids, pos, [j.table for j in jobs for _ in j.next_ids],
@@ -94,6 +105,9 @@ class Drafter:
         ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
         g = out.index_select(0, ends)
         want = [i for i, j in enumerate(jobs) if j.num_drafts]
+        if len(want) == len(jobs):
+            with decode_scope():
+                return g, self.lm_head(g).float()
         logits = torch.zeros(len(jobs), self.lm_head.weight.shape[0], device=g.device)
         if want:
             sel = self._longs(want)
