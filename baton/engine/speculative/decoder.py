@@ -7,11 +7,18 @@
                target's argmax after the last kept draft is emitted too (temperature > 0:
                the rejection rule of rejection.py)
     emit       token by token until EOS, a stop token or a length limit: E tokens
-    roll back  the recurrent state of position n+E-1 (scratch row E-1 unless all rows were
-               kept), num_computed = n+E; attention KV past it is simply overwritten later
+    roll back  the recurrent state of position n+E-1 (on the kernels the live slot holds
+               row 0's, so only E >= 2 copies scratch row E-2; elsewhere scratch row E-1
+               unless all rows were kept), num_computed = n+E; attention KV past it is
+               simply overwritten later
 
 K_r = min(K, tokens the request may still emit - 1), so a step never writes past the
 blocks admission reserved and never drafts what max_tokens would cut.
+
+A step in which no request drafts (more than `max_batch` requests decode, or none may emit
+two more tokens) is plain decode (`_plain_step`): the target's own decode forward, its
+sampler, no verify pass; the head only keeps the step's hiddens pending, and on the kernels
+writes their entries when something reads them (a later draft, a decode-end snapshot).
 """
 
 from __future__ import annotations
