@@ -102,8 +102,11 @@ class Drafter:
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
         out, _ = self._rows(hid, ids, pos, [j.table for j in jobs for _ in j.next_ids],
                             logits=False)
-        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
-        g = out.index_select(0, ends)
+        if len(ids) == len(jobs):  # one row a job (always on the kernels): no gather
+            g = out
+        else:
+            g = out.index_select(0, torch.cumsum(self._longs([len(j.next_ids) for j in jobs]),
+                                                 0) - 1)
         want = [i for i, j in enumerate(jobs) if j.num_drafts]
         if len(want) == len(jobs):
             with decode_scope():
