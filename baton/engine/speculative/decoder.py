@@ -313,16 +313,19 @@ class SpeculativeDecoder:
 
     def _append(self, rid: str, pos: int, h: torch.Tensor) -> Pending:
         """The pending rows of `rid` with the hidden h [1, H] of position `pos` after them
-        (rows in a buffer of `lag_rows` per request, so an append copies one row)."""
+        (rows in a buffer per request that doubles up to `lag_rows`, so an append copies one
+        row)."""
         p = self.pending.get(rid)
         if p is None:
             return Pending(pos, h)
         n = p.hidden.shape[0]
         buf = self._lag.get(rid)
-        if buf is None or buf.shape[1:] != h.shape[1:] or buf.dtype != h.dtype:
-            buf = self._lag[rid] = h.new_empty(self.lag_rows + 1, h.shape[1])
-        if p.hidden.data_ptr() != buf.data_ptr():  # rows a verify pass or a prefill left
-            buf[:n] = p.hidden
+        if buf is None or n >= buf.shape[0] or buf.shape[1:] != h.shape[1:] \
+                or buf.dtype != h.dtype:
+            size = min(self.lag_rows + 1, max(16, 2 * (n + 1)))
+            buf = self._lag[rid] = h.new_empty(size, h.shape[1])
+        if p.hidden.data_ptr() != buf.data_ptr():  # rows a verify pass, a prefill or a
+            buf[:n] = p.hidden                     # smaller buffer left
         buf[n] = h[0]
         return Pending(p.start, buf[: n + 1])
 
