@@ -39,12 +39,13 @@ def context_head(tmp_path_factory):
 
 def _requests() -> tuple[list[Request], dict[str, int]]:
     """12 greedy requests arriving over time: the batch rises above max_batch (no drafts,
-    entries pending) and falls back under it (drafts read them)."""
+    entries pending for up to ~20 steps) and falls back under it (drafts read them)."""
     rng = random.Random(3)
+    lengths = [50, 45, 22, 12, 30, 18, 40, 16, 25, 14, 35, 20]
     reqs = [Request(f"q{i}", [rng.randrange(3, 512) for _ in range(5 + 7 * i)],
-                    greedy(12 + 3 * (i % 5))) for i in range(12)]
-    arrivals = {f"q{i}": [0, 0, 1, 2, 3, 4, 18, 19, 20, 40, 41, 60][i] for i in range(12)}
-    return reqs, arrivals
+                    greedy(n)) for i, n in enumerate(lengths)]
+    steps = [0, 0, 0, 2, 3, 4, 30, 31, 32, 55, 56, 70]
+    return reqs, {f"q{i}": s for i, s in enumerate(steps)}
 
 
 def _run(ck, speculative: dict | None, lag_rows: int | None = None, monkeypatch=None):
@@ -99,7 +100,7 @@ def test_steps_without_drafts_decode_plainly_and_accept_the_same_drafts(context_
     lazy, counts, calls = _run(context_head, {"num_draft_tokens": k})
     assert lazy == off
     assert calls["plain"] > 10 and calls["verify"] > 10  # both kinds of step ran
-    assert calls["first_pass_rows"] > k + 1  # a draft wrote the entries steps left pending
+    assert calls["first_pass_rows"] > 16  # a draft wrote the entries steps left pending
     assert counts[1] > 0 and counts[0] > counts[1]
     # a bound of 2 pending rows (written as the third arrives), and entries written every
     # step (no waiting): the same entries, so the same drafts are accepted
