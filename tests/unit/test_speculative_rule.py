@@ -48,13 +48,13 @@ def _requests() -> tuple[list[Request], dict[str, int]]:
     return reqs, {f"q{i}": s for i, s in enumerate(steps)}
 
 
-def _run(ck, speculative: dict | None, lag_rows: int | None = None, monkeypatch=None):
+def _run(ck, speculative: dict | None, lag_rows: int | None = None):
     eng = engine_for(ck, worker={"max_num_seqs": 8}, **(
         {"speculative": {"max_batch": 2, **speculative}} if speculative else {}))
     calls: dict = {"plain": 0, "verify": 0, "first_pass_rows": 0}
     if eng.spec is not None:
         if lag_rows is not None:
-            eng.spec.lag_rows = lag_rows
+            eng.spec.pending.lag_rows = lag_rows
         plain, verify, draft = eng.spec._plain_step, eng.spec._verify, eng.spec.drafter.draft
 
         def count_draft(jobs):  # the most pending rows a request's first pass wrote

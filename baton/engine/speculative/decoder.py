@@ -34,6 +34,7 @@ from baton.engine.request import Request, RequestOutput
 from baton.engine.speculative import kernel_verify
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
+from baton.engine.speculative.pending import PendingRows, tokens
 from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
@@ -41,10 +42,6 @@ from baton.errors import ConfigError
 from baton.model.layers.linear import MAX_PACKED_ROWS
 
 log = logging.getLogger("baton.engine")
-
-LAG_BYTES = 1 << 20
-"""Target hiddens a request may keep pending while steps do not draft (float32 rows):
-1 MiB, 341 rows of the bench 100m, 64 of a 4096-wide model."""
 
 
 def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
@@ -121,7 +118,7 @@ class SpeculativeDecoder:
         self.drafter = model.drafter() if hasattr(model, "drafter") else Drafter(model, pools)
         self.scratch = StateScratch(pools, first_slot, max_requests,
                                     tree.max_nodes if tree is not None else k)
-        self.pending: dict[str, Pending] = {}
+        self.pending = PendingRows(model.config.hidden_size)
         """Per speculating request: target hiddens whose MTP entries are still to write."""
         self.draft_tokens = 0
         self.accepted_tokens = 0
@@ -138,11 +135,6 @@ class SpeculativeDecoder:
         self.plain = getattr(model, "decode_hidden", False) and not hasattr(model, "verify")
         """Steps without drafts run the target's plain decode forward (`_plain_step`), not a
         verify pass (a pipeline's stages run their verify pass either way)."""
-        self._lag: dict[str, torch.Tensor] = {}
-        """Per request, the buffer its pending rows grow in while steps do not draft."""
-        hidden = model.config.hidden_size
-        self.lag_rows = max(8, LAG_BYTES // (4 * hidden))
-        """Pending rows a request may gather before they are written (memory bound)."""
         self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
         self._live_first = False
         """Whether the last verify pass kept its chains' first-row states in the live slots
@@ -173,8 +165,7 @@ class SpeculativeDecoder:
         return self.drafter.head.attention_layers if self.drafter.shared else ()
 
     def forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-        self._lag.pop(request_id, None)
+        self.pending.forget(request_id)
 
     @property
     def tracked(self) -> int:
@@ -278,13 +269,13 @@ class SpeculativeDecoder:
 
         The pending entries are written only when something reads them (`_lazy`): the
         request's next draft (its first pass), its decode-end snapshot (`_settle`), or when
-        its pending rows would pass `lag_rows`; a request that finishes without either never
-        pays for them. Elsewhere (`_lazy` false) they are written here first (only what
+        its pending rows reach their bound (pending.py); a request that finishes without
+        either never pays for them. Elsewhere (`_lazy` false) they are written here first (only what
         they need, `Drafter.write`)."""
         lazy = self._lazy()
         t0 = time.perf_counter()
         full = [r for r in reqs if r.id in self.pending
-                and (not lazy or self.pending[r.id].hidden.shape[0] >= self.lag_rows)]
+                and (not lazy or self.pending.full(r.id))]
         self._write_pending(engine, full)
         for r in full:
             del self.pending[r.id]
@@ -301,7 +292,7 @@ class SpeculativeDecoder:
         h = hidden[0]
         for i, r in enumerate(reqs):
             if self.wants(r):
-                self.pending[r.id] = self._append(r.id, r.num_computed - 1, h[i : i + 1])
+                self.pending.append(r.id, r.num_computed - 1, h[i : i + 1])
         self.steps += 1
         return list(zip(reqs, logits, strict=True))
 
@@ -311,29 +302,11 @@ class SpeculativeDecoder:
         reference path each step writes its own, in the batches it always had."""
         return self.plain and kernel_verify.applies(self.pools)
 
-    def _append(self, rid: str, pos: int, h: torch.Tensor) -> Pending:
-        """The pending rows of `rid` with the hidden h [1, H] of position `pos` after them
-        (rows in a buffer per request that doubles up to `lag_rows`, so an append copies one
-        row)."""
-        p = self.pending.get(rid)
-        if p is None:
-            return Pending(pos, h)
-        n = p.hidden.shape[0]
-        buf = self._lag.get(rid)
-        if buf is None or n >= buf.shape[0] or buf.shape[1:] != h.shape[1:] \
-                or buf.dtype != h.dtype:
-            size = min(self.lag_rows + 1, max(16, 2 * (n + 1)))
-            buf = self._lag[rid] = h.new_empty(size, h.shape[1])
-        if p.hidden.data_ptr() != buf.data_ptr():  # rows a verify pass, a prefill or a
-            buf[:n] = p.hidden                     # smaller buffer left
-        buf[n] = h[0]
-        return Pending(p.start, buf[: n + 1])
-
     def _write_pending(self, engine, reqs: list[Request]) -> None:
         """The head's entries of `reqs`' pending rows, nothing else (no drafts)."""
         if not reqs:
             return
-        jobs = [DraftJob(p, _tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0]),
+        jobs = [DraftJob(p, tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0]),
                          engine.cache.block_table(r.id), 0)
                 for r in reqs for p in (self.pending[r.id],)]
         try:
@@ -357,7 +330,7 @@ class SpeculativeDecoder:
         jobs = []
         for r in reqs:
             p = self.pending[r.id]
-            nxt = _tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0])
+            nxt = tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0])
             jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
         try:
             if self.tree is not None:  # greedy requests a tree, sampled ones a chain
@@ -478,7 +451,7 @@ class SpeculativeDecoder:
         pending entries, rewriting those the last drafts wrote from unverified inputs with
         the kept positions' target hiddens (the snapshot never holds draft state; its last
         entry lags one token, like a prompt's)."""
-        jobs = [DraftJob(p, _tokens(r, p.start + 1, r.num_computed + 1),
+        jobs = [DraftJob(p, tokens(r, p.start + 1, r.num_computed + 1),
                          engine.cache.block_table(r.id), 0)
                 for r in done for p in (self.pending[r.id],)]
         if not jobs:
@@ -502,16 +475,6 @@ def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
     for _ in range(max(0, extra)):
         rid = max(ks, key=ks.get)
         ks[rid] -= 1
-
-
-def _tokens(req: Request, lo: int, hi: int) -> list[int]:
-    """req.all_ids[lo:hi] without building the whole list."""
-    n = req.prompt_len
-    if hi <= n:
-        return req.prompt_ids[lo:hi]
-    if lo >= n:
-        return req.output_ids[lo - n : hi - n]
-    return req.prompt_ids[lo:] + req.output_ids[: hi - n]
 
 
 def _emit(engine, req: Request, toks: list[int]) -> list[int]:
