@@ -27,7 +27,7 @@ from baton.engine.request import Phase, Request, RequestOutput, SamplingParams, 
 from baton.engine.sampler import Sampler
 from baton.engine.samples import SampleFamilies, fork
 from baton.engine.scheduler import Scheduler
-from baton.engine.speculative.decoder import build_speculative
+from baton.engine.speculative.setup import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
 from baton.model.layers.linear import reference_scope
 
