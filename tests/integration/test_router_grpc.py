@@ -265,7 +265,9 @@ def test_concurrent_requests_all_finish_and_spread_over_workers(cluster):
     from concurrent.futures import ThreadPoolExecutor
 
     config = RouterConfig(policy="least_loaded")
-    scripts = {w: Script(token_delay_s=0.01) for w in ("p0", "p1", "d0", "d1")}
+    # 0.25 s a request: the 8 overlap even when the test process is starved of CPU (at 0.05 s
+    # they could each finish before the next one was routed, all to the tie's d0)
+    scripts = {w: Script(token_delay_s=0.05) for w in ("p0", "p1", "d0", "d1")}
     _, stub, w = cluster(config, **scripts)
 
     def one(i):
