@@ -11,21 +11,22 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from baton.model.layers import cpu_kernels, fused, step_kernels
+from baton.model.layers.linear import FastLinear
 from baton.model.paged import StepContext
 
 
 def _weight(lin):
-    """A bias-free linear's weight as the kernel reads it; None if it has a bias."""
-    return lin._packed() if lin.bias is None and hasattr(lin, "_packed") else None
-
-
-def _bias(lin):
-    return None if lin.bias is None else lin.bias.float()
+    """A plain bias-free linear's weight as the kernel reads it; None if it has a bias or is
+    not a plain `FastLinear` (a tensor-parallel one all-reduces in its forward)."""
+    return lin._packed() if type(lin) is FastLinear and lin.bias is None else None
 
 
 def _out(proj):
-    """(weight, bias) of an output projection, as `FastLinear` passes them to the kernel."""
-    return proj._packed(), _bias(proj)
+    """(weight, bias) of a plain linear as `FastLinear` passes them to the kernel; None if it
+    is not one."""
+    if type(proj) is not FastLinear:
+        return None
+    return proj._packed(), None if proj.bias is None else proj.bias.float()
 
 
 def mixer_part(m, pools):
@@ -42,7 +43,8 @@ def mixer_part(m, pools):
 
 def _deltanet(m, pools):
     ws = [_weight(p) for p in (m.in_proj_qkv, m.in_proj_a, m.in_proj_b, m.in_proj_z)]
-    if None in ws:
+    out = _out(m.out_proj)
+    if None in ws or out is None or type(m.norm).__name__ != "HeadGatedRMSNorm":
         return None
     g, s = cpu_kernels.gemv(), step_kernels.kernels()
     split, step, lin = g.linear_split, s.deltanet_step, g.linear
@@ -50,7 +52,7 @@ def _deltanet(m, pools):
     conv, rec = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "recurrent")
     consts = (m.conv1d.weight[:, 0], m.dt_bias, m.A_log, m.norm.weight, m.hk, m.hv, m.dk, m.dv,
               m.norm.eps)
-    out_w, out_b = _out(m.out_proj)
+    out_w, out_b = out
 
     def run(x, h, ctx):
         qkv, a, b, z = split(x, ws)
@@ -60,6 +62,9 @@ def _deltanet(m, pools):
 
 
 def _mamba2(m, pools):
+    inp, out = _out(m.in_proj), _out(m.out_proj)
+    if inp is None or out is None or type(m.norm).__name__ != "GatedRMSNorm":
+        return None
     g, s = cpu_kernels.gemv(), step_kernels.kernels()
     step, lin = s.mamba2_step, g.linear
     ctx0 = StepContext(pools, None, None)
@@ -68,8 +73,7 @@ def _mamba2(m, pools):
     consts = (m.conv1d.weight[:, 0], m.conv1d.bias, m.dt_bias, m.A_log, m.D, m.norm.weight,
               cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
               cfg.ssm_state_size, float(lo), float(hi), m.norm.group_size, m.norm.eps)
-    in_w, in_b = _out(m.in_proj)
-    out_w, out_b = _out(m.out_proj)
+    (in_w, in_b), (out_w, out_b) = inp, out
 
     def run(x, h, ctx):
         y = step(lin(x, in_w, in_b), conv, ssm, ctx.slots, ctx.slots, *consts)
@@ -79,14 +83,14 @@ def _mamba2(m, pools):
 
 def _gated_attn(m, pools):
     ws = [_weight(p) for p in (m.q_proj, m.k_proj, m.v_proj)]
-    qn, kn = m.q_norm, m.k_norm
-    if None in ws or qn.eps != kn.eps:
+    qn, kn, out = m.q_norm, m.k_norm, _out(m.o_proj)
+    if None in ws or out is None or qn.eps != kn.eps:
         return None
     g, s = cpu_kernels.gemv(), step_kernels.kernels()
     split, attend, lin = g.linear_split, s.gated_attention, g.linear
     pool = StepContext(pools, None, None).kv(m.layer_idx)
     qs, ks, eps, scale, rotary = qn._scale(), kn._scale(), qn.eps, m.scale, m.rotary
-    out_w, out_b = _out(m.o_proj)
+    out_w, out_b = out
 
     def run(x, h, ctx):
         meta = ctx.attn
@@ -101,14 +105,14 @@ def _gated_attn(m, pools):
 
 
 def _attention(m, pools):
-    ws = [_weight(p) for p in (m.q_proj, m.k_proj, m.v_proj)]
-    if None in ws:
+    ws, out = [_weight(p) for p in (m.q_proj, m.k_proj, m.v_proj)], _out(m.o_proj)
+    if None in ws or out is None:
         return None
     g = cpu_kernels.gemv()
     split, lin, paged = g.linear_split, g.linear, fused.paged_attention
     pool = StepContext(pools, None, None).kv(m.layer_idx)
     heads, hd, scale = m.num_heads, m.head_dim, m.scale
-    out_w, out_b = _out(m.o_proj)
+    out_w, out_b = out
 
     def run(x, h, ctx):
         q, k, v = split(x, ws)
@@ -142,10 +146,11 @@ def _swiglu_mlp(m):
 
 
 def _relu2_mlp(m):
-    if m.act.__name__ != "_relu2":
+    up, down = _out(m.up_proj), _out(m.down_proj)
+    if m.act.__name__ != "_relu2" or up is None or down is None:
         return None
     lin = cpu_kernels.gemv().linear
-    (up_w, up_b), (down_w, down_b) = _out(m.up_proj), _out(m.down_proj)
+    (up_w, up_b), (down_w, down_b) = up, down
 
     def run(x, h):
         return lin(lin(x, up_w, up_b, -1, None, True), down_w, down_b, -1, h)
