@@ -112,14 +112,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 // RMSNorm of rows x [..., d]: w * (x * rsqrt(mean(x^2) + eps)) (w already 1 + w for Qwen's),
-// into a new contiguous tensor. The rows may lie at any strides (q of Qwen's attention is
-// every other hd-run of its projection, whose rows are a wider projection's at batch > 1), so
-// a row is normed the same way in any batch; None only if the channels are not contiguous.
+// into a new contiguous tensor. The rows may be strided, in order (each leading dim's stride
+// at least the span of those inside it: q of Qwen's attention is every other hd-run of its
+// projection, whose rows are a wider projection's at batch > 1), so a row is normed the same
+// way in any batch; None if the channels are not contiguous or the rows out of order.
 c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, "x");
   TORCH_CHECK(w.is_contiguous(), "rms_norm weight must be contiguous");
   const int64_t d = x.size(-1), n = x.numel() / d, lead = x.dim() - 1;
   if (x.stride(-1) != 1) return c10::nullopt;
+  int64_t span = d;  // elements the dims inside the current one cover
+  for (int64_t i = lead - 1; i >= 0; --i) {
+    if (x.size(i) == 1) continue;
+    if (x.stride(i) < span) return c10::nullopt;
+    span = x.stride(i) * x.size(i);
+  }
   auto out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
