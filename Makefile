@@ -19,9 +19,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/baton serve --model tiny
 
+# Two pytest workers, a test file each at a time (its module fixtures stay in one process):
+# one process keeps about 1.2 of 2 cores busy (it waits on its clusters' processes), two
+# keep both busy. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # deploy/slurm/baton.sbatch under a real single-host Slurm (installs slurm-wlm + munge, root)
 test-deploy: $(STAMP)
