@@ -11,7 +11,7 @@ import torch
 from baton.cache.manager import HybridCacheManager
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
-from baton.engine.speculative.decoder import reserved_slots, with_draft_layers
+from baton.engine.speculative.setup import reserved_slots, with_draft_layers
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 

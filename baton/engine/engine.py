@@ -27,7 +27,7 @@ from baton.engine.request import Phase, Request, RequestOutput, SamplingParams, 
 from baton.engine.sampler import Sampler
 from baton.engine.samples import SampleFamilies, fork
 from baton.engine.scheduler import Scheduler
-from baton.engine.speculative.decoder import build_speculative
+from baton.engine.speculative.setup import build_speculative
 from baton.errors import CapacityError, InvalidRequestError, TransferError
 from baton.model.layers.linear import reference_scope
 
@@ -446,12 +446,16 @@ class Engine:
             return []
         return list(zip(reqs, logits, strict=True))
 
-    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+    def _decode(self, reqs: list[Request], hidden_out: list | None = None) -> torch.Tensor:
+        """One plain decode forward of `reqs`; `hidden_out` (a list, for models with
+        `decode_hidden`) gets their final-normed hiddens appended (speculation's head reads
+        them)."""
         for r in reqs:
             self.cache.ensure_blocks(r.id, r.num_computed + 1)
+        more = {} if hidden_out is None else {"hidden_out": hidden_out}
         if self.batch is not None:  # the metadata tensors of the last step, moved on in place
             ids, pos, tables, slots = self.batch.update(reqs)
-            logits = self.model.decode(ids, pos, tables, slots, self.pools)
+            logits = self.model.decode(ids, pos, tables, slots, self.pools, **more)
             for r in reqs:
                 r.num_computed += 1
             return logits
@@ -459,7 +463,7 @@ class Engine:
         pos = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
         slots = torch.tensor([self.cache.slot(r.id) for r in reqs], dtype=torch.long, device=self.device)
         tables = [self.cache.block_table(r.id) for r in reqs]
-        logits = self.model.decode(ids, pos, tables, slots, self.pools)
+        logits = self.model.decode(ids, pos, tables, slots, self.pools, **more)
         for r in reqs:
             r.num_computed += 1
         return logits

@@ -132,6 +132,24 @@ class MTPHead(nn.Module):
         out = self.layers[-1].final_layernorm(x)
         return out, lm_head(out).float() if logits else None
 
+    def write_kv(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
+                 ctx: StepContext) -> None:
+        """Only the head's KV entries of decode rows hidden [R, H] (with the tokens after them):
+        the layers up to its last attention layer, of which only the norm and the k/v
+        projections run (no query, attention, o_proj, later layers or LM head): what a prompt's
+        or a verified position's entry needs, the same bits `forward` writes."""
+        attn = [i for i, c in enumerate(self.spec.pattern) if c == "*"]
+        if not attn:  # a head without attention keeps no KV
+            return
+        last = attn[-1]
+        first = self.layers[0]
+        e = first.enorm(embed(next_ids))
+        x = first.eh_proj(torch.cat([e, first.hnorm(hidden.to(e.dtype))], dim=-1))
+        for layer in self.layers[:last]:
+            y = layer.norm(x)
+            x = x + (layer.mixer.decode(y, ctx) if layer.attention else layer.mixer(y))
+        self.layers[last].mixer.store_kv(self.layers[last].norm(x), ctx)
+
 
 def build_head(cfg):
     """The MTP head `cfg` declares (either family), or None."""

@@ -61,7 +61,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
     """One stage's weights and pools. With speculation on, the last stage also holds the
     MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
     from baton.engine.builder import DTYPES
-    from baton.engine.speculative.decoder import with_draft_layers
+    from baton.engine.speculative.setup import with_draft_layers
     from baton.model.loader import load_stage
 
     dtype = DTYPES[cfg.model.dtype]

@@ -7,97 +7,39 @@
                target's argmax after the last kept draft is emitted too (temperature > 0:
                the rejection rule of rejection.py)
     emit       token by token until EOS, a stop token or a length limit: E tokens
-    roll back  the recurrent state of position n+E-1 (scratch row E-1 unless all rows were
-               kept), num_computed = n+E; attention KV past it is simply overwritten later
+    roll back  the recurrent state of position n+E-1 (on the kernels the live slot holds
+               row 0's, so only E >= 2 copies scratch row E-2; elsewhere scratch row E-1
+               unless all rows were kept), num_computed = n+E; attention KV past it is
+               simply overwritten later
 
 K_r = min(K, tokens the request may still emit - 1), so a step never writes past the
 blocks admission reserved and never drafts what max_tokens would cut.
+
+A step in which no request drafts (more than `max_batch` requests decode, or none may emit
+two more tokens) is plain decode (`_plain_step`): the target's own decode forward, its
+sampler, no verify pass; the head only keeps the step's hiddens pending, and on the kernels
+writes their entries when something reads them (a later draft, a decode-end snapshot).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 import torch
 
-from baton.config.speculative import SpeculativeConfig, TreeConfig
+from baton.config.speculative import TreeConfig
 from baton.engine.request import Request, RequestOutput
 from baton.engine.speculative import kernel_verify
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
+from baton.engine.speculative.pending import PendingRows, tokens
 from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
-from baton.errors import ConfigError
 from baton.model.layers.linear import MAX_PACKED_ROWS
 
 log = logging.getLogger("baton.engine")
-
-
-def reserved_slots(cfg: SpeculativeConfig | None, num_slots: int, max_requests: int) -> int:
-    """State slots speculation keeps out of the cache manager: one per draft row of every
-    running request (K for a chain: the state after each verified position but the last,
-    which is the live slot; a tree's node count: the state after each node). ConfigError
-    naming the numbers when the pool cannot hold them beside the live slots."""
-    k = cfg.rows_per_request if cfg is not None else 0
-    if not k or not num_slots:
-        return 0
-    need = max_requests * (1 + k)
-    if num_slots < need:
-        tree = cfg.tree is not None
-        what = f"speculative.tree ({k} nodes)" if tree else f"speculative.num_draft_tokens={k}"
-        raise ConfigError(
-            f"{what} needs {need} state slots (worker.max_num_seqs="
-            f"{max_requests} x (1 live + {k} per {'node' if tree else 'position'})) but "
-            f"cache.num_state_slots={num_slots}; raise num_state_slots to at least {need} "
-            f"(more for snapshots) or lower "
-            f"{'max_total_draft_tokens' if tree else 'num_draft_tokens'} or max_num_seqs"
-        )
-    return max_requests * k
-
-
-def with_draft_layers(spec, model, cfg: SpeculativeConfig | None, num_blocks: int = 0):
-    """`spec` with the MTP head's attention layers appended to the KV pool when speculation
-    is on: its KV then shares the target's blocks, prefix tree, snapshots and transfer
-    layout (an attention-only layer: no recurrent state). An attention-free spec gets a KV
-    pool of `num_blocks` for them (a pipeline's last stage), or none when 0 (the head then
-    keeps a pool of its own)."""
-    head = getattr(model, "mtp", None)
-    if cfg is None or not cfg.num_draft_tokens or head is None:
-        return spec
-    if not spec.attn_layers:
-        if not num_blocks:
-            return spec
-        mcfg = model.config
-        return dataclasses.replace(spec, attn_layers=tuple(head.attention_layers),
-                                   num_blocks=num_blocks, num_kv_heads=mcfg.num_key_value_heads,
-                                   head_dim=mcfg.head_dim)
-    extra = tuple(x for x in head.attention_layers if x not in spec.attn_layers)
-    return dataclasses.replace(spec, attn_layers=spec.attn_layers + extra)
-
-
-def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests: int,
-                      reserved: int, where: str = "the checkpoint"):
-    """The step of `cfg`, or None when speculation is off; ConfigError in one line when the
-    model cannot speculate. `reserved`: the slots the cache manager keeps for it."""
-    if cfg is None or cfg.num_draft_tokens == 0:
-        return None
-    k = cfg.num_draft_tokens
-    want = reserved_slots(cfg, pools.spec.num_slots, max_requests)
-    if reserved != want:
-        raise ConfigError(f"speculative.num_draft_tokens={k} needs {want} state slots kept out "
-                          f"of the cache manager but it keeps {reserved}: build the engine "
-                          f"with build_engine")
-    if getattr(model, "mtp", None) is None:
-        raise ConfigError(
-            f"speculative.num_draft_tokens={k} needs an MTP head but {where} has none "
-            f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "
-            f"checkpoint with MTP weights"
-        )
-    return SpeculativeDecoder(model, pools, k, max_requests, pools.spec.num_slots - reserved,
-                              cfg.tree, cfg.max_batch)
 
 
 class SpeculativeDecoder:
@@ -110,7 +52,7 @@ class SpeculativeDecoder:
         self.drafter = model.drafter() if hasattr(model, "drafter") else Drafter(model, pools)
         self.scratch = StateScratch(pools, first_slot, max_requests,
                                     tree.max_nodes if tree is not None else k)
-        self.pending: dict[str, Pending] = {}
+        self.pending = PendingRows(model.config.hidden_size)
         """Per speculating request: target hiddens whose MTP entries are still to write."""
         self.draft_tokens = 0
         self.accepted_tokens = 0
@@ -124,6 +66,13 @@ class SpeculativeDecoder:
         """Where the decode steps' time went: MTP passes (pending entries and drafts), the
         target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
         self.steps = 0
+        self.plain = getattr(model, "decode_hidden", False) and not hasattr(model, "verify")
+        """Steps without drafts run the target's plain decode forward (`_plain_step`), not a
+        verify pass (a pipeline's stages run their verify pass either way)."""
+        self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
+        self._live_first = False
+        """Whether the last verify pass kept its chains' first-row states in the live slots
+        (`VerifyPlan.live_first`: the kernel path of a colocated engine)."""
 
     def on_fast_path(self) -> bool:
         """Whether this engine's steps may run on the fast decode path: its verify passes,
@@ -150,7 +99,7 @@ class SpeculativeDecoder:
         return self.drafter.head.attention_layers if self.drafter.shared else ()
 
     def forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
+        self.pending.forget(request_id)
 
     @property
     def tracked(self) -> int:
@@ -215,6 +164,8 @@ class SpeculativeDecoder:
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
             return [], []
+        if self.plain and not any(ks[r.id] for r in reqs):
+            return self._plain_step(engine, reqs, failed), []
         # every request with pending entries writes them, drafting or not (none may be left
         # from drafts: a snapshot and the next drafts read them)
         t0 = time.perf_counter()
@@ -242,11 +193,70 @@ class SpeculativeDecoder:
         self.steps += 1
         return out
 
+    def _plain_step(self, engine, reqs: list[Request], failed: list[RequestOutput]):
+        """A step in which no request drafts (the batch is over `max_batch`, or no request
+        may emit two more tokens): the target's plain decode forward, exactly speculation
+        off's (no verify pass, no slot copies), whose hiddens become the requests' next
+        pending rows; the engine's sampler draws the tokens (a draw with no drafts is the
+        sampler's own draw, as the rejection rule's bonus token is). Returns [(request,
+        logits)].
+
+        The pending entries are written only when something reads them (`_lazy`): the
+        request's next draft (its first pass), its decode-end snapshot (`_settle`), or when
+        its pending rows reach their bound (pending.py); a request that finishes without
+        either never pays for them. Elsewhere (`_lazy` false) they are written here first (only what
+        they need, `Drafter.write`)."""
+        lazy = self._lazy()
+        t0 = time.perf_counter()
+        full = [r for r in reqs if r.id in self.pending
+                and (not lazy or self.pending.full(r.id))]
+        self._write_pending(engine, full)
+        for r in full:
+            del self.pending[r.id]
+        t1 = time.perf_counter()
+        self.seconds["draft"] += t1 - t0
+        hidden: list[torch.Tensor] = []
+        try:
+            logits = engine._decode(reqs, hidden)
+        except Exception as e:  # noqa: BLE001 - fails this forward's requests only
+            log.exception("decode forward of %d requests failed", len(reqs))
+            failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
+            return []
+        self.seconds["verify"] += time.perf_counter() - t1
+        h = hidden[0]
+        for i, r in enumerate(reqs):
+            if self.wants(r):
+                self.pending.append(r.id, r.num_computed - 1, h[i : i + 1])
+        self.steps += 1
+        return list(zip(reqs, logits, strict=True))
+
+    def _lazy(self) -> bool:
+        """Whether pending entries may wait for their reader: on the kernels only, where an
+        entry's bits do not depend on the batch it is written in (`kernel_verify`); on the
+        reference path each step writes its own, in the batches it always had."""
+        return self.plain and kernel_verify.applies(self.pools)
+
+    def _write_pending(self, engine, reqs: list[Request]) -> None:
+        """The head's entries of `reqs`' pending rows, nothing else (no drafts)."""
+        if not reqs:
+            return
+        jobs = [DraftJob(p, tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0]),
+                         engine.cache.block_table(r.id), 0)
+                for r in reqs for p in (self.pending[r.id],)]
+        try:
+            self.drafter.write(jobs)
+        except Exception:  # noqa: BLE001 - only acceptance is the worse for a stale entry
+            log.exception("writing the MTP KV of %d requests failed", len(jobs))
+
     def _verify(self, rows: list[VerifyRow]):
         tree = self.tree is not None
+        self._live_first = False
         if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
             return self.model.verify(rows, self.scratch, tree)
-        return verify_forward(self.model, self.pools, rows, self.scratch, tree)
+        self._live_first = self._live_first_ok and not tree and \
+            kernel_verify.applies(self.pools)
+        return verify_forward(self.model, self.pools, rows, self.scratch, tree,
+                              self._live_first)
 
     def _draft(self, engine, reqs: list[Request], ks: dict[str, int]) -> dict[str, list[int]]:
         if not reqs:
@@ -254,7 +264,7 @@ class SpeculativeDecoder:
         jobs = []
         for r in reqs:
             p = self.pending[r.id]
-            nxt = r.all_ids[p.start + 1 : p.start + 1 + p.hidden.shape[0]]
+            nxt = tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0])
             jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
         try:
             if self.tree is not None:  # greedy requests a tree, sampled ones a chain
@@ -269,14 +279,14 @@ class SpeculativeDecoder:
             return {}
         return {r.id: d for r, d in zip(reqs, out, strict=True) if d}
 
-    def _candidates(self, engine, r: Request, row: VerifyRow, lg) -> tuple[list[int], list]:
+    def _candidates(self, engine, r: Request, row: VerifyRow, lg,
+                    target: list[int]) -> tuple[list[int], list]:
         """(the tokens verification keeps: accepted drafts, then one target token; the rows
-        they follow, root first)."""
+        they follow, root first). `target`: the argmax of each of the request's rows."""
         drafts = row.tokens[1:]
         if not r.sampling.greedy:
             cand = accept_sampled(engine.sampler, r.id, r.sampling, lg, drafts, row.start + 1)
             return cand, list(range(len(cand)))
-        target = lg.argmax(-1).tolist()
         if row.parents:  # a tree: follow the target's argmax from the root
             path = accept_greedy(list(row.parents), drafts, target)
             return [target[p] for p in path], path
@@ -287,18 +297,19 @@ class SpeculativeDecoder:
 
     def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
-        last: dict[str, Pending] = {}
+        argmax = logits.argmax(-1).tolist()  # one call for every row (greedy acceptance)
         off = 0
         for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
             m = len(row.tokens)
             lg, hd = logits[off : off + m], hidden[off : off + m]
+            target = argmax[off : off + m]
             off += m
             if not self.wants(r):
                 r.num_computed += 1
                 sampled.append((r, lg[0]))
                 continue
             try:
-                cand, path = self._candidates(engine, r, row, lg)
+                cand, path = self._candidates(engine, r, row, lg, target)
             except (ValueError, RuntimeError) as ex:
                 failed.append(engine._fail(r, f"sampling failed: {ex}"))
                 continue
@@ -311,6 +322,9 @@ class SpeculativeDecoder:
                 if path[-1]:
                     self.scratch.restore(i, path[-1] - 1, row.slot)
                 hd = hd.index_select(0, torch.tensor(path, device=hd.device))
+            elif self._live_first:  # the live slot holds row 0's state, scratch j-1 row j's
+                if e > 1:
+                    self.scratch.restore(i, e - 2, row.slot)
             elif e < m:  # the live slot holds the state after all m rows: take row e-1's
                 self.scratch.restore(i, e - 1, row.slot)
             r.num_computed = row.start + e
@@ -320,15 +334,11 @@ class SpeculativeDecoder:
             r.accepted_tokens += a
             if m > 1:
                 self.accepted_hist[a] += 1
-            if r.finish_reason is None:
-                self.pending[r.id] = Pending(row.start, hd[:e].clone())
-            else:
-                self.pending.pop(r.id, None)
-                last[r.id] = Pending(row.start, hd[:e])
+            # a finished request's rows stay pending until its decode-end snapshot settles
+            # them (`feed_last`) or it is forgotten
+            self.pending[r.id] = Pending(row.start, hd[:e])
             kept.append((r, toks))
         done = [r for r, _ in kept if r.finish_reason is not None]
-        if done and engine.decode_end_snapshot and self.drafter.shared:
-            self._settle(engine, done, last)
         if done:  # after the roll back: a decode-end snapshot must see the kept state
             engine._finish(done)
         outs = [engine._output(r, tuple(t), finished=r.finish_reason is not None)
@@ -341,14 +351,22 @@ class SpeculativeDecoder:
         """`Engine._decode` for the decode-end snapshot (the last token fed; verify rows of
         one position are plain decode), keeping each request's last hidden state: the next
         turn, which hits that snapshot, writes the head's entry there with its own token."""
+        if self.drafter.shared:
+            self._settle(engine, [r for r in reqs if r.id in self.pending])
         cache = engine.cache
-        for r in reqs:
-            cache.ensure_blocks(r.id, r.num_computed + 1)
-        rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
-                          cache.block_table(r.id)) for r in reqs]
-        hidden, _ = self._verify(rows)
+        if self.plain:
+            out: list[torch.Tensor] = []
+            engine._decode(reqs, out)
+            hidden = out[0]
+        else:
+            for r in reqs:
+                cache.ensure_blocks(r.id, r.num_computed + 1)
+            rows = [VerifyRow([r.output_ids[-1]], r.num_computed, cache.slot(r.id),
+                              cache.block_table(r.id)) for r in reqs]
+            hidden, _ = self._verify(rows)
+            for r in reqs:
+                r.num_computed += 1
         for r, h in zip(reqs, hidden, strict=True):
-            r.num_computed += 1
             if self.drafter.shared:
                 self.last_hidden.put(r.all_ids[: r.num_computed], h.clone())
 
@@ -362,13 +380,14 @@ class SpeculativeDecoder:
             self.drafter.write([DraftJob(Pending(c - 1, h[None]), [req.prompt_ids[c]],
                                          cache.block_table(req.id), 0)])
 
-    def _settle(self, engine, done: list[Request], last: dict[str, Pending]) -> None:
-        """Finished requests whose decode-end snapshot keeps the head's KV: rewrite the
-        entries the last drafts wrote from unverified inputs with the kept positions'
-        target hiddens (the snapshot never holds draft state; its last entry lags one
-        token, like a prompt's)."""
-        jobs = [DraftJob(last[r.id], r.all_ids[last[r.id].start + 1 : r.num_computed + 1],
-                         engine.cache.block_table(r.id), 0) for r in done if r.id in last]
+    def _settle(self, engine, done: list[Request]) -> None:
+        """Finished requests whose decode-end snapshot keeps the head's KV: write their
+        pending entries, rewriting those the last drafts wrote from unverified inputs with
+        the kept positions' target hiddens (the snapshot never holds draft state; its last
+        entry lags one token, like a prompt's)."""
+        jobs = [DraftJob(p, tokens(r, p.start + 1, r.num_computed + 1),
+                         engine.cache.block_table(r.id), 0)
+                for r in done for p in (self.pending[r.id],)]
         if not jobs:
             return
         try:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.engine.speculative import kernel_verify
 from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
 from baton.model.paged import StepContext, decode_meta, prefill_meta
@@ -85,15 +86,31 @@ class Drafter:
     def _first_pass(self, jobs: list[DraftJob]):
         """The pending rows of every job (their entries written); (the last row's output per
         job, float32 logits of it per job that drafts, zeros for the others): the LM head
-        runs on those rows only."""
-        hid = torch.cat([j.pending.hidden for j in jobs])
+        runs on those rows only. On the kernels (`kernel_verify.applies`: a row's bits do not
+        depend on its batch) the rows before each job's last write only their entries
+        (`write`), as many as steps without drafts left pending."""
+        if any(len(j.next_ids) > 1 for j in jobs) and kernel_verify.applies(self.pools):
+            self.write([DraftJob(Pending(j.pending.start, j.pending.hidden[:-1]),
+                                 j.next_ids[:-1], j.table, 0)
+                        for j in jobs if len(j.next_ids) > 1])
+            jobs = [DraftJob(Pending(j.pending.start + len(j.next_ids) - 1,
+                                     j.pending.hidden[-1:]), j.next_ids[-1:], j.table,
+                             j.num_drafts) for j in jobs]
+        hid = torch.cat([j.pending.hidden for j in jobs]) if len(jobs) > 1 \
+            else jobs[0].pending.hidden
         ids = [t for j in jobs for t in j.next_ids]
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
         out, _ = self._rows(hid, ids, pos, [j.table for j in jobs for _ in j.next_ids],
                             logits=False)
-        ends = torch.cumsum(self._longs([len(j.next_ids) for j in jobs]), 0) - 1
-        g = out.index_select(0, ends)
+        if len(ids) == len(jobs):  # one row a job (always on the kernels): no gather
+            g = out
+        else:
+            g = out.index_select(0, torch.cumsum(self._longs([len(j.next_ids) for j in jobs]),
+                                                 0) - 1)
         want = [i for i, j in enumerate(jobs) if j.num_drafts]
+        if len(want) == len(jobs):
+            with decode_scope():
+                return g, self.lm_head(g).float()
         logits = torch.zeros(len(jobs), self.lm_head.weight.shape[0], device=g.device)
         if want:
             sel = self._longs(want)
@@ -102,16 +119,23 @@ class Drafter:
         return g, logits
 
     def write(self, jobs: list[DraftJob]) -> None:
-        """Only the first pass's entries (verified hiddens and tokens), no drafts: what a
-        finished request leaves for its decode-end snapshot."""
-        hid = torch.cat([j.pending.hidden for j in jobs])
+        """Only the first pass's entries (verified hiddens and tokens), no drafts: a step
+        without drafts, what a finished request leaves for its decode-end snapshot. A head
+        with `write_kv` computes only what the entries need (no query, attention, later
+        layers or LM head), the same bits as its full pass over these rows."""
+        hid = torch.cat([j.pending.hidden for j in jobs]) if len(jobs) > 1 \
+            else jobs[0].pending.hidden
         ids = [t for j in jobs for t in j.next_ids]
         pos = [j.pending.start + i for j in jobs for i in range(len(j.next_ids))]
         with decode_scope():
             meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
                                self.pools, lean=fused.kernel_attention(self.pools))
-            self.head(hid, self._longs(ids), self.embed, self.lm_head,
-                      StepContext(self.pools, meta, None), decode=True, logits=False)
+            ctx = StepContext(self.pools, meta, None)
+            if hasattr(self.head, "write_kv"):
+                self.head.write_kv(hid, self._longs(ids), self.embed, ctx)
+            else:
+                self.head(hid, self._longs(ids), self.embed, self.lm_head, ctx, decode=True,
+                          logits=False)
 
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries

@@ -21,7 +21,10 @@ slot (j = 0) or scratch j-1 and writes scratch j, the last position writes the l
 the live slot ends at the state after the last row without a copy and scratch j holds the
 state after row j. A tree (tree.py): the root steps in the live slot, node j reads its
 parent's slot and writes scratch j-1; its attention rows read their prompt and then their
-path's storage positions, in order, through the kernel's key list (`tree_kernel_meta`).
+path's storage positions, in order, through the kernel's key list (`tree_kernel_meta`). A
+colocated engine's chains take the tree's slots (`VerifyPlan.live_first`): the live slot
+then holds the state after the first row, so a step that keeps no draft (most, at low
+acceptance) copies no state; one that keeps e >= 2 rows copies scratch e-2 once.
 Pools that are not float32 keep the reference path (`applies`).
 """
 
@@ -42,6 +45,9 @@ class KernelRows(NamedTuple):
     dst: torch.Tensor
     all_rows: bool
     """The rows are every row of the pass, in order (no gather, no scatter)."""
+    span: tuple[int, int] | None = None
+    """The rows as one consecutive range [lo, hi) (one request's chain: sliced, not
+    gathered); None: scattered."""
 
 
 def applies(pools, tree: bool = False) -> bool:
@@ -64,32 +70,42 @@ def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
     out = []
     for j in range(max(counts)):
         sel = [i for i, m in enumerate(counts) if m > j]
-        if plan.parents is None:
+        if plan.parents is None and not plan.live_first:
             src = [plan.slots[i] if j == 0 else plan.scratch[i][j - 1] for i in sel]
             dst = [plan.scratch[i][j] if counts[i] > j + 1 else plan.slots[i] for i in sel]
         else:
             src, dst = _tree_slots(plan, sel, j)
         rows = [starts[i] + j for i in sel]
+        span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
         out.append(KernelRows(*(torch.tensor(v, dtype=torch.long, device=dev)
-                                for v in (rows, src, dst)), rows == list(range(total))))
+                                for v in (rows, src, dst)), rows == list(range(total)), span))
     return out
 
 
 def _tree_slots(plan, sel: list[int], j: int) -> tuple[list[int], list[int]]:
     """Slots of node j of the trees `sel` (tree.py's contract): the root steps in the live
     slot, node j >= 1 reads its parent's state (the live slot's, or scratch parent-1) and
-    writes scratch j-1."""
+    writes scratch j-1. A chain `live_first`: the same with row j's parent j-1."""
     if j == 0:
         live = [plan.slots[i] for i in sel]
         return live, live
     src, dst = [], []
     for i in sel:
-        parent = plan.parents[i][j - 1]
+        parent = plan.parents[i][j - 1] if plan.parents is not None else j - 1
         if parent >= j:
             raise ValueError(f"tree node {j} has parent {parent}: nodes must be breadth-first")
         src.append(plan.slots[i] if parent == 0 else plan.scratch[i][parent - 1])
         dst.append(plan.scratch[i][j - 1])
     return src, dst
+
+
+def all_fit(model, pools) -> bool:
+    """Whether every recurrent layer of `model` takes the kernel step (then a chain's verify
+    pass may keep its first row's state in the live slot: `VerifyPlan.live_first`)."""
+    index = pools.spec.state_index
+    mixers = [m for m in model.modules() if getattr(m, "layer_idx", None) in index
+              and hasattr(m, "decode")]
+    return all(fits(m) for m in mixers)
 
 
 def fits(mixer) -> bool:
@@ -102,12 +118,20 @@ def recurrent_rows(mixer, x: torch.Tensor, ctx, steps: list[KernelRows]) -> torc
     inputs = mixer.kernel_inputs(x)
     y = None
     for p in steps:
-        part = inputs if p.all_rows else tuple(t.index_select(0, p.rows) for t in inputs)
+        if p.all_rows:
+            part = inputs
+        elif p.span is not None:
+            part = tuple(t[p.span[0]:p.span[1]] for t in inputs)
+        else:
+            part = tuple(t.index_select(0, p.rows) for t in inputs)
         out = mixer.kernel_step(part, ctx, p.src, p.dst)
         if p.all_rows:
             y = out
             continue
         if y is None:
             y = out.new_empty(x.shape[0], out.shape[1])
-        y.index_copy_(0, p.rows, out)
+        if p.span is not None:
+            y[p.span[0]:p.span[1]] = out
+        else:
+            y.index_copy_(0, p.rows, out)
     return mixer.out_proj(y)

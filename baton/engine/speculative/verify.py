@@ -83,25 +83,33 @@ class VerifyPlan(NamedTuple):
     parents: list[list[int]] | None = None
     """A tree pass (tree.py): per request the parent row of each row after the first, and
     scratch[i][r-1] then holds the state after row r; None: chains."""
+    live_first: bool = False
+    """A chain whose live slot keeps the state after its first row, scratch[i][j-1] the one
+    after row j (a tree's slots; the kernel path only, `kernel_verify.schedule`): a step
+    that rejects every draft, the common case, then copies no state. False: the live slot
+    ends after the last row, scratch[i][j] holds the state after row j."""
 
     @classmethod
-    def of(cls, rows: list[VerifyRow], scratch: StateScratch, tree: bool = False) -> VerifyPlan:
+    def of(cls, rows: list[VerifyRow], scratch: StateScratch, tree: bool = False,
+           live_first: bool = False) -> VerifyPlan:
         parents = [list(r.parents or range(len(r.tokens) - 1)) for r in rows] if tree else None
         return cls([len(r.tokens) for r in rows], [r.start for r in rows],
                    [r.slot for r in rows], [list(r.table) for r in rows],
                    [[scratch.slot(i, j) for j in range(len(r.tokens) - 1)]
-                    for i, r in enumerate(rows)], parents)
+                    for i, r in enumerate(rows)], parents, live_first and not tree)
 
 
 def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScratch,
-                   tree: bool = False):
+                   tree: bool = False, live_first: bool = False):
     """Run every row's tokens; returns (final-normed hidden [R, H], float32 logits [R, vocab])
     with R = total tokens, in row order. Leaves each live slot at the state after its last
-    token and the scratch rows at the states after the earlier ones (`tree`: the live slot
-    after the first row, scratch row r-1 after row r; see tree.py)."""
+    token and the scratch rows at the states after the earlier ones (`tree`, or a chain
+    `live_first` on the kernel path: the live slot after the first row, scratch row r-1
+    after row r; see tree.py)."""
     ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long,
                        device=pools.kv.device)
-    h = verify_layers(model, pools, VerifyPlan.of(rows, scratch, tree), embed(model, ids))
+    plan = VerifyPlan.of(rows, scratch, tree, live_first)
+    h = verify_layers(model, pools, plan, embed(model, ids))
     with decode_scope():  # as `model.decode` runs its final norm and LM head
         hidden = final_norm(model, h)
         return hidden, model.lm_head(hidden).float()

@@ -67,6 +67,18 @@ class Attention(nn.Module):
         out = torch.bmm(probs.view(-1, rep, S), values.to(q.dtype).view(-1, S, self.head_dim))
         return self.o_proj(out.view(b, -1))
 
+    def store_kv(self, x: torch.Tensor, ctx: StepContext) -> None:
+        """Only the K/V of decode rows x [b, hidden] at `ctx.attn.write_rows` (no query, no
+        attention): the same bits `decode` writes on either path (the kernel's projections
+        give a row's k and v alike alone, together or beside q)."""
+        kv = linear.fused_linears(x, self.k_proj, self.v_proj)
+        k, v = kv if kv is not None else (self.k_proj(x), self.v_proj(x))
+        pool = ctx.kv(self.layer_idx)
+        rows, tpb = ctx.attn.write_rows, pool.shape[2]
+        tokens = pool.view(-1, self.num_kv_heads * self.head_dim)
+        tokens.index_copy_(0, rows, k.reshape(x.shape[0], -1).to(pool.dtype))
+        tokens.index_copy_(0, rows + tpb, v.reshape(x.shape[0], -1).to(pool.dtype))
+
     def _store_and_read(self, x: torch.Tensor, b: int, ctx: StepContext):
         """Write the K/V of tokens x [n, hidden], then gather [b, kv_heads, keys, head_dim] K, V.
 

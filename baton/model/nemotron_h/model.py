@@ -64,6 +64,9 @@ class Backbone(nn.Module):
 class NemotronHModel(nn.Module):
     decode_takes_tables = True
     """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
+    decode_hidden = True
+    """`decode` gives its final-normed hiddens (`hidden_out`): a speculating engine's steps
+    without drafts decode plainly (baton/engine/speculative/decoder.py)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -152,15 +155,19 @@ class NemotronHModel(nn.Module):
         block_tables: list[list[int]] | torch.Tensor,
         slots: torch.LongTensor,
         pools: Pools,
+        hidden_out: list | None = None,
     ) -> torch.Tensor:
         """One token for each of B sequences, as one batch: token input_ids[i] sits at
         positions[i] of the sequence with block table block_tables[i] and state slot slots[i].
-        Returns float32 logits [B, vocab]."""
+        Returns float32 logits [B, vocab]. `hidden_out` (a list): gets the final-normed
+        hidden states [B, hidden] appended (what an MTP head reads)."""
         _check_pools(self.config, pools)
         attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
                 if pools.has_kv else None)
         ctx = slot_context(pools, attn, slots.tolist())
         h = self.backbone(input_ids.to(self.device), ctx, decode=True)
+        if hidden_out is not None:
+            hidden_out.append(h)
         return self.lm_head(h).float()
 
 

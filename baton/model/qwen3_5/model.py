@@ -69,6 +69,8 @@ class TextModel(nn.Module):
 class Qwen35Model(nn.Module):
     decode_takes_tables = True
     """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
+    decode_hidden = True
+    """`decode` gives its final-normed hiddens (`hidden_out`), as NemotronH's does."""
 
     def __init__(self, config: Qwen35Config):
         super().__init__()
@@ -123,14 +125,17 @@ class Qwen35Model(nn.Module):
     @torch.inference_mode()
     def decode(self, input_ids: torch.LongTensor, positions: torch.LongTensor,
                block_tables: list[list[int]] | torch.Tensor, slots: torch.LongTensor,
-               pools: Pools) -> torch.Tensor:
+               pools: Pools, hidden_out: list | None = None) -> torch.Tensor:
         """One token for each of B sequences (token input_ids[i] at positions[i], table
-        block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]."""
+        block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]; `hidden_out` (a
+        list) gets the final-normed hiddens [B, hidden] appended."""
         _check_pools(self.config, pools)
         attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
                 if pools.has_kv else None)
         ctx = slot_context(pools, attn, slots.tolist())
         h = self.model(input_ids.to(self.device), ctx, decode=True)
+        if hidden_out is not None:
+            hidden_out.append(h)
         return self.lm_head(h).float()
 
 
