@@ -16,6 +16,7 @@ from torch import nn
 from baton.model.layers import fused, linear, step_kernels
 from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.gdn import chunk_scan, recurrent_step_
+from baton.model.layers.gdn_fast import chunk_scan_fast
 from baton.model.paged import StepContext
 
 
@@ -42,6 +43,8 @@ class GatedDeltaNet(nn.Module):
     def prefill(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [n, T, hidden] of n sequences; each resumes from (or, if fresh, replaces) the state
         in its slot."""
+        if fused.fast_prefill(h) and self._fast_states(ctx):
+            return self._prefill_fast(h, ctx)
         n, T, _ = h.shape
         qkv = self.in_proj_qkv(h)
         conv, rec = self._prefill_states(ctx)
@@ -55,6 +58,33 @@ class GatedDeltaNet(nn.Module):
         conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
         rec_pool.index_copy_(0, ctx.slots, final.to(rec_pool.dtype))
         return self._out(o.to(h.dtype), h)
+
+    def _fast_states(self, ctx: StepContext) -> bool:
+        return all(ctx.state(self.layer_idx, s).dtype == torch.float32
+                   for s in ("conv", "recurrent")) and self.conv1d.weight.dtype == torch.float32
+
+    def _prefill_fast(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """`prefill` on the fast path: the conv and gated norm in one kernel pass each over the
+        token-major rows (`step_kernels` prefill.cpp), the scan `chunk_scan_fast`."""
+        n, T, _ = h.shape
+        k = step_kernels.kernels()
+        qkv = self.in_proj_qkv(h)
+        conv, rec = self._prefill_states(ctx)
+        q, kk, v = self._qkv(k.conv_silu(qkv, conv, self.conv1d.weight[:, 0], None), (n, T))
+        g, beta = self._gates(h)
+        o, final = chunk_scan_fast(q, kk, v, g, beta, rec, self.chunk)
+        conv_pool = ctx.state(self.layer_idx, "conv")
+        K1 = conv_pool.shape[-1]  # the window's last K-1 columns: the next call's state
+        tail = (qkv[:, T - K1:].transpose(1, 2) if T >= K1
+                else torch.cat([conv[..., T:], qkv.transpose(1, 2)], dim=-1))
+        conv_pool.index_copy_(0, ctx.slots, tail)
+        ctx.state(self.layer_idx, "recurrent").index_copy_(0, ctx.slots, final)
+        if type(self.norm) is not HeadGatedRMSNorm:
+            return self._out(o, h)
+        z = self.in_proj_z(h)
+        o = k.gated_rms_norm(o.view(n * T, -1), z.view(n * T, -1), self.norm.weight,
+                             self.dv, self.norm.eps, True)
+        return self.out_proj(o.view(n, T, -1))
 
     def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [b, hidden], one token per sequence; updates the states of `ctx.slots`."""

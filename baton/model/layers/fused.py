@@ -50,6 +50,14 @@ def fast_decoding(x: torch.Tensor) -> bool:
             and x.dtype == torch.float32 and x.device.type == "cpu")
 
 
+def fast_prefill(x: torch.Tensor) -> bool:
+    """True outside a marked decode call on the fast path, for float32 CPU activations, where
+    the step kernels (their prefill kernels) are built."""
+    return (linear.decode_path() == "fast" and not linear.decoding()
+            and x.dtype == torch.float32 and x.device.type == "cpu"
+            and step_kernels.kernels() is not None)
+
+
 @functools.cache
 def _compiled(name: str, threads: int, dims: tuple):
     """The compiled step `name` for one layer geometry and thread count (inductor bakes the

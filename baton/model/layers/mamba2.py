@@ -14,6 +14,7 @@ from torch import nn
 from baton.model.layers import fused, step_kernels
 from baton.model.layers.norms import GatedRMSNorm
 from baton.model.layers.ssd import ssd_scan, ssd_step_
+from baton.model.layers.ssd_fast import ssd_scan_fast
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext
 
@@ -39,6 +40,8 @@ class Mamba2Mixer(nn.Module):
     def prefill(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [n, T, hidden] of n sequences; each resumes from (or, if fresh, replaces) the state
         in its slot."""
+        if fused.fast_prefill(h) and self._fusable(ctx) and self.conv1d.weight.dtype == h.dtype:
+            return self._prefill_fast(h, ctx)
         cfg, (n, T, _) = self.cfg, h.shape
         gate, xbc, dt = self._split(self.in_proj(h))
         conv_state, ssm_state = self._prefill_states(ctx)
@@ -59,6 +62,31 @@ class Mamba2Mixer(nn.Module):
         conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
         ssm_pool.index_copy_(0, ctx.slots, final.to(ssm_pool.dtype))
         return self._out(y.reshape(n, T, -1), gate, h.dtype)
+
+    def _prefill_fast(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """`prefill` on the fast path: the conv and gated norm in one kernel pass each over the
+        token-major rows (`step_kernels` prefill.cpp), the scan `ssd_scan_fast`."""
+        cfg, (n, T, _) = self.cfg, h.shape
+        k = step_kernels.kernels()
+        gate, xbc, dt = self._split(self.in_proj(h))
+        conv_state, ssm_state = self._prefill_states(ctx)
+        x, B, C = self._ssm_inputs(k.conv_silu(xbc, conv_state, self.conv1d.weight[:, 0],
+                                               self.conv1d.bias))
+        H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+        y, final = ssd_scan_fast(x.view(n, T, H, P), self._dt(dt), self._A(),
+                                 B.view(n, T, G, N), C.view(n, T, G, N), self.D,
+                                 None if all(ctx.fresh) else ssm_state)
+        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
+        K1 = conv_pool.shape[-1]  # the window's last K-1 columns: the next call's state
+        tail = (xbc[:, T - K1:].transpose(1, 2) if T >= K1
+                else torch.cat([conv_state[..., T:], xbc.transpose(1, 2)], dim=-1))
+        conv_pool.index_copy_(0, ctx.slots, tail)
+        ssm_pool.index_copy_(0, ctx.slots, final)
+        if type(self.norm) is not GatedRMSNorm:  # tensor parallel's all-reduced norm
+            return self._out(y.view(n, T, -1), gate, h.dtype)
+        y = k.gated_rms_norm(y.view(n * T, -1), gate.reshape(n * T, -1), self.norm.weight,
+                             self.norm.group_size, self.norm.eps, False)
+        return self.out_proj(y.view(n, T, -1))
 
     def _prefill_states(self, ctx: StepContext):
         """(conv, ssm) states the n sequences start from: their slots', zeros where fresh."""

@@ -16,10 +16,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused.fast_decoding(x) and self.weight.dtype == torch.float32:
+        if ((fused.fast_decoding(x) or fused.fast_prefill(x))
+                and self.weight.dtype == torch.float32):
             k = step_kernels.kernels()
             out = None if k is None else k.rms_norm(x, self.weight, self.eps)
-            if out is not None:  # one call instead of seven ops (see step_kernels)
+            if out is not None:  # one call instead of seven ops (see step_kernels): a row alone
                 return out
         dtype = x.dtype
         x = x.float()

@@ -130,23 +130,35 @@ c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   auto out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t off = 0;  // row i's offset: its index over the leading dims, innermost fastest
-    for (int64_t j = lead - 1, r = i; j >= 0; --j) {
-      off += (r % x.size(j)) * x.stride(j);
-      r /= x.size(j);
-    }
-    const float* xr = xp + off;
-    float ss = 0.f;
+  // rows split over threads only past 64 (a prefill's): a row's sum is the same either way
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      int64_t off = 0;  // row i's offset: its index over the leading dims, innermost fastest
+      for (int64_t j = lead - 1, r = i; j >= 0; --j) {
+        off += (r % x.size(j)) * x.stride(j);
+        r /= x.size(j);
+      }
+      const float* xr = xp + off;
+      float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
-    const float inv = 1.f / std::sqrt(ss / d + (float)eps);
-    float* orow = op + i * d;
+      for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
+      const float inv = 1.f / std::sqrt(ss / d + (float)eps);
+      float* orow = op + i * d;
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
-  }
+      for (int64_t c = 0; c < d; ++c) orow[c] = wp[c] * (xr[c] * inv);
+    }
+  });
   return out;
 }
+
+// prefill.cpp
+at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias);
+at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at::Tensor& w,
+                          int64_t group, double eps, bool norm_first);
+at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
+                     const c10::optional<at::Tensor>& C);
+at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_step", &mamba2_step);
@@ -156,4 +168,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu);
   m.def("gated_attention", &gated_attention);
   m.def("sigmoid", &torch_sigmoid_of);
+  m.def("conv_silu", &conv_silu);
+  m.def("gated_rms_norm", &gated_rms_norm);
+  m.def("ssd_decay", &ssd_decay);
+  m.def("unit_lower_solve", &unit_lower_solve);
 }

@@ -1,0 +1,95 @@
+"""The fast path's prefill kernels (step_kernels prefill.cpp) against the eager ops they replace:
+the conv + silu, the gated norms of both families, the SSD / DeltaNet decay matrices and the
+unit-lower-triangular solve agree to float32 rounding; and each token's result does not depend
+on the rows beside it (a prompt cut in two, the state carried, gives the same bits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.model.layers.gated_norms import HeadGatedRMSNorm
+from baton.model.layers.norms import GatedRMSNorm
+from baton.model.layers.step_kernels import kernels
+
+K = kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="step kernels not built on this machine")
+
+
+def _gen(seed: int = 0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _conv_ref(x, state, w, bias):
+    """Mamba2Mixer._conv's formula on the window [state | x], token-major out."""
+    window = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    n = x.shape[1]
+    out = window[..., 0:n] * w[:, 0:1]
+    for k in range(1, w.shape[1]):
+        out = out + window[..., k:k + n] * w[:, k:k + 1]
+    if bias is not None:
+        out = out + bias[:, None]
+    return F.silu(out).transpose(1, 2)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_silu_matches_the_eager_conv_and_carries_its_state_exactly(bias):
+    g = _gen()
+    C, Kw, T = 40, 4, 37
+    wide = torch.randn(2, T, C + 9, generator=g)  # a column slice: rows strided
+    x = wide[..., 3:3 + C]
+    state = torch.randn(2, C, Kw - 1, generator=g)
+    w = torch.randn(C, Kw, generator=g)
+    b = torch.randn(C, generator=g) if bias else None
+    out = K.conv_silu(x, state, w, b)
+    assert out.shape == (2, T, C) and out.is_contiguous()
+    assert torch.allclose(out, _conv_ref(x, state, w, b), atol=1e-6, rtol=1e-6)
+    # cut at 10: the second part starts from the first part's last K-1 inputs
+    first = K.conv_silu(x[:, :10], state, w, b)
+    tail = x[:, 10 - (Kw - 1):10].transpose(1, 2).contiguous()
+    second = K.conv_silu(x[:, 10:], tail, w, b)
+    assert torch.equal(torch.cat([first, second], dim=1), out)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_gated_rms_norm_matches_each_family_and_rows_stand_alone(norm_first):
+    g = _gen(1)
+    D, group, rows = 48, 12, 9
+    y = torch.randn(rows, D, generator=g)
+    gate = torch.randn(rows, D + 5, generator=g)[:, 2:2 + D]  # strided rows
+    if norm_first:  # Qwen3.5's DeltaNet: per head, weight [head_dim]
+        ref = HeadGatedRMSNorm(group, 1e-6)
+    else:  # NemotronH's Mamba2: per group, weight [D]
+        ref = GatedRMSNorm(D, group, 1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(ref.weight.shape, generator=g))
+    out = K.gated_rms_norm(y, gate, ref.weight, group, ref.eps, norm_first)
+    with torch.no_grad():
+        assert torch.allclose(out, ref(y, gate), atol=1e-6, rtol=1e-5)
+    alone = K.gated_rms_norm(y[4:5], gate[4:5], ref.weight, group, ref.eps, norm_first)
+    assert torch.equal(alone, out[4:5])
+
+
+def test_ssd_decay_is_the_masked_decay_times_the_shared_product():
+    g = _gen(2)
+    b, G, r, c, L, N = 1, 2, 3, 2, 8, 5
+    CB = torch.randn(b, G, c, L, L, generator=g)
+    cum = (-torch.rand(b, G * r, c, L, generator=g)).double().cumsum(-1)
+    C = torch.randn(b, G, c, L, N, generator=g)
+    got = K.ssd_decay(CB, cum, r, C)
+    decay = (cum[..., :, None] - cum[..., None, :]).exp().tril().float()
+    M = decay.view(b, G, r, c, L, L) * CB[:, :, None]
+    tail = C[:, :, None] * cum.exp().float().view(b, G, r, c, L, 1)
+    want = torch.cat([M, tail], dim=-1).view(b, G * r, c, L, L + N)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(K.ssd_decay(CB, cum, r, None), got[..., :L])
+
+
+def test_unit_lower_solve_matches_solve_triangular():
+    g = _gen(3)
+    A = torch.randn(6, 16, 16, generator=g) * 0.3
+    rhs = torch.randn(6, 16, 24, generator=g)
+    want = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    got = K.unit_lower_solve(A, rhs)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
