@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from baton.model.layers import linear, step_kernels
+from baton.model.layers import fast_decode, linear, step_kernels
 from bench.common import checkpoint, decode_engine, prompts
 from bench.roofline import _linears
 
@@ -86,7 +86,15 @@ def _fused_projections(on: bool) -> None:
     linear.fused_linears = _fused if on else (lambda x, *layers: None)
 
 
-VARIANTS = {"kernels": _kernels, "fused": _fused_projections}
+_applies = fast_decode.applies
+
+
+def _direct_layers(on: bool) -> None:
+    """The layers' kernels called directly (`fast_decode`), or through the modules."""
+    fast_decode.applies = _applies if on else (lambda h, pools: False)
+
+
+VARIANTS = {"kernels": _kernels, "fused": _fused_projections, "direct": _direct_layers}
 """What `--compare` switches off and on between alternate steps (before / after a change)."""
 
 

@@ -94,14 +94,18 @@ class GatedAttention(nn.Module):
         q, gate = q.view(*lead, self.num_heads, 2 * hd).chunk(2, dim=-1)
         k = self.k_norm(k.view(*lead, self.num_kv_heads, hd))
         v = v.view(*lead, self.num_kv_heads, hd)
-        # the same (cos, sin) for every attention layer of the call: computed by the first
+        cos, sin = self.rotary(x, meta)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        return q, gate.reshape(*lead, -1), apply_rotary(k, cos, sin), v
+
+    def rotary(self, x: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [..., rotary_dim] at the call's positions: the same for every attention
+        layer of the call, computed by the first (kept in `meta.memo`)."""
         key = ("rotary", self.rotary_dim, self.theta, x.dtype, x.device)
         if key not in meta.memo:
             meta.memo[key] = rotary(meta.positions.to(x.device), self.rotary_dim, self.theta,
                                     x.dtype)
-        cos, sin = meta.memo[key]
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        return q, gate.reshape(*lead, -1), apply_rotary(k, cos, sin), v
+        return meta.memo[key]
 
     def _store_and_read(self, k: torch.Tensor, v: torch.Tensor, b: int, ctx: StepContext):
         """Write the new tokens' K/V, then gather [b, kv_heads, keys, hd] K, V from the pool

@@ -78,7 +78,9 @@ def _env_path() -> str:
     return path
 
 
-_state = {"path": _env_path()}
+_state = {"path": _env_path(), "generation": 0}
+"""generation: bumped whenever `install` / `cast_weights` may have replaced weights (the
+direct layer calls' cached plans, `fast_decode`, are rebuilt then)."""
 _local = threading.local()  # .decoding: inside a marked decode call of this thread
 
 
@@ -261,6 +263,7 @@ def _half_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Ten
 
 def install(model: nn.Module) -> nn.Module:
     """Every `nn.Linear` of `model` becomes a `FastLinear` in place (no copy of weights)."""
+    _state["generation"] += 1
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = FastLinear
@@ -307,6 +310,7 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
               for p in m.parameters(recurse=False)}
     before = getattr(model, "dtype", None)
     saved = 0
+    _state["generation"] += 1
     for m in model.modules():
         if isinstance(m, nn.Linear) and id(m.weight) not in shared and m.weight.dtype != dtype:
             old = m.weight

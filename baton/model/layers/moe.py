@@ -21,7 +21,9 @@ faster: one `grouped_linear` call a matmul for all active experts, the pair sort
 weighted sum in C++ (`moe_sort`, `moe_combine`: no argsort / bincount / index_add_ calls).
 Measured (bench.step_profile, 1 thread, fp32): NemotronH-MoE step batch 1 27.6 -> ~22 ms,
 batch 8 69 -> ~49 ms; Qwen3.5-MoE batch 1 47 -> ~34 ms, batch 8 146 -> ~66 ms. The reference
-path (prefill, `decode_path` reference) keeps torch.mm, bit for bit.
+path (prefill, `decode_path` reference) keeps torch.mm, bit for bit. A plain decode step runs
+each whole block, router to residual add, as one C++ call of the same ops in the same order
+(`cpu_kernels/gemv_moe.h`, through `fast_decode`), the same bits as `forward`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from baton.errors import ConfigError, InvalidRequestError
-from baton.model.layers import fused
+from baton.model.layers import fast_decode, fused
 from baton.model.layers.attention import Attention
 from baton.model.layers.mamba2 import Mamba2Mixer
 from baton.model.layers.mlp import MLP
@@ -52,8 +52,10 @@ class Backbone(nn.Module):
     def forward(self, ids: torch.Tensor, ctx: StepContext, decode: bool,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         h = self.embeddings(ids)
+        fast = decode and on_layer is None and fast_decode.applies(h, ctx.pools)
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, decode)
+            # the fast path's kernels called directly, no module calls (fast_decode)
+            h = fast_decode.nemotron_block(layer, h, ctx) if fast else layer(h, ctx, decode)
             if on_layer is not None:
                 on_layer(i)  # layer i's KV and state for this call are final now
         return self.norm_f(h)

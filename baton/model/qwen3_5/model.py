@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from baton.errors import ConfigError, InvalidRequestError
-from baton.model.layers import fused
+from baton.model.layers import fast_decode, fused
 from baton.model.layers.deltanet import GatedDeltaNet
 from baton.model.layers.gated_attention import GatedAttention
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
@@ -57,8 +57,10 @@ class TextModel(nn.Module):
     def forward(self, ids: torch.Tensor, ctx: StepContext, decode: bool,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         h = self.embed_tokens(ids)
+        fast = decode and on_layer is None and fast_decode.applies(h, ctx.pools)
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, decode)
+            # the fast path's kernels called directly, no module calls (fast_decode)
+            h = fast_decode.qwen_layer(layer, h, ctx) if fast else layer(h, ctx, decode)
             if on_layer is not None:
                 on_layer(i)  # layer i's KV and state for this call are final now
         return self.norm(h)

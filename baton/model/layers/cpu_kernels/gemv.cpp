@@ -17,81 +17,20 @@
 // of W from cache.
 
 // Only the headers it needs (not torch/extension.h): the JIT build takes ~10 s, not ~40.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/utils/pybind.h>
 
-#include <cstring>
-#include <vector>
-
-#include "gemv_kernels.h"
+#include "gemv_common.h"
+#include "gemv_glue.h"  // the layer-glue entry points (bound below)
 
 namespace {
 using namespace baton_gemv;
 
-// Outputs a thread takes at a time: blocks of 8 (whole register blocks, so a thread's range
-// never splits one) holding at least ~64 KiB of weights (a few microseconds of streaming, more
-// than waking a thread costs), so tiny layers stay on one thread.
-int64_t grain_blocks(int64_t k, int64_t es) {
-  const int64_t block_bytes = 8 * k * es;
-  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(block_bytes, 1));
-}
-
-int weight_type(const at::Tensor& w) {
-  switch (w.scalar_type()) {
-    case at::kFloat: return kF32;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: TORCH_CHECK(false, "cpu kernel: weight dtype ", w.scalar_type(), " not supported");
-  }
-  return kF32;
-}
-
-void check_x(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "cpu kernel: x must be 2-d float32 on CPU, got ", x.sizes(), " ", x.scalar_type());
-}
-
-void check_w(const at::Tensor& w, int64_t dims, int64_t k) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == dims && w.size(dims - 1) == k &&
-              w.stride(dims - 1) == 1, "cpu kernel: weight must be ", dims == 2 ? "" : "[E, ",
-              "[N, K] with K=", k, " contiguous in K, got ", w.sizes(), " strides ", w.strides());
-}
-
-// x padded with zeros to whole 16-lane chunks; one line more a row, so rows a multiple of
-// 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set. In a scratch buffer of the
-// calling thread, reused call to call (a tensor would cost ~5 ATen calls per matmul: a tenth
-// of a small layer's time at batch 1), valid until its next call.
-struct Padded {
-  const float* p;
-  int64_t ld;
-};
-
-// `rows` (optional, long): row r of the result is x[rows[r]] (MoE: each pair's token).
-Padded padded(const at::Tensor& x, const at::Tensor& rows = at::Tensor()) {
-  const int64_t m = rows.defined() ? rows.numel() : x.size(0), k = x.size(1);
-  const int64_t ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
-  static thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < m * ldx) buf.resize(m * ldx);
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const float* src = xc.data_ptr<float>();
-  const int64_t* idx = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t r = idx ? idx[i] : i;
-    TORCH_CHECK(r >= 0 && r < x.size(0), "cpu kernel: row ", r, " of x with ", x.size(0));
-    float* row = buf.data() + i * ldx;
-    std::memcpy(row, src + r * xc.stride(0), k * sizeof(float));
-    std::memset(row + k, 0, (ldx - k) * sizeof(float));
-  }
-  return {buf.data(), ldx};
-}
-
-int pick(int64_t isa) { return isa < 0 || isa > best_isa() ? best_isa() : static_cast<int>(isa); }
-
-at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t isa) {
+// `residual` [M, N] (optional): y = residual + (x @ W^T + bias), the sum rounded as torch's
+// `residual + y` rounds it (a decode layer's output projection and its residual add, one call).
+// `relu2`: y = relu(x @ W^T + bias)^2 (NemotronH's MLP activation, torch.square(F.relu(.))).
+at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t isa,
+                  c10::optional<at::Tensor> residual, bool relu2) {
   check_x(x);
   check_w(w, 2, x.size(1));
   const int wt = weight_type(w);
@@ -101,15 +40,33 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == n, "cpu kernel: bias has ", b.numel(), " elements, want ", n);
   }
+  const bool res = residual.has_value() && residual->defined();
+  if (res) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->dim() == 2 &&
+                residual->size(0) == m && residual->size(1) == n && residual->stride(1) == 1,
+                "cpu kernel: residual must be [", m, ", ", n, "] float32, got ",
+                residual->sizes());
+  }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const Padded xp = padded(x);
   const int is = pick(isa);
-  Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, y.data_ptr<float>(), n,
+  float* yp = y.data_ptr<float>();
+  const float* rp = res ? residual->data_ptr<float>() : nullptr;
+  const int64_t rs = res ? residual->stride(0) : 0;
+  Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp, n,
          m, b.defined() ? b.data_ptr<float>() : nullptr};
   const int64_t blocks = (n + 7) / 8;
   at::parallel_for(0, blocks, grain_blocks(k, wt == kF32 ? 4 : 2), [&](int64_t b0, int64_t b1) {
-    run_range(a, is, wt, b0 * 8, std::min(b1 * 8, n));
+    const int64_t n0 = b0 * 8, n1 = std::min(b1 * 8, n);
+    run_range(a, is, wt, n0, n1);
+    for (int64_t i = 0; relu2 && i < m; ++i)
+      for (int64_t j = n0; j < n1; ++j) {
+        const float v = yp[i * n + j] < 0.f ? 0.f : yp[i * n + j];  // NaN stays NaN
+        yp[i * n + j] = v * v;
+      }
+    for (int64_t i = 0; rp && i < m; ++i)
+      for (int64_t j = n0; j < n1; ++j) yp[i * n + j] = rp[i * rs + j] + yp[i * n + j];
   });
   return y;
 }
@@ -268,11 +225,16 @@ std::string isa_name() {
 
 }  // namespace
 
+#include "gemv_moe.h"  // a MoE block in one call, on the functions above (bound below)
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ w.T (+ bias), fixed accumulation order (see gemv.cpp)",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("isa") = -1);
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("isa") = -1,
+        py::arg("residual") = py::none(), py::arg("relu2") = false);
+  m.def("linear_split", &linear_split, "[x @ w.T for w in ws], one call, each its own tensor",
+        py::arg("x"), py::arg("ws"), py::arg("isa") = -1);
   m.def("linear_cat", &linear_cat, "[x @ w.T for w in ws] side by side, one call (gemv.cpp)",
         py::arg("x"), py::arg("ws"), py::arg("isa") = -1);
   m.def("grouped_linear", &grouped_linear, "x's runs of rows times their experts (gemv.cpp)",
@@ -282,5 +244,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("experts"), py::arg("first"), py::arg("held"), py::arg("total"));
   m.def("moe_combine", &moe_combine, "the weighted sum of each token's expert rows",
         py::arg("ys"), py::arg("pair"), py::arg("token"), py::arg("weights"), py::arg("n"));
+  m.def("qwen_moe", &qwen_moe, "residual + Qwen's MoE block of x, one call (gemv_moe.h)");
+  m.def("nemotron_moe", &nemotron_moe, "residual + NemotronH's MoE block, one call");
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
 }

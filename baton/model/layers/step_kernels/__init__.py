@@ -18,7 +18,7 @@ from baton.model.layers import jit_build
 HERE = Path(__file__).parent
 BUILD = jit_build.KernelBuild(
     prefix="baton_step_", sources=(HERE / "recurrent.cpp", HERE / "attention.cpp",
-                                HERE / "prefill.cpp"),
+                                  HERE / "glue.cpp", HERE / "prefill.cpp"),
     headers=(HERE / "common.h",),
     flags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
     switch="BATON_STEP_KERNELS", label="step kernels", fallback="the compiled torch steps")

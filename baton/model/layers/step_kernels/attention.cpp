@@ -20,6 +20,15 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
                          const at::Tensor& A_log, const at::Tensor& norm_w, int64_t hk,
                          int64_t hv, int64_t dk, int64_t dv, double eps);
 
+// glue.cpp
+at::Tensor swiglu(const at::Tensor& gu);
+at::Tensor gated_attention(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& qw, const at::Tensor& kw, double eps,
+                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
+                           const at::Tensor& tables, const at::Tensor& lens, double scale,
+                           const c10::optional<at::Tensor>& keys);
+at::Tensor torch_sigmoid_of(const at::Tensor& x);
+
 // One query per sequence over paged KV, read through the block tables, after writing the new
 // token's k, v [b, kvh, hd] there: q [b, heads, hd]; pool [blocks, 2, tpb, kvh, hd];
 // tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence. Without `keys` sequence i reads
@@ -103,19 +112,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 // RMSNorm of rows x [..., d]: w * (x * rsqrt(mean(x^2) + eps)) (w already 1 + w for Qwen's),
-// into a new contiguous tensor. The rows may be strided (q of Qwen's attention is every other
-// hd-run of its projection) as long as one stride walks them all; None if they are not.
+// into a new contiguous tensor. The rows may be strided, in order (each leading dim's stride
+// at least the span of those inside it: q of Qwen's attention is every other hd-run of its
+// projection, whose rows are a wider projection's at batch > 1), so a row is normed the same
+// way in any batch; None if the channels are not contiguous or the rows out of order.
 c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, "x");
   TORCH_CHECK(w.is_contiguous(), "rms_norm weight must be contiguous");
-  const int64_t d = x.size(-1), n = x.numel() / d;
+  const int64_t d = x.size(-1), n = x.numel() / d, lead = x.dim() - 1;
   if (x.stride(-1) != 1) return c10::nullopt;
-  int64_t rs = d, inner = -1;  // the row stride: that of the innermost leading dim of size > 1
-  for (int64_t i = x.dim() - 2; i >= 0; --i) {
+  int64_t span = d;  // elements the dims inside the current one cover
+  for (int64_t i = lead - 1; i >= 0; --i) {
     if (x.size(i) == 1) continue;
-    if (inner < 0) rs = x.stride(i);
-    else if (x.stride(i) != x.size(inner) * x.stride(inner)) return c10::nullopt;
-    inner = i;
+    if (x.stride(i) < span) return c10::nullopt;
+    span = x.stride(i) * x.size(i);
   }
   auto out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
@@ -123,7 +133,12 @@ c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   // rows split over threads only past 64 (a prefill's): a row's sum is the same either way
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      const float* xr = xp + i * rs;
+      int64_t off = 0;  // row i's offset: its index over the leading dims, innermost fastest
+      for (int64_t j = lead - 1, r = i; j >= 0; --j) {
+        off += (r % x.size(j)) * x.stride(j);
+        r /= x.size(j);
+      }
+      const float* xr = xp + off;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
@@ -150,6 +165,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deltanet_step", &deltanet_step);
   m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm);
+  m.def("swiglu", &swiglu);
+  m.def("gated_attention", &gated_attention);
+  m.def("sigmoid", &torch_sigmoid_of);
   m.def("conv_silu", &conv_silu);
   m.def("gated_rms_norm", &gated_rms_norm);
   m.def("ssd_decay", &ssd_decay);

@@ -1,0 +1,78 @@
+// What gemv.cpp's bindings share (the argument checks, the padded copy of x, the thread
+// split), so the layer-glue entry points of gemv_glue.cpp take the same kernels the same way.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstring>
+#include <vector>
+
+#include "gemv_kernels.h"
+
+namespace baton_gemv {
+
+// Outputs a thread takes at a time: blocks of 8 (whole register blocks, so a thread's range
+// never splits one) holding at least ~64 KiB of weights (a few microseconds of streaming, more
+// than waking a thread costs), so tiny layers stay on one thread.
+inline int64_t grain_blocks(int64_t k, int64_t es) {
+  const int64_t block_bytes = 8 * k * es;
+  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(block_bytes, 1));
+}
+
+inline int weight_type(const at::Tensor& w) {
+  switch (w.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    default: TORCH_CHECK(false, "cpu kernel: weight dtype ", w.scalar_type(), " not supported");
+  }
+  return kF32;
+}
+
+inline void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "cpu kernel: x must be 2-d float32 on CPU, got ", x.sizes(), " ", x.scalar_type());
+}
+
+inline void check_w(const at::Tensor& w, int64_t dims, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == dims && w.size(dims - 1) == k &&
+              w.stride(dims - 1) == 1, "cpu kernel: weight must be ", dims == 2 ? "" : "[E, ",
+              "[N, K] with K=", k, " contiguous in K, got ", w.sizes(), " strides ", w.strides());
+}
+
+// x padded with zeros to whole 16-lane chunks; one line more a row, so rows a multiple of
+// 4 KiB apart (K = 1024, 2048) do not all fall in one L1 set. In a scratch buffer of the
+// calling thread, reused call to call (a tensor would cost ~5 ATen calls per matmul: a tenth
+// of a small layer's time at batch 1), valid until its next call.
+struct Padded {
+  const float* p;
+  int64_t ld;
+};
+
+// `rows` (optional, long): row r of the result is x[rows[r]] (MoE: each pair's token).
+inline Padded padded(const at::Tensor& x, const at::Tensor& rows = at::Tensor()) {
+  const int64_t m = rows.defined() ? rows.numel() : x.size(0), k = x.size(1);
+  const int64_t ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < m * ldx) buf.resize(m * ldx);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const float* src = xc.data_ptr<float>();
+  const int64_t* idx = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = idx ? idx[i] : i;
+    TORCH_CHECK(r >= 0 && r < x.size(0), "cpu kernel: row ", r, " of x with ", x.size(0));
+    float* row = buf.data() + i * ldx;
+    std::memcpy(row, src + r * xc.stride(0), k * sizeof(float));
+    std::memset(row + k, 0, (ldx - k) * sizeof(float));
+  }
+  return {buf.data(), ldx};
+}
+
+inline int pick(int64_t isa) {
+  return isa < 0 || isa > best_isa() ? best_isa() : static_cast<int>(isa);
+}
+
+}  // namespace baton_gemv

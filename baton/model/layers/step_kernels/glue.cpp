@@ -1,0 +1,121 @@
+// Element-wise glue of a decode layer between its kernel calls (bound in attention.cpp), each
+// rounding every element as the torch ops it replaces round it, so the fast path's bits do
+// not change: one call instead of several ops and their Python.
+
+#include "common.h"
+
+using namespace baton_step;
+
+c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
+                           double scale, const c10::optional<at::Tensor>& keys);
+
+// silu(x) as torch's CPU kernel computes it along a contiguous run of n elements: whole
+// chunks of 32 on its vectorised path (x / (1 + exp(-x)), Sleef's exp), the tail of n % 32 on
+// its scalar one (std::exp); without AVX-512 every element takes the scalar path.
+static void torch_silu(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  for (const int64_t vec_end = n - n % 32; i < vec_end; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(sign, v));
+    _mm512_storeu_ps(out + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(-x[i]));
+}
+
+// gu [M, 2W] rows of [gate | up] (SwiGLU's two projections side by side, one kernel call) ->
+// [M, W] silu(gate) * up: F.silu(gate) * up on the column views, row by row.
+at::Tensor swiglu(const at::Tensor& gu) {
+  check(gu, "gate_up");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0,
+              "gate_up must be [M, 2W] with contiguous rows, got ", gu.sizes());
+  const int64_t m = gu.size(0), w = gu.size(1) / 2, gs = gu.stride(0);
+  auto out = at::empty({m, w}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const float *gr = g + i * gs, *ur = gr + w;
+    float* orow = o + i * w;
+    torch_silu(gr, orow, w);
+    for (int64_t j = 0; j < w; ++j) orow[j] = orow[j] * ur[j];
+  }
+  return out;
+}
+
+// torch.sigmoid along a contiguous run of n elements: whole chunks of 32 on its vectorised
+// path (1 / (1 + exp(0 - x)), Sleef's exp), the tail on its scalar one.
+static void torch_sigmoid(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (const int64_t vec_end = n - n % 32; i < vec_end; i += 16) {
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, _mm512_loadu_ps(x + i)));
+    _mm512_storeu_ps(out + i, _mm512_div_ps(one, _mm512_add_ps(e, one)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = 1.f / (1.f + std::exp(-x[i]));
+}
+
+at::Tensor torch_sigmoid_of(const at::Tensor& x) {  // the test's handle on torch_sigmoid
+  check(x, "x");
+  const at::Tensor xc = x.contiguous();
+  auto out = at::empty(xc.sizes(), xc.options());
+  torch_sigmoid(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel());
+  return out;
+}
+
+// rotate-half rotary on the first rot channels of each row of x [b, heads, hd] in place, at
+// cos / sin [b, rot]: as `gated_attention.apply_rotary` (each product rounded, then the sum).
+static void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t b = x.size(0), heads = x.size(1), hd = x.size(2), rot = cos.size(1);
+  const int64_t half = rot / 2;
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  std::vector<float> r(rot);
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* row = xp + (i * heads + h) * hd;
+      const float *c = cp + i * cos.stride(0), *s = sp + i * sin.stride(0);
+      for (int64_t j = 0; j < rot; ++j) {
+        const float turned = j < half ? -row[j + half] : row[j - half];
+        const float a = row[j] * c[j], t = turned * s[j];
+        r[j] = a + t;
+      }
+      std::copy(r.begin(), r.end(), row);
+    }
+}
+
+// Qwen3.5's gated attention between its projections (`GatedAttention.decode`'s fast branch):
+// qg [b, heads * 2hd] (per head [q | gate]), k, v [b, kv_heads * hd] raw projections; q and k
+// through their zero-centred RMSNorms (qw, kw: 1 + w) and the rotary at cos / sin [b, rot],
+// paged attention (attention.cpp), then times sigmoid(gate): [b, heads * hd].
+at::Tensor gated_attention(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& qw, const at::Tensor& kw, double eps,
+                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
+                           const at::Tensor& tables, const at::Tensor& lens, double scale,
+                           const c10::optional<at::Tensor>& keys) {
+  check(qg, "qg"); check(k, "k"); check(v, "v"); check(cos, "cos"); check(sin, "sin");
+  const int64_t b = qg.size(0), hd = qw.numel(), heads = qg.size(1) / (2 * hd);
+  const int64_t kvh = k.size(1) / hd;
+  TORCH_CHECK(qg.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+              cos.stride(1) == 1 && sin.stride(1) == 1 && cos.size(1) <= hd,
+              "gated_attention: contiguous projections and rotary tables wanted");
+  const at::Tensor q3 = qg.view({b, heads, 2 * hd});
+  at::Tensor q = *rms_norm(q3.narrow(2, 0, hd), qw, eps);
+  at::Tensor kn = *rms_norm(k.view({b, kvh, hd}), kw, eps);
+  rope_(q, cos, sin);
+  rope_(kn, cos, sin);
+  at::Tensor out = paged_attention(q, kn, v, pool, tables, lens, scale, keys);
+  const int64_t n = b * heads * hd;
+  std::vector<float> gate(n);  // gate.reshape(b, -1): the contiguous copy torch.sigmoid reads
+  const float* g = qg.data_ptr<float>();
+  for (int64_t r = 0; r < b * heads; ++r) std::copy_n(g + r * 2 * hd + hd, hd, &gate[r * hd]);
+  torch_sigmoid(gate.data(), gate.data(), n);
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) o[i] = o[i] * gate[i];
+  return out;
+}
