@@ -93,10 +93,11 @@ def _restore(old: str | None) -> None:
 def specs_for(case: int, phase: str) -> list[RequestSpec]:
     """Greedy and seeded requests; longer prompts when the kill is to land in the prefill."""
     base = 120 if phase == "prefill" else 20
-    # long enough for a kill to land mid-stream; a killed decode worker's streams must still
-    # be running to move: 120 tokens of the tiny model on the fast decode path were sometimes
-    # all streamed between the poll that saw them decoding and the kill
-    n_tokens = (400 if CASES[case][0] == "decode" else 120) if phase == "decode" else 16
+    # long enough for a kill to land mid-stream: a killed decode worker's streams must still be
+    # running to move, and a killed router must cut at least half of them; 120 tokens of the
+    # tiny model on the fast decode path were sometimes all streamed between the poll that saw
+    # them decoding and the kill
+    n_tokens = (120 if CASES[case][0] == "prefill" else 400) if phase == "decode" else 16
     out = []
     for i in range(N):
         sampling = SamplingParams(max_tokens=n_tokens, ignore_eos=True, temperature=0.8 * (i % 2),
