@@ -87,21 +87,10 @@ at::Tensor linear_cat(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa) {
   const int64_t total = col.back();
   at::Tensor y = at::empty({m, total}, x.options());
   if (m == 0 || total == 0) return y;
-  const Padded xp = padded(x);
-  const int is = pick(isa);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
-    for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
-      if (lo >= hi) continue;
-      const at::Tensor& w = ws[i];
-      const int64_t n = w.size(0);
-      Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp + col[i], total,
-             m, nullptr};
-      run_range(a, is, weight_type(w), (lo - first_block[i]) * 8,
-                std::min((hi - first_block[i]) * 8, n));
-    }
-  });
+  std::vector<float*> outs;
+  for (size_t i = 0; i < ws.size(); ++i) outs.push_back(yp + col[i]);
+  run_weights(x, ws, outs, std::vector<int64_t>(ws.size(), total), first_block, isa);
   return y;
 }
 

@@ -75,4 +75,26 @@ inline int pick(int64_t isa) {
   return isa < 0 || isa > best_isa() ? best_isa() : static_cast<int>(isa);
 }
 
+// x @ W_i^T for every weight i into outs[i] (row stride lds[i]), no bias; `first_block` holds
+// the running count of each weight's 8-output blocks, all of which split over the threads at
+// once (linear_cat's one tensor and linear_split's several: the same outputs, other places).
+inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                        const std::vector<float*>& outs, const std::vector<int64_t>& lds,
+                        const std::vector<int64_t>& first_block, int64_t isa) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const Padded xp = padded(x);
+  const int is = pick(isa);
+  at::parallel_for(0, first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
+      if (lo >= hi) continue;
+      const at::Tensor& w = ws[i];
+      const int64_t n = w.size(0);
+      Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, outs[i], lds[i], m, nullptr};
+      run_range(a, is, weight_type(w), (lo - first_block[i]) * 8,
+                std::min((hi - first_block[i]) * 8, n));
+    }
+  });
+}
+
 }  // namespace baton_gemv

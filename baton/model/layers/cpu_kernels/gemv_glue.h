@@ -24,19 +24,13 @@ std::vector<at::Tensor> linear_split(at::Tensor x, std::vector<at::Tensor> ws, i
     ys.push_back(at::empty({m, w.size(0)}, x.options()));
   }
   if (m == 0 || first_block.back() == 0) return ys;
-  const Padded xp = padded(x);
-  const int is = pick(isa);
-  at::parallel_for(0, first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
-    for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
-      if (lo >= hi) continue;
-      const at::Tensor& w = ws[i];
-      const int64_t n = w.size(0);
-      Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, ys[i].data_ptr<float>(), n, m, nullptr};
-      run_range(a, is, weight_type(w), (lo - first_block[i]) * 8,
-                std::min((hi - first_block[i]) * 8, n));
-    }
-  });
+  std::vector<float*> outs;
+  std::vector<int64_t> lds;
+  for (auto& y : ys) {
+    outs.push_back(y.data_ptr<float>());
+    lds.push_back(y.size(1));
+  }
+  run_weights(x, ws, outs, lds, first_block, isa);
   return ys;
 }
 
