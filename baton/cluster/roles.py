@@ -7,7 +7,7 @@ import threading
 from dataclasses import replace
 
 from baton.config import BatonConfig
-from baton.worker.exit import exit_now
+from baton.worker.exit import exit_now, timed_stop
 
 
 def run_router_role(args) -> int:
@@ -45,8 +45,7 @@ def run_router_role(args) -> int:
           f"http{'s' if ssl_args else ''}://{host}:{http.port}",
           flush=True)
     stop.wait()
-    http.stop()
-    handle.stop(grace=0.5)
+    timed_stop("router", [("http", http.stop), ("grpc", lambda: handle.stop(grace=0.5))])
     exit_now(0)
 
 

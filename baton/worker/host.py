@@ -30,7 +30,7 @@ from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
 from baton.errors import ConfigError
 from baton.worker.address import advertised_host, bind_grpc, interface_of, join_host_port
-from baton.worker.exit import exit_now
+from baton.worker.exit import STOP_BUDGET_S, exit_now, timed_stop
 from baton.worker.load import load_of
 from baton.worker.metrics import WorkerMetrics
 from baton.worker.registration import Registration
@@ -58,15 +58,17 @@ class Worker:
         self.metrics = metrics
         self.metrics_port = metrics_port
 
-    def stop(self) -> None:
-        self.registration.stop()
-        self.server.stop(grace=1).wait()
-        self.service.close()
-        self.metrics.stop()
-        self.loop.stop()
-        close = getattr(self.loop.engine.model, "close", None)
-        if close is not None:  # a pipeline's other stages stop with stage 0
-            close()
+    def stop(self, budget_s: float | None = None) -> None:
+        """Stop serving; `budget_s` (see `timed_stop`): how long the stop may take."""
+        close = getattr(self.loop.engine.model, "close", None)  # a pipeline's other stages
+        timed_stop(f"worker {self.worker_id}", budget_s=budget_s, phases=[
+            ("deregister", self.registration.stop),
+            ("grpc server", lambda: self.server.stop(grace=1).wait()),
+            ("service", self.service.close),
+            ("metrics", self.metrics.stop),
+            ("engine loop", self.loop.stop),
+            ("model", close or (lambda: None)),  # stop with stage 0
+        ])
 
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
@@ -213,5 +215,5 @@ def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None)
     print(f"{role.value} worker {worker.worker_id} serving on {worker.address}, metrics on "
           f"http://{worker.address.rpartition(':')[0]}:{worker.metrics_port}/metrics", flush=True)
     stop.wait()
-    worker.stop()
+    worker.stop(STOP_BUDGET_S)
     exit_now(0)
