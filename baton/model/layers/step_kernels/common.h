@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #include <sleef.h>  // torch's own vectorised exp (exported by libtorch_cpu)
 #endif
