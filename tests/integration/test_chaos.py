@@ -125,12 +125,15 @@ def stream(address: str, spec: RequestSpec) -> dict:
     return got
 
 
-def stats(address: str, role: int, bearer: str):
-    with authorized(grpc.insecure_channel(address), bearer) as ch:
-        stub = (worker_pb2_grpc.PrefillWorkerStub if role == PREFILL
-                else worker_pb2_grpc.DecodeWorkerStub)(ch)
-        reply = stub.Stats(baton_pb2.StatsRequest(), timeout=10)
-        return dict(reply.counters), reply.load
+def stats(address: str, role: int, bearer: str, channel: grpc.Channel | None = None):
+    """A worker's counters and load (on `channel` if given, else on a channel of its own)."""
+    if channel is None:
+        with authorized(grpc.insecure_channel(address), bearer) as ch:
+            return stats(address, role, bearer, ch)
+    stub = (worker_pb2_grpc.PrefillWorkerStub if role == PREFILL
+            else worker_pb2_grpc.DecodeWorkerStub)(channel)
+    reply = stub.Stats(baton_pb2.StatsRequest(), timeout=10)
+    return dict(reply.counters), reply.load
 
 
 def pid_of(worker_id: str) -> int:
@@ -156,11 +159,24 @@ def wait_for_workers(cluster, role: int | None, timeout: float = 120.0) -> list:
 
 
 def pick_victim(workers, victim: str, phase: str, bearer: str, timeout: float = 30.0):
-    """Polls the workers until the requests are in `phase`; returns (pid, what was seen)."""
+    """Polls the workers until the requests are in `phase`; returns (pid, what was seen).
+    One channel a worker for the whole poll (a new one a call made a poll of four workers take
+    long enough for a decode worker's streams to end between its answer and the kill); a decode
+    victim is asked once more, alone, right before it is chosen, that it is still decoding."""
+    chans = {w.worker_id: authorized(grpc.insecure_channel(w.address), bearer) for w in workers}
+    try:
+        return _poll(workers, victim, phase, bearer, chans, timeout)
+    finally:
+        for ch in chans.values():
+            ch.close()
+
+
+def _poll(workers, victim: str, phase: str, bearer: str, chans: dict, timeout: float):
     deadline = time.monotonic() + timeout
     by_role = {r: [w for w in workers if w.role == r] for r in (PREFILL, DECODE)}
     while time.monotonic() < deadline:
-        seen = {w.worker_id: stats(w.address, w.role, bearer) for w in workers}
+        seen = {w.worker_id: stats(w.address, w.role, bearer, chans[w.worker_id])
+                for w in workers}
         pre = {w: c for w, (c, _) in seen.items() if w.startswith("prefill")}
         dec = {w: (c, load) for w, (c, load) in seen.items() if w.startswith("decode")}
         computing = [w for w, c in pre.items()
@@ -174,6 +190,10 @@ def pick_victim(workers, victim: str, phase: str, bearer: str, timeout: float = 
             chosen = sending if victim == "prefill" else reserved
         elif phase == "decode" and decoding:
             chosen = decoding if victim == "decode" else [w.worker_id for w in by_role[PREFILL]]
+            if victim == "decode":
+                w = next(w for w in workers if w.worker_id == chosen[0])
+                if stats(w.address, w.role, bearer, chans[w.worker_id])[1].running == 0:
+                    continue
         else:
             time.sleep(0.01)
             continue
