@@ -91,6 +91,9 @@ class LocalCluster:
                  worker_args: tuple[str, ...] = ()):
         local = host in ("0.0.0.0", "::", "")
         reach = "127.0.0.1" if local else host
+        # port 0: one free port, chosen here, so the workers know where the router is and a
+        # restarted router comes back on the same one
+        port = port or free_port()
         self.address = f"{reach}:{port}"
         self.http_port = free_port() if http_port is None else http_port
         cfg = BatonConfig.load(config)

@@ -81,6 +81,8 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
     `worker.tensor_parallel_size` > 1 this is rank 0: it starts ranks 1..N-1 the same way
     (`--pp-rank R` names the TP rank then), each with its own transfer agent."""
     w = cfg.worker
+    if router.rpartition(":")[2] == "0":  # it would retry registering there for ever
+        raise ConfigError(f"--router {router}: port 0 is no router's address (give its port)")
     if w.tensor_parallel_size > 1 and pp_master is not None:
         raise ConfigError(f"worker.tensor_parallel_size={w.tensor_parallel_size}: the ranks "
                           "start on this host (no --pp-master with tensor parallelism)")

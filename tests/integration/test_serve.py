@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,3 +116,37 @@ def test_serve_binds_loopback_makes_a_secret_restarts_the_dead_and_stops_on_sigt
                 os.kill(pid, signal.SIGKILL)
         serve.wait(timeout=10)
         log.close()
+
+
+def test_serve_port_0_picks_one_free_port_that_the_workers_find(tmp_path):
+    model = make_checkpoint(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("BATON_CLUSTER_TOKEN",
+                                                             "BATON_API_KEY")}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "serve", "--model",
+         str(model), "--port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        start_new_session=True)
+    try:
+        banner = serve.stdout.readline()
+        found = re.match(r"baton cluster ready: router gRPC at 127\.0\.0\.1:(\d+), ", banner)
+        assert found and int(found[1]) > 0, banner
+        (res,) = run_remote(f"127.0.0.1:{found[1]}", [RequestSpec(
+            "z1", prompt_ids=[5, 6, 7, 8], sampling=SamplingParams(max_tokens=4,
+                                                                   ignore_eos=True))])
+        assert len(res["token_ids"]) == 4, res
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=10) == 0
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(timeout=10)
+
+
+def test_a_worker_told_router_port_0_fails_at_once_naming_it(tmp_path):
+    model = make_checkpoint(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "decode-worker", "--router", "127.0.0.1:0",
+         "--model", str(model)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--router 127.0.0.1:0: port 0 is no router's address (give its port)" in out.stderr
