@@ -23,8 +23,8 @@ def timed_stop(role: str, phases: list[tuple[str, Callable[[], object]]],
                budget_s: float | None = STOP_BUDGET_S) -> None:
     """Run the stop phases in order, within `budget_s` in all: a phase stuck on a peer that is
     stopping too (a transfer, a deregistration) must not keep the process alive (None: no
-    limit, for a worker inside another process). Slow and
-    unfinished phases are logged, so a slow stop says where its time went."""
+    limit, for a worker inside another process). Slow and unfinished phases are logged, so a
+    slow stop says where its time went."""
     t0 = time.monotonic()
     slow: list[str] = []
     current = ["", t0]
@@ -40,10 +40,14 @@ def timed_stop(role: str, phases: list[tuple[str, Callable[[], object]]],
                 slow.append(f"{name} {took:.1f}s")
         current[0] = ""
 
-    thread = threading.Thread(target=run, name="stop", daemon=True)
-    thread.start()
-    thread.join(budget_s)
-    if thread.is_alive():
+    thread = None
+    if budget_s is None:
+        run()
+    else:
+        thread = threading.Thread(target=run, name="stop", daemon=True)
+        thread.start()
+        thread.join(budget_s)
+    if thread is not None and thread.is_alive():
         log.warning("%s: stopping %s still running after %.1fs; exiting without it (slow: %s)",
                     role, current[0], budget_s, ", ".join(slow) or "none")
     elif slow:

@@ -60,15 +60,17 @@ class Worker:
 
     def stop(self, budget_s: float | None = None) -> None:
         """Stop serving; `budget_s` (see `timed_stop`): how long the stop may take."""
-        close = getattr(self.loop.engine.model, "close", None)  # a pipeline's other stages
-        timed_stop(f"worker {self.worker_id}", budget_s=budget_s, phases=[
+        phases = [
             ("deregister", self.registration.stop),
             ("grpc server", lambda: self.server.stop(grace=1).wait()),
             ("service", self.service.close),
             ("metrics", self.metrics.stop),
             ("engine loop", self.loop.stop),
-            ("model", close or (lambda: None)),  # stop with stage 0
-        ])
+        ]
+        close = getattr(self.loop.engine.model, "close", None)
+        if close is not None:  # a pipeline's other stages stop with stage 0
+            phases.append(("model", close))
+        timed_stop(f"worker {self.worker_id}", phases, budget_s)
 
 
 def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, model: str,
