@@ -17,8 +17,12 @@ from pathlib import Path
 LM_EVAL = "0.4.13"
 AIPERF = "0.13.0"
 TORCH = "torch==2.13.0"
+TRANSFORMERS = "transformers==5.24.0"
+"""lm-eval's `hf` model is the oracle Baton is compared with: pinned as the project's test
+dependency is (pyproject.toml), since 5.25 changed NemotronH's numerics (dt clamped to
+`time_step_limit`, and its MoE block)."""
 SPECS = {
-    f"lm-eval-{LM_EVAL}": [[TORCH], [f"lm-eval[hf,api]=={LM_EVAL}"]],
+    f"lm-eval-{LM_EVAL}": [[TORCH], [f"lm-eval[hf,api]=={LM_EVAL}", TRANSFORMERS]],
     f"aiperf-{AIPERF}": [[TORCH], [f"aiperf=={AIPERF}"]],
 }
 

@@ -121,7 +121,8 @@ def run_experts(
             torch.mm(act(torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
                      out=ys[run])
             start += c
-    out = torch.zeros(n, down.shape[1], dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)  # half models sum in float32
+    out = torch.zeros(n, down.shape[1], dtype=acc, device=x.device)
     out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
     return out.to(x.dtype), counts
 
