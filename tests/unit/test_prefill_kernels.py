@@ -93,3 +93,31 @@ def test_unit_lower_solve_matches_solve_triangular():
     want = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
     got = K.unit_lower_solve(A, rhs)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+
+@pytest.mark.parametrize("cuts", [(64,), (128,), (64, 128, 192)])
+def test_a_prompt_cut_at_scan_chunk_boundaries_equals_whole(model_tiny, cuts):
+    """The tiny NemotronH on the fast path, 200 prompt tokens whole and cut at multiples of
+    the scan's 64-token chunk (the state carried through the pool): the same logits, bit for
+    bit (a part's final state is carried as a longer call carries it into its next chunk). A
+    cut inside a chunk computes that chunk's remainder from a carried state instead of its
+    closed form (about 1e-6), so it is not compared."""
+    from baton.model.layers import linear
+    from baton.model.layers.ssd_fast import CHUNK
+
+    assert all(c % CHUNK == 0 for c in cuts)
+    ids = torch.randint(3, 512, (200,), generator=_gen(6))
+    old = linear.set_decode_path("fast")
+    try:
+        runs = []
+        for ends in ((200,), (*cuts, 200)):
+            pools, start, parts = model_tiny.make_pools(16, 16, 2), 0, []
+            for end in ends:
+                parts.append(model_tiny.prefill(ids[start:end], start, list(range(16)), 1,
+                                                pools, all_logits=True))
+                start = end
+            runs.append(torch.cat(parts))
+    finally:
+        linear.set_decode_path(old)
+    assert torch.equal(runs[0], runs[1])

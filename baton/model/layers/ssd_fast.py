@@ -83,7 +83,8 @@ def ssd_scan_fast(x, dt, A, B, C, D, state: torch.Tensor | None = None, chunk: i
     for i in range(c - 1):
         torch.addcmul(states[:, :, i], entering[:, :, i], decay[:, :, i],
                       out=entering[:, :, i + 1])
-    final = states[:, :, -1] + entering[:, :, -1] * decay[:, :, -1]  # [b, G, N, r, P]
+    # the same op as the carry: a longer call carries these bits into its next chunk
+    final = torch.addcmul(states[:, :, -1], entering[:, :, -1], decay[:, :, -1])  # [b,G,N,r,P]
     # 3. every output: [M | C decay(start -> t)] @ [x dt ; S^T], then D x.
     y = _intra(Cg, Bg, cum64, r) @ X  # [b, H, c, L, P]
     y = y.permute(0, 2, 3, 1, 4).reshape(b, c * L, H, P)[:, :T]  # token-major (a view)
