@@ -17,10 +17,20 @@ from pathlib import Path
 LM_EVAL = "0.4.13"
 AIPERF = "0.13.0"
 TORCH = "torch==2.13.0"
-TRANSFORMERS = "transformers==5.24.0"
-"""lm-eval's `hf` model is the oracle Baton is compared with: pinned as the project's test
-dependency is (pyproject.toml), since 5.25 changed NemotronH's numerics (dt clamped to
-`time_step_limit`, and its MoE block)."""
+
+
+def _test_pin(name: str) -> str:
+    """The project's own pin of `name` in pyproject.toml's `test` extra."""
+    import tomllib
+
+    with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    return next(d for d in extra if d.startswith(f"{name}=="))
+
+
+TRANSFORMERS = _test_pin("transformers")
+"""lm-eval's `hf` model is the oracle Baton is compared with: the same transformers as the
+project's tests (pinned in pyproject.toml: releases change models' numerics)."""
 SPECS = {
     f"lm-eval-{LM_EVAL}": [[TORCH], [f"lm-eval[hf,api]=={LM_EVAL}", TRANSFORMERS]],
     f"aiperf-{AIPERF}": [[TORCH], [f"aiperf=={AIPERF}"]],
