@@ -66,14 +66,21 @@ def worker_counters(info, bearer: str | None = None) -> dict[str, float]:
 
 def assert_clean(cluster, quarantine: bool = False) -> dict[str, dict[str, float]]:
     """Every worker of `cluster` (a LocalCluster): integrity holds and nothing is held for a
-    request any more, within 15 s. Blocks quarantined after a failed transfer count as held
+    request any more, within 15 s (a listed worker that cannot be reached, killed and not yet
+    ejected by the router, is asked again until then). Blocks quarantined after a failed transfer count as held
     (a dead writer's are released QUARANTINE_GRACE_S after its connection closed) unless
     `quarantine` (a writer cut off by a link that is still down may yet write them). Returns
     the workers' counters."""
     deadline = time.monotonic() + 15
     while True:
-        counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
-                    for w in list_workers(cluster.address, cluster.secret.bearer)}
+        try:
+            counters = {w.worker_id: worker_counters(w, cluster.secret.bearer)
+                        for w in list_workers(cluster.address, cluster.secret.bearer)}
+        except grpc.RpcError as e:  # a killed worker the router has not ejected yet
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
         idle = all(c["live_requests"] == 0 and c["engine_requests"] == 0
                    and (quarantine or c.get("slots_quarantined", 0) == 0
                         and c.get("blocks_quarantined", 0) == 0)
