@@ -196,11 +196,11 @@ class Engine:
         req.holds_cache = True
         req.cached_tokens = adm.cached_tokens
         self.requests[req.id] = req
+        self.scheduler.reserve(req)
         return adm
 
     def _num_reserved(self) -> int:
-        return sum(r.sampling.n for r in self.requests.values()
-                   if r.phase is Phase.WAITING and r.holds_cache)
+        return sum(r.sampling.n for r in self.scheduler.reserved)
 
     def start_remote(self, request_id: str, first_token: int | list[int]) -> list[RequestOutput]:
         """Decode side: the prompt state has landed; decode from `first_token` on (one per
@@ -224,7 +224,7 @@ class Engine:
                     f"vocabulary [0, {vocab}); send the token the prefill worker returned"
                 )
         req.phase = Phase.DECODE
-        self.scheduler.running.append(req)
+        self.scheduler.start_reserved(req)
         samples = fork(self, req)
         for r in samples:
             r.first_token_time = time.monotonic()

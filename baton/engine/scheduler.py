@@ -63,7 +63,8 @@ class Scheduler:
     """Admits waiting requests while their worst-case blocks fit, then plans one step.
 
     Admission reserves every block a request may ever need (prompt + max_tokens), so a
-    running request never has to be preempted for lack of blocks.
+    running request never has to be preempted for lack of blocks. A decode worker's
+    reservations (prompts arriving by transfer, `reserved`) count the same way.
     """
 
     def __init__(self, cfg: WorkerConfig, cache: HybridCacheManager, max_model_len: int,
@@ -77,16 +78,26 @@ class Scheduler:
         """Time source for request ages (the clock of `Request.arrival`)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: list[Request] = []
+        """Decode side: requests holding blocks for a prompt that arrives by transfer, not yet
+        running (`Engine.reserve_remote` -> `start_reserved`)."""
         self._rejected: list[tuple[Request, str]] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def reserve(self, req: Request) -> None:
+        self.reserved.append(req)
+
+    def start_reserved(self, req: Request) -> None:
+        self.reserved.remove(req)
+        self.running.append(req)
+
     def remove(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting, self.reserved):
+            if req in queue:
+                queue.remove(req)
+                return
 
     def blocks_needed(self, req: Request) -> int:
         """Most blocks the request may hold (all its samples' when n > 1)."""
@@ -96,12 +107,12 @@ class Scheduler:
                              self.max_model_len)
 
     def outstanding_blocks(self) -> int:
-        """Blocks running requests may still allocate."""
+        """Blocks running and reserved requests may still allocate (a reservation holds its
+        prompt's blocks; its answer's come once it runs)."""
         if not self.cache.pools.has_kv:
             return 0
-        return sum(
-            max(0, self.blocks_needed(r) - len(self.cache.block_table(r.id))) for r in self.running
-        )
+        return sum(max(0, self.blocks_needed(r) - len(self.cache.block_table(r.id)))
+                   for r in (*self.running, *self.reserved))
 
     def take_rejected(self) -> list[tuple[Request, str]]:
         """Requests dropped from `waiting` because the pools can never hold them, with why."""

@@ -96,8 +96,13 @@ def specs_for(case: int, phase: str) -> list[RequestSpec]:
     # long enough for a kill to land mid-stream: a killed decode worker's streams must still be
     # running to move, and a killed router must cut at least half of them; 120 tokens of the
     # tiny model on the fast decode path were sometimes all streamed between the poll that saw
-    # them decoding and the kill
-    n_tokens = (120 if CASES[case][0] == "prefill" else 400) if phase == "decode" else 16
+    # them decoding and the kill; a decode victim's 400 were once all streamed while a loaded
+    # machine's poll asked for it twice (the poll saw no decoding in 30 s), so it streams
+    # 1,200: more than the surviving decode worker's pool holds for all 16 at once, so the
+    # moved streams also check that its reservations never over-commit it (they ran out of
+    # blocks mid-answer when reservations did not count the blocks their answers would take)
+    tokens = {"prefill": 120, "router": 400, "decode": 1200}
+    n_tokens = tokens[CASES[case][0]] if phase == "decode" else 16
     out = []
     for i in range(N):
         sampling = SamplingParams(max_tokens=n_tokens, ignore_eos=True, temperature=0.8 * (i % 2),
@@ -198,7 +203,8 @@ def _poll(workers, victim: str, phase: str, bearer: str, chans: dict, timeout: f
             time.sleep(0.01)
             continue
         return pid_of(chosen[0]), seen
-    raise AssertionError(f"the requests were never seen in {phase}")
+    last = {w: (c, str(load).replace("\n", " ")) for w, (c, load) in seen.items()}
+    raise AssertionError(f"the requests were never seen in {phase}; last seen: {last}")
 
 
 def run_case(setup, case: int, victim: str, phase: str):

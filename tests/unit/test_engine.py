@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton.engine.request import Request, SamplingParams
-from baton.errors import InvalidRequestError
+from baton.errors import CapacityError, InvalidRequestError
 from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
 LENGTHS = [1, 5, 16, 17, 40, 95]
@@ -129,6 +129,30 @@ def test_what_the_pool_or_model_can_never_hold_is_invalid(model_dir):
         f"prompt (10 tokens) + max_tokens ({2**32 - 1}) is {2**32 + 9} tokens, beyond the max "
         "model length 4096; lower max_tokens to at most 4086 or shorten the prompt")
     assert not eng.has_work and eng.requests == {}
+    eng.cache.check_integrity()
+
+
+def test_reservations_count_the_blocks_their_answers_will_take(model_dir):
+    """A decode worker's reservations (prompts arriving by transfer) hold their prompt's blocks
+    and count their answers' too: a reservation that would over-commit the pool is refused,
+    not accepted to run out of blocks mid-answer. 16 blocks of 16 tokens: "a" holds 1 block
+    for its prompt and will take 7 more; "b" needs 8, "c" then 1 more than is left."""
+    eng = engine_for(model_dir, cache={"num_blocks": 16, "enable_prefix_reuse": False})
+    eng.reserve_remote(Request("a", prompt(1, 10), greedy(118)))
+    assert eng.cache.num_free_blocks == 15 and eng.scheduler.outstanding_blocks() == 7
+    eng.reserve_remote(Request("b", prompt(2, 10), greedy(118)))
+    with pytest.raises(CapacityError, match="no room for 1 KV blocks"):
+        eng.reserve_remote(Request("c", prompt(3, 10), greedy(1)))
+    eng.start_remote("a", 5)
+    assert eng.scheduler.running == [eng.requests["a"]]
+    assert [r.id for r in eng.scheduler.reserved] == ["b"]
+    assert eng.scheduler.outstanding_blocks() == 14
+    eng.abort("b")
+    assert eng.scheduler.reserved == [] and eng.scheduler.outstanding_blocks() == 7
+    eng.reserve_remote(Request("c", prompt(3, 10), greedy(1)))
+    eng.abort("a")
+    eng.abort("c")
+    assert eng.cache.num_free_blocks == 16 and not eng.has_work
     eng.cache.check_integrity()
 
 
