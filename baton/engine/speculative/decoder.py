@@ -30,6 +30,7 @@ import torch
 
 from baton.config.speculative import TreeConfig
 from baton.engine.request import Request, RequestOutput
+from baton.engine.sampler import greedy_ids
 from baton.engine.speculative import kernel_verify
 from baton.engine.speculative.drafter import Drafter, DraftJob, Pending
 from baton.engine.speculative.hidden import HiddenCache
@@ -297,7 +298,7 @@ class SpeculativeDecoder:
 
     def _accept(self, engine, reqs, rows, hidden, logits, failed):
         sampled, kept = [], []
-        argmax = logits.argmax(-1).tolist()  # one call for every row (greedy acceptance)
+        argmax = greedy_ids(logits).tolist()  # one call for every row (greedy acceptance)
         off = 0
         for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
             m = len(row.tokens)

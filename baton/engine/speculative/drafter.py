@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.engine.sampler import greedy_ids
 from baton.engine.speculative import kernel_verify
 from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
@@ -141,7 +142,7 @@ class Drafter:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries
         written (a request that may emit one more token: nothing to draft)."""
         g, first = self._first_pass(jobs)
-        tok = first.argmax(-1)
+        tok = greedy_ids(first)
         drafts = [[t] if j.num_drafts else [] for j, t in zip(jobs, tok.tolist(), strict=True)]
         for k in range(2, max(j.num_drafts for j in jobs) + 1):
             live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
@@ -151,7 +152,7 @@ class Drafter:
             out, logits = self._rows(g.index_select(0, sel), [drafts[i][-1] for i in live], pos,
                                      [jobs[i].table for i in live])
             g = g.index_copy(0, sel, out)
-            for i, t in zip(live, logits.argmax(-1).tolist(), strict=True):
+            for i, t in zip(live, greedy_ids(logits).tolist(), strict=True):
                 drafts[i].append(t)
         return drafts
 

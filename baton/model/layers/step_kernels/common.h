@@ -11,6 +11,8 @@
 #include <cmath>
 #include <vector>
 
+#include <xmmintrin.h>  // _mm_prefetch (SSE: every x86-64; the kernels build only there)
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #include <sleef.h>  // torch's own vectorised exp (exported by libtorch_cpu)
