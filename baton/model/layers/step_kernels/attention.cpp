@@ -128,7 +128,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t t = 0; t < S; ++t) {
         const int64_t pos = at_pos(i, t);
         const float* krow = pp + (tp[i * ts + pos / tpb] * 2 * tpb + pos % tpb) * row;
-        if (t + AHEAD < S) prefetch_row(pp + kv_row(i, t + AHEAD, 0) * row, hpp, h0 / rep,
+        if (false && t + AHEAD < S) prefetch_row(pp + kv_row(i, t + AHEAD, 0) * row, hpp, h0 / rep,
                                         hd, rep);
         for (int64_t h = h0; h < h1; ++h) {
           const float *qh = qi + h * hd, *key = krow + (h / rep) * hd;
@@ -147,7 +147,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t t = 0; t < S; ++t) {
         const int64_t pos = at_pos(i, t);
         const float* vals = pp + ((tp[i * ts + pos / tpb] * 2 + 1) * tpb + pos % tpb) * row;
-        if (t + AHEAD < S) prefetch_row(pp + kv_row(i, t + AHEAD, 1) * row, hpp, h0 / rep,
+        if (false && t + AHEAD < S) prefetch_row(pp + kv_row(i, t + AHEAD, 1) * row, hpp, h0 / rep,
                                         hd, rep);
         for (int64_t h = h0; h < h1; ++h) {
           const float pr = sc[h * S + t];
