@@ -190,7 +190,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
                     kept = {k: v for k, v in parts.items() if k in expected}
                     for k, v in kept.items():
                         _check_shape(k, tuple(v.shape), expected[k], file)
-                        state[k] = v.to(device=device, dtype=dtype)
+                        state[k] = v.to(device=device, dtype=dtype, copy=True)
                     unexpected += [] if kept else [name]
                     continue
                 if ours not in expected:
@@ -198,7 +198,9 @@ def _read_tensors(path, expected, cfg, device, dtype):
                     continue
                 _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
-                state[ours] = f.get_tensor(name).to(device=device, dtype=want)
+                # copied into memory torch allocates (huge pages, see baton/__init__.py):
+                # safetensors' own buffers have 4 KB pages, and decode streams every weight
+                state[ours] = f.get_tensor(name).to(device=device, dtype=want, copy=True)
     stacks.load(state, device, dtype)
     for part, count in skipped.items():
         if count:
