@@ -29,15 +29,6 @@ at::Tensor gated_attention(const at::Tensor& qg, const at::Tensor& k, const at::
                            const c10::optional<at::Tensor>& keys);
 at::Tensor torch_sigmoid_of(const at::Tensor& x);
 
-// One query per sequence over paged KV, read through the block tables, after writing the new
-// token's k, v [b, kvh, hd] there: q [b, heads, hd]; pool [blocks, 2, tpb, kvh, hd];
-// tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence. Without `keys` sequence i reads
-// positions 0..lens[i]-1 and writes its token at lens[i]-1; with keys [b, >= lens] (a tree
-// verify pass: its prompt, then the storage positions of its path) it reads positions
-// keys[i, 0..lens[i]-1] in that order and writes its token at keys[i, lens[i]-1].
-// Per sequence, every head at once: each block's keys (then values) are read front to back,
-// once, which is what keeps the hardware prefetcher streaming (a head at a time, the rows of
-// one kv head are 1/kvh of each line run and the reads were latency-bound, 2-4x slower).
 namespace {
 
 // sum_d a[d] * b[d] and o[d] += a * x[d] over a head's hd floats: with AVX-512 16 lanes at a
@@ -74,6 +65,15 @@ inline void axpy(float* o, float a, const float* x, int64_t n) {
 }
 }  // namespace
 
+// One query per sequence over paged KV, read through the block tables, after writing the new
+// token's k, v [b, kvh, hd] there: q [b, heads, hd]; pool [blocks, 2, tpb, kvh, hd];
+// tables [b, >= ceil(len/tpb)]; lens [b] keys per sequence. Without `keys` sequence i reads
+// positions 0..lens[i]-1 and writes its token at lens[i]-1; with keys [b, >= lens] (a tree
+// verify pass: its prompt, then the storage positions of its path) it reads positions
+// keys[i, 0..lens[i]-1] in that order and writes its token at keys[i, lens[i]-1].
+// Per sequence, every head at once: each block's keys (then values) are read front to back,
+// once, which is what keeps the hardware prefetcher streaming (a head at a time, the rows of
+// one kv head are 1/kvh of each line run and the reads were latency-bound, 2-4x slower).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
                            double scale, const c10::optional<at::Tensor>& keys) {

@@ -121,9 +121,9 @@ inline void ssm_head(const float* s, float* d, const float* x, const float* dtB,
     for (int64_t p = 0; p < P; ++p, s += N, d += N) {
       const __m512 xv = _mm512_set1_ps(x[p]);
       __m512 acc = _mm512_setzero_ps();
+      prefetch_ahead(s, N);
+      if (d != s) prefetch_ahead(d, N);
       for (int64_t n = 0; n < N; n += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(s + n + STATE_AHEAD), _MM_HINT_T0);
-        if (d != s) _mm_prefetch(reinterpret_cast<const char*>(d + n + STATE_AHEAD), _MM_HINT_T0);
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s + n), vdA),
                                        _mm512_mul_ps(_mm512_loadu_ps(dtB + n), xv));
         _mm512_storeu_ps(d + n, v);
