@@ -31,6 +31,10 @@ class PipelineReceiver(StagedAgent):
         self.incarnation = local.incarnation
         self.endpoint = ",".join([local.endpoint, *(r["endpoint"] for r in replies)])
         self._qlock = threading.Lock()
+        self._held_lock = threading.Lock()
+        """Serialises `held`: the abort of a reservation (a gRPC or lease thread, asking on
+        the loop) and its transfer's failure (the events thread) may ask at once, and both
+        must get the one quarantine that the cache holds and that the release names."""
         self._quarantines: dict[str, tuple[Quarantined, dict[int, str]]] = {}
         """rid -> (the worker's quarantine over every stage, stage -> that stage's key still
         held): released to the worker once no stage holds anything of it."""
@@ -50,7 +54,12 @@ class PipelineReceiver(StagedAgent):
     def held(self, request_id: str) -> Quarantined | None:
         """The failed reservation's quarantine if ANY stage may still be written (a late
         write into stage k's pools lands in the same block ids): one for the worker's cache
-        manager, over the union, released when every stage released its own."""
+        manager, over the union, released when every stage released its own. Concurrent
+        callers get the same one."""
+        with self._held_lock:
+            return self._held(request_id)
+
+    def _held(self, request_id: str) -> Quarantined | None:
         with self._qlock:
             known = self._quarantines.get(request_id)
         if known is not None:

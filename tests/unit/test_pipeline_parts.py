@@ -3,6 +3,7 @@ stage-0 facade joins per-stage transfer events (one failed stage fails the reque
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
@@ -188,3 +189,41 @@ def test_a_stage_loads_exactly_its_tensors_tied_head_included(tmp_path):
     assert all(torch.equal(got[n], full[n]) for n in want)
     first = load_stage(path, range(0, 3), first=True, last=False)
     assert {n.split(".")[1] for n in dict(first.named_parameters())} == {"layers", "embeddings"}
+
+
+def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_release_names():
+    """A reservation's abort (on the loop) and its transfer's failure (the events thread) ask
+    for its quarantine at once: both must get the same one, or the cache holds a key that no
+    release ever names and its block and slot leak (seen in the PP cluster test)."""
+    import threading
+
+    from decode_worker.pipeline import PipelineReceiver
+
+    class Model(_Model):
+        size = 2
+
+        def call(self, name, args_of, reply):
+            if name == "init":
+                return [{"ok": True, "endpoint": "tcp://h:2"}]
+            if name == "held":
+                time.sleep(0.2)  # a stage's answer takes a round trip: both askers wait here
+                return [{"key": "r", "blocks": [3], "slot": 1}]
+            return []
+
+    local = _Agent()
+    local.incarnation, local.endpoint = "inc", "tcp://h:1"
+    local.held = lambda rid: None
+    loop = SimpleNamespace(engine=SimpleNamespace(model=Model()), call=lambda fn, *a: fn(*a))
+    rx = PipelineReceiver(loop, local, lambda *a: a)
+    released = []
+    rx.on_release = released.append
+    got = []
+    askers = [threading.Thread(target=lambda: got.append(rx.held("r"))) for _ in range(2)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join()
+    assert len(got) == 2 and got[0] is got[1], [q.key for q in got]
+    assert got[0].blocks == frozenset({3}) and got[0].slot == 1
+    rx.stage_reply(1, {"released": ["r"]})
+    assert released == [got[0].key]
