@@ -88,10 +88,17 @@ def test_deltanet_step_updates_its_slots_in_place():
            [before_conv, before_rec], [conv[SLOTS], rec[SLOTS]], got)
 
 
-@pytest.mark.parametrize("hd", [16, 12])  # 16 lanes at a time (AVX-512); the scalar loop
-def test_paged_attention_stores_then_reads_through_block_tables(hd):
+@pytest.mark.parametrize("kvh,heads,hd", [
+    (2, 6, 16),  # a group of 3 heads, one 16-lane column at a time (AVX-512)
+    (2, 6, 12),  # the scalar loop
+    (2, 2, 64),  # 1 head per kv head, 4 columns at a time
+    (2, 8, 128),  # Qwen3.5's 4 per kv head, 2 columns at a time
+    (1, 8, 32),  # 8 per kv head
+    (1, 10, 16),  # 10 per kv head: the dot-and-axpy loop
+])
+def test_paged_attention_stores_then_reads_through_block_tables(kvh, heads, hd):
     g = _gen()
-    kvh, heads, tpb = 2, 6, 4
+    tpb = 4
     pool = torch.randn(12, 2, tpb, kvh, hd, generator=g)
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 5, 5], [9, 9, 9, 9]])  # padded with column 0
     lens = torch.tensor([13, 6, 1])

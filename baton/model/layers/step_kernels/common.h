@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include <xmmintrin.h>  // _mm_prefetch (SSE: every x86-64; the kernels build only there)
