@@ -31,10 +31,6 @@ class PipelineReceiver(StagedAgent):
         self.incarnation = local.incarnation
         self.endpoint = ",".join([local.endpoint, *(r["endpoint"] for r in replies)])
         self._qlock = threading.Lock()
-        self._held_lock = threading.Lock()
-        """Serialises `held`: the abort of a reservation (a gRPC or lease thread, asking on
-        the loop) and its transfer's failure (the events thread) may ask at once, and both
-        must get the one quarantine that the cache holds and that the release names."""
         self._quarantines: dict[str, tuple[Quarantined, dict[int, str]]] = {}
         """rid -> (the worker's quarantine over every stage, stage -> that stage's key still
         held): released to the worker once no stage holds anything of it."""
@@ -54,10 +50,13 @@ class PipelineReceiver(StagedAgent):
     def held(self, request_id: str) -> Quarantined | None:
         """The failed reservation's quarantine if ANY stage may still be written (a late
         write into stage k's pools lands in the same block ids): one for the worker's cache
-        manager, over the union, released when every stage released its own. Concurrent
-        callers get the same one."""
-        with self._held_lock:
-            return self._held(request_id)
+        manager, over the union, released when every stage released its own. Asked on the
+        engine loop thread, one asker at a time: the abort of a reservation (on the loop) and
+        its transfer's failure (the events thread) may ask at once, and both must get the one
+        quarantine that the cache holds and that the release names. (A lock of its own here
+        deadlocked: an asker holding it waits for the loop, to reach the other stages, while
+        the loop waits for the lock.)"""
+        return self.loop.call(self._held, request_id)
 
     def _held(self, request_id: str) -> Quarantined | None:
         with self._qlock:

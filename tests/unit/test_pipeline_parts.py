@@ -191,10 +191,44 @@ def test_a_stage_loads_exactly_its_tensors_tied_head_included(tmp_path):
     assert {n.split(".")[1] for n in dict(first.named_parameters())} == {"layers", "embeddings"}
 
 
+class _Loop:
+    """The engine loop's threading (baton.engine.loop.EngineLoop.call): one thread runs the
+    calls in order, a call from that thread runs inline."""
+
+    def __init__(self, engine):
+        import queue
+        import threading
+
+        self.engine, self._q = engine, queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            fn, args, done = self._q.get()
+            done.append(fn(*args))
+
+    def call(self, fn, *args):
+        import threading
+
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        done: list = []
+        self._q.put((fn, args, done))
+        deadline = time.monotonic() + 10
+        while not done:
+            assert time.monotonic() < deadline, "the loop is stuck"
+            time.sleep(0.005)
+        return done[0]
+
+
 def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_release_names():
-    """A reservation's abort (on the loop) and its transfer's failure (the events thread) ask
-    for its quarantine at once: both must get the same one, or the cache holds a key that no
-    release ever names and its block and slot leak (seen in the PP cluster test)."""
+    """A reservation's abort (asking on the loop) and its transfer's failure (the events
+    thread) ask for its quarantine at once: both must get the same one, or the cache holds a
+    key that no release ever names and its block and slot leak (seen in the PP cluster test);
+    and neither may wait for the other while the other waits for the loop (a lock of its own
+    did: the events thread held it, waiting for the loop to reach the stages, while the loop
+    waited for it)."""
     import threading
 
     from decode_worker.pipeline import PipelineReceiver
@@ -213,16 +247,23 @@ def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_re
     local = _Agent()
     local.incarnation, local.endpoint = "inc", "tcp://h:1"
     local.held = lambda rid: None
-    loop = SimpleNamespace(engine=SimpleNamespace(model=Model()), call=lambda fn, *a: fn(*a))
+    loop = _Loop(SimpleNamespace(model=Model()))
     rx = PipelineReceiver(loop, local, lambda *a: a)
     released = []
     rx.on_release = released.append
     got = []
-    askers = [threading.Thread(target=lambda: got.append(rx.held("r"))) for _ in range(2)]
+
+    def abort_on_loop():  # the loop is busy a moment, then asks (Engine.quarantine's hold)
+        time.sleep(0.1)
+        got.append(rx.held("r"))
+
+    askers = [threading.Thread(target=lambda: loop.call(abort_on_loop)),
+              threading.Thread(target=lambda: (time.sleep(0.05), got.append(rx.held("r"))))]
     for t in askers:
         t.start()
     for t in askers:
-        t.join()
+        t.join(timeout=15)
+    assert not any(t.is_alive() for t in askers), "deadlocked"
     assert len(got) == 2 and got[0] is got[1], [q.key for q in got]
     assert got[0].blocks == frozenset({3}) and got[0].slot == 1
     rx.stage_reply(1, {"released": ["r"]})
