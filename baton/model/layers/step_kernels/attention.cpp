@@ -64,7 +64,6 @@ inline void axpy(float* o, float a, const float* x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) o[d] += a * x[d];
 }
 
-
 using ScoresFn = void (*)(const float*, const float* const*, const float* const*, int64_t,
                           int64_t, int64_t, int64_t, float, float*);
 using ValuesFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
