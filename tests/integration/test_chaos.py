@@ -93,8 +93,8 @@ def _restore(old: str | None) -> None:
 def specs_for(case: int, phase: str) -> list[RequestSpec]:
     """Greedy and seeded requests; longer prompts when the kill is to land in the prefill."""
     # prefill: 480-585 tokens, 8 a prefill worker, more than one step's max_batch_tokens
-    # (2,048): with 120-225 a worker's 8 prompts were one step of ~0.2 s and a loaded
-    # machine's poll once never saw a prompt computing with no answer decoding yet
+    # (2,048): with 120-225 a worker's 8 prompts were one step of ~0.2 s and a fresh-clone
+    # run's poll once never saw a prompt computing with no answer decoding yet
     base = 480 if phase == "prefill" else 20
     # long enough for a kill to land mid-stream: a killed decode worker's streams must still be
     # running to move, and a killed router must cut at least half of them; 120 tokens of the
