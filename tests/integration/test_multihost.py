@@ -237,4 +237,8 @@ def test_a_prefill_host_whose_link_goes_down_mid_transfer(hosts):
     assert sum(c["quarantined_total"] for c in held.values()) >= 1, held
     assert sum(c["blocks_quarantined"] for c in held.values()) > 0, held
     net.link_up("prefill0")  # the held-up bytes land now, in the quarantined blocks only,
-    assert_clean(cluster)    # and then the blocks are returned
+    # and then the blocks are returned: after TCP's next retransmission, whose timer doubled
+    # through the outage (retries ~6, 13, 25 s after the cut), so up to ~13 s after the link
+    # came back, then the bytes at 16 mbit: 15 s was once too short on a fresh clone (2
+    # quarantines, 188 blocks still held; the likely cause, not confirmed)
+    assert_clean(cluster, within=60.0)
