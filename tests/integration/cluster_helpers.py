@@ -67,8 +67,8 @@ def worker_counters(info, bearer: str | None = None) -> dict[str, float]:
 def assert_clean(cluster, quarantine: bool = False,
                  within: float = 15.0) -> dict[str, dict[str, float]]:
     """Every worker of `cluster` (a LocalCluster): integrity holds and nothing is held for a
-    request any more, within `within` seconds (a listed worker that cannot be reached, killed and not yet
-    ejected by the router, is asked again until then). Blocks quarantined after a failed transfer count as held
+    request any more, within `within` seconds (a listed worker that cannot be reached, killed
+    and not yet ejected by the router, is asked again until then). Blocks quarantined after a failed transfer count as held
     (a dead writer's are released QUARANTINE_GRACE_S after its connection closed) unless
     `quarantine` (a writer cut off by a link that is still down may yet write them). Returns
     the workers' counters."""

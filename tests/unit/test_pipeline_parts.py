@@ -191,37 +191,6 @@ def test_a_stage_loads_exactly_its_tensors_tied_head_included(tmp_path):
     assert {n.split(".")[1] for n in dict(first.named_parameters())} == {"layers", "embeddings"}
 
 
-class _Loop:
-    """The engine loop's threading (baton.engine.loop.EngineLoop.call): one thread runs the
-    calls in order, a call from that thread runs inline."""
-
-    def __init__(self, engine):
-        import queue
-        import threading
-
-        self.engine, self._q = engine, queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while True:
-            fn, args, done = self._q.get()
-            done.append(fn(*args))
-
-    def call(self, fn, *args):
-        import threading
-
-        if threading.current_thread() is self._thread:
-            return fn(*args)
-        done: list = []
-        self._q.put((fn, args, done))
-        deadline = time.monotonic() + 10
-        while not done:
-            assert time.monotonic() < deadline, "the loop is stuck"
-            time.sleep(0.005)
-        return done[0]
-
-
 def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_release_names():
     """A reservation's abort (asking on the loop) and its transfer's failure (the events
     thread) ask for its quarantine at once: both must get the same one, or the cache holds a
@@ -231,6 +200,7 @@ def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_re
     waited for it)."""
     import threading
 
+    from baton.engine.loop import EngineLoop
     from decode_worker.pipeline import PipelineReceiver
 
     class Model(_Model):
@@ -247,7 +217,7 @@ def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_re
     local = _Agent()
     local.incarnation, local.endpoint = "inc", "tcp://h:1"
     local.held = lambda rid: None
-    loop = _Loop(SimpleNamespace(model=Model()))
+    loop = EngineLoop(SimpleNamespace(model=Model(), has_work=False))  # no requests: calls only
     rx = PipelineReceiver(loop, local, lambda *a: a)
     released = []
     rx.on_release = released.append
@@ -264,6 +234,7 @@ def test_concurrent_askers_of_a_failed_reservation_get_the_one_quarantine_the_re
     for t in askers:
         t.join(timeout=15)
     assert not any(t.is_alive() for t in askers), "deadlocked"
+    loop.stop()
     assert len(got) == 2 and got[0] is got[1], [q.key for q in got]
     assert got[0].blocks == frozenset({3}) and got[0].slot == 1
     rx.stage_reply(1, {"released": ["r"]})
