@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import signal
-import threading
 from dataclasses import replace
 
 from baton.config import BatonConfig
-from baton.worker.exit import exit_now, timed_stop
+from baton.worker.exit import StopSignals, exit_now, timed_stop
 
 
 def run_router_role(args) -> int:
@@ -37,9 +35,7 @@ def run_router_role(args) -> int:
     except BaseException:
         handle.stop()
         raise
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     host = router_cfg.host
     print(f"router serving gRPC on {host}:{handle.port} and HTTP on "
           f"http{'s' if ssl_args else ''}://{host}:{http.port}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -17,6 +18,37 @@ SLOW_STOP_S = 0.5
 STOP_BUDGET_S = 2.5
 """All of a process's stop phases get this long; the process then exits without the rest (a
 cluster stop kills what is still running 3 s after SIGTERM, and must end within 5 s)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM for a role process's main thread, whichever thread the kernel hands
+    them to. Python runs a signal's handler on the main thread only; a signal that lands on
+    another thread (any of the gRPC, UCX or engine threads may take it) leaves a main thread
+    blocked on a lock asleep for good, so `threading.Event().wait()` missed SIGTERM now and
+    then and the cluster killed the worker 3 s later. Here the main thread blocks reading
+    the signal wakeup pipe instead, which the C-level handler writes on whatever thread it
+    ran. Create it (main thread) before the process says it is serving; `wait()` then."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.signals = frozenset(int(s) for s in signals)
+        self._read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._write = write
+        for sig in self.signals:  # a Python handler, so the C one writes the pipe
+            signal.signal(sig, _ignore)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def wait(self) -> int:
+        """Block until one of the signals arrives; returns its number. Later ones are ignored
+        (the stop that follows is bounded anyway)."""
+        while True:
+            for number in os.read(self._read, 64):
+                if number in self.signals:
+                    return number
+
+
+def _ignore(*_) -> None:
+    pass
 
 
 def timed_stop(role: str, phases: list[tuple[str, Callable[[], object]]],

@@ -9,10 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from concurrent import futures
 
@@ -30,7 +28,7 @@ from baton.engine.engine import Engine
 from baton.engine.loop import EngineLoop
 from baton.errors import ConfigError
 from baton.worker.address import advertised_host, bind_grpc, interface_of, join_host_port
-from baton.worker.exit import STOP_BUDGET_S, exit_now, timed_stop
+from baton.worker.exit import STOP_BUDGET_S, StopSignals, exit_now, timed_stop
 from baton.worker.load import load_of
 from baton.worker.metrics import WorkerMetrics
 from baton.worker.registration import Registration
@@ -210,9 +208,7 @@ def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None)
     worker = start_worker(cfg, role, attach, args.router, args.model, args.host or cfg.worker.host,
                           ports, getattr(args, "metrics_port", None),
                           pp_master=args.pp_master if rank == 0 else None)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     layout = getattr(worker.loop.engine.model, "rank_layout", None)
     if layout:  # tensor parallelism: what every rank process holds
         print(layout, flush=True)
