@@ -196,10 +196,14 @@ def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     runner = threading.Thread(target=lambda: out.extend(
         run_remote(cluster.address, specs, concurrency=12)))
     retries = _retries(cluster)
+    before = worker_counters(info, cluster.secret.bearer)["prefilled_tokens"]
     runner.start()
     deadline = time.monotonic() + 20  # kill while the PP-3 worker holds a request
-    while worker_counters(info, cluster.secret.bearer)["engine_requests"] == 0:
-        assert time.monotonic() < deadline, "the PP-3 prefill worker never got a request"
+    while (now := worker_counters(info, cluster.secret.bearer))["engine_requests"] == 0:
+        # what went wrong, if it did: the run's end, the PP-3 worker's work, the router's view
+        assert time.monotonic() < deadline, (
+            "the PP-3 prefill worker never held a request", runner.is_alive(), tokens(out),
+            now["prefilled_tokens"] - before, [w.worker_id for w in list_workers(cluster.address)])
         time.sleep(0.01)
     os.kill(stages[-1], signal.SIGKILL)
     killed_at = time.monotonic()
