@@ -188,7 +188,10 @@ def test_killing_one_prefill_stage_fails_over_and_leaves_no_orphans(setup):
     stage0 = cluster.procs[1]  # `baton serve`'s prefill worker: PP 3
     stages = children(stage0.pid)
     assert len(stages) == 2
-    specs = [RequestSpec(f"k{i}", prompt_ids=prompt(50 + i, 200 + 10 * i), sampling=greedy(8))
+    # prompts of 10-13 chunks: the kill lands while the PP-3 worker still computes one (with
+    # 200-310 tokens a loaded run once saw its last request in the engine, killed the stage
+    # after it was done, and nothing needed a retry)
+    specs = [RequestSpec(f"k{i}", prompt_ids=prompt(50 + i, 600 + 20 * i), sampling=greedy(8))
              for i in range(12)]
     expected = tokens(local(setup, specs))
     info = next(w for w in list_workers(cluster.address) if pp_of(setup, w.worker_id) == 3)
