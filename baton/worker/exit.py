@@ -31,12 +31,11 @@ class StopSignals:
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
         self.signals = frozenset(int(s) for s in signals)
-        self._read, write = os.pipe()
-        os.set_blocking(write, False)
-        self._write = write
+        self._read, self._write = os.pipe()  # open for the process's life
+        os.set_blocking(self._write, False)
         for sig in self.signals:  # a Python handler, so the C one writes the pipe
             signal.signal(sig, _ignore)
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
 
     def wait(self) -> int:
         """Block until one of the signals arrives; returns its number. Later ones are ignored

@@ -48,7 +48,7 @@ def test_a_failing_phase_does_not_skip_the_rest_and_slow_ones_are_reported(caplo
 
 
 SIGNAL_ON_ANOTHER_THREAD = """
-import signal, sys, threading, time
+import signal, threading, time
 from baton.worker.exit import StopSignals
 
 stop = StopSignals()
