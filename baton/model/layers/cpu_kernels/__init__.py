@@ -16,7 +16,7 @@ HERE = Path(__file__).parent
 SOURCE = HERE / "gemv.cpp"
 BUILD = jit_build.KernelBuild(
     prefix="baton_gemv_", sources=(SOURCE,),
-    headers=(HERE / "gemv_common.h", HERE / "gemv_glue.h", HERE / "gemv_moe.h",
+    headers=(HERE / "gemv_common.h", HERE / "gemv_glue.h", HERE / "gemv_moe.h", HERE / "gemv_route.h",
              HERE / "gemv_kernels.h", HERE / "gemv_avx2.h"),
     flags=("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
     switch="BATON_CPU_KERNELS", label="cpu kernels", fallback="torch's matmuls")

@@ -235,5 +235,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ys"), py::arg("pair"), py::arg("token"), py::arg("weights"), py::arg("n"));
   m.def("qwen_moe", &qwen_moe, "residual + Qwen's MoE block of x, one call (gemv_moe.h)");
   m.def("nemotron_moe", &nemotron_moe, "residual + NemotronH's MoE block, one call");
+  m.def("route_available", &baton_route::available, "whether `qwen_moe` can use gemv_route.h");
+  m.def("route_applies", &route_applies, "whether `qwen_moe` of these sizes takes gemv_route.h",
+        py::arg("m"), py::arg("top_k"), py::arg("expert_w"), py::arg("shared_w"));
+  m.def("route_replica", &route_replica, "a router's weights and experts (gemv_route.h)");
+  m.def("swiglu_replica", &swiglu_replica, "silu(gate) * up of rows (gemv_route.h)");
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
 }

@@ -19,6 +19,8 @@
 #include <ATen/ops/sum.h>
 #include <ATen/ops/topk.h>
 
+#include "gemv_route.h"
+
 namespace {
 
 // `moe.sigmoid_by_element`: through a stride-2 view, so every element takes torch's scalar
@@ -52,6 +54,15 @@ at::Tensor swiglu_views(const at::Tensor& gu) {
   return at::mul(at::silu(gu.narrow(1, 0, w)), gu.narrow(1, w, w));
 }
 
+// SwiGLU of rows [gate | up] on gemv_route.h's replicas (their conditions checked by the caller).
+at::Tensor swiglu_rows(const at::Tensor& gu) {
+  const int64_t m = gu.size(0), w = gu.size(1) / 2;
+  TORCH_CHECK(gu.stride(1) == 1, "cpu kernel: gate_up rows must be contiguous");
+  at::Tensor out = at::empty({m, w}, gu.options());
+  baton_route::swiglu_rows(gu.data_ptr<float>(), gu.stride(0), m, w, out.data_ptr<float>());
+  return out;
+}
+
 // `moe._kernel_experts` with every expert held: sort the pairs, the up run, the activation
 // (0: relu2, 1: SwiGLU on [gate | up]), the down run, the weighted sum; the counts are added
 // into `routed` (the layer's expert load).
@@ -72,13 +83,174 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& experts,
   return moe_combine(ys, pair, token, weights.reshape({-1}), x.size(0));
 }
 
+// Weight runs of one parallel region: outputs [0, n) of `a` for each job, their 8-output
+// blocks split over the threads together (one region where a layer has several runs that
+// need only the same inputs), each output computed as `linear` computes it.
+struct Job {
+  Args a;
+  int wt;
+  int64_t n;
+};
+
+void run_jobs(const std::vector<Job>& jobs, int is, int64_t grain) {
+  std::vector<int64_t> first{0};
+  for (const Job& j : jobs) first.push_back(first.back() + (j.n + 7) / 8);
+  at::parallel_for(0, first.back(), grain, [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const int64_t lo = std::max(b0, first[i]), hi = std::min(b1, first[i + 1]);
+      if (lo < hi)
+        run_range(jobs[i].a, is, jobs[i].wt, (lo - first[i]) * 8,
+                  std::min((hi - first[i]) * 8, jobs[i].n));
+    }
+  });
+}
+
+// Rows of x as the kernels read them (gemv_common.h's `padded`): row r of the block is
+// src[rows[r]] (or src[r]), k floats then zeros to ld; appended to `buf`, returns its offset.
+int64_t pack_rows(std::vector<float>& buf, const float* src, int64_t src_ld,
+                  const int64_t* rows, int64_t m, int64_t k, int64_t ld) {
+  const int64_t at = static_cast<int64_t>(buf.size());
+  buf.resize(at + m * ld);
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = buf.data() + at + i * ld;
+    std::memcpy(row, src + (rows ? rows[i] : i) * src_ld, k * sizeof(float));
+    std::memset(row + k, 0, (ld - k) * sizeof(float));
+  }
+  return at;
+}
+
+inline int64_t padded_ld(int64_t k) { return (k + kLanes - 1) / kLanes * kLanes + kLanes; }
+
+// Whether gemv_route.h's replicas give ATen's bits for a Qwen MoE block of m tokens: torch's
+// AVX-512 kernels, a renormalising sum of under 16 weights, and each silu call's elements in
+// one thread of torch's (under its grain, or one thread).
+bool route_applies(int64_t m, int64_t top_k, int64_t expert_w, int64_t shared_w) {
+  const bool serial = at::get_num_threads() == 1 ||
+                      (m * top_k * expert_w < baton_route::kGrain &&
+                       m * shared_w < baton_route::kGrain);
+  return baton_route::available() && top_k < 16 && serial;
+}
+
+// `qwen_moe` where `route_applies`: the router and the shared gate (one small call), the
+// routing on gemv_route.h, then two parallel regions: every active expert's gate_up with the
+// shared expert's gate and up, and (after the SwiGLUs) every down projection; then the
+// weighted sum (moe_combine's order) and residual + (routed + gate * shared).
+at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
+                          const at::Tensor& shared_gate_w, const at::Tensor& se_gate_w,
+                          const at::Tensor& se_up_w, const at::Tensor& se_down_w,
+                          const at::Tensor& up, const at::Tensor& down, int64_t top_k, bool norm,
+                          at::Tensor& routed, const at::Tensor& residual) {
+  const int64_t m = x.size(0), k = x.size(1), e = gate_w.size(0), ws = se_gate_w.size(0);
+  const int64_t w = up.size(1) / 2, d = down.size(1), is = pick(-1);
+  check_w(up, 3, k);
+  check_w(down, 3, w);
+  check_w(se_gate_w, 2, k);
+  check_w(se_up_w, 2, k);
+  check_w(se_down_w, 2, ws);
+  TORCH_CHECK(up.size(0) == e && down.size(0) == e && up.size(1) == 2 * w &&
+              se_up_w.size(0) == ws && se_down_w.size(0) == d && d == k,
+              "cpu kernel: qwen_moe weights do not fit together");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
+              residual.size(0) == m && residual.size(1) == d && residual.stride(1) == 1,
+              "cpu kernel: residual must be [", m, ", ", d, "] float32, got ", residual.sizes());
+  TORCH_CHECK(routed.scalar_type() == at::kLong && routed.is_contiguous() &&
+              routed.numel() == e, "cpu kernel: routed_tokens must be [E] long");
+  const at::Tensor r = linear_cat(x, {gate_w, shared_gate_w}, -1);
+  const float* rp = r.data_ptr<float>();
+  at::Tensor weights = at::empty({m, top_k}, x.options());
+  at::Tensor experts = at::empty({m, top_k}, x.options().dtype(at::kLong));
+  baton_route::route(rp, e + 1, m, e, top_k, norm, weights.data_ptr<float>(),
+                     experts.data_ptr<int64_t>());
+  auto sorted = moe_sort(experts, 0, e, e);
+  const int64_t *pair = sorted[0].data_ptr<int64_t>(), *token = sorted[1].data_ptr<int64_t>(),
+                *counts = sorted[2].data_ptr<int64_t>();
+  const int64_t pairs = sorted[0].numel();
+  int64_t* tally = routed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < e; ++i) tally[i] += counts[i];
+
+  static thread_local std::vector<float> buf;
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t ldk = padded_ld(k), ldw = padded_ld(w), lds = padded_ld(ws);
+  buf.clear();
+  const int64_t xe = pack_rows(buf, xc.data_ptr<float>(), xc.stride(0), token, pairs, k, ldk);
+  const int64_t xs = pack_rows(buf, xc.data_ptr<float>(), xc.stride(0), nullptr, m, k, ldk);
+  // up: [pairs, 2w] by expert run, and the shared [m, 2ws] (gate | up)
+  std::vector<float> gu(pairs * 2 * w), sgu(m * 2 * ws);
+  const int64_t es = weight_type(up) == kF32 ? 4 : 2;
+  std::vector<Job> jobs;
+  const char* upp = static_cast<const char*>(up.data_ptr());
+  for (int64_t x0 = 0, ex = 0; ex < e; x0 += counts[ex], ++ex) {
+    if (counts[ex] == 0) continue;
+    jobs.push_back({{buf.data() + xe + x0 * ldk, ldk, upp + ex * up.stride(0) * es, up.stride(1),
+                     k, gu.data() + x0 * 2 * w, 2 * w, counts[ex], nullptr},
+                    weight_type(up), 2 * w});
+  }
+  jobs.push_back({{buf.data() + xs, ldk, se_gate_w.data_ptr(), se_gate_w.stride(0), k,
+                   sgu.data(), 2 * ws, m, nullptr}, weight_type(se_gate_w), ws});
+  jobs.push_back({{buf.data() + xs, ldk, se_up_w.data_ptr(), se_up_w.stride(0), k,
+                   sgu.data() + ws, 2 * ws, m, nullptr}, weight_type(se_up_w), ws});
+  run_jobs(jobs, is, grain_blocks(k, 2));
+  // SwiGLU of both, into the down projections' padded rows
+  buf.clear();
+  buf.resize(pairs * ldw + m * lds);
+  for (int64_t i = 0; i < pairs; ++i) {
+    float* row = buf.data() + i * ldw;
+    baton_route::swiglu_rows(gu.data() + i * 2 * w, 2 * w, 1, w, row);
+    std::memset(row + w, 0, (ldw - w) * sizeof(float));
+  }
+  float* sact = buf.data() + pairs * ldw;
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = sact + i * lds;
+    baton_route::swiglu_rows(sgu.data() + i * 2 * ws, 2 * ws, 1, ws, row);
+    std::memset(row + ws, 0, (lds - ws) * sizeof(float));
+  }
+  // down: [pairs, d] by expert run, and the shared [m, d]
+  std::vector<float> yd(pairs * d), sd(m * d);
+  const int64_t esd = weight_type(down) == kF32 ? 4 : 2;
+  const char* dp = static_cast<const char*>(down.data_ptr());
+  jobs.clear();
+  for (int64_t x0 = 0, ex = 0; ex < e; x0 += counts[ex], ++ex) {
+    if (counts[ex] == 0) continue;
+    jobs.push_back({{buf.data() + x0 * ldw, ldw, dp + ex * down.stride(0) * esd, down.stride(1),
+                     w, yd.data() + x0 * d, d, counts[ex], nullptr}, weight_type(down), d});
+  }
+  jobs.push_back({{sact, lds, se_down_w.data_ptr(), se_down_w.stride(0), ws, sd.data(), d, m,
+                   nullptr}, weight_type(se_down_w), d});
+  run_jobs(jobs, is, grain_blocks(std::max(w, ws), 2));
+  // moe_combine's weighted sum, then residual + (routed + sigmoid(gate) * shared)
+  std::vector<float> out(m * d, 0.f);
+  const float* wp = weights.data_ptr<float>();
+  for (int64_t q = 0; q < pairs; ++q) {
+    const float wt = wp[pair[q]];
+    float* orow = out.data() + token[q] * d;
+    const float* yr = yd.data() + q * d;
+    for (int64_t j = 0; j < d; ++j) orow[j] = orow[j] + yr[j] * wt;
+  }
+  at::Tensor res = at::empty({m, d}, x.options());
+  float* o = res.data_ptr<float>();
+  const float* hp = residual.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const float g = baton_route::sigmoid(rp[i * (e + 1) + e]);
+    const float* hr = hp + i * residual.stride(0);
+    for (int64_t j = 0; j < d; ++j)
+      o[i * d + j] = hr[j] + (out[i * d + j] + g * sd[i * d + j]);
+  }
+  return res;
+}
+
 // Qwen's MoE block on x [N, d] (`QwenSparseMoe.forward` on the fast path), plus `residual`:
-// residual + (routed + sigmoid(shared gate) * shared expert).
+// residual + (routed + sigmoid(shared gate) * shared expert): `qwen_moe_glued` where
+// `route_applies`, else the module path's ATen ops between the linears.
 at::Tensor qwen_moe(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
                     at::Tensor se_gate_w, at::Tensor se_up_w, at::Tensor se_down_w,
                     at::Tensor up, at::Tensor down, int64_t top_k, bool norm,
                     at::Tensor routed, at::Tensor residual) {
   const int64_t e = gate_w.size(0), w = se_gate_w.size(0);
+  check_x(x);
+  if (x.size(0) > 0 && top_k >= 1 && top_k <= e &&
+      route_applies(x.size(0), top_k, up.size(1) / 2, w))
+    return qwen_moe_glued(x, gate_w, shared_gate_w, se_gate_w, se_up_w, se_down_w, up, down,
+                          top_k, norm, routed, residual);
   const at::Tensor y = linear_cat(x, {gate_w, shared_gate_w, se_gate_w, se_up_w}, -1);
   const at::Tensor probs = at::softmax(y.narrow(1, 0, e), -1, at::kFloat);
   auto [weights, experts] = at::topk(probs, top_k, -1, true, true);
@@ -108,6 +280,30 @@ at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bia
   const at::Tensor shared = linear(relu2_rows(y.narrow(1, e, w)), se_down_w, c10::nullopt, -1,
                                    c10::nullopt, false);
   return at::add(residual, at::add(out, shared));
+}
+
+// The tests' handles on gemv_route.h: (weights, experts) of a router's logits [M, E] (rows
+// contiguous), and SwiGLU of rows [gate | up]; each what `qwen_moe` computes where
+// `route_applies`.
+std::vector<at::Tensor> route_replica(const at::Tensor& logits, int64_t top_k, bool norm) {
+  TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
+              "kernels");
+  check_x(logits);
+  TORCH_CHECK(logits.stride(1) == 1 && top_k >= 1 && top_k <= logits.size(1),
+              "cpu kernel: logits rows must be contiguous and top_k in [1, E]");
+  const int64_t m = logits.size(0);
+  at::Tensor weights = at::empty({m, top_k}, logits.options());
+  at::Tensor experts = at::empty({m, top_k}, logits.options().dtype(at::kLong));
+  baton_route::route(logits.data_ptr<float>(), logits.stride(0), m, logits.size(1), top_k, norm,
+                     weights.data_ptr<float>(), experts.data_ptr<int64_t>());
+  return {weights, experts};
+}
+
+at::Tensor swiglu_replica(const at::Tensor& gu) {
+  TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
+              "kernels");
+  check_x(gu);
+  return swiglu_rows(gu);
 }
 
 }  // namespace

@@ -1,0 +1,123 @@
+"""`qwen_moe`'s glue as plain loops (cpu_kernels/gemv_route.h) against the ATen ops it
+replaces, bit for bit.
+
+At batch 1 the router's softmax / top-k / renormalising sum, SwiGLU's silu and the shared
+expert's sigmoid gate ran as ~20 ATen calls a MoE layer, ~0.1 ms with the caches cold after a
+weight stream. The replicas follow torch's AVX-512 kernels (Sleef's exp, the reduction orders,
+top-k's selection and tie order), so they are checked against torch itself: the router at
+expert counts below, at and above a vector, every k from 1 to 15, logits from flat to peaked,
+with ties; SwiGLU at widths with and without a tail; and the whole block against the module
+(`QwenSparseMoe`, the path plain decode and a speculative verify share) at 1 and 2 threads,
+float32 and float16 weights, sizes where the replicas apply and where they do not (torch would
+split a silu call over its threads): outputs and the expert load counts equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.model.layers import cpu_kernels, linear
+from baton.model.layers.fast_blocks import mlp_part
+from baton.model.layers.qwen_moe import QwenSparseMoe
+
+g = cpu_kernels.gemv()
+pytestmark = pytest.mark.skipif(g is None or not g.route_available(),
+                                reason="kernels not built, or torch is not on AVX-512 here")
+
+
+def _router(logits: torch.Tensor, k: int, norm: bool):
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    w, e = torch.topk(probs, k, dim=-1)
+    return (w / w.sum(dim=-1, keepdim=True) if norm else w), e
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("experts", [3, 8, 16, 17, 64, 256])
+def test_router_is_torchs(experts):
+    gen = torch.Generator().manual_seed(experts)
+    checked = 0
+    for rows in (1, 33):
+        for scale in (0.01, 1.0, 30.0):
+            logits = (torch.randn(rows, experts + 3, generator=gen) * scale)[:, :experts]
+            for k in range(1, min(15, experts) + 1):
+                for norm in (True, False):
+                    want_w, want_e = _router(logits, k, norm)
+                    got_w, got_e = g.route_replica(logits.contiguous(), k, norm)
+                    assert torch.equal(got_e, want_e), (rows, scale, k, norm)
+                    assert _same_bits(got_w, want_w), (rows, scale, k, norm)
+                    checked += 1
+    assert checked == 2 * 3 * 2 * min(15, experts)
+
+
+def test_router_ties_rank_as_torchs():
+    logits = torch.tensor([[0.0] * 8, [1, 1, 0, 0, 1, 1, 0, 0], [0, 2, 2, 2, 2, 2, 2, 0],
+                           [-1e30, 5, 5, -1e30, 0, 0, 0, 0]])
+    for k in (1, 2, 3, 5):
+        want_w, want_e = _router(logits, k, True)
+        got_w, got_e = g.route_replica(logits, k, True)
+        assert torch.equal(got_e, want_e) and _same_bits(got_w, want_w), k
+
+
+@pytest.mark.parametrize("width", [640, 48, 47, 17, 1])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_swiglu_is_torchs(width, rows):
+    gu = torch.randn(rows, 2 * width + 5, generator=torch.Generator().manual_seed(width))
+    gu = (gu * 6)[:, : 2 * width]  # rows a stride apart, as the kernel's outputs are read
+    assert _same_bits(g.swiglu_replica(gu.contiguous()), F.silu(gu[:, :width]) * gu[:, width:])
+
+
+class _Cfg:
+    hidden_size, hidden_act, norm_topk_prob = 64, "silu", True
+
+    def __init__(self, experts: int, k: int, width: int, shared: int):
+        self.num_experts, self.num_experts_per_tok = experts, k
+        self.moe_intermediate_size, self.shared_expert_intermediate_size = width, shared
+
+
+def _block(cfg: _Cfg, dtype: torch.dtype) -> QwenSparseMoe:
+    block = QwenSparseMoe(cfg, renormalize=True)
+    gen = torch.Generator().manual_seed(cfg.num_experts)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    linear.install(block.eval())
+    if dtype != torch.float32:
+        linear.cast_weights(block, dtype)
+    return block
+
+
+# (experts, k, expert width, shared width, rows, threads, whether the replicas apply)
+CASES = [(8, 2, 40, 64, 1, 2, True), (8, 2, 40, 64, 8, 2, True), (8, 2, 40, 64, 40, 1, True),
+         (64, 8, 48, 32, 3, 2, True), (32, 10, 16, 16, 5, 2, True),
+         (8, 2, 640, 64, 32, 2, False), (8, 2, 40, 64, 600, 2, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"E{c[0]}k{c[1]}w{c[2]}-m{c[4]}-t{c[5]}"
+                                             for c in CASES])
+def test_block_equals_the_module(case, dtype):
+    experts, k, width, shared, rows, threads, applies = case
+    block = _block(_Cfg(experts, k, width, shared), dtype)
+    run, _ = mlp_part(block)
+    gen = torch.Generator().manual_seed(rows)
+    x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    old = linear.set_decode_path("fast")
+    try:
+        assert g.route_applies(rows, k, width, shared) is applies
+        with torch.inference_mode(), linear.decode_scope():
+            got = run(x, h)
+            load = block.routed_tokens.clone()
+            want = h + block(x[:, None, :])[:, 0]
+    finally:
+        linear.set_decode_path(old)
+        torch.set_num_threads(before)
+    assert _same_bits(got, want)
+    assert int(load.sum()) == rows * k
+    assert torch.equal(block.routed_tokens, 2 * load)  # the module counted the same tokens
