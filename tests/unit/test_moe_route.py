@@ -9,7 +9,8 @@ expert counts below, at and above a vector, every k from 1 to 15, logits from fl
 with ties; SwiGLU at widths with and without a tail; and the whole block against the module
 (`QwenSparseMoe`, the path plain decode and a speculative verify share) at 1 and 2 threads,
 float32 and float16 weights, sizes where the replicas apply and where they do not (torch would
-split a silu call over its threads): outputs and the expert load counts equal.
+split a silu call over its threads): outputs and the expert load counts equal. NemotronH's
+block (sigmoid scores, bias-steered unsorted top-k, relu2 experts) the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch.nn.functional as F
 
 from baton.model.layers import cpu_kernels, linear
 from baton.model.layers.fast_blocks import mlp_part
+from baton.model.layers.moe import MoE, sigmoid_group_topk
 from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.make_model import checkpoint_config
+from baton.model.nemotron_h.config import ModelConfig
 
 g = cpu_kernels.gemv()
 pytestmark = pytest.mark.skipif(g is None or not g.route_available(),
@@ -63,6 +67,28 @@ def test_router_ties_rank_as_torchs():
         assert torch.equal(got_e, want_e) and _same_bits(got_w, want_w), k
 
 
+@pytest.mark.parametrize("experts", [16, 64, 128])
+def test_sigmoid_router_is_torchs(experts):
+    """NemotronH's router as `sigmoid_group_topk` runs it on the fast path (every group kept),
+    with logits near -47 in some rows: scores ~1e-20, where the sum's 1e-20 counts."""
+    gen = torch.Generator().manual_seed(experts)
+    logits = torch.cat([torch.randn(20, experts, generator=gen) * 3,
+                        torch.randn(4, experts, generator=gen) - 47])
+    bias = torch.randn(experts, generator=gen) * 0.1
+    old = linear.set_decode_path("fast")
+    try:
+        with torch.inference_mode(), linear.decode_scope():
+            for k in range(1, 16):
+                for norm in (True, False):
+                    want = sigmoid_group_topk(logits, bias, top_k=k, n_group=1, topk_group=1,
+                                              norm=norm, scale=2.5)
+                    w, e = g.route_sigmoid_replica(logits, bias, k, norm, 2.5)
+                    assert torch.equal(e, want.experts), (k, norm)
+                    assert _same_bits(w, want.weights), (k, norm)
+    finally:
+        linear.set_decode_path(old)
+
+
 @pytest.mark.parametrize("width", [640, 48, 47, 17, 1])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_swiglu_is_torchs(width, rows):
@@ -91,6 +117,24 @@ def _block(cfg: _Cfg, dtype: torch.dtype) -> QwenSparseMoe:
     return block
 
 
+def _run(block, rows: int, threads: int):
+    """(the fast path's direct call, the module's h + block(x), the load counted by the first)."""
+    run, _ = mlp_part(block)
+    gen = torch.Generator().manual_seed(rows)
+    x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    old = linear.set_decode_path("fast")
+    try:
+        with torch.inference_mode(), linear.decode_scope():
+            got = run(x, h)
+            load = block.routed_tokens.clone()
+            return got, h + block(x[:, None, :])[:, 0], load
+    finally:
+        linear.set_decode_path(old)
+        torch.set_num_threads(before)
+
+
 # (experts, k, expert width, shared width, rows, threads, whether the replicas apply)
 CASES = [(8, 2, 40, 64, 1, 2, True), (8, 2, 40, 64, 8, 2, True), (8, 2, 40, 64, 40, 1, True),
          (64, 8, 48, 32, 3, 2, True), (32, 10, 16, 16, 5, 2, True),
@@ -103,21 +147,40 @@ CASES = [(8, 2, 40, 64, 1, 2, True), (8, 2, 40, 64, 8, 2, True), (8, 2, 40, 64, 
 def test_block_equals_the_module(case, dtype):
     experts, k, width, shared, rows, threads, applies = case
     block = _block(_Cfg(experts, k, width, shared), dtype)
-    run, _ = mlp_part(block)
-    gen = torch.Generator().manual_seed(rows)
-    x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    old = linear.set_decode_path("fast")
     try:
         assert g.route_applies(rows, k, width, shared) is applies
-        with torch.inference_mode(), linear.decode_scope():
-            got = run(x, h)
-            load = block.routed_tokens.clone()
-            want = h + block(x[:, None, :])[:, 0]
     finally:
-        linear.set_decode_path(old)
         torch.set_num_threads(before)
+    got, want, load = _run(block, rows, threads)
     assert _same_bits(got, want)
     assert int(load.sum()) == rows * k
     assert torch.equal(block.routed_tokens, 2 * load)  # the module counted the same tokens
+
+
+# (experts, k, rows, threads): top-k by nth_element (k * 64 > E) and by partial_sort
+NEMOTRON = [(16, 4, 1, 2), (16, 4, 9, 2), (64, 6, 5, 1), (128, 2, 3, 2), (32, 10, 40, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", NEMOTRON, ids=[f"E{c[0]}k{c[1]}-m{c[2]}-t{c[3]}"
+                                                for c in NEMOTRON])
+def test_nemotron_block_equals_the_module(case, dtype):
+    experts, k, rows, threads = case
+    cfg = ModelConfig.from_dict(checkpoint_config(
+        "tiny", pattern="E", hidden_size=64, n_routed_experts=experts, num_experts_per_tok=k,
+        moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
+    block = MoE(cfg)
+    gen = torch.Generator().manual_seed(experts + k)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        block.gate.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.1)
+    linear.install(block.eval())
+    if dtype != torch.float32:
+        linear.cast_weights(block, dtype)
+    got, want, load = _run(block, rows, threads)
+    assert _same_bits(got, want)
+    assert int(load.sum()) == rows * k
+    assert torch.equal(block.routed_tokens, 2 * load)

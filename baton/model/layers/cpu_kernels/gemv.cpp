@@ -239,6 +239,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_applies", &route_applies, "whether `qwen_moe` of these sizes takes gemv_route.h",
         py::arg("m"), py::arg("top_k"), py::arg("expert_w"), py::arg("shared_w"));
   m.def("route_replica", &route_replica, "a router's weights and experts (gemv_route.h)");
+  m.def("route_sigmoid_replica", &route_sigmoid_replica,
+        "NemotronH's router's weights and experts (gemv_route.h)");
   m.def("swiglu_replica", &swiglu_replica, "silu(gate) * up of rows (gemv_route.h)");
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
 }

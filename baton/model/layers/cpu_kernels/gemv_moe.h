@@ -131,40 +131,47 @@ bool route_applies(int64_t m, int64_t top_k, int64_t expert_w, int64_t shared_w)
   return baton_route::available() && top_k < 16 && serial;
 }
 
-// `qwen_moe` where `route_applies`: the router and the shared gate (one small call), the
-// routing on gemv_route.h, then two parallel regions: every active expert's gate_up with the
-// shared expert's gate and up, and (after the SwiGLUs) every down projection; then the
-// weighted sum (moe_combine's order) and residual + (routed + gate * shared).
-at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
-                          const at::Tensor& shared_gate_w, const at::Tensor& se_gate_w,
-                          const at::Tensor& se_up_w, const at::Tensor& se_down_w,
-                          const at::Tensor& up, const at::Tensor& down, int64_t top_k, bool norm,
-                          at::Tensor& routed, const at::Tensor& residual) {
-  const int64_t m = x.size(0), k = x.size(1), e = gate_w.size(0), ws = se_gate_w.size(0);
-  const int64_t w = up.size(1) / 2, d = down.size(1), is = pick(-1);
+// A row's activation in place of the kernels' padded input: 0 relu2 (src [w]), 1 SwiGLU (src
+// [gate w | up w]); zeros to ld.
+void activate_row(const float* src, int64_t w, int act, float* row, int64_t ld) {
+  if (act == 1) {
+    baton_route::swiglu_rows(src, 2 * w, 1, w, row);
+  } else {
+    for (int64_t j = 0; j < w; ++j) {
+      const float v = src[j] < 0.f ? 0.f : src[j];  // relu2_rows' rounding (NaN stays NaN)
+      row[j] = v * v;
+    }
+  }
+  std::memset(row + w, 0, (ld - w) * sizeof(float));
+}
+
+// The routed experts of a routing (experts [m, k], weights [m * k]) and a shared expert, in
+// two parallel regions: every active expert's up run with the shared expert's up projections
+// (`shared_ups`: [gate, up] for SwiGLU, [up] for relu2), then, after the activations (`act`,
+// as `activate_row`), every down run with the shared down projection. Outputs: `out` [m, d]
+// the weighted sum in moe_combine's order, `sd` [m, d] the shared expert. Each output element
+// is computed as gemv.cpp's `linear` computes it, so this is `routed_experts` + the shared
+// expert's `linear` calls, bit for bit; `routed` counts the tokens per expert.
+void experts_glued(const at::Tensor& x, const at::Tensor& experts, const float* wp,
+                   const at::Tensor& up, const at::Tensor& down, int act,
+                   const std::vector<at::Tensor>& shared_ups, const at::Tensor& se_down,
+                   at::Tensor& routed, std::vector<float>& out, std::vector<float>& sd) {
+  const int64_t m = x.size(0), k = x.size(1), e = up.size(0), ws = se_down.size(1);
+  const int64_t w = act == 1 ? up.size(1) / 2 : up.size(1), d = down.size(1), is = pick(-1);
   check_w(up, 3, k);
   check_w(down, 3, w);
-  check_w(se_gate_w, 2, k);
-  check_w(se_up_w, 2, k);
-  check_w(se_down_w, 2, ws);
-  TORCH_CHECK(up.size(0) == e && down.size(0) == e && up.size(1) == 2 * w &&
-              se_up_w.size(0) == ws && se_down_w.size(0) == d && d == k,
-              "cpu kernel: qwen_moe weights do not fit together");
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
-              residual.size(0) == m && residual.size(1) == d && residual.stride(1) == 1,
-              "cpu kernel: residual must be [", m, ", ", d, "] float32, got ", residual.sizes());
+  check_w(se_down, 2, ws);
+  for (const auto& u : shared_ups) check_w(u, 2, k);
+  TORCH_CHECK(down.size(0) == e && se_down.size(0) == d && d == k &&
+              static_cast<int64_t>(shared_ups.size()) == act + 1 &&
+              shared_ups[0].size(0) == ws && shared_ups.back().size(0) == ws,
+              "cpu kernel: MoE weights do not fit together");
   TORCH_CHECK(routed.scalar_type() == at::kLong && routed.is_contiguous() &&
               routed.numel() == e, "cpu kernel: routed_tokens must be [E] long");
-  const at::Tensor r = linear_cat(x, {gate_w, shared_gate_w}, -1);
-  const float* rp = r.data_ptr<float>();
-  at::Tensor weights = at::empty({m, top_k}, x.options());
-  at::Tensor experts = at::empty({m, top_k}, x.options().dtype(at::kLong));
-  baton_route::route(rp, e + 1, m, e, top_k, norm, weights.data_ptr<float>(),
-                     experts.data_ptr<int64_t>());
   auto sorted = moe_sort(experts, 0, e, e);
   const int64_t *pair = sorted[0].data_ptr<int64_t>(), *token = sorted[1].data_ptr<int64_t>(),
                 *counts = sorted[2].data_ptr<int64_t>();
-  const int64_t pairs = sorted[0].numel();
+  const int64_t pairs = sorted[0].numel(), uw = up.size(1), su = (act + 1) * ws;
   int64_t* tally = routed.data_ptr<int64_t>();
   for (int64_t i = 0; i < e; ++i) tally[i] += counts[i];
 
@@ -174,38 +181,30 @@ at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
   buf.clear();
   const int64_t xe = pack_rows(buf, xc.data_ptr<float>(), xc.stride(0), token, pairs, k, ldk);
   const int64_t xs = pack_rows(buf, xc.data_ptr<float>(), xc.stride(0), nullptr, m, k, ldk);
-  // up: [pairs, 2w] by expert run, and the shared [m, 2ws] (gate | up)
-  std::vector<float> gu(pairs * 2 * w), sgu(m * 2 * ws);
+  // up: [pairs, uw] by expert run, and the shared [m, su] (gate | up, or up)
+  std::vector<float> yu(pairs * uw), syu(m * su);
   const int64_t es = weight_type(up) == kF32 ? 4 : 2;
-  std::vector<Job> jobs;
   const char* upp = static_cast<const char*>(up.data_ptr());
+  std::vector<Job> jobs;
   for (int64_t x0 = 0, ex = 0; ex < e; x0 += counts[ex], ++ex) {
     if (counts[ex] == 0) continue;
     jobs.push_back({{buf.data() + xe + x0 * ldk, ldk, upp + ex * up.stride(0) * es, up.stride(1),
-                     k, gu.data() + x0 * 2 * w, 2 * w, counts[ex], nullptr},
-                    weight_type(up), 2 * w});
+                     k, yu.data() + x0 * uw, uw, counts[ex], nullptr}, weight_type(up), uw});
   }
-  jobs.push_back({{buf.data() + xs, ldk, se_gate_w.data_ptr(), se_gate_w.stride(0), k,
-                   sgu.data(), 2 * ws, m, nullptr}, weight_type(se_gate_w), ws});
-  jobs.push_back({{buf.data() + xs, ldk, se_up_w.data_ptr(), se_up_w.stride(0), k,
-                   sgu.data() + ws, 2 * ws, m, nullptr}, weight_type(se_up_w), ws});
+  for (size_t i = 0; i < shared_ups.size(); ++i)
+    jobs.push_back({{buf.data() + xs, ldk, shared_ups[i].data_ptr(), shared_ups[i].stride(0), k,
+                     syu.data() + i * ws, su, m, nullptr}, weight_type(shared_ups[i]), ws});
   run_jobs(jobs, is, grain_blocks(k, 2));
-  // SwiGLU of both, into the down projections' padded rows
+  // the activations, into the down projections' padded rows
   buf.clear();
   buf.resize(pairs * ldw + m * lds);
-  for (int64_t i = 0; i < pairs; ++i) {
-    float* row = buf.data() + i * ldw;
-    baton_route::swiglu_rows(gu.data() + i * 2 * w, 2 * w, 1, w, row);
-    std::memset(row + w, 0, (ldw - w) * sizeof(float));
-  }
+  for (int64_t i = 0; i < pairs; ++i)
+    activate_row(yu.data() + i * uw, w, act, buf.data() + i * ldw, ldw);
   float* sact = buf.data() + pairs * ldw;
-  for (int64_t i = 0; i < m; ++i) {
-    float* row = sact + i * lds;
-    baton_route::swiglu_rows(sgu.data() + i * 2 * ws, 2 * ws, 1, ws, row);
-    std::memset(row + ws, 0, (lds - ws) * sizeof(float));
-  }
+  for (int64_t i = 0; i < m; ++i) activate_row(syu.data() + i * su, ws, act, sact + i * lds, lds);
   // down: [pairs, d] by expert run, and the shared [m, d]
-  std::vector<float> yd(pairs * d), sd(m * d);
+  std::vector<float> yd(pairs * d);
+  sd.assign(m * d, 0.f);
   const int64_t esd = weight_type(down) == kF32 ? 4 : 2;
   const char* dp = static_cast<const char*>(down.data_ptr());
   jobs.clear();
@@ -214,18 +213,45 @@ at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
     jobs.push_back({{buf.data() + x0 * ldw, ldw, dp + ex * down.stride(0) * esd, down.stride(1),
                      w, yd.data() + x0 * d, d, counts[ex], nullptr}, weight_type(down), d});
   }
-  jobs.push_back({{sact, lds, se_down_w.data_ptr(), se_down_w.stride(0), ws, sd.data(), d, m,
-                   nullptr}, weight_type(se_down_w), d});
+  jobs.push_back({{sact, lds, se_down.data_ptr(), se_down.stride(0), ws, sd.data(), d, m,
+                   nullptr}, weight_type(se_down), d});
   run_jobs(jobs, is, grain_blocks(std::max(w, ws), 2));
-  // moe_combine's weighted sum, then residual + (routed + sigmoid(gate) * shared)
-  std::vector<float> out(m * d, 0.f);
-  const float* wp = weights.data_ptr<float>();
+  // moe_combine's weighted sum
+  out.assign(m * d, 0.f);
   for (int64_t q = 0; q < pairs; ++q) {
     const float wt = wp[pair[q]];
     float* orow = out.data() + token[q] * d;
     const float* yr = yd.data() + q * d;
     for (int64_t j = 0; j < d; ++j) orow[j] = orow[j] + yr[j] * wt;
   }
+}
+
+void check_residual(const at::Tensor& residual, int64_t m, int64_t d) {
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
+              residual.size(0) == m && residual.size(1) == d && residual.stride(1) == 1,
+              "cpu kernel: residual must be [", m, ", ", d, "] float32, got ", residual.sizes());
+}
+
+// `qwen_moe` where `route_applies`: the router and the shared gate (one small call), the
+// routing on gemv_route.h, `experts_glued` (SwiGLU), then residual + (routed + sigmoid(gate)
+// * shared).
+at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
+                          const at::Tensor& shared_gate_w, const at::Tensor& se_gate_w,
+                          const at::Tensor& se_up_w, const at::Tensor& se_down_w,
+                          const at::Tensor& up, const at::Tensor& down, int64_t top_k, bool norm,
+                          at::Tensor& routed, const at::Tensor& residual) {
+  const int64_t m = x.size(0), e = gate_w.size(0), d = x.size(1);
+  TORCH_CHECK(up.size(0) == e, "cpu kernel: qwen_moe's router and experts disagree on E");
+  check_residual(residual, m, d);
+  const at::Tensor r = linear_cat(x, {gate_w, shared_gate_w}, -1);
+  const float* rp = r.data_ptr<float>();
+  at::Tensor weights = at::empty({m, top_k}, x.options());
+  at::Tensor experts = at::empty({m, top_k}, x.options().dtype(at::kLong));
+  baton_route::route(rp, e + 1, m, e, top_k, norm, weights.data_ptr<float>(),
+                     experts.data_ptr<int64_t>());
+  std::vector<float> out, sd;
+  experts_glued(x, experts, weights.data_ptr<float>(), up, down, 1, {se_gate_w, se_up_w},
+                se_down_w, routed, out, sd);
   at::Tensor res = at::empty({m, d}, x.options());
   float* o = res.data_ptr<float>();
   const float* hp = residual.data_ptr<float>();
@@ -263,12 +289,38 @@ at::Tensor qwen_moe(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
 }
 
 // NemotronH's `E` block on x [N, d] (`MoE.forward` on the fast path, every group kept, no
-// latent projection, no biases), plus `residual`: residual + (routed + shared expert).
+// latent projection, no biases), plus `residual`: residual + (routed + shared expert). Where
+// torch runs its AVX-512 kernels (a renormalising sum of under 16 weights), the routing is
+// gemv_route.h's and the projections `experts_glued`'s; else the module path's ATen ops.
 at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bias,
                         at::Tensor se_up_w, at::Tensor se_down_w, at::Tensor up,
                         at::Tensor down, int64_t top_k, bool norm, double scale,
                         at::Tensor routed, at::Tensor residual) {
-  const int64_t e = router_w.size(0), w = se_up_w.size(0);
+  const int64_t e = router_w.size(0), w = se_up_w.size(0), m = x.size(0);
+  check_x(x);
+  if (m > 0 && top_k >= 1 && top_k <= e && top_k < 16 && baton_route::available() &&
+      choice_bias.scalar_type() == at::kFloat && choice_bias.is_contiguous() &&
+      choice_bias.numel() == e && up.size(0) == e) {
+    check_residual(residual, m, x.size(1));
+    const at::Tensor r = linear(x, router_w, c10::nullopt, -1, c10::nullopt, false);
+    at::Tensor weights = at::empty({m, top_k}, x.options());
+    at::Tensor experts = at::empty({m, top_k}, x.options().dtype(at::kLong));
+    baton_route::route_sigmoid(r.data_ptr<float>(), e, m, e, choice_bias.data_ptr<float>(),
+                               top_k, norm, static_cast<float>(scale),
+                               weights.data_ptr<float>(), experts.data_ptr<int64_t>());
+    std::vector<float> out, sd;
+    experts_glued(x, experts, weights.data_ptr<float>(), up, down, 0, {se_up_w}, se_down_w,
+                  routed, out, sd);
+    const int64_t d = x.size(1);
+    at::Tensor res = at::empty({m, d}, x.options());
+    float* o = res.data_ptr<float>();
+    const float* hp = residual.data_ptr<float>();
+    for (int64_t i = 0; i < m; ++i) {
+      const float* hr = hp + i * residual.stride(0);
+      for (int64_t j = 0; j < d; ++j) o[i * d + j] = hr[j] + (out[i * d + j] + sd[i * d + j]);
+    }
+    return res;
+  }
   const at::Tensor y = linear_cat(x, {router_w, se_up_w}, -1);
   const at::Tensor scores = sigmoid_by_element(y.narrow(1, 0, e));
   const at::Tensor experts = std::get<1>(at::topk(at::add(scores, choice_bias), top_k, -1,
@@ -283,8 +335,8 @@ at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bia
 }
 
 // The tests' handles on gemv_route.h: (weights, experts) of a router's logits [M, E] (rows
-// contiguous), and SwiGLU of rows [gate | up]; each what `qwen_moe` computes where
-// `route_applies`.
+// contiguous; Qwen's softmax router, NemotronH's sigmoid one), and SwiGLU of rows
+// [gate | up]; each what `qwen_moe` / `nemotron_moe` compute where they take gemv_route.h.
 std::vector<at::Tensor> route_replica(const at::Tensor& logits, int64_t top_k, bool norm) {
   TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
               "kernels");
@@ -296,6 +348,23 @@ std::vector<at::Tensor> route_replica(const at::Tensor& logits, int64_t top_k, b
   at::Tensor experts = at::empty({m, top_k}, logits.options().dtype(at::kLong));
   baton_route::route(logits.data_ptr<float>(), logits.stride(0), m, logits.size(1), top_k, norm,
                      weights.data_ptr<float>(), experts.data_ptr<int64_t>());
+  return {weights, experts};
+}
+
+std::vector<at::Tensor> route_sigmoid_replica(const at::Tensor& logits, const at::Tensor& bias,
+                                              int64_t top_k, bool norm, double scale) {
+  TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
+              "kernels");
+  check_x(logits);
+  const int64_t m = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(logits.stride(1) == 1 && top_k >= 1 && top_k <= e && bias.numel() == e &&
+              bias.scalar_type() == at::kFloat && bias.is_contiguous(),
+              "cpu kernel: logits rows contiguous, bias [E] float32, top_k in [1, E]");
+  at::Tensor weights = at::empty({m, top_k}, logits.options());
+  at::Tensor experts = at::empty({m, top_k}, logits.options().dtype(at::kLong));
+  baton_route::route_sigmoid(logits.data_ptr<float>(), logits.stride(0), m, e,
+                             bias.data_ptr<float>(), top_k, norm, static_cast<float>(scale),
+                             weights.data_ptr<float>(), experts.data_ptr<int64_t>());
   return {weights, experts};
 }
 

@@ -1,8 +1,9 @@
-// A MoE layer's small element-wise glue (router softmax, top-k, the renormalising sum, SwiGLU's
-// silu, the shared expert's sigmoid gate) as plain loops, each rounding every element exactly
-// as the ATen op it replaces rounds it on a CPU where torch runs its AVX-512 kernels. At batch
-// 1 the ~20 ATen calls of `qwen_moe` cost ~0.1 ms a layer, run with cold caches after every
-// weight stream (dispatch, allocation, views): a sixth of the layer. Included by gemv_moe.h.
+// A MoE layer's small element-wise glue (Qwen's softmax router and NemotronH's sigmoid one,
+// top-k, the renormalising sum, SwiGLU's silu, the shared expert's sigmoid gate) as plain
+// loops, each rounding every element exactly as the ATen op it replaces rounds it on a CPU
+// where torch runs its AVX-512 kernels. At batch 1 the ~20 ATen calls of `qwen_moe` cost
+// ~0.1 ms a layer, run with cold caches after every weight stream (dispatch, allocation,
+// views): a sixth of the layer. Included by gemv_moe.h.
 //
 // What each replica follows (torch's CPU kernels, float32; `available()` says when they apply):
 //   softmax (last dim, `_vec_softmax_lastdim`): max = reduce_all(maximum), out = exp(x - max)
@@ -17,7 +18,9 @@
 //     (x / (1 + exp(-x)), Sleef's exp), the tail on the scalar one (std::exp); one call's
 //     elements all in one thread (rows * width under torch's grain, 32768), else torch splits
 //     the range and the chunks move: the caller keeps ATen then.
-//   sigmoid through `sigmoid_by_element`'s stride-2 view: the scalar path, 1 / (1 + exp(-x)).
+//   sigmoid through `sigmoid_by_element`'s stride-2 view: the scalar path, 1 / (1 + exp(-x));
+//   scalars added to or multiplying a float32 tensor (1e-20, the routed scale): rounded to
+//   float32 first.
 // tests/unit/test_moe_route.py holds each against the ATen op, bit for bit.
 #pragma once
 
@@ -125,7 +128,7 @@ inline void silu_row(const float* x, float* out, int64_t n) {
 
 // topk(row of n, k, largest, sorted) as topk_impl_loop: values and indices.
 inline void topk_row(const float* p, int64_t n, int64_t k, float* vals, int64_t* idx,
-                     std::vector<std::pair<float, int64_t>>& q) {
+                     std::vector<std::pair<float, int64_t>>& q, bool sorted = true) {
   q.resize(n);
   for (int64_t j = 0; j < n; ++j) q[j] = {p[j], j};
   auto gt = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
@@ -135,10 +138,13 @@ inline void topk_row(const float* p, int64_t n, int64_t k, float* vals, int64_t*
     std::partial_sort(q.begin(), q.begin() + k, q.end(), gt);
   } else {
     std::nth_element(q.begin(), q.begin() + k - 1, q.end(), gt);
-    std::sort(q.begin(), q.begin() + k - 1, gt);
+    if (sorted) std::sort(q.begin(), q.begin() + k - 1, gt);
   }
   for (int64_t j = 0; j < k; ++j) vals[j] = q[j].first, idx[j] = q[j].second;
 }
+
+// sigmoid_by_element's scalar path.
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 // weights.sum(-1) of one row of k < 16 as torch sums it: its sum kernel is the AVX2 build
 // (8 lanes) under the AVX-512 capability. Under 8: `row_sum`, four partial sums (element j
@@ -175,6 +181,32 @@ inline void route(const float* logits, int64_t ld, int64_t m, int64_t e, int64_t
   }
 }
 
+// NemotronH's router (`sigmoid_group_topk` with every group kept) of m rows of logits (row
+// stride ld): scores = sigmoid (sigmoid_by_element's scalar path), experts = topk(scores +
+// bias, k, sorted=False), weights = the chosen scores, (norm) / (sum + 1e-20), * scale (the
+// scalars rounded to float32 first, as torch's ops on a float32 tensor take them).
+inline void route_sigmoid(const float* logits, int64_t ld, int64_t m, int64_t e,
+                          const float* bias, int64_t k, bool norm, float scale, float* weights,
+                          int64_t* experts) {
+  std::vector<float> scores(e), choice(e), vals(k);
+  std::vector<std::pair<float, int64_t>> q;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < e; ++j) {
+      scores[j] = sigmoid(logits[i * ld + j]);
+      choice[j] = scores[j] + bias[j];
+    }
+    int64_t* ex = experts + i * k;
+    float* w = weights + i * k;
+    topk_row(choice.data(), e, k, vals.data(), ex, q, false);
+    for (int64_t j = 0; j < k; ++j) w[j] = scores[ex[j]];
+    if (norm) {
+      const float s = weight_sum(w, k) + static_cast<float>(1e-20);
+      for (int64_t j = 0; j < k; ++j) w[j] = w[j] / s;
+    }
+    for (int64_t j = 0; j < k; ++j) w[j] = w[j] * scale;
+  }
+}
+
 // silu(gu[:, :w]) * gu[:, w:] of m rows (row stride ld) into out [m, w] (contiguous).
 inline void swiglu_rows(const float* gu, int64_t ld, int64_t m, int64_t w, float* out) {
   for (int64_t i = 0; i < m; ++i) {
@@ -184,8 +216,5 @@ inline void swiglu_rows(const float* gu, int64_t ld, int64_t m, int64_t w, float
     for (int64_t j = 0; j < w; ++j) o[j] = o[j] * u[j];
   }
 }
-
-// sigmoid_by_element's scalar path.
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 }  // namespace baton_route
