@@ -120,6 +120,7 @@ def _block(cfg: _Cfg, dtype: torch.dtype) -> QwenSparseMoe:
 def _run(block, rows: int, threads: int):
     """(the fast path's direct call, the module's h + block(x), the load counted by the first)."""
     run, _ = mlp_part(block)
+    assert run.__name__ == "run"  # the block's kernel call, not `mlp_part`'s module fallback
     gen = torch.Generator().manual_seed(rows)
     x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen)
     before = torch.get_num_threads()
