@@ -1,7 +1,8 @@
 """Roofline figures of `bench engine --peer llamacpp`, measured in the same run as the rows:
 
-- prefill: the model's FLOPs for the prompt (every linear layer per token, attention's scores
-  and values, the lm_head for the last token; the scan's small terms left out) over the
+- prefill: the model's FLOPs for the prompt (every linear layer per token, a MoE block's
+  top-k routed experts per token, attention's scores and values, the lm_head for the last
+  token; the scan's small terms left out) over the
   prefill time, as a fraction of this machine's matmul peak (the best of a few fp32 [T, hidden]
   x [hidden, 4 * hidden] matmuls per thread count, MKL's or oneDNN's);
 - decode: the step time over the time of the model's linear layers alone at that batch size
@@ -50,10 +51,25 @@ def _linears(model) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
+def _routed_expert_flops(model) -> int:
+    """FLOPs a token spends in the routed experts it is sent to: every MoE block's top-k
+    experts' stacked projections (not `nn.Linear`s, so `_linears` leaves them out)."""
+    total = 0
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        names = getattr(experts, "stacked", ())
+        if not names:
+            continue
+        k = getattr(m, "top_k", None) or m.gate.cfg.num_experts_per_tok
+        stacks = [getattr(experts, n) for n in names]
+        total += 2 * k * sum(t[0].numel() for t in stacks)  # one expert's weights, k of them
+    return total
+
+
 def prefill_flops(model, T: int) -> float:
     cfg = model.config
     lin = sum(2 * m.in_features * m.out_features for m in _linears(model)
-              if m is not model.lm_head)
+              if m is not model.lm_head) + _routed_expert_flops(model)
     attn = len(cfg.attention_layers) * 2 * 2 * cfg.num_attention_heads * cfg.head_dim
     return lin * T + attn * T * (T + 1) / 2 + 2 * cfg.hidden_size * cfg.vocab_size
 

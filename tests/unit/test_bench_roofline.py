@@ -1,0 +1,31 @@
+"""`bench engine`'s roofline FLOP count: a MoE block's routed experts count for the top-k a
+token is sent to (they are stacked parameters, not `nn.Linear`s, so the linear sum alone
+left them out and the MoE families' prefill fractions read 0.33-0.49 instead of 0.57-0.66)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from baton.model.layers.moe import MoE
+from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.make_model import checkpoint_config
+from baton.model.nemotron_h.config import ModelConfig
+from bench.roofline import _routed_expert_flops
+
+
+class _QwenCfg:
+    hidden_size, hidden_act, norm_topk_prob = 64, "silu", True
+    num_experts, num_experts_per_tok = 8, 2
+    moe_intermediate_size, shared_expert_intermediate_size = 40, 48
+
+
+def test_routed_experts_count_top_k_experts_per_token():
+    cfg = ModelConfig.from_dict(checkpoint_config(
+        "tiny", pattern="E", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
+    model = nn.ModuleList([QwenSparseMoe(_QwenCfg(), renormalize=True), MoE(cfg),
+                           nn.Linear(64, 64)])
+    qwen = 2 * 2 * (2 * 40 * 64 + 64 * 40)  # 2 experts: gate_up [80, 64], down [64, 40]
+    nemotron = 2 * 4 * (48 * 64 + 64 * 48)  # 4 experts: up [48, 64], down [64, 48]
+    assert _routed_expert_flops(model) == qwen + nemotron
+    assert _routed_expert_flops(nn.Sequential(nn.Linear(64, 64))) == 0
