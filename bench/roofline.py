@@ -6,7 +6,8 @@
   prefill time, as a fraction of this machine's matmul peak (the best of a few fp32 [T, hidden]
   x [hidden, 4 * hidden] matmuls per thread count, MKL's or oneDNN's);
 - decode: the step time over the time of the model's linear layers alone at that batch size
-  (each module called once on a random [batch, in] input, best of several passes).
+  (each module called once on a random [batch, in] input, and each MoE block's routed experts
+  for batch tokens of top-k experts each; best of several passes).
 
 All in CPU seconds of this process (every thread), not wall time: on a shared machine the
 wall clock mostly measures the other load (the rows' `*_wait_frac`), CPU time the work. At 2
@@ -74,15 +75,49 @@ def prefill_flops(model, T: int) -> float:
     return lin * T + attn * T * (T + 1) / 2 + 2 * cfg.hidden_size * cfg.vocab_size
 
 
+def _expert_runs(model, batch: int) -> list:
+    """Per MoE block, its routed experts' up and down projections for `batch` tokens, top-k
+    distinct experts each (drawn at random, seeded: about as many experts active as a real
+    router's spread gives), as the decode kernel's grouped
+    matmuls (`gemv.grouped_linear`, what a decode step runs; no routing, activation or sum):
+    the matmuls `_linears` does not hold. None where the kernel is not built."""
+    from baton.model.layers import cpu_kernels
+
+    g = cpu_kernels.gemv()
+    runs = []
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        if not getattr(experts, "stacked", ()):
+            continue
+        if g is None:
+            return None
+        up, down = (getattr(experts, n) for n in experts.stacked)
+        k, e = getattr(m, "top_k", None) or m.gate.cfg.num_experts_per_tok, up.shape[0]
+        gen = torch.Generator().manual_seed(batch)
+        choice = torch.cat([torch.randperm(e, generator=gen)[:k] for _ in range(batch)])
+        order = torch.argsort(choice, stable=True)
+        counts = torch.bincount(choice, minlength=e)
+        x, z = torch.randn(batch, up.shape[-1]), torch.randn(batch * k, down.shape[-1])
+        tokens = order // k
+        runs.append(lambda x=x, z=z, up=up, down=down, c=counts, t=tokens: (
+            g.grouped_linear(x, up, c, t), g.grouped_linear(z, down, c)))
+    return runs
+
+
 @torch.inference_mode()
 def linear_step_seconds(model, batch: int) -> float:
+    """A decode step's matmuls alone at `batch` rows: every linear layer once, and each MoE
+    block's routed experts (`_expert_runs`; left out where the kernel is not built)."""
     mods = _linears(model)
     xs = [torch.randn(batch, m.in_features) for m in mods]
+    experts = _expert_runs(model, batch) or []
 
     def once():
         with decode_scope():  # the kernels the decode step itself uses
             for m, x in zip(mods, xs, strict=True):
                 m(x)
+            for run in experts:
+                run()
     return _best(once)
 
 

@@ -29,3 +29,22 @@ def test_routed_experts_count_top_k_experts_per_token():
     nemotron = 2 * 4 * (48 * 64 + 64 * 48)  # 4 experts: up [48, 64], down [64, 48]
     assert _routed_expert_flops(model) == qwen + nemotron
     assert _routed_expert_flops(nn.Sequential(nn.Linear(64, 64))) == 0
+
+
+def test_each_moe_block_adds_its_routed_experts_to_the_step_matmuls():
+    import pytest
+
+    from baton.model.layers import cpu_kernels
+    from bench.roofline import _expert_runs
+
+    if cpu_kernels.gemv() is None:
+        pytest.skip("cpu kernel not built")
+    cfg = ModelConfig.from_dict(checkpoint_config(
+        "tiny", pattern="E", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
+    qwen, nemotron = QwenSparseMoe(_QwenCfg(), renormalize=True), MoE(cfg)
+    runs = _expert_runs(nn.ModuleList([qwen, nemotron, nn.Linear(64, 64)]), batch=5)
+    shapes = [tuple(tuple(y.shape) for y in run()) for run in runs]
+    # batch x top-k pairs: Qwen's gate_up [80] then down [64]; NemotronH's up [48], down [64]
+    assert shapes == [((10, 80), (10, 64)), ((20, 48), (20, 64))]
+    assert _expert_runs(nn.Sequential(nn.Linear(64, 64)), batch=5) == []
