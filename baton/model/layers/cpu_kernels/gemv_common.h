@@ -52,10 +52,25 @@ struct Padded {
   int64_t ld;
 };
 
+// A padded row's stride for k floats.
+inline int64_t padded_ld(int64_t k) { return (k + kLanes - 1) / kLanes * kLanes + kLanes; }
+
+// One row as the kernels read it: k floats of src, then zeros to ld.
+inline void pad_row(float* row, const float* src, int64_t k, int64_t ld) {
+  std::memcpy(row, src, k * sizeof(float));
+  std::memset(row + k, 0, (ld - k) * sizeof(float));
+}
+
+// relu(v)^2 as torch.square(F.relu(v)) rounds it (NaN stays NaN).
+inline float relu2(float v) {
+  const float r = v < 0.f ? 0.f : v;
+  return r * r;
+}
+
 // `rows` (optional, long): row r of the result is x[rows[r]] (MoE: each pair's token).
 inline Padded padded(const at::Tensor& x, const at::Tensor& rows = at::Tensor()) {
   const int64_t m = rows.defined() ? rows.numel() : x.size(0), k = x.size(1);
-  const int64_t ldx = (k + kLanes - 1) / kLanes * kLanes + kLanes;
+  const int64_t ldx = padded_ld(k);
   static thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < m * ldx) buf.resize(m * ldx);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
@@ -64,9 +79,7 @@ inline Padded padded(const at::Tensor& x, const at::Tensor& rows = at::Tensor())
   for (int64_t i = 0; i < m; ++i) {
     const int64_t r = idx ? idx[i] : i;
     TORCH_CHECK(r >= 0 && r < x.size(0), "cpu kernel: row ", r, " of x with ", x.size(0));
-    float* row = buf.data() + i * ldx;
-    std::memcpy(row, src + r * xc.stride(0), k * sizeof(float));
-    std::memset(row + k, 0, (ldx - k) * sizeof(float));
+    pad_row(buf.data() + i * ldx, src + r * xc.stride(0), k, ldx);
   }
   return {buf.data(), ldx};
 }

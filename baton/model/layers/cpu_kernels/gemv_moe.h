@@ -41,10 +41,7 @@ at::Tensor relu2_rows(const at::Tensor& y) {
   const float* yp = y.data_ptr<float>();
   float* o = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < w; ++j) {
-      const float v = yp[i * ys + j] < 0.f ? 0.f : yp[i * ys + j];
-      o[i * w + j] = v * v;
-    }
+    for (int64_t j = 0; j < w; ++j) o[i * w + j] = relu2(yp[i * ys + j]);
   return out;
 }
 
@@ -52,15 +49,6 @@ at::Tensor relu2_rows(const at::Tensor& y) {
 at::Tensor swiglu_views(const at::Tensor& gu) {
   const int64_t w = gu.size(1) / 2;
   return at::mul(at::silu(gu.narrow(1, 0, w)), gu.narrow(1, w, w));
-}
-
-// SwiGLU of rows [gate | up] on gemv_route.h's replicas (their conditions checked by the caller).
-at::Tensor swiglu_rows(const at::Tensor& gu) {
-  const int64_t m = gu.size(0), w = gu.size(1) / 2;
-  TORCH_CHECK(gu.stride(1) == 1, "cpu kernel: gate_up rows must be contiguous");
-  at::Tensor out = at::empty({m, w}, gu.options());
-  baton_route::swiglu_rows(gu.data_ptr<float>(), gu.stride(0), m, w, out.data_ptr<float>());
-  return out;
 }
 
 // `moe._kernel_experts` with every expert held: sort the pairs, the up run, the activation
@@ -111,15 +99,10 @@ int64_t pack_rows(std::vector<float>& buf, const float* src, int64_t src_ld,
                   const int64_t* rows, int64_t m, int64_t k, int64_t ld) {
   const int64_t at = static_cast<int64_t>(buf.size());
   buf.resize(at + m * ld);
-  for (int64_t i = 0; i < m; ++i) {
-    float* row = buf.data() + at + i * ld;
-    std::memcpy(row, src + (rows ? rows[i] : i) * src_ld, k * sizeof(float));
-    std::memset(row + k, 0, (ld - k) * sizeof(float));
-  }
+  for (int64_t i = 0; i < m; ++i)
+    pad_row(buf.data() + at + i * ld, src + (rows ? rows[i] : i) * src_ld, k, ld);
   return at;
 }
-
-inline int64_t padded_ld(int64_t k) { return (k + kLanes - 1) / kLanes * kLanes + kLanes; }
 
 // Whether gemv_route.h's replicas give ATen's bits for a Qwen MoE block of m tokens: torch's
 // AVX-512 kernels, a renormalising sum of under 16 weights, and each silu call's elements in
@@ -137,10 +120,7 @@ void activate_row(const float* src, int64_t w, int act, float* row, int64_t ld) 
   if (act == 1) {
     baton_route::swiglu_rows(src, 2 * w, 1, w, row);
   } else {
-    for (int64_t j = 0; j < w; ++j) {
-      const float v = src[j] < 0.f ? 0.f : src[j];  // relu2_rows' rounding (NaN stays NaN)
-      row[j] = v * v;
-    }
+    for (int64_t j = 0; j < w; ++j) row[j] = relu2(src[j]);
   }
   std::memset(row + w, 0, (ld - w) * sizeof(float));
 }
@@ -372,7 +352,12 @@ at::Tensor swiglu_replica(const at::Tensor& gu) {
   TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
               "kernels");
   check_x(gu);
-  return swiglu_rows(gu);
+  TORCH_CHECK(gu.stride(1) == 1 && gu.size(1) % 2 == 0,
+              "cpu kernel: gate_up must be [M, 2W] with contiguous rows");
+  const int64_t m = gu.size(0), w = gu.size(1) / 2;
+  at::Tensor out = at::empty({m, w}, gu.options());
+  baton_route::swiglu_rows(gu.data_ptr<float>(), gu.stride(0), m, w, out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace
