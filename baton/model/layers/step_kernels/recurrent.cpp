@@ -105,7 +105,7 @@ void conv_step(const float* src, float* dst, const float* x, const float* w, con
 constexpr int64_t STATE_AHEAD = 1024;
 inline void prefetch_ahead(const float* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p + STATE_AHEAD);
-  for (int64_t off = 0; off < n * 4; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < n * 4; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // One Mamba2 head's state update and read-out: d[p] = s[p] * dA + dtB * x[p] over the N
@@ -145,6 +145,96 @@ inline void ssm_head(const float* s, float* d, const float* x, const float* dtB,
     }
     y[p] = acc + Dh * xv;
   }
+}
+
+// One gated DeltaNet head's state update and read-out, the state [dk, dv] read from src and
+// written to st (the same rows in plain decode): S = decay * S, mem = S^T k,
+// delta = (v - mem) * beta, S += k delta^T, o = S^T q. Two passes over the head's rows (the
+// second from L1); mem: dv floats of scratch.
+inline void delta_head(const float* src, float* st, const float* q, const float* k,
+                       const float* v, float decay, float beta, float* mem, float* oh,
+                       int64_t dk, int64_t dv) {
+  for (int64_t e = 0; e < dv; ++e) mem[e] = 0.f;
+  for (int64_t d = 0; d < dk; ++d) {
+    const float* old = src + d * dv;
+    float* row = st + d * dv;
+    const float kd = k[d];
+    prefetch_ahead(old, dv);
+    if (st != src) prefetch_ahead(row, dv);
+#pragma omp simd
+    for (int64_t e = 0; e < dv; ++e) {
+      row[e] = old[e] * decay;
+      mem[e] += row[e] * kd;
+    }
+  }
+  for (int64_t e = 0; e < dv; ++e) mem[e] = (v[e] - mem[e]) * beta;  // delta
+  for (int64_t e = 0; e < dv; ++e) oh[e] = 0.f;
+  for (int64_t d = 0; d < dk; ++d) {
+    float* row = st + d * dv;
+    const float kd = k[d], qd = q[d];
+#pragma omp simd
+    for (int64_t e = 0; e < dv; ++e) {
+      row[e] = row[e] + kd * mem[e];
+      oh[e] += row[e] * qd;
+    }
+  }
+}
+
+// delta_head with the state rows 16 floats at a time and mem and o in registers (dv a
+// multiple of 16, at most 128): each element takes the same multiplies and adds in the same
+// order (the same bits). The scalar loop kept mem and o in memory (they may alias the state
+// for the compiler), a store-to-load chain through every row: the head ran at about half the
+// memory's streaming speed at batch 32. False where it does not apply.
+template <int V>
+inline void delta_head_v(const float* src, float* st, const float* q, const float* k,
+                         const float* v, float decay, float beta, float* oh, int64_t dk,
+                         int64_t dv) {
+  __m512 mem[V], o[V];
+  const __m512 vdec = _mm512_set1_ps(decay);
+  for (int u = 0; u < V; ++u) mem[u] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dk; ++d) {
+    const float* old = src + d * dv;
+    float* row = st + d * dv;
+    const __m512 kd = _mm512_set1_ps(k[d]);
+    prefetch_ahead(old, dv);
+    if (st != src) prefetch_ahead(row, dv);
+    for (int u = 0; u < V; ++u) {
+      const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(old + 16 * u), vdec);
+      _mm512_storeu_ps(row + 16 * u, r);
+      mem[u] = _mm512_add_ps(mem[u], _mm512_mul_ps(r, kd));
+    }
+  }
+  const __m512 vb = _mm512_set1_ps(beta);
+  for (int u = 0; u < V; ++u) {
+    mem[u] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + 16 * u), mem[u]), vb);  // delta
+    o[u] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < dk; ++d) {
+    float* row = st + d * dv;
+    const __m512 kd = _mm512_set1_ps(k[d]), qd = _mm512_set1_ps(q[d]);
+    for (int u = 0; u < V; ++u) {
+      const __m512 r = _mm512_add_ps(_mm512_loadu_ps(row + 16 * u), _mm512_mul_ps(kd, mem[u]));
+      _mm512_storeu_ps(row + 16 * u, r);
+      o[u] = _mm512_add_ps(o[u], _mm512_mul_ps(r, qd));
+    }
+  }
+  for (int u = 0; u < V; ++u) _mm512_storeu_ps(oh + 16 * u, o[u]);
+}
+
+inline bool delta_head_avx512(const float* src, float* st, const float* q, const float* k,
+                              const float* v, float decay, float beta, float* oh, int64_t dk,
+                              int64_t dv) {
+#ifdef __AVX512F__
+  switch (dv) {
+    case 16: delta_head_v<1>(src, st, q, k, v, decay, beta, oh, dk, dv); return true;
+    case 32: delta_head_v<2>(src, st, q, k, v, decay, beta, oh, dk, dv); return true;
+    case 64: delta_head_v<4>(src, st, q, k, v, decay, beta, oh, dk, dv); return true;
+    case 128: delta_head_v<8>(src, st, q, k, v, decay, beta, oh, dk, dv); return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -280,31 +370,9 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
       const float decay = std::exp(g), beta = sigmoid(bp[i * hv + h]);
       const float* src = rp + ((sl[i] * hv + h) * dk) * dv;
       float* st = rp + ((dl[i] * hv + h) * dk) * dv;
-      for (int64_t e = 0; e < dv; ++e) mem[e] = 0.f;
-      for (int64_t d = 0; d < dk; ++d) {
-        const float* old = src + d * dv;
-        float* row = st + d * dv;
-        const float kd = k[d];
-        prefetch_ahead(old, dv);
-        if (st != src) prefetch_ahead(row, dv);
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) {
-          row[e] = old[e] * decay;
-          mem[e] += row[e] * kd;
-        }
-      }
-      for (int64_t e = 0; e < dv; ++e) mem[e] = (v[e] - mem[e]) * beta;  // delta
       float* oh = op + i * hv * dv + h * dv;
-      for (int64_t e = 0; e < dv; ++e) oh[e] = 0.f;
-      for (int64_t d = 0; d < dk; ++d) {
-        float* row = st + d * dv;
-        const float kd = k[d], qd = q[d];
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) {
-          row[e] = row[e] + kd * mem[e];
-          oh[e] += row[e] * qd;
-        }
-      }
+      if (!delta_head_avx512(src, st, q, k, v, decay, beta, oh, dk, dv))
+        delta_head(src, st, q, k, v, decay, beta, mem.data(), oh, dk, dv);
       float ss = 0.f;
       for (int64_t e = 0; e < dv; ++e) ss += oh[e] * oh[e];
       const float inv = 1.f / std::sqrt(ss / dv + (float)eps);
