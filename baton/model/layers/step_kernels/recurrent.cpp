@@ -19,6 +19,15 @@ using namespace baton_step;
 
 namespace {
 
+// Prefetch the n floats STATE_AHEAD floats (4 KB) past p: a decode step streams every live
+// recurrent state once, and ahead of the hardware prefetcher (which stops at each 4 KB page)
+// the rows arrive at the memory's streaming speed.
+constexpr int64_t STATE_AHEAD = 1024;
+inline void prefetch_ahead(const float* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p + STATE_AHEAD);
+  for (int64_t off = 0; off < n * 4; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
 // Depthwise causal conv of one token over the window [state | x] + silu, then the state
 // shifts by one: the window's state is read from src [C, K-1] and the shifted one written to
 // dst (the same rows, in place, in plain decode; a verify pass's next position slot else),
@@ -57,6 +66,7 @@ void conv_step(const float* src, float* dst, const float* x, const float* w, con
     for (int k = 0; k < 4; ++k) vwl[k] = _mm512_load_si512(wl[k]);
     for (; c0 + 16 <= C; c0 += 16) {
       const float* s = src + c0 * 3;
+      prefetch_ahead(s, 48);
       const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + 16),
                    a2 = _mm512_loadu_ps(s + 32);
       const float* wc = w + c0 * 4;
@@ -97,15 +107,6 @@ void conv_step(const float* src, float* dst, const float* x, const float* w, con
     out[c] = acc;
   }
   silu_(out, out, tmp, C);
-}
-
-// Prefetch the n floats STATE_AHEAD floats (4 KB) past p: a decode step streams every live
-// recurrent state once, and ahead of the hardware prefetcher (which stops at each 4 KB page)
-// the rows arrive at the memory's streaming speed.
-constexpr int64_t STATE_AHEAD = 1024;
-inline void prefetch_ahead(const float* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p + STATE_AHEAD);
-  for (int64_t off = 0; off < n * 4; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // One Mamba2 head's state update and read-out: d[p] = s[p] * dA + dtB * x[p] over the N
