@@ -7,7 +7,11 @@
   x [hidden, 4 * hidden] matmuls per thread count, MKL's or oneDNN's);
 - decode: the step time over the time of the model's linear layers alone at that batch size
   (each module called once on a random [batch, in] input, and each MoE block's routed experts
-  for batch tokens of top-k experts each; best of several passes).
+  for batch tokens of top-k experts each; best of several passes). Next to it the floor the
+  memory sets: a step must also read and write every live recurrent state once and read its
+  keys and values (`step_stream_bytes`); that many bytes streamed cold on this machine, in the
+  same run (`stream_seconds`), over the linears gives `floor_over_linear`, the least a step
+  over its linears can read here with everything else free.
 
 All in CPU seconds of this process (every thread), not wall time: on a shared machine the
 wall clock mostly measures the other load (the rows' `*_wait_frac`), CPU time the work. At 2
@@ -121,6 +125,42 @@ def linear_step_seconds(model, batch: int) -> float:
     return _best(once)
 
 
+def step_stream_bytes(config, batch: int, context: float) -> tuple[int, int]:
+    """(recurrent state bytes a decode step reads and writes, KV bytes it reads) for `batch`
+    sequences of `context` tokens: every state tensor of every state layer (the model's
+    declared state spec) and K and V of every attention layer, float32."""
+    from baton.model.pools import PoolSpec
+
+    state = PoolSpec.for_model(config, num_blocks=1, tokens_per_block=1,
+                               num_slots=1).state_bytes_per_slot()
+    kv = len(config.attention_layers) * 2 * config.num_key_value_heads * config.head_dim * 4
+    return batch * state, int(batch * context * kv)
+
+
+_FLUSH_BYTES = 640 << 20
+"""Streamed between timed passes so the timed bytes come from memory, as in a step (whose
+weights evict them): more than this machine's L3."""
+
+
+@torch.inference_mode()
+def stream_seconds(state_bytes: int, kv_bytes: int, reps: int = 5) -> float:
+    """CPU seconds to stream a step's bytes from cold caches at the current thread count:
+    `state_bytes` read and written in place (one multiply), `kv_bytes` read (one sum); best
+    of `reps`."""
+    state = torch.ones(max(state_bytes // 4, 1))
+    kv = torch.ones(max(kv_bytes // 4, 1))
+    flush = torch.empty(_FLUSH_BYTES // 4)
+    out = []
+    for i in range(reps + 1):
+        flush.fill_(i)
+        t0 = time.process_time()
+        state.mul_(1.0)
+        if kv_bytes:
+            kv.sum()
+        out.append(time.process_time() - t0)
+    return min(out[1:])
+
+
 def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
     out = []
     hidden = model.config.hidden_size
@@ -142,10 +182,18 @@ def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
                 b = r["batch"]
                 lin = linear_step_seconds(model, b)
                 step = b * r["baton_cpu_ms_per_token"] / 1e3
+                prompt, steps = sz["decode"][b]
+                state, kv = step_stream_bytes(model.config, b, prompt + steps / 2)
+                stream = stream_seconds(state, kv)
                 out.append(_emit({"label": f"{family}-roofline-decode-b{b}-t{threads}",
                                   "batch": b, "step_cpu_ms": round(step * 1e3, 2),
                                   "linear_cpu_ms": round(lin * 1e3, 2),
-                                  "step_over_linear": round(step / lin, 3)}, family, threads))
+                                  "step_over_linear": round(step / lin, 3),
+                                  "state_mb": round(state / 2**20, 1),
+                                  "kv_mb": round(kv / 2**20, 1),
+                                  "stream_cpu_ms": round(stream * 1e3, 2),
+                                  "floor_over_linear": round((lin + stream) / lin, 3)},
+                                 family, threads))
     return out
 
 

@@ -48,3 +48,20 @@ def test_each_moe_block_adds_its_routed_experts_to_the_step_matmuls():
     # batch x top-k pairs: Qwen's gate_up [80] then down [64]; NemotronH's up [48], down [64]
     assert shapes == [((10, 80), (10, 64)), ((20, 48), (20, 64))]
     assert _expert_runs(nn.Sequential(nn.Linear(64, 64)), batch=5) == []
+
+
+def test_a_decode_step_streams_every_state_once_and_its_keys_and_values():
+    """The bytes behind `floor_over_linear`: every state tensor of every state layer (conv
+    window and SSM state for NemotronH's Mamba2) per sequence, and K and V of every attention
+    layer per token of context."""
+    from bench.roofline import step_stream_bytes
+
+    cfg = ModelConfig.from_dict(checkpoint_config(
+        "tiny", pattern="M*M-", hidden_size=64, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=8, n_groups=2, conv_kernel=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16))
+    conv = (4 * 16 + 2 * 2 * 8) * 3  # channels x (kernel - 1)
+    ssm = 4 * 16 * 8  # heads x head_dim x state
+    state, kv = step_stream_bytes(cfg, batch=3, context=10.5)
+    assert state == 3 * 2 * (conv + ssm) * 4  # 3 sequences, 2 Mamba2 layers, float32
+    assert kv == int(3 * 10.5 * 1 * 2 * 2 * 16 * 4)  # 1 attention layer: K and V, 2 heads
