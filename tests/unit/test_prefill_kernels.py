@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.norms import GatedRMSNorm
@@ -121,3 +122,86 @@ def test_a_prompt_cut_at_scan_chunk_boundaries_equals_whole(model_tiny, cuts):
     finally:
         linear.set_decode_path(old)
     assert torch.equal(runs[0], runs[1])
+
+
+def _denormal(t: torch.Tensor) -> int:
+    return int(((t != 0) & (t.abs() < torch.finfo(torch.float32).tiny)).sum())
+
+
+def _flushes() -> bool:
+    """Whether this thread flushes float32 denormals now (a denormal times 1 gives 0)."""
+    return _denormal(torch.full((4,), 1e-40) * torch.ones(4)) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flush_denormals_sets_every_pool_thread_and_reports_the_old_state(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert not _flushes()
+        assert K.flush_denormals(True) is False
+        # a product big enough to split over the pool: no thread may keep a denormal
+        assert _denormal(torch.full((1 << 20,), 1e-20) * torch.full((1 << 20,), 1e-20)) == 0
+        assert K.flush_denormals(False) is True
+        assert _denormal(torch.full((1 << 20,), 1e-20) * torch.full((1 << 20,), 1e-20)) == 1 << 20
+    finally:
+        K.flush_denormals(False)
+        torch.set_num_threads(old)
+
+
+def _decaying_scan_inputs():
+    """A DeltaNet and a Mamba2 scan over 256 tokens whose decays sit just above the scans'
+    FLUSH (e^-60 within a chunk) and whose inputs are small: their products and partial sums
+    are float32 denormals (what made the bench models' scans slow)."""
+    g = _gen(3)
+    n, T, HK, HV, dk, dv = 1, 256, 2, 4, 16, 16
+    q, k = torch.randn(n, T, HK, dk, generator=g), torch.randn(n, T, HK, dk, generator=g)
+    v = torch.randn(n, T, HV, dv, generator=g) * 1e-20
+    gate = -torch.rand(n, T, HV, generator=g) * 1.9  # ~-60 over a 64-token chunk
+    beta = torch.rand(n, T, HV, generator=g)
+    H, P, G, N = 4, 8, 2, 8
+    x = torch.randn(n, T, H, P, generator=g) * 1e-20
+    dt = torch.rand(n, T, H, generator=g) * 0.9 + 0.05
+    A = -torch.rand(H, generator=g) * 2
+    B, C = (torch.randn(n, T, G, N, generator=g) for _ in range(2))
+    return (q, k, v, gate, beta), (x, dt, A, B, C, torch.randn(H, generator=g))
+
+
+class _MatmulDenormals(TorchFunctionMode):
+    """Counts the denormal elements in the tensors the scans' matmuls take and give."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in ("baddbmm", "matmul", "__matmul__", "bmm"):
+            self.n += sum(_denormal(t) for t in (*args, out) if isinstance(t, torch.Tensor)
+                          and t.dtype == torch.float32)
+        return out
+
+
+def test_the_scans_flush_denormals_only_while_they_run_and_keep_their_bits():
+    """`denormals_flushed` around the prefill scans: the outputs and final states are the
+    bits of the same scan with denormals kept (whose outputs are not themselves that small),
+    and the thread flushes nothing after."""
+    import contextlib
+
+    from baton.model.layers import gdn_fast, ssd_fast
+
+    dn, m2 = _decaying_scan_inputs()
+    runs, seen, flushed = {}, {}, ssd_fast.denormals_flushed
+    for name, cm in (("flushed", flushed), ("kept", contextlib.nullcontext)):
+        ssd_fast.denormals_flushed = gdn_fast.denormals_flushed = cm
+        try:
+            with _MatmulDenormals() as count:
+                runs[name] = (gdn_fast.chunk_scan_fast(*dn, None), ssd_fast.ssd_scan_fast(*m2))
+            seen[name] = count.n
+        finally:
+            ssd_fast.denormals_flushed = gdn_fast.denormals_flushed = flushed
+        assert not _flushes()
+    assert seen["kept"] > 0 and seen["flushed"] == 0  # the inputs do make denormals
+    for a, b in zip(runs["flushed"], runs["kept"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)

@@ -302,6 +302,7 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at:
 at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
                      const c10::optional<at::Tensor>& C);
 at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs);
+bool flush_denormals(bool on);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_step", &mamba2_step);
@@ -315,4 +316,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_rms_norm", &gated_rms_norm);
   m.def("ssd_decay", &ssd_decay);
   m.def("unit_lower_solve", &unit_lower_solve);
+  m.def("flush_denormals", &flush_denormals);
 }

@@ -199,3 +199,20 @@ at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs) {
   });
   return out;
 }
+
+// Flush-to-zero and denormals-are-zero (MXCSR bits 15 and 6) on, or off, on this thread and
+// every thread of ATen's pool (MXCSR is per thread: torch.set_flush_denormal sets only the
+// calling one, while the scans' matmuls run on the pool's). Returns whether they were on
+// here before. The prefill scans turn them on around themselves (ssd_fast.denormals_flushed).
+bool flush_denormals(bool on) {
+  constexpr unsigned bits = 0x8040;
+  const bool was = (_mm_getcsr() & bits) == bits;
+  auto set = [&] {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(on ? (csr | bits) : (csr & ~bits));
+  };
+  const int64_t n = at::get_num_threads();
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { set(); });  // one chunk a thread
+  set();  // this thread, also where the pool ran the chunks inline
+  return was;
+}
