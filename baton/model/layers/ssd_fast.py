@@ -18,8 +18,8 @@ about the layer's in_proj and out_proj together; this one ~40 ms. What it does i
 - float32 denormals flushed to zero while it runs (`denormals_flushed`): not the inputs, but
   the chunk products' partial sums (decays down to e^FLUSH times small states) still made
   them, and every multiply that meets one takes a microcode assist: on the bench 100m
-  NemotronH's 2,048-token prefill the scan's batched matmuls took 0.63 s with them, 0.14 s
-  without. A denormal is below 1.2e-38, under half an ulp of any output above ~1e-31, so the
+  NemotronH's 2,048-token prefill the scan's batched matmuls took 0.27-0.63 s with them in
+  profiled runs (it varies with the prompt's decays), 0.14 s without. A denormal is below 1.2e-38, under half an ulp of any output above ~1e-31, so the
   outputs keep their bits unless they are themselves that small.
 It rounds differently from the reference (about 1e-6), so it runs only on the fast path.
 """
