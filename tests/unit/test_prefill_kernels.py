@@ -1,7 +1,8 @@
 """The fast path's prefill kernels (step_kernels prefill.cpp) against the eager ops they replace:
-the conv + silu, the gated norms of both families, the SSD / DeltaNet decay matrices and the
-unit-lower-triangular solve agree to float32 rounding; and each token's result does not depend
-on the rows beside it (a prompt cut in two, the state carried, gives the same bits)."""
+the conv + silu, the gated norms of both families, the SSD / DeltaNet decay matrices, the
+unit-lower-triangular solve and causal attention agree to float32 rounding; and each token's
+result does not depend on the rows beside it (a prompt cut in two, the state carried, gives the
+same bits)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,78 @@ def test_unit_lower_solve_matches_solve_triangular():
     got = K.unit_lower_solve(A, rhs)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
+
+
+def _sdpa(q, k, v, pos, scale):
+    """SDPA with the kernel's layout and masking: q [n, T, H, D] at positions pos [n, T]
+    over k, v [n, Hk, S, D] (a query at p reads keys 0..p)."""
+    S = k.shape[2]
+    hidden = torch.arange(S)[None, None, None, :] > pos[:, None, :, None]
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("shape", [(1, 200, 4, 2, 32), (2, 37, 12, 4, 64), (1, 90, 4, 4, 24),
+                                   (3, 5, 2, 1, 256), (1, 70, 8, 2, 128)])
+def test_prefill_attention_matches_sdpa(shape):
+    """n sequences of T queries (H heads over Hk key heads, head size D) at different starts,
+    one of them shorter than the key count (its padding keys must not count): SDPA's values to
+    float32 rounding."""
+    n, T, H, Hk, D = shape
+    g = _gen(7)
+    starts = [0, 40, 11][:n]
+    S = max(starts) + T
+    q = torch.randn(n, T, H, D, generator=g)
+    k, v = torch.randn(2, n, Hk, S, D, generator=g)
+    pos = torch.arange(T)[None, :] + torch.tensor(starts)[:, None]
+    got = K.prefill_attention(q, k, v, pos, D**-0.5)
+    assert got.shape == (n, T, H, D)
+    assert torch.allclose(got, _sdpa(q, k, v, pos, D**-0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_rows_do_not_depend_on_the_call(threads):
+    """A query's output is the same bits whole, in a prompt cut anywhere (its parts reading the
+    earlier keys), alone, and on 1 or 2 threads: each row is computed in its own fixed order
+    (SDPA's CPU kernel and BLAS split the key sums by the matrix sizes; on an AVX2 machine a
+    200-token prompt cut at 128 differed in rows 100-127)."""
+    T, H, Hk, D = 333, 12, 4, 64
+    g = _gen(8)
+    q = torch.randn(1, T, H, D, generator=g)
+    k, v = torch.randn(2, 1, Hk, T, D, generator=g)
+    pos = torch.arange(T)[None]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = K.prefill_attention(q, k, v, pos, D**-0.5)
+        torch.set_num_threads(threads)
+        for cuts in ((128,), (100,), (1, 2, 64, 65, 200, 332)):
+            parts, s = [], 0
+            for e in (*cuts, T):
+                parts.append(K.prefill_attention(q[:, s:e], k[:, :, :e], v[:, :, :e],
+                                                 pos[:, s:e], D**-0.5))
+                s = e
+            assert torch.equal(torch.cat(parts, 1), whole), cuts
+        for t in (0, 5, 199, T - 1):
+            alone = K.prefill_attention(q[:, t:t + 1], k, v, pos[:, t:t + 1], D**-0.5)
+            assert torch.equal(alone, whole[:, t:t + 1]), t
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_prefill_attention_refuses_shapes_it_does_not_take():
+    q = torch.randn(1, 4, 4, 12)
+    k = torch.randn(1, 2, 4, 12)
+    pos = torch.arange(4)[None]
+    with pytest.raises(RuntimeError, match="D of 8"):
+        K.prefill_attention(q, k, k, pos, 1.0)
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match="multiple of Hk"):
+        K.prefill_attention(q, k, k, pos, 1.0)
+    with pytest.raises(RuntimeError, match="pos long"):
+        K.prefill_attention(torch.randn(1, 4, 2, 16), k, k, pos.int(), 1.0)
 
 
 @pytest.mark.parametrize("cuts", [(64,), (128,), (64, 128, 192)])

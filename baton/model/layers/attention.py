@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.model.layers import fused, linear
@@ -29,19 +28,10 @@ class Attention(nn.Module):
     def prefill(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [n, T, hidden]: T tokens of each of n sequences."""
         n, T, _ = x.shape
-        q = self.q_proj(x).view(n, T, self.num_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(n, T, self.num_heads, self.head_dim)
         keys, values = self._store_and_read(x.reshape(n * T, -1), n, ctx)
-        mask = ctx.attn.mask
-        out = F.scaled_dot_product_attention(
-            q,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=None if mask is None else mask.to(q.dtype),
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(n, T, -1))
+        out = fused.prefill_attention(self.scale, q, keys, values, ctx.attn)
+        return self.o_proj(out.reshape(n, T, -1))
 
     def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """x [b, hidden], one token of each of b sequences.

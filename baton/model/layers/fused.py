@@ -193,6 +193,27 @@ def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out.reshape(b, heads * hd)
 
 
+def prefill_attention(scale: float, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      meta) -> torch.Tensor:
+    """Causal attention of a prefill call: q [n, T, heads, hd] over keys, values [n, kv_heads,
+    S, hd] (gathered from the pool), `meta` the call's `AttnMeta` (a query at position p reads
+    keys 0..p). Returns [n, T, heads, hd].
+
+    On the fast path (float32 on CPU, the step kernels built) the kernel computes every query
+    row alone in a fixed order, so a token's output is the same bits whatever the call's length
+    or the prompt's chunking (what makes prefix reuse exact); SDPA's is not (its key blocks and
+    BLAS's sums follow the matrix sizes). Elsewhere SDPA."""
+    if fast_prefill(q) and keys.dtype == torch.float32 and meta.positions is not None:
+        return step_kernels.kernels().prefill_attention(q, keys, values, meta.positions, scale)
+    heads, kv_heads = q.shape[2], keys.shape[1]
+    mask = meta.mask
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+        attn_mask=None if mask is None else mask.to(q.dtype), is_causal=mask is None,
+        scale=scale, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2)
+
+
 _STEPS = {"mamba2": mamba2_step, "deltanet": deltanet_step, "attention": attention_step}
 _DYNAMIC = {"mamba2": ((0, (0,)), (1, (0,)), (2, (0,))),
             "deltanet": tuple((i, (0,)) for i in range(6)),

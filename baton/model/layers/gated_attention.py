@@ -10,7 +10,6 @@ K is stored after norm and rotary, so the pool holds exactly what every later qu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.model.layers import fused, linear
@@ -58,14 +57,7 @@ class GatedAttention(nn.Module):
         n, T, _ = x.shape
         q, gate, k, v = self._project(x, ctx.attn)
         keys, values = self._store_and_read(k, v, n, ctx)
-        mask = ctx.attn.mask
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-            attn_mask=None if mask is None else mask.to(q.dtype),
-            is_causal=mask is None, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        out = out.transpose(1, 2).reshape(n, T, -1)
+        out = fused.prefill_attention(self.scale, q, keys, values, ctx.attn).reshape(n, T, -1)
         return self.o_proj(out * torch.sigmoid(gate))
 
     def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:

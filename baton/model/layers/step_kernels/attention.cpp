@@ -303,6 +303,8 @@ at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
                      const c10::optional<at::Tensor>& C);
 at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs);
 bool flush_denormals(bool on);
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& pos, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_step", &mamba2_step);
@@ -317,4 +319,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_decay", &ssd_decay);
   m.def("unit_lower_solve", &unit_lower_solve);
   m.def("flush_denormals", &flush_denormals);
+  m.def("prefill_attention", &prefill_attention);
 }

@@ -10,6 +10,11 @@
 
 #include "common.h"
 
+#include <ATen/ops/zeros.h>
+
+#include <cstring>
+#include <limits>
+
 using namespace baton_step;
 
 // Depthwise causal conv + silu of T tokens of n sequences, token-major: x [n, T, C] (rows
@@ -215,4 +220,196 @@ bool flush_denormals(bool on) {
   at::parallel_for(0, n, 1, [&](int64_t, int64_t) { set(); });  // one chunk a thread
   set();  // this thread, also where the pool ran the chunks inline
   return was;
+}
+
+namespace {
+
+// 8 floats as one vector (ymm with AVX2, xmm pairs below it): element-wise ops only, so a
+// lane's result is its own sequence of multiplies and adds.
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) { v8 r; std::memcpy(&r, p, sizeof r); return r; }
+inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
+inline float hsum8(v8 a) {  // a fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))
+  const float s04 = a[0] + a[4], s26 = a[2] + a[6], s15 = a[1] + a[5], s37 = a[3] + a[7];
+  return (s04 + s26) + (s15 + s37);
+}
+// a * b + c, rounded once where the CPU has FMA (half the instructions of the inner loops)
+inline v8 fma8(v8 a, float b, v8 c) {
+#ifdef __FMA__
+  return (v8)_mm256_fmadd_ps((__m256)a, _mm256_set1_ps(b), (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline void exp8_(float* x, int64_t n) {  // n a multiple of 8; -inf -> 0
+#ifdef __AVX2__
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 r = Sleef_expf8_u10(_mm256_loadu_ps(x + i));
+    _mm256_storeu_ps(x + i, r);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+#endif
+}
+
+constexpr int64_t AR = 4;   // query rows a register tile computes together
+constexpr int64_t AT = 4;   // register tiles a task computes (over the same keys from L1)
+constexpr int64_t MR = AR * AT;
+constexpr int64_t AJ = 16;  // keys a score tile covers
+constexpr int64_t VJ = 64;  // keys a pass of the output tiles covers
+
+}  // namespace
+
+// Causal attention of a prompt's queries over their keys, every query row computed alone in a
+// fixed order, so its result does not depend on the call's length, the prompt's chunking, the
+// batch or the threads: SDPA's CPU kernel splits the keys into blocks whose size follows the
+// key count and gives them to BLAS, whose split of a long sum follows the matrix sizes, so the
+// same row came out ~1 ulp apart in a whole prompt and in a prompt cut in two (on an AVX2 AMD
+// machine; not on the AVX-512 Xeon this was first measured on).
+// q [n, T, H, D] (rows contiguous: a [n, T, H * D] projection viewed), k, v [n, Hk, S, D],
+// pos long [n, T]: the position of each query, which reads keys 0..pos (and at most S);
+// H a multiple of Hk (query head h reads key head h / (H / Hk)). Returns [n, T, H, D].
+// A row's score j is sum_d q_d k_jd in d's order, its softmax exp(s_j * scale - max) over
+// (sum of those in 8 lanes, then a fixed tree), its output sum_j p_j v_j in j's order times
+// 1 / sum: the same operations whichever rows share its task. A task takes MR rows of one key
+// head (its query heads' rows at consecutive positions), so the keys it streams serve all of
+// them; its register tiles of AR rows each go over the same 16 keys (scores) or 64 keys x 16
+// columns (outputs) while those are in L1.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& pos, double scale) {
+  check(q, "q"); check(k, "k"); check(v, "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "q [n, T, H, D], k and v [n, Hk, S, D]");
+  const int64_t n = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == n && k.size(3) == D && Hk > 0 && H % Hk == 0 && D % 8 == 0 && S > 0,
+              "k, v [n, Hk, S, D] with H a multiple of Hk and D of 8");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 2 && pos.size(0) == n &&
+              pos.size(1) == T, "pos long [n, T]");
+  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const auto pc = pos.contiguous();
+  const int64_t rep = H / Hk, S16 = (S + AJ - 1) / AJ * AJ, D16 = (D + 15) / 16;
+  // the keys in blocks of 16 keys, each [D, 16] (zeros past S): a score tile reads its 16
+  // keys' d-th elements as one contiguous row, d after d; the values in blocks of 16
+  // columns, each [S, 16] (zeros past D): an output pass reads its 16 columns key after key
+  auto kt = at::zeros({n, Hk, S16 / AJ, D, AJ}, k.options());
+  auto vt = at::zeros({n, Hk, D16, S, 16}, v.options());
+  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *qp = qc.data_ptr<float>();
+  float *ktp = kt.data_ptr<float>(), *vtp = vt.data_ptr<float>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  at::parallel_for(0, n * Hk, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const float *ks = kp + b * S * D, *vs = vp + b * S * D;
+      float *kd = ktp + b * S16 * D, *vd = vtp + b * D16 * S * 16;
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          kd[(j / AJ * D + d) * AJ + j % AJ] = ks[j * D + d];
+          vd[(d / 16 * S + j) * 16 + d % 16] = vs[j * D + d];
+        }
+    }
+  });
+  auto out = at::empty({n, T, H, D}, q.options());
+  float* op = out.data_ptr<float>();
+  const int64_t U = T * rep, tasks = (U + MR - 1) / MR;  // row u: position u / rep, head u % rep
+  const float sc = (float)scale, ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n * Hk * tasks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sbuf(MR * S16), obuf(MR * 16);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t i = task / (Hk * tasks), g = task / tasks % Hk, u0 = task % tasks * MR;
+      const int64_t rows = std::min(MR, U - u0);
+      const float* qr[MR];
+      float* orow[MR];
+      int64_t L[MR], tmin[AT], tmax[AT];
+      for (int64_t r = 0; r < MR; ++r) {  // a short task repeats its last row
+        const int64_t u = u0 + std::min(r, rows - 1), t = u / rep, h = g * rep + u % rep;
+        qr[r] = qp + ((i * T + t) * H + h) * D;
+        orow[r] = op + ((i * T + t) * H + h) * D;
+        L[r] = std::min(std::max(pp[i * T + t] + 1, (int64_t)1), S);
+      }
+      for (int64_t a = 0; a < AT; ++a) {
+        tmin[a] = tmax[a] = L[a * AR];
+        for (int64_t r = a * AR + 1; r < (a + 1) * AR; ++r)
+          tmin[a] = std::min(tmin[a], L[r]), tmax[a] = std::max(tmax[a], L[r]);
+      }
+      const int64_t Lmax = *std::max_element(tmax, tmax + AT);
+      const float* ktb = ktp + (i * Hk + g) * S16 * D;
+      const float* vtb = vtp + (i * Hk + g) * D16 * S * 16;
+      // scores: 16 keys x AR rows a register tile, d in order
+      for (int64_t jb = 0; jb < Lmax; jb += AJ)
+        for (int64_t a = 0; a < AT; ++a) {
+          if (jb >= tmax[a]) continue;
+          const float* const* qa = qr + a * AR;
+          v8 acc[AR][2] = {};
+          const float* kb = ktb + jb * D;  // block jb / AJ: [D, AJ]
+          for (int64_t d = 0; d < D; ++d) {
+            const v8 k0 = load8(kb + d * AJ), k1 = load8(kb + d * AJ + 8);
+#pragma GCC unroll 4
+            for (int64_t r = 0; r < AR; ++r) {
+              const float qd = qa[r][d];
+              acc[r][0] = fma8(k0, qd, acc[r][0]);
+              acc[r][1] = fma8(k1, qd, acc[r][1]);
+            }
+          }
+          for (int64_t r = 0; r < AR; ++r) {
+            store8(sbuf.data() + (a * AR + r) * S16 + jb, acc[r][0]);
+            store8(sbuf.data() + (a * AR + r) * S16 + jb + 8, acc[r][1]);
+          }
+        }
+      // softmax numerators in place; 1 / their sum
+      float inv[MR];
+      for (int64_t r = 0; r < MR; ++r) {
+        float* s = sbuf.data() + r * S16;
+        const int64_t L8 = (L[r] + 7) / 8 * 8;
+        float m = ninf;
+        for (int64_t j = 0; j < L[r]; ++j) m = std::max(m, s[j] * sc);
+        for (int64_t j = 0; j < L[r]; ++j) s[j] = s[j] * sc - m;
+        for (int64_t j = L[r]; j < L8; ++j) s[j] = ninf;
+        exp8_(s, L8);
+        v8 acc = {};
+        for (int64_t j = 0; j < L8; j += 8) acc = acc + load8(s + j);
+        inv[r] = 1.f / hsum8(acc);
+      }
+      // outputs, 16 columns at a time: AR rows x 16 columns a register tile over 64 keys (kept
+      // in obuf between passes), j in order; each tile's keys past its shortest row's last
+      // go row by row at the end
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const bool two = d0 + 16 <= D;  // else the last 8 columns
+        const float* vb = vtb + d0 * S;  // [S, 16]
+        std::fill(obuf.begin(), obuf.end(), 0.f);
+        for (int64_t jb = 0; jb < Lmax; jb += VJ)
+          for (int64_t a = 0; a < AT; ++a) {
+            const int64_t je = std::min(jb + VJ, tmin[a]);
+            if (jb >= je) continue;
+            float* ob = obuf.data() + a * AR * 16;
+            v8 o[AR][2];
+            for (int64_t r = 0; r < AR; ++r) o[r][0] = load8(ob + r * 16), o[r][1] = load8(ob + r * 16 + 8);
+            const float* sa = sbuf.data() + a * AR * S16;
+            for (int64_t j = jb; j < je; ++j) {
+              const float* vr = vb + j * 16;
+              const v8 v0 = load8(vr), v1 = load8(vr + 8);
+#pragma GCC unroll 4
+              for (int64_t r = 0; r < AR; ++r) {
+                const float p = sa[r * S16 + j];
+                o[r][0] = fma8(v0, p, o[r][0]);
+                o[r][1] = fma8(v1, p, o[r][1]);
+              }
+            }
+            for (int64_t r = 0; r < AR; ++r) store8(ob + r * 16, o[r][0]), store8(ob + r * 16 + 8, o[r][1]);
+          }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* ob = obuf.data() + r * 16;
+          v8 o0 = load8(ob), o1 = load8(ob + 8);
+          for (int64_t j = tmin[r / AR]; j < L[r]; ++j) {
+            const float* vr = vb + j * 16;
+            const float p = sbuf[r * S16 + j];
+            o0 = fma8(load8(vr), p, o0);
+            if (two) o1 = fma8(load8(vr + 8), p, o1);
+          }
+          store8(orow[r] + d0, o0 * inv[r]);
+          if (two) store8(orow[r] + d0 + 8, o1 * inv[r]);
+        }
+      }
+    }
+  });
+  return out;
 }
