@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 32
 WAIT_S = 2.0
+RELEASE_ATTEMPTS = 3
+"""Aborts a shipment sends the decode worker until one releases its hold."""
 
 
 class DecodeEndShipper:
@@ -109,7 +111,12 @@ class DecodeEndShipper:
             log.info("decode-end snapshot of %d tokens not pulled %s -> %s: %s", len(snap),
                      decode.worker_id, target.worker_id, e)
         finally:
-            dc.abort(rid)  # releases the hold
+            # releases the hold; asked again when nothing was released, since a worker too busy
+            # to answer within router.abort_timeout_seconds keeps it until the lease's end
+            # (30 s) else (an already released hold just answers False again)
+            for _ in range(RELEASE_ATTEMPTS):
+                if dc.abort(rid):
+                    break
             with self._lock:
                 mine = self._inflight.get(target.worker_id, [])
                 mine[:] = [x for x in mine if x[1] is not done]

@@ -100,7 +100,7 @@ class _Client:
 
     def abort(self, rid):
         self.log.append(("abort", self.wid))
-        return True
+        return self.released.pop(0) if getattr(self, "released", None) else True
 
 
 def test_the_decode_end_state_is_shipped_to_the_prefill_worker_of_the_turn():
@@ -127,3 +127,28 @@ def test_the_decode_end_state_is_shipped_to_the_prefill_worker_of_the_turn():
     orch.turn_ended(views["d1"], history, 40)  # p2 holds it now: nothing to ship
     time.sleep(0.1)
     assert log == []
+
+
+@pytest.mark.parametrize("answers, asked", [([False, True], 2), ([False] * 5, 3)])
+def test_a_hold_release_that_found_nothing_is_asked_again(answers, asked):
+    """The decode worker's Abort of a shipment's hold answered False (too busy to answer within
+    router.abort_timeout_seconds, or already released): asked again, at most RELEASE_ATTEMPTS
+    times, so a slow worker does not keep the snapshot's slot and blocks until the lease ends."""
+    from router.shipping import RELEASE_ATTEMPTS
+
+    cfg = RouterConfig(policy="prefix_aware")
+    reg = Registry(cfg.eject_after_seconds)
+    for wid, role in (("p1", Role.PREFILL), ("d1", Role.DECODE)):
+        reg.register(WorkerInfo(wid, role, f"h:{wid}"))
+    log, gate = [], threading.Event()
+    gate.set()
+    clients = {w: _Client(w, log, gate) for w in ("p1", "d1")}
+    clients["d1"].released = list(answers)
+    orch = Orchestrator(cfg, reg, make_policy(cfg), lambda v: clients[v.worker_id])
+    views = {v.worker_id: v for v in reg.workers()}
+    orch.turn_ended(views["d1"], tuple(range(3, 43)), 40, views["p1"])
+    deadline = time.monotonic() + 5
+    while orch.shipper.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert RELEASE_ATTEMPTS == 3
+    assert log == [("hold", "d1", 40), ("pull", "p1", "d1")] + [("abort", "d1")] * asked

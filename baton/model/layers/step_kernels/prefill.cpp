@@ -282,8 +282,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "q [n, T, H, D], k and v [n, Hk, S, D]");
   const int64_t n = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == n && k.size(3) == D && Hk > 0 && H % Hk == 0 && D % 8 == 0 && S > 0,
-              "k, v [n, Hk, S, D] with H a multiple of Hk and D of 8");
+  TORCH_CHECK(k.size(0) == n && k.size(3) == D && Hk > 0 && H % Hk == 0 && S > 0,
+              "k, v [n, Hk, S, D] with H a multiple of Hk");
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 2 && pos.size(0) == n &&
               pos.size(1) == T, "pos long [n, T]");
   const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
@@ -373,7 +373,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       // in obuf between passes), j in order; each tile's keys past its shortest row's last
       // go row by row at the end
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        const bool two = d0 + 16 <= D;  // else the last 8 columns
+        const int64_t cols = std::min((int64_t)16, D - d0);  // the last block's may be fewer
         const float* vb = vtb + d0 * S;  // [S, 16]
         std::fill(obuf.begin(), obuf.end(), 0.f);
         for (int64_t jb = 0; jb < Lmax; jb += VJ)
@@ -403,10 +403,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
             const float* vr = vb + j * 16;
             const float p = sbuf[r * S16 + j];
             o0 = fma8(load8(vr), p, o0);
-            if (two) o1 = fma8(load8(vr + 8), p, o1);
+            o1 = fma8(load8(vr + 8), p, o1);
           }
-          store8(orow[r] + d0, o0 * inv[r]);
-          if (two) store8(orow[r] + d0 + 8, o1 * inv[r]);
+          float res[16];
+          store8(res, o0 * inv[r]);
+          store8(res + 8, o1 * inv[r]);
+          std::memcpy(orow[r] + d0, res, cols * sizeof(float));
         }
       }
     }
