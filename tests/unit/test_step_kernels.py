@@ -64,9 +64,14 @@ def test_mamba2_step_updates_its_slots_in_place(H, P, G, N, bias):
            [before_conv, before_ssm], [conv[SLOTS], ssm[SLOTS]], got)
 
 
-def test_deltanet_step_updates_its_slots_in_place():
+@pytest.mark.parametrize("hk, hv, dk, dv", [
+    (2, 4, 16, 8),
+    (1, 2, 32, 128),  # Qwen3.5's value head: AVX-512 in registers, AVX2 in column passes
+    (1, 1, 16, 72),   # AVX2: a 64-column pass and an 8-column one; AVX-512: the scalar loop
+    (1, 1, 8, 12),    # the scalar loop
+])
+def test_deltanet_step_updates_its_slots_in_place(hk, hv, dk, dv):
     g = _gen()
-    hk, hv, dk, dv = 2, 4, 16, 8
     C = 2 * hk * dk + hv * dv
     qkv = torch.randn(3, C, generator=g)
     conv, rec = torch.randn(7, C, 3, generator=g), torch.randn(7, hv, dk, dv, generator=g) * 0.1

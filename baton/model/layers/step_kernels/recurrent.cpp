@@ -135,6 +135,26 @@ inline void ssm_head(const float* s, float* d, const float* x, const float* dtB,
     }
     return;
   }
+#elif defined(__AVX2__)
+  if (N % 8 == 0) {  // the same with 8 lanes
+    const __m256 vdA = _mm256_set1_ps(dA);
+    for (int64_t p = 0; p < P; ++p, s += N, d += N) {
+      const __m256 xv = _mm256_set1_ps(x[p]);
+      __m256 acc = _mm256_setzero_ps();
+      prefetch_ahead(s, N);
+      if (d != s) prefetch_ahead(d, N);
+      for (int64_t n = 0; n < N; n += 8) {
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s + n), vdA),
+                                       _mm256_mul_ps(_mm256_loadu_ps(dtB + n), xv));
+        _mm256_storeu_ps(d + n, v);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, _mm256_loadu_ps(Cm + n)));
+      }
+      const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+      y[p] = _mm_cvtss_f32(_mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1))) + Dh * x[p];
+    }
+    return;
+  }
 #endif
   for (int64_t p = 0; p < P; ++p, s += N, d += N) {
     const float xv = x[p];
@@ -222,6 +242,61 @@ inline void delta_head_v(const float* src, float* st, const float* q, const floa
   }
   for (int u = 0; u < V; ++u) _mm512_storeu_ps(oh + 16 * u, o[u]);
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// delta_head with 8-lane vectors for dv a multiple of 8: the 16 ymm registers do not hold mem
+// and o of a 128-wide head, so the first pass goes over the rows once per 64 columns (mem in 8
+// registers; the head's rows, 64 KB at 128 x 128, are in L2 from the first) and the second
+// once per 32 (delta and o in 4 each). Each element takes delta_head's multiplies and adds in
+// its order (the same bits).
+inline bool delta_head_avx2(const float* src, float* st, const float* q, const float* k,
+                            const float* v, float decay, float beta, float* mem, float* oh,
+                            int64_t dk, int64_t dv) {
+  if (dv % 8 != 0) return false;
+  const __m256 vdec = _mm256_set1_ps(decay), vb = _mm256_set1_ps(beta);
+  for (int64_t c0 = 0; c0 < dv; c0 += 64) {
+    const int64_t nv = std::min((int64_t)8, (dv - c0) / 8);
+    __m256 m[8];
+    for (int u = 0; u < 8; ++u) m[u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dk; ++d) {
+      const float* old = src + d * dv + c0;
+      float* row = st + d * dv + c0;
+      if (c0 == 0) {
+        prefetch_ahead(src + d * dv, dv);
+        if (st != src) prefetch_ahead(st + d * dv, dv);
+      }
+      const __m256 kd = _mm256_set1_ps(k[d]);
+      for (int u = 0; u < nv; ++u) {
+        const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(old + 8 * u), vdec);
+        _mm256_storeu_ps(row + 8 * u, r);
+        m[u] = _mm256_add_ps(m[u], _mm256_mul_ps(r, kd));
+      }
+    }
+    for (int u = 0; u < nv; ++u)  // delta
+      _mm256_storeu_ps(mem + c0 + 8 * u, _mm256_mul_ps(
+          _mm256_sub_ps(_mm256_loadu_ps(v + c0 + 8 * u), m[u]), vb));
+  }
+  for (int64_t c0 = 0; c0 < dv; c0 += 32) {
+    const int64_t nv = std::min((int64_t)4, (dv - c0) / 8);
+    __m256 dl[4], o[4];
+    for (int u = 0; u < 4; ++u) {
+      dl[u] = u < nv ? _mm256_loadu_ps(mem + c0 + 8 * u) : _mm256_setzero_ps();
+      o[u] = _mm256_setzero_ps();
+    }
+    for (int64_t d = 0; d < dk; ++d) {
+      float* row = st + d * dv + c0;
+      const __m256 kd = _mm256_set1_ps(k[d]), qd = _mm256_set1_ps(q[d]);
+      for (int u = 0; u < nv; ++u) {
+        const __m256 r = _mm256_add_ps(_mm256_loadu_ps(row + 8 * u), _mm256_mul_ps(kd, dl[u]));
+        _mm256_storeu_ps(row + 8 * u, r);
+        o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(r, qd));
+      }
+    }
+    for (int u = 0; u < nv; ++u) _mm256_storeu_ps(oh + c0 + 8 * u, o[u]);
+  }
+  return true;
+}
+#endif
 
 inline bool delta_head_avx512(const float* src, float* st, const float* q, const float* k,
                               const float* v, float decay, float beta, float* oh, int64_t dk,
@@ -373,8 +448,11 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
       const float* src = rp + ((sl[i] * hv + h) * dk) * dv;
       float* st = rp + ((dl[i] * hv + h) * dk) * dv;
       float* oh = op + i * hv * dv + h * dv;
-      if (!delta_head_avx512(src, st, q, k, v, decay, beta, oh, dk, dv))
-        delta_head(src, st, q, k, v, decay, beta, mem.data(), oh, dk, dv);
+      bool done = delta_head_avx512(src, st, q, k, v, decay, beta, oh, dk, dv);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      if (!done) done = delta_head_avx2(src, st, q, k, v, decay, beta, mem.data(), oh, dk, dv);
+#endif
+      if (!done) delta_head(src, st, q, k, v, decay, beta, mem.data(), oh, dk, dv);
       float ss = 0.f;
       for (int64_t e = 0; e < dv; ++e) ss += oh[e] * oh[e];
       const float inv = 1.f / std::sqrt(ss / dv + (float)eps);
