@@ -94,6 +94,77 @@ void conv_step(const float* src, float* dst, const float* x, const float* w, con
       _mm512_storeu_ps(out + c0, acc);
     }
   }
+#elif defined(__AVX2__)
+  if (K == 4) {
+    // 8 channels at a time, in lane order ch = (0, 2, 4, 6, 1, 3, 5, 7): the order an 8 x 4
+    // transpose by unpacks leaves the weights in. Each vector is put together from up to three
+    // by a permute of each and two blends, from index tables built once a call.
+    static const int ch[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    int lane_of[8];
+    for (int l = 0; l < 8; ++l) lane_of[ch[l]] = l;
+    // tap k, lane l: state float 3 ch(l) + k of the 24 (sources: floats 0-7, 8-15, 16-23);
+    // state out vector v, lane l: float e = 8v + l is tap (e % 3) + 1 of channel e / 3, or x
+    alignas(32) int32_t ti[3][8], oi[3][8];
+    alignas(32) int32_t tm[3][2][8], om[3][2][8];
+    for (int k = 0; k < 3; ++k)
+      for (int l = 0; l < 8; ++l) {
+        const int e = 3 * ch[l] + k, src3 = e / 8;
+        ti[k][l] = e % 8;
+        tm[k][0][l] = src3 >= 1 ? -1 : 0;  // take source 1 (then 2) over the earlier
+        tm[k][1][l] = src3 == 2 ? -1 : 0;
+      }
+    for (int v = 0; v < 3; ++v)
+      for (int l = 0; l < 8; ++l) {
+        const int e = 8 * v + l, j = e / 3, k = e % 3;  // from tap1, tap2 (lane order), x
+        oi[v][l] = k == 2 ? j : lane_of[j];
+        om[v][0][l] = k >= 1 ? -1 : 0;
+        om[v][1][l] = k == 2 ? -1 : 0;
+      }
+    __m256i vti[3], voi[3];
+    __m256 vtm[3][2], vom[3][2];
+    for (int k = 0; k < 3; ++k) {
+      vti[k] = _mm256_load_si256((const __m256i*)ti[k]);
+      voi[k] = _mm256_load_si256((const __m256i*)oi[k]);
+      for (int b = 0; b < 2; ++b) {
+        vtm[k][b] = _mm256_castsi256_ps(_mm256_load_si256((const __m256i*)tm[k][b]));
+        vom[k][b] = _mm256_castsi256_ps(_mm256_load_si256((const __m256i*)om[k][b]));
+      }
+    }
+    const __m256i to_lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i to_natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    auto pick = [](__m256 a, __m256 b, __m256 c, __m256i idx, __m256 m1, __m256 m2) {
+      const __m256 pa = _mm256_permutevar8x32_ps(a, idx), pb = _mm256_permutevar8x32_ps(b, idx),
+                   pc = _mm256_permutevar8x32_ps(c, idx);
+      return _mm256_blendv_ps(_mm256_blendv_ps(pa, pb, m1), pc, m2);
+    };
+    for (; c0 + 8 <= C; c0 += 8) {
+      const float* s = src + c0 * 3;
+      prefetch_ahead(s, 24);
+      const __m256 a0 = _mm256_loadu_ps(s), a1 = _mm256_loadu_ps(s + 8),
+                   a2 = _mm256_loadu_ps(s + 16);
+      const float* wc = w + c0 * 4;  // [8 channels][4 taps]
+      const __m256 b0 = _mm256_loadu_ps(wc), b1 = _mm256_loadu_ps(wc + 8),
+                   b2 = _mm256_loadu_ps(wc + 16), b3 = _mm256_loadu_ps(wc + 24);
+      const __m256 t0 = _mm256_unpacklo_ps(b0, b1), t1 = _mm256_unpackhi_ps(b0, b1),
+                   t2 = _mm256_unpacklo_ps(b2, b3), t3 = _mm256_unpackhi_ps(b2, b3);
+      const __m256 w0 = _mm256_shuffle_ps(t0, t2, 0x44), w1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                   w2 = _mm256_shuffle_ps(t1, t3, 0x44), w3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      __m256 tap[3];
+      for (int k = 0; k < 3; ++k) tap[k] = pick(a0, a1, a2, vti[k], vtm[k][0], vtm[k][1]);
+      const __m256 xn = _mm256_loadu_ps(x + c0);
+      const __m256 xl = _mm256_permutevar8x32_ps(xn, to_lanes);
+      __m256 acc = _mm256_mul_ps(tap[0], w0);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(tap[1], w1));
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(tap[2], w2));
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(xl, w3));
+      if (bias) acc = _mm256_add_ps(acc, _mm256_permutevar8x32_ps(_mm256_loadu_ps(bias + c0),
+                                                                  to_lanes));
+      float* d = dst + c0 * 3;
+      for (int v = 0; v < 3; ++v)  // every state float is loaded above before any is stored
+        _mm256_storeu_ps(d + 8 * v, pick(tap[1], tap[2], xn, voi[v], vom[v][0], vom[v][1]));
+      _mm256_storeu_ps(out + c0, _mm256_permutevar8x32_ps(acc, to_natural));
+    }
+  }
 #endif
   for (int64_t c = c0; c < C; ++c) {
     const float* st = src + c * (K - 1);
