@@ -10,7 +10,8 @@ with ties; SwiGLU at widths with and without a tail; and the whole block against
 (`QwenSparseMoe`, the path plain decode and a speculative verify share) at 1 and 2 threads,
 float32 and float16 weights, sizes where the replicas apply and where they do not (torch would
 split a silu call over its threads): outputs and the expert load counts equal. NemotronH's
-block (sigmoid scores, bias-steered unsorted top-k, relu2 experts) the same way.
+block (sigmoid scores, bias-steered unsorted top-k, relu2 experts) the same way, where torch
+runs its AVX2 kernels too (its replicas use none of AVX-512's).
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from baton.model.make_model import checkpoint_config
 from baton.model.nemotron_h.config import ModelConfig
 
 g = cpu_kernels.gemv()
-pytestmark = pytest.mark.skipif(g is None or not g.route_available(),
+qwen_route = pytest.mark.skipif(g is None or not g.route_available(),
                                 reason="kernels not built, or torch is not on AVX-512 here")
+sigmoid_route = pytest.mark.skipif(g is None or not g.route_sigmoid_available(),
+                                   reason="kernels not built, or torch is on neither AVX2 "
+                                          "nor AVX-512 here")
 
 
 def _router(logits: torch.Tensor, k: int, norm: bool):
@@ -41,6 +45,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@qwen_route
 @pytest.mark.parametrize("experts", [3, 8, 16, 17, 64, 256])
 def test_router_is_torchs(experts):
     gen = torch.Generator().manual_seed(experts)
@@ -58,6 +63,7 @@ def test_router_is_torchs(experts):
     assert checked == 2 * 3 * 2 * min(15, experts)
 
 
+@qwen_route
 def test_router_ties_rank_as_torchs():
     logits = torch.tensor([[0.0] * 8, [1, 1, 0, 0, 1, 1, 0, 0], [0, 2, 2, 2, 2, 2, 2, 0],
                            [-1e30, 5, 5, -1e30, 0, 0, 0, 0]])
@@ -67,6 +73,7 @@ def test_router_ties_rank_as_torchs():
         assert torch.equal(got_e, want_e) and _same_bits(got_w, want_w), k
 
 
+@sigmoid_route
 @pytest.mark.parametrize("experts", [16, 64, 128])
 def test_sigmoid_router_is_torchs(experts):
     """NemotronH's router as `sigmoid_group_topk` runs it on the fast path (every group kept),
@@ -89,6 +96,7 @@ def test_sigmoid_router_is_torchs(experts):
         linear.set_decode_path(old)
 
 
+@qwen_route
 @pytest.mark.parametrize("width", [640, 48, 47, 17, 1])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_swiglu_is_torchs(width, rows):
@@ -142,6 +150,7 @@ CASES = [(8, 2, 40, 64, 1, 2, True), (8, 2, 40, 64, 8, 2, True), (8, 2, 40, 64, 
          (8, 2, 640, 64, 32, 2, False), (8, 2, 40, 64, 600, 2, False)]
 
 
+@qwen_route
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"E{c[0]}k{c[1]}w{c[2]}-m{c[4]}-t{c[5]}"
                                              for c in CASES])
@@ -164,6 +173,7 @@ def test_block_equals_the_module(case, dtype):
 NEMOTRON = [(16, 4, 1, 2), (16, 4, 9, 2), (64, 6, 5, 1), (128, 2, 3, 2), (32, 10, 40, 2)]
 
 
+@sigmoid_route
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", NEMOTRON, ids=[f"E{c[0]}k{c[1]}-m{c[2]}-t{c[3]}"
                                                 for c in NEMOTRON])

@@ -233,6 +233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qwen_moe", &qwen_moe, "residual + Qwen's MoE block of x, one call (gemv_moe.h)");
   m.def("nemotron_moe", &nemotron_moe, "residual + NemotronH's MoE block, one call");
   m.def("route_available", &baton_route::available, "whether `qwen_moe` can use gemv_route.h");
+  m.def("route_sigmoid_available", &baton_route::sigmoid_available,
+        "whether `nemotron_moe` can use gemv_route.h's sigmoid router");
   m.def("route_applies", &route_applies, "whether `qwen_moe` of these sizes takes gemv_route.h",
         py::arg("m"), py::arg("top_k"), py::arg("expert_w"), py::arg("shared_w"));
   m.def("route_replica", &route_replica, "a router's weights and experts (gemv_route.h)");

@@ -270,15 +270,16 @@ at::Tensor qwen_moe(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
 
 // NemotronH's `E` block on x [N, d] (`MoE.forward` on the fast path, every group kept, no
 // latent projection, no biases), plus `residual`: residual + (routed + shared expert). Where
-// torch runs its AVX-512 kernels (a renormalising sum of under 16 weights), the routing is
-// gemv_route.h's and the projections `experts_glued`'s; else the module path's ATen ops.
+// torch runs its AVX2 or AVX-512 kernels (a renormalising sum of under 16 weights), the
+// routing is gemv_route.h's and the projections `experts_glued`'s; else the module path's
+// ATen ops.
 at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bias,
                         at::Tensor se_up_w, at::Tensor se_down_w, at::Tensor up,
                         at::Tensor down, int64_t top_k, bool norm, double scale,
                         at::Tensor routed, at::Tensor residual) {
   const int64_t e = router_w.size(0), w = se_up_w.size(0), m = x.size(0);
   check_x(x);
-  if (m > 0 && top_k >= 1 && top_k <= e && top_k < 16 && baton_route::available() &&
+  if (m > 0 && top_k >= 1 && top_k <= e && top_k < 16 && baton_route::sigmoid_available() &&
       choice_bias.scalar_type() == at::kFloat && choice_bias.is_contiguous() &&
       choice_bias.numel() == e && up.size(0) == e) {
     check_residual(residual, m, x.size(1));
@@ -333,8 +334,8 @@ std::vector<at::Tensor> route_replica(const at::Tensor& logits, int64_t top_k, b
 
 std::vector<at::Tensor> route_sigmoid_replica(const at::Tensor& logits, const at::Tensor& bias,
                                               int64_t top_k, bool norm, double scale) {
-  TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
-              "kernels");
+  TORCH_CHECK(baton_route::sigmoid_available(), "cpu kernel: the sigmoid router's replicas "
+              "need torch's AVX2 or AVX-512 kernels");
   check_x(logits);
   const int64_t m = logits.size(0), e = logits.size(1);
   TORCH_CHECK(logits.stride(1) == 1 && top_k >= 1 && top_k <= e && bias.numel() == e &&

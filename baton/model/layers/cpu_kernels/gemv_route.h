@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -43,6 +44,18 @@ inline bool available() {
     return at::get_cpu_capability() == "AVX512" &&
            __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+}
+
+// NemotronH's sigmoid router alone: its replicas (the scalar sigmoid, top-k's selection, the
+// renormalising sum, which is torch's AVX2 sum kernel under either capability, one IEEE op
+// each for the rest) use no AVX-512 and follow torch wherever it runs its AVX2 or AVX-512
+// kernels.
+inline bool sigmoid_available() {
+  static const bool ok = [] {
+    const std::string cap = at::get_cpu_capability();
+    return cap == "AVX512" || cap == "AVX2";
   }();
   return ok;
 }
