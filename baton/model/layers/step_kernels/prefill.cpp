@@ -64,7 +64,7 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) o[c] = o[c] + bp[c];
       }
-      silu_(o, o, tmp.data(), C);
+      silu_<false>(o, o, tmp.data(), C);
     }
   });
   return out;
@@ -90,7 +90,7 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at:
     for (int64_t i = lo; i < hi; ++i) {
       const float *yr = yp + i * ys, *gr = gp + i * gs;
       float* o = op + i * D;
-      silu_(gr, sg.data(), tmp.data(), D);
+      silu_<false>(gr, sg.data(), tmp.data(), D);
       const float* src = yr;
       if (!norm_first) {
 #pragma omp simd
@@ -157,7 +157,7 @@ at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
           const float d = (float)(ci_ - cr[j]);
           o[j] = d < -60.f ? -INFINITY : d;
         }
-        exp_(o, i + 1, 0.f);
+        exp_<false>(o, i + 1, 0.f);
         const float* cbr = cbb + i * l;
 #pragma omp simd
         for (int64_t j = 0; j <= i; ++j) o[j] = o[j] * cbr[j];
