@@ -52,6 +52,17 @@ so a port chosen there can be taken by an outgoing connection or another process
 listener before the process it was chosen for binds it."""
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on `port` (a bind there succeeds now)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     """A port free now, for a process about to start: random in PICK_RANGE (cut at the
     ephemeral range's start), else the kernel's choice."""
@@ -91,6 +102,7 @@ class LocalCluster:
                  worker_args: tuple[str, ...] = ()):
         local = host in ("0.0.0.0", "::", "")
         reach = "127.0.0.1" if local else host
+        self._reach = reach
         # port 0: one free port, chosen here, so the workers know where the router is and a
         # restarted router comes back on the same one
         port = port or free_port()
@@ -171,11 +183,30 @@ class LocalCluster:
                             "%.1fs", _name(p), p.pid, p.returncode, ran, delay)
             elif now >= self._due[i]:
                 del self._due[i]
-                self.procs[i] = self._popen(list(p.args))
+                self.procs[i] = self._popen(self._restart_args(i, list(p.args)))
                 self._started[i] = now
                 self.restarts[i] += 1
                 log.warning("restarted %s as pid %d (restart %d)", _name(p), self.procs[i].pid,
                             self.restarts[i])
+
+    def _restart_args(self, i: int, args: list[str]) -> list[str]:
+        """The command that restarts entry `i`: the same, except a worker whose metrics port was
+        taken meanwhile (by anything on the host) gets a fresh one, logged and listed in
+        `metrics_ports`: with the old port it would fail to start again and again."""
+        if "--metrics-port" not in args:
+            return args
+        at = args.index("--metrics-port") + 1
+        old = int(args[at])
+        if port_is_free(old, self._reach):
+            return args
+        new = free_port()
+        args[at] = str(new)
+        k = i - 1  # entry 0 is the router, the workers follow in metrics_ports' order
+        role, _ = self.metrics_ports[k]
+        self.metrics_ports[k] = (role, new)
+        log.warning("%s's metrics port %d is taken now; it restarts with /metrics on port %d",
+                    _name_of(args), old, new)
+        return args
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""
@@ -231,8 +262,12 @@ class LocalCluster:
 
 def _name(p: subprocess.Popen) -> str:
     """The role of a cluster process ("router", "prefill-worker", ...)."""
-    return next((a for a in p.args if a in ("router", "prefill-worker", "decode-worker")),
-                " ".join(map(str, p.args[3:6])))
+    return _name_of(p.args)
+
+
+def _name_of(args) -> str:
+    return next((a for a in args if a in ("router", "prefill-worker", "decode-worker")),
+                " ".join(map(str, args[3:6])))
 
 
 def _raise_interrupt(*_) -> None:

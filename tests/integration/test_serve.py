@@ -81,7 +81,10 @@ def test_serve_binds_loopback_makes_a_secret_restarts_the_dead_and_stops_on_sigt
             if len(procs) == 3 and victim not in procs:
                 break
             time.sleep(0.1)
-        assert sorted(map(role_of, procs)) == ["decode-worker", "prefill-worker", "router"]
+        # on failure, what serve and its workers said is the evidence (read through a file of
+        # its own: `log`'s offset is the one the processes write at)
+        assert sorted(map(role_of, procs)) == ["decode-worker", "prefill-worker", "router"], \
+            (tmp_path / "serve.log").read_text()[-6000:]
         reborn = next(p for p in procs if role_of(p) == "decode-worker")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             while time.monotonic() < deadline:  # registered under its new id (pid in it)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 from baton.cluster import local
@@ -24,6 +25,8 @@ def cluster_of(procs) -> LocalCluster:
     c._stopping = threading.Event()
     c._supervisor = None
     c.expected = len(procs)
+    c._reach = "127.0.0.1"
+    c.metrics_ports = []
     return c
 
 
@@ -68,3 +71,33 @@ def test_nothing_restarts_once_stopping():
     c._stopping.set()
     c.check_children(now=5.0)
     assert c._due == {}
+
+
+def test_a_worker_whose_metrics_port_was_taken_restarts_on_a_free_one(monkeypatch, caplog):
+    """Its old port, bound by something else since, would make it die again at every start."""
+    def worker(role, port):
+        return ["python", "-m", "baton.cli", "--log-level", "INFO", role, "--router", "x",
+                "--model", "m", "--metrics-port", str(port)]
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        kept = local.free_port()
+        c = cluster_of([FakeProc(["python", "-m", "baton.cli", "router"], 10),
+                        FakeProc(worker("prefill-worker", kept), 11),
+                        FakeProc(worker("decode-worker", taken), 12)])
+        c.metrics_ports = [("prefill", kept), ("decode", taken)]
+        started = []
+        monkeypatch.setattr(c, "_popen", lambda cmd: started.append(cmd) or FakeProc(cmd, 99))
+        caplog.set_level(logging.WARNING, logger="baton.serve")
+        c.procs[1].returncode = c.procs[2].returncode = -9
+        c.check_children(now=1.0)
+        c.check_children(now=2.0)
+    assert len(started) == 2
+    assert started[0] == worker("prefill-worker", kept)  # still free: the same port
+    fresh = int(started[1][-1])
+    assert started[1][:-1] == worker("decode-worker", taken)[:-1] and fresh != taken
+    assert c.metrics_ports == [("prefill", kept), ("decode", fresh)]
+    assert (f"decode-worker's metrics port {taken} is taken now; it restarts with /metrics on "
+            f"port {fresh}") in caplog.text
