@@ -64,6 +64,18 @@ def test_every_instruction_set_gives_the_same_bits(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("k", [31, 203, 1024, 1040, 2048])
+def test_one_row_gives_the_same_bits_on_every_instruction_set(kernel, dtype, k):
+    # AVX2 reads one row of half weights as one stream where K <= 1,024 or a row is a multiple
+    # of 4 KiB, in 8-output blocks otherwise (`one_stream` in gemv_avx2.h): both sides, tails.
+    x, w, b = _data(1, 21, k, dtype, seed=k)
+    want = kernel.linear(x, w, b, ISAS["scalar"])
+    for isa in ISAS.values():
+        assert torch.equal(kernel.linear(x, w, b, isa), want), isa
+    assert torch.equal(kernel.linear(x.expand(3, k).contiguous(), w, b, ISAS["avx2"])[1], want[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
 def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, dtype):
     # 600 outputs: enough weight for both threads to take a share.
     x, w, b = _data(64, 600, 203, dtype, seed=2)
