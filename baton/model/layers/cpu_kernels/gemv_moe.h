@@ -105,8 +105,8 @@ int64_t pack_rows(std::vector<float>& buf, const float* src, int64_t src_ld,
 }
 
 // Whether gemv_route.h's replicas give ATen's bits for a Qwen MoE block of m tokens: torch's
-// AVX-512 kernels, a renormalising sum of under 16 weights, and each silu call's elements in
-// one thread of torch's (under its grain, or one thread).
+// AVX-512 or AVX2 kernels, a renormalising sum of under 16 weights, and each silu call's
+// elements in one thread of torch's (under its grain, or one thread).
 bool route_applies(int64_t m, int64_t top_k, int64_t expert_w, int64_t shared_w) {
   const bool serial = at::get_num_threads() == 1 ||
                       (m * top_k * expert_w < baton_route::kGrain &&
@@ -320,7 +320,7 @@ at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bia
 // [gate | up]; each what `qwen_moe` / `nemotron_moe` compute where they take gemv_route.h.
 std::vector<at::Tensor> route_replica(const at::Tensor& logits, int64_t top_k, bool norm) {
   TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
-              "kernels");
+              "or AVX2 kernels");
   check_x(logits);
   TORCH_CHECK(logits.stride(1) == 1 && top_k >= 1 && top_k <= logits.size(1),
               "cpu kernel: logits rows must be contiguous and top_k in [1, E]");
@@ -351,7 +351,7 @@ std::vector<at::Tensor> route_sigmoid_replica(const at::Tensor& logits, const at
 
 at::Tensor swiglu_replica(const at::Tensor& gu) {
   TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
-              "kernels");
+              "or AVX2 kernels");
   check_x(gu);
   TORCH_CHECK(gu.stride(1) == 1 && gu.size(1) % 2 == 0,
               "cpu kernel: gate_up must be [M, 2W] with contiguous rows");

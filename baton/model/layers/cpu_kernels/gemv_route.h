@@ -1,21 +1,23 @@
 // A MoE layer's small element-wise glue (Qwen's softmax router and NemotronH's sigmoid one,
 // top-k, the renormalising sum, SwiGLU's silu, the shared expert's sigmoid gate) as plain
 // loops, each rounding every element exactly as the ATen op it replaces rounds it on a CPU
-// where torch runs its AVX-512 kernels. At batch 1 the ~20 ATen calls of `qwen_moe` cost
+// where torch runs its AVX-512 or its AVX2 kernels (the vector replicas come in both widths,
+// 16 and 8 lanes, chosen by torch's capability). At batch 1 the ~20 ATen calls of `qwen_moe` cost
 // ~0.1 ms a layer, run with cold caches after every weight stream (dispatch, allocation,
 // views): a sixth of the layer. Included by gemv_moe.h.
 //
 // What each replica follows (torch's CPU kernels, float32; `available()` says when they apply):
 //   softmax (last dim, `_vec_softmax_lastdim`): max = reduce_all(maximum), out = exp(x - max)
 //     (Sleef's expf16_u10, as Vectorized<float>::exp), sum = reduce_all(+), out *= 1 / sum;
-//     reduce_all: a row under 16 lanes folds lane by lane into lane 0, a longer one folds
-//     whole vectors (a masked tail blends in), then the 4-step shuffle tree.
+//     reduce_all: a row under one vector (16 lanes; 8 on AVX2) folds lane by lane into lane
+//     0, a longer one folds whole vectors (a masked tail blends in), then the shuffle tree
+//     (4 steps; 3 on AVX2).
 //   topk (largest, sorted; `topk_impl_loop`): (value, index) pairs, std::partial_sort when
 //     k * 64 <= E, else std::nth_element and a sort of the first k - 1, NaN ranking on top.
 //   the renormalising sum of k < 16 weights: `weight_sum`, torch's order (its AVX2 kernel);
 //   the divisions, products and sums: one IEEE operation each, as torch's.
-//   silu (`cpu_kernel_vec`): along a row, whole chunks of 32 on the vector path
-//     (x / (1 + exp(-x)), Sleef's exp), the tail on the scalar one (std::exp); one call's
+//   silu (`cpu_kernel_vec`): along a row, whole chunks of two vectors (32; 16 on AVX2) on the
+//     vector path (x / (1 + exp(-x)), Sleef's exp), the tail on the scalar one (std::exp); one call's
 //     elements all in one thread (rows * width under torch's grain, 32768), else torch splits
 //     the range and the chunks move: the caller keeps ATen then.
 //   sigmoid through `sigmoid_by_element`'s stride-2 view: the scalar path, 1 / (1 + exp(-x));
@@ -29,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,16 +40,24 @@ namespace baton_route {
 
 constexpr int64_t kGrain = 32768;  // at::internal::GRAIN_SIZE: TensorIterator's serial limit
 
-// torch runs its AVX-512 kernels here, and this CPU has what the replicas use.
-inline bool available() {
-  static const bool ok = [] {
+// The width of torch's vector kernels here: 16 (AVX-512), 8 (AVX2), 0 (other: no replicas).
+inline int lanes() {
+  static const int n = [] {
     __builtin_cpu_init();
-    return at::get_cpu_capability() == "AVX512" &&
-           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    const std::string cap = at::get_cpu_capability();
+    if (cap == "AVX512" && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+      return 16;
+    if (cap == "AVX2" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      return 8;
+    return 0;
   }();
-  return ok;
+  return n;
 }
+
+// torch runs its AVX-512 or AVX2 kernels here, and this CPU has what the replicas use.
+inline bool available() { return lanes() != 0; }
 
 // NemotronH's sigmoid router alone: its replicas (the scalar sigmoid, top-k's selection, the
 // renormalising sum, which is torch's AVX2 sum kernel under either capability, one IEEE op
@@ -114,8 +125,8 @@ inline void map(F f, float* out, const float* in, int64_t n) {
     _mm512_mask_storeu_ps(out + i, first(n - i), f(_mm512_maskz_loadu_ps(first(n - i), in + i)));
 }
 
-// softmax of one row of n (contiguous) into out.
-inline void softmax_row(const float* x, float* out, int64_t n) {
+// softmax of one row of n (contiguous) into out, torch's AVX-512 kernel.
+inline void softmax_row16(const float* x, float* out, int64_t n) {
   const float mx = reduce_all(vmax, x, n);
   const __m512 vm = _mm512_set1_ps(mx);
   map([vm](__m512 v) { return Sleef_expf16_u10(_mm512_sub_ps(v, vm)); }, out, x, n);
@@ -125,8 +136,8 @@ inline void softmax_row(const float* x, float* out, int64_t n) {
   map([vs](__m512 v) { return _mm512_mul_ps(v, vs); }, out, out, n);
 }
 
-// silu along a row of n (torch_silu of the step kernels, for this build's runtime choice).
-inline void silu_row(const float* x, float* out, int64_t n) {
+// silu along a row of n, torch's AVX-512 kernel.
+inline void silu_row16(const float* x, float* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
   int64_t i = 0;
   for (const int64_t vec_end = n - n % 32; i < vec_end; i += 16) {
@@ -138,6 +149,102 @@ inline void silu_row(const float* x, float* out, int64_t n) {
 }
 
 #pragma GCC pop_options
+
+// The same four on torch's AVX2 kernels: Vectorized<float> is 8 lanes.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+extern "C" __m256 Sleef_expf8_u10(__m256);  // torch's exp of Vectorized<float> on AVX2
+
+// Vectorized<float>::loadu(p, count) and store(p, count): through a zeroed 8-float buffer.
+inline __m256 load8(const float* p, int64_t n) {
+  alignas(32) float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  std::memcpy(b, p, n * sizeof(float));
+  return _mm256_load_ps(b);
+}
+inline void store8(float* p, __m256 v, int64_t n) {
+  alignas(32) float b[8];
+  _mm256_store_ps(b, v);
+  std::memcpy(p, b, n * sizeof(float));
+}
+
+inline __m256 vmax8(__m256 a, __m256 b) {
+  return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+}
+inline __m256 vadd8(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+
+// Vectorized<float>::set(a, b, count): b's first count lanes, a's others.
+inline __m256 set8(__m256 a, __m256 b, int64_t count) {
+  alignas(32) float x[8], y[8];
+  _mm256_store_ps(x, a);
+  _mm256_store_ps(y, b);
+  for (int64_t i = 0; i < count; ++i) x[i] = y[i];
+  return _mm256_load_ps(x);
+}
+
+template <class Op>
+inline float tree8(Op op, __m256 v) {  // VecReduceAllSIMD<float> on AVX2
+  v = op(v, _mm256_permute2f128_ps(v, v, 0x1));
+  v = op(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = op(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+
+template <class Op>
+inline float reduce_all8(Op op, const float* d, int64_t n) {
+  if (n < 8) {
+    alignas(32) float lanes[8];
+    __m256 acc = load8(d, n);
+    _mm256_store_ps(lanes, acc);
+    for (int64_t i = 1; i < n; ++i) acc = op(acc, load8(lanes + i, 1));
+    return _mm256_cvtss_f32(acc);
+  }
+  __m256 acc = _mm256_loadu_ps(d);
+  int64_t i = 8;
+  for (; i < n - n % 8; i += 8) acc = op(acc, _mm256_loadu_ps(d + i));
+  if (n - i > 0) acc = set8(acc, op(acc, load8(d + i, n - i)), n - i);
+  return tree8(op, acc);
+}
+
+template <class F>
+inline void map8(F f, float* out, const float* in, int64_t n) {
+  int64_t i = 0;
+  for (; i < n - n % 8; i += 8) _mm256_storeu_ps(out + i, f(_mm256_loadu_ps(in + i)));
+  if (n - i > 0) store8(out + i, f(load8(in + i, n - i)), n - i);
+}
+
+inline void softmax_row8(const float* x, float* out, int64_t n) {
+  const float mx = reduce_all8(vmax8, x, n);
+  const __m256 vm = _mm256_set1_ps(mx);
+  map8([vm](__m256 v) { return Sleef_expf8_u10(_mm256_sub_ps(v, vm)); }, out, x, n);
+  float s = reduce_all8(vadd8, out, n);
+  s = 1 / s;
+  const __m256 vs = _mm256_set1_ps(s);
+  map8([vs](__m256 v) { return _mm256_mul_ps(v, vs); }, out, out, n);
+}
+
+inline void silu_row8(const float* x, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (const int64_t vec_end = n - n % 16; i < vec_end; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, Sleef_expf8_u10(
+                                                                   _mm256_xor_ps(sign, v)))));
+  }
+  for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(-x[i]));
+}
+
+#pragma GCC pop_options
+
+// softmax of one row of n (contiguous) into out, as torch's kernel of this CPU computes it.
+inline void softmax_row(const float* x, float* out, int64_t n) {
+  if (lanes() == 16) softmax_row16(x, out, n); else softmax_row8(x, out, n);
+}
+
+// silu along a row of n, as torch's kernel of this CPU computes it.
+inline void silu_row(const float* x, float* out, int64_t n) {
+  if (lanes() == 16) silu_row16(x, out, n); else silu_row8(x, out, n);
+}
 
 // topk(row of n, k, largest, sorted) as topk_impl_loop: values and indices.
 inline void topk_row(const float* p, int64_t n, int64_t k, float* vals, int64_t* idx,
