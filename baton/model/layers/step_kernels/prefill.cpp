@@ -252,8 +252,10 @@ inline void exp8_(float* x, int64_t n) {  // n a multiple of 8; -inf -> 0
 #endif
 }
 
-constexpr int64_t AR = 4;   // query rows a register tile computes together
-constexpr int64_t AT = 4;   // register tiles a task computes (over the same keys from L1)
+// 6 rows: 12 accumulators, enough independent FMA chains to cover the FMA latency (4 rows, 8
+// chains: 151 -> 122 ms at 2,048 tokens, 12 heads of 64, 1 thread, on the Zen 2)
+constexpr int64_t AR = 6;   // query rows a register tile computes together
+constexpr int64_t AT = 2;   // register tiles a task computes (over the same keys from L1)
 constexpr int64_t MR = AR * AT;
 constexpr int64_t AJ = 16;  // keys a score tile covers
 constexpr int64_t VJ = 64;  // keys a pass of the output tiles covers
@@ -343,7 +345,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
           const float* kb = ktb + jb * D;  // block jb / AJ: [D, AJ]
           for (int64_t d = 0; d < D; ++d) {
             const v8 k0 = load8(kb + d * AJ), k1 = load8(kb + d * AJ + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int64_t r = 0; r < AR; ++r) {
               const float qd = qa[r][d];
               acc[r][0] = fma8(k0, qd, acc[r][0]);
@@ -361,7 +363,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         float* s = sbuf.data() + r * S16;
         const int64_t L8 = (L[r] + 7) / 8 * 8;
         float m = ninf;
-        for (int64_t j = 0; j < L[r]; ++j) m = std::max(m, s[j] * sc);
+        int64_t j0 = 0;
+#ifdef __AVX2__
+        __m256 mv = _mm256_set1_ps(ninf);  // the max is the same in any order (NaNs aside)
+        const __m256 scv = _mm256_set1_ps(sc);
+        for (; j0 + 8 <= L[r]; j0 += 8)
+          mv = _mm256_max_ps(mv, _mm256_mul_ps(_mm256_loadu_ps(s + j0), scv));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mv);
+        for (float x : lanes) m = std::max(m, x);
+#endif
+        for (int64_t j = j0; j < L[r]; ++j) m = std::max(m, s[j] * sc);
+#pragma omp simd
         for (int64_t j = 0; j < L[r]; ++j) s[j] = s[j] * sc - m;
         for (int64_t j = L[r]; j < L8; ++j) s[j] = ninf;
         exp8_(s, L8);
@@ -387,7 +400,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
             for (int64_t j = jb; j < je; ++j) {
               const float* vr = vb + j * 16;
               const v8 v0 = load8(vr), v1 = load8(vr + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
               for (int64_t r = 0; r < AR; ++r) {
                 const float p = sa[r * S16 + j];
                 o[r][0] = fma8(v0, p, o[r][0]);
