@@ -166,7 +166,8 @@ def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
     hidden = model.config.hidden_size
     for threads in sz["threads"]:
         torch.set_num_threads(threads)
-        peak = matmul_peak_gflops(sz["prefill"], hidden, 4 * hidden) / threads  # per core
+        # FLOPs per CPU second (`_best` times process_time, every thread's): already per core
+        peak = matmul_peak_gflops(sz["prefill"], hidden, 4 * hidden)
         for r in rows:
             if r.get("threads") != threads or r.get("family") != family:
                 continue
