@@ -128,6 +128,94 @@ void group_values_for(const float* sc, const float* const* vrows, int64_t off, i
   if ((hd / 16) % C == 0) group_values<R, C>(sc, vrows, off, S, hd, o);
   else group_values<R, 1>(sc, vrows, off, S, hd, o);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same two kernels with 8-lane registers and the AVX-512 kernels' order: a score's 16
+// lanes are two 8-lane FMA chains (lanes 0-7 and 8-15, k in order), folded as GCC's
+// _mm512_reduce_add_ps folds (the halves, the 128-bit halves, {2,3,0,1}, the last two), so
+// the scores are the AVX-512 kernel's bits; a value column is an FMA chain per lane over the
+// keys in order, so its blocking changes nothing. (The softmax's exp is 8 lanes wide here, so
+// a row's tail may round apart from an AVX-512 machine's.) Before them the Zen 2 ran the
+// dot-and-axpy loop: batch 32 x ~150 keys, 4 layers of 12 heads on 4 of 64, 6.0 -> 4.5 ms a
+// step; batch 1 x 600 keys, 8 heads on 2 of 128, 0.23 -> 0.19 ms a layer.
+inline float reduce16(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+// N heads of a group against one key row: 2N accumulators (N <= 4: 8 of 16 ymm)
+template <int N>
+inline void heads_scores(const float* qg, const float* key, int64_t hd, float scale, float* out,
+                         int64_t S) {
+  __m256 lo[N], hi[N];
+  for (int r = 0; r < N; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m256 k0 = _mm256_loadu_ps(key + d), k1 = _mm256_loadu_ps(key + d + 8);
+    for (int r = 0; r < N; ++r) {
+      lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + r * hd + d), k0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + r * hd + d + 8), k1, hi[r]);
+    }
+  }
+  for (int r = 0; r < N; ++r) out[r * S] = reduce16(lo[r], hi[r]) * scale;
+}
+
+template <int R>
+void group_scores(const float* q, const float* const* krows, const float* const* vrows,
+                  int64_t g0, int64_t g1, int64_t S, int64_t hd, float scale, float* sc) {
+  constexpr int A = R < 4 ? R : 4, B = R - A < 4 ? R - A : 4;  // R <= 8: two blocks of heads
+  for (int64_t t = 0; t < S; ++t) {
+    for (int64_t l = g0 * hd; l < g1 * hd; l += 16)
+      _mm_prefetch((const char*)(vrows[t] + l), _MM_HINT_T1);
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* key = krows[t] + g * hd;
+      const float* qg = q + g * R * hd;
+      float* out = sc + g * R * S + t;
+      heads_scores<A>(qg, key, hd, scale, out, S);
+      if constexpr (B > 0) heads_scores<B>(qg + A * hd, key, hd, scale, out + A * S, S);
+    }
+  }
+}
+
+template <int R, int C>
+void group_values(const float* sc, const float* const* vrows, int64_t off, int64_t S, int64_t hd,
+                  float* o) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 8 * C) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < S; ++t) {
+      const float* val = vrows[t] + off + d0;
+      __m256 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(val + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = _mm256_set1_ps(sc[r * S + t]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + r * hd + d0 + 8 * c, acc[r][c]);
+  }
+}
+
+template <int R>
+void group_values_for(const float* sc, const float* const* vrows, int64_t off, int64_t S,
+                      int64_t hd, float* o) {
+  // R * C <= 8 accumulators (of 16 ymm); past 4 heads, blocks of 4 (a lane's chain is the
+  // same in any blocking)
+  constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  if constexpr (R > 4) {
+    group_values_for<4>(sc, vrows, off, S, hd, o);
+    group_values_for<R - 4>(sc + 4 * S, vrows, off, S, hd, o + 4 * hd);
+  } else if ((hd / 8) % C == 0) {
+    group_values<R, C>(sc, vrows, off, S, hd, o);
+  } else {
+    group_values<R, 1>(sc, vrows, off, S, hd, o);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 
 template <int R>
 constexpr std::pair<ScoresFn, ValuesFn> group_fns() {
@@ -159,12 +247,12 @@ std::pair<ScoresFn, ValuesFn> group_kernels(int64_t, int64_t) { return {nullptr,
 // positions 0..lens[i]-1 and writes its token at lens[i]-1; with keys [b, >= lens] (a tree
 // verify pass: its prompt, then the storage positions of its path) it reads positions
 // keys[i, 0..lens[i]-1] in that order and writes its token at keys[i, lens[i]-1].
-// With AVX-512 and hd a multiple of 16, per (sequence, kv head): its R query heads' scores
-// against each key row at once, then their outputs R x C 16-lane columns at a time in
-// registers (group_scores / group_values). Measured at 1 thread, 4 layers with cold KV
+// With AVX-512 (or AVX2 + FMA) and hd a multiple of 16, per (sequence, kv head): its R query
+// heads' scores against each key row at once, then their outputs R x C vector columns at a
+// time in registers (group_scores / group_values). Measured at 1 thread, 4 layers with cold KV
 // (8 heads on 2 kv heads of 128; 12 on 4 of 64): batch 32 x 180 keys 6.7 -> 3.2 ms, batch 1
 // x 600 keys 0.46 -> 0.30 ms, i.e. from ~7 GB/s of KV to this core's read speed (15-16). The
-// fallback (no AVX-512, hd not a multiple of 16, more than 8 heads per kv head): per sequence
+// fallback (neither, hd not a multiple of 16, more than 8 heads per kv head): per sequence
 // every head at once, a dot and an axpy per head and key, each block's keys (then values)
 // read front to back, once.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
