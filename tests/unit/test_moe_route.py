@@ -8,8 +8,9 @@ top-k's selection and tie order), so they are checked against torch itself: the 
 expert counts below, at and above a vector, every k from 1 to 15, logits from flat to peaked,
 with ties; SwiGLU at widths with and without a tail; and the whole block against the module
 (`QwenSparseMoe`, the path plain decode and a speculative verify share) at 1 and 2 threads,
-float32 and float16 weights, sizes where the replicas apply and where they do not (torch would
-split a silu call over its threads): outputs and the expert load counts equal. NemotronH's
+float32 and float16 weights, silu calls small enough for one thread and large enough for torch
+to split over its threads (mid-row too), and a size where the replicas do not apply (16 weights
+to renormalise): outputs and the expert load counts equal. NemotronH's
 block (sigmoid scores, bias-steered unsorted top-k, relu2 experts) the same way, where torch
 runs its AVX2 kernels too (its replicas use none of AVX-512's).
 """
@@ -29,7 +30,8 @@ from baton.model.nemotron_h.config import ModelConfig
 
 g = cpu_kernels.gemv()
 qwen_route = pytest.mark.skipif(g is None or not g.route_available(),
-                                reason="kernels not built, or torch is not on AVX-512 here")
+                                reason="kernels not built, or torch is on neither AVX2 nor "
+                                       "AVX-512 here")
 sigmoid_route = pytest.mark.skipif(g is None or not g.route_sigmoid_available(),
                                    reason="kernels not built, or torch is on neither AVX2 "
                                           "nor AVX-512 here")
@@ -105,6 +107,36 @@ def test_swiglu_is_torchs(width, rows):
     assert _same_bits(g.swiglu_replica(gu.contiguous()), F.silu(gu[:, :width]) * gu[:, width:])
 
 
+def _vector_and_scalar_disagree(n: int) -> torch.Tensor:
+    """n values whose silu on torch's vector path and on its scalar path (a strided view's
+    loop) round apart: ~4% of inputs; a piece of a row taken the wrong way shows in every
+    element it holds."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)) * 6
+    spaced = x.new_empty(2 * x.numel())[::2]
+    spaced.copy_(x)
+    picked = x[F.silu(x) != F.silu(spaced)]
+    return picked.repeat(n // picked.numel() + 1)[:n]
+
+
+@qwen_route
+@pytest.mark.parametrize("width, rows, threads", [
+    (44, 745, 2),  # 32,780 elements: 2 pieces, cut at element 22 of row 372
+    (40, 2005, 3),  # 80,200: 3 pieces, cut at 14 of row 668 and 28 of row 1,336
+    (40, 819, 2),  # 32,760: under the grain, one thread
+])
+def test_swiglu_split_over_threads_is_torchs(width, rows, threads):
+    gu = torch.empty(rows, 2 * width + 3)[:, : 2 * width]
+    gu[:, :width] = _vector_and_scalar_disagree(rows * width).view(rows, width)
+    gu[:, width:] = torch.randn(rows, width, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = F.silu(gu[:, :width]) * gu[:, width:]
+        assert _same_bits(g.swiglu_replica(gu.contiguous()), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 class _Cfg:
     hidden_size, hidden_act, norm_topk_prob = 64, "silu", True
 
@@ -144,10 +176,16 @@ def _run(block, rows: int, threads: int):
         torch.set_num_threads(before)
 
 
-# (experts, k, expert width, shared width, rows, threads, whether the replicas apply)
+# (experts, k, expert width, shared width, rows, threads, whether the replicas apply). Past
+# 32,768 elements torch splits a silu call over its threads, and each thread's piece of a row
+# has its own vector body and scalar tail: the expert call split at a row's start (640 x 64
+# pairs, 40 x 1,200), both calls mid-row (40 x 903 at element 20 of a row, 136 x 301 at 68),
+# in 3 pieces (40 x 2,005 at 14 and 28); 16 weights to renormalise: the module's ATen ops.
 CASES = [(8, 2, 40, 64, 1, 2, True), (8, 2, 40, 64, 8, 2, True), (8, 2, 40, 64, 40, 1, True),
          (64, 8, 48, 32, 3, 2, True), (32, 10, 16, 16, 5, 2, True),
-         (8, 2, 640, 64, 32, 2, False), (8, 2, 40, 64, 600, 2, False)]
+         (8, 2, 640, 64, 32, 2, True), (8, 2, 40, 64, 600, 2, True),
+         (8, 3, 40, 136, 301, 2, True), (8, 5, 40, 64, 401, 3, True),
+         (32, 16, 16, 16, 3, 2, False)]
 
 
 @qwen_route

@@ -105,20 +105,18 @@ int64_t pack_rows(std::vector<float>& buf, const float* src, int64_t src_ld,
 }
 
 // Whether gemv_route.h's replicas give ATen's bits for a Qwen MoE block of m tokens: torch's
-// AVX-512 or AVX2 kernels, a renormalising sum of under 16 weights, and each silu call's
-// elements in one thread of torch's (under its grain, or one thread).
-bool route_applies(int64_t m, int64_t top_k, int64_t expert_w, int64_t shared_w) {
-  const bool serial = at::get_num_threads() == 1 ||
-                      (m * top_k * expert_w < baton_route::kGrain &&
-                       m * shared_w < baton_route::kGrain);
-  return baton_route::available() && top_k < 16 && serial;
+// AVX-512 or AVX2 kernels and a renormalising sum of under 16 weights. (A silu call torch
+// splits over its threads is cut where they split it: `swiglu_rows`.)
+bool route_applies(int64_t, int64_t top_k, int64_t, int64_t) {
+  return baton_route::available() && top_k < 16;
 }
 
-// A row's activation in place of the kernels' padded input: 0 relu2 (src [w]), 1 SwiGLU (src
-// [gate w | up w]); zeros to ld.
-void activate_row(const float* src, int64_t w, int act, float* row, int64_t ld) {
+// Row i of `rows`' activation in place of the kernels' padded input: 0 relu2 (src [w]), 1
+// SwiGLU (src [gate w | up w]); zeros to ld.
+void activate_row(const float* src, int64_t w, int act, float* row, int64_t ld, int64_t i,
+                  int64_t rows) {
   if (act == 1) {
-    baton_route::swiglu_rows(src, 2 * w, 1, w, row);
+    baton_route::swiglu_rows(src, 2 * w, 1, w, row, i, rows);
   } else {
     for (int64_t j = 0; j < w; ++j) row[j] = relu2(src[j]);
   }
@@ -179,9 +177,10 @@ void experts_glued(const at::Tensor& x, const at::Tensor& experts, const float* 
   buf.clear();
   buf.resize(pairs * ldw + m * lds);
   for (int64_t i = 0; i < pairs; ++i)
-    activate_row(yu.data() + i * uw, w, act, buf.data() + i * ldw, ldw);
+    activate_row(yu.data() + i * uw, w, act, buf.data() + i * ldw, ldw, i, pairs);
   float* sact = buf.data() + pairs * ldw;
-  for (int64_t i = 0; i < m; ++i) activate_row(syu.data() + i * su, ws, act, sact + i * lds, lds);
+  for (int64_t i = 0; i < m; ++i)
+    activate_row(syu.data() + i * su, ws, act, sact + i * lds, lds, i, m);
   // down: [pairs, d] by expert run, and the shared [m, d]
   std::vector<float> yd(pairs * d);
   sd.assign(m * d, 0.f);

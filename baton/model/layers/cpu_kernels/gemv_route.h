@@ -26,6 +26,7 @@
 // tests/unit/test_moe_route.py holds each against the ATen op, bit for bit.
 #pragma once
 
+#include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/Version.h>  // at::get_cpu_capability
 #include <immintrin.h>
 
@@ -327,12 +328,36 @@ inline void route_sigmoid(const float* logits, int64_t ld, int64_t m, int64_t e,
   }
 }
 
-// silu(gu[:, :w]) * gu[:, w:] of m rows (row stride ld) into out [m, w] (contiguous).
-inline void swiglu_rows(const float* gu, int64_t ld, int64_t m, int64_t w, float* out) {
+// The span of elements each of torch's threads takes of an element-wise call over n elements
+// (TensorIterator::for_each: one thread up to the grain, else at::parallel_for's chunks of
+// divup(n, min(threads, divup(n, grain))) under OpenMP); n where the call is serial.
+inline int64_t thread_span(int64_t n) {
+  const int64_t threads = at::get_num_threads();
+  if (n <= kGrain || threads == 1) return n;
+  const int64_t parts = std::min(threads, (n + kGrain - 1) / kGrain);
+  return (n + parts - 1) / parts;
+}
+
+// silu of one row of w elements that sit at `start` of a call whose threads take `span`
+// elements each: torch's inner loop runs per row and per thread, so the row is cut where a
+// thread's span ends and each piece has its own vector body and scalar tail.
+inline void silu_row_at(const float* x, float* out, int64_t w, int64_t start, int64_t span) {
+  for (int64_t j = 0; j < w;) {
+    const int64_t pos = start + j, len = std::min(w - j, (pos / span + 1) * span - pos);
+    silu_row(x + j, out + j, len);
+    j += len;
+  }
+}
+
+// silu(gu[:, :w]) * gu[:, w:] of rows r0..r0+m-1 (row stride ld) of a call over `rows` rows
+// into out [m, w] (contiguous), as torch's silu and mul compute them at its thread count.
+inline void swiglu_rows(const float* gu, int64_t ld, int64_t m, int64_t w, float* out,
+                        int64_t r0 = 0, int64_t rows = -1) {
+  const int64_t span = thread_span((rows < 0 ? m : rows) * w);
   for (int64_t i = 0; i < m; ++i) {
     const float *g = gu + i * ld, *u = g + w;
     float* o = out + i * w;
-    silu_row(g, o, w);
+    silu_row_at(g, o, w, (r0 + i) * w, span);
     for (int64_t j = 0; j < w; ++j) o[j] = o[j] * u[j];
   }
 }
