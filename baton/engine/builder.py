@@ -57,6 +57,12 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         saved = cast_weights(model, DTYPES[cfg.model.weight_dtype])
         log.info("linear weights stored as %s (%.0f MB saved)", cfg.model.weight_dtype,
                  saved / 1e6)
+    if torch.device(cfg.model.device).type == "cpu":
+        from baton.model.hugepages import place_on_huge_pages
+
+        moved = place_on_huge_pages(model)
+        if moved:
+            log.info("weights on transparent huge pages (%.0f MB)", moved / 1e6)
     spec = PoolSpec.for_model(
         model.config,
         num_blocks=cfg.cache.num_blocks,

@@ -26,6 +26,7 @@ from functools import cached_property
 
 import torch
 
+from baton.model.hugepages import huge_zeros
 from baton.model.state_spec import StateTensorSpec
 
 
@@ -111,10 +112,12 @@ class Pools:
         self.spec = s = spec
         kv_shape = (len(s.attn_layers), s.num_blocks, 2, s.tokens_per_block, s.num_kv_heads,
                     s.head_dim)
-        self.kv = torch.zeros(kv_shape, dtype=s.dtype, device=s.device)
+        # on huge pages where the machine offers them: a batch-32 step reads and writes every
+        # state slot of its batch and reads its KV (hugepages.py)
+        self.kv = huge_zeros(kv_shape, dtype=s.dtype, device=s.device)
         self.state: dict[str, torch.Tensor] = {
-            t.name: torch.zeros((len(s.state_layers), s.num_slots, *t.shape),
-                                dtype=s.state_dtype(t), device=s.device)
+            t.name: huge_zeros((len(s.state_layers), s.num_slots, *t.shape),
+                               dtype=s.state_dtype(t), device=s.device)
             for t in s.state_tensors
         }
 
