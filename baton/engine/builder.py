@@ -57,12 +57,7 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         saved = cast_weights(model, DTYPES[cfg.model.weight_dtype])
         log.info("linear weights stored as %s (%.0f MB saved)", cfg.model.weight_dtype,
                  saved / 1e6)
-    if torch.device(cfg.model.device).type == "cpu":
-        from baton.model.hugepages import place_on_huge_pages
-
-        moved = place_on_huge_pages(model)
-        if moved:
-            log.info("weights on transparent huge pages (%.0f MB)", moved / 1e6)
+    on_huge_pages(model, cfg.model.device)
     spec = PoolSpec.for_model(
         model.config,
         num_blocks=cfg.cache.num_blocks,
@@ -87,6 +82,16 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     )
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                   speculative=cfg.speculative)
+
+
+def on_huge_pages(model, device: str) -> None:
+    """A CPU model's weights onto transparent huge pages (baton.model.hugepages)."""
+    if torch.device(device).type == "cpu":
+        from baton.model.hugepages import place_on_huge_pages
+
+        moved = place_on_huge_pages(model)
+        if moved:
+            log.info("weights on transparent huge pages (%.0f MB)", moved / 1e6)
 
 
 def _maybe_arm_canaries(cache: HybridCacheManager) -> None:

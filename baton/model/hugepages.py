@@ -67,56 +67,62 @@ def place_on_huge_pages(model: nn.Module) -> int:
     """Move every CPU parameter and buffer whose storage holds at least MIN_BYTES into one
     arena on huge pages (`_arena`), in place: each Parameter object keeps its identity (tied
     weights stay tied), tensors that share a storage share its copy at the same offsets and
-    strides. The fast path's caches of weight views are dropped and its plans rebuilt
+    strides. Storage by storage, so each old one is freed as soon as it is copied (the peak is
+    the model plus its largest storage, where nothing else holds the old ones). The fast
+    path's caches of weight views are dropped first and its plans rebuilt
     (`linear._state["generation"]`). Returns the bytes moved: 0 where huge pages are not
     offered."""
     if not available():
         log.info("weights stay on 4 KiB pages: this machine offers no transparent huge pages")
         return 0
-    slots: list[tuple[nn.Module, str, bool]] = []  # (module, name, is a parameter)
-    storages: dict[int, torch.UntypedStorage] = {}
+    from baton.model.layers import linear
+
+    for m in model.modules():  # views of the old storages
+        for cache in ("_baton_packed", "_baton_wt", "_baton_plan"):
+            m.__dict__.pop(cache, None)
+    linear._state["generation"] += 1
+    # (module, name, is a parameter) by storage, and each storage's offset in the arena
+    groups: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    sizes: dict[int, int] = {}
     for m in model.modules():
         for table, param in ((m._parameters, True), (m._buffers, False)):
             for name, t in table.items():
                 if t is None or t.device.type != "cpu":
                     continue
                 s = t.untyped_storage()
-                if s.nbytes() < MIN_BYTES:
-                    continue
-                slots.append((m, name, param))
-                storages.setdefault(s.data_ptr(), s)
-    if not slots:
+                if s.nbytes() >= MIN_BYTES:
+                    groups.setdefault(s.data_ptr(), []).append((m, name, param))
+                    sizes[s.data_ptr()] = s.nbytes()
+    if not groups:
         return 0
     offsets, total = {}, 0
-    for ptr, s in storages.items():
+    for ptr, n in sizes.items():
         offsets[ptr] = total
-        total += -(-s.nbytes() // ALIGN) * ALIGN
+        total += -(-n // ALIGN) * ALIGN
     arena = _arena(total)
     base = arena.untyped_storage()
     first = arena.data_ptr() - base.data_ptr()  # the arena's start within its mapping
     with torch.no_grad():
-        for ptr, s in storages.items():
-            src = torch.empty(0, dtype=torch.uint8).set_(s)
-            arena[offsets[ptr]:offsets[ptr] + s.nbytes()].copy_(src)
-        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old): (old, new)
-        for m, name, param in slots:
-            t = (m._parameters if param else m._buffers)[name]
-            if id(t) in moved:  # a tensor two modules hold: a Parameter moved in place
-                if not param:
-                    m._buffers[name] = moved[id(t)][1]
-                continue
-            size = t.element_size()
-            at = first + offsets[t.untyped_storage().data_ptr()] + t.storage_offset() * size
-            new = torch.empty(0, dtype=t.dtype).set_(base, at // size, t.size(), t.stride())
-            if param:
-                t.data = new
-            else:
-                m._buffers[name] = new
-            moved[id(t)] = (t, new)  # the old one kept: its id is not reused meanwhile
-    from baton.model.layers import linear
-
-    for m in model.modules():  # views of the old storages, rebuilt on first use
-        for cache in ("_baton_packed", "_baton_wt", "_baton_plan"):
-            m.__dict__.pop(cache, None)
-    linear._state["generation"] += 1
+        for ptr in list(groups):
+            slots = groups.pop(ptr)
+            made: dict[tuple, torch.Tensor] = {}  # a view of this storage: its copy
+            for m, name, param in slots:
+                t = (m._parameters if param else m._buffers)[name]
+                if t.untyped_storage().data_ptr() != ptr:
+                    continue  # a Parameter two modules hold, moved already
+                if not made:
+                    src = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+                    arena[offsets[ptr]:offsets[ptr] + sizes[ptr]].copy_(src)
+                    del src
+                key = (t.dtype, t.storage_offset(), tuple(t.size()), t.stride())
+                if key not in made:
+                    size = t.element_size()
+                    at = first + offsets[ptr] + t.storage_offset() * size
+                    made[key] = torch.empty(0, dtype=t.dtype).set_(base, at // size, t.size(),
+                                                                   t.stride())
+                if param:
+                    t.data = made[key]
+                else:
+                    m._buffers[name] = made[key]
+            del t, slots, made
     return total

@@ -60,7 +60,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
                 ) -> tuple[StageModel, Pools]:
     """One stage's weights and pools. With speculation on, the last stage also holds the
     MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
-    from baton.engine.builder import DTYPES
+    from baton.engine.builder import DTYPES, on_huge_pages
     from baton.engine.speculative.setup import with_draft_layers
     from baton.model.loader import load_stage
 
@@ -68,6 +68,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
     last = rank == len(layers) - 1
     model = load_stage(model_path, layers[rank], rank == 0, last, device=cfg.model.device,
                        dtype=dtype, mtp=bool(cfg.speculative.num_draft_tokens))
+    on_huge_pages(model, cfg.model.device)
     spec = PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, layers=layers[rank],
