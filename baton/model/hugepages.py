@@ -45,7 +45,10 @@ def _arena(nbytes: int) -> torch.Tensor:
     """nbytes of zeroed memory (uint8) in an anonymous mapping advised MADV_HUGEPAGE, starting
     on a 2 MiB boundary. The tensor keeps the mapping alive."""
     m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as e:  # a kernel without THP support: plain pages, the same memory
+        log.info("madvise(MADV_HUGEPAGE) refused (%s): 4 KiB pages", e)
     whole = torch.frombuffer(m, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE
     return whole[start:start + nbytes]
@@ -60,7 +63,9 @@ def huge_zeros(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or not available():
         return torch.zeros(shape, dtype=dtype, device=device)
-    return _arena(nbytes).view(dtype).view(shape)
+    # written now, as torch.zeros writes its zeros: the memory is committed at start (an
+    # engine that cannot have its pools fails there, not under load)
+    return _arena(nbytes).view(dtype).view(shape).zero_()
 
 
 def place_on_huge_pages(model: nn.Module) -> int:

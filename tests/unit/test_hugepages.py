@@ -75,6 +75,17 @@ def test_weights_move_in_place_with_the_same_bits_ties_and_views(monkeypatch):
     assert net.up._packed().data_ptr() == net.up.weight.data_ptr()
 
 
+def _rss_mb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
+
+
+def test_huge_zeros_commits_its_memory_at_once():
+    before = _rss_mb()
+    t = hugepages.huge_zeros((16 << 20,), torch.float32)  # 64 MiB, written as torch.zeros is
+    assert _rss_mb() - before >= 60 and _advised(t)
+
+
 def test_huge_zeros():
     big = hugepages.huge_zeros((3, hugepages.MIN_BYTES // 4), torch.float32)
     assert big.shape == (3, hugepages.MIN_BYTES // 4) and big.dtype == torch.float32
