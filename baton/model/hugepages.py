@@ -17,6 +17,7 @@ Where huge pages are not offered (another OS, `never`) these do nothing and say 
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 from pathlib import Path
@@ -34,8 +35,9 @@ ALIGN = 4096
 """Each storage starts on its own page in the arena."""
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this machine gives huge pages to a mapping that asks for them."""
+    """Whether this machine gives huge pages to a mapping that asks for them (read once)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:

@@ -80,7 +80,6 @@ struct Job {
   int64_t n;
 };
 
-//
 // The threads take equal shares of the cost, not of the blocks: a block costs about its rows
 // plus its weight stream (kStream rows' worth), and the shared expert's blocks hold every
 // token's row where a routed expert's hold its own tokens' (batch 32 at 2 threads, an even
@@ -140,12 +139,12 @@ bool route_applies(int64_t, int64_t top_k, int64_t, int64_t) {
   return baton_route::available() && top_k < 16;
 }
 
-// Row i of `rows`' activation in place of the kernels' padded input: 0 relu2 (src [w]), 1
-// SwiGLU (src [gate w | up w]); zeros to ld.
+// Row i's activation in place of the kernels' padded input: 0 relu2 (src [w]), 1 SwiGLU (src
+// [gate w | up w]; `span`: swiglu_rows'); zeros to ld.
 void activate_row(const float* src, int64_t w, int act, float* row, int64_t ld, int64_t i,
-                  int64_t rows) {
+                  int64_t span) {
   if (act == 1) {
-    baton_route::swiglu_rows(src, 2 * w, 1, w, row, i, rows);
+    baton_route::swiglu_rows(src, 2 * w, 1, w, row, i, span);
   } else {
     for (int64_t j = 0; j < w; ++j) row[j] = relu2(src[j]);
   }
@@ -205,11 +204,13 @@ void experts_glued(const at::Tensor& x, const at::Tensor& experts, const float* 
   // the activations, into the down projections' padded rows
   buf.clear();
   buf.resize(pairs * ldw + m * lds);
+  const int64_t span = baton_route::thread_span(pairs * w);
   for (int64_t i = 0; i < pairs; ++i)
-    activate_row(yu.data() + i * uw, w, act, buf.data() + i * ldw, ldw, i, pairs);
+    activate_row(yu.data() + i * uw, w, act, buf.data() + i * ldw, ldw, i, span);
   float* sact = buf.data() + pairs * ldw;
+  const int64_t shared_span = baton_route::thread_span(m * ws);
   for (int64_t i = 0; i < m; ++i)
-    activate_row(syu.data() + i * su, ws, act, sact + i * lds, lds, i, m);
+    activate_row(syu.data() + i * su, ws, act, sact + i * lds, lds, i, shared_span);
   // down: [pairs, d] by expert run, and the shared [m, d]
   std::vector<float> yd(pairs * d);
   sd.assign(m * d, 0.f);

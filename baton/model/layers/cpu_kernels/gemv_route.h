@@ -349,11 +349,12 @@ inline void silu_row_at(const float* x, float* out, int64_t w, int64_t start, in
   }
 }
 
-// silu(gu[:, :w]) * gu[:, w:] of rows r0..r0+m-1 (row stride ld) of a call over `rows` rows
-// into out [m, w] (contiguous), as torch's silu and mul compute them at its thread count.
+// silu(gu[:, :w]) * gu[:, w:] of rows r0..r0+m-1 (row stride ld) into out [m, w]
+// (contiguous), as torch's silu and mul compute them at its thread count: `span` is
+// thread_span of the whole call's elements (0: the call is these m rows).
 inline void swiglu_rows(const float* gu, int64_t ld, int64_t m, int64_t w, float* out,
-                        int64_t r0 = 0, int64_t rows = -1) {
-  const int64_t span = thread_span((rows < 0 ? m : rows) * w);
+                        int64_t r0 = 0, int64_t span = 0) {
+  if (span == 0) span = thread_span(m * w);
   for (int64_t i = 0; i < m; ++i) {
     const float *g = gu + i * ld, *u = g + w;
     float* o = out + i * w;

@@ -68,6 +68,57 @@ using ScoresFn = void (*)(const float*, const float* const*, const float* const*
                           int64_t, int64_t, int64_t, float, float*);
 using ValuesFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
 
+// One register of floats: AVX-512's 16 lanes, or AVX2's 8 (with FMA).
+#if defined(__AVX512F__)
+struct Lanes {
+  using V = __m512;
+  static constexpr int N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  using V = __m256;
+  static constexpr int N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// o[r * hd + d] = sum_t sc[r * S + t] * v_t[d] for the group's R heads: C vector columns of
+// all R heads in registers at a time (R * C accumulators), one pass over the values per C
+// columns (the rows stay in L2 between passes); hd a multiple of Lanes::N * C. Each lane is
+// one FMA chain over the keys in order, so the lane width and blocking change no bit.
+template <int R, int C>
+void group_values(const float* sc, const float* const* vrows, int64_t off, int64_t S, int64_t hd,
+                  float* o) {
+  using L = Lanes;
+  for (int64_t d0 = 0; d0 < hd; d0 += L::N * C) {
+    typename L::V acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = L::zero();
+    for (int64_t t = 0; t < S; ++t) {
+      const float* val = vrows[t] + off + d0;
+      typename L::V vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = L::load(val + L::N * c);
+      for (int r = 0; r < R; ++r) {
+        const typename L::V p = L::set1(sc[r * S + t]);
+        for (int c = 0; c < C; ++c) acc[r][c] = L::fma(p, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) L::store(o + r * hd + d0 + L::N * c, acc[r][c]);
+  }
+}
+#endif
+
 #ifdef __AVX512F__
 // Kv heads g0..g1-1, each with its group of R query heads (q: the sequence's heads, R rows of
 // hd floats per group, hd a multiple of 16), against key rows krows[0..S):
@@ -97,30 +148,6 @@ void group_scores(const float* q, const float* const* krows, const float* const*
   }
 }
 
-// o[r * hd + d] = sum_t sc[r * S + t] * v_t[d] for the group's R heads: C 16-lane columns of
-// all R heads in registers at a time (R * C accumulators), one pass over the values per C
-// columns (the rows stay in L2 between passes); hd a multiple of 16 * C.
-template <int R, int C>
-void group_values(const float* sc, const float* const* vrows, int64_t off, int64_t S, int64_t hd,
-                  float* o) {
-  for (int64_t d0 = 0; d0 < hd; d0 += 16 * C) {
-    __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < S; ++t) {
-      const float* val = vrows[t] + off + d0;
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(val + 16 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m512 p = _mm512_set1_ps(sc[r * S + t]);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * hd + d0 + 16 * c, acc[r][c]);
-  }
-}
-
 template <int R>
 void group_values_for(const float* sc, const float* const* vrows, int64_t off, int64_t S,
                       int64_t hd, float* o) {
@@ -129,7 +156,7 @@ void group_values_for(const float* sc, const float* const* vrows, int64_t off, i
   else group_values<R, 1>(sc, vrows, off, S, hd, o);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// The same two kernels with 8-lane registers and the AVX-512 kernels' order: a score's 16
+// The score kernel with 8-lane registers and the AVX-512 kernel's order: a score's 16
 // lanes are two 8-lane FMA chains (lanes 0-7 and 8-15, k in order), folded as GCC's
 // _mm512_reduce_add_ps folds (the halves, the 128-bit halves, {2,3,0,1}, the last two), so
 // the scores are the AVX-512 kernel's bits; a value column is an FMA chain per lane over the
@@ -174,27 +201,6 @@ void group_scores(const float* q, const float* const* krows, const float* const*
       heads_scores<A>(qg, key, hd, scale, out, S);
       if constexpr (B > 0) heads_scores<B>(qg + A * hd, key, hd, scale, out + A * S, S);
     }
-  }
-}
-
-template <int R, int C>
-void group_values(const float* sc, const float* const* vrows, int64_t off, int64_t S, int64_t hd,
-                  float* o) {
-  for (int64_t d0 = 0; d0 < hd; d0 += 8 * C) {
-    __m256 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < S; ++t) {
-      const float* val = vrows[t] + off + d0;
-      __m256 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(val + 8 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m256 p = _mm256_set1_ps(sc[r * S + t]);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(p, vv[c], acc[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + r * hd + d0 + 8 * c, acc[r][c]);
   }
 }
 
