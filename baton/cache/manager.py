@@ -64,9 +64,12 @@ class _Live:
 
 
 class HybridCacheManager:
-    def __init__(self, cfg: CacheConfig, pools: Pools, max_live: int, reserved_slots: int = 0):
+    def __init__(self, cfg: CacheConfig, pools: Pools, max_live: int, reserved_slots: int = 0,
+                 pad_rows: bool = False):
         """`reserved_slots`: the top slots of the pools that this manager never hands out
-        (speculative decoding's per-position states, `slots_speculative` in stats)."""
+        (speculative decoding's per-position states, `slots_speculative` in stats).
+        `pad_rows`: one more slot (just below those) and the top KV block are kept out too,
+        for the pad rows of bucketed decode steps (`pad_slot`, `pad_block`)."""
         spec = pools.spec
         if spec.tokens_per_block != cfg.tokens_per_block:
             raise ConfigError(
@@ -78,6 +81,13 @@ class HybridCacheManager:
         num_slots = spec.num_slots if pools.has_state else cfg.num_state_slots
         self.reserved_slots = reserved_slots if pools.has_state else 0
         num_slots -= self.reserved_slots
+        self.pad_slot = self.pad_block = None
+        """Where bucketed decode steps' pad rows write (never handed out), None when off."""
+        if pad_rows and pools.has_state:
+            num_slots -= 1
+            self.pad_slot = num_slots
+        if pad_rows and pools.has_kv:
+            self.pad_block = spec.num_blocks - 1
         if num_slots < max_live:
             raise CapacityError(
                 f"cache.num_state_slots={num_slots} cannot hold one live Mamba state per "
@@ -88,7 +98,8 @@ class HybridCacheManager:
         self.tpb = cfg.tokens_per_block
         self._kv = pools.has_kv
         self.snapshot_budget = num_slots - max_live
-        self.store = SnapshotStore(pools, self.tpb, num_slots, self.snapshot_budget)
+        self.store = SnapshotStore(pools, self.tpb, num_slots, self.snapshot_budget,
+                                   spec.num_blocks - (self.pad_block is not None))
         self.blocks, self.slots, self.tree = self.store.blocks, self.store.slots, self.store.tree
         self.policy = cfg.mamba_state_config
         self._reuse = cfg.enable_prefix_reuse

@@ -15,9 +15,12 @@ from baton.model.pools import Pools
 
 
 class SnapshotStore:
-    def __init__(self, pools: Pools, tokens_per_block: int, num_slots: int, budget: int):
+    def __init__(self, pools: Pools, tokens_per_block: int, num_slots: int, budget: int,
+                 num_blocks: int | None = None):
+        """`num_blocks`: the pool's first blocks this store hands out (default all)."""
         self.pools = pools
-        self.blocks = BlockAllocator(pools.spec.num_blocks) if pools.has_kv else None
+        n = pools.spec.num_blocks if num_blocks is None else num_blocks
+        self.blocks = BlockAllocator(n) if pools.has_kv else None
         self.slots = SlotAllocator(num_slots)
         self.tree = PrefixTree(tokens_per_block, self.blocks, self.slots)
         self.budget = budget

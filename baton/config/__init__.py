@@ -63,6 +63,16 @@ class WorkerConfig:
     0: plain first come, first served)."""
     max_model_len: int = 0
     """Longest prompt + output; 0 = the model's max_position_embeddings."""
+    decode_batch_buckets: tuple[int, ...] = ()
+    """Batch sizes a plain decode step is padded up to, ascending (e.g. [1, 2, 4, 8, 16, 32]);
+    empty = off (the default: on CPU padding only adds work). On, every decode forward has
+    one of these batch sizes and a block-table width that is a power of two, its metadata
+    lives in the same buffers from step to step, and the model reads it without a host
+    synchronisation: the fixed shapes that CUDA graphs capture (not captured yet). Pad rows
+    read and write one KV block and one state slot kept out of the cache for them; a batch
+    larger than the last bucket runs unpadded. A real row's tokens and states are those of
+    an unpadded step, bit for bit on the CPU fast path (tests/unit/test_decode_buckets.py).
+    Single-process workers (pipeline and tensor-parallel ones ignore it with a warning)."""
     host: str = "auto"
     """Address this worker advertises to the router and peers, and binds its gRPC server,
     side channel and metrics to. `auto` (or ""): the address of this host's interface that
@@ -108,6 +118,13 @@ class WorkerConfig:
             raise ConfigError(
                 f"worker.prefill_max_wait_s must be >= 0 seconds, got {self.prefill_max_wait_s}; "
                 f"use .inf for no anti-starvation bound"
+            )
+        b = self.decode_batch_buckets
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) \
+                or list(b) != sorted(set(b)):
+            raise ConfigError(
+                f"worker.decode_batch_buckets must be batch sizes >= 1 in ascending order "
+                f"without repeats (e.g. [1, 2, 4, 8]), got {list(b)}"
             )
         _ = self.ports  # a bad port is refused when the config loads, not at bind time
         if self.pipeline_parallel_size < 1:

@@ -69,9 +69,13 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     spec = with_draft_layers(spec, model, cfg.speculative)
     pools = Pools(spec)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
+    buckets = cfg.worker.decode_batch_buckets and getattr(model, "decode_takes_tables", False)
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
-                               reserved_slots=reserved)
+                               reserved_slots=reserved, pad_rows=bool(buckets))
     _maybe_arm_canaries(cache)
+    if buckets:
+        log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
+                 list(cfg.worker.decode_batch_buckets), cache.pad_block, cache.pad_slot)
     log.info(
         "engine ready: model %s (%s, %s), %d KV blocks x %d tokens, %d state slots of %d bytes "
         "(%s; %d kept for speculation), reuse %s",

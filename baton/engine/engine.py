@@ -68,10 +68,14 @@ class Engine:
         self.spec = build_speculative(model, self.pools, speculative, cfg.max_num_seqs,
                                       getattr(cache, "reserved_slots", 0))
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
-        self.batch = (DecodeBatch(cache, cfg.max_num_seqs, self.device)
+        self.batch = (DecodeBatch(cache, cfg.max_num_seqs, self.device,
+                                  cfg.decode_batch_buckets if pads(cache) else ())
                       if getattr(model, "decode_takes_tables", False) else None)
         """The plain decode step's metadata tensors (baton/engine/decode_batch.py); None for
         models that take lists (pipeline, tensor parallel)."""
+        if cfg.decode_batch_buckets and not pads(cache):
+            log.warning("worker.decode_batch_buckets ignored: %s decodes from lists (pipeline "
+                        "and tensor-parallel workers)", type(model).__name__)
         self.samples = SampleFamilies()
         """Requests forked into their n samples (baton/engine/samples.py)."""
         self.prefilled_tokens = 0
@@ -455,10 +459,19 @@ class Engine:
         more = {} if hidden_out is None else {"hidden_out": hidden_out}
         if self.batch is not None:  # the metadata tensors of the last step, moved on in place
             ids, pos, tables, slots = self.batch.update(reqs)
+            b = len(reqs)
+            if self.batch.buckets:  # fixed shapes, read without a host sync; pad rows cut off
+                if self.cache.pad_slot is not None:
+                    self.pools.zero_slot(self.cache.pad_slot)
+                more["static"] = True
+                if hidden_out is not None:
+                    more["hidden_out"] = padded = []
             logits = self.model.decode(ids, pos, tables, slots, self.pools, **more)
+            if hidden_out is not None and self.batch.buckets:
+                hidden_out.extend(h[:b] for h in padded)
             for r in reqs:
                 r.num_computed += 1
-            return logits
+            return logits[:b]
         ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
         pos = torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=self.device)
         slots = torch.tensor([self.cache.slot(r.id) for r in reqs], dtype=torch.long, device=self.device)
@@ -553,6 +566,12 @@ class Engine:
             sample=req.sample,
             open_samples=self.samples.close(req.key, req.sample) if finished else 0,
         )
+
+
+def pads(cache) -> bool:
+    """Whether `cache` keeps a pad block and slot for bucketed decode steps."""
+    return (getattr(cache, "pad_slot", None) is not None
+            or getattr(cache, "pad_block", None) is not None)
 
 
 def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:

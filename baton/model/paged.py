@@ -80,8 +80,12 @@ class StepContext:
         return self.pools.state[name][_local(self.pools.spec.state_index, layer, "state")]
 
 
-def slot_context(pools: Pools, attn: AttnMeta | None, slots: list[int], fresh=()) -> StepContext:
-    """A context for sequences in state slots `slots` (in batch order)."""
+def slot_context(pools: Pools, attn: AttnMeta | None, slots: list[int] | torch.Tensor,
+                 fresh=()) -> StepContext:
+    """A context for sequences in state slots `slots` (in batch order). A tensor is taken
+    as it is, without reading it on the host (so without the consecutive-slots slice)."""
+    if isinstance(slots, torch.Tensor):
+        return StepContext(pools, attn, slots, None, tuple(fresh))
     dev = pools.kv.device
     rng = None
     if slots and slots == list(range(slots[0], slots[0] + len(slots))):
@@ -120,13 +124,17 @@ def prefill_meta(
 
 
 def decode_meta(positions: torch.Tensor, block_tables: list[list[int]] | torch.Tensor,
-                pools: Pools, lean: bool = False) -> AttnMeta:
+                pools: Pools, lean: bool = False, static: bool = False) -> AttnMeta:
     """One query per sequence at positions[i]; keys are padded to the longest sequence.
     `block_tables`: lists, or the [b, nb] tensor `_tables` would build from them (each row cut
     to the blocks its length needs, padded with its column 0; not checked again here).
     `lean`: every attention layer of the call reads K/V through `tables` and `lens` (the fast
-    path's kernel, `fused.kernel_attention`), so the gather rows and the mask are not built."""
-    if isinstance(block_tables, torch.Tensor):  # [b, nb] as `_tables` builds (DecodeBatch)
+    path's kernel, `fused.kernel_attention`), so the gather rows and the mask are not built.
+    `static` (a table tensor): keys padded to the table's width (nb x tokens_per_block), so
+    the shapes follow the tensors' and the positions are not read on the host."""
+    if static:
+        tables, num_keys = block_tables, block_tables.shape[1] * pools.spec.tokens_per_block
+    elif isinstance(block_tables, torch.Tensor):  # [b, nb] as `_tables` builds (DecodeBatch)
         tables, num_keys = block_tables, int(positions.max()) + 1
     else:
         pos_list = positions.tolist()

@@ -156,15 +156,17 @@ class NemotronHModel(nn.Module):
         slots: torch.LongTensor,
         pools: Pools,
         hidden_out: list | None = None,
+        static: bool = False,
     ) -> torch.Tensor:
         """One token for each of B sequences, as one batch: token input_ids[i] sits at
         positions[i] of the sequence with block table block_tables[i] and state slot slots[i].
         Returns float32 logits [B, vocab]. `hidden_out` (a list): gets the final-normed
-        hidden states [B, hidden] appended (what an MTP head reads)."""
+        hidden states [B, hidden] appended (what an MTP head reads). `static`: the bucketed
+        step's tensors, read without a host sync (`baton.model.paged.decode_meta`)."""
         _check_pools(self.config, pools)
-        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
-                if pools.has_kv else None)
-        ctx = slot_context(pools, attn, slots.tolist())
+        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools),
+                            static=static) if pools.has_kv else None)
+        ctx = slot_context(pools, attn, slots if static else slots.tolist())
         h = self.backbone(input_ids.to(self.device), ctx, decode=True)
         if hidden_out is not None:
             hidden_out.append(h)

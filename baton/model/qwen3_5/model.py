@@ -125,14 +125,16 @@ class Qwen35Model(nn.Module):
     @torch.inference_mode()
     def decode(self, input_ids: torch.LongTensor, positions: torch.LongTensor,
                block_tables: list[list[int]] | torch.Tensor, slots: torch.LongTensor,
-               pools: Pools, hidden_out: list | None = None) -> torch.Tensor:
+               pools: Pools, hidden_out: list | None = None,
+               static: bool = False) -> torch.Tensor:
         """One token for each of B sequences (token input_ids[i] at positions[i], table
         block_tables[i], slot slots[i]). Returns float32 logits [B, vocab]; `hidden_out` (a
-        list) gets the final-normed hiddens [B, hidden] appended."""
+        list) gets the final-normed hiddens [B, hidden] appended. `static`: the bucketed
+        step's tensors, read without a host sync (`baton.model.paged.decode_meta`)."""
         _check_pools(self.config, pools)
-        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools))
-                if pools.has_kv else None)
-        ctx = slot_context(pools, attn, slots.tolist())
+        attn = (decode_meta(positions, block_tables, pools, lean=fused.kernel_attention(pools),
+                            static=static) if pools.has_kv else None)
+        ctx = slot_context(pools, attn, slots if static else slots.tolist())
         h = self.model(input_ids.to(self.device), ctx, decode=True)
         if hidden_out is not None:
             hidden_out.append(h)
