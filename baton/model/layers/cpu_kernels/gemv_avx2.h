@@ -55,11 +55,12 @@ inline void block256(const Args& a, int64_t i0, int64_t n0) {
     for (int j = 0; j < NR; ++j) acc[r][j] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const float* xr = a.x + i0 * a.ldx;
   const int64_t kf = a.k & ~(kLanes - 1);
+  constexpr int64_t ahead = MR == 1 && NR == 8 ? kPrefetchOneRow : kPrefetch;
   for (int64_t k = 0; k < a.k; k += kLanes) {
     V16 wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(wr[j] + kPrefetch + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
+      _mm_prefetch(wr[j] + ahead + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
       wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
       asm("" : "+x"(wv[j].lo), "+x"(wv[j].hi));  // loaded once, not refolded for every row
     }

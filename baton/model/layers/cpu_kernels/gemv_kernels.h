@@ -19,6 +19,11 @@ constexpr int64_t kLanes = 16;
 // the few-row blocks stalled on memory (8 rows: 50 -> 26 ms for the bench NemotronH's linears,
 // one row 20 -> 16 ms); 16-96 KiB measured the same, L1 prefetch was slower.
 constexpr int64_t kPrefetch = 32 << 10;
+// The AVX2 one-row blocks (8 weight rows at once) prefetch further: on the Zen 2 EPYC, one-row
+// linears over 450 MB of Qwen3.5-MoE-shaped weights at 1 thread read 15.8 GB/s at 32 KiB and
+// 16.3 at 128 or 256 KiB (25 alternating passes; 512 KiB 14.4, 8 KiB 13.4); at 2 threads and
+// at 8 rows the same, at 32 rows 1% slower (so only there).
+constexpr int64_t kPrefetchOneRow = 128 << 10;
 #define BATON_PF_HINT _MM_HINT_T1
 
 struct Args {
