@@ -59,3 +59,29 @@ def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def staggered(n: int = 12) -> list[tuple[int, Request]]:
+    """(arrival step, request): n requests arriving every 4-5 steps, prompts of 2-20 tokens,
+    answers of 8-40 (with blocks of 4 tokens: many block crossings; batches grow and shrink)."""
+    import random
+
+    rng = random.Random(3)
+    return [(int(i * 4.5), Request(f"q{i}", prompt(i, rng.randrange(2, 21)),
+                                   greedy(rng.randrange(8, 41)))) for i in range(n)]
+
+
+def run_staggered(engine: Engine, workload: list[tuple[int, Request]],
+                  max_steps: int = 300) -> dict[str, list[int]]:
+    """Step `engine` through `workload` (each request added at its arrival step) until all
+    finish; the tokens of each request."""
+    pending, tokens = list(workload), {}
+    for step in range(max_steps):
+        for _, r in [x for x in pending if x[0] <= step]:
+            engine.add_request(r)
+        pending = [x for x in pending if x[0] > step]
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not pending and not engine.has_work:
+            break
+    return tokens

@@ -5,14 +5,19 @@ before), and the tokens equal an engine that builds them afresh every step."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from baton.engine.request import Request
 from baton.model.paged import _tables
-from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt
+from tests.engine_helpers import (
+    engine_for,
+    greedy,
+    make_checkpoint,
+    prompt,
+    run_staggered,
+    staggered,
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,30 +25,14 @@ def model_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("decode-batch"))
 
 
-def _workload() -> list[tuple[int, Request]]:
-    """(arrival step, request): 12 requests arriving over 50 steps, prompts of 2-20 tokens,
-    answers of 8-40 (blocks of 4 tokens: many crossings)."""
-    rng = random.Random(3)
-    return [(int(i * 4.5), Request(f"q{i}", prompt(i, rng.randrange(2, 21)),
-                                   greedy(rng.randrange(8, 41)))) for i in range(12)]
-
-
 def _engine(model_dir):
     return engine_for(model_dir, worker={"max_num_seqs": 6, "prefill_chunk_size": 8},
                       cache={"tokens_per_block": 4})
 
 
-def _run(eng, check=None) -> dict[str, list[int]]:
-    pending, tokens = _workload(), {}
-    for step in range(200):
-        for _, r in [x for x in pending if x[0] <= step]:
-            eng.add_request(r)
-        pending = [x for x in pending if x[0] > step]
-        for o in eng.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if not pending and not eng.has_work:
-            break
-    return tokens
+def _run(eng) -> dict[str, list[int]]:
+    """12 staggered requests (`staggered`: many block crossings, batches of every size)."""
+    return run_staggered(eng, staggered(), 200)
 
 
 def test_in_place_metadata_equals_a_rebuild_every_step(model_dir):

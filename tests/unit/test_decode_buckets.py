@@ -6,8 +6,6 @@ those of an unbucketed engine running the same workload in lockstep."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,7 +14,14 @@ from baton.config import BatonConfig
 from baton.engine.request import Request
 from baton.errors import ConfigError
 from baton.model.layers import linear
-from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt
+from tests.engine_helpers import (
+    engine_for,
+    greedy,
+    make_checkpoint,
+    prompt,
+    run_staggered,
+    staggered,
+)
 from tests.speculative_helpers import agreeing_checkpoint
 
 BUCKETS = [1, 2, 4, 8]
@@ -38,14 +43,6 @@ def _engine(model_dir, buckets, **worker):
     return engine_for(model_dir, worker={"max_num_seqs": 6, "prefill_chunk_size": 8,
                                          "decode_batch_buckets": buckets, **worker},
                       cache={"tokens_per_block": 4, "num_blocks": 256})
-
-
-def _workload(n=12) -> list[tuple[int, Request]]:
-    """(arrival step, request): requests arriving over ~50 steps, prompts of 2-20 tokens,
-    answers of 8-40 (blocks of 4 tokens: many crossings; batches of every size 1-6)."""
-    rng = random.Random(3)
-    return [(int(i * 4.5), Request(f"q{i}", prompt(i, rng.randrange(2, 21)),
-                                   greedy(rng.randrange(8, 41)))) for i in range(n)]
 
 
 def _record_shapes(eng, pad_zero: list | None = None) -> list[tuple[int, int, int, bool]]:
@@ -89,7 +86,7 @@ def test_bucketed_steps_equal_unbucketed_in_lockstep(checkpoints, family):
     pad_zero = []
     shapes = _record_shapes(bucketed, pad_zero)
     pad_slot, pad_block = bucketed.cache.pad_slot, bucketed.cache.pad_block
-    pending = [_workload(), _workload()]
+    pending = [staggered(), staggered()]
     tokens = [{}, {}]
     pad_finite = []
     for step in range(400):
@@ -132,16 +129,7 @@ def test_bucketed_reference_path_gives_the_same_tokens(checkpoints):
         runs = []
         for buckets in ([], BUCKETS):
             eng = _engine(checkpoints["nemotron_h"], buckets)
-            out: dict[str, list[int]] = {}
-            todo = _workload(6)
-            for step in range(300):
-                for _, r in [x for x in todo if x[0] <= step]:
-                    eng.add_request(r)
-                todo = [x for x in todo if x[0] > step]
-                for o in eng.step():
-                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if not todo and not eng.has_work:
-                    break
+            out = run_staggered(eng, staggered(6))
             runs.append(out)
         assert runs[0] == runs[1] and sum(map(len, runs[0].values())) > 100
     finally:
@@ -253,16 +241,7 @@ def test_bucketed_decode_under_speculation_gives_the_same_tokens(tmp_path):
                          cache={"tokens_per_block": 4, "num_blocks": 256,
                                 "num_state_slots": 64},
                          speculative={"num_draft_tokens": 2, "max_batch": 2})
-        out: dict[str, list[int]] = {}
-        todo = _workload(8)
-        for step in range(300):
-            for _, r in [x for x in todo if x[0] <= step]:
-                eng.add_request(r)
-            todo = [x for x in todo if x[0] > step]
-            for o in eng.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if not todo and not eng.has_work:
-                break
+        out = run_staggered(eng, staggered(8))
         eng.cache.check_integrity()
         runs.append((out, eng.spec.draft_tokens))
     assert runs[0] == runs[1] and runs[0][1] > 0
