@@ -48,8 +48,7 @@ class DecodeBatch:
         self.buckets = tuple(buckets)
         """Padded batch sizes, ascending; empty: not bucketed."""
         if self.buckets:
-            if (cache.pad_slot is None) != (not cache.pools.has_state) or \
-                    (cache.pad_block is None) != (not self.has_kv):
+            if cache.pad_slot is None and cache.pad_block is None:
                 raise ValueError("bucketed decode needs a cache built with pad_rows=True")
             capacity = max(capacity, self.buckets[-1])
         self.padded = 0
