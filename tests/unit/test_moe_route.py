@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.model.layers import cpu_kernels, linear
-from baton.model.layers.fast_blocks import mlp_part
+from baton.model.layers import cpu_kernels, linear, step_kernels
+from baton.model.layers.fast_blocks import mlp_part, program
 from baton.model.layers.moe import MoE, sigmoid_group_topk
 from baton.model.layers.qwen_moe import QwenSparseMoe
 from baton.model.make_model import checkpoint_config
@@ -35,6 +35,8 @@ qwen_route = pytest.mark.skipif(g is None or not g.route_available(),
 sigmoid_route = pytest.mark.skipif(g is None or not g.route_sigmoid_available(),
                                    reason="kernels not built, or torch is on neither AVX2 "
                                           "nor AVX-512 here")
+runner = pytest.mark.skipif(step_kernels.kernels() is None,
+                            reason="step kernels (the layer runner) not built")
 
 
 def _router(logits: torch.Tensor, k: int, norm: bool):
@@ -159,8 +161,12 @@ def _block(cfg: _Cfg, dtype: torch.dtype) -> QwenSparseMoe:
 
 def _run(block, rows: int, threads: int):
     """(the fast path's direct call, the module's h + block(x), the load counted by the first)."""
-    run, _ = mlp_part(block)
-    assert run.__name__ == "run"  # the block's kernel call, not `mlp_part`'s module fallback
+    body = mlp_part(block)
+    assert body is not None  # the block's kernel call (the layer runner's), not its module
+    prog = program([(torch.ones(64), 1e-6, body)])  # the norm is not run: `body` takes x
+
+    def run(x, h):
+        return prog.body(0, x, h)
     gen = torch.Generator().manual_seed(rows)
     x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen)
     before = torch.get_num_threads()
@@ -189,6 +195,7 @@ CASES = [(8, 2, 40, 64, 1, 2, True), (8, 2, 40, 64, 8, 2, True), (8, 2, 40, 64, 
 
 
 @qwen_route
+@runner
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"E{c[0]}k{c[1]}w{c[2]}-m{c[4]}-t{c[5]}"
                                              for c in CASES])
@@ -212,6 +219,7 @@ NEMOTRON = [(16, 4, 1, 2), (16, 4, 9, 2), (64, 6, 5, 1), (128, 2, 3, 2), (32, 10
 
 
 @sigmoid_route
+@runner
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", NEMOTRON, ids=[f"E{c[0]}k{c[1]}-m{c[2]}-t{c[3]}"
                                                 for c in NEMOTRON])

@@ -1,18 +1,38 @@
-"""The closures `fast_decode` builds once per layer: a mixer's (`mixer_part`: x, h, ctx ->
-h + mixer(x)) and a feed-forward's (`mlp_part`: x, h -> h + mlp(x)), each over the weights
-as the module path's kernels read them (`FastLinear._packed`), the layer's pool views and
-scalars, calling the kernel functions directly. Each returns (closure, norm weights it
-folded in: their in-place changes rebuild the plan). A layer a closure does not cover (see
-`fast_decode`) gets one that runs its module.
+"""What `fast_decode` hands the layer runner (`step_kernels/layers.cpp`, `DecodeLayers`) for
+one part of a layer: a mixer's (`mixer_part`: h -> h + mixer(x)) or a feed-forward's
+(`mlp_part`: h -> h + mlp(x)), x = the part's RMSNorm of h. A `Body` is the part's kind and
+the tensors (weights as the module path's kernels read them, `FastLinear._packed`; the
+layer's pool views), integers and floats the runner's body of that kind reads, in its order
+(layers.cpp lists them); plus the norm weights it folded in (their in-place changes rebuild
+the plan). A layer a body does not cover gets None and runs its module (see `fast_decode`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 
-from baton.model.layers import cpu_kernels, fused, step_kernels
+from baton.model.layers import cpu_kernels, step_kernels
 from baton.model.layers.linear import FastLinear
 from baton.model.paged import StepContext
+
+DELTANET, MAMBA2, GATED_ATTENTION, ATTENTION, SWIGLU, RELU2, QWEN_MOE, NEMOTRON_MOE = range(1, 9)
+"""The part kinds of layers.cpp (`Kind`)."""
+
+
+@dataclass
+class Body:
+    kind: int
+    tensors: list
+    """Without the part's norm weight (the runner's t[0]); None where a bias is absent."""
+    ints: list
+    floats: list
+    """Without the part's norm eps (the runner's f[0])."""
+    norms: list
+    """Norm weights folded in (a plan over them is stale once one changes in place)."""
+    rotary: object = None
+    """Gated attention: the module's `rotary(x, meta)` (cos, sin of the step's positions)."""
 
 
 def _weight(lin):
@@ -29,16 +49,10 @@ def _out(proj):
     return proj._packed(), None if proj.bias is None else proj.bias.float()
 
 
-def mixer_part(m, pools):
-    kind = type(m).__name__
+def mixer_part(m, pools) -> Body | None:
     build = {"GatedDeltaNet": _deltanet, "Mamba2Mixer": _mamba2, "GatedAttention": _gated_attn,
-             "Attention": _attention}.get(kind)
-    part = build(m, pools) if build is not None else None
-    if part is None:
-        def module(x, h, ctx):
-            return h + m.decode(x, ctx)
-        return module, []
-    return part
+             "Attention": _attention}.get(type(m).__name__)
+    return build(m, pools) if build is not None else None
 
 
 def _deltanet(m, pools):
@@ -46,39 +60,23 @@ def _deltanet(m, pools):
     out = _out(m.out_proj)
     if None in ws or out is None or type(m.norm).__name__ != "HeadGatedRMSNorm":
         return None
-    g, s = cpu_kernels.gemv(), step_kernels.kernels()
-    split, step, lin = g.linear_split, s.deltanet_step, g.linear
     ctx0 = StepContext(pools, None, None)
     conv, rec = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "recurrent")
-    consts = (m.conv1d.weight[:, 0], m.dt_bias, m.A_log, m.norm.weight, m.hk, m.hv, m.dk, m.dv,
-              m.norm.eps)
-    out_w, out_b = out
-
-    def run(x, h, ctx):
-        qkv, a, b, z = split(x, ws)
-        o = step(qkv, conv, rec, ctx.slots, ctx.slots, a, b, z, *consts)
-        return lin(o, out_w, out_b, -1, h)
-    return run, []
+    return Body(DELTANET, [*ws, *out, conv, rec, m.conv1d.weight[:, 0], m.dt_bias, m.A_log,
+                           m.norm.weight], [m.hk, m.hv, m.dk, m.dv], [m.norm.eps], [])
 
 
 def _mamba2(m, pools):
     inp, out = _out(m.in_proj), _out(m.out_proj)
     if inp is None or out is None or type(m.norm).__name__ != "GatedRMSNorm":
         return None
-    g, s = cpu_kernels.gemv(), step_kernels.kernels()
-    step, lin = s.mamba2_step, g.linear
     ctx0 = StepContext(pools, None, None)
     conv, ssm = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "ssm")
     cfg, (lo, hi) = m.cfg, m.cfg.dt_limit
-    consts = (m.conv1d.weight[:, 0], m.conv1d.bias, m.dt_bias, m.A_log, m.D, m.norm.weight,
-              cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
-              cfg.ssm_state_size, float(lo), float(hi), m.norm.group_size, m.norm.eps)
-    (in_w, in_b), (out_w, out_b) = inp, out
-
-    def run(x, h, ctx):
-        y = step(lin(x, in_w, in_b), conv, ssm, ctx.slots, ctx.slots, *consts)
-        return lin(y, out_w, out_b, -1, h)
-    return run, []
+    return Body(MAMBA2, [*inp, *out, conv, ssm, m.conv1d.weight[:, 0], m.conv1d.bias, m.dt_bias,
+                         m.A_log, m.D, m.norm.weight],
+                [cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
+                 cfg.ssm_state_size, m.norm.group_size], [float(lo), float(hi), m.norm.eps], [])
 
 
 def _gated_attn(m, pools):
@@ -86,75 +84,35 @@ def _gated_attn(m, pools):
     qn, kn, out = m.q_norm, m.k_norm, _out(m.o_proj)
     if None in ws or out is None or qn.eps != kn.eps:
         return None
-    g, s = cpu_kernels.gemv(), step_kernels.kernels()
-    split, attend, lin = g.linear_split, s.gated_attention, g.linear
     pool = StepContext(pools, None, None).kv(m.layer_idx)
-    qs, ks, eps, scale, rotary = qn._scale(), kn._scale(), qn.eps, m.scale, m.rotary
-    out_w, out_b = out
-
-    def run(x, h, ctx):
-        meta = ctx.attn
-        if meta.tables is None:  # not the kernel's metadata: the module's own path
-            return h + m.decode(x, ctx)
-        q, k, v = split(x, ws)
-        cos, sin = rotary(x, meta)
-        out = attend(q, k, v, qs, ks, eps, cos, sin, pool, meta.tables, meta.lens, scale,
-                     meta.keys)
-        return lin(out, out_w, out_b, -1, h)
-    return run, [qn.weight, kn.weight]
+    return Body(GATED_ATTENTION, [*ws, qn._scale(), kn._scale(), pool, *out], [],
+                [qn.eps, m.scale], [qn.weight, kn.weight], rotary=m.rotary)
 
 
 def _attention(m, pools):
     ws, out = [_weight(p) for p in (m.q_proj, m.k_proj, m.v_proj)], _out(m.o_proj)
     if None in ws or out is None:
         return None
-    g = cpu_kernels.gemv()
-    split, lin, paged = g.linear_split, g.linear, fused.paged_attention
     pool = StepContext(pools, None, None).kv(m.layer_idx)
-    heads, hd, scale = m.num_heads, m.head_dim, m.scale
-    out_w, out_b = out
-
-    def run(x, h, ctx):
-        q, k, v = split(x, ws)
-        out = paged(scale, q.view(q.shape[0], heads, hd), k, v, pool, ctx.attn)
-        return lin(out, out_w, out_b, -1, h)
-    return run, []
+    return Body(ATTENTION, [*ws, pool, *out], [m.num_heads, m.head_dim], [m.scale], [])
 
 
-def mlp_part(m):
-    kind = type(m).__name__
+def mlp_part(m) -> Body | None:
     build = {"GatedMLP": _swiglu_mlp, "MLP": _relu2_mlp, "QwenSparseMoe": _qwen_moe,
-             "MoE": _nemotron_moe}.get(kind)
-    part = build(m) if build is not None else None
-    if part is None:
-        def module(x, h):
-            return h + m(x)
-        return module, []
-    return part
+             "MoE": _nemotron_moe}.get(type(m).__name__)
+    return build(m) if build is not None else None
 
 
 def _swiglu_mlp(m):
-    gw, uw, dw = _weight(m.gate_proj), _weight(m.up_proj), _weight(m.down_proj)
-    if None in (gw, uw, dw):
-        return None
-    g, s = cpu_kernels.gemv(), step_kernels.kernels()
-    cat, swiglu, lin, ws = g.linear_cat, s.swiglu, g.linear, [gw, uw]
-
-    def run(x, h):
-        return lin(swiglu(cat(x, ws)), dw, None, -1, h)
-    return run, []
+    ws = [_weight(m.gate_proj), _weight(m.up_proj), _weight(m.down_proj)]
+    return None if None in ws else Body(SWIGLU, ws, [], [], [])
 
 
 def _relu2_mlp(m):
     up, down = _out(m.up_proj), _out(m.down_proj)
     if m.act.__name__ != "_relu2" or up is None or down is None:
         return None
-    lin = cpu_kernels.gemv().linear
-    (up_w, up_b), (down_w, down_b) = up, down
-
-    def run(x, h):
-        return lin(lin(x, up_w, up_b, -1, None, True), down_w, down_b, -1, h)
-    return run, []
+    return Body(RELU2, [*up, *down], [], [], [])
 
 
 def _stacks_ok(*stacks) -> bool:
@@ -168,11 +126,7 @@ def _qwen_moe(m):
     up, down = m.experts.gate_up_proj, m.experts.down_proj
     if None in ws or m.act is not F.silu or not _stacks_ok(up, down):
         return None
-    moe, args = cpu_kernels.gemv().qwen_moe, (*ws, up, down, m.top_k, m.norm, m.routed_tokens)
-
-    def run(x, h):
-        return moe(x, *args, h)
-    return run, []
+    return Body(QWEN_MOE, [*ws, up, down, m.routed_tokens], [m.top_k, int(m.norm)], [], [])
 
 
 def _nemotron_moe(m):
@@ -182,11 +136,16 @@ def _nemotron_moe(m):
                                                        _weight(se.down_proj))
             or not _stacks_ok(ex.up_proj, ex.down_proj, m.gate.weight)):
         return None
-    moe = cpu_kernels.gemv().nemotron_moe
-    args = (m.gate.weight, m.gate.e_score_correction_bias, _weight(se.up_proj),
-            _weight(se.down_proj), ex.up_proj, ex.down_proj, c.num_experts_per_tok,
-            c.norm_topk_prob, float(c.routed_scaling_factor), m.routed_tokens)
+    return Body(NEMOTRON_MOE, [m.gate.weight, m.gate.e_score_correction_bias,
+                               _weight(se.up_proj), _weight(se.down_proj), ex.up_proj,
+                               ex.down_proj, m.routed_tokens],
+                [c.num_experts_per_tok, int(c.norm_topk_prob)],
+                [float(c.routed_scaling_factor)], [])
 
-    def run(x, h):
-        return moe(x, *args, h)
-    return run, []
+
+def program(parts) -> object:
+    """A `DecodeLayers` of `parts`: (norm weight, eps, Body) each."""
+    runner = step_kernels.kernels().DecodeLayers(cpu_kernels.gemv().api())
+    for w, eps, b in parts:
+        runner.add(b.kind, [w, *b.tensors], b.ints, [float(eps), *b.floats])
+    return runner

@@ -1,11 +1,12 @@
-"""A decode step's layers on the fast path with as little Python as possible between kernel
-calls (issue 24: at batch 1 the kernels run at llama.cpp's speed; the gap was the Python and
-small ATen ops around them, which run with cold caches after every weight stream: ~1-2 us an
-attribute lookup, ~10 us an op).
+"""A decode step's layers on the fast path in one C++ call (issue 24: at batch 1 the kernels
+run at llama.cpp's speed; the gap was the Python between them, ~1.5 ms of a 30 ms step on the
+Zen 2, where each attribute lookup and op runs with caches cold after a weight stream).
 
-Each layer gets a plan once (`_plan`: a closure over its weights, scalars, kernel functions
-and pool views, rebuilt when the weights may have changed, `linear._state["generation"]`, a
-norm weight changed in place, or other pools are passed), and a step calls it:
+Once per model (and again when the weights may have changed: `linear._state["generation"]`,
+a folded-in norm weight changed in place, or other pools are passed) `_plan` turns the layers
+into parts, `h = h + body(rms_norm(h))` each (`fast_blocks`), and runs of covered parts into
+one `DecodeLayers` program (step_kernels/layers.cpp); a step calls it with h, the state slots
+and the attention metadata:
 
     Qwen3.5     rms_norm -> DeltaNet: linear_split (qkv | a | b | z) -> deltanet_step
                             attention: linear_split (q | k | v) -> gated_attention (norms,
@@ -18,14 +19,14 @@ norm weight changed in place, or other pools are passed), and a step calls it:
                             MLP: up_proj with relu2 -> down_proj + residual
                             MoE: `nemotron_moe` (every group kept, no latent projection)
 
-Bits: each call computes what the module path computes (the same kernels on the same inputs;
-`linear`'s residual is torch's `h + y`, `swiglu` / `gated_attention`'s sigmoid round as
+Bits: each part makes the kernel calls the module path's kernels make, on the same inputs
+(`linear`'s residual is torch's `h + y`, `swiglu` / `gated_attention`'s sigmoid round as
 torch's ops do, relu2 and the rotary are exact element-wise products and sums, the MoE calls
 run the module path's ATen ops in C++), so plain decode, a speculative verify pass (which
 runs the modules: `speculative.verify`) and every test see the same numbers
-(tests/unit/test_fast_decode_layers.py: each family, direct against modules, bit for bit). A
-layer this does not cover (biases in fused projections, NemotronH's grouped routing or latent
-MoE, another activation) runs its module.
+(tests/unit/test_fast_decode_layers.py: each family, against the modules, bit for bit). A
+part no body covers (biases in fused projections, NemotronH's grouped routing or latent MoE,
+another activation, a tensor-parallel linear) runs its module from Python between programs.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from __future__ import annotations
 import torch
 
 from baton.model.layers import cpu_kernels, fused, linear, step_kernels
-from baton.model.layers.fast_blocks import mixer_part, mlp_part
+from baton.model.layers.fast_blocks import ATTENTION, GATED_ATTENTION, mixer_part, mlp_part, program
 
 
 def applies(h: torch.Tensor, pools) -> bool:
-    """Whether this decode call's layers take `qwen_layer` / `nemotron_block`: the fast decode
-    path, both kernel modules built, float32 pools on the CPU."""
+    """Whether this decode call's layers take `decode_layers`: the fast decode path, both
+    kernel modules built, float32 pools on the CPU."""
     if not fused.fast_decoding(h) or h.dim() != 2:
         return False
     if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
@@ -48,62 +49,83 @@ def applies(h: torch.Tensor, pools) -> bool:
 
 
 class _Plan:
-    """A layer's cached closure and what it was built from."""
+    """A model's segments ((program's run, True) or (module fallback, False)) and what they
+    were built from."""
 
-    __slots__ = ("generation", "pools", "norms", "run")
+    __slots__ = ("generation", "pools", "norms", "segments", "rotary", "attention")
 
-    def __deepcopy__(self, memo):  # a copied model builds its own (the closure holds ours)
+    def __deepcopy__(self, memo):  # a copied model builds its own (the programs hold ours)
         return None
 
 
-def _plan(layer, pools, build):
-    p = layer.__dict__.get("_baton_plan")
-    if (p is None or p.pools is not pools or p.generation != linear._state["generation"]
-            or any(w._version != v for w, v in p.norms)):
-        p = _Plan()
-        p.generation, p.pools = linear._state["generation"], pools
-        p.run, norm_weights = build(layer, pools)
-        p.norms = [(w, w._version) for w in norm_weights]
-        layer.__dict__["_baton_plan"] = p
-    return p.run
-
-
-def qwen_layer(layer, h: torch.Tensor, ctx) -> torch.Tensor:
-    """`DecoderLayer.forward(h, ctx, decode=True)` of Qwen3.5 / Qwen3.5-MoE."""
-    return _plan(layer, ctx.pools, _qwen_plan)(h, ctx)
-
-
-def nemotron_block(block, h: torch.Tensor, ctx) -> torch.Tensor:
-    """`Block.forward(h, ctx, decode=True)` of NemotronH / NemotronH-MoE."""
-    return _plan(block, ctx.pools, _nemotron_plan)(h, ctx)
-
-
-def _qwen_plan(layer, pools):
-    rms = step_kernels.kernels().rms_norm
+def qwen_parts(layer):
+    """(norm weight as the kernel reads it, eps, watched norm weight, module, is mixer) of a
+    Qwen3.5 / Qwen3.5-MoE `DecoderLayer`'s two parts."""
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-    s1, e1, s2, e2 = n1._scale(), n1.eps, n2._scale(), n2.eps
-    mix, mixer_norms = mixer_part(layer.mixer, pools)
-    ffn, _ = mlp_part(layer.mlp)
-
-    def run(h, ctx):
-        h = mix(rms(h, s1, e1), h, ctx)
-        return ffn(rms(h, s2, e2), h)
-    return run, [n1.weight, n2.weight, *mixer_norms]
+    return [(n1._scale(), n1.eps, n1.weight, layer.mixer, True),
+            (n2._scale(), n2.eps, n2.weight, layer.mlp, False)]
 
 
-def _nemotron_plan(block, pools):
+def nemotron_parts(block):
+    """The same of a NemotronH `Block`: one part, its mixer (or MLP / MoE)."""
+    n = block.norm
+    return [(n.weight, n.eps, n.weight, block.mixer, not block.stateless)]
+
+
+def _fallback(w, eps, m, mixer: bool):
     rms = step_kernels.kernels().rms_norm
-    w, eps = block.norm.weight, block.norm.eps
-    mixer = block.mixer
-    if block.stateless:
-        ffn, _ = mlp_part(mixer)
+    if mixer:
+        return lambda h, ctx: h + m.decode(rms(h, w, eps), ctx)
+    return lambda h, ctx: h + m(rms(h, w, eps))
 
-        def run(h, ctx):
-            return ffn(rms(h, w, eps), h)
-        return run, [w]
-    mix, mixer_norms = mixer_part(mixer, pools)
 
-    def run_mixer(h, ctx):
-        return mix(rms(h, w, eps), h, ctx)
-    return run_mixer, [w, *mixer_norms]
+def _build(layers, pools, parts_of) -> _Plan:
+    p = _Plan()
+    p.generation, p.pools, p.norms, p.segments = linear._state["generation"], pools, [], []
+    p.rotary, p.attention, run = None, False, []
+    rotaries = set()
+    for layer in layers:
+        for w, eps, watched, m, mixer in parts_of(layer):
+            body = mixer_part(m, pools) if mixer else mlp_part(m)
+            p.norms += [(t, t._version) for t in (watched, *(body.norms if body else ()))]
+            if body is not None and body.rotary is not None:
+                key = (m.rotary_dim, m.theta)
+                if rotaries and key not in rotaries:  # one cos / sin a step: else the module
+                    body = None
+                else:
+                    rotaries.add(key)
+                    p.rotary = body.rotary
+            if body is None:
+                if run:
+                    p.segments.append((program(run).run, True))
+                    run = []
+                p.segments.append((_fallback(w, eps, m, mixer), False))
+                continue
+            p.attention |= body.kind in (ATTENTION, GATED_ATTENTION)
+            run.append((w, eps, body))
+    if run:
+        p.segments.append((program(run).run, True))
+    return p
 
+
+def decode_layers(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor:
+    """h through every layer of `layers` (decode, fast path: `applies`); `parts_of`:
+    `qwen_parts` or `nemotron_parts`."""
+    p = layers.__dict__.get("_baton_plan")
+    if (p is None or p.pools is not ctx.pools or p.generation != linear._state["generation"]
+            or any(w._version != v for w, v in p.norms)):
+        p = _build(layers, ctx.pools, parts_of)
+        layers.__dict__["_baton_plan"] = p
+    meta = ctx.attn
+    tables = lens = keys = cos = sin = None
+    if meta is not None:
+        tables, lens, keys = meta.tables, meta.lens, meta.keys
+    if p.attention and tables is None:  # not the kernel's metadata: every layer's module
+        for layer in layers:
+            h = layer(h, ctx, True)
+        return h
+    if p.rotary is not None:
+        cos, sin = p.rotary(h, meta)
+    for run, is_program in p.segments:
+        h = run(h, ctx.slots, tables, lens, keys, cos, sin) if is_program else run(h, ctx)
+    return h

@@ -57,10 +57,12 @@ class TextModel(nn.Module):
     def forward(self, ids: torch.Tensor, ctx: StepContext, decode: bool,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         h = self.embed_tokens(ids)
-        fast = decode and on_layer is None and fast_decode.applies(h, ctx.pools)
+        if decode and on_layer is None and fast_decode.applies(h, ctx.pools):
+            # the fast path: every layer in one call of the kernels (fast_decode)
+            return self.norm(fast_decode.decode_layers(self.layers, h, ctx,
+                                                       fast_decode.qwen_parts))
         for i, layer in enumerate(self.layers):
-            # the fast path's kernels called directly, no module calls (fast_decode)
-            h = fast_decode.qwen_layer(layer, h, ctx) if fast else layer(h, ctx, decode)
+            h = layer(h, ctx, decode)
             if on_layer is not None:
                 on_layer(i)  # layer i's KV and state for this call are final now
         return self.norm(h)

@@ -212,6 +212,12 @@ std::string isa_name() {
 }  // namespace
 
 #include "gemv_moe.h"  // a MoE block in one call, on the functions above (bound below)
+#include "gemv_api.h"
+
+namespace {
+const baton_api::Gemv kApi{sizeof(baton_api::Gemv), &linear, &baton_gemv::linear_split,
+                           &linear_cat, &qwen_moe, &nemotron_moe};
+}  // namespace
 
 namespace py = pybind11;
 
@@ -242,4 +248,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "NemotronH's router's weights and experts (gemv_route.h)");
   m.def("swiglu_replica", &swiglu_replica, "silu(gate) * up of rows (gemv_route.h)");
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
+  m.def("api", [] { return py::capsule(&kApi, baton_api::kGemvCapsule); },
+        "the entry points above as C++ function pointers (gemv_api.h), for the step module");
 }

@@ -400,7 +400,10 @@ bool flush_denormals(bool on);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& pos, double scale);
 
+void bind_layers(pybind11::module& m);  // layers.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_layers(m);
   m.def("mamba2_step", &mamba2_step);
   m.def("deltanet_step", &deltanet_step);
   m.def("paged_attention", &paged_attention);
