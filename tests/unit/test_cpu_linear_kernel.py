@@ -75,6 +75,27 @@ def test_one_row_gives_the_same_bits_on_every_instruction_set(kernel, dtype, k):
     assert torch.equal(kernel.linear(x.expand(3, k).contiguous(), w, b, ISAS["avx2"])[1], want[0])
 
 
+@pytest.mark.parametrize("n,k", [(16, 64), (23, 512), (1000, 768), (1031, 640)])
+def test_one_row_in_eight_streams_gives_the_same_bits(kernel, n, k):
+    # One row of f32 weights on AVX2 reads the range as eight streams (`strided256`: output
+    # n0 + b + j * S, the blocks near each stream's end without prefetches, the last n % 8
+    # outputs as before): every output as the scalar code and a row of a 3-row batch give it,
+    # at 1 and 2 threads (each thread's range its own eight streams), with and without bias.
+    x, w, b = _data(1, n, k, torch.float32, seed=n)
+    want = kernel.linear(x, w, b, ISAS["scalar"])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for isa in ISAS.values():
+                assert torch.equal(kernel.linear(x, w, b, isa), want), (isa, threads)
+                assert torch.equal(kernel.linear(x, w, None, isa),
+                                   kernel.linear(x, w, None, ISAS["scalar"])), (isa, threads)
+            assert torch.equal(kernel.linear(x.expand(3, k).contiguous(), w, b)[2], want[0])
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
 def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, dtype):
     # 600 outputs: enough weight for both threads to take a share.
