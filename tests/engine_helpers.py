@@ -85,3 +85,27 @@ def run_staggered(engine: Engine, workload: list[tuple[int, Request]],
         if not pending and not engine.has_work:
             break
     return tokens
+
+
+def decode_rows(model, pools, rows: list[int], lengths, steps: int, seed: int,
+                direct: bool = True) -> list:
+    """`steps` decode calls of the sequences `rows` (sequence i: `lengths[i]` tokens in, state
+    slot i, blocks 4i..4i+3), a token drawn from `seed` + step each; their logits. `direct`
+    False: through the modules (`fast_decode.applies` off), not the fast path's layer runner."""
+    import torch
+
+    from baton.model.layers import fast_decode
+
+    applies = fast_decode.applies
+    if not direct:
+        fast_decode.applies = lambda h, pools: False
+    try:
+        out = []
+        for t in range(steps):
+            ids = torch.tensor([prompt(seed + t, 1)[0] for _ in rows])
+            pos = torch.tensor([lengths[i] + t for i in rows])
+            tables = [list(range(4 * i, 4 * i + 4)) for i in rows]
+            out.append(model.decode(ids, pos, tables, torch.tensor(rows), pools))
+        return out
+    finally:
+        fast_decode.applies = applies

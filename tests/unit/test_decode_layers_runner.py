@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from baton.model.layers import cpu_kernels, fast_blocks, fast_decode, step_kernels
-from tests.engine_helpers import engine_for, make_checkpoint, prompt
+from tests.engine_helpers import decode_rows, engine_for, make_checkpoint, prompt
 
 pytestmark = pytest.mark.skipif(cpu_kernels.gemv() is None or step_kernels.kernels() is None,
                                 reason="kernels not built")
@@ -44,19 +44,8 @@ def _state(pools) -> list[torch.Tensor]:
 
 
 def _steps(model, pools, fast: bool, n: int = 4) -> list[torch.Tensor]:
-    applies = fast_decode.applies
-    if not fast:
-        fast_decode.applies = lambda h, pools: False
-    try:
-        out = []
-        for t in range(n):
-            ids = torch.tensor([prompt(70 + t, 1)[0] for _ in LENGTHS])
-            pos = torch.tensor([n + t for n in LENGTHS])
-            tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(LENGTHS))]
-            out.append(model.decode(ids, pos, tables, torch.tensor([0, 1, 2]), pools))
-        return out
-    finally:
-        fast_decode.applies = applies
+    return decode_rows(model, pools, list(range(len(LENGTHS))), LENGTHS, n, seed=70,
+                       direct=fast)
 
 
 def _segments(model) -> list[tuple[str, int]]:

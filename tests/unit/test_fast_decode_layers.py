@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.model.layers import cpu_kernels, fast_decode, linear, step_kernels
-from tests.engine_helpers import engine_for, make_checkpoint, prompt
+from tests.engine_helpers import decode_rows, engine_for, make_checkpoint, prompt
 
 pytestmark = pytest.mark.skipif(cpu_kernels.gemv() is None or step_kernels.kernels() is None,
                                 reason="kernels not built")
@@ -48,19 +48,7 @@ def _restore(pools, saved: list[torch.Tensor]) -> None:
 def _decode(model, pools, rows: list[int], direct: bool) -> list[torch.Tensor]:
     """STEPS decode steps of the sequences `rows` (their logits), layers called directly or
     through their modules."""
-    applies = fast_decode.applies
-    if not direct:
-        fast_decode.applies = lambda h, pools: False
-    try:
-        out = []
-        for t in range(STEPS):
-            ids = torch.tensor([prompt(50 + t, 1)[0] for _ in rows])
-            pos = torch.tensor([LENGTHS[i] + t for i in rows])
-            tables = [list(range(4 * i, 4 * i + 4)) for i in rows]
-            out.append(model.decode(ids, pos, tables, torch.tensor(rows), pools))
-        return out
-    finally:
-        fast_decode.applies = applies
+    return decode_rows(model, pools, rows, LENGTHS, STEPS, seed=50, direct=direct)
 
 
 @pytest.mark.parametrize("weights", ["float32", "float16"])

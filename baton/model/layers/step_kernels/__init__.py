@@ -19,7 +19,7 @@ HERE = Path(__file__).parent
 BUILD = jit_build.KernelBuild(
     prefix="baton_step_", sources=(HERE / "recurrent.cpp", HERE / "attention.cpp",
                                   HERE / "glue.cpp", HERE / "prefill.cpp", HERE / "layers.cpp"),
-    headers=(HERE / "common.h", HERE.parent / "cpu_kernels" / "gemv_api.h"),
+    headers=(HERE / "common.h", HERE / "kernels.h", HERE.parent / "cpu_kernels" / "gemv_api.h"),
     flags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
     switch="BATON_STEP_KERNELS", label="step kernels", fallback="the compiled torch steps")
 """-ffp-contract=off: no FMA the source does not write, so sums round like the reference's

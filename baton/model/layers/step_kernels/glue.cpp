@@ -3,13 +3,10 @@
 // not change: one call instead of several ops and their Python.
 
 #include "common.h"
+#include "kernels.h"
 
 using namespace baton_step;
 
-c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
-                           double scale, const c10::optional<at::Tensor>& keys);
 
 // silu(x) as torch's CPU kernel computes it along a contiguous run of n elements: whole
 // chunks of two vectors on its vectorised path (x / (1 + exp(-x)), Sleef's exp; 32 elements
