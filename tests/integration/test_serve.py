@@ -37,9 +37,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def role_of(pid: int) -> str:
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return next(a.decode() for a in args if a in (b"router", b"prefill-worker", b"decode-worker"))
+def role_of(pid: int) -> str | None:
+    """The role on `pid`'s command line; None for a process without one (a worker being
+    restarted is, between its fork and its exec, a copy of `serve`) or one gone."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((a.decode() for a in args if a in (b"router", b"prefill-worker",
+                                                   b"decode-worker")), None)
 
 
 def test_serve_binds_loopback_makes_a_secret_restarts_the_dead_and_stops_on_sigterm_within_5s(
@@ -76,14 +82,16 @@ def test_serve_binds_loopback_makes_a_secret_restarts_the_dead_and_stops_on_sigt
         victim = next(p for p in procs if role_of(p) == "decode-worker")
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 60
+        roles = ["decode-worker", "prefill-worker", "router"]
         while time.monotonic() < deadline:
             procs = children(serve.pid)
-            if len(procs) == 3 and victim not in procs:
-                break
+            if (len(procs) == 3 and victim not in procs
+                    and sorted(map(str, map(role_of, procs))) == roles):
+                break  # (a restarted worker has its role once it has exec'd)
             time.sleep(0.1)
         # on failure, what serve and its workers said is the evidence (read through a file of
         # its own: `log`'s offset is the one the processes write at)
-        assert sorted(map(role_of, procs)) == ["decode-worker", "prefill-worker", "router"], \
+        assert sorted(map(str, map(role_of, procs))) == roles, \
             (tmp_path / "serve.log").read_text()[-6000:]
         reborn = next(p for p in procs if role_of(p) == "decode-worker")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
