@@ -3,7 +3,7 @@ run at llama.cpp's speed; the gap was the Python between them, ~1.5 ms of a 30 m
 Zen 2, where each attribute lookup and op runs with caches cold after a weight stream).
 
 Once per model (and again when the weights may have changed: `linear._state["generation"]`,
-a folded-in norm weight changed in place, or other pools are passed) `_plan` turns the layers
+a folded-in norm weight changed in place, or other pools are passed) `_build` turns the layers
 into parts, `h = h + body(rms_norm(h))` each (`fast_blocks`), and runs of covered parts into
 one `DecodeLayers` program (step_kernels/layers.cpp); a step calls it with h, the state slots
 and the attention metadata:
