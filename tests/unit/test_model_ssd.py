@@ -56,16 +56,19 @@ def test_segment_sum():
 
 
 @pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("P", [3, 16])
 @pytest.mark.parametrize("T,chunk,with_state", [(1, 4, True), (7, 4, False), (8, 4, True),
                                                 (23, 8, True), (23, 64, False)])
-def test_fast_scan_equals_step_loop(T, chunk, with_state, kernel, monkeypatch):
+def test_fast_scan_equals_step_loop(T, chunk, with_state, P, kernel, monkeypatch):
     """The fast path's scan (per group, chunks of its own size, states carried in order), with
-    its C++ decay kernel and without, against the recurrence; a batch of two, each as alone."""
+    its C++ kernels and without, against the recurrence; a batch of two, each as alone. Head
+    size 16 takes the outputs' fused decay matmul (`decay_matmul`), 3 the decay matrix and a
+    batched matmul."""
     if not kernel:
         monkeypatch.setattr(step_kernels, "kernels", lambda: None)
     xs, fins = [], []
     for seed in (2, 3):
-        x, dt, A, B, C, D, state = _inputs(T, H=6, G=3, seed=seed)
+        x, dt, A, B, C, D, state = _inputs(T, H=6, P=P, G=3, seed=seed)
         g = torch.Generator().manual_seed(9)  # A and D shared by the batch
         A, D = -torch.rand(6, generator=g) * 3, torch.randn(6, generator=g)
         state = state if with_state else torch.zeros_like(state)

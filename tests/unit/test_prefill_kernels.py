@@ -275,3 +275,88 @@ def test_the_scans_flush_denormals_only_while_they_run_and_keep_their_bits():
     for a, b in zip(runs["flushed"], runs["kept"], strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+
+
+def _decay_inputs(seed, b=1, G=2, r=3, c=3, L=8, N=5):
+    g = _gen(seed)
+    CB = torch.randn(b, G, c, L, L, generator=g)
+    cum = (-torch.rand(b, G * r, c, L, generator=g)).double().cumsum(-1)
+    C = torch.randn(b, G, c, L, N, generator=g)
+    return CB, cum, C
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("P,with_C", [(16, True), (32, True), (16, False)])
+def test_decay_matmul_is_the_decay_matrix_times_X_row_by_row(P, with_C, threads):
+    """The scans' fused output matmul equals ssd_decay's matrix times X (within float32
+    rounding of a float64 product), and a block's rows are their own bits: the same in a call
+    over fewer chunks, at any thread count."""
+    b, G, r, c, L, N = 2, 2, 3, 3, 8, 5
+    CB, cum, C = _decay_inputs(4, b, G, r, c, L, N)
+    C = C if with_C else None
+    W = L + (N if with_C else 0)
+    X = torch.randn(b, G * r, c, W, P, generator=_gen(5))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = K.decay_matmul(CB, cum, r, C, X)
+        part = K.decay_matmul(CB[:, :, 1:].contiguous(), cum[:, :, 1:].contiguous(), r,
+                              None if C is None else C[:, :, 1:].contiguous(),
+                              X[:, :, 1:].contiguous())
+    finally:
+        torch.set_num_threads(old)
+    want = (K.ssd_decay(CB, cum, r, C).double() @ X.double()).float()
+    assert got.shape == (b, G * r, c, L, P)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(part, got[:, :, 1:])
+    assert torch.equal(K.decay_matmul(CB, cum, r, C, X), got)
+
+
+def test_decay_matmul_refuses_shapes_it_does_not_take():
+    CB, cum, C = _decay_inputs(6)
+    X = torch.randn(1, 6, 3, 13, 16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        K.decay_matmul(CB, cum, 3, C, torch.randn(1, 6, 3, 13, 12))
+    with pytest.raises(RuntimeError, match="X must be"):
+        K.decay_matmul(CB, cum, 3, C, torch.randn(1, 6, 3, 12, 16))  # rows != l + N
+    with pytest.raises(RuntimeError, match="CB/cum"):
+        K.decay_matmul(CB, cum, 2, C, X)  # 2 groups of 2 heads != 6 heads
+    assert K.decay_matmul(CB, cum, 3, C, X).shape == (1, 6, 3, 8, 16)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_ssd_carry_gives_the_addcmul_loops_bits(with_state):
+    """The carried states (into X's rows L..) and the final state: the bits of the torch loop
+    it replaces (`ssd_fast._carry`), chunk 0 starting from the given state or zeros."""
+    from baton.model.layers import ssd_fast
+
+    g = _gen(7)
+    b, G, c, N, r, P, L = 2, 2, 5, 6, 3, 8, 4
+    states = torch.randn(b, G, c, N, r, P, generator=g)
+    decay = torch.rand(b, G * r, c, generator=g)
+    state = torch.randn(b, G * r, P, N, generator=g) if with_state else None
+    X0 = torch.randn(b, G * r, c, L + N, P, generator=g)
+    Xk, Xt = X0.clone(), X0.clone()
+    got = K.ssd_carry(states, decay, Xk, state, L)
+    want = ssd_fast._carry(states, decay, Xt, state, L)
+    assert torch.equal(got, want) and torch.equal(Xk, Xt)
+    assert torch.equal(Xk[:, :, :, :L], X0[:, :, :, :L])  # the x dt rows untouched
+    first = Xk[:, :, 0, L:].transpose(-1, -2)
+    assert torch.equal(first, state if with_state else torch.zeros_like(first))
+
+
+def test_prefill_exp_is_std_exp_bit_for_bit():
+    """The prefill kernels' exp (glibc's expf, 8 lanes at a time) against std::exp element by
+    element: every 255th float32 bit pattern (both signs, all exponents: normal, denormal,
+    overflowing, underflowing, inf, NaN), the values around the edges of glibc's fast range,
+    and a tail shorter than a vector."""
+    bits = torch.arange(-(1 << 31), 1 << 31, 255, dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([88.0, -88.0, 88.72283, 88.72284, -87.33654, -103.27893, -103.97208,
+                          -104.0, 0.0, -0.0, 1e-30, -1e-30, float("inf"), float("-inf"),
+                          float("nan"), 2.0**-126, 0.5, -0.5, 1.0, 10.0, -10.0])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.tensor(float("inf"))),
+                       torch.nextafter(edges, torch.tensor(float("-inf")))])
+    for x in (bits.view(torch.float32), edges, edges[:7]):
+        got, want = K.prefill_exp(x, True), K.prefill_exp(x, False)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert K.prefill_exp(torch.tensor([0.0, 1.0]), True).tolist() == [1.0, 2.7182817459106445]

@@ -71,7 +71,6 @@ def _scan(q, k, v, g, beta, state, chunk):
     values, k_cum = sol[..., :dv], sol[..., dv:]
     # Each chunk's output, [intra | q decay(start -> t)] @ [v_new ; S entering], is one
     # matmul: the kernel writes the first factor, the loop below the second (X).
-    lhs = kern.ssd_decay(qh @ kh.transpose(-1, -2), cum64, r, qh)  # [n, HV, c, L, L + dk]
     to_end = _exp(cum64[..., -1:] - cum64).view(n, HK, r, c, L, 1)
     k_end = (kr * to_end).view(n * HV, c, L, dk).transpose(-1, -2)  # [nHV, c, dk, L]
     chunk_decay = _exp(cum64[..., -1]).view(n * HV, c, 1, 1)
@@ -84,6 +83,11 @@ def _scan(q, k, v, g, beta, state, chunk):
         v_new = torch.baddbmm(values[:, i], k_cum[:, i], S, alpha=-1)
         X[:, i, :L] = v_new
         S = torch.baddbmm(S * chunk_decay[:, i], k_end[:, i], v_new)
-    o = lhs.view(n * HV, c, L, L + dk) @ X
+    if dv % 16 == 0:  # the decay matrix never in memory (`decay_matmul`)
+        o = kern.decay_matmul(qh @ kh.transpose(-1, -2), cum64, r, qh,
+                              X.view(n, HV, c, L + dk, dv))
+    else:
+        lhs = kern.ssd_decay(qh @ kh.transpose(-1, -2), cum64, r, qh)  # [n, HV, c, L, L + dk]
+        o = lhs.view(n * HV, c, L, L + dk) @ X
     o = o.view(n, HV, c * L, dv)[:, :, :T].transpose(1, 2).contiguous()
     return o, S.view(n, HV, dk, dv)

@@ -101,23 +101,39 @@ def _scan(x, dt, A, B, C, D, state, chunk):
     torch.mul(xdt.view(b, G, r, c, L, P).permute(0, 1, 3, 4, 2, 5), to_end, out=xs)
     states = (Bg.transpose(-1, -2) @ xs.view(b, G, c, L, r * P)).view(b, G, c, N, r, P)
     # 2. carried in order: the state entering each chunk (into X), and the final one.
-    decay = _exp(cum64[..., -1]).view(b, G, r, c).permute(0, 1, 3, 2)[..., None, :, None]
+    k = step_kernels.kernels()
+    decay, state = _exp(cum64[..., -1]).contiguous(), None if state is None else state.float()
+    if k is not None:  # one pass (`ssd_carry`), the same rounding as the loop in `_carry`
+        final = k.ssd_carry(states, decay, X, state, L)
+    else:
+        final = _carry(states, decay, X, state, L)
+    # 3. every output: [M | C decay(start -> t)] @ [x dt ; S^T], then D x.
+    if k is not None and P % 16 == 0:  # the decay matrix never in memory (`decay_matmul`)
+        y = k.decay_matmul(Cg @ Bg.transpose(-1, -2), cum64, r, Cg, X)  # [b, H, c, L, P]
+    else:
+        y = _intra(Cg, Bg, cum64, r) @ X
+    y = y.permute(0, 2, 3, 1, 4).reshape(b, c * L, H, P)[:, :T]  # token-major (a view)
+    out = x.new_empty(b, T, H, P)  # contiguous (an op's own output may take y's strides)
+    torch.addcmul(y, x[:, :T], D.float()[:, None], out=out)  # one pass: y + D x
+    return out, final
+
+
+def _carry(states, decay, X, state, L):
+    """`ssd_carry` in torch: states [b, G, c, N, r, P], decay [b, H, c], X [b, H, c, L + N, P]
+    (rows L.. written), state [b, H, P, N] or None; returns the final state [b, H, P, N]."""
+    b, G, c, N, r, P = states.shape
+    decay = decay.view(b, G, r, c).permute(0, 1, 3, 2)[..., None, :, None]
     entering = X[:, :, :, L:].view(b, G, r, c, N, P).permute(0, 1, 3, 4, 2, 5)
     if state is None:
         entering[:, :, 0] = 0
     else:
-        entering[:, :, 0] = state.float().view(b, G, r, P, N).permute(0, 1, 4, 2, 3)
+        entering[:, :, 0] = state.view(b, G, r, P, N).permute(0, 1, 4, 2, 3)
     for i in range(c - 1):
         torch.addcmul(states[:, :, i], entering[:, :, i], decay[:, :, i],
                       out=entering[:, :, i + 1])
     # the same op as the carry: a longer call carries these bits into its next chunk
     final = torch.addcmul(states[:, :, -1], entering[:, :, -1], decay[:, :, -1])  # [b,G,N,r,P]
-    # 3. every output: [M | C decay(start -> t)] @ [x dt ; S^T], then D x.
-    y = _intra(Cg, Bg, cum64, r) @ X  # [b, H, c, L, P]
-    y = y.permute(0, 2, 3, 1, 4).reshape(b, c * L, H, P)[:, :T]  # token-major (a view)
-    out = x.new_empty(b, T, H, P)  # contiguous (an op's own output may take y's strides)
-    torch.addcmul(y, x[:, :T], D.float()[:, None], out=out)  # one pass: y + D x
-    return out, final.permute(0, 1, 3, 4, 2).reshape(b, H, P, N)
+    return final.permute(0, 1, 3, 4, 2).reshape(b, G * r, P, N)
 
 
 def _intra(Cg, Bg, cum64, r: int) -> torch.Tensor:

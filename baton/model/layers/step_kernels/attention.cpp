@@ -377,6 +377,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_silu", &conv_silu);
   m.def("gated_rms_norm", &gated_rms_norm);
   m.def("ssd_decay", &ssd_decay);
+  m.def("decay_matmul", &decay_matmul);
+  m.def("ssd_carry", &ssd_carry);
+  m.def("prefill_exp", &prefill_exp_of);
   m.def("unit_lower_solve", &unit_lower_solve);
   m.def("flush_denormals", &flush_denormals);
   m.def("prefill_attention", &prefill_attention);

@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -23,12 +24,67 @@ namespace baton_step {
 
 
 
+#if defined(__AVX2__) && defined(__FMA__)
+// glibc's expf (sysdeps/ieee754/flt-32/e_expf.c) on 8 floats: its FMA build (__expf_fma, what
+// std::exp runs on every CPU with FMA) step for step in double lanes: the same table, the
+// same constants, the same fused and unfused operations in its machine code's order, so the
+// same bits as std::exp (checked over all 2^32 inputs on glibc 2.36), at about a quarter of
+// its time. Lanes glibc sends to its special cases (|x| >= 2^6 * 1.375 and over: overflow,
+// underflow, inf, NaN) are computed by std::exp itself.
+namespace glibc_expf {
+alignas(32) inline constexpr uint64_t kTab[32] = {
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
+    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
+    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
+    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
+    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
+    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+inline __m256d bits(uint64_t u) { return _mm256_castsi256_pd(_mm256_set1_epi64x((long long)u)); }
+
+// exp of 4 floats, as doubles before the final rounding (cvtpd_ps rounds as glibc's cvtsd2ss)
+inline __m128 exp4(__m128 x) {
+  const __m256d inv_ln2_n = bits(0x40471547652b82fe), shift = bits(0x4338000000000000);
+  const __m256d c0 = bits(0x3ebc6af84b912394), c1 = bits(0x3f2ebfce50fac4f3),
+                c2 = bits(0x3f962e42ff0c52d6), one = _mm256_set1_pd(1.0);
+  const __m256d xd = _mm256_cvtps_pd(x);
+  const __m256d kd0 = _mm256_fmadd_pd(inv_ln2_n, xd, shift);  // round(x N / ln2) + SHIFT
+  const __m256i ki = _mm256_castpd_si256(kd0);
+  const __m256d r = _mm256_fmsub_pd(inv_ln2_n, xd, _mm256_sub_pd(kd0, shift));
+  __m256i t = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(kTab),
+                                     _mm256_and_si256(ki, _mm256_set1_epi64x(31)), 8);
+  t = _mm256_add_epi64(t, _mm256_slli_epi64(ki, 47));
+  const __m256d z = _mm256_fmadd_pd(r, c0, c1), r2 = _mm256_mul_pd(r, r);
+  __m256d y = _mm256_fmadd_pd(r, c2, one);
+  y = _mm256_mul_pd(_mm256_fmadd_pd(z, r2, y), _mm256_castsi256_pd(t));
+  return _mm256_cvtpd_ps(y);
+}
+
+// out[0..8) = std::exp(in[0..8)), bit for bit (in and out may be the same)
+inline void exp8(const float* in, float* out) {
+  const __m256 x = _mm256_loadu_ps(in);
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20),
+                                       _mm256_set1_epi32(0x7ff));
+  const int special = _mm256_movemask_ps(
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
+  alignas(32) float keep[8];
+  if (special) _mm256_store_ps(keep, x);
+  _mm_storeu_ps(out, exp4(_mm256_castps256_ps128(x)));
+  _mm_storeu_ps(out + 4, exp4(_mm256_extractf128_ps(x, 1)));
+  if (special)
+    for (int j = 0; j < 8; ++j)
+      if (special >> j & 1) out[j] = std::exp(keep[j]);
+}
+}  // namespace glibc_expf
+#endif
+
 // x[i] = exp(x[i] + shift) in place: 16 lanes at a time where AVX-512 is there, else 8 with
 // AVX2 unless Avx2 is false (a scalar expf per element was a third of the Mamba2 step at batch
 // 32: ~1.5M of them a step); the tail past the last whole vector scalar. The prefill kernels
-// keep the scalar exp on AVX2: with Sleef's there, Qwen3.5's prompt logits against
-// transformers' at 3,001 tokens read 1.04e-4 apart, over the parity test's 1e-4 (under it
-// with the scalar exp).
+// keep std::exp's bits on AVX2 (glibc's expf, 8 lanes at a time: glibc_expf::exp8): with
+// Sleef's there, Qwen3.5's prompt logits against transformers' at 3,001 tokens read 1.04e-4
+// apart, over the parity test's 1e-4 (under it with std::exp).
 template <bool Avx2 = true>
 inline void exp_(float* x, int64_t n, float shift) {
   int64_t i = 0;
@@ -37,10 +93,17 @@ inline void exp_(float* x, int64_t n, float shift) {
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_add_ps(_mm512_loadu_ps(x + i), sh)));
 #elif defined(__AVX2__)
+  const __m256 sh = _mm256_set1_ps(shift);
   if constexpr (Avx2) {
-    const __m256 sh = _mm256_set1_ps(shift);
     for (; i + 8 <= n; i += 8)
       _mm256_storeu_ps(x + i, Sleef_expf8_u10(_mm256_add_ps(_mm256_loadu_ps(x + i), sh)));
+  } else {
+#ifdef __FMA__
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), sh));
+      glibc_expf::exp8(x + i, x + i);
+    }
+#endif
   }
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i] + shift);

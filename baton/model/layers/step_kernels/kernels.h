@@ -42,6 +42,11 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
                      const c10::optional<at::Tensor>& bias);
 at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at::Tensor& w,
                           int64_t group, double eps, bool norm_first);
+at::Tensor prefill_exp_of(const at::Tensor& x, bool vector);
+at::Tensor decay_matmul(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
+                        const c10::optional<at::Tensor>& C, const at::Tensor& X);
+at::Tensor ssd_carry(const at::Tensor& states, const at::Tensor& decay, at::Tensor X,
+                     const c10::optional<at::Tensor>& state0, int64_t l);
 at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
                      const c10::optional<at::Tensor>& C);
 at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs);

@@ -117,59 +117,157 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& gate, const at:
   return out;
 }
 
+namespace {
+
+// The shapes ssd_decay reads, checked once: CB [b, G, c, l, l] float, cum [b, H, c, l]
+// float64, C [b, G, c, l, N] or none.
+struct Decay {
+  int64_t b, H, nc, l, r, N, W;
+  const float *cb, *cp_;
+  const double* cp;
+  Decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r_, const c10::optional<at::Tensor>& C)
+      : r(r_), N(0), cp_(nullptr) {
+    check(CB, "CB");
+    TORCH_CHECK(cum.scalar_type() == at::kDouble && cum.is_contiguous() && CB.is_contiguous() &&
+                CB.dim() == 5 && cum.dim() == 4, "CB [b,G,c,l,l] float, cum [b,H,c,l] float64");
+    b = cum.size(0), H = cum.size(1), nc = cum.size(2), l = cum.size(3);
+    TORCH_CHECK(r > 0 && CB.size(1) * r == H && CB.size(2) == nc && CB.size(3) == l,
+                "CB/cum shapes");
+    if (C.has_value()) {
+      check(*C, "C");
+      TORCH_CHECK(C->is_contiguous() && C->dim() == 5 && C->size(3) == l, "C [b,G,c,l,N]");
+      cp_ = C->data_ptr<float>();
+      N = C->size(4);
+    }
+    W = l + N;
+    cb = CB.data_ptr<float>();
+    cp = cum.data_ptr<double>();
+  }
+  // block blk = (batch, head, chunk)'s [l, W] rows into ob
+  void rows(int64_t blk, float* ob) const {
+    const int64_t bi = blk / (H * nc), h = blk / nc % H, ci = blk % nc;
+    const double* cr = cp + blk * l;
+    const int64_t gblk = (bi * (H / r) + h / r) * nc + ci;
+    const float* cbb = cb + gblk * l * l;
+    for (int64_t i = 0; i < l; ++i) {
+      float* o = ob + i * W;
+      const double ci_ = cr[i];
+      for (int64_t j = 0; j <= i; ++j) {
+        const float d = (float)(ci_ - cr[j]);
+        o[j] = d < -60.f ? -INFINITY : d;
+      }
+      exp_<false>(o, i + 1, 0.f);
+      const float* cbr = cbb + i * l;
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) o[j] = o[j] * cbr[j];
+      for (int64_t j = i + 1; j < l; ++j) o[j] = 0.f;
+      if (N) {
+        const float e = (float)ci_ < -60.f ? 0.f : std::exp((float)ci_);
+        const float* crow = cp_ + (gblk * l + i) * N;
+#pragma omp simd
+        for (int64_t n = 0; n < N; ++n) o[l + n] = crow[n] * e;
+      }
+    }
+  }
+};
+
+}  // namespace
+
 // The SSD scan's intra-chunk matrix: M[b, h, c, i, j] = CB[b, h / r, c, i, j] *
 // exp(cum[b, h, c, i] - cum[b, h, c, j]) for j <= i, 0 above; CB [b, G, c, l, l] float, cum
 // [b, H, c, l] float64 (the difference in float64, then rounded: no cancellation). With C
 // [b, G, c, l, N] given, each row goes on with C[b, h / r, c, i, :] * exp(cum[i]) (what the
-// state entering the chunk gives row i): rows of l + N, one matmul with [x dt ; S^T] then.
+// state entering the chunk gives row i): rows of l + N, one matmul with [x dt ; S^T] then
+// (`decay_matmul` does both).
 // Decays below e^-60 are 0 (their products would be denormals: see ssd_fast.FLUSH).
 at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
                      const c10::optional<at::Tensor>& C) {
-  check(CB, "CB");
-  TORCH_CHECK(cum.scalar_type() == at::kDouble && cum.is_contiguous() && CB.is_contiguous() &&
-              CB.dim() == 5 && cum.dim() == 4, "CB [b,G,c,l,l] float, cum [b,H,c,l] float64");
-  const int64_t b = cum.size(0), H = cum.size(1), nc = cum.size(2), l = cum.size(3);
-  TORCH_CHECK(CB.size(1) * r == H && CB.size(2) == nc && CB.size(3) == l, "CB/cum shapes");
-  const float* cp_ = nullptr;
-  int64_t N = 0;
-  if (C.has_value()) {
-    check(*C, "C");
-    TORCH_CHECK(C->is_contiguous() && C->dim() == 5 && C->size(3) == l, "C [b,G,c,l,N]");
-    cp_ = C->data_ptr<float>();
-    N = C->size(4);
-  }
-  const int64_t W = l + N;
-  auto out = at::empty({b, H, nc, l, W}, CB.options());
-  const float* cb = CB.data_ptr<float>();
-  const double* cp = cum.data_ptr<double>();
+  const Decay d(CB, cum, r, C);
+  auto out = at::empty({d.b, d.H, d.nc, d.l, d.W}, CB.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * H * nc, 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t blk = lo; blk < hi; ++blk) {
-      const int64_t bi = blk / (H * nc), h = blk / nc % H, ci = blk % nc;
-      const double* cr = cp + blk * l;
-      const int64_t gblk = (bi * (H / r) + h / r) * nc + ci;
-      const float* cbb = cb + gblk * l * l;
-      float* ob = op + blk * l * W;
-      for (int64_t i = 0; i < l; ++i) {
-        float* o = ob + i * W;
-        const double ci_ = cr[i];
-        for (int64_t j = 0; j <= i; ++j) {
-          const float d = (float)(ci_ - cr[j]);
-          o[j] = d < -60.f ? -INFINITY : d;
-        }
-        exp_<false>(o, i + 1, 0.f);
-        const float* cbr = cbb + i * l;
+  at::parallel_for(0, d.b * d.H * d.nc, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t blk = lo; blk < hi; ++blk) d.rows(blk, op + blk * d.l * d.W);
+  });
+  return out;
+}
+
+// a * b + c as torch's CPU addcmul rounds it: its vectorised kernel's multiply and add, built
+// with GCC's default contraction, are one fused multiply-add where the CPU has FMA.
+static inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// The SSD scan's state carry, chunk after chunk: X [b, H, c, l + N, P]'s rows l.. (the state
+// entering each chunk, transposed) get, in chunk 0, state0 [b, H, P, N] transposed (or zeros
+// where none), in chunk i + 1 states[i] + entering[i] * decay[i]: states [b, G, c, N, r, P]
+// (what each chunk adds by its end, head g * r + j), decay [b, H, c]. Returns the state after
+// the last chunk, [b, H, P, N]. One pass in place of a torch.addcmul a chunk over strided
+// views, with its rounding (`madd`).
+at::Tensor ssd_carry(const at::Tensor& states, const at::Tensor& decay, at::Tensor X,
+                     const c10::optional<at::Tensor>& state0, int64_t l) {
+  check(states, "states"); check(decay, "decay"); check(X, "X");
+  TORCH_CHECK(states.dim() == 6 && decay.dim() == 3 && X.dim() == 5 && states.is_contiguous() &&
+              decay.is_contiguous() && X.is_contiguous(),
+              "states [b, G, c, N, r, P], decay [b, H, c], X [b, H, c, l + N, P], contiguous");
+  const int64_t b = states.size(0), G = states.size(1), c = states.size(2), N = states.size(3);
+  const int64_t r = states.size(4), P = states.size(5), H = G * r;
+  TORCH_CHECK(X.size(0) == b && X.size(1) == H && X.size(2) == c && X.size(3) == l + N &&
+              X.size(4) == P && decay.size(0) == b && decay.size(1) == H && decay.size(2) == c,
+              "states, decay and X shapes");
+  const float* s0 = nullptr;
+  at::Tensor s0c;
+  if (state0.has_value()) {
+    check(*state0, "state");
+    s0c = state0->contiguous();
+    TORCH_CHECK(s0c.dim() == 4 && s0c.size(0) == b && s0c.size(1) == H && s0c.size(2) == P &&
+                s0c.size(3) == N, "state must be [b, H, P, N]");
+    s0 = s0c.data_ptr<float>();
+  }
+  auto fin = at::empty({b, H, P, N}, X.options());
+  const float *sp = states.data_ptr<float>(), *dp = decay.data_ptr<float>();
+  float *xp = X.data_ptr<float>(), *fp = fin.data_ptr<float>();
+  const int64_t W = l + N;
+  at::parallel_for(0, b * H * N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t bi = u / (H * N), h = u / N % H, n = u % N, g = h / r, j = h % r;
+      float* e = xp + ((bi * H + h) * c * W + l + n) * P;  // chunk 0's row n
+      if (s0)
+        for (int64_t p = 0; p < P; ++p) e[p] = s0[((bi * H + h) * P + p) * N + n];
+      else
+        std::fill(e, e + P, 0.f);
+      for (int64_t i = 0; i < c; ++i) {
+        const float* st = sp + ((((bi * G + g) * c + i) * N + n) * r + j) * P;
+        const float d = dp[(bi * H + h) * c + i];
+        if (i + 1 < c) {
+          float* nx = e + W * P;
 #pragma omp simd
-        for (int64_t j = 0; j <= i; ++j) o[j] = o[j] * cbr[j];
-        for (int64_t j = i + 1; j < l; ++j) o[j] = 0.f;
-        if (N) {
-          const float e = (float)ci_ < -60.f ? 0.f : std::exp((float)ci_);
-          const float* crow = cp_ + (gblk * l + i) * N;
-#pragma omp simd
-          for (int64_t n = 0; n < N; ++n) o[l + n] = crow[n] * e;
+          for (int64_t p = 0; p < P; ++p) nx[p] = madd(e[p], d, st[p]);
+          e = nx;
+        } else {
+          float* f = fp + (bi * H + h) * P * N + n;
+          for (int64_t p = 0; p < P; ++p) f[p * N] = madd(e[p], d, st[p]);
         }
       }
     }
+  });
+  return fin;
+}
+
+// The test's handle on the prefill kernels' exp (exp_<false>): exp of every element of x,
+// vector true on that path (8 lanes at a time, then std::exp for the tail), false std::exp
+// element by element.
+at::Tensor prefill_exp_of(const at::Tensor& x, bool vector) {
+  check(x, "x");
+  at::Tensor out = x.contiguous().clone();
+  float* p = out.data_ptr<float>();
+  const int64_t n = out.numel();
+  at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+    if (vector) exp_<false>(p + lo, hi - lo, 0.f);
+    else for (int64_t i = lo; i < hi; ++i) p[i] = std::exp(p[i]);
   });
   return out;
 }
@@ -260,7 +358,88 @@ constexpr int64_t MR = AR * AT;
 constexpr int64_t AJ = 16;  // keys a score tile covers
 constexpr int64_t VJ = 64;  // keys a pass of the output tiles covers
 
+// One register tile of C = A B: R rows x 16 columns, acc += A(r, k) B(k, 0..16) for k over
+// [0, ka) and then [kb, K), in that order (the rows' own sums, whatever the tile's height).
+template <int R>
+inline void bmm_tile(const float* a, int64_t am, int64_t ak, const float* b, int64_t bk,
+                     float* c, int64_t cm, int64_t ka, int64_t kb, int64_t K) {
+  v8 acc[R][2] = {};
+  auto step = [&](int64_t k) {
+    const v8 b0 = load8(b + k * bk), b1 = load8(b + k * bk + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float x = a[r * am + k * ak];
+      acc[r][0] = fma8(b0, x, acc[r][0]);
+      acc[r][1] = fma8(b1, x, acc[r][1]);
+    }
+  };
+  for (int64_t k = 0; k < ka; ++k) step(k);
+  for (int64_t k = kb; k < K; ++k) step(k);
+  for (int r = 0; r < R; ++r) {
+    store8(c + r * cm, acc[r][0]);
+    store8(c + r * cm + 8, acc[r][1]);
+  }
+}
+
 }  // namespace
+
+namespace {
+
+// C [M, Nc] (rows Nc apart) = A B of one batch element: A(m, k) = a[m * am + k * ak], B's row
+// k at b + k * bk (contiguous), Nc a multiple of 16; the first `lower` columns of A lower
+// triangular (0 for none). 16 columns at a time, 6 rows a register tile.
+void bmm_one(const float* a, int64_t am, int64_t ak, const float* b, int64_t bk, float* c,
+             int64_t M, int64_t K, int64_t Nc, int64_t lower) {
+  for (int64_t j0 = 0; j0 < Nc; j0 += 16)
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t rows = std::min<int64_t>(6, M - m0);
+      const int64_t ka = lower ? std::min(m0 + rows, lower) : 0;
+      const float* at = a + m0 * am;
+      float* ct = c + m0 * Nc + j0;
+      switch (rows) {
+        case 6: bmm_tile<6>(at, am, ak, b + j0, bk, ct, Nc, ka, lower, K); break;
+        case 5: bmm_tile<5>(at, am, ak, b + j0, bk, ct, Nc, ka, lower, K); break;
+        case 4: bmm_tile<4>(at, am, ak, b + j0, bk, ct, Nc, ka, lower, K); break;
+        case 3: bmm_tile<3>(at, am, ak, b + j0, bk, ct, Nc, ka, lower, K); break;
+        case 2: bmm_tile<2>(at, am, ak, b + j0, bk, ct, Nc, ka, lower, K); break;
+        default: bmm_tile<1>(at, am, ak, b + j0, bk, ct, Nc, ka, lower, K);
+      }
+    }
+}
+
+}  // namespace
+
+// ssd_decay(CB, cum, r, C) @ X without the decay matrix in memory: each block's [l, l + N]
+// rows go to a buffer of the thread's (in cache) and straight into the matmul with X [b, H,
+// c, l + N, P] (rows contiguous, P a multiple of 16), the triangle's zeros skipped ->
+// [b, H, c, l, P]. Each output is its k's products summed in k's order (fused where the CPU
+// has FMA): the same bits whatever the batch, the split of the blocks or the threads. What
+// both prefill scans end with (SSD's outputs, DeltaNet's): the decay matrix was 25 MB a
+// layer at 2,048 tokens, written and read back, and MKL's batched sgemm ran these 64 x 128
+// by 128 x 64 products at 49-54 GFLOP/s on the Zen 2.
+at::Tensor decay_matmul(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
+                        const c10::optional<at::Tensor>& C, const at::Tensor& X) {
+  const Decay d(CB, cum, r, C);
+  check(X, "X");
+  const int64_t blocks = d.b * d.H * d.nc;
+  TORCH_CHECK(X.dim() == 5 && X.size(0) == d.b && X.size(1) == d.H && X.size(2) == d.nc &&
+              X.size(3) == d.W && X.stride(4) == 1 && X.size(4) % 16 == 0,
+              "X must be [b, H, c, l + N, P], rows contiguous, P a multiple of 16");
+  const int64_t P = X.size(4);
+  const auto Xc = X.stride(3) == P && X.stride(2) == d.W * P && X.stride(1) == d.nc * d.W * P &&
+                  X.stride(0) == d.H * d.nc * d.W * P ? X : X.contiguous();
+  auto out = at::empty({d.b, d.H, d.nc, d.l, P}, X.options());
+  const float* xp = Xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> rows(d.l * d.W);
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      d.rows(blk, rows.data());
+      bmm_one(rows.data(), d.W, 1, xp + blk * d.W * P, P, op + blk * d.l * P, d.l, d.W, P, d.l);
+    }
+  });
+  return out;
+}
 
 // Causal attention of a prompt's queries over their keys, every query row computed alone in a
 // fixed order, so its result does not depend on the call's length, the prompt's chunking, the
