@@ -61,20 +61,30 @@ inline __m128 exp4(__m128 x) {
   return _mm256_cvtpd_ps(y);
 }
 
-// out[0..8) = std::exp(in[0..8)), bit for bit (in and out may be the same)
-inline void exp8(const float* in, float* out) {
-  const __m256 x = _mm256_loadu_ps(in);
+// std::exp of each lane, bit for bit
+inline __m256 exp8(__m256 x) {
   const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20),
                                        _mm256_set1_epi32(0x7ff));
   const int special = _mm256_movemask_ps(
       _mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
-  alignas(32) float keep[8];
-  if (special) _mm256_store_ps(keep, x);
-  _mm_storeu_ps(out, exp4(_mm256_castps256_ps128(x)));
-  _mm_storeu_ps(out + 4, exp4(_mm256_extractf128_ps(x, 1)));
-  if (special)
-    for (int j = 0; j < 8; ++j)
-      if (special >> j & 1) out[j] = std::exp(keep[j]);
+  const __m256 y = _mm256_set_m128(exp4(_mm256_extractf128_ps(x, 1)),
+                                   exp4(_mm256_castps256_ps128(x)));
+  if (!special) return y;
+  alignas(32) float in[8], out[8];
+  _mm256_store_ps(in, x);
+  _mm256_store_ps(out, y);
+  for (int j = 0; j < 8; ++j)
+    if (special >> j & 1) out[j] = std::exp(in[j]);
+  return _mm256_load_ps(out);
+}
+
+// out[0..8) = std::exp(in[0..8)), bit for bit (in and out may be the same)
+inline void exp8(const float* in, float* out) { _mm256_storeu_ps(out, exp8(_mm256_loadu_ps(in))); }
+
+// silu(x) = x / (1 + exp(-x)) of each lane, exp as std::exp: silu_<false>'s bits
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.f)));  // exp(-x)
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 }  // namespace glibc_expf
 #endif
@@ -109,9 +119,18 @@ inline void exp_(float* x, int64_t n, float shift) {
   for (; i < n; ++i) x[i] = std::exp(x[i] + shift);
 }
 
-// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch.
+// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch. With Avx2 false on an AVX2 +
+// FMA build, one pass of glibc_expf::silu8 (the same bits as the passes below).
 template <bool Avx2 = true>
 inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (!Avx2) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, glibc_expf::silu8(_mm256_loadu_ps(x + i)));
+    for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(-x[i]));
+    return;
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) tmp[i] = -x[i];
   exp_<Avx2>(tmp, n, 0.f);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.f + tmp[i]);

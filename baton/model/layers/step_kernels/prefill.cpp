@@ -44,9 +44,34 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n * T, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> tmp(C);
+    const float* src[16];
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t i = row / T, t = row % T;
       float* o = op + row * C;
+      for (int64_t k = 0; k < K && K <= 16; ++k) {  // the window's rows
+        const int64_t s = t + k;
+        src[k] = s < K - 1 ? st.data() + (i * (K - 1) + s) * C : xp + i * xs0 + (s - (K - 1)) * xs1;
+      }
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if (K <= 16) {  // one pass: each 8 channels' taps, bias and silu in registers
+        int64_t c = 0;
+        for (; c + 8 <= C; c += 8) {
+          __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src[0] + c), _mm256_loadu_ps(wt.data() + c));
+          for (int64_t k = 1; k < K; ++k)
+            v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(src[k] + c),
+                                               _mm256_loadu_ps(wt.data() + k * C + c)));
+          if (bp) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + c));
+          _mm256_storeu_ps(o + c, glibc_expf::silu8(v));
+        }
+        for (; c < C; ++c) {
+          float v = src[0][c] * wt[c];
+          for (int64_t k = 1; k < K; ++k) v = v + src[k][c] * wt[k * C + c];
+          if (bp) v = v + bp[c];
+          o[c] = v / (1.f + std::exp(-v));
+        }
+        continue;
+      }
+#endif
       for (int64_t k = 0; k < K; ++k) {
         const int64_t s = t + k;  // the window column: state first, then the tokens
         const float* src = s < K - 1 ? st.data() + (i * (K - 1) + s) * C
