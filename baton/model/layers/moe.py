@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.layers import cpu_kernels, fused, linear
-from baton.model.layers.mlp import MLP, activation
+from baton.model.layers.mlp import MLP, activate, activation
 from baton.model.nemotron_h.config import ModelConfig
 
 
@@ -112,18 +112,19 @@ def run_experts(
     lo = int(counts[:first].sum())  # sorted by expert: the held experts' pairs are one run
     order = order[lo:lo + sum(runs)]
     token = order // k
-    xs = x[token]
+    xs = x.index_select(0, token)
     ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, c in enumerate(runs):
         if c:
             run = slice(start, start + c)
-            torch.mm(act(torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
+            torch.mm(activate(act, torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
                      out=ys[run])
             start += c
     acc = torch.promote_types(x.dtype, torch.float32)  # half models sum in float32
     out = torch.zeros(n, down.shape[1], dtype=acc, device=x.device)
-    out.index_add_(0, token, ys * routing.weights.reshape(-1)[order, None])
+    w = routing.weights.reshape(-1)[order, None]
+    out.index_add_(0, token, ys.mul_(w) if ys.dtype == w.dtype else ys * w)  # half: promoted
     return out.to(x.dtype), counts
 
 
