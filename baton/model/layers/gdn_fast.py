@@ -10,7 +10,9 @@ Why (bench 100m Qwen3.5, 2,048 tokens, 1 thread): the reference scan took ~75 ms
 - one triangular solve for values and keys together (one right-hand side of dv + dk), by a
   forward-substitution kernel (LAPACK's batched trsm ran at a fifth of the matmul rate);
 - the per-chunk loop only carries the state (v_new, then S), two batched matmul-adds a chunk;
-  every chunk's output is then one batched matmul, [intra | q decay] @ [v_new ; S];
+  every chunk's output is then one batched matmul, [intra | q decay] @ [v_new ; S], the first
+  factor never in memory where dv is a multiple of 16 (`step_kernels` decay_matmul, as in
+  `ssd_fast`: 32.9 -> 28.7 ms a layer);
 - no padding copies when T is a multiple of the chunk; decays below e^FLUSH are 0 (their
   products would be float32 denormals, which slow every op that meets them), and the solve
   still made them (7% of its keys' column on the bench 100m), so the scan runs with
