@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import grpc
@@ -265,9 +266,13 @@ def test_concurrent_requests_all_finish_and_spread_over_workers(cluster):
     from concurrent.futures import ThreadPoolExecutor
 
     config = RouterConfig(policy="least_loaded")
-    # 0.25 s a request: the 8 overlap even when the test process is starved of CPU (at 0.05 s
-    # they could each finish before the next one was routed, all to the tie's d0)
-    scripts = {w: Script(token_delay_s=0.05) for w in ("p0", "p1", "d0", "d1")}
+    # The 8 decode streams wait for each other before their first token, so all 8 are in
+    # flight together whatever the machine's load: on a starved CI machine (the step kernels
+    # compiling beside the tests) each had finished before the next was routed, all to the
+    # tie's d0, even at 0.25 s a request.
+    gate = threading.Barrier(8)
+    scripts = {w: Script(token_delay_s=0.05, decode_gate=gate if w[0] == "d" else None)
+               for w in ("p0", "p1", "d0", "d1")}
     _, stub, w = cluster(config, **scripts)
 
     def one(i):

@@ -69,6 +69,9 @@ class Script:
     """Decode: reservations held at once; one more gets RESOURCE_EXHAUSTED (None: unbounded)."""
     server_threads: int = 16
     """gRPC server threads: one per concurrent stream."""
+    decode_gate: threading.Barrier | None = None
+    """Decode: each stream waits at this barrier (shared by the workers whose streams must
+    overlap) before its first message; one that waits `hang_limit_s` breaks it."""
 
 
 @dataclass
@@ -162,6 +165,8 @@ class FakeDecode(_Base, wgrpc.DecodeWorkerServicer):
     def Decode(self, request, context):
         rid = request.request_id
         wake = self._record("Decode", rid)
+        if self.script.decode_gate is not None:
+            self.script.decode_gate.wait(self.script.hang_limit_s)
         sampling = self.sampling[rid]
         token, sent = request.first_token_id, 1  # the first token came from Prefill
         for i, ready in enumerate(self._ready_counts(sampling.max_tokens), 1):
