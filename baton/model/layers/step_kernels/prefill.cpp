@@ -44,16 +44,16 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n * T, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> tmp(C);
-    const float* src[16];
+    std::vector<const float*> src(K);  // the window's rows: state first, then the tokens
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t i = row / T, t = row % T;
       float* o = op + row * C;
-      for (int64_t k = 0; k < K && K <= 16; ++k) {  // the window's rows
+      for (int64_t k = 0; k < K; ++k) {
         const int64_t s = t + k;
         src[k] = s < K - 1 ? st.data() + (i * (K - 1) + s) * C : xp + i * xs0 + (s - (K - 1)) * xs1;
       }
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-      if (K <= 16) {  // one pass: each 8 channels' taps, bias and silu in registers
+      {  // one pass: each 8 channels' taps, bias and silu in registers
         int64_t c = 0;
         for (; c + 8 <= C; c += 8) {
           __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src[0] + c), _mm256_loadu_ps(wt.data() + c));
@@ -73,16 +73,13 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
       }
 #endif
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t s = t + k;  // the window column: state first, then the tokens
-        const float* src = s < K - 1 ? st.data() + (i * (K - 1) + s) * C
-                                     : xp + i * xs0 + (s - (K - 1)) * xs1;
         const float* wk = wt.data() + k * C;
         if (k == 0) {
 #pragma omp simd
-          for (int64_t c = 0; c < C; ++c) o[c] = src[c] * wk[c];
+          for (int64_t c = 0; c < C; ++c) o[c] = src[k][c] * wk[c];
         } else {
 #pragma omp simd
-          for (int64_t c = 0; c < C; ++c) o[c] = o[c] + src[c] * wk[c];
+          for (int64_t c = 0; c < C; ++c) o[c] = o[c] + src[k][c] * wk[c];
         }
       }
       if (bp) {
@@ -406,10 +403,6 @@ inline void bmm_tile(const float* a, int64_t am, int64_t ak, const float* b, int
   }
 }
 
-}  // namespace
-
-namespace {
-
 // C [M, Nc] (rows Nc apart) = A B of one batch element: A(m, k) = a[m * am + k * ak], B's row
 // k at b + k * bk (contiguous), Nc a multiple of 16; the first `lower` columns of A lower
 // triangular (0 for none). 16 columns at a time, 6 rows a register tile.
@@ -451,8 +444,7 @@ at::Tensor decay_matmul(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
               X.size(3) == d.W && X.stride(4) == 1 && X.size(4) % 16 == 0,
               "X must be [b, H, c, l + N, P], rows contiguous, P a multiple of 16");
   const int64_t P = X.size(4);
-  const auto Xc = X.stride(3) == P && X.stride(2) == d.W * P && X.stride(1) == d.nc * d.W * P &&
-                  X.stride(0) == d.H * d.nc * d.W * P ? X : X.contiguous();
+  const auto Xc = X.contiguous();
   auto out = at::empty({d.b, d.H, d.nc, d.l, P}, X.options());
   const float* xp = Xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
