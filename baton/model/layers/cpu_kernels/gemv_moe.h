@@ -40,8 +40,7 @@ at::Tensor relu2_rows(const at::Tensor& y) {
   at::Tensor out = at::empty({m, w}, y.options());
   const float* yp = y.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < w; ++j) o[i * w + j] = relu2(yp[i * ys + j]);
+  for (int64_t i = 0; i < m; ++i) relu2_span(o + i * w, yp + i * ys, w);
   return out;
 }
 
@@ -146,7 +145,7 @@ void activate_row(const float* src, int64_t w, int act, float* row, int64_t ld, 
   if (act == 1) {
     baton_route::swiglu_rows(src, 2 * w, 1, w, row, i, span);
   } else {
-    for (int64_t j = 0; j < w; ++j) row[j] = relu2(src[j]);
+    relu2_span(row, src, w);
   }
   std::memset(row + w, 0, (ld - w) * sizeof(float));
 }

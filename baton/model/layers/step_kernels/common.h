@@ -119,14 +119,33 @@ inline void exp_(float* x, int64_t n, float shift) {
   for (; i < n; ++i) x[i] = std::exp(x[i] + shift);
 }
 
-// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch. With Avx2 false on an AVX2 +
-// FMA build, one pass of glibc_expf::silu8 (the same bits as the passes below).
+// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch. On an AVX2 build (not
+// AVX-512) one pass, 8 lanes at a time, exp from glibc_expf::silu8 with Avx2 false, else
+// Sleef's: the same bits as the passes below (exp_(-x) then x / (1 + e)), without two trips
+// through tmp.
 template <bool Avx2 = true>
 inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if constexpr (!Avx2) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifdef __FMA__
+  constexpr bool one_pass = true;
+#else
+  constexpr bool one_pass = Avx2;
+#endif
+  if constexpr (one_pass) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, glibc_expf::silu8(_mm256_loadu_ps(x + i)));
+    const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      __m256 o;
+      if constexpr (Avx2) {
+        o = _mm256_div_ps(v, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(v, sign))));
+      } else {
+#ifdef __FMA__
+        o = glibc_expf::silu8(v);
+#endif
+      }
+      _mm256_storeu_ps(out + i, o);
+    }
     for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(-x[i]));
     return;
   }

@@ -97,51 +97,34 @@ void conv_step(const float* src, float* dst, const float* x, const float* w, con
 #elif defined(__AVX2__)
   if (K == 4) {
     // 8 channels at a time, in lane order ch = (0, 2, 4, 6, 1, 3, 5, 7): the order an 8 x 4
-    // transpose by unpacks leaves the weights in. Each vector is put together from up to three
-    // by a permute of each and two blends, from index tables built once a call.
+    // transpose by unpacks leaves the weights in. The 8 floats of tap k (3 ch + k of the 24
+    // state floats) sit at distinct lanes of the three state vectors (float e at lane e % 8),
+    // so two immediate blends gather them into one vector and one permute puts them in lane
+    // order. The shifted state is the 24 floats moved down by one (unaligned loads) with x at
+    // every third: a permute of x and a blend a vector. 8 permutes for 8 channels, not 20 (on
+    // the Zen 2 a permute is the costly shuffle: the step's conv went ~160 -> ~70 us a layer
+    // at batch 32).
     static const int ch[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-    int lane_of[8];
-    for (int l = 0; l < 8; ++l) lane_of[ch[l]] = l;
-    // tap k, lane l: state float 3 ch(l) + k of the 24 (sources: floats 0-7, 8-15, 16-23);
-    // state out vector v, lane l: float e = 8v + l is tap (e % 3) + 1 of channel e / 3, or x
-    alignas(32) int32_t ti[3][8], oi[3][8];
-    alignas(32) int32_t tm[3][2][8], om[3][2][8];
+    alignas(32) int32_t ti[3][8];
     for (int k = 0; k < 3; ++k)
-      for (int l = 0; l < 8; ++l) {
-        const int e = 3 * ch[l] + k, src3 = e / 8;
-        ti[k][l] = e % 8;
-        tm[k][0][l] = src3 >= 1 ? -1 : 0;  // take source 1 (then 2) over the earlier
-        tm[k][1][l] = src3 == 2 ? -1 : 0;
-      }
-    for (int v = 0; v < 3; ++v)
-      for (int l = 0; l < 8; ++l) {
-        const int e = 8 * v + l, j = e / 3, k = e % 3;  // from tap1, tap2 (lane order), x
-        oi[v][l] = k == 2 ? j : lane_of[j];
-        om[v][0][l] = k >= 1 ? -1 : 0;
-        om[v][1][l] = k == 2 ? -1 : 0;
-      }
-    __m256i vti[3], voi[3];
-    __m256 vtm[3][2], vom[3][2];
-    for (int k = 0; k < 3; ++k) {
-      vti[k] = _mm256_load_si256((const __m256i*)ti[k]);
-      voi[k] = _mm256_load_si256((const __m256i*)oi[k]);
-      for (int b = 0; b < 2; ++b) {
-        vtm[k][b] = _mm256_castsi256_ps(_mm256_load_si256((const __m256i*)tm[k][b]));
-        vom[k][b] = _mm256_castsi256_ps(_mm256_load_si256((const __m256i*)om[k][b]));
-      }
-    }
+      for (int l = 0; l < 8; ++l) ti[k][l] = (3 * ch[l] + k) % 8;
+    __m256i vti[3];
+    for (int k = 0; k < 3; ++k) vti[k] = _mm256_load_si256((const __m256i*)ti[k]);
     const __m256i to_lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const __m256i to_natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    auto pick = [](__m256 a, __m256 b, __m256 c, __m256i idx, __m256 m1, __m256 m2) {
-      const __m256 pa = _mm256_permutevar8x32_ps(a, idx), pb = _mm256_permutevar8x32_ps(b, idx),
-                   pc = _mm256_permutevar8x32_ps(c, idx);
-      return _mm256_blendv_ps(_mm256_blendv_ps(pa, pb, m1), pc, m2);
-    };
+    // out vector v, lane l (float 8v + l): x[(8v + l) / 3] where (8v + l) % 3 == 2
+    const __m256i xi0 = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 0, 0),
+                  xi1 = _mm256_setr_epi32(2, 0, 0, 3, 0, 0, 4, 0),
+                  xi2 = _mm256_setr_epi32(0, 5, 0, 0, 6, 0, 0, 7);
+    const __m256i last7 = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, -1, 0);
     for (; c0 + 8 <= C; c0 += 8) {
       const float* s = src + c0 * 3;
       prefetch_ahead(s, 24);
       const __m256 a0 = _mm256_loadu_ps(s), a1 = _mm256_loadu_ps(s + 8),
                    a2 = _mm256_loadu_ps(s + 16);
+      // floats 1-8, 9-16, 17-23 (float 24 is the next group's, and x takes its lane)
+      const __m256 u0 = _mm256_loadu_ps(s + 1), u1 = _mm256_loadu_ps(s + 9),
+                   u2 = _mm256_maskload_ps(s + 17, last7);
       const float* wc = w + c0 * 4;  // [8 channels][4 taps]
       const __m256 b0 = _mm256_loadu_ps(wc), b1 = _mm256_loadu_ps(wc + 8),
                    b2 = _mm256_loadu_ps(wc + 16), b3 = _mm256_loadu_ps(wc + 24);
@@ -149,19 +132,26 @@ void conv_step(const float* src, float* dst, const float* x, const float* w, con
                    t2 = _mm256_unpacklo_ps(b2, b3), t3 = _mm256_unpackhi_ps(b2, b3);
       const __m256 w0 = _mm256_shuffle_ps(t0, t2, 0x44), w1 = _mm256_shuffle_ps(t0, t2, 0xEE),
                    w2 = _mm256_shuffle_ps(t1, t3, 0x44), w3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      __m256 tap[3];
-      for (int k = 0; k < 3; ++k) tap[k] = pick(a0, a1, a2, vti[k], vtm[k][0], vtm[k][1]);
+      // tap k's floats 3c + k: from a1 at lanes (1, 4, 7 | 2, 5 | 0, 3, 6), a2 at (2, 5 |
+      // 0, 3, 6 | 1, 4, 7), a0 at the rest
+      const __m256 tap0 = _mm256_permutevar8x32_ps(
+          _mm256_blend_ps(_mm256_blend_ps(a0, a1, 0x92), a2, 0x24), vti[0]);
+      const __m256 tap1 = _mm256_permutevar8x32_ps(
+          _mm256_blend_ps(_mm256_blend_ps(a0, a1, 0x24), a2, 0x49), vti[1]);
+      const __m256 tap2 = _mm256_permutevar8x32_ps(
+          _mm256_blend_ps(_mm256_blend_ps(a0, a1, 0x49), a2, 0x92), vti[2]);
       const __m256 xn = _mm256_loadu_ps(x + c0);
       const __m256 xl = _mm256_permutevar8x32_ps(xn, to_lanes);
-      __m256 acc = _mm256_mul_ps(tap[0], w0);
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(tap[1], w1));
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(tap[2], w2));
+      __m256 acc = _mm256_mul_ps(tap0, w0);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(tap1, w1));
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(tap2, w2));
       acc = _mm256_add_ps(acc, _mm256_mul_ps(xl, w3));
       if (bias) acc = _mm256_add_ps(acc, _mm256_permutevar8x32_ps(_mm256_loadu_ps(bias + c0),
                                                                   to_lanes));
-      float* d = dst + c0 * 3;
-      for (int v = 0; v < 3; ++v)  // every state float is loaded above before any is stored
-        _mm256_storeu_ps(d + 8 * v, pick(tap[1], tap[2], xn, voi[v], vom[v][0], vom[v][1]));
+      float* d = dst + c0 * 3;  // every state float is loaded above before any is stored
+      _mm256_storeu_ps(d, _mm256_blend_ps(u0, _mm256_permutevar8x32_ps(xn, xi0), 0x24));
+      _mm256_storeu_ps(d + 8, _mm256_blend_ps(u1, _mm256_permutevar8x32_ps(xn, xi1), 0x49));
+      _mm256_storeu_ps(d + 16, _mm256_blend_ps(u2, _mm256_permutevar8x32_ps(xn, xi2), 0x92));
       _mm256_storeu_ps(out + c0, _mm256_permutevar8x32_ps(acc, to_natural));
     }
   }
@@ -388,6 +378,31 @@ inline bool delta_head_avx512(const float* src, float* st, const float* q, const
 }  // namespace
 
 
+// ss[g] = the sum of squares of y's group g (`size` floats from g * size), each summed front
+// to back as one scalar chain (the bits of a plain loop), four groups' chains side by side:
+// one chain waits out each add's latency (a Mamba2 step's norm was ~80 us a layer at batch 32
+// on the Zen 2, a third of it after).
+void group_sums(const float* y, float* ss, int64_t groups, int64_t size) {
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4) {
+    const float *y0 = y + g * size, *y1 = y0 + size, *y2 = y1 + size, *y3 = y2 + size;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int64_t c = 0; c < size; ++c) {
+      s0 += y0[c] * y0[c];
+      s1 += y1[c] * y1[c];
+      s2 += y2[c] * y2[c];
+      s3 += y3[c] * y3[c];
+    }
+    ss[g] = s0; ss[g + 1] = s1; ss[g + 2] = s2; ss[g + 3] = s3;
+  }
+  for (; g < groups; ++g) {
+    const float* yg = y + g * size;
+    float s0 = 0.f;
+    for (int64_t c = 0; c < size; ++c) s0 += yg[c] * yg[c];
+    ss[g] = s0;
+  }
+}
+
 // One token of a Mamba2 layer after in_proj (see fused.mamba2_step for the same ops in torch).
 at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tensor ssm_pool,
                        const at::Tensor& slots, const at::Tensor& dst_slots,
@@ -442,18 +457,21 @@ at::Tensor mamba2_step(const at::Tensor& zxbcdt, at::Tensor conv_pool, at::Tenso
     }
   });
   // gated RMSNorm per group of group_size channels: w * norm(y * silu(gate))
+  TORCH_CHECK(group_size > 0 && inter % group_size == 0, "mamba2_step: the norm's group size ",
+              group_size, " does not divide ", inter, " channels");
+  const int64_t groups = inter / group_size;
   at::parallel_for(0, b, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sg(inter), tmp(inter);
+    std::vector<float> sg(inter), tmp(inter), ss(groups);
     for (int64_t i = i0; i < i1; ++i) {
       const float* gate = z + i * zs;
       float* yr = yo + i * inter;
       silu_(gate, sg.data(), tmp.data(), inter);
       for (int64_t c = 0; c < inter; ++c) yr[c] = yr[c] * sg[c];
-      for (int64_t g0 = 0; g0 < inter; g0 += group_size) {
-        float ss = 0.f;
-        for (int64_t c = g0; c < g0 + group_size; ++c) ss += yr[c] * yr[c];
-        const float inv = 1.f / std::sqrt(ss / group_size + (float)eps);
-        for (int64_t c = g0; c < g0 + group_size; ++c) yr[c] = nw[c] * (yr[c] * inv);
+      group_sums(yr, ss.data(), groups, group_size);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float inv = 1.f / std::sqrt(ss[g] / group_size + (float)eps);
+        for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c)
+          yr[c] = nw[c] * (yr[c] * inv);
       }
     }
   });
