@@ -167,3 +167,40 @@ def test_rms_norm_of_strided_rows():
         assert got is not None and got.is_contiguous()
         torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
     assert K.rms_norm(proj.transpose(0, 1)[:, :, :8], norm._scale(), 1e-6) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_is_max_dim_indices(threads):
+    # Greedy sampling's argmax: the index torch's max(dim=-1) gives, on rows shorter than a
+    # vector, with a tail, and vocabulary-sized; with ties (the first wins), -0.0 beside 0.0,
+    # rows all -inf, NaNs (the first NaN's index), the maximum in the tail; and through
+    # sampler.greedy_ids, which takes it for float32 rows on CPU.
+    from baton.engine.sampler import greedy_ids
+
+    g = _gen()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b, n in ((1, 1), (3, 7), (2, 8), (5, 17), (32, 16384), (3, 151936)):
+            x = torch.randn(b, n, generator=g)
+            if n >= 8:
+                x[0, 3], x[0, n - 2] = float("nan"), float("nan")
+                x[1] = float("-inf")
+                if b > 2:
+                    x[2] = torch.round(x[2] * 2) / 2  # many ties at the maximum
+                x[-1, n - 1] = x[-1].max() + 1  # the maximum in the scalar tail
+            if n == 7:
+                x[1] = torch.tensor([-0.0, 0.0, -1.0, -2.0, -0.0, 0.0, -5.0])
+                x[2, 6] = float("nan")
+            want = x.max(dim=-1).indices
+            assert torch.equal(K.argmax_rows(x), want), (b, n)
+            assert torch.equal(greedy_ids(x), want), (b, n)
+            assert torch.equal(K.argmax_rows(x[:, : n // 2 + 1]), x[:, : n // 2 + 1].max(
+                dim=-1).indices), (b, n)  # rows a stride apart
+        assert K.argmax_rows(torch.tensor([[1.0, 3.0, 3.0, 2.0]])).tolist() == [1]
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        K.argmax_rows(torch.zeros(4, 3).t())
+    with pytest.raises(RuntimeError, match="V > 0"):
+        K.argmax_rows(torch.zeros(2, 0))

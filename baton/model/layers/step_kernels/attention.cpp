@@ -375,6 +375,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
+  m.def("argmax_rows", &argmax_rows);
   m.def("gated_attention", &gated_attention);
   m.def("sigmoid", &torch_sigmoid_of);
   m.def("conv_silu", &conv_silu);

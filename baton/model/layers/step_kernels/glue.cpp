@@ -131,3 +131,57 @@ at::Tensor gated_attention(const at::Tensor& qg, const at::Tensor& k, const at::
   for (int64_t i = 0; i < n; ++i) o[i] = o[i] * gate[i];
   return out;
 }
+
+// Each row's argmax as torch's max(dim=-1).indices gives it on CPU: the first index of the
+// row's largest value, or of its first NaN where it has one (-0.0 and 0.0 tie). x [B, V] with
+// contiguous rows -> [B] int64. Two passes a row, 8 lanes at a time with AVX2: the largest
+// value (NaN lanes left out, and noted), then the first index holding it (or a NaN). Greedy
+// sampling's argmax over a batch-32 step's 32 x 16,384 logits: 0.6 ms in max(dim), a
+// percent of the step at one thread, serial at two.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check(x, "logits");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
+              "argmax_rows: logits must be [B, V > 0] with contiguous rows, got ", x.sizes());
+  const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
+  auto out = at::empty({b}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, b, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = xp + r * xs;
+      float m = -INFINITY;
+      bool nan = false;
+      int64_t i = 0;
+#ifdef __AVX2__
+      __m256 vm = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(p + i);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(v, vm);  // a NaN v gives vm back
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vm);
+      for (float l : lanes) m = l > m ? l : m;
+      nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+      for (; i < n; ++i) {
+        nan = nan || std::isnan(p[i]);
+        m = p[i] > m ? p[i] : m;
+      }
+      i = 0;  // then the first index holding it: the vector loop stops at its block
+#ifdef __AVX2__
+      const __m256 want = _mm256_set1_ps(m);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(p + i);
+        const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                               : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
+        if (hit) break;
+      }
+#endif
+      for (; i < n; ++i)
+        if (nan ? std::isnan(p[i]) : p[i] == m) break;
+      op[r] = i;
+    }
+  });
+  return out;
+}

@@ -30,6 +30,7 @@ c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
 
 // glue.cpp
 at::Tensor swiglu(const at::Tensor& gu);
+at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor gated_attention(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& qw, const at::Tensor& kw, double eps,
                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
