@@ -115,6 +115,22 @@ def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, dtyp
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("m,k,wide", [(5, 64, 100), (32, 768, 768), (1, 768, 768),
+                                      (4, 1024, 1024), (3, 48, 52), (6, 40, 40)])
+def test_rows_read_in_place_or_copied_give_the_same_bits(kernel, m, k, wide):
+    # Rows of whole 16-lane chunks not a multiple of 4 KiB apart are read where they are (here
+    # a column slice of wider rows, and contiguous K = 768); K = 1024 rows (4 KiB apart) and
+    # K not a multiple of 16 take the padded copy. Each gives the contiguous copy's bits.
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, wide, generator=g)[:, :k]
+    w = torch.randn(70, k, generator=g) * 0.1
+    want = kernel.linear(x.contiguous(), w, None, ISAS["scalar"])
+    for isa in ISAS.values():
+        assert torch.equal(kernel.linear(x, w, None, isa), want), isa
+    assert torch.equal(kernel.linear(x, w, None, -1, None, True),
+                       torch.square(torch.nn.functional.relu(want)))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_relu2_epilogue_is_torch_square_relu_bit_for_bit(kernel, threads):
     # NemotronH's MLP up projection with relu(y)^2 in the call (4 lanes at a time, no branch,
