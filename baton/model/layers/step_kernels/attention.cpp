@@ -347,8 +347,11 @@ c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   auto out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // rows split over threads only past 64 (a prefill's): a row's sum is the same either way
-  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+  // rows split over threads from ~16K elements a share (a batch-32 decode step's 32 x 768
+  // splits in two: serial, the second thread waited it out 24-32 times a step): a row's sum
+  // is the same either way
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)),
+                   [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       int64_t off = 0;  // row i's offset: its index over the leading dims, innermost fastest
       for (int64_t j = lead - 1, r = i; j >= 0; --j) {
