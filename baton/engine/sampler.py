@@ -36,11 +36,12 @@ _MASK64 = (1 << 64) - 1
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first index of its maximum; a NaN's where there is one). On CPU
-    float32 rows the step kernels' `argmax_rows` (the same index as `max(dim)`: 52 vs 480 us
-    for 32 x 16,384 logits at one thread, a third of a percent of a batch-32 decode step),
-    else `max(dim)`, which gives the same index ~3x faster than torch's `argmax` there."""
+    float32 rows, where this process has the step kernels already, their `argmax_rows` (the
+    index `max(dim)` gives: 52 vs 480 us for 32 x 16,384 logits at one thread, a third of a
+    percent of a batch-32 decode step), else `max(dim)`, which gives the same index ~3x
+    faster than torch's `argmax` there."""
     if logits.device.type == "cpu":
-        k = step_kernels.kernels()
+        k = step_kernels.loaded()  # the model's forward loaded it; never a build from here
         if k is not None and logits.dtype == torch.float32 and logits.dim() == 2 \
                 and logits.shape[1] > 0 and logits.stride(1) == 1:
             return k.argmax_rows(logits)

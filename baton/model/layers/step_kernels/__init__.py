@@ -34,3 +34,9 @@ def kernels():
     if "step" not in _cache:
         _cache["step"] = jit_build.load(BUILD)
     return _cache["step"]
+
+
+def loaded():
+    """The module if this process has built or imported it already, else None: for callers
+    (greedy sampling) that should never be the ones to start a build."""
+    return _cache.get("step")
