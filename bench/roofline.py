@@ -7,7 +7,10 @@
   x [hidden, 4 * hidden] matmuls per thread count, MKL's or oneDNN's);
 - decode: the step time over the time of the model's linear layers alone at that batch size
   (each module called once on a random [batch, in] input, and each MoE block's routed experts
-  for batch tokens of top-k experts each; best of several passes). Next to it the floor the
+  for batch tokens of top-k experts each; the median of 9 passes, as the step's figure is a
+  mean over its steps, median of its runs: the best pass, which the rows also give
+  (`step_over_best_linear`), ran 3-4% under the median at batch 32 on the Zen 2, so a ratio
+  over it read that much high). Next to it the floor the
   memory sets: a step must also read and write every live recurrent state once and read its
   keys and values (`step_stream_bytes`); that many bytes streamed cold on this machine, in the
   same run (`stream_seconds`), over the linears gives `floor_over_linear`, the least a step
@@ -37,6 +40,17 @@ def _best(fn, reps: int = 5) -> float:
         fn()
         out.append(time.process_time() - t0)
     return min(out)
+
+
+def _passes(fn, reps: int) -> list[float]:
+    """CPU seconds of `reps` passes of fn after one unmeasured, sorted."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.process_time()
+        fn()
+        out.append(time.process_time() - t0)
+    return sorted(out)
 
 
 def matmul_peak_gflops(m: int, k: int, n: int) -> float:
@@ -109,9 +123,10 @@ def _expert_runs(model, batch: int) -> list:
 
 
 @torch.inference_mode()
-def linear_step_seconds(model, batch: int) -> float:
+def linear_step_seconds(model, batch: int, reps: int = 9) -> tuple[float, float]:
     """A decode step's matmuls alone at `batch` rows: every linear layer once, and each MoE
-    block's routed experts (`_expert_runs`; left out where the kernel is not built)."""
+    block's routed experts (`_expert_runs`; left out where the kernel is not built). Returns
+    (the median pass, the best pass) in CPU seconds."""
     mods = _linears(model)
     xs = [torch.randn(batch, m.in_features) for m in mods]
     experts = _expert_runs(model, batch) or []
@@ -122,7 +137,8 @@ def linear_step_seconds(model, batch: int) -> float:
                 m(x)
             for run in experts:
                 run()
-    return _best(once)
+    times = _passes(once, reps)
+    return times[len(times) // 2], times[0]
 
 
 def step_stream_bytes(config, batch: int, context: float) -> tuple[int, int]:
@@ -181,7 +197,7 @@ def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
                                  threads))
             elif r.get("work") == "decode":
                 b = r["batch"]
-                lin = linear_step_seconds(model, b)
+                lin, best = linear_step_seconds(model, b)
                 step = b * r["baton_cpu_ms_per_token"] / 1e3
                 prompt, steps = sz["decode"][b]
                 state, kv = step_stream_bytes(model.config, b, prompt + steps / 2)
@@ -190,6 +206,8 @@ def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
                                   "batch": b, "step_cpu_ms": round(step * 1e3, 2),
                                   "linear_cpu_ms": round(lin * 1e3, 2),
                                   "step_over_linear": round(step / lin, 3),
+                                  "linear_best_cpu_ms": round(best * 1e3, 2),
+                                  "step_over_best_linear": round(step / best, 3),
                                   "state_mb": round(state / 2**20, 1),
                                   "kv_mb": round(kv / 2**20, 1),
                                   "stream_cpu_ms": round(stream * 1e3, 2),
