@@ -154,6 +154,34 @@ def test_relu2_epilogue_is_torch_square_relu_bit_for_bit(kernel, threads):
         torch.set_num_threads(before)
 
 
+def test_two_threads_sharing_out_blocks_compute_each_output_once(kernel):
+    # At 2 threads each thread takes its share of the 8-output blocks from the front, and one
+    # done early takes blocks from the back of the other's (gemv_common.h split_blocks): every
+    # output of `linear` (with a residual add), `linear_split` and `linear_cat` is the 1-thread
+    # result, call after call (whichever thread happens to take which block), on widths that
+    # leave a partial block and shares of unequal length.
+    before = torch.get_num_threads()
+    try:
+        cases = []
+        for m, n, k in ((32, 3608, 64), (8, 1001, 48), (1, 2049, 32)):
+            x, w, b = _data(m, n, k, torch.float32, seed=n)
+            r = torch.randn(m, n)
+            w2 = _data(m, 531, k, torch.float32, seed=k)[1]
+            cases.append((x, w, b, r, w2))
+        torch.set_num_threads(1)
+        want = [(kernel.linear(x, w, b, -1, r, False), kernel.linear_split(x, [w, w2]),
+                 kernel.linear_cat(x, [w2, w])) for x, w, b, r, w2 in cases]
+        torch.set_num_threads(2)
+        for _ in range(20):
+            for (x, w, b, r, w2), (y, split, cat) in zip(cases, want, strict=True):
+                assert torch.equal(kernel.linear(x, w, b, -1, r, False), y)
+                got = kernel.linear_split(x, [w, w2])
+                assert torch.equal(got[0], split[0]) and torch.equal(got[1], split[1])
+                assert torch.equal(kernel.linear_cat(x, [w2, w]), cat)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_strided_inputs_and_bad_arguments(kernel):
     x, w, b = _data(4, 20, 48, torch.float32, seed=3)
     xt = x.t().contiguous().t()  # same values, column-major

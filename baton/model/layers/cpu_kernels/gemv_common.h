@@ -7,7 +7,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "gemv_kernels.h"
@@ -20,6 +22,47 @@ namespace baton_gemv {
 inline int64_t grain_blocks(int64_t k, int64_t es) {
   const int64_t block_bytes = 8 * k * es;
   return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(block_bytes, 1));
+}
+
+// Blocks [0, n) over torch's threads, each thread a contiguous share taken from its front a
+// chunk at a time; a thread done with its own share takes chunks from the back of the others'
+// (so a thread the machine slows does less, and each thread still streams its own weights in
+// order). fn(b0, b1) runs on whichever thread claims [b0, b1), each block exactly once.
+template <class F>
+void split_blocks(int64_t n, int64_t grain, int64_t chunk, const F& fn) {
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(
+      at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || n >= (int64_t{1} << 31)) {
+    fn(0, n);
+    return;
+  }
+  const auto pack = [](int64_t f, int64_t b) {
+    return static_cast<uint64_t>(f) << 32 | static_cast<uint64_t>(b);
+  };
+  struct alignas(64) Share { std::atomic<uint64_t> v; };  // a cache line each
+  std::unique_ptr<Share[]> share(new Share[threads]);
+  const int64_t own = std::max(chunk, n / threads / 16);
+  for (int64_t t = 0; t < threads; ++t)
+    share[t].v.store(pack(n * t / threads, n * (t + 1) / threads), std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t o = 0; o < threads; ++o) {  // o = 0: its own share, from the front
+        std::atomic<uint64_t>& s = share[(t + o) % threads].v;
+        uint64_t v = s.load(std::memory_order_relaxed);
+        for (;;) {
+          const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xffffffffu);
+          if (f >= b) break;
+          const int64_t lo = o == 0 ? f : std::max(f, b - chunk);
+          const int64_t hi = o == 0 ? std::min(b, f + own) : b;
+          if (s.compare_exchange_weak(v, o == 0 ? pack(hi, b) : pack(f, lo),
+                                      std::memory_order_relaxed)) {
+            fn(lo, hi);
+            v = s.load(std::memory_order_relaxed);
+          }
+        }
+      }
+    }
+  });
 }
 
 inline int weight_type(const at::Tensor& w) {
@@ -118,7 +161,8 @@ inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const int64_t m = x.size(0), k = x.size(1);
   const Padded xp = padded(x);
   const int is = pick(isa);
-  at::parallel_for(0, first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
+  const int64_t grain = grain_blocks(k, 2);
+  split_blocks(first_block.back(), grain, grain, [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
       if (lo >= hi) continue;
