@@ -32,16 +32,6 @@ from torch import nn
 from baton.model.layers.linear import decode_scope
 
 
-def _best(fn, reps: int = 5) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        out.append(time.process_time() - t0)
-    return min(out)
-
-
 def _passes(fn, reps: int) -> list[float]:
     """CPU seconds of `reps` passes of fn after one unmeasured, sorted."""
     fn()
@@ -51,6 +41,10 @@ def _passes(fn, reps: int) -> list[float]:
         fn()
         out.append(time.process_time() - t0)
     return sorted(out)
+
+
+def _best(fn, reps: int = 5) -> float:
+    return _passes(fn, reps)[0]
 
 
 def matmul_peak_gflops(m: int, k: int, n: int) -> float:

@@ -59,8 +59,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
   Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp, n,
          m, b.defined() ? b.data_ptr<float>() : nullptr};
   const int64_t blocks = (n + 7) / 8;
-  const int64_t grain = grain_blocks(k, wt == kF32 ? 4 : 2);
-  split_blocks(blocks, grain, grain, [&](int64_t b0, int64_t b1) {
+  split_blocks(blocks, grain_blocks(k, wt == kF32 ? 4 : 2), [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * 8, n1 = std::min(b1 * 8, n);
     run_range(a, is, wt, n0, n1);
     for (int64_t i = 0; relu2 && i < m; ++i)

@@ -24,12 +24,13 @@ inline int64_t grain_blocks(int64_t k, int64_t es) {
   return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(block_bytes, 1));
 }
 
-// Blocks [0, n) over torch's threads, each thread a contiguous share taken from its front a
-// chunk at a time; a thread done with its own share takes chunks from the back of the others'
+// Blocks [0, n) over torch's threads (one per `grain` blocks at most), each thread a contiguous
+// share taken from its front in pieces of a 16th of it; a thread done with its own share takes
+// `grain` blocks at a time from the back of the others'
 // (so a thread the machine slows does less, and each thread still streams its own weights in
 // order). fn(b0, b1) runs on whichever thread claims [b0, b1), each block exactly once.
 template <class F>
-void split_blocks(int64_t n, int64_t grain, int64_t chunk, const F& fn) {
+void split_blocks(int64_t n, int64_t grain, const F& fn) {
   const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(
       at::get_num_threads(), (n + grain - 1) / grain);
   if (threads <= 1 || n >= (int64_t{1} << 31)) {
@@ -41,7 +42,7 @@ void split_blocks(int64_t n, int64_t grain, int64_t chunk, const F& fn) {
   };
   struct alignas(64) Share { std::atomic<uint64_t> v; };  // a cache line each
   std::unique_ptr<Share[]> share(new Share[threads]);
-  const int64_t own = std::max(chunk, n / threads / 16);
+  const int64_t own = std::max(grain, n / threads / 16);
   for (int64_t t = 0; t < threads; ++t)
     share[t].v.store(pack(n * t / threads, n * (t + 1) / threads), std::memory_order_relaxed);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
@@ -52,7 +53,7 @@ void split_blocks(int64_t n, int64_t grain, int64_t chunk, const F& fn) {
         for (;;) {
           const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xffffffffu);
           if (f >= b) break;
-          const int64_t lo = o == 0 ? f : std::max(f, b - chunk);
+          const int64_t lo = o == 0 ? f : std::max(f, b - grain);
           const int64_t hi = o == 0 ? std::min(b, f + own) : b;
           if (s.compare_exchange_weak(v, o == 0 ? pack(hi, b) : pack(f, lo),
                                       std::memory_order_relaxed)) {
@@ -161,8 +162,7 @@ inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const int64_t m = x.size(0), k = x.size(1);
   const Padded xp = padded(x);
   const int is = pick(isa);
-  const int64_t grain = grain_blocks(k, 2);
-  split_blocks(first_block.back(), grain, grain, [&](int64_t b0, int64_t b1) {
+  split_blocks(first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
       if (lo >= hi) continue;
