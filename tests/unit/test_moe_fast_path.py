@@ -167,3 +167,40 @@ def test_verify_rows_equal_plain_decode_with_moe_layers(fields, tmp_path):
         _assert_verify_equals_decode_bit_for_bit(model)
     finally:
         linear.set_decode_path(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_prefill_experts_are_the_one_thread_loop_at_any_thread_count(kind, threads):
+    """A prefill's routed experts on the fast path (`step_kernels` `grouped_mm`: one expert a
+    thread) give the bits of the reference path's torch.mm loop at one thread, also at 2
+    threads (where the loop's MKL splits runs of 5-11 rows differently) and on an expert
+    parallel shard."""
+    from baton.model.layers import step_kernels
+
+    if step_kernels.kernels() is None:
+        pytest.skip("step kernels not built")
+    block = _block(kind)
+    experts = block.experts
+    up, down = (getattr(experts, n) for n in experts.stacked)
+    act = block._swiglu if kind == "qwen" else block.act
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(5))
+    h = x if up.shape[-1] == HIDDEN else torch.randn(40, up.shape[-1])  # a latent width's input
+    old, old_threads = linear.set_decode_path("reference"), torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            routing = (block.gate(x) if kind != "qwen"
+                       else Routing(*reversed(torch.topk(block.gate(x).softmax(-1), 2))))
+            want, counts = run_experts(h, routing, up, down, act)
+            shard, _ = run_experts(h, routing, up[3:9], down[3:9], act, 3, up.shape[0])
+            assert sorted(set(counts.tolist()) & set(range(5, 12))), counts  # MKL's odd sizes
+            linear.set_decode_path("fast")
+            torch.set_num_threads(threads)
+            got, got_counts = run_experts(h, routing, up, down, act)
+            got_shard, _ = run_experts(h, routing, up[3:9], down[3:9], act, 3, up.shape[0])
+    finally:
+        linear.set_decode_path(old)
+        torch.set_num_threads(old_threads)
+    assert torch.equal(got, want) and torch.equal(got_counts, counts)
+    assert torch.equal(got_shard, shard)

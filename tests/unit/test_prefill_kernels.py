@@ -167,6 +167,81 @@ def test_prefill_attention_refuses_shapes_it_does_not_take():
         K.prefill_attention(torch.randn(1, 4, 2, 16), k, k, pos.int(), 1.0)
 
 
+@pytest.mark.skipif(K is None or not K.prefill_gemm_built(),
+                    reason="prefill_gemm is built for AVX2 machines without AVX-512")
+@pytest.mark.parametrize("M,N,Kd", [(300, 768, 1280), (37, 50, 33), (7, 17, 256), (64, 96, 257)])
+def test_prefill_gemm_rows_are_their_own_at_any_count_chunk_and_thread(M, N, Kd):
+    """x w^T + b within float32 rounding of float64 (no worse than MKL's sgemm: K summed in
+    blocks), and each row the same bits alone, in chunks of 1, 7 or 100 rows, from a strided
+    view, and at 1 or 2 threads, for row counts and widths that leave partial tiles."""
+    g = _gen(12)
+    x, w, b = torch.randn(M, Kd, generator=g), torch.randn(N, Kd, generator=g), torch.randn(N, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = K.prefill_gemm(x, w, b)
+        exact = x.double() @ w.double().t() + b.double()
+        mkl = (torch.addmm(b, x, w.t()).double() - exact).abs().max().item()
+        assert (whole.double() - exact).abs().max().item() <= 2 * mkl + 1e-6
+        assert torch.equal(K.prefill_gemm(x, w, None) + b, whole)  # the bias added last
+        wide = torch.randn(M, Kd + 5, generator=g)
+        wide[:, 2:2 + Kd] = x
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(K.prefill_gemm(x, w, b), whole)
+            assert torch.equal(K.prefill_gemm(wide[:, 2:2 + Kd], w, b), whole)
+            for step in (1, 7, 100):
+                parts = [K.prefill_gemm(x[i:i + step], w, b) for i in range(0, M, step)]
+                assert torch.equal(torch.cat(parts), whole), step
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_prefill_gemm_refuses_shapes_it_does_not_take():
+    if K is None or not K.prefill_gemm_built():
+        pytest.skip("prefill_gemm not built here")
+    with pytest.raises(RuntimeError, match="with x's K"):
+        K.prefill_gemm(torch.randn(4, 8), torch.randn(3, 9), None)
+    with pytest.raises(RuntimeError, match="rows contiguous"):
+        K.prefill_gemm(torch.randn(8, 4).t(), torch.randn(3, 8), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        K.prefill_gemm(torch.randn(4, 8), torch.randn(3, 8), torch.randn(4))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_mm_is_each_experts_one_thread_mm_bit_for_bit(threads):
+    """Each expert's run of rows times its weight, as torch.mm computes it at one thread,
+    whatever the thread count, for runs of 0, 1, 5-11 rows (where MKL's sgemm at 2 threads
+    rounds differently from 1) up to 300, in any order of sizes."""
+    g = _gen(11)
+    counts = torch.tensor([7, 0, 300, 1, 5, 0, 64, 11, 9, 2])
+    w = torch.randn(len(counts), 96, 80, generator=g)
+    xs = torch.randn(int(counts.sum()), 80, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        runs = xs.split(counts.tolist())
+        want = torch.cat([torch.mm(r, w[e].t()) for e, r in enumerate(runs)])
+        torch.set_num_threads(threads)
+        for _ in range(5):  # the experts' order among the threads varies from call to call
+            assert torch.equal(K.grouped_mm(xs, w, counts), want)
+        assert K.grouped_mm(xs[:0], w, torch.zeros(len(counts), dtype=torch.long)).shape == (0, 96)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_grouped_mm_refuses_counts_that_do_not_cover_the_rows():
+    xs, w = torch.randn(10, 8), torch.randn(3, 4, 8)
+    with pytest.raises(RuntimeError, match="sum to 9, not the 10"):
+        K.grouped_mm(xs, w, torch.tensor([4, 0, 5]))
+    with pytest.raises(RuntimeError, match="not be negative"):
+        K.grouped_mm(xs, w, torch.tensor([12, -2, 0]))
+    with pytest.raises(RuntimeError, match=r"\[E\] int64"):
+        K.grouped_mm(xs, w, torch.tensor([4, 6]))
+    with pytest.raises(RuntimeError, match="K = the rows"):
+        K.grouped_mm(xs, torch.randn(3, 4, 9), torch.tensor([4, 0, 6]))
+
+
 @pytest.mark.parametrize("cuts", [(64,), (128,), (64, 128, 192)])
 def test_a_prompt_cut_at_scan_chunk_boundaries_equals_whole(model_tiny, cuts):
     """The tiny NemotronH on the fast path, 200 prompt tokens whole and cut at multiples of

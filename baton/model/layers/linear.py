@@ -40,7 +40,10 @@ activations on CPU take the kernel at any row count (also faster than MKL at 64-
 rounds every row as plain decode does (`baton.engine.speculative.kernel_verify`); without the
 kernel, at most `MAX_PACKED_ROWS` rows take the packed path. Prefill on the fast path takes
 oneDNN on the weight in place (`_prefill_linear`: 1.2-1.4x MKL at 256-2048 rows here, and a
-row's bits do not depend on its chunk or the thread count). Everything else (prefill on the
+row's bits do not depend on its chunk or the thread count), or, on AVX2 machines without
+AVX-512, Baton's `prefill_gemm` (`step_kernels/gemm.cpp`: on the Zen 3 EPYC oneDNN ran at
+62-82 GFLOP/s a core on the prefill shapes, MKL at 80-90, this kernel at MKL's rate, with each
+output summed in one fixed order). Everything else (prefill on the
 reference path; CUDA; low-precision models) runs plain `F.linear`. `fused_linears` runs a
 layer's several input projections on one input (q/k/v, DeltaNet's in_proj qkv/a/b/z, SwiGLU
 gate/up, MoE routers with the shared expert's input) in one kernel call on the fast decode
@@ -192,18 +195,36 @@ class FastLinear(nn.Linear):
 
 
 def _prefill_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:
-    """A prefill matmul on the fast path: oneDNN on the weight as it lies (no reordered copy
-    is kept; oneDNN blocks it per call, which is noise beside a prefill's matmul). On this
-    machine 1.2-1.4x faster than MKL's sgemm at 256-2048 rows (about 100 against 80 GFLOP/s
-    on one thread), and a row's result does not depend on the rows beside it from two rows
-    up, nor on the thread count; one row takes another path, so it is computed as two
+    """A prefill matmul on the fast path: on AVX2 machines without AVX-512 the step kernels'
+    `prefill_gemm` (each output in one fixed order: a row's bits are its own at any row count,
+    chunking and thread count). Elsewhere oneDNN on the weight as it lies (no reordered copy
+    is kept; oneDNN blocks it per call, which is noise beside a prefill's matmul): on the
+    AVX-512 Zen 4 1.2-1.4x faster than MKL's sgemm at 256-2048 rows (about 100 against 80
+    GFLOP/s on one thread), and a row's result does not depend on the rows beside it from two
+    rows up, nor on the thread count; one row takes another path, so it is computed as two
     (itself twice): a prompt's logits then do not depend on how it was chunked or batched."""
     k = x.shape[-1]
     x2 = x.reshape(rows, k)
+    gemm = _prefill_gemm()
+    if gemm is not None and w.is_contiguous() and not (
+            torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        # AVX2 machines: Baton's kernel, at MKL's rate, each output one fixed chain over k
+        # (`step_kernels/gemm.cpp`): a row's bits are its own at any row count.
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        return gemm(x2, w, bias).view(*x.shape[:-1], w.shape[0])
     if rows == 1:
         x2 = x2.expand(2, k)
     y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), w, bias, "none", [], "")
     return y[:rows].view(*x.shape[:-1], w.shape[0])
+
+
+def _prefill_gemm():
+    """The step kernels' `prefill_gemm` where it is built (AVX2 + FMA without AVX-512: where
+    it was measured faster than oneDNN), else None."""
+    from baton.model.layers import step_kernels
+
+    k = step_kernels.kernels()
+    return k.prefill_gemm if k is not None and k.prefill_gemm_built() else None
 
 
 def fused_linears(x: torch.Tensor, *layers) -> list[torch.Tensor] | None:

@@ -21,7 +21,9 @@ faster: one `grouped_linear` call a matmul for all active experts, the pair sort
 weighted sum in C++ (`moe_sort`, `moe_combine`: no argsort / bincount / index_add_ calls).
 Measured (bench.step_profile, 1 thread, fp32): NemotronH-MoE step batch 1 27.6 -> ~22 ms,
 batch 8 69 -> ~49 ms; Qwen3.5-MoE batch 1 47 -> ~34 ms, batch 8 146 -> ~66 ms. The reference
-path (prefill, `decode_path` reference) keeps torch.mm, bit for bit. A plain decode step runs
+path (`decode_path` reference) keeps torch.mm, bit for bit. A prefill on the fast path runs
+the same torch.mm products, one expert a thread (`step_kernels` `grouped_mm`): the bits of the
+loop at one thread, whatever the thread count. A plain decode step runs
 each whole block, router to residual add, as one C++ call of the same ops in the same order
 (`cpu_kernels/gemv_moe.h`, through `fast_decode`), the same bits as `forward`.
 """
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import cpu_kernels, fused, linear
+from baton.model.layers import cpu_kernels, fused, linear, step_kernels
 from baton.model.layers.mlp import MLP, activate, activation
 from baton.model.nemotron_h.config import ModelConfig
 
@@ -113,14 +115,19 @@ def run_experts(
     order = order[lo:lo + sum(runs)]
     token = order // k
     xs = x.index_select(0, token)
-    ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, c in enumerate(runs):
-        if c:
-            run = slice(start, start + c)
-            torch.mm(activate(act, torch.mm(xs[run], _as(up[e], x).t())), _as(down[e], x).t(),
-                     out=ys[run])
-            start += c
+    grouped = _grouped(x, up, down)
+    if grouped is not None:  # fast prefill: the same products, one expert a thread
+        mine = counts[first:first + held]
+        ys = grouped(activate(act, grouped(xs, up, mine)), down, mine)
+    else:
+        ys = torch.empty(len(order), down.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, c in enumerate(runs):
+            if c:
+                run = slice(start, start + c)
+                torch.mm(activate(act, torch.mm(xs[run], _as(up[e], x).t())),
+                         _as(down[e], x).t(), out=ys[run])
+                start += c
     acc = torch.promote_types(x.dtype, torch.float32)  # half models sum in float32
     out = torch.zeros(n, down.shape[1], dtype=acc, device=x.device)
     w = routing.weights.reshape(-1)[order, None]
@@ -149,6 +156,18 @@ def _kernel(x: torch.Tensor, *weights: torch.Tensor):
                                          for w in weights):
         return None
     return cpu_kernels.gemv()
+
+
+def _grouped(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    """The step kernels' `grouped_mm` where a fast-path prefill's experts take it (float32
+    stacks on the CPU), else None. It computes each expert's two products with the loop's
+    torch.mm, MKL's sgemm, but runs the experts side by side, one a thread, where the loop
+    splits each product over the threads (`step_kernels/prefill.cpp`: 1.5-2.4x the rate per
+    core at 2 threads on the bench MoE models)."""
+    if not fused.fast_prefill(x) or any(w.dtype != x.dtype or w.device.type != "cpu"
+                                        for w in (up, down)):
+        return None
+    return step_kernels.kernels().grouped_mm
 
 
 def _as(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

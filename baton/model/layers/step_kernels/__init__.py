@@ -1,6 +1,8 @@
 """The fast decode path's step kernels (`recurrent.cpp`: the Mamba2 and DeltaNet steps;
 `attention.cpp`: paged attention, RMSNorm; `prefill.cpp`: a prompt's conv, gated norms and
-SSD decay matrix; `layers.cpp`: a decode step's layers in one call over both modules' kernels), compiled on first use
+SSD decay matrix, a prefill MoE block's experts one a thread; `gemm.cpp`: prefill's linears on
+AVX2 machines; `layers.cpp`: a decode step's layers in one call over both modules' kernels),
+compiled on first use
 (`baton.model.layers.jit_build`).
 
 `kernels()` is the compiled module, or None where it cannot be built (no compiler, not
@@ -18,7 +20,8 @@ from baton.model.layers import jit_build
 HERE = Path(__file__).parent
 BUILD = jit_build.KernelBuild(
     prefix="baton_step_", sources=(HERE / "recurrent.cpp", HERE / "attention.cpp",
-                                  HERE / "glue.cpp", HERE / "prefill.cpp", HERE / "layers.cpp"),
+                                  HERE / "glue.cpp", HERE / "prefill.cpp", HERE / "layers.cpp",
+                                  HERE / "gemm.cpp"),
     headers=(HERE / "common.h", HERE / "kernels.h", HERE.parent / "cpu_kernels" / "gemv_api.h"),
     flags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
     switch="BATON_STEP_KERNELS", label="step kernels", fallback="the compiled torch steps")

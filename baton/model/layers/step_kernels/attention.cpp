@@ -388,6 +388,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_carry", &ssd_carry);
   m.def("prefill_exp", &prefill_exp_of);
   m.def("unit_lower_solve", &unit_lower_solve);
+  m.def("grouped_mm", &grouped_mm);
+  m.def("prefill_gemm_built", &prefill_gemm_built);
+  m.def("prefill_gemm", &prefill_gemm);
   m.def("flush_denormals", &flush_denormals);
   m.def("prefill_attention", &prefill_attention);
 }

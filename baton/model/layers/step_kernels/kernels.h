@@ -51,9 +51,15 @@ at::Tensor ssd_carry(const at::Tensor& states, const at::Tensor& decay, at::Tens
 at::Tensor ssd_decay(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
                      const c10::optional<at::Tensor>& C);
 at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs);
+at::Tensor grouped_mm(const at::Tensor& xs, const at::Tensor& w, const at::Tensor& counts);
 bool flush_denormals(bool on);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& pos, double scale);
+
+// gemm.cpp
+bool prefill_gemm_built();
+at::Tensor prefill_gemm(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias);
 
 // layers.cpp
 void bind_layers(pybind11::module& m);

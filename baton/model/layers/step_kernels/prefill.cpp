@@ -10,7 +10,11 @@
 
 #include "common.h"
 
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+
+#include <atomic>
 
 #include <cstring>
 #include <limits>
@@ -323,6 +327,51 @@ at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs) {
     }
   });
   return out;
+}
+
+// A prefill MoE block's routed experts' matmuls, one expert at a time per thread: xs [R, K]
+// holds each pair's row sorted by expert (counts [E] rows each, in order), w [E, N, K];
+// returns ys [R, N] with ys[run e] = xs[run e] @ w[e]^T. Each expert's product is MKL's sgemm
+// at one thread (inside torch's pool nested calls run single-threaded); the threads take the
+// experts, most rows first, from one counter.
+// Why: a torch.mm per expert at 2 threads splits each [256-512, 768] x [768, 512-1280]
+// product over both, and at these sizes the split costs a third to a half of the rate
+// (measured on the Zen 3 at 2 threads: 52 -> 78 GFLOP/s per core on Qwen3.5-MoE's 8
+// experts of ~512 rows, 25 -> 59 on NemotronH-MoE's 32 of ~256). MKL's sgemm gave the same bits
+// at 1 and 2 threads on these shapes, so the result equals the loop's.
+at::Tensor grouped_mm(const at::Tensor& xs, const at::Tensor& w, const at::Tensor& counts) {
+  check(xs, "expert rows"); check(w, "expert weights");
+  TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "expert rows must be [R, K], contiguous");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == xs.size(1),
+              "expert weights must be [E, N, K] with K = the rows' width");
+  TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == at::kLong &&
+              counts.dim() == 1 && counts.size(0) == w.size(0),
+              "counts must be [E] int64 on the CPU");
+  const int64_t E = w.size(0);
+  auto c = counts.accessor<int64_t, 1>();
+  std::vector<int64_t> start(E + 1, 0), order;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(c[e] >= 0, "counts must not be negative");
+    start[e + 1] = start[e] + c[e];
+    if (c[e]) order.push_back(e);
+  }
+  TORCH_CHECK(start[E] == xs.size(0), "counts sum to ", start[E], ", not the ", xs.size(0),
+              " rows");
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return c[a] > c[b]; });
+  auto ys = at::empty({xs.size(0), w.size(1)}, xs.options());
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  const at::ThreadLocalState caller;  // grad and inference mode: the pool's threads take them
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      const int64_t e = order[i];
+      auto out = ys.narrow(0, start[e], c[e]);
+      at::mm_out(out, xs.narrow(0, start[e], c[e]), w.select(0, e).t());
+    }
+  });
+  return ys;
 }
 
 // Flush-to-zero and denormals-are-zero (MXCSR bits 15 and 6) on, or off, on this thread and
