@@ -162,8 +162,8 @@ def _grouped(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
     """The step kernels' `grouped_mm` where a fast-path prefill's experts take it (float32
     stacks on the CPU), else None. It computes each expert's two products with the loop's
     torch.mm, MKL's sgemm, but runs the experts side by side, one a thread, where the loop
-    splits each product over the threads (`step_kernels/prefill.cpp`: 1.5-2.4x the rate per
-    core at 2 threads on the bench MoE models)."""
+    splits each product over the threads (`step_kernels/prefill.cpp`: at 2 threads 1.05-1.16x
+    the rate per core on the bench MoE models on a quiet machine, 1.5-2.4x beside other load)."""
     if not fused.fast_prefill(x) or any(w.dtype != x.dtype or w.device.type != "cpu"
                                         for w in (up, down)):
         return None

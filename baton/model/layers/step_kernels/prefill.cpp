@@ -335,10 +335,11 @@ at::Tensor unit_lower_solve(const at::Tensor& A, const at::Tensor& rhs) {
 // at one thread (inside torch's pool nested calls run single-threaded); the threads take the
 // experts, most rows first, from one counter.
 // Why: a torch.mm per expert at 2 threads splits each [256-512, 768] x [768, 512-1280]
-// product over both, and at these sizes the split costs a third to a half of the rate
-// (measured on the Zen 3 at 2 threads: 52 -> 78 GFLOP/s per core on Qwen3.5-MoE's 8
-// experts of ~512 rows, 25 -> 59 on NemotronH-MoE's 32 of ~256). MKL's sgemm gave the same bits
-// at 1 and 2 threads on these shapes, so the result equals the loop's.
+// product over both, which costs rate at these sizes (the Zen 3 at 2 threads, GFLOP/s a core,
+// loop -> one expert a thread: quiet, Qwen3.5-MoE's 8 experts of ~512 rows 72 -> 84 and
+// NemotronH-MoE's 32 of ~256 81 -> 85; with a compile running beside it 52 -> 78 and 25 -> 59).
+// The result is the loop's at one thread, whatever the thread count (MKL rounds runs of 5-11
+// rows differently at 2 threads).
 at::Tensor grouped_mm(const at::Tensor& xs, const at::Tensor& w, const at::Tensor& counts) {
   check(xs, "expert rows"); check(w, "expert weights");
   TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "expert rows must be [R, K], contiguous");
