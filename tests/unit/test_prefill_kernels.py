@@ -169,11 +169,13 @@ def test_prefill_attention_refuses_shapes_it_does_not_take():
 
 @pytest.mark.skipif(K is None or not K.prefill_gemm_built(),
                     reason="prefill_gemm is built for AVX2 machines without AVX-512")
-@pytest.mark.parametrize("M,N,Kd", [(300, 768, 1280), (37, 50, 33), (7, 17, 256), (64, 96, 257)])
+@pytest.mark.parametrize("M,N,Kd", [(300, 768, 1280), (37, 50, 33), (7, 17, 256), (64, 96, 257),
+                                    (601, 40, 520)])
 def test_prefill_gemm_rows_are_their_own_at_any_count_chunk_and_thread(M, N, Kd):
     """x w^T + b within float32 rounding of float64 (no worse than MKL's sgemm: K summed in
     blocks), and each row the same bits alone, in chunks of 1, 7 or 100 rows, from a strided
-    view, and at 1 or 2 threads, for row counts and widths that leave partial tiles."""
+    view, and at 1 or 2 threads, for row counts and widths that leave partial tiles (601 rows:
+    several row blocks a thread, each ending in a partial tile)."""
     g = _gen(12)
     x, w, b = torch.randn(M, Kd, generator=g), torch.randn(N, Kd, generator=g), torch.randn(N, generator=g)
     old = torch.get_num_threads()

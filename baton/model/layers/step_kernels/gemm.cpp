@@ -12,10 +12,15 @@
 // depend on nothing but the row and the weight (not the rows beside it, the row count, the
 // chunking or the thread count).
 //
-// How: w is packed per call into panels of 16 outputs ([panel][k][16], zero padded), ~1% of a
-// 2,048-row product; each 6-row x 16-output tile keeps its 12 accumulators in registers over
-// a K block (a row block's 96 x K inputs stay in L2, the panel's block in L1); the row blocks
-// are split over torch's threads.
+// How (BLIS's loop order): w is packed per call into panels of 16 outputs ([panel][k][16], zero
+// padded; 8 x 8 blocks transposed in registers, 1.5% of a 2,048-row product). Each thread takes
+// one even run of rows, in blocks of at most 144; per block and K block the rows are packed
+// [k][6] a tile (144 x 256 floats, in L2), then every panel's K block (16 KB, in L1) runs over
+// them, each 6-row x 16-output tile keeping its 12 accumulators in registers. This gives the
+// first version's bits (it left a row block's whole K unpacked, so 96 x 2,048 inputs spilled out
+// of L2, and dealt row blocks to threads 8 against 7) in 0.984x its time at one thread and
+// 1.004x at two, median of 12 interleaved passes over 14 prefill shapes; MKL's sgemm took
+// 0.975x and 0.96x this kernel's time.
 
 #include "common.h"
 
@@ -27,42 +32,73 @@ namespace {
 
 constexpr int MR = 6, NR = 16;
 constexpr int64_t KC = 256;  // K in blocks: each block's chain summed into y in order
+constexpr int64_t MC = 144;  // rows a block (its packed K block, 144 KB, in L2)
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr bool kBuilt = true;
 
+// An 8 x 8 block of floats transposed in registers.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]),
+               t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]),
+               t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]),
+               t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+               s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+               s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+               s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20); r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20); r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31); r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// w [N, K] into panels of 16 outputs, [panel][k][16], zero padded (8 x 8 blocks transposed in
+// registers where a panel is whole; the ragged last panel and K's tail one by one).
 void pack_panels(const float* w, int64_t N, int64_t K, float* wp) {
   const int64_t panels = (N + NR - 1) / NR;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       float* dst = wp + p * K * NR;
       const int64_t n0 = p * NR, nn = std::min<int64_t>(NR, N - n0);
-      for (int64_t k0 = 0; k0 < K; k0 += 8) {
-        const int64_t kk = std::min<int64_t>(8, K - k0);
-        for (int64_t j = 0; j < NR; ++j) {
-          const float* src = w + (n0 + j) * K + k0;
-          for (int64_t k = 0; k < kk; ++k) dst[(k0 + k) * NR + j] = j < nn ? src[k] : 0.f;
-        }
+      int64_t k0 = 0;
+      if (nn == NR) {
+        for (; k0 + 8 <= K; k0 += 8)
+          for (int h = 0; h < 2; ++h) {
+            __m256 r[8];
+            for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (n0 + h * 8 + j) * K + k0);
+            transpose8(r);
+            for (int k = 0; k < 8; ++k) _mm256_store_ps(dst + (k0 + k) * NR + h * 8, r[k]);
+          }
       }
+      for (; k0 < K; ++k0)
+        for (int64_t j = 0; j < NR; ++j) dst[k0 * NR + j] = j < nn ? w[(n0 + j) * K + k0] : 0.f;
     }
   });
 }
 
-// One tile: rows [mr <= 6] of x times one panel, nn <= 16 outputs stored. Twelve named
-// accumulators (an array of them was kept on the stack by GCC: 34 against 80 GFLOP/s).
-#define BATON_ROW(i)                                         \
-  if (mr > i) {                                              \
-    const __m256 av = _mm256_broadcast_ss(x + i * ldx + k);  \
-    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);              \
-    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);              \
+// A K block of up to 6 rows, packed [k][6] (rows past the block's end are zeros), so a tile
+// reads its inputs as one stream.
+void pack_rows(const float* x, int64_t ldx, int64_t mr, int64_t k0, int64_t k1, float* ap) {
+  for (int64_t k = k0; k < k1; ++k, ap += MR)
+    for (int64_t i = 0; i < MR; ++i) ap[i] = i < mr ? x[i * ldx + k] : 0.f;
+}
+
+// One tile: 6 packed rows of one K block times one panel's block, the first mr rows and nn <= 16
+// outputs stored. Twelve named accumulators (an array of them was kept on the stack by GCC: 34
+// against 80 GFLOP/s).
+#define BATON_ROW(i)                                        \
+  {                                                         \
+    const __m256 av = _mm256_broadcast_ss(a + i);           \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);             \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);             \
   }
-template <int mr>
-void tile(const float* x, int64_t ldx, const float* b, int64_t k0, int64_t k1, float* y,
-          int64_t ldy, int64_t nn, bool first, const float* bias) {
+void tile(const float* a, const float* b, int64_t kc, float* y, int64_t ldy, int mr, int64_t nn,
+          bool first, const float* bias) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
          c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t k = k0; k < k1; ++k) {
-    const __m256 b0 = _mm256_load_ps(b + k * NR), b1 = _mm256_load_ps(b + k * NR + 8);
+  for (int64_t k = 0; k < kc; ++k, a += MR, b += NR) {
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
     BATON_ROW(0) BATON_ROW(1) BATON_ROW(2) BATON_ROW(3) BATON_ROW(4) BATON_ROW(5)
   }
   const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
@@ -95,10 +131,6 @@ void tile(const float* x, int64_t ldx, const float* b, int64_t k0, int64_t k1, f
   }
 }
 #undef BATON_ROW
-
-using Tile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
-                      int64_t, bool, const float*);
-constexpr Tile kTiles[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 #else
 constexpr bool kBuilt = false;
 #endif
@@ -136,20 +168,36 @@ at::Tensor prefill_gemm(const at::Tensor& x, const at::Tensor& w,
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Row blocks of up to 96 (96 x K inputs in L2), at least one per thread.
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t mc = std::clamp<int64_t>((M + threads - 1) / threads, MR, 96) / MR * MR;
-  at::parallel_for(0, (M + mc - 1) / mc, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t m0 = blk * mc, m1 = std::min(M, m0 + mc);
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t nn = std::min<int64_t>(NR, N - p * NR);
+  // Each thread one run of rows (a multiple of 6; the last the rest), in blocks of at most
+  // MC: even shares, however M divides.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (M + MR - 1) / MR));
+  const int64_t share = ((M + threads - 1) / threads + MR - 1) / MR * MR;
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    // this thread's packed rows: one row block's K block (at most MC x 256 floats, in L2)
+    std::vector<float> abuf(MC * KC + 8);
+    float* ap = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(abuf.data()) + 31) & ~uintptr_t(31));
+    for (int64_t th = t0; th < t1; ++th) {
+      const int64_t r0 = std::min(M, th * share), r1 = std::min(M, r0 + share);
+      if (r0 >= r1) continue;
+      const int64_t blocks = (r1 - r0 + MC - 1) / MC;
+      const int64_t mc = ((r1 - r0 + blocks - 1) / blocks + MR - 1) / MR * MR;
+      for (int64_t m0 = r0; m0 < r1; m0 += mc) {
+        const int64_t m1 = std::min(r1, m0 + mc), tiles = (m1 - m0 + MR - 1) / MR;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
-          const int64_t k1 = std::min(K, k0 + KC);
-          for (int64_t i = m0; i < m1; i += MR) {
-            const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - i));
-            kTiles[mr](xp + i * ldx, ldx, wp + p * K * NR, k0, k1, yp + i * N + p * NR, N, nn,
-                       k0 == 0, bp && k1 == K ? bp + p * NR : nullptr);
+          const int64_t k1 = std::min(K, k0 + KC), kc = k1 - k0;
+          for (int64_t t = 0; t < tiles; ++t)
+            pack_rows(xp + (m0 + t * MR) * ldx, ldx, std::min<int64_t>(MR, m1 - m0 - t * MR),
+                      k0, k1, ap + t * kc * MR);
+          for (int64_t p = 0; p < panels; ++p) {
+            const int64_t nn = std::min<int64_t>(NR, N - p * NR);
+            const float* bpanel = wp + p * K * NR + k0 * NR;
+            for (int64_t t = 0; t < tiles; ++t) {
+              const int64_t i = m0 + t * MR;
+              tile(ap + t * kc * MR, bpanel, kc, yp + i * N + p * NR, N,
+                   static_cast<int>(std::min<int64_t>(MR, m1 - i)), nn, k0 == 0,
+                   bp && k1 == K ? bp + p * NR : nullptr);
+            }
           }
         }
       }
