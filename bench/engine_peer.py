@@ -18,7 +18,7 @@ import torch
 
 from bench import llamacpp_peer as peer
 from bench.common import checkpoint, decode_engine, prompts
-from bench.roofline import roofline_rows
+from bench.roofline import matmul_peak_gflops, prefill_flops, roofline_rows, side_by_side
 
 FAMILIES = {"nemotron_h": ("100m", ()), "qwen3_5": ("100m", ("--no-mtp",)),
             "nemotron_h_moe": ("moe", ()), "qwen3_5_moe": ("100m", ("--no-mtp",))}
@@ -139,10 +139,20 @@ def _prefill_row(family, path, vocab, threads, workers, sz) -> dict:
     prompt = prompts(1, sz["prefill"], vocab, seed=7)[0]
     eng = _engine(path, 1, sz["prefill"] + 2)
     _baton_prefill(eng, prompt[:64])  # warm: one-off allocations and dispatch
-    ours, theirs = _alternate(sz["repeats"], lambda: _baton_prefill(eng, prompt),
+    hidden = eng.model.config.hidden_size
+
+    def ours_then_peak():  # the roofline's matmul peak right after each run: the same moment
+        r = _baton_prefill(eng, prompt)
+        return r | {"peak_gflops": matmul_peak_gflops(sz["prefill"], hidden, 4 * hidden)}
+    ours, theirs = _alternate(sz["repeats"], ours_then_peak,
                               lambda: workers["f32"].call("prefill", prompt=prompt))
     row = _row(family, f"prefill-{sz['prefill']}", threads, sz["prefill"], ours, theirs,
                "prefill")
+    flops = prefill_flops(eng.model, sz["prefill"])
+    row["side_by_side"] = {
+        "peak_gflops": round(statistics.median(r["peak_gflops"] for r in ours), 1),
+        "fraction": round(statistics.median(flops / r["cpu_s"] / 1e9 / r["peak_gflops"]
+                                            for r in ours), 4)}
     print(f"[bench engine] {row}", file=sys.stderr, flush=True)
     return row
 
@@ -155,6 +165,8 @@ def _decode_row(family, path, vocab, threads, workers, sz, batch, plen, steps) -
                               lambda: workers["f32"].call("decode", prompts=reqs, steps=steps))
     row = _row(family, f"decode-b{batch}", threads, batch * steps, ours, theirs, "decode",
                prompt_tokens=plen, steps=steps, batch=batch)
+    # the roofline's step over its linears, the two alternating on this engine and batch
+    row["side_by_side"] = {k: round(v, 6) for k, v in side_by_side(eng, reqs).items()}
     if batch <= 8:  # both engines with f16 weights (Baton's `model.weight_dtype: float16`)
         del eng
         half = _engine(path, batch, plen + steps + 2, weight_dtype="float16")

@@ -2,19 +2,24 @@
 
 - prefill: the model's FLOPs for the prompt (every linear layer per token, a MoE block's
   top-k routed experts per token, attention's scores and values, the lm_head for the last
-  token; the scan's small terms left out) over the
-  prefill time, as a fraction of this machine's matmul peak (the best of a few fp32 [T, hidden]
-  x [hidden, 4 * hidden] matmuls per thread count, MKL's or oneDNN's);
-- decode: the step time over the time of the model's linear layers alone at that batch size
-  (each module called once on a random [batch, in] input, and each MoE block's routed experts
-  for batch tokens of top-k experts each; the median of 9 passes, as the step's figure is a
-  mean over its steps, median of its runs: the best pass, which the rows also give
-  (`step_over_best_linear`), ran 3-4% under the median at batch 32 on the Zen 2, so a ratio
-  over it read that much high). Next to it the floor the
-  memory sets: a step must also read and write every live recurrent state once and read its
-  keys and values (`step_stream_bytes`); that many bytes streamed cold on this machine, in the
-  same run (`stream_seconds`), over the linears gives `floor_over_linear`, the least a step
-  over its linears can read here with everything else free.
+  token; the scan's small terms left out) per CPU second of a prefill, as a fraction of this
+  machine's matmul peak (the best of a few fp32 [T, hidden] x [hidden, 4 * hidden] matmuls,
+  MKL's or oneDNN's), the peak measured right after each prefill run and the figure the
+  median of the runs' fractions (`engine_peer._prefill_row`); the fraction over one peak
+  measured apart, after the rows, is still given (`separate_peak_fraction`);
+- decode: a step over the model's linear layers alone at that batch size (each module called
+  once on a random [batch, in] input, and each MoE block's routed experts for batch tokens of
+  top-k experts each), measured side by side: engine steps of the batch and linear passes
+  alternate (`side_by_side`), and the figure is the median of each step over the pass after
+  it. Both see the same load and the same cache state: timed apart, the pass ran back to back
+  in a loop of its own after the rows (part of the weights still in L3, another moment's
+  neighbours), and on the Zen 3 a Qwen3.5 batch-32 step read 1.21x its linears where the
+  same step and pass alternating read 1.04x. That older figure is still given
+  (`run_step_over_linear`: the row's step over a separate median pass). Next to it the floor
+  the memory sets: a step must also read and write every live recurrent state once and read
+  its keys and values (`step_stream_bytes`); that many bytes streamed cold on this machine, in
+  the same run (`stream_seconds`), over the linears gives `floor_over_linear`, the least a
+  step over its linears can read here with everything else free.
 
 All in CPU seconds of this process (every thread), not wall time: on a shared machine the
 wall clock mostly measures the other load (the rows' `*_wait_frac`), CPU time the work. At 2
@@ -23,6 +28,7 @@ threads the fractions are per core: FLOP/s per CPU second over the per-core peak
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -116,23 +122,63 @@ def _expert_runs(model, batch: int) -> list:
     return runs
 
 
-@torch.inference_mode()
-def linear_step_seconds(model, batch: int, reps: int = 9) -> tuple[float, float]:
-    """A decode step's matmuls alone at `batch` rows: every linear layer once, and each MoE
-    block's routed experts (`_expert_runs`; left out where the kernel is not built). Returns
-    (the median pass, the best pass) in CPU seconds."""
+def linear_pass(model, batch: int):
+    """A decode step's matmuls alone at `batch` rows, as a function: every linear layer once,
+    and each MoE block's routed experts (`_expert_runs`; left out where the kernel is not
+    built), with the kernels the decode step itself uses."""
     mods = _linears(model)
     xs = [torch.randn(batch, m.in_features) for m in mods]
     experts = _expert_runs(model, batch) or []
 
+    @torch.inference_mode()
     def once():
-        with decode_scope():  # the kernels the decode step itself uses
+        with decode_scope():
             for m, x in zip(mods, xs, strict=True):
                 m(x)
             for run in experts:
                 run()
-    times = _passes(once, reps)
+    return once
+
+
+def linear_step_seconds(model, batch: int, reps: int = 9) -> tuple[float, float]:
+    """`linear_pass` timed alone, back to back: (the median pass, the best pass) in CPU
+    seconds."""
+    times = _passes(linear_pass(model, batch), reps)
     return times[len(times) // 2], times[0]
+
+
+@torch.inference_mode()
+def side_by_side(eng, prompts: list[list[int]], pairs: int = 12, warm: int = 3) -> dict:
+    """A decode step of `prompts` (all in decode at once) against the linear pass of its batch
+    size, alternating: `warm` + `pairs` (step, pass) pairs after every prompt has its first
+    token, the first `warm` dropped; then the requests are aborted. CPU seconds: the median
+    step, the median pass and the median of each step over the pass after it."""
+    from baton.engine.request import Request, SamplingParams
+
+    sp = SamplingParams(max_tokens=warm + pairs + 2, ignore_eos=True)
+    ids = [f"roofline-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        eng.add_request(Request(rid, p, sp))
+    seen: set[str] = set()
+    while len(seen) < len(ids):
+        seen |= {o.request_id for o in eng.step() if o.new_token_ids}
+    once = linear_pass(eng.model, len(prompts))
+    steps, passes = [], []
+    try:
+        for _ in range(warm + pairs):
+            t0 = time.process_time()
+            out = eng.step()
+            steps.append(time.process_time() - t0)
+            assert sum(len(o.new_token_ids) for o in out) == len(ids), "a request left the batch"
+            t0 = time.process_time()
+            once()
+            passes.append(time.process_time() - t0)
+    finally:
+        for rid in ids:
+            eng.abort(rid)
+    steps, passes = steps[warm:], passes[warm:]
+    return {"step_s": statistics.median(steps), "linear_s": statistics.median(passes),
+            "ratio": statistics.median(a / b for a, b in zip(steps, passes, strict=True))}
 
 
 def step_stream_bytes(config, batch: int, context: float) -> tuple[int, int]:
@@ -172,6 +218,9 @@ def stream_seconds(state_bytes: int, kv_bytes: int, reps: int = 5) -> float:
 
 
 def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
+    """The roofline rows of `family` from its measured rows: prefill over the matmul peak, and
+    each decode row (with the `side_by_side` figures `engine_peer._decode_row` took) over its linears
+    and the memory floor."""
     out = []
     hidden = model.config.hidden_size
     for threads in sz["threads"]:
@@ -184,28 +233,35 @@ def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
             if r.get("work") == "prefill":
                 cpu_s = r["baton_cpu_ms_per_token"] * sz["prefill"] / 1e3
                 got = prefill_flops(model, sz["prefill"]) / cpu_s / 1e9
+                sbs = r.get("side_by_side", {})
                 out.append(_emit({"label": f"{family}-roofline-prefill-t{threads}",
-                                  "matmul_peak_gflops_per_core": round(peak, 1),
+                                  "matmul_peak_gflops_per_core": sbs.get("peak_gflops"),
                                   "prefill_gflops_per_core": round(got, 1),
-                                  "prefill_peak_fraction": round(got / peak, 3)}, family,
+                                  "prefill_peak_fraction": sbs.get("fraction"),
+                                  "separate_peak_gflops_per_core": round(peak, 1),
+                                  "separate_peak_fraction": round(got / peak, 3)}, family,
                                  threads))
-            elif r.get("work") == "decode":
-                b = r["batch"]
+            elif r.get("work") == "decode" and "side_by_side" in r:
+                b, sbs = r["batch"], r["side_by_side"]
                 lin, best = linear_step_seconds(model, b)
-                step = b * r["baton_cpu_ms_per_token"] / 1e3
+                run_step = b * r["baton_cpu_ms_per_token"] / 1e3
                 prompt, steps = sz["decode"][b]
                 state, kv = step_stream_bytes(model.config, b, prompt + steps / 2)
                 stream = stream_seconds(state, kv)
+                pair_lin = sbs["linear_s"]
                 out.append(_emit({"label": f"{family}-roofline-decode-b{b}-t{threads}",
-                                  "batch": b, "step_cpu_ms": round(step * 1e3, 2),
-                                  "linear_cpu_ms": round(lin * 1e3, 2),
-                                  "step_over_linear": round(step / lin, 3),
+                                  "batch": b, "step_cpu_ms": round(sbs["step_s"] * 1e3, 2),
+                                  "linear_cpu_ms": round(pair_lin * 1e3, 2),
+                                  "step_over_linear": round(sbs["ratio"], 3),
+                                  "run_step_cpu_ms": round(run_step * 1e3, 2),
+                                  "separate_linear_cpu_ms": round(lin * 1e3, 2),
+                                  "run_step_over_linear": round(run_step / lin, 3),
                                   "linear_best_cpu_ms": round(best * 1e3, 2),
-                                  "step_over_best_linear": round(step / best, 3),
+                                  "run_step_over_best_linear": round(run_step / best, 3),
                                   "state_mb": round(state / 2**20, 1),
                                   "kv_mb": round(kv / 2**20, 1),
                                   "stream_cpu_ms": round(stream * 1e3, 2),
-                                  "floor_over_linear": round((lin + stream) / lin, 3)},
+                                  "floor_over_linear": round((pair_lin + stream) / pair_lin, 3)},
                                  family, threads))
     return out
 

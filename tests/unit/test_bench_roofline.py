@@ -65,3 +65,22 @@ def test_a_decode_step_streams_every_state_once_and_its_keys_and_values():
     state, kv = step_stream_bytes(cfg, batch=3, context=10.5)
     assert state == 3 * 2 * (conv + ssm) * 4  # 3 sequences, 2 Mamba2 layers, float32
     assert kv == int(3 * 10.5 * 1 * 2 * 2 * 16 * 4)  # 1 attention layer: K and V, 2 heads
+
+
+def test_side_by_side_alternates_whole_batch_steps_with_passes_and_frees_the_batch(model_tiny_dir):
+    """The decode roofline's figure: every timed step decodes all of the batch (a request
+    leaving would shrink the step under its pass), the ratio is of the pairs, and the batch is
+    aborted after with every block and slot back."""
+    from bench.common import decode_engine, prompts
+    from bench.roofline import side_by_side
+
+    eng = decode_engine(model_tiny_dir, 3, 64)
+    blocks, slots = eng.cache.num_free_blocks, eng.cache.num_free_slots
+    reqs = prompts(3, 20, eng.model.config.vocab_size, seed=3)
+    got = side_by_side(eng, reqs, pairs=4, warm=1)
+    assert set(got) == {"step_s", "linear_s", "ratio"}
+    assert got["step_s"] > 0 and got["linear_s"] > 0 and got["ratio"] > 0
+    assert not eng.has_work and not eng.requests
+    assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == (blocks, slots)
+    got = side_by_side(eng, reqs, pairs=2, warm=0)  # the same ids again: nothing left behind
+    assert not eng.has_work
