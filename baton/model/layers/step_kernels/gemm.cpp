@@ -172,12 +172,15 @@ at::Tensor prefill_gemm(const at::Tensor& x, const at::Tensor& w,
   // MC: even shares, however M divides.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (M + MR - 1) / MR));
   const int64_t share = ((M + threads - 1) / threads + MR - 1) / MR * MR;
+  // each thread's packed rows: one row block's K block (at most MC x 256 floats, in L2),
+  // allocated here, by the calling thread (a buffer allocated on a pool thread gets that
+  // thread a glibc arena of its own)
+  auto abuf = at::empty({threads * (MC * KC + 8)}, w.options());
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    // this thread's packed rows: one row block's K block (at most MC x 256 floats, in L2)
-    std::vector<float> abuf(MC * KC + 8);
-    float* ap = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(abuf.data()) + 31) & ~uintptr_t(31));
     for (int64_t th = t0; th < t1; ++th) {
+      float* ap = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(abuf.data_ptr<float>() + th * (MC * KC + 8)) + 31) &
+          ~uintptr_t(31));
       const int64_t r0 = std::min(M, th * share), r1 = std::min(M, r0 + share);
       if (r0 >= r1) continue;
       const int64_t blocks = (r1 - r0 + MC - 1) / MC;
