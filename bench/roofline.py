@@ -157,14 +157,14 @@ def side_by_side(eng, prompts: list[list[int]], pairs: int = 12, warm: int = 3) 
 
     sp = SamplingParams(max_tokens=warm + pairs + 2, ignore_eos=True)
     ids = [f"roofline-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        eng.add_request(Request(rid, p, sp))
-    seen: set[str] = set()
-    while len(seen) < len(ids):
-        seen |= {o.request_id for o in eng.step() if o.new_token_ids}
     once = linear_pass(eng.model, len(prompts))
     steps, passes = [], []
-    try:
+    try:  # the requests aborted however it ends (a failed prefill too)
+        for rid, p in zip(ids, prompts, strict=True):
+            eng.add_request(Request(rid, p, sp))
+        seen: set[str] = set()
+        while len(seen) < len(ids):
+            seen |= {o.request_id for o in eng.step() if o.new_token_ids}
         for _ in range(warm + pairs):
             t0 = time.process_time()
             out = eng.step()
@@ -219,8 +219,8 @@ def stream_seconds(state_bytes: int, kv_bytes: int, reps: int = 5) -> float:
 
 def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
     """The roofline rows of `family` from its measured rows: prefill over the matmul peak, and
-    each decode row (with the `side_by_side` figures `engine_peer._decode_row` took) over its linears
-    and the memory floor."""
+    each decode row (with the `side_by_side` figures `engine_peer._decode_row` took) over its
+    linears and the memory floor."""
     out = []
     hidden = model.config.hidden_size
     for threads in sz["threads"]:

@@ -70,7 +70,10 @@ def test_a_decode_step_streams_every_state_once_and_its_keys_and_values():
 def test_side_by_side_alternates_whole_batch_steps_with_passes_and_frees_the_batch(model_tiny_dir):
     """The decode roofline's figure: every timed step decodes all of the batch (a request
     leaving would shrink the step under its pass), the ratio is of the pairs, and the batch is
-    aborted after with every block and slot back."""
+    aborted after with every block and slot back, also when a request of it is refused."""
+    import pytest
+
+    from baton.errors import InvalidRequestError
     from bench.common import decode_engine, prompts
     from bench.roofline import side_by_side
 
@@ -84,3 +87,7 @@ def test_side_by_side_alternates_whole_batch_steps_with_passes_and_frees_the_bat
     assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == (blocks, slots)
     got = side_by_side(eng, reqs, pairs=2, warm=0)  # the same ids again: nothing left behind
     assert not eng.has_work
+    with pytest.raises(InvalidRequestError, match="max model length"):  # the second cannot fit
+        side_by_side(eng, [reqs[0], reqs[1] * 10], pairs=2, warm=0)
+    assert not eng.has_work and not eng.requests  # the first was aborted with it
+    assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == (blocks, slots)

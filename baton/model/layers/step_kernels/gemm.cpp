@@ -170,7 +170,8 @@ at::Tensor prefill_gemm(const at::Tensor& x, const at::Tensor& w,
   const int64_t ldx = x.stride(0);
   // Each thread one run of rows (a multiple of 6; the last the rest), in blocks of at most
   // MC: even shares, however M divides.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (M + MR - 1) / MR));
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (M + MR - 1) / MR));
   const int64_t share = ((M + threads - 1) / threads + MR - 1) / MR * MR;
   // each thread's packed rows: one row block's K block (at most MC x 256 floats, in L2),
   // allocated here, by the calling thread (a buffer allocated on a pool thread gets that
