@@ -94,9 +94,12 @@ class LocalAttempt:
         tok = orch.tokenizer
         self._detok = IncrementalDetokenizer(tok) if tok is not None else None
 
+    def count(self) -> None:
+        """Counts the attempt on its decode worker (until `_finish`); `start` follows at once."""
+        self.orch.registry.begin(self.d.worker_id)
+
     def start(self) -> DecodeChunk:
         """Opens the Serve stream and waits for its first message (the first token)."""
-        self.orch.registry.begin(self.d.worker_id)
         inp = self.inp
         req = ServeInput(self.wid, self.prompt, inp.sampling, inp.session_id,
                          self.orch.config.local_prefill_max_tokens)

@@ -133,6 +133,8 @@ class Orchestrator:
         """Decode-end snapshots shipped back to prefill workers (router/shipping.py)."""
         self.peers = PeerWatch()
         """Attempts whose prefill works for a decode worker: cancelled when it is lost."""
+        self._picking = threading.Lock()
+        """Held while a request's pair is chosen and counted (`_route`)."""
 
     def generate(self, inp: GenerateInput, cancel: Cancellation) -> Iterator[GenerateChunk]:
         """Validates, then streams the request's chunks; the last one carries the summary.
@@ -215,13 +217,18 @@ class Orchestrator:
             # each attempt has its own id on the workers: a late event of a failed attempt
             # (lease expiry, stray transfer) can then never touch the retry's reservation
             wid = key if n == 0 else f"{key}~retry{n}"
-            local, reason = (None, "worker_declined") if declined else \
-                self._local_decode(prompt, choice, excluded | full, inp.sampling)
-            if local is not None:
-                run = LocalAttempt(self, rid, wid, prompt, inp, local, cancel)
-            else:
-                self.shipper.wait_for(choice.prefill, prompt)  # a turn on its way there
-                run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
+            try:  # the pair stays counted (`_route`) until the attempt counts its own workers
+                local, reason = (None, "worker_declined") if declined else \
+                    self._local_decode(prompt, choice, excluded | full, inp.sampling)
+                if local is not None:
+                    run = LocalAttempt(self, rid, wid, prompt, inp, local, cancel)
+                else:
+                    self.shipper.wait_for(choice.prefill, prompt)  # a turn on its way there
+                    run = _Attempt(self, rid, wid, prompt, inp, choice, cancel)
+                run.count()
+            finally:
+                self.registry.end(choice.prefill.worker_id)
+                self.registry.end(choice.decode.worker_id)
             try:
                 first = run.start()
                 self.paths.add(LOCAL if local is not None else DISAGGREGATED, reason)
@@ -288,19 +295,30 @@ class Orchestrator:
             return None, "disabled"
         if sampling.prompt_logprobs is not None:  # the whole prompt is computed anyway
             return None, "prompt_logprobs"
-        decode = [w for w in self.registry.workers(Role.DECODE) if w.worker_id not in skip]
+        # the loads as they were before this request's own count on its pair (`_route`)
+        decode = [replace(w, inflight=max(w.inflight - 1, 0))
+                  if w.worker_id == choice.decode.worker_id else w
+                  for w in self.registry.workers(Role.DECODE) if w.worker_id not in skip]
         matched = self.locator.matched_tokens(prompt, decode)
         return decide(len(prompt), matched, decode, choice.decode, self.config)
 
     def _route(self, req: RouteRequest, excluded: set[str], failures: list[str]) -> RouteChoice:
-        pools = {}
-        for role in (Role.PREFILL, Role.DECODE):
-            live = self.registry.workers(role)
-            pools[role] = [w for w in live if w.worker_id not in excluded]
-            if not pools[role]:
-                why = f" ({len(live)} live, all failed: {'; '.join(failures)})" if live else ""
-                raise NoWorkersError(f"no {role.value} worker available{why}")
-        return self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
+        """The policy's pair, counted on both workers (`Registry.begin`; the caller ends the
+        counts) before the next request is routed: a burst of requests that all saw the same
+        loads went to the same least-loaded worker."""
+        with self._picking:
+            pools = {}
+            for role in (Role.PREFILL, Role.DECODE):
+                live = self.registry.workers(role)
+                pools[role] = [w for w in live if w.worker_id not in excluded]
+                if not pools[role]:
+                    why = f" ({len(live)} live, all failed: {'; '.join(failures)})" if live \
+                        else ""
+                    raise NoWorkersError(f"no {role.value} worker available{why}")
+            choice = self.policy.choose(req, pools[Role.PREFILL], pools[Role.DECODE])
+            self.registry.begin(choice.prefill.worker_id)
+            self.registry.begin(choice.decode.worker_id)
+            return choice
 
 
 def _alive(client) -> bool:
@@ -324,10 +342,12 @@ class _Attempt:
         tok = orch.tokenizer
         self._detok = IncrementalDetokenizer(tok) if tok is not None else None
 
+    def count(self) -> None:
+        """Counts the attempt on its workers (until `_finish`); `start` follows at once."""
+        self.orch.registry.begin(self.p.worker_id)
+        self.orch.registry.begin(self.d.worker_id)
+
     def start(self) -> PrefillResult:
-        reg = self.orch.registry
-        reg.begin(self.p.worker_id)
-        reg.begin(self.d.worker_id)
         inp, cancel = self.inp, self.cancel
         try:
             # A cancel while Reserve/Prefill block aborts both workers, which ends the calls.

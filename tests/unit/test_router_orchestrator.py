@@ -128,6 +128,28 @@ def test_happy_path_streams_first_token_then_decode_and_summary_last():
     assert reg.get("p0").inflight == reg.get("d0").inflight == 0
 
 
+def test_a_burst_routed_at_once_spreads_over_least_loaded_workers():
+    """8 requests all routed before any of them starts (each waits in `shipper.wait_for`
+    until all 8 are there): each pick counts on its pair at once, so the next sees it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    orch, _, reg = setup(["p0", "p1", "d0", "d1"], policy="least_loaded")
+    routed = threading.Barrier(8, timeout=10)
+    wait_for = orch.shipper.wait_for
+
+    def held(prefill, prompt):
+        routed.wait()
+        return wait_for(prefill, prompt)
+
+    orch.shipper.wait_for = held
+    with ThreadPoolExecutor(8) as pool:
+        summaries = list(pool.map(lambda i: run(orch, prompt=(i, 6))[-1].summary, range(8)))
+    assert sorted(s.decode_worker for s in summaries) == ["d0"] * 4 + ["d1"] * 4
+    assert sorted(s.prefill_worker for s in summaries) == ["p0"] * 4 + ["p1"] * 4
+    assert [reg.get(w).inflight for w in ("p0", "p1", "d0", "d1")] == [0, 0, 0, 0]
+
+
 def test_failure_before_first_token_retries_on_another_pair_and_aborts_the_first():
     err = WorkerFailed("p0", "Prefill", "UNAVAILABLE: down")
     orch, log, _ = setup(["p0", "p1", "d0", "d1"], fail={"p0": {"prefill": err}})
