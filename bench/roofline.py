@@ -110,16 +110,39 @@ def _expert_runs(model, batch: int) -> list:
         if g is None:
             return None
         up, down = (getattr(experts, n) for n in experts.stacked)
-        k, e = getattr(m, "top_k", None) or m.gate.cfg.num_experts_per_tok, up.shape[0]
-        gen = torch.Generator().manual_seed(batch)
-        choice = torch.cat([torch.randperm(e, generator=gen)[:k] for _ in range(batch)])
+        choice = _expert_choice(m, up.shape[0], batch)
         order = torch.argsort(choice, stable=True)
-        counts = torch.bincount(choice, minlength=e)
+        k = len(choice) // batch
+        counts = torch.bincount(choice, minlength=up.shape[0])
         x, z = torch.randn(batch, up.shape[-1]), torch.randn(batch * k, down.shape[-1])
         tokens = order // k
         runs.append(lambda x=x, z=z, up=up, down=down, c=counts, t=tokens: (
             g.grouped_linear(x, up, c, t), g.grouped_linear(z, down, c)))
     return runs
+
+
+def _expert_choice(block, experts: int, batch: int) -> torch.Tensor:
+    """The routed experts of `batch` tokens of a MoE block as `_expert_runs` draws them:
+    [batch * top-k], each token's top-k distinct (seeded by the batch size)."""
+    k = getattr(block, "top_k", None) or block.gate.cfg.num_experts_per_tok
+    gen = torch.Generator().manual_seed(batch)
+    return torch.cat([torch.randperm(experts, generator=gen)[:k] for _ in range(batch)])
+
+
+def weight_bytes(model, batch: int) -> int:
+    """The weight bytes a decode step of `batch` rows reads, as stored: every linear layer's
+    weight once and, per MoE block, each routed expert `_expert_runs` draws for the batch
+    once (every stacked projection of it)."""
+    total = sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        names = getattr(experts, "stacked", ())
+        if not names:
+            continue
+        stacks = [getattr(experts, n) for n in names]
+        used = torch.unique(_expert_choice(m, stacks[0].shape[0], batch))
+        total += len(used) * sum(t[0].numel() * t.element_size() for t in stacks)
+    return total
 
 
 def linear_pass(model, batch: int):
@@ -150,15 +173,21 @@ def linear_step_seconds(model, batch: int, reps: int = 9) -> tuple[float, float]
 @torch.inference_mode()
 def side_by_side(eng, prompts: list[list[int]], pairs: int = 12, warm: int = 3) -> dict:
     """A decode step of `prompts` (all in decode at once) against the linear pass of its batch
-    size, alternating: `warm` + `pairs` (step, pass) pairs after every prompt has its first
-    token, the first `warm` dropped; then the requests are aborted. CPU seconds: the median
-    step, the median pass and the median of each step over the pass after it."""
+    size and a plain read of as many bytes as its weights (`weight_bytes`: torch's sum over a
+    float32 buffer, the memory's rate at these threads), alternating: `warm` + `pairs`
+    (step, pass, read) rounds after every prompt has its first token, the first `warm`
+    dropped; then the requests are aborted. CPU seconds: the median step, the median pass
+    and the median of each step over the pass after it; wall-clock: the weight bytes over the
+    median step and the median read (GB/s), and the median of each step over the read after
+    it (`step_over_read`: 1.0 is a step that reads its weights as fast as a plain read)."""
     from baton.engine.request import Request, SamplingParams
 
     sp = SamplingParams(max_tokens=warm + pairs + 2, ignore_eos=True)
     ids = [f"roofline-{i}" for i in range(len(prompts))]
     once = linear_pass(eng.model, len(prompts))
-    steps, passes = [], []
+    nbytes = weight_bytes(eng.model, len(prompts))
+    buf = torch.ones(max(nbytes // 4, 1))
+    steps, passes, step_walls, reads = [], [], [], []
     try:  # the requests aborted however it ends (a failed prefill too)
         for rid, p in zip(ids, prompts, strict=True):
             eng.add_request(Request(rid, p, sp))
@@ -166,19 +195,29 @@ def side_by_side(eng, prompts: list[list[int]], pairs: int = 12, warm: int = 3) 
         while len(seen) < len(ids):
             seen |= {o.request_id for o in eng.step() if o.new_token_ids}
         for _ in range(warm + pairs):
-            t0 = time.process_time()
+            w0, t0 = time.perf_counter(), time.process_time()
             out = eng.step()
             steps.append(time.process_time() - t0)
+            step_walls.append(time.perf_counter() - w0)
             assert sum(len(o.new_token_ids) for o in out) == len(ids), "a request left the batch"
             t0 = time.process_time()
             once()
             passes.append(time.process_time() - t0)
+            w0 = time.perf_counter()
+            buf.sum()
+            reads.append(time.perf_counter() - w0)
     finally:
         for rid in ids:
             eng.abort(rid)
-    steps, passes = steps[warm:], passes[warm:]
+        del buf
+    steps, passes, step_walls, reads = (v[warm:] for v in (steps, passes, step_walls, reads))
     return {"step_s": statistics.median(steps), "linear_s": statistics.median(passes),
-            "ratio": statistics.median(a / b for a, b in zip(steps, passes, strict=True))}
+            "ratio": statistics.median(a / b for a, b in zip(steps, passes, strict=True)),
+            "weight_mb": nbytes / 1e6,
+            "step_gbps": nbytes / statistics.median(step_walls) / 1e9,
+            "read_gbps": nbytes / statistics.median(reads) / 1e9,
+            "step_over_read": statistics.median(
+                a / b for a, b in zip(step_walls, reads, strict=True))}
 
 
 def step_stream_bytes(config, batch: int, context: float) -> tuple[int, int]:
@@ -261,7 +300,9 @@ def roofline_rows(family: str, model, rows: list[dict], sz: dict) -> list[dict]:
                                   "state_mb": round(state / 2**20, 1),
                                   "kv_mb": round(kv / 2**20, 1),
                                   "stream_cpu_ms": round(stream * 1e3, 2),
-                                  "floor_over_linear": round((pair_lin + stream) / pair_lin, 3)},
+                                  "floor_over_linear": round((pair_lin + stream) / pair_lin, 3),
+                                  **{k: sbs[k] for k in ("weight_mb", "step_gbps", "read_gbps",
+                                                         "step_over_read") if k in sbs}},
                                  family, threads))
     return out
 

@@ -50,6 +50,29 @@ def test_each_moe_block_adds_its_routed_experts_to_the_step_matmuls():
     assert _expert_runs(nn.Sequential(nn.Linear(64, 64)), batch=5) == []
 
 
+def test_a_step_reads_every_linear_and_each_routed_expert_it_draws_once():
+    """`step_over_read`'s bytes: every linear's weight as stored, and per MoE block the
+    distinct experts `_expert_runs` sends the batch's tokens to (top-k a token; a big batch
+    reaches every expert, each read once)."""
+    import torch
+
+    from bench.roofline import _expert_choice, _linears, weight_bytes
+
+    cfg = ModelConfig.from_dict(checkpoint_config(
+        "tiny", pattern="E", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
+    qwen, nemotron = QwenSparseMoe(_QwenCfg(), renormalize=True), MoE(cfg)
+    model = nn.ModuleList([qwen, nemotron, nn.Linear(64, 64)])
+    linears = sum(m.weight.numel() * 4 for m in _linears(model))
+    one_qwen, one_nemotron = (80 * 64 + 64 * 40) * 4, (48 * 64 + 64 * 48) * 4
+    assert weight_bytes(model, 1) == linears + 2 * one_qwen + 4 * one_nemotron
+    assert weight_bytes(model, 64) == linears + 8 * one_qwen + 16 * one_nemotron
+    used = [len(torch.unique(_expert_choice(m, e, 3))) for m, e in ((qwen, 8), (nemotron, 16))]
+    assert weight_bytes(model, 3) == linears + used[0] * one_qwen + used[1] * one_nemotron
+    model.half()
+    assert weight_bytes(model, 64) == (linears + 8 * one_qwen + 16 * one_nemotron) // 2
+
+
 def test_a_decode_step_streams_every_state_once_and_its_keys_and_values():
     """The bytes behind `floor_over_linear`: every state tensor of every state layer (conv
     window and SSM state for NemotronH's Mamba2) per sequence, and K and V of every attention
@@ -75,14 +98,17 @@ def test_side_by_side_alternates_whole_batch_steps_with_passes_and_frees_the_bat
 
     from baton.errors import InvalidRequestError
     from bench.common import decode_engine, prompts
-    from bench.roofline import side_by_side
+    from bench.roofline import side_by_side, weight_bytes
 
     eng = decode_engine(model_tiny_dir, 3, 64)
     blocks, slots = eng.cache.num_free_blocks, eng.cache.num_free_slots
     reqs = prompts(3, 20, eng.model.config.vocab_size, seed=3)
     got = side_by_side(eng, reqs, pairs=4, warm=1)
-    assert set(got) == {"step_s", "linear_s", "ratio"}
+    assert set(got) == {"step_s", "linear_s", "ratio", "weight_mb", "step_gbps", "read_gbps",
+                        "step_over_read"}
     assert got["step_s"] > 0 and got["linear_s"] > 0 and got["ratio"] > 0
+    assert got["weight_mb"] == weight_bytes(eng.model, 3) / 1e6 > 0
+    assert got["step_gbps"] > 0 and got["read_gbps"] > 0 and got["step_over_read"] > 0
     assert not eng.has_work and not eng.requests
     assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == (blocks, slots)
     got = side_by_side(eng, reqs, pairs=2, warm=0)  # the same ids again: nothing left behind
