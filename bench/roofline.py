@@ -70,19 +70,24 @@ def _linears(model) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def _routed_expert_flops(model) -> int:
-    """FLOPs a token spends in the routed experts it is sent to: every MoE block's top-k
-    experts' stacked projections (not `nn.Linear`s, so `_linears` leaves them out)."""
-    total = 0
+def _moe_blocks(model) -> list[tuple[int, list[torch.Tensor]]]:
+    """(top-k, stacked expert projections [E, ...] each) of every MoE block of the model: the
+    routed experts, which are not `nn.Linear`s, so `_linears` leaves them out."""
+    blocks = []
     for m in model.modules():
         experts = getattr(m, "experts", None)
         names = getattr(experts, "stacked", ())
-        if not names:
-            continue
-        k = getattr(m, "top_k", None) or m.gate.cfg.num_experts_per_tok
-        stacks = [getattr(experts, n) for n in names]
-        total += 2 * k * sum(t[0].numel() for t in stacks)  # one expert's weights, k of them
-    return total
+        if names:
+            k = getattr(m, "top_k", None) or m.gate.cfg.num_experts_per_tok
+            blocks.append((k, [getattr(experts, n) for n in names]))
+    return blocks
+
+
+def _routed_expert_flops(model) -> int:
+    """FLOPs a token spends in the routed experts it is sent to: every MoE block's top-k
+    experts' stacked projections."""
+    return sum(2 * k * sum(t[0].numel() for t in stacks)  # one expert's weights, k of them
+               for k, stacks in _moe_blocks(model))
 
 
 def prefill_flops(model, T: int) -> float:
@@ -102,17 +107,13 @@ def _expert_runs(model, batch: int) -> list:
     from baton.model.layers import cpu_kernels
 
     g = cpu_kernels.gemv()
+    blocks = _moe_blocks(model)
+    if blocks and g is None:
+        return None
     runs = []
-    for m in model.modules():
-        experts = getattr(m, "experts", None)
-        if not getattr(experts, "stacked", ()):
-            continue
-        if g is None:
-            return None
-        up, down = (getattr(experts, n) for n in experts.stacked)
-        choice = _expert_choice(m, up.shape[0], batch)
+    for k, (up, down) in blocks:
+        choice = _expert_choice(k, up.shape[0], batch)
         order = torch.argsort(choice, stable=True)
-        k = len(choice) // batch
         counts = torch.bincount(choice, minlength=up.shape[0])
         x, z = torch.randn(batch, up.shape[-1]), torch.randn(batch * k, down.shape[-1])
         tokens = order // k
@@ -121,10 +122,9 @@ def _expert_runs(model, batch: int) -> list:
     return runs
 
 
-def _expert_choice(block, experts: int, batch: int) -> torch.Tensor:
+def _expert_choice(k: int, experts: int, batch: int) -> torch.Tensor:
     """The routed experts of `batch` tokens of a MoE block as `_expert_runs` draws them:
-    [batch * top-k], each token's top-k distinct (seeded by the batch size)."""
-    k = getattr(block, "top_k", None) or block.gate.cfg.num_experts_per_tok
+    [batch * k], each token's k distinct (seeded by the batch size)."""
     gen = torch.Generator().manual_seed(batch)
     return torch.cat([torch.randperm(experts, generator=gen)[:k] for _ in range(batch)])
 
@@ -134,13 +134,8 @@ def weight_bytes(model, batch: int) -> int:
     weight once and, per MoE block, each routed expert `_expert_runs` draws for the batch
     once (every stacked projection of it)."""
     total = sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
-    for m in model.modules():
-        experts = getattr(m, "experts", None)
-        names = getattr(experts, "stacked", ())
-        if not names:
-            continue
-        stacks = [getattr(experts, n) for n in names]
-        used = torch.unique(_expert_choice(m, stacks[0].shape[0], batch))
+    for k, stacks in _moe_blocks(model):
+        used = torch.unique(_expert_choice(k, stacks[0].shape[0], batch))
         total += len(used) * sum(t[0].numel() * t.element_size() for t in stacks)
     return total
 
@@ -209,7 +204,6 @@ def side_by_side(eng, prompts: list[list[int]], pairs: int = 12, warm: int = 3) 
     finally:
         for rid in ids:
             eng.abort(rid)
-        del buf
     steps, passes, step_walls, reads = (v[warm:] for v in (steps, passes, step_walls, reads))
     return {"step_s": statistics.median(steps), "linear_s": statistics.median(passes),
             "ratio": statistics.median(a / b for a, b in zip(steps, passes, strict=True)),

@@ -67,7 +67,7 @@ def test_a_step_reads_every_linear_and_each_routed_expert_it_draws_once():
     one_qwen, one_nemotron = (80 * 64 + 64 * 40) * 4, (48 * 64 + 64 * 48) * 4
     assert weight_bytes(model, 1) == linears + 2 * one_qwen + 4 * one_nemotron
     assert weight_bytes(model, 64) == linears + 8 * one_qwen + 16 * one_nemotron
-    used = [len(torch.unique(_expert_choice(m, e, 3))) for m, e in ((qwen, 8), (nemotron, 16))]
+    used = [len(torch.unique(_expert_choice(k, e, 3))) for k, e in ((2, 8), (4, 16))]
     assert weight_bytes(model, 3) == linears + used[0] * one_qwen + used[1] * one_nemotron
     model.half()
     assert weight_bytes(model, 64) == (linears + 8 * one_qwen + 16 * one_nemotron) // 2
