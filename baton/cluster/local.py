@@ -15,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -63,9 +64,41 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+RESERVE_S = 120.0
+"""A port `free_port` hands out stays reserved this long, for every caller on the host: the
+process it is for may take seconds (a model load) to bind it, and meanwhile another cluster
+(a parallel test, a second `baton serve`) must not be handed the same port."""
+RESERVATIONS = os.path.join(tempfile.gettempdir(), f"baton-ports-{os.getuid()}")
+"""One empty file per reserved port, named by it; its mtime is when it was handed out."""
+START_RETRIES = 3
+"""How often `wait_ready` restarts a process that died at start because a port chosen for it
+was taken meanwhile (by anything on the host), each time on a fresh port."""
+
+
+def _reserve(port: int, now: float | None = None) -> bool:
+    """Takes `port` for RESERVE_S unless another caller on this host holds it now."""
+    now = time.time() if now is None else now
+    path = os.path.join(RESERVATIONS, str(port))
+    try:
+        os.makedirs(RESERVATIONS, mode=0o700, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        try:
+            if now - os.stat(path).st_mtime < RESERVE_S:
+                return False
+            os.utime(path, (now, now))  # stale: its process bound it long ago, or never will
+            return True
+        except OSError:
+            return False
+    except OSError:  # no writable temp folder: the bind check alone
+        return True
+
+
 def free_port() -> int:
     """A port free now, for a process about to start: random in PICK_RANGE (cut at the
-    ephemeral range's start), else the kernel's choice."""
+    ephemeral range's start) and not handed out to anyone on this host in the last RESERVE_S,
+    else the kernel's choice."""
     lo, hi = PICK_RANGE
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -78,6 +111,7 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if _reserve(port):
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,6 +142,8 @@ class LocalCluster:
         port = port or free_port()
         self.address = f"{reach}:{port}"
         self.http_port = free_port() if http_port is None else http_port
+        self._own_http = http_port is None
+        """The HTTP port was chosen here: a restart may move it to a free one."""
         cfg = BatonConfig.load(config)
         self.tls = cluster_tls(cfg.cluster)
         """Mutual TLS of the cluster (None: plaintext); `channel()` and the probes use it."""
@@ -190,23 +226,48 @@ class LocalCluster:
                             self.restarts[i])
 
     def _restart_args(self, i: int, args: list[str]) -> list[str]:
-        """The command that restarts entry `i`: the same, except a worker whose metrics port was
-        taken meanwhile (by anything on the host) gets a fresh one, logged and listed in
-        `metrics_ports`: with the old port it would fail to start again and again."""
-        if "--metrics-port" not in args:
-            return args
-        at = args.index("--metrics-port") + 1
-        old = int(args[at])
-        if port_is_free(old, self._reach):
-            return args
-        new = free_port()
-        args[at] = str(new)
-        k = i - 1  # entry 0 is the router, the workers follow in metrics_ports' order
-        role, _ = self.metrics_ports[k]
-        self.metrics_ports[k] = (role, new)
-        log.warning("%s's metrics port %d is taken now; it restarts with /metrics on port %d",
-                    _name_of(args), old, new)
+        """The command that restarts entry `i`: the same, except where a port chosen here for
+        it was taken meanwhile (by anything on the host): a worker's metrics port, or the
+        router's HTTP port unless it was configured. It gets a fresh one, logged and listed in
+        `metrics_ports` (or `http_port`): with the old port it would die again at every start."""
+        for flag in ("--metrics-port", "--http-port"):
+            if flag not in args or (flag == "--http-port" and not self._own_http):
+                continue
+            at = args.index(flag) + 1
+            old = int(args[at])
+            if port_is_free(old, self._reach):
+                continue
+            new = free_port()
+            args[at] = str(new)
+            if flag == "--http-port":
+                self.http_port = new
+                self.http_address = self.http_address.rpartition(":")[0] + f":{new}"
+                what = "the HTTP API"
+            else:
+                k = i - 1  # entry 0 is the router, the workers follow in metrics_ports' order
+                role, _ = self.metrics_ports[k]
+                self.metrics_ports[k] = (role, new)
+                what = "/metrics"
+            log.warning("%s's %s port %d is taken now; it restarts with %s on port %d",
+                        _name_of(args), flag.removeprefix("--").replace("-port", ""), old,
+                        what, new)
         return args
+
+    def _restart_at_start(self, i: int) -> bool:
+        """Entry `i` died before the cluster was ready: restarts it at once (True) if a port
+        chosen for it was taken meanwhile, at most START_RETRIES times."""
+        p = self.procs[i]
+        if self.restarts[i] >= START_RETRIES:
+            return False
+        args = self._restart_args(i, list(p.args))
+        if args == list(p.args):
+            return False
+        self.procs[i] = self._popen(args)
+        self._started[i] = time.monotonic()
+        self.restarts[i] += 1
+        log.warning("restarted %s as pid %d (restart %d)", _name(p), self.procs[i].pid,
+                    self.restarts[i])
+        return True
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until every worker has registered; raises if a process died or time ran out."""
@@ -214,7 +275,8 @@ class LocalCluster:
         with self.channel() as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             while time.monotonic() < deadline:
-                dead = [" ".join(p.args[5:7]) for p in self.procs if p.poll() is not None]
+                dead = [" ".join(p.args[5:7]) for i, p in enumerate(self.procs)
+                        if p.poll() is not None and not self._restart_at_start(i)]
                 if dead:
                     raise BatonError(f"cluster process(es) exited during start: {dead}")
                 try:
