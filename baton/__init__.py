@@ -15,6 +15,14 @@ __version__ = "0.1.0"
 # THP_MEM_ALLOC_ENABLE=0 is kept. Where the kernel's THP mode is `never` it changes nothing.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+# gRPC's fork handlers off (grpcio 1.80 and later, grpc/grpc#43055): a child forked (a Popen with
+# `preexec_fn`) while a channel is busy restarts gRPC's poller thread in the child, which then
+# dies on the epoll fd that Popen's `close_fds` just closed, before the child reaches exec: its
+# log holds one `epoll_wait error: Bad file descriptor` line and the program never started (a
+# CI run lost a multi-host worker so; 2-3% of such children with grpcio 1.85). Every child a Baton
+# process starts execs a new program, which needs none of the parent's gRPC state.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 MMAP_THRESHOLD = 32 << 20
 """glibc's malloc serves allocations below this from its heap (32 MiB: the most it allows)."""
 TRIM_THRESHOLD = 256 << 20
