@@ -219,11 +219,15 @@ class LocalCluster:
                             "%.1fs", _name(p), p.pid, p.returncode, ran, delay)
             elif now >= self._due[i]:
                 del self._due[i]
-                self.procs[i] = self._popen(self._restart_args(i, list(p.args)))
-                self._started[i] = now
-                self.restarts[i] += 1
-                log.warning("restarted %s as pid %d (restart %d)", _name(p), self.procs[i].pid,
-                            self.restarts[i])
+                self._restart(i, self._restart_args(i, list(p.args)), now)
+
+    def _restart(self, i: int, args: list[str], now: float) -> None:
+        name = _name(self.procs[i])
+        self.procs[i] = self._popen(args)
+        self._started[i] = now
+        self.restarts[i] += 1
+        log.warning("restarted %s as pid %d (restart %d)", name, self.procs[i].pid,
+                    self.restarts[i])
 
     def _restart_args(self, i: int, args: list[str]) -> list[str]:
         """The command that restarts entry `i`: the same, except where a port chosen here for
@@ -262,11 +266,7 @@ class LocalCluster:
         args = self._restart_args(i, list(p.args))
         if args == list(p.args):
             return False
-        self.procs[i] = self._popen(args)
-        self._started[i] = time.monotonic()
-        self.restarts[i] += 1
-        log.warning("restarted %s as pid %d (restart %d)", _name(p), self.procs[i].pid,
-                    self.restarts[i])
+        self._restart(i, args, time.monotonic())
         return True
 
     def wait_ready(self, timeout: float = 180.0) -> None:
