@@ -23,8 +23,9 @@ def _gen(seed: int = 0):
     return torch.Generator().manual_seed(seed)
 
 
-def _conv_ref(x, state, w, bias):
-    """Mamba2Mixer._conv's formula on the window [state | x], token-major out."""
+def _conv_ref(x, state, w, bias, silu=True):
+    """Mamba2Mixer._conv's formula on the window [state | x], token-major out (before the silu
+    where silu is False)."""
     window = torch.cat([state, x.transpose(1, 2)], dim=-1)
     n = x.shape[1]
     out = window[..., 0:n] * w[:, 0:1]
@@ -32,7 +33,7 @@ def _conv_ref(x, state, w, bias):
         out = out + window[..., k:k + n] * w[:, k:k + 1]
     if bias is not None:
         out = out + bias[:, None]
-    return F.silu(out).transpose(1, 2)
+    return (F.silu(out) if silu else out).transpose(1, 2)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -52,6 +53,21 @@ def test_conv_silu_matches_the_eager_conv_and_carries_its_state_exactly(bias):
     tail = x[:, 10 - (Kw - 1):10].transpose(1, 2).contiguous()
     second = K.conv_silu(x[:, 10:], tail, w, b)
     assert torch.equal(torch.cat([first, second], dim=1), out)
+
+
+@pytest.mark.parametrize("C", [40, 43])
+def test_conv_silu_takes_std_exp_bits_on_every_build(C):
+    """The conv's sums in the reference's order, then x / (1 + exp(-x)) with std::exp's exp, bit
+    for bit (8 lanes at a time and a tail); on an AVX-512 build too, where the silu once took
+    Sleef's 16-lane exp (~1 ulp off)."""
+    g = _gen(2)
+    x = torch.randn(2, 29, C, generator=g) * 4
+    state = torch.randn(2, C, 3, generator=g)
+    w = torch.randn(C, 4, generator=g)
+    b = torch.randn(C, generator=g)
+    pre = _conv_ref(x, state, w, b, silu=False).contiguous()
+    want = pre / (1 + K.prefill_exp(-pre, False))
+    assert torch.equal(K.conv_silu(x, state, w, b), want)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -89,47 +89,52 @@ inline __m256 silu8(__m256 x) {
 }  // namespace glibc_expf
 #endif
 
-// x[i] = exp(x[i] + shift) in place: 16 lanes at a time where AVX-512 is there, else 8 with
-// AVX2 unless Avx2 is false (a scalar expf per element was a third of the Mamba2 step at batch
-// 32: ~1.5M of them a step); the tail past the last whole vector scalar. The prefill kernels
-// keep std::exp's bits on AVX2 (glibc's expf, 8 lanes at a time: glibc_expf::exp8): with
-// Sleef's there, Qwen3.5's prompt logits against transformers' at 3,001 tokens read 1.04e-4
-// apart, over the parity test's 1e-4 (under it with std::exp).
-template <bool Avx2 = true>
+// x[i] = exp(x[i] + shift) in place. Sleef true: Sleef's vectorised exp (~1 ulp), 16 lanes at
+// a time where AVX-512 is there, else 8 with AVX2 (a scalar expf per element was a third of the
+// Mamba2 step at batch 32: ~1.5M of them a step). Sleef false: std::exp's bits, 8 lanes at a
+// time (glibc_expf::exp8) wherever AVX2 and FMA are, AVX-512 builds included. The tail past
+// the last whole vector is scalar. The prefill kernels keep std::exp's bits: with Sleef's
+// there, Qwen3.5's prompt logits against transformers' at 3,001 tokens read 1.04e-4 apart,
+// over the parity test's 1e-4 (under it with std::exp).
+template <bool Sleef = true>
 inline void exp_(float* x, int64_t n, float shift) {
   int64_t i = 0;
+  if constexpr (Sleef) {
 #ifdef __AVX512F__
-  const __m512 sh = _mm512_set1_ps(shift);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_add_ps(_mm512_loadu_ps(x + i), sh)));
+    const __m512 sh = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(x + i, Sleef_expf16_u10(_mm512_add_ps(_mm512_loadu_ps(x + i), sh)));
 #elif defined(__AVX2__)
-  const __m256 sh = _mm256_set1_ps(shift);
-  if constexpr (Avx2) {
+    const __m256 sh = _mm256_set1_ps(shift);
     for (; i + 8 <= n; i += 8)
       _mm256_storeu_ps(x + i, Sleef_expf8_u10(_mm256_add_ps(_mm256_loadu_ps(x + i), sh)));
+#endif
   } else {
-#ifdef __FMA__
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 sh = _mm256_set1_ps(shift);
     for (; i + 8 <= n; i += 8) {
       _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), sh));
       glibc_expf::exp8(x + i, x + i);
     }
 #endif
   }
-#endif
   for (; i < n; ++i) x[i] = std::exp(x[i] + shift);
 }
 
-// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch. On an AVX2 build (not
-// AVX-512) one pass, 8 lanes at a time, exp from glibc_expf::silu8 with Avx2 false, else
-// Sleef's: the same bits as the passes below (exp_(-x) then x / (1 + e)), without two trips
-// through tmp.
-template <bool Avx2 = true>
+// out[i] = silu(x[i]) (out may be x); tmp: n floats of scratch. One pass, 8 lanes at a time,
+// where it keeps the bits of the passes below (exp_<Sleef>(-x) then x / (1 + e)) without two
+// trips through tmp: Sleef false with AVX2 and FMA (glibc_expf::silu8; AVX-512 builds too),
+// Sleef true on an AVX2 build that is not AVX-512 (Sleef's 8-lane exp; AVX-512's exp_ takes
+// 16 lanes, so it keeps the passes).
+template <bool Sleef = true>
 inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#ifdef __FMA__
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  constexpr bool one_pass = !Sleef;
+#elif defined(__FMA__)
   constexpr bool one_pass = true;
 #else
-  constexpr bool one_pass = Avx2;
+  constexpr bool one_pass = Sleef;
 #endif
   if constexpr (one_pass) {
     int64_t i = 0;
@@ -137,7 +142,7 @@ inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
     for (; i + 8 <= n; i += 8) {
       const __m256 v = _mm256_loadu_ps(x + i);
       __m256 o;
-      if constexpr (Avx2) {
+      if constexpr (Sleef) {
         o = _mm256_div_ps(v, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(v, sign))));
       } else {
 #ifdef __FMA__
@@ -151,7 +156,7 @@ inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
   }
 #endif
   for (int64_t i = 0; i < n; ++i) tmp[i] = -x[i];
-  exp_<Avx2>(tmp, n, 0.f);
+  exp_<Sleef>(tmp, n, 0.f);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.f + tmp[i]);
 }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }

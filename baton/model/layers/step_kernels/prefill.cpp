@@ -5,8 +5,9 @@
 // token prompt's conv input is 16 MB), each pass memory bound; on the bench 100m models they
 // were a fifth of a prefill, about as much as the layers' projections. Each row (token) is
 // computed alone, in the reference's order of operations (no FMA: -ffp-contract=off), so a
-// token's result does not depend on the prompt's chunking; only the exp differs (Sleef's, the
-// one torch's vectorised exp uses too, ~1 ulp).
+// token's result does not depend on the prompt's chunking; only the exp differs from torch's:
+// these keep std::exp's bits (common.h's exp_<false>, on AVX2 and AVX-512 builds alike), where
+// torch's vectorised exp is Sleef's (~1 ulp).
 
 #include "common.h"
 
@@ -56,7 +57,7 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& state, const at::Ten
         const int64_t s = t + k;
         src[k] = s < K - 1 ? st.data() + (i * (K - 1) + s) * C : xp + i * xs0 + (s - (K - 1)) * xs1;
       }
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
       {  // one pass: each 8 channels' taps, bias and silu in registers
         int64_t c = 0;
         for (; c + 8 <= C; c += 8) {
