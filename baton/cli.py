@@ -7,6 +7,7 @@ import logging
 import sys
 
 from baton.errors import BatonError
+from baton.model import family as families
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--local: MTP draft tokens per decode step, 0..8 (default: config "
                         "speculative.num_draft_tokens, 0 = off)")
 
-    p = sub.add_parser("make-model", help="write a small seeded checkpoint (NemotronH, Qwen3.5, MoE)")
+    p = sub.add_parser("make-model", help="write a small seeded checkpoint of a registered family")
     p.add_argument("--out", required=True, help="folder to write the checkpoint into")
     p.add_argument("--pattern", default=None,
                    help="layer pattern: M = Mamba2, * = attention, - = MLP (default: the "
@@ -141,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
                    help="write tokenizer.json (byte-level BPE trained on the shipped text, as the "
                         "named models have; default on); --no-tokenizer: text is one id a byte")
-    p.add_argument("--family", default="nemotron_h",
-                   choices=["nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next"],
-                   help="model family (config.json model_type)")
+    p.add_argument("--family", default=None, choices=families.names(),
+                   help="model family (config.json model_type; default: "
+                        f"{families.for_model_type(None).name})")
     p.add_argument("--multimodal", action="store_true",
                    help="qwen3_5: the published multimodal layout (text_config, a vision stub)")
     p.add_argument("--moe-experts", type=int, default=None, help="routed experts per E layer")

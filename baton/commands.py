@@ -84,6 +84,7 @@ def _print_results(results: list[dict], as_json: bool) -> int:
 
 
 def cmd_make_model(args) -> int:
+    from baton.model import family
     from baton.model.make_model import write_checkpoint
 
     kw = {"seed": args.seed, "preset": args.preset, "family": args.family,
@@ -94,7 +95,8 @@ def cmd_make_model(args) -> int:
         kw["pattern"] = args.pattern
     if args.hidden_size:
         kw["hidden_size"] = args.hidden_size
-    experts = "n_routed_experts" if args.family == "nemotron_h" else "num_experts"
+    spec = family.for_model_type(None) if args.family is None else family.by_name(args.family)
+    experts = spec.moe_experts_field
     moe = {experts: args.moe_experts, "num_experts_per_tok": args.moe_top_k,
            "moe_latent_size": args.moe_latent_size}
     kw.update({k: v for k, v in moe.items() if v is not None})

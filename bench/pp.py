@@ -88,8 +88,8 @@ def _measure(path, pp: int, n: int, prompt_len: int, chunk: int, vocab: int) -> 
 def handoff_bytes(path, prompt_len: int) -> list[dict]:
     """Bytes of one `prompt_len`-token handoff for each prefill PP x decode PP (even splits)."""
     from baton.model.config import load_config
+    from baton.model.partition import partition_layers
     from baton.model.pools import Pools, PoolSpec
-    from baton.model.stage import partition_layers
     from transfer.layout import StageLayout
     from transfer.planner import plan
 

@@ -69,7 +69,7 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     spec = with_draft_layers(spec, model, cfg.speculative)
     pools = Pools(spec)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
-    buckets = cfg.worker.decode_batch_buckets and getattr(model, "decode_takes_tables", False)
+    buckets = cfg.worker.decode_batch_buckets and model.capabilities.decode_takes_tables
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
                                reserved_slots=reserved, pad_rows=bool(buckets))
     _maybe_arm_canaries(cache)

@@ -70,7 +70,7 @@ class Engine:
         """MTP speculative decoding (baton/engine/speculative/), None when off."""
         self.batch = (DecodeBatch(cache, cfg.max_num_seqs, self.device,
                                   cfg.decode_batch_buckets if pads(cache) else ())
-                      if getattr(model, "decode_takes_tables", False) else None)
+                      if model.capabilities.decode_takes_tables else None)
         """The plain decode step's metadata tensors (baton/engine/decode_batch.py); None for
         models that take lists (pipeline, tensor parallel)."""
         if cfg.decode_batch_buckets and not pads(cache):
@@ -97,7 +97,7 @@ class Engine:
             )
         sampling.validate(vocab)
         if sampling.prompt_logprobs is not None and \
-                not getattr(self.model, "scores_every_position", True):
+                not self.model.capabilities.scores_every_position:
             raise InvalidRequestError(
                 "prompt_logprobs (echo with logprobs) is not available on a pipeline-parallel "
                 "worker; serve it with pipeline_parallel_size 1 or leave it out")

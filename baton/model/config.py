@@ -1,5 +1,5 @@
-"""Model configs by family: `load_config` reads a checkpoint's `config.json` into the
-family's frozen dataclass, chosen by its `model_type`.
+"""Model configs by family: `load_config` reads a checkpoint's `config.json` into the frozen
+dataclass of the family its `model_type` names (`baton.model.family`).
 
 Every family's config answers the same questions the cache, transfer and engine ask
 (`num_layers`, `pattern`, `attention_layers`, `state_layers`, `state_tensors`, KV heads and
@@ -12,24 +12,14 @@ import json
 from pathlib import Path
 
 from baton.errors import ConfigError
-from baton.model.nemotron_h.config import ModelConfig
+from baton.model import family
 
-__all__ = ["ModelConfig", "config_from_dict", "load_config", "FAMILIES"]
-
-FAMILIES: dict[str, type] = {"nemotron_h": ModelConfig}
-"""model_type -> config class. A family registers itself here on import."""
+__all__ = ["config_from_dict", "load_config"]
 
 
 def config_from_dict(d: dict):
-    """The config of the family `d["model_type"]` names (NemotronH when absent)."""
-    _import_families()
-    kind = d.get("model_type") or "nemotron_h"
-    cls = FAMILIES.get(kind)
-    if cls is None:
-        raise ConfigError(
-            f"model_type {kind!r} is not served by Baton; served families: {sorted(FAMILIES)}"
-        )
-    return cls.from_dict(d)
+    """The config of the family `d["model_type"]` names (the default family when absent)."""
+    return family.for_model_type(d.get("model_type")).config_class().from_dict(d)
 
 
 def load_config(path: str | Path):
@@ -43,13 +33,3 @@ def load_config(path: str | Path):
     if not isinstance(d, dict):
         raise ConfigError(f"{p} must hold a JSON object")
     return config_from_dict(d)
-
-
-def _import_families() -> None:
-    """Families beyond NemotronH register on import (kept lazy: each pulls its own modules)."""
-    for mod in ("baton.model.qwen3_5.config", "baton.model.qwen3_5.moe_config"):
-        try:
-            __import__(mod)
-        except ModuleNotFoundError as e:
-            if not mod.startswith(str(e.name)):
-                raise

@@ -1,77 +1,33 @@
 """Load a checkpoint directory (`config.json` + `*.safetensors`) into its family's model, or
-one pipeline stage of it. `LOADERS` says, per family, which classes to build and how the
-checkpoint names its tensors."""
+one pipeline stage of it. The family's spec (`baton.model.family`) says which classes to
+build and how the checkpoint names its tensors."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from baton.errors import ConfigError
+from baton.model import family
 from baton.model.config import load_config
+from baton.model.family import Weights
 from baton.model.layers.linear import install as install_linears
-from baton.model.mtp import attach_mtp
 from baton.model.progress import progress
 from baton.model.stacking import ExpertStacks
 
 log = logging.getLogger("baton.model")
 
 
-class FamilyLoader(NamedTuple):
-    model: str
-    """`module:Class` of the whole model (imported on use)."""
-    stage: str
-    """`module:Class` of one pipeline stage: (config, layers, first, last)."""
-    prefix_aliases: dict[str, str]
-    """Checkpoint name prefix -> the model's (first match wins)."""
-    fp32_suffixes: tuple[str, ...]
-    """Tiny per-head recurrent parameters kept float32 in any model dtype."""
-    embeddings: str
-    """The embedding table's name (a tied LM head reads it)."""
-    skipped: dict[str, str] = {}
-    """Checkpoint prefix -> what it is: tensors Baton does not serve, named once in the log."""
-    splits: dict[str, str] = {}
-    """Checkpoint name suffix -> `module:function` (config, name, tensor) -> {name: tensor}:
-    one checkpoint tensor that is several of the model's (Qwen3-Next's fused projections)."""
+MTP_PREFIX = "mtp."
 
 
-LOADERS: dict[str, FamilyLoader] = {
-    # transformers' in-memory names use `model.`; NemotronH checkpoints on disk `backbone.`.
-    "nemotron_h": FamilyLoader(
-        "baton.model.nemotron_h.model:NemotronHModel", "baton.model.stage:StageModel",
-        # the MoE router stays float32 too, as transformers keeps it
-        {"model.": "backbone."}, (".A_log", ".D", ".dt_bias", ".gate.weight",
-                                  ".gate.e_score_correction_bias"), "backbone.embeddings.weight",
-    ),
-    # The published multimodal layout keeps the text model under `model.language_model.`.
-    "qwen3_5": FamilyLoader(
-        "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
-        {"model.language_model.": "model."}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
-        {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"},
-    ),
-}
-LOADERS["qwen3_5_moe"] = LOADERS["qwen3_5"]  # the same layers, a MoE block as their `mlp`
-LOADERS["qwen3_next"] = FamilyLoader(
-    "baton.model.qwen3_5.model:Qwen35Model", "baton.model.qwen3_5.stage:Qwen35Stage",
-    {}, (".A_log", ".dt_bias"), "model.embed_tokens.weight",
-    {"mtp.": "the multi-token-prediction head"},
-    {".in_proj_qkvz.weight": "baton.model.qwen3_next.convert:split_projection",
-     ".in_proj_ba.weight": "baton.model.qwen3_next.convert:split_projection"},
-)
-
-
-def family_loader(cfg) -> FamilyLoader:
-    return LOADERS[cfg.family]
-
-
-def _class(ref: str):
-    mod, name = ref.split(":")
-    return getattr(__import__(mod, fromlist=[name]), name)
+def family_loader(cfg) -> Weights:
+    """How the checkpoint of `cfg`'s family names its tensors."""
+    return family.of(cfg).weights
 
 
 def load_model(
@@ -80,14 +36,14 @@ def load_model(
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
     A missing or mis-shaped tensor raises ConfigError naming it; the multi-token-prediction
-    head (`mtp.*`, see baton/model/mtp.py) is loaded as `model.mtp` when the config declares
+    head (`mtp.*`, the family's `mtp`) is loaded as `model.mtp` when the config declares
     it; other tensors the model does not use are ignored with a warning.
     """
     path = Path(path)
     cfg = load_config(path)
     fam = family_loader(cfg)
     with torch.device("meta"):
-        model = _class(fam.model)(cfg)
+        model = family.of(cfg).model_class()(cfg)
         attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
@@ -116,7 +72,7 @@ def load_stage(
     cfg = load_config(path)
     fam = family_loader(cfg)
     with torch.device("meta"):
-        model = _class(fam.stage)(cfg, layers, first, last)
+        model = family.of(cfg).stage_class()(cfg, layers, first, last)
         if mtp and last and attach_mtp(model, _tensor_names(path)) and not first:
             parent, _, name = fam.embeddings.rpartition(".")[0].rpartition(".")
             model.get_submodule(parent).add_module(
@@ -138,6 +94,28 @@ def mtp_head_meta(path: str | Path):
     with torch.device("meta"):
         attach_mtp(holder, _tensor_names(Path(path)))
     return getattr(holder, "mtp", None)
+
+
+def attach_mtp(model, checkpoint_names: set[str]) -> bool:
+    """Give `model` (built on the meta device) its family's MTP head when the config declares
+    one and the checkpoint holds its tensors; True if attached. A head declared but absent
+    from the checkpoint is left off (speculation then refuses to start); half present is an
+    error."""
+    head = family.of(model.config).mtp_head(model.config)
+    if head is None:
+        return False
+    want = {MTP_PREFIX + k for k in head.state_dict()}
+    have = {n for n in checkpoint_names if n.startswith(MTP_PREFIX)}
+    if not have:
+        return False
+    # a MoE block's stacked experts may come as one tensor per expert (the loader stacks them)
+    missing = sorted(w for w in want - have
+                     if not any(h.startswith(w.rsplit(".", 1)[0] + ".") for h in have - want))
+    if missing:
+        raise ConfigError(f"checkpoint declares an MTP head ({head.declared}) but "
+                          f"lacks tensor(s) {missing[:6]}")
+    model.mtp = head
+    return True
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -186,7 +164,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
                 split = next((fn for suffix, fn in fam.splits.items() if ours.endswith(suffix)),
                              None)
                 if split is not None:
-                    parts = _class(split)(cfg, ours, f.get_tensor(name))
+                    parts = family.load(split)(cfg, ours, f.get_tensor(name))
                     kept = {k: v for k, v in parts.items() if k in expected}
                     for k, v in kept.items():
                         _check_shape(k, tuple(v.shape), expected[k], file)

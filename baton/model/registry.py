@@ -8,15 +8,12 @@ import tempfile
 from pathlib import Path
 
 from baton.errors import ConfigError
+from baton.model import family
 
-# name -> (cache folder, write_checkpoint kwargs). Bump the folder's version when the recipe
-# changes so stale caches are never reused.
-NAMED = {
-    "tiny": ("tiny-v3", {"preset": "tiny", "seed": 0, "tokenizer": True}),
-    "100m": ("100m-v3", {"preset": "100m", "seed": 0, "tokenizer": True}),
-    "qwen3_5-tiny": ("qwen3_5-tiny-v2", {"family": "qwen3_5", "preset": "tiny", "seed": 0,
-                                         "tokenizer": True}),
-}
+
+def named_models() -> dict[str, tuple[str, dict]]:
+    """name -> (cache folder, write_checkpoint kwargs): every family's `named` models."""
+    return {name: how for spec in family.specs() for name, how in spec.named.items()}
 
 
 def cache_dir() -> Path:
@@ -24,15 +21,17 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A named model (`tiny`, `100m`, `qwen3_5-tiny`) generated into the cache on first use, else a directory."""
+    """A named model (`named_models`, e.g. `tiny`) generated into the cache on first use, else a
+    directory."""
     key = str(name_or_path)
-    if key in NAMED:
-        folder, kwargs = NAMED[key]
+    named = named_models()
+    if key in named:
+        folder, kwargs = named[key]
         return _ensure_generated(cache_dir() / folder, kwargs)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         raise ConfigError(
-            f"model {key!r} is neither a named model {sorted(NAMED)} nor an existing "
+            f"model {key!r} is neither a named model {sorted(named)} nor an existing "
             f"directory with config.json and *.safetensors"
         )
     return path
@@ -41,7 +40,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
 def served_name(model_dir: str | Path) -> str:
     """The name clients use for a checkpoint: `tiny` for the named model, else the folder name."""
     path = Path(model_dir)
-    for name, (folder, _) in NAMED.items():
+    for name, (folder, _) in named_models().items():
         if path == cache_dir() / folder:
             return name
     return path.name

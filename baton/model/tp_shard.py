@@ -11,7 +11,7 @@ section by section. A section of `units` shardable units (heads, groups), each
     otherwise         refused (`ConfigError` naming the section, its units and the sizes
                       that would divide)
 
-    NemotronH conv (channels, K-1), TP 2, n_groups 1: rank r's slot is
+    a Mamba2 conv (channels, K-1), TP 2, n_groups 1: rank r's slot is
         [ x[r*I/2:(r+1)*I/2] | B (all N) | C (all N) ]     each section sliced on its own
     KV block (2, tpb, kv_heads, hd), TP 4, 2 KV heads: ranks 0,1 hold head 0; 2,3 head 1
         (division, not modulo: r % 2 would give ranks 0,2 head 0).
@@ -143,24 +143,10 @@ def tp_rules(cfg) -> list[tuple[str, int, str]]:
     """(field, value, rule) the TP size must meet; rule "split" (a multiple of TP),
     "split_or_one" (or exactly 1: replicated), "split_or_replicate" (or TP a multiple)."""
     rules = [("vocab_size", cfg.vocab_size, "split"), ("hidden_size", cfg.hidden_size, "split")]
-    p = cfg.pattern
     if cfg.attention_layers:
         rules += [("num_attention_heads", cfg.num_attention_heads, "split"),
                   ("num_key_value_heads", cfg.num_key_value_heads, "split_or_replicate")]
-    if cfg.family == "nemotron_h":
-        if "M" in p:
-            rules += [("mamba_num_heads", cfg.mamba_num_heads, "split"),
-                      ("n_groups", cfg.n_groups, "split_or_one")]
-        if "-" in p:
-            rules.append(("intermediate_size", cfg.intermediate_size, "split"))
-    if cfg.family in ("qwen3_5", "qwen3_5_moe"):  # DeltaNet: value heads split, key heads
-        # split or replicated; the dense MLP (where a layer has one) by its width
-        if len(getattr(cfg, "moe_layers", ())) < cfg.num_layers:
-            rules += [("intermediate_size", cfg.intermediate_size, "split")]
-        if "G" in p:
-            rules += [("linear_num_value_heads", cfg.linear_num_value_heads, "split"),
-                      ("linear_num_key_heads", cfg.linear_num_key_heads, "split_or_replicate")]
-    return rules
+    return rules + cfg.tp_rules()  # the family's own layers (its config says)
 
 
 def _ok(value: int, rule: str, tp: int) -> bool:

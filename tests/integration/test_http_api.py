@@ -28,7 +28,7 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.model.chat_template import load_chat_template
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.tokenizer import ByteTokenizer
 from baton.proto_gen import baton_pb2
 from tests.engine_helpers import make_checkpoint, prompt

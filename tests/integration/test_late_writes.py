@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from baton.model.make_model import checkpoint_config
+from baton.model.nemotron_h.make import checkpoint_config
 from tests.engine_helpers import make_checkpoint, prompt
 from tests.support.loopback import StageProc
 

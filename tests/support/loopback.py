@@ -121,7 +121,7 @@ class _Stage:
         rank, size = tp or (0, 1)
         local = mc
         if tp is not None:
-            from baton.model.nemotron_h.tp import family_tp
+            from baton.model.tp_loader import family_tp
 
             local = family_tp(mc).local_config(mc, size)
         spec = PoolSpec.for_model(local, num_blocks=num_blocks,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from baton.model.config import config_from_dict
+from baton.model.partition import partition_layers
 from baton.model.pools import PoolSpec
-from baton.model.stage import partition_layers
 from tests.support.loopback import StageProc
 from tests.support.verify import Handoff, expected_after, first_difference, split_layers, views
 

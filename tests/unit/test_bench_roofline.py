@@ -8,8 +8,8 @@ from torch import nn
 
 from baton.model.layers.moe import MoE
 from baton.model.layers.qwen_moe import QwenSparseMoe
-from baton.model.make_model import checkpoint_config
 from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.make import checkpoint_config
 from bench.roofline import _routed_expert_flops
 
 

@@ -11,7 +11,7 @@ from baton.config import BatonConfig
 from baton.config.base import from_dict
 from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.errors import CapacityError, ConfigError
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.pools import Pools, PoolSpec
 
 MODEL = ModelConfig.from_dict(

@@ -12,7 +12,7 @@ import torch
 from baton.cache.manager import Admission, HybridCacheManager
 from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.errors import CapacityError, InvalidRequestError
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.pools import Pools, PoolSpec
 
 MODEL = ModelConfig.from_dict(
@@ -356,7 +356,7 @@ def test_restoring_a_partial_never_evicts_its_own_page():
 def test_snapshot_listener_sees_exact_tokens_of_adds_and_drops():
     from baton.cache.manager import HybridCacheManager
     from baton.config.cache import CacheConfig, MambaStateConfig
-    from baton.model.config import ModelConfig
+    from baton.model.nemotron_h.config import ModelConfig
     from baton.model.pools import Pools, PoolSpec
 
     mcfg = ModelConfig.from_dict(dict(

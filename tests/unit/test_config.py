@@ -56,7 +56,7 @@ def test_missing_and_invalid_files(tmp_path):
 # ---- pipeline parallelism -----------------------------------------------------------------
 
 def test_pp_partition_errors_name_the_field():
-    from baton.model.stage import partition_layers
+    from baton.model.partition import partition_layers
 
     with pytest.raises(ConfigError, match=r"worker.pp_layer_partition \[3, 3, 1\] sums to 7"):
         partition_layers(8, 3, (3, 3, 1))

@@ -113,8 +113,8 @@ def test_huge_zeros():
 
 
 def test_pools_are_on_huge_pages():
-    from baton.model.make_model import checkpoint_config
     from baton.model.nemotron_h.config import ModelConfig
+    from baton.model.nemotron_h.make import checkpoint_config
     from baton.model.pools import Pools, PoolSpec
 
     cfg = ModelConfig.from_dict(checkpoint_config("tiny"))

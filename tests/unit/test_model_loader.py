@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baton.errors import ConfigError
-from baton.model.config import ModelConfig
 from baton.model.loader import load_model
 from baton.model.make_model import write_checkpoint
+from baton.model.nemotron_h.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
@@ -148,8 +148,8 @@ def test_write_checkpoint_is_deterministic(tmp_path):
 
 
 def test_presets_have_expected_shape(tmp_path):
-    from baton.model.make_model import checkpoint_config
     from baton.model.nemotron_h import NemotronHModel
+    from baton.model.nemotron_h.make import checkpoint_config
 
     cfg = ModelConfig.from_dict(checkpoint_config("100m"))
     with torch.device("meta"):

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from baton.cli import main
 from baton.errors import ConfigError
-from baton.model.config import ModelConfig
 from baton.model.loader import load_model, load_stage
-from baton.model.make_model import checkpoint_config
+from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.make import checkpoint_config
 from baton.model.pools import PoolSpec
 
 PATTERN = "ME*E-E"

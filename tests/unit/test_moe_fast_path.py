@@ -17,8 +17,8 @@ import torch
 from baton.model.layers import cpu_kernels, linear
 from baton.model.layers.moe import MoE, Routing, run_experts
 from baton.model.layers.qwen_moe import QwenSparseMoe
-from baton.model.make_model import checkpoint_config
 from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.make import checkpoint_config
 
 pytestmark = pytest.mark.skipif(cpu_kernels.gemv() is None, reason="cpu kernel not built")
 

@@ -25,8 +25,8 @@ from baton.model.layers import cpu_kernels, linear, step_kernels
 from baton.model.layers.fast_blocks import mlp_part, program
 from baton.model.layers.moe import MoE, sigmoid_group_topk
 from baton.model.layers.qwen_moe import QwenSparseMoe
-from baton.model.make_model import checkpoint_config
 from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.make import checkpoint_config
 
 g = cpu_kernels.gemv()
 qwen_route = pytest.mark.skipif(g is None or not g.route_available(),

@@ -10,8 +10,8 @@ import torch
 
 from baton.engine.pipeline.mirror import MirroredPools, apply_ops
 from baton.engine.pipeline.model import PipelineModel, split, token_split
-from baton.model.config import ModelConfig
-from baton.model.make_model import checkpoint_config
+from baton.model.nemotron_h.config import ModelConfig
+from baton.model.nemotron_h.make import checkpoint_config
 from baton.model.pools import Pools, PoolSpec
 from baton.worker.staged import StagedAgent
 

@@ -15,7 +15,8 @@ import torch
 
 from baton.cache import canary
 from baton.errors import ConfigError
-from baton.model.config import ModelConfig, config_from_dict
+from baton.model.config import config_from_dict
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.pools import Pools, PoolSpec
 from baton.model.state_spec import StateTensorSpec
 from tests.support.testbed import tiny_model, tiny_qwen

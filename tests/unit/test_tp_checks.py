@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from baton.errors import ConfigError, TransferError
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.pools import Pools
 from baton.model.tp_shard import check_tp, model_shards
 from tests.support.testbed import tiny_model
@@ -130,7 +130,7 @@ def test_tp_size_difference_needs_the_tp_plan():
      "this model: 1, 2)"),
 ])
 def test_moe_split_that_cannot_divide_refused_before_any_rank(kw, tp, split, msg):
-    from baton.model.nemotron_h.tp import family_tp
+    from baton.model.tp_loader import family_tp
 
     moe = ModelConfig.from_dict(tiny_model("M*E-", mamba_num_heads=8, n_groups=1, **kw))
     with pytest.raises(ConfigError) as e:
@@ -144,7 +144,7 @@ def test_moe_split_that_cannot_divide_refused_before_any_rank(kw, tp, split, msg
 
 def test_unknown_moe_split_and_families_without_a_tp_build_refused():
     from baton.config import BatonConfig
-    from baton.model.nemotron_h.tp import family_tp
+    from baton.model.tp_loader import family_tp
 
     with pytest.raises(ConfigError, match=r"moe_tp_split"):
         BatonConfig.from_dict({"worker": {"moe_tp_split": "rows"}})

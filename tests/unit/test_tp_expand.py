@@ -20,8 +20,8 @@ import torch
 
 from baton.errors import TransferError
 from baton.model.nemotron_h.tp import local_config
+from baton.model.partition import partition_layers
 from baton.model.pools import Pools, PoolSpec
-from baton.model.stage import partition_layers
 from baton.model.tp_shard import model_shards
 from tests.unit.test_tp_plan import GROUPS1, GROUPS4, reference_local
 from transfer.layout import StageLayout

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from baton.model import stacking
+from baton.model import stacking, tp_loader
 from baton.model.layers.parallel import TPGroup
 from baton.model.loader import load_model
-from baton.model.nemotron_h import tp as nh_tp
+from baton.model.tp_loader import load_tp_model
 
 NH = dict(pattern="ME*E", hidden_size=64, vocab_size=256, intermediate_size=128,
           mamba_head_dim=8, ssm_state_size=8, head_dim=16, chunk_size=16, n_groups=4,
@@ -117,8 +117,8 @@ def test_rank_holds_and_reads_only_its_expert_shard(models, monkeypatch, family,
     for r in range(tp):
         reads = Reads(stacking.safe_open)
         monkeypatch.setattr(stacking, "safe_open", reads)
-        monkeypatch.setattr(nh_tp, "safe_open", reads)
-        model = nh_tp.load_tp_model(path, TPGroup(r, tp), moe_split=split)
+        monkeypatch.setattr(tp_loader, "safe_open", reads)
+        model = load_tp_model(path, TPGroup(r, tp), moe_split=split)
         mine = model.state_dict()
         for name in moe_names:
             want = _expected(full, name, split, tp, r)
@@ -159,7 +159,7 @@ def test_rank_partials_sum_to_the_tp1_layer(models, family, split, tp):
     x = torch.randn(37, full.config.hidden_size, generator=torch.Generator().manual_seed(9),
                     dtype=torch.float64)
     groups = [Capture(r, tp) for r in range(tp)]
-    ranks = [_moe_layers(nh_tp.load_tp_model(path, g, dtype=torch.float64, moe_split=split))
+    ranks = [_moe_layers(load_tp_model(path, g, dtype=torch.float64, moe_split=split))
              for g in groups]
     for i, ref in enumerate(_moe_layers(full)):
         seen = ref.routed_tokens.clone()  # the shared TP-1 model counts every test's calls
@@ -187,9 +187,9 @@ def test_missing_expert_named_by_its_checkpoint_id_on_the_rank_that_needs_it(mod
     gone = "backbone.layers.1.mixer.experts.5.up_proj.weight"
     del state[gone]
     save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    nh_tp.load_tp_model(bad, TPGroup(0, 2))  # experts 0..3: not its expert, not read
+    load_tp_model(bad, TPGroup(0, 2))  # experts 0..3: not its expert, not read
     with pytest.raises(ConfigError) as e:
-        nh_tp.load_tp_model(bad, TPGroup(1, 2))
+        load_tp_model(bad, TPGroup(1, 2))
     assert str(e.value) == (f"checkpoint is missing tensor {gone!r} (expert 5 for "
                             "'backbone.layers.1.mixer.experts.up_proj', experts 4..7 on this "
                             "rank)")

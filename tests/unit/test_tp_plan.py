@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from baton.model import tp_shard
-from baton.model.config import ModelConfig, config_from_dict
+from baton.model.config import config_from_dict
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.tp_shard import SectionShard, TensorShard, model_shards
 from tests.support.testbed import tiny_model, tiny_qwen
 from transfer import tp_plan

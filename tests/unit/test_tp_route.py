@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from baton.errors import TransferError
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.tp import local_config
 from baton.model.pools import Pools, PoolSpec
 from tests.support.testbed import tiny_model

@@ -15,7 +15,7 @@ import torch
 
 from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.pools import Pools, PoolSpec
 from tests.support.testbed import tiny_model
 from transfer import wire

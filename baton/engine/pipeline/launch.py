@@ -26,8 +26,9 @@ import torch.distributed as dist
 from baton.config import BatonConfig
 from baton.config.base import to_dict
 from baton.model.config import load_config
+from baton.model.partition import partition_layers
 from baton.model.pools import Pools, PoolSpec
-from baton.model.stage import StageModel, partition_layers
+from baton.model.protocol import Stage
 
 log = logging.getLogger("baton.pipeline")
 
@@ -57,7 +58,7 @@ def join_group(store: dist.TCPStore, rank: int, size: int) -> None:
 
 
 def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
-                ) -> tuple[StageModel, Pools]:
+                ) -> tuple[Stage, Pools]:
     """One stage's weights and pools. With speculation on, the last stage also holds the
     MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
     from baton.engine.builder import DTYPES, on_huge_pages
@@ -73,7 +74,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, layers=layers[rank],
                               dtype=dtype, device=cfg.model.device)
-    if getattr(model, "mtp", None) is not None:
+    if model.mtp is not None:
         spec = with_draft_layers(spec, model, cfg.speculative, cfg.cache.num_blocks)
     return model, Pools(spec)
 

@@ -1,4 +1,4 @@
-"""Stage 0's stand-in for NemotronHModel: the engine calls `prefill_batch` / `decode` as
+"""Stage 0's stand-in for a family's model (`baton.model.protocol.CausalLM`): the engine calls `prefill_batch` / `decode` as
 always; the call is split into micro-batches that flow through every stage.
 
     stage 0   [mb0][mb1][mb2][mb3]                 (embeddings + its layers, then sends)
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from baton.engine.pipeline.channel import TAG_CTRL, TAG_HIDDEN, TAG_OUT, TAG_REPLY, Channel
 from baton.engine.pipeline.mirror import MirroredPools
 from baton.engine.pipeline.stage import run_layers
-from baton.model.stage import StageModel
+from baton.model.protocol import STAGED, Stage
 
 MIN_TOKENS = 128
 """The fewest tokens per sequence a token-split prefill micro-batch gets: smaller ones cost
@@ -65,7 +65,7 @@ def token_split(T: int, parts: int, align: int, least: int = MIN_TOKENS) -> list
 
 
 class PipelineModel:
-    def __init__(self, stage: StageModel, pools: MirroredPools, channel: Channel,
+    def __init__(self, stage: Stage, pools: MirroredPools, channel: Channel,
                  layers: list[range], micro_batches: int | None = None, local_stages=None,
                  on_link_lost: Callable[[BaseException], None] | None = None):
         self.stage, self.pools, self.ch = stage, pools, channel
@@ -97,8 +97,8 @@ class PipelineModel:
     def dtype(self) -> torch.dtype:
         return self.stage.dtype
 
-    # ---- the NemotronHModel contract the engine uses --------------------------------------
-    scores_every_position = False
+    # ---- the CausalLM contract the engine uses --------------------------------------
+    capabilities = STAGED
     """Only the last stage holds the head and it returns last-position logits: requests that
     ask for prompt logprobs are refused up front (Engine.validate)."""
 

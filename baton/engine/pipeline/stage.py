@@ -32,7 +32,7 @@ from baton.model.layers.linear import decode_scope
 from baton.model.layers.moe import routed_tokens
 from baton.model.paged import decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools
-from baton.model.stage import StageModel
+from baton.model.protocol import Stage
 
 log = logging.getLogger("baton.pipeline")
 
@@ -41,7 +41,7 @@ Handler = Callable[[dict], dict | None]
 
 
 @torch.inference_mode()
-def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> torch.Tensor:
+def run_layers(model: Stage, pools: Pools, mb: dict, h: torch.Tensor) -> torch.Tensor:
     """This stage's layers over micro-batch `mb` (input hidden states, or token ids on the
     first stage)."""
     decode, starts, tables, slots = mb["decode"], mb["starts"], mb["tables"], mb["slots"]
@@ -59,14 +59,14 @@ def run_layers(model: StageModel, pools: Pools, mb: dict, h: torch.Tensor) -> to
 
 
 @torch.inference_mode()
-def last_logits(model: StageModel, h: torch.Tensor, decode: bool) -> torch.Tensor:
+def last_logits(model: Stage, h: torch.Tensor, decode: bool) -> torch.Tensor:
     if not decode:
         return model.logits(h[:, -1])
     with decode_scope():  # decode's final norm and LM head, as a colocated `model.decode`
         return model.logits(h)
 
 
-def hidden_shape(model: StageModel, mb: dict) -> tuple[int, ...]:
+def hidden_shape(model: Stage, mb: dict) -> tuple[int, ...]:
     n, hs = len(mb["starts"]), model.config.hidden_size
     if "verify" in mb:
         return (sum(mb["verify"]["counts"]), hs)
@@ -87,7 +87,7 @@ def wants_hidden(mb: dict) -> bool:
 class StageLoop:
     """Stages 1..N-1: obey stage 0's control messages until "stop" (or the group breaks)."""
 
-    def __init__(self, model: StageModel, pools: Pools, channel: Channel,
+    def __init__(self, model: Stage, pools: Pools, channel: Channel,
                  handlers: dict[str, Handler] | None = None):
         self.model, self.pools, self.ch = model, pools, channel
         self.handlers = dict(handlers or {})
@@ -101,7 +101,7 @@ class StageLoop:
             "layers": {str(i): c for i, c in routed_tokens(model).items()}}
         self.drafter = None
         """The MTP head's drafter (the last stage of a speculating worker)."""
-        if getattr(model, "mtp", None) is not None:
+        if model.mtp is not None:
             from baton.engine.pipeline.speculative import Drafter, stage_handlers
 
             self.drafter = Drafter(model, pools)

@@ -50,7 +50,7 @@ class SpeculativeDecoder:
         self.tree = tree
         """Tree drafts for greedy requests (tree.py), None: chains."""
         # a pipeline's head runs on its last stage (baton/engine/pipeline/speculative.py)
-        self.drafter = model.drafter() if hasattr(model, "drafter") else Drafter(model, pools)
+        self.drafter = model.drafter() if model.capabilities.staged else Drafter(model, pools)
         self.scratch = StateScratch(pools, first_slot, max_requests,
                                     tree.max_nodes if tree is not None else k)
         self.pending = PendingRows(model.config.hidden_size)
@@ -67,7 +67,7 @@ class SpeculativeDecoder:
         """Where the decode steps' time went: MTP passes (pending entries and drafts), the
         target's verify forward, acceptance and the roll back (slot copies, KV moves)."""
         self.steps = 0
-        self.plain = getattr(model, "decode_hidden", False) and not hasattr(model, "verify")
+        self.plain = model.capabilities.decode_hidden and not model.capabilities.staged
         """Steps without drafts run the target's plain decode forward (`_plain_step`), not a
         verify pass (a pipeline's stages run their verify pass either way)."""
         self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
@@ -252,7 +252,7 @@ class SpeculativeDecoder:
     def _verify(self, rows: list[VerifyRow]):
         tree = self.tree is not None
         self._live_first = False
-        if hasattr(self.model, "verify"):  # a pipeline: every stage runs its layers
+        if self.model.capabilities.staged:  # a pipeline: every stage runs its layers
             return self.model.verify(rows, self.scratch, tree)
         self._live_first = self._live_first_ok and not tree and \
             kernel_verify.applies(self.pools)

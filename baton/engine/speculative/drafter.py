@@ -55,8 +55,7 @@ class Drafter:
 
     def __init__(self, model, target_pools):
         self.head = model.mtp
-        self.embed = model.backbone.embeddings if hasattr(model, "backbone") \
-            else model.model.embed_tokens
+        self.embed = model.embedding
         self.lm_head = model.lm_head
         # the head's KV in the target's pool (with_draft_layers), else in a pool of its own
         own = any(x not in target_pools.spec.attn_index for x in self.head.attention_layers)

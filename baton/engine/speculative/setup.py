@@ -41,7 +41,7 @@ def with_draft_layers(spec, model, cfg: SpeculativeConfig | None, num_blocks: in
     layout (an attention-only layer: no recurrent state). An attention-free spec gets a KV
     pool of `num_blocks` for them (a pipeline's last stage), or none when 0 (the head then
     keeps a pool of its own)."""
-    head = getattr(model, "mtp", None)
+    head = model.mtp
     if cfg is None or not cfg.num_draft_tokens or head is None:
         return spec
     if not spec.attn_layers:
@@ -67,7 +67,7 @@ def build_speculative(model, pools, cfg: SpeculativeConfig | None, max_requests:
         raise ConfigError(f"speculative.num_draft_tokens={k} needs {want} state slots kept out "
                           f"of the cache manager but it keeps {reserved}: build the engine "
                           f"with build_engine")
-    if getattr(model, "mtp", None) is None:
+    if model.mtp is None:
         raise ConfigError(
             f"speculative.num_draft_tokens={k} needs an MTP head but {where} has none "
             f"(num_nextn_predict_layers > 0 and mtp.* tensors); set it to 0 or use a "

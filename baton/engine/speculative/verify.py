@@ -116,18 +116,13 @@ def verify_forward(model, pools: Pools, rows: list[VerifyRow], scratch: StateScr
 
 
 def embed(model, ids: torch.Tensor) -> torch.Tensor:
-    """The token embeddings of a whole model or a pipeline stage of either family."""
-    table = model.backbone.embeddings if hasattr(model, "backbone") else model.model.embed_tokens
+    """The token embeddings of a whole model or a pipeline stage (`protocol.Stage`)."""
+    table = model.embedding
     return table(ids.to(table.weight.device))
 
 
 def final_norm(model, h: torch.Tensor) -> torch.Tensor:
-    return model.backbone.norm_f(h) if hasattr(model, "backbone") else model.model.norm(h)
-
-
-def _layers(container) -> list:
-    layers = container.layers
-    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+    return model.final_norm(h)
 
 
 def verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> torch.Tensor:
@@ -199,14 +194,8 @@ def _chain_meta(plan: VerifyPlan, pools: Pools, lean: bool = False):
 
 
 def _run_layers(model, h: torch.Tensor, mix) -> torch.Tensor:
-    if hasattr(model, "backbone"):  # NemotronH: one mixer per pre-norm residual block
-        for block in _layers(model.backbone):
-            x = block.norm(h)
-            h = h + (block.mixer(x) if block.stateless else mix(block.mixer, x))
-    else:  # Qwen3.5: mixer then MLP in each decoder layer (its DecoderLayer.forward)
-        for layer in _layers(model.model):
-            h = h + mix(layer.mixer, layer.input_layernorm(h))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+    for layer in model.blocks():  # each layer's own residual structure (`Layer.run_mixed`)
+        h = layer.run_mixed(h, mix)
     return h
 
 

@@ -12,7 +12,7 @@ like the pipeline's stages (`baton.engine.pipeline`) and sharing its machinery.
 Every rank runs the same forward on its shard; block and slot ids are rank 0's everywhere
 (its cache manager decides, its copy/zero/fill operations are mirrored to every rank ahead
 of the next forward). Full logits exist only on rank 0 (the vocab-parallel head gathers
-them there). Files: `model.py` (rank 0's drop-in for NemotronHModel, a `PipelineModel`
+them there). Files: `model.py` (rank 0's drop-in for a family's model, a `PipelineModel`
 with one stage of N shards), `rank.py` (the loop of ranks 1..N-1), `launch.py` (processes,
 group, threads, the rank layout).
 """

@@ -24,6 +24,7 @@ from baton.engine.pipeline.launch import (
     join_group,
     open_store,
 )
+from baton.model import family
 from baton.model.config import load_config
 from baton.model.layers.parallel import TPGroup, collective_backend, rank_device
 from baton.model.tp_shard import held_units
@@ -44,12 +45,7 @@ def rank_layout(cfg, size: int, pids: dict[int, int]) -> str:
         if cfg.attention_layers:
             what += [f"attention heads {_rng(cfg.num_attention_heads, size, r)}",
                      f"KV heads {_rng(cfg.num_key_value_heads, size, r)}"]
-        if "G" in cfg.pattern:  # Qwen3.5 gated DeltaNet
-            what += [f"key heads {_rng(cfg.linear_num_key_heads, size, r)}",
-                     f"value heads {_rng(cfg.linear_num_value_heads, size, r)}"]
-        if "M" in cfg.pattern:
-            what += [f"mamba heads {_rng(cfg.mamba_num_heads, size, r)}",
-                     f"groups {_rng(cfg.n_groups, size, r)}"]
+        what += [f"{label} {_rng(units, size, r)}" for label, units in cfg.tp_layout()]
         role = " (scheduler + cache manager)" if r == 0 else ""
         parts.append(f"  rank {r} pid {pids.get(r, os.getpid())}{role}: {', '.join(what)}")
     return "\n".join(parts)
@@ -80,7 +76,7 @@ def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     """(the rank's model, its pools)."""
     from baton.engine.builder import DTYPES
-    from baton.model.nemotron_h.tp import load_tp_model
+    from baton.model.tp_loader import load_tp_model
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
                           dtype=DTYPES[cfg.model.dtype],
@@ -99,11 +95,9 @@ def start_ranks(cfg: BatonConfig, path, on_death=None, argv=None):
     """(store, the rank processes 1..N-1) after checking the model splits; `argv(rank,
     master)`: a rank's command line (default a bare rank; a worker's ranks run its role's
     transfer agent: `baton <role>-worker --pp-rank R --pp-master M`)."""
-    from baton.model.nemotron_h.tp import family_tp
-
     size = cfg.worker.tensor_parallel_size
     mcfg = load_config(path)
-    family_tp(mcfg).local_config(mcfg, size, cfg.worker.moe_tp_split)  # refused here, before
+    family.of(mcfg).tp_module().local_config(mcfg, size, cfg.worker.moe_tp_split)  # refused here, before
     # any rank starts
     warn_cores(size)
     store = open_store(0, size, None)

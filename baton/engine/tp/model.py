@@ -1,4 +1,4 @@
-"""Rank 0's stand-in for NemotronHModel under tensor parallelism: `prefill_batch` / `decode`
+"""Rank 0's stand-in for a family's model under tensor parallelism: `prefill_batch` / `decode`
 send the forward's plan to ranks 1..N-1, then run rank 0's shard of it; the collectives in
 the layers keep the ranks in lockstep. Sync, role calls (canaries, stats) and close are the
 pipeline's (`PipelineModel`): the ranks obey the same control messages as PP stages."""

@@ -202,7 +202,7 @@ def setup(cfg, path, rank: int, store):
     """Join the world and the stage groups, load this rank's share of its stage:
     (stage, model, pools, group, layers)."""
     from baton.engine.builder import DTYPES
-    from baton.model.nemotron_h.tp import load_tp_model
+    from baton.model.tp_loader import load_tp_model
 
     pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
     layers = stage_layers(cfg, path)

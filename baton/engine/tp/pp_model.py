@@ -16,6 +16,7 @@ from baton.engine.pipeline.mirror import MirroredPools
 from baton.engine.pipeline.model import PipelineModel
 from baton.engine.tp.launch import rank_layout, rank_threads, warn_cores
 from baton.engine.tp.pipeline import Leader, attach_leader, peer_ranks, setup, world_argv
+from baton.model import family
 from baton.model.config import load_config
 from baton.model.pools import PoolSpec
 
@@ -99,10 +100,8 @@ def build_tp_pipeline_engine(cfg, path, on_rank_death=None, on_link_lost=None, a
     world = pp * tp
     threads = rank_threads(world)
     torch.set_num_threads(threads)
-    from baton.model.nemotron_h.tp import family_tp
-
     mcfg = load_config(path)
-    family_tp(mcfg).local_config(mcfg, tp, cfg.worker.moe_tp_split)  # refused here, before
+    family.of(mcfg).tp_module().local_config(mcfg, tp, cfg.worker.moe_tp_split)  # refused here, before
     # any rank starts
     warn_cores(world, f"TP {tp} x PP {pp} = {world}")
     store = open_store(0, world, None)

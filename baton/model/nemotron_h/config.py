@@ -121,6 +121,22 @@ class ModelConfig:
                             section_units=(self.mamba_num_heads,)),
         )
 
+    def tp_rules(self) -> list[tuple[str, int, str]]:
+        """What the TP size must meet beyond vocab, hidden and attention heads (tp_shard)."""
+        rules = []
+        if "M" in self.pattern:
+            rules += [("mamba_num_heads", self.mamba_num_heads, "split"),
+                      ("n_groups", self.n_groups, "split_or_one")]
+        if "-" in self.pattern:
+            rules.append(("intermediate_size", self.intermediate_size, "split"))
+        return rules
+
+    def tp_layout(self) -> list[tuple[str, int]]:
+        """(label, units) of what a TP rank holds beyond vocab and attention heads."""
+        if "M" not in self.pattern:
+            return []
+        return [("mamba heads", self.mamba_num_heads), ("groups", self.n_groups)]
+
     @property
     def mamba_intermediate(self) -> int:
         return self.mamba_num_heads * self.mamba_head_dim

@@ -21,6 +21,7 @@ from baton.model.layers.norms import RMSNorm
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools, PoolSpec
+from baton.model.protocol import LOCAL, Mix
 
 MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": MLP, "E": MoE}
 
@@ -40,6 +41,10 @@ class Block(nn.Module):
         if self.stateless:
             return h + self.mixer(x)
         return h + (self.mixer.decode(x, ctx) if decode else self.mixer.prefill(x, ctx))
+
+    def run_mixed(self, h: torch.Tensor, mix: Mix) -> torch.Tensor:
+        x = self.norm(h)
+        return h + (self.mixer(x) if self.stateless else mix(self.mixer, x))
 
 
 class Backbone(nn.Module):
@@ -64,15 +69,13 @@ class Backbone(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    decode_takes_tables = True
-    """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
-    decode_hidden = True
-    """`decode` gives its final-normed hiddens (`hidden_out`): a speculating engine's steps
-    without drafts decode plainly (baton/engine/speculative/decoder.py)."""
+    capabilities = LOCAL
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.mtp: nn.Module | None = None
+        """The MTP head, when the checkpoint has one (`baton.model.loader.attach_mtp`)."""
         self.backbone = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -86,6 +89,16 @@ class NemotronHModel(nn.Module):
     def dtype(self) -> torch.dtype:
         """The activations' dtype (linear weights may be stored narrower: model.weight_dtype)."""
         return self.backbone.norm_f.weight.dtype
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.backbone.embeddings
+
+    def blocks(self) -> list[Block]:
+        return list(self.backbone.layers)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm_f(h)
 
     def make_pools(self, num_blocks: int, tokens_per_block: int, num_slots: int) -> Pools:
         """Pools for every layer of this model, in its dtype and on its device."""

@@ -1,5 +1,5 @@
-"""NemotronH at tensor-parallel size t (and the family-generic sharded loader,
-`load_tp_model`, which Qwen3.5's rules in `baton.model.qwen3_5.tp` use too): rank r's model is an ordinary `NemotronHModel` built
+"""NemotronH at tensor-parallel size t (loaded by `baton.model.tp_loader`): rank r's model is
+an ordinary `NemotronHModel` built
 from a LOCAL config (its heads, groups, FFN and vocab shares), with the output projections,
 embedding, LM head and (replicated-groups) gated norm swapped for `layers.parallel`, and its
 weights cut from the TP-1 checkpoint section by section.
@@ -25,13 +25,7 @@ max(K/t, 1), conv (I/t + 2*G_local*N, K-1), ssm (H/t, P, N).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
-from baton.errors import ConfigError
-from baton.model.config import load_config
 from baton.model.layers.moe import MoE
 from baton.model.layers.moe_tp import MODES, TPMoE, check_split
 from baton.model.layers.parallel import (
@@ -41,11 +35,9 @@ from baton.model.layers.parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from baton.model.loader import _canonical, checkpoint_files, family_loader
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.model import NemotronHModel
-from baton.model.tp_shard import check_tp, held_units
-from baton.model.tp_stacks import TPExpertStacks
+from baton.model.tp_shard import check_tp
 
 
 def local_config(cfg: ModelConfig, tp: int, moe_split: str = MODES[0]) -> ModelConfig:
@@ -102,30 +94,6 @@ MOE_RULES = {  # the stacked routed experts [E, out, in], by `moe_split`
 }
 
 
-def shard_tensor(cfg, name: str, t, tp: int, rank: int,
-                 moe_split: str = MODES[0]) -> torch.Tensor:
-    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules.
-    `t` is a tensor or a safetensors slice: then only the rank's rows are read, so a rank
-    never holds a whole tensor it shards."""
-    fam = family_tp(cfg)
-    rules = fam.MOE_RULES[moe_split] + fam.RULES
-    rule = next(((s, a) for suf, s, a in rules if name.endswith(suf)), None)
-    if rule is None or tp == 1:
-        return t[:] if not isinstance(t, torch.Tensor) else t
-    what, axis = rule
-    size = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[axis]
-    parts, start = [], 0
-    for units, width in fam.sections(cfg, what):
-        lo, hi = held_units(units, tp, rank)
-        a, b = start + lo * width, start + hi * width
-        parts.append(t[(slice(None),) * axis + (slice(a, b),)])
-        start += units * width
-    if start != size:
-        raise ConfigError(f"checkpoint tensor {name}: {size} rows along axis {axis}, "
-                          f"expected {start}")
-    return torch.cat(parts, dim=axis).contiguous()
-
-
 def build_local(cfg: ModelConfig, tp: TPGroup, moe_split: str = MODES[0]) -> NemotronHModel:
     """The rank's module tree (on the meta device): parallel layers where TP talks."""
     model = NemotronHModel(local_config(cfg, tp.size, moe_split))
@@ -136,7 +104,7 @@ def build_local(cfg: ModelConfig, tp: TPGroup, moe_split: str = MODES[0]) -> Nem
 def build_local_stage(cfg: ModelConfig, tp: TPGroup, layers: range, first: bool, last: bool,
                       moe_split: str = MODES[0]):
     """One pipeline stage's share on this TP rank (meta device)."""
-    from baton.model.stage import StageModel
+    from baton.model.nemotron_h.stage import StageModel
 
     model = StageModel(local_config(cfg, tp.size, moe_split), layers, first, last)
     _parallelize(cfg, tp, model.backbone.layers.values(), model.backbone if first else None,
@@ -168,60 +136,3 @@ def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner,
                                                         tp.rank * lc.vocab_size, tp)
     if head_owner is not None:
         head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
-
-
-FAMILY_TP = {"nemotron_h": "baton.model.nemotron_h.tp", "qwen3_5": "baton.model.qwen3_5.tp",
-             "qwen3_5_moe": "baton.model.qwen3_5.tp"}
-"""Family -> module with `local_config`, `sections`, `RULES`, `build_local(_stage)`."""
-
-
-def family_tp(cfg):
-    mod = FAMILY_TP.get(cfg.family)
-    if mod is None:
-        raise ConfigError(f"family {cfg.family!r} has no tensor-parallel build yet "
-                          f"(families with one: {sorted(FAMILY_TP)})")
-    return __import__(mod, fromlist=["RULES"])
-
-
-def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
-                  stage: tuple[range, bool, bool] | None = None, moe_split: str = MODES[0]):
-    """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
-    pipeline stage) with its shard of the checkpoint's weights; `.config` is the shard's
-    (its pools'), `.full_config` the whole model's. `moe_split`: how routed experts are
-    split (`layers.moe_tp.MODES`)."""
-    path = Path(path)
-    cfg = load_config(path)
-    ftp = family_tp(cfg)
-    with torch.device("meta"):
-        model = ftp.build_local(cfg, tp, moe_split) if stage is None else \
-            ftp.build_local_stage(cfg, tp, *stage, moe_split=moe_split)
-    expected = model.state_dict()
-    fam = family_loader(cfg)
-    state = {}
-    stacks = TPExpertStacks(expected, tp.size, tp.rank, moe_split)
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                ours = _canonical(name, fam.prefix_aliases)
-                if stacks.claim(ours, name, file):  # one expert's tensor (published layout)
-                    continue
-                # a tied head (possibly on a last stage without the embeddings) reads them
-                targets = [ours, "lm_head.weight"] if cfg.tie_word_embeddings \
-                    and ours == fam.embeddings else [ours]
-                for tgt in (x for x in targets if x in expected and x not in state):
-                    t = shard_tensor(cfg, tgt, f.get_slice(name), tp.size, tp.rank,
-                                     moe_split)
-                    if tuple(t.shape) != tuple(expected[tgt].shape):
-                        raise ConfigError(
-                            f"checkpoint tensor {name}: rank {tp.rank} shard {list(t.shape)}, "
-                            f"expected {list(expected[tgt].shape)}")
-                    want = torch.float32 if tgt.endswith(fam.fp32_suffixes) else dtype
-                    state[tgt] = t.to(device=device, dtype=want)
-    stacks.load(state, device, dtype)
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.full_config = cfg
-    model.requires_grad_(False)
-    return model.eval()

@@ -1,5 +1,5 @@
 """Qwen3.5 model config: reads a `qwen3_5` (multimodal, `text_config`) or `qwen3_5_text`
-`config.json` into a frozen dataclass, and registers both model types in `FAMILIES`.
+`config.json` into a frozen dataclass (both model types: `family.py`).
 
 Layer kinds (`pattern`, one char per layer): `G` = gated DeltaNet ("linear_attention"),
 `*` = gated full attention ("full_attention"). Every layer also has a SwiGLU MLP.
@@ -127,6 +127,24 @@ class Qwen35Config:
                             section_units=(self.linear_num_value_heads,)),
         )
 
+    def tp_rules(self) -> list[tuple[str, int, str]]:
+        """DeltaNet: value heads split, key heads split or replicated; the dense MLP (where a
+        layer has one) by its width (beyond vocab, hidden and attention heads: tp_shard)."""
+        rules = []
+        if len(getattr(self, "moe_layers", ())) < self.num_layers:
+            rules += [("intermediate_size", self.intermediate_size, "split")]
+        if "G" in self.pattern:
+            rules += [("linear_num_value_heads", self.linear_num_value_heads, "split"),
+                      ("linear_num_key_heads", self.linear_num_key_heads, "split_or_replicate")]
+        return rules
+
+    def tp_layout(self) -> list[tuple[str, int]]:
+        """(label, units) of what a TP rank holds beyond vocab and attention heads."""
+        if "G" not in self.pattern:
+            return []
+        return [("key heads", self.linear_num_key_heads),
+                ("value heads", self.linear_num_value_heads)]
+
     @classmethod
     def from_dict(cls, d: dict) -> Qwen35Config:
         multimodal = d.get("model_type") == "qwen3_5"
@@ -214,12 +232,3 @@ def _require(d: dict, key: str):
         raise ConfigError(f"config.json is missing required field {key!r}")
     return d[key]
 
-
-def _register() -> None:
-    from baton.model.config import FAMILIES
-
-    FAMILIES.setdefault("qwen3_5", Qwen35Config)
-    FAMILIES.setdefault("qwen3_5_text", Qwen35Config)
-
-
-_register()

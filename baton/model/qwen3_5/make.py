@@ -1,7 +1,7 @@
 """Write seeded random Qwen3.5 checkpoints in the HF layout (`qwen3_5_text`, or the published
 multimodal `qwen3_5` layout with a stub vision tower), for tests and benchmarks.
 
-Scales as in `baton.model.make_model`: unit-variance embeddings, fan-in scaled projections,
+Scales as in `baton.model.nemotron_h.make`: unit-variance embeddings, fan-in scaled projections,
 residual outputs shrunk by depth, logits of std ~1.5; norm weights get a little seeded noise so
 the zero-centred `1 + w` path is exercised.
 """
@@ -110,12 +110,12 @@ def _multimodal_name(name: str) -> str:
 
 def random_weights(cfg: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights for every tensor of `cfg`'s model, keyed by (text) checkpoint name."""
-    from baton.model.mtp import build_head
+    from baton.model.family import of
     from baton.model.qwen3_5.model import Qwen35Model
 
     with torch.device("meta"):
         model = Qwen35Model(cfg)
-        head = build_head(cfg)
+        head = of(cfg).mtp_head(cfg)
         if head is not None:  # mtp.* sorts after lm_head and model.*: their weights stay
             model.mtp = head
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -21,6 +21,7 @@ from baton.model.layers.gated_norms import ZeroCentredRMSNorm
 from baton.model.layers.qwen_moe import feed_forward
 from baton.model.paged import StepContext, decode_meta, prefill_meta, slot_context
 from baton.model.pools import Pools, PoolSpec
+from baton.model.protocol import LOCAL, Mix
 from baton.model.qwen3_5.config import Qwen35Config
 
 
@@ -46,6 +47,10 @@ class DecoderLayer(nn.Module):
         h = h + (mixer.decode(x, ctx) if decode else mixer.prefill(x, ctx))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def run_mixed(self, h: torch.Tensor, mix: Mix) -> torch.Tensor:
+        h = h + mix(self.mixer, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class TextModel(nn.Module):
     def __init__(self, cfg: Qwen35Config):
@@ -69,14 +74,13 @@ class TextModel(nn.Module):
 
 
 class Qwen35Model(nn.Module):
-    decode_takes_tables = True
-    """`decode` also takes the block tables as one [B, nb] tensor (baton.engine.decode_batch)."""
-    decode_hidden = True
-    """`decode` gives its final-normed hiddens (`hidden_out`), as NemotronH's does."""
+    capabilities = LOCAL
 
     def __init__(self, config: Qwen35Config):
         super().__init__()
         self.config = config
+        self.mtp: nn.Module | None = None
+        """The MTP head, when the checkpoint has one (`baton.model.loader.attach_mtp`)."""
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -89,6 +93,16 @@ class Qwen35Model(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def blocks(self) -> list[DecoderLayer]:
+        return list(self.model.layers)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
 
     def make_pools(self, num_blocks: int, tokens_per_block: int, num_slots: int) -> Pools:
         spec = PoolSpec.for_model(self.config, num_blocks=num_blocks,

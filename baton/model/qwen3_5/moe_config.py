@@ -1,6 +1,6 @@
-"""Configs of the Qwen MoE families: Qwen3.5-MoE (`qwen3_5_moe`, multimodal with `text_config`,
-or `qwen3_5_moe_text`) and Qwen3-Next (`qwen3_next`, flat). Both are Qwen3.5's layers with a
-MoE feed-forward (`baton.model.layers.qwen_moe`) where the family puts one:
+"""Config of Qwen3.5-MoE (`qwen3_5_moe`, multimodal with `text_config`, or `qwen3_5_moe_text`),
+which Qwen3-Next's (`baton.model.qwen3_next.config`, flat) extends. Both are Qwen3.5's layers
+with a MoE feed-forward (`baton.model.layers.qwen_moe`) where the family puts one:
 
     qwen3_5_moe   every layer                      routing weights always renormalised
     qwen3_next    (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers, others a
@@ -51,37 +51,24 @@ class QwenMoeConfig(Qwen35Config):
 
     @classmethod
     def from_dict(cls, d: dict) -> QwenMoeConfig:
-        kind = d.get("model_type")
-        multimodal = kind == "qwen3_5_moe"
+        multimodal = d.get("model_type") == "qwen3_5_moe"
         text = d.get("text_config") if multimodal else d
         if not isinstance(text, dict):
             raise ConfigError("text_config: a qwen3_5_moe config.json needs a text_config object")
-        base = _from_text(text, multimodal, d)
-        nxt = kind == "qwen3_next"
 
         def pick(name, default):
             return default if text.get(name) is None else text[name]
 
         return cls(
-            **{f.name: getattr(base, f.name) for f in fields(Qwen35Config)
-               if f.name != "family"},
-            family="qwen3_next" if nxt else "qwen3_5_moe",
-            num_experts=int(pick("num_experts", 512 if nxt else 256)),
-            num_experts_per_tok=int(pick("num_experts_per_tok", 10 if nxt else 8)),
+            **text_fields(text, multimodal, d), family="qwen3_5_moe",
+            num_experts=int(pick("num_experts", 256)),
+            num_experts_per_tok=int(pick("num_experts_per_tok", 8)),
             moe_intermediate_size=int(pick("moe_intermediate_size", 512)),
             shared_expert_intermediate_size=int(pick("shared_expert_intermediate_size", 512)),
-            norm_topk_prob=bool(pick("norm_topk_prob", True)) if nxt else True,
-            decoder_sparse_step=int(pick("decoder_sparse_step", 1)) if nxt else 1,
-            mlp_only_layers=tuple(int(i) for i in pick("mlp_only_layers", ())) if nxt else (),
-            interleaved_projections=nxt,
         )
 
 
-def _register() -> None:
-    from baton.model.config import FAMILIES
-
-    for kind in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
-        FAMILIES.setdefault(kind, QwenMoeConfig)
-
-
-_register()
+def text_fields(text: dict, multimodal: bool, top: dict) -> dict:
+    """Qwen3.5's fields of a text config, as keyword arguments (without `family`)."""
+    base = _from_text(text, multimodal, top)
+    return {f.name: getattr(base, f.name) for f in fields(Qwen35Config) if f.name != "family"}

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from baton.model.config import config_from_dict
 from baton.model.qwen3_5 import make
-from baton.model.qwen3_5.moe_config import QwenMoeConfig
 from baton.model.qwen3_next.convert import join_projections
 
 ARCH = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
@@ -56,7 +56,7 @@ def write_checkpoint(out_dir: str | Path, *, family: str, preset: str = "tiny", 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(family, preset, multimodal, **fields)
-    cfg = QwenMoeConfig.from_dict(d)
+    cfg = config_from_dict(d)
     tensors = make.random_weights(cfg, seed)
     if family == "qwen3_next":
         tensors = _per_expert(join_projections(cfg, tensors))
@@ -87,3 +87,8 @@ def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             else:
                 out[f"{pre}.{e}.{proj}.weight"] = w[e].contiguous()
     return out
+
+
+def write_qwen3_5_moe(out_dir: str | Path, **kw) -> Path:
+    """Qwen3.5-MoE's checkpoint maker (`baton.model.qwen3_5.family`)."""
+    return write_checkpoint(out_dir, family="qwen3_5_moe", **kw)

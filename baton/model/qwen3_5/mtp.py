@@ -12,7 +12,7 @@ layer 0 for every draft, which is the published one-layer head exactly):
 Names: `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
 `mtp.layers.0.{input_layernorm,self_attn.*,post_attention_layernorm,mlp.*}`, `mtp.norm`
 (all RMSNorms zero-centred, `1 + w`). The attention layer's global id is `num_layers`; its
-KV sits in the target's pool beside the target's layers (see baton/model/mtp.py).
+KV sits in the target's pool beside the target's layers (see baton/model/nemotron_h/mtp.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def qwen_mtp_layers(cfg) -> int:
     raw = getattr(cfg, "raw", {}) or {}
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     return int(raw.get("mtp_num_hidden_layers") or text.get("mtp_num_hidden_layers") or 0)
+
+
+def build_head(cfg) -> Qwen35MTPHead | None:
+    """The MTP head `cfg` declares, or None (the family's `mtp`)."""
+    n = qwen_mtp_layers(cfg)
+    return Qwen35MTPHead(cfg, n) if n else None
 
 
 class Qwen35MTPLayer(nn.Module):
@@ -55,6 +61,11 @@ class Qwen35MTPHead(nn.Module):
         self.norm = ZeroCentredRMSNorm(H, eps)
 
     @property
+    def declared(self) -> str:
+        """What the config declares, for errors."""
+        return f"mtp_num_hidden_layers={len(self.layers)}"
+
+    @property
     def attention_layers(self) -> tuple[int, ...]:
         return (self.cfg.num_layers,)  # layer 0 (every draft step applies it)
 
@@ -67,7 +78,7 @@ class Qwen35MTPHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
                 lm_head: nn.Linear, ctx: StepContext, decode: bool, logits: bool = True):
-        """As `baton.model.mtp.MTPHead.forward` (rows [R, H] with decode_meta, or [n, T, H]
+        """As `baton.model.nemotron_h.mtp.MTPHead.forward` (rows [R, H] with decode_meta, or [n, T, H]
         with prefill_meta, whose positions drive the rotary embedding)."""
         e = self.pre_fc_norm_embedding(embed(next_ids))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))

@@ -31,6 +31,8 @@ class Qwen35Stage(nn.Module):
     def __init__(self, config: Qwen35Config, layers: range, first: bool, last: bool):
         super().__init__()
         self.config, self.layer_ids, self.first, self.last = config, layers, first, last
+        self.mtp: nn.Module | None = None
+        """The MTP head on a speculating worker's last stage (`loader.load_stage`)."""
         self.model = _Layers(config, layers)
         if first:
             self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -45,6 +47,16 @@ class Qwen35Stage(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.layers[str(self.layer_ids[0])].post_attention_layernorm.weight.dtype
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.model.layers.values())
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids.to(self.device))

@@ -1,7 +1,7 @@
 """Qwen3.5 at tensor-parallel size t: rank r's model is an ordinary `Qwen35Model` (or stage)
 built from a LOCAL config, with the output projections, embedding and LM head swapped for
 `layers.parallel`, and its weights cut from the TP-1 checkpoint section by section (loaded
-by `baton.model.nemotron_h.tp.load_tp_model`).
+by `baton.model.tp_loader.load_tp_model`).
 
     in_proj_qkv rows  [ q | k | v ]   q, k by key heads (replicated by division when TP
                                       exceeds them: a rank's value heads all read the key

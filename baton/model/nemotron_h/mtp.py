@@ -1,6 +1,5 @@
-"""NemotronH multi-token-prediction (MTP) head, as published: `mtp.layers.{i}.*`; and
-`attach_mtp`, which gives a loaded model of either family its head (Qwen3.5's:
-baton/model/qwen3_5/mtp.py).
+"""NemotronH multi-token-prediction (MTP) head, as published: `mtp.layers.{i}.*` (the loader's
+`attach_mtp` gives a loaded model its family's head).
 
 Config (`config.json`): `num_nextn_predict_layers` (0 = none) and the head's own pattern,
 `mtp_hybrid_override_pattern` (e.g. "*-", "*E") or `mtp_layers_block_type` (a list of HF
@@ -101,6 +100,11 @@ class MTPHead(nn.Module):
             MTPLayer(cfg, c, i, i == 0, i == n - 1) for i, c in enumerate(spec.pattern))
 
     @property
+    def declared(self) -> str:
+        """What the config declares, for errors."""
+        return f"num_nextn_predict_layers={self.spec.num_steps}, pattern {self.spec.pattern!r}"
+
+    @property
     def attention_layers(self) -> tuple[int, ...]:
         """Global ids of the head's attention layers (after the target's)."""
         return tuple(self.cfg.num_layers + i for i, c in enumerate(self.spec.pattern) if c == "*")
@@ -151,42 +155,7 @@ class MTPHead(nn.Module):
         self.layers[last].mixer.store_kv(self.layers[last].norm(x), ctx)
 
 
-def build_head(cfg):
-    """The MTP head `cfg` declares (either family), or None."""
-    if cfg.family == "qwen3_5":
-        from baton.model.qwen3_5.mtp import Qwen35MTPHead, qwen_mtp_layers
-
-        n = qwen_mtp_layers(cfg)
-        return Qwen35MTPHead(cfg, n) if n else None
+def build_head(cfg) -> MTPHead | None:
+    """The MTP head `cfg` declares, or None (the family's `mtp`)."""
     spec = mtp_spec(cfg)
     return MTPHead(cfg, spec) if spec is not None else None
-
-
-def _declared(cfg) -> str:
-    if cfg.family == "qwen3_5":
-        from baton.model.qwen3_5.mtp import qwen_mtp_layers
-
-        return f"mtp_num_hidden_layers={qwen_mtp_layers(cfg)}"
-    spec = mtp_spec(cfg)
-    return f"num_nextn_predict_layers={spec.num_steps}, pattern {spec.pattern!r}"
-
-
-def attach_mtp(model, checkpoint_names: set[str]) -> bool:
-    """Give `model` (built on the meta device) its MTP head when the config declares one and
-    the checkpoint holds its tensors; True if attached. A head declared but absent from the
-    checkpoint is left off (speculation then refuses to start); half present is an error."""
-    head = build_head(model.config)
-    if head is None:
-        return False
-    want = {MTP_PREFIX + k for k in head.state_dict()}
-    have = {n for n in checkpoint_names if n.startswith(MTP_PREFIX)}
-    if not have:
-        return False
-    # a MoE block's stacked experts may come as one tensor per expert (the loader stacks them)
-    missing = sorted(w for w in want - have
-                     if not any(h.startswith(w.rsplit(".", 1)[0] + ".") for h in have - want))
-    if missing:
-        raise ConfigError(f"checkpoint declares an MTP head ({_declared(model.config)}) but "
-                          f"lacks tensor(s) {missing[:6]}")
-    model.mtp = head
-    return True

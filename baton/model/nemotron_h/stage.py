@@ -13,40 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.errors import ConfigError
-from baton.model.config import ModelConfig
 from baton.model.layers.norms import RMSNorm
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.model import Block
 from baton.model.paged import StepContext
-
-
-def partition_layers(num_layers: int, size: int, partition: tuple[int, ...] = ()) -> list[range]:
-    """The global layer range of each of `size` stages; errors name the config field."""
-    if size > num_layers:
-        raise ConfigError(
-            f"worker.pipeline_parallel_size={size} is larger than the model's {num_layers} "
-            f"layers; every stage needs at least one layer"
-        )
-    if partition:
-        if len(partition) != size or any(n < 1 for n in partition):
-            raise ConfigError(
-                f"worker.pp_layer_partition {list(partition)} must give each of the "
-                f"{size} stages at least one layer"
-            )
-        if sum(partition) != num_layers:
-            raise ConfigError(
-                f"worker.pp_layer_partition {list(partition)} sums to {sum(partition)} layers "
-                f"but the model has {num_layers}; make the counts add up to {num_layers}"
-            )
-        counts = list(partition)
-    else:
-        q, r = divmod(num_layers, size)
-        counts = [q + (1 if i < r else 0) for i in range(size)]
-    out, start = [], 0
-    for n in counts:
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 class _Layers(nn.Module):
@@ -61,6 +31,8 @@ class StageModel(nn.Module):
     def __init__(self, config: ModelConfig, layers: range, first: bool, last: bool):
         super().__init__()
         self.config, self.layer_ids, self.first, self.last = config, layers, first, last
+        self.mtp: nn.Module | None = None
+        """The MTP head on a speculating worker's last stage (`loader.load_stage`)."""
         self.backbone = _Layers(config, layers)
         if first:
             self.backbone.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -79,6 +51,16 @@ class StageModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.backbone.layers[str(self.layer_ids[0])].norm.weight.dtype
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.backbone.embeddings
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.backbone.layers.values())
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm_f(h)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(ids.to(self.device))

@@ -1,0 +1,93 @@
+"""Any family's model at tensor-parallel size t, rank r: the family's TP module (its spec's
+`tp`: `local_config`, `sections`, `RULES`, `MOE_RULES`, `build_local(_stage)`) builds the
+rank's module tree; its weights are cut from the TP-1 checkpoint section by section, each
+rank reading only its rows (`shard_tensor`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from baton.errors import ConfigError
+from baton.model import family
+from baton.model.config import load_config
+from baton.model.layers.moe_tp import MODES
+from baton.model.layers.parallel import TPGroup
+from baton.model.loader import _canonical, checkpoint_files, family_loader
+from baton.model.tp_shard import held_units
+from baton.model.tp_stacks import TPExpertStacks
+
+
+def shard_tensor(cfg, name: str, t, tp: int, rank: int,
+                 moe_split: str = MODES[0]) -> torch.Tensor:
+    """Rank `rank`'s part of checkpoint tensor `name` (TP-1 shape), by its family's rules.
+    `t` is a tensor or a safetensors slice: then only the rank's rows are read, so a rank
+    never holds a whole tensor it shards."""
+    fam = family.of(cfg).tp_module()
+    rules = fam.MOE_RULES[moe_split] + fam.RULES
+    rule = next(((s, a) for suf, s, a in rules if name.endswith(suf)), None)
+    if rule is None or tp == 1:
+        return t[:] if not isinstance(t, torch.Tensor) else t
+    what, axis = rule
+    size = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[axis]
+    parts, start = [], 0
+    for units, width in fam.sections(cfg, what):
+        lo, hi = held_units(units, tp, rank)
+        a, b = start + lo * width, start + hi * width
+        parts.append(t[(slice(None),) * axis + (slice(a, b),)])
+        start += units * width
+    if start != size:
+        raise ConfigError(f"checkpoint tensor {name}: {size} rows along axis {axis}, "
+                          f"expected {start}")
+    return torch.cat(parts, dim=axis).contiguous()
+
+
+def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
+                  stage: tuple[range, bool, bool] | None = None, moe_split: str = MODES[0]):
+    """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
+    pipeline stage) with its shard of the checkpoint's weights; `.config` is the shard's
+    (its pools'), `.full_config` the whole model's. `moe_split`: how routed experts are
+    split (`layers.moe_tp.MODES`)."""
+    path = Path(path)
+    cfg = load_config(path)
+    ftp = family.of(cfg).tp_module()
+    with torch.device("meta"):
+        model = ftp.build_local(cfg, tp, moe_split) if stage is None else \
+            ftp.build_local_stage(cfg, tp, *stage, moe_split=moe_split)
+    expected = model.state_dict()
+    fam = family_loader(cfg)
+    state = {}
+    stacks = TPExpertStacks(expected, tp.size, tp.rank, moe_split)
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                ours = _canonical(name, fam.prefix_aliases)
+                if stacks.claim(ours, name, file):  # one expert's tensor (published layout)
+                    continue
+                # a tied head (possibly on a last stage without the embeddings) reads them
+                targets = [ours, "lm_head.weight"] if cfg.tie_word_embeddings \
+                    and ours == fam.embeddings else [ours]
+                for tgt in (x for x in targets if x in expected and x not in state):
+                    t = shard_tensor(cfg, tgt, f.get_slice(name), tp.size, tp.rank,
+                                     moe_split)
+                    if tuple(t.shape) != tuple(expected[tgt].shape):
+                        raise ConfigError(
+                            f"checkpoint tensor {name}: rank {tp.rank} shard {list(t.shape)}, "
+                            f"expected {list(expected[tgt].shape)}")
+                    want = torch.float32 if tgt.endswith(fam.fp32_suffixes) else dtype
+                    state[tgt] = t.to(device=device, dtype=want)
+    stacks.load(state, device, dtype)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.full_config = cfg
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def family_tp(cfg):
+    """The TP module of `cfg`'s family (refused, naming the families with one, if none)."""
+    return family.of(cfg).tp_module()
