@@ -51,6 +51,12 @@ FAMILY_MODULES = _env(
     "processes (workers, stages, ranks) inherit it.")
 
 
+NUM_THREADS = _env(
+    "BATON_NUM_THREADS", 0, int,
+    "torch threads of an engine process (0 / unset: torch's default); a tensor-parallel "
+    "worker divides it (or the cores) between its ranks.")
+
+
 def describe() -> str:
     return "\n".join(f"{e.name} (default {e.default!r}): {e.doc}" for e in ALL)
 

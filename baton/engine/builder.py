@@ -1,54 +1,97 @@
-"""Building an engine from a config: resolve the model, load it, allocate the pools once."""
+"""Building a worker's engine from a config, one way for every split of the model:
+
+    split          model the engine drives         pools the cache manager sees
+    1              the family's model              its own Pools
+    PP N           PipelineModel (stage 0)         MirroredPools: every stage's layers
+    TP N           TPModel (rank 0)                DigestPools: the rank's shard, mirrored
+    TP N x PP M    TPPipelineModel (world rank 0)  LeaderPools: mirrored to stages and ranks
+
+Each split's part (`_plain`, `_pipeline`, `_tensor_parallel`, `_tp_pipeline`) loads its
+weights and pools and starts its other processes; the rest (the cache manager, canaries,
+the engine) is written once in `build_engine`. Process mechanics live in
+`pipeline/launch.py`, `tp/launch.py`, `tp/pipeline.py`; none of them imports this module.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
 from baton.cache.manager import HybridCacheManager
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
+from baton.engine.process import DTYPES, arm_canaries, on_huge_pages, rank_threads, set_threads
 from baton.engine.speculative.setup import reserved_slots, with_draft_layers
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
 log = logging.getLogger("baton.engine")
+tp_log = logging.getLogger("baton.tp")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["DTYPES", "build_engine", "on_huge_pages"]
+
+
+class Built(NamedTuple):
+    """One split's model and pools, before the cache manager."""
+
+    model: object
+    pools: Pools
+    reserved: int = 0
+    """State slots kept out of the cache manager (speculation's scratch)."""
+    pad_rows: bool = False
+    """The model takes bucketed decode steps (`Capabilities.decode_takes_tables`)."""
+    kill: object = None
+    """Stops the split's other processes if the engine cannot be finished."""
 
 
 def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=None,
                  on_stage_death=None, pp_master: str | None = None,
                  on_link_lost=None) -> Engine:
-    """The engine of a worker (stage 0 of it when `worker.pipeline_parallel_size` > 1: see
-    `build_pipeline_engine` for the other arguments)."""
-    from baton.model.loader import load_model
+    """The engine of a worker (rank 0 / stage 0 of it when the model is split).
+
+    `stage_argv(rank, master)`: the command line of the split's other processes (default
+    bare stages / ranks; a worker's run its role's transfer agent); `on_stage_death(rank,
+    code)`: one of them exited; `pp_master` (PP only): the stages are started elsewhere and
+    join the store this stage hosts at that HOST:PORT; `on_link_lost(error)`: a message to
+    or from another process failed (None: the forward's requests just fail)."""
     from baton.model.registry import resolve_model
     from baton.model.tokenizer import load_tokenizer
 
-    threads = os.environ.get("BATON_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
+    set_threads()
     path = resolve_model(model_path or cfg.model.path)
-    if cfg.worker.tensor_parallel_size > 1 and cfg.speculative.num_draft_tokens:
+    tp, pp = cfg.worker.tensor_parallel_size, cfg.worker.pipeline_parallel_size
+    if tp > 1 and cfg.speculative.num_draft_tokens:
         raise ConfigError(
             f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
-            f"supported with worker.tensor_parallel_size={cfg.worker.tensor_parallel_size} "
+            f"supported with worker.tensor_parallel_size={tp} "
             "yet; set it to 0 or use tensor_parallel_size 1")
-    if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
-        from baton.engine.tp.pp_model import build_tp_pipeline_engine
+    if tp > 1 and pp > 1:
+        built = _tp_pipeline(cfg, path, on_stage_death, on_link_lost, stage_argv)
+    elif tp > 1:
+        built = _tensor_parallel(cfg, path, on_stage_death, on_link_lost, stage_argv)
+    elif pp > 1:
+        built = _pipeline(cfg, path, stage_argv, on_stage_death, pp_master, on_link_lost)
+    else:
+        built = _plain(cfg, path)
+    cache = HybridCacheManager(cfg.cache, built.pools, max_live=cfg.worker.max_num_seqs,
+                               reserved_slots=built.reserved, pad_rows=built.pad_rows)
+    arm_canaries(cache)  # split: the fills reach the other processes as mirrored operations
+    if built.pad_rows:
+        log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
+                 list(cfg.worker.decode_batch_buckets), cache.pad_block, cache.pad_slot)
+    if tp == 1 and pp == 1:
+        _log_plain(path, built.model, built.pools.spec, built.reserved, cache)
+    return Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
+                  speculative=cfg.speculative)
 
-        return build_tp_pipeline_engine(cfg, path, on_stage_death, on_link_lost, stage_argv)
-    if cfg.worker.tensor_parallel_size > 1:
-        from baton.engine.tp.launch import build_tp_engine
 
-        return build_tp_engine(cfg, path, on_stage_death, on_link_lost, stage_argv)
-    if cfg.worker.pipeline_parallel_size > 1:
-        return build_pipeline_engine(cfg, path, stage_argv, on_stage_death, pp_master,
-                                     on_link_lost)
+def _plain(cfg: BatonConfig, path) -> Built:
+    from baton.model.loader import load_model
+
     dtype = DTYPES[cfg.model.dtype]
     model = load_model(path, device=cfg.model.device, dtype=dtype)
     if cfg.model.weight_dtype != "float32":
@@ -58,24 +101,14 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         log.info("linear weights stored as %s (%.0f MB saved)", cfg.model.weight_dtype,
                  saved / 1e6)
     on_huge_pages(model, cfg.model.device)
-    spec = PoolSpec.for_model(
-        model.config,
-        num_blocks=cfg.cache.num_blocks,
-        tokens_per_block=cfg.cache.tokens_per_block,
-        num_slots=cfg.cache.num_state_slots,
-        dtype=dtype,
-        device=cfg.model.device,
-    )
+    spec = _pool_spec(cfg, model.config, dtype)
     spec = with_draft_layers(spec, model, cfg.speculative)
-    pools = Pools(spec)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
-    buckets = cfg.worker.decode_batch_buckets and model.capabilities.decode_takes_tables
-    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
-                               reserved_slots=reserved, pad_rows=bool(buckets))
-    _maybe_arm_canaries(cache)
-    if buckets:
-        log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
-                 list(cfg.worker.decode_batch_buckets), cache.pad_block, cache.pad_slot)
+    buckets = bool(cfg.worker.decode_batch_buckets) and model.capabilities.decode_takes_tables
+    return Built(model, Pools(spec), reserved, buckets)
+
+
+def _log_plain(path, model, spec: PoolSpec, reserved: int, cache) -> None:
     log.info(
         "engine ready: model %s (%s, %s), %d KV blocks x %d tokens, %d state slots of %d bytes "
         "(%s; %d kept for speculation), reuse %s",
@@ -84,40 +117,20 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         ", ".join(f"{t.name} {list(t.shape)}" for t in spec.state_tensors) or "no state",
         reserved, "on" if cache.reuse_enabled else "off",
     )
-    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
-                  speculative=cfg.speculative)
 
 
-def on_huge_pages(model, device: str) -> None:
-    """A CPU model's weights onto transparent huge pages (baton.model.hugepages)."""
-    if torch.device(device).type == "cpu":
-        from baton.model.hugepages import place_on_huge_pages
-
-        moved = place_on_huge_pages(model)
-        if moved:
-            log.info("weights on transparent huge pages (%.0f MB)", moved / 1e6)
+def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
+    """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
+    return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
+                              tokens_per_block=cfg.cache.tokens_per_block,
+                              num_slots=cfg.cache.num_state_slots, dtype=dtype,
+                              device=cfg.model.device)
 
 
-def _maybe_arm_canaries(cache: HybridCacheManager) -> None:
-    from baton.cache import canary
-
-    if canary.wanted():
-        log.warning("test canaries armed (%s=1): every freed block and slot is overwritten",
-                    canary.ENV)
-        cache.arm_canaries()
-
-
-def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
-                          pp_master: str | None = None, on_link_lost=None) -> Engine:
+def _pipeline(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
+              pp_master: str | None = None, on_link_lost=None) -> Built:
     """Stage 0 of a pipeline-parallel worker: joins (and hosts) the stages' process group,
-    loads its own layers, and runs the scheduler and cache manager for every stage.
-
-    `pp_master` None: start stages 1..N-1 here (`stage_argv(rank, master)`, default a bare
-    stage process) and call `on_stage_death(rank, exit_code)` if one exits; else the stages
-    are started elsewhere and join the store this stage hosts at that HOST:PORT.
-    `on_link_lost(error)`: a message to or from another stage failed (it died, on any
-    launcher); None: the forward's requests just fail.
-    """
+    loads its own layers; its scheduler and cache manager run for every stage."""
     from baton.engine.pipeline.channel import Channel
     from baton.engine.pipeline.launch import (
         LocalStages,
@@ -130,7 +143,6 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
     from baton.engine.pipeline.mirror import MirroredPools
     from baton.engine.pipeline.model import PipelineModel
     from baton.model.loader import mtp_head_meta
-    from baton.model.tokenizer import load_tokenizer
 
     layers = stage_layers(cfg, path)
     size = len(layers)
@@ -146,10 +158,7 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
         if stages is not None:
             stages.kill()
         raise
-    full = PoolSpec.for_model(stage.config, num_blocks=cfg.cache.num_blocks,
-                              tokens_per_block=cfg.cache.tokens_per_block,
-                              num_slots=cfg.cache.num_state_slots, dtype=local.spec.dtype,
-                              device=cfg.model.device)
+    full = _pool_spec(cfg, stage.config, local.spec.dtype)
     # speculation: the MTP head (its weights and KV) is the last stage's; stage 0 accounts
     # for its KV layer and keeps the verify pass's scratch slots out of the cache manager
     head = mtp_head_meta(path) if cfg.speculative.num_draft_tokens else None
@@ -157,14 +166,79 @@ def build_pipeline_engine(cfg: BatonConfig, path, stage_argv=None, on_stage_deat
                              cfg.speculative)
     pools = MirroredPools(full, local)
     reserved = reserved_slots(cfg.speculative, full.num_slots, cfg.worker.max_num_seqs)
-    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
-                               reserved_slots=reserved)
-    _maybe_arm_canaries(cache)  # the fills reach stages 1..N-1 as mirrored operations
     model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages,
                           on_link_lost=on_link_lost)
     model.mtp = head
     log.info("pipeline engine ready: %d stages, layers %s%s", size,
              [[r.start, r.stop] for r in layers],
              f", MTP head on stage {size - 1}" if head is not None else "")
-    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
-                  speculative=cfg.speculative)
+    return Built(model, pools, reserved)
+
+
+def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
+                     rank_argv_of=None) -> Built:
+    """Rank 0 of a tensor-parallel worker: starts ranks 1..N-1, joins their group, loads its
+    shard; its scheduler and cache manager run for every rank."""
+    from baton.engine.pipeline.channel import Channel
+    from baton.engine.tp.launch import join, load_rank, rank_layout, start_ranks
+    from baton.engine.tp.model import DigestPools, TPModel
+
+    size = cfg.worker.tensor_parallel_size
+    threads = rank_threads(size)
+    torch.set_num_threads(threads)
+    store, ranks = start_ranks(cfg, path, on_rank_death, rank_argv_of)
+    try:
+        tp = join(0, size, store, cfg.model.device)
+        shard, local = load_rank(cfg, path, tp)
+    except BaseException:
+        ranks.kill()
+        raise
+    pools = DigestPools(local.spec, local)
+    model = TPModel(shard, shard.full_config, pools, Channel(0, size), tp, ranks, on_link_lost)
+    model.rank_layout = (f"tensor-parallel engine ready: TP {size} x PP 1 = {size} rank "
+                         f"processes, {threads} torch thread(s) each\n"
+                         f"{rank_layout(shard.full_config, size, ranks.pids())}")
+    tp_log.info("%s", model.rank_layout)
+    return Built(model, pools)
+
+
+def _tp_pipeline(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
+                 argv=None) -> Built:
+    """World rank 0 (stage 0's leader) of a TP x PP worker; it starts every other rank."""
+    from baton.engine.pipeline.channel import Channel
+    from baton.engine.pipeline.launch import LocalStages, open_store
+    from baton.engine.tp.launch import check_split, rank_layout, warn_cores
+    from baton.engine.tp.pipeline import attach_leader, peer_ranks, setup, world_argv
+    from baton.engine.tp.pp_model import LeaderPools, TPPipelineModel
+
+    pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
+    world = pp * tp
+    threads = rank_threads(world)
+    torch.set_num_threads(threads)
+    check_split(cfg, path, tp)  # refused here, before any rank starts
+    warn_cores(world, f"TP {tp} x PP {pp} = {world}")
+    store = open_store(0, world, None)
+    ranks = LocalStages(cfg, argv or world_argv(str(path)), f"127.0.0.1:{store.port}", world,
+                        on_rank_death)
+    try:
+        _, shard, local, group, layers = setup(cfg, path, 0, store)
+    except BaseException:
+        ranks.kill()
+        raise
+    pools = LeaderPools(_pool_spec(cfg, shard.config, local.spec.dtype), local)
+    ch = Channel(0, pp)
+    pools.lead = attach_leader(shard, local, ch, peer_ranks(0, pp, tp))
+    model = TPPipelineModel(shard, pools, ch, layers, local_stages=ranks,
+                            on_link_lost=on_link_lost, lead=pools.lead,
+                            full_config=shard.full_config)
+    pids = ranks.pids()
+    stages = "\n".join(
+        f"  stage {k} layers [{r.start}, {r.stop}): world ranks "
+        f"{[k, *peer_ranks(k, pp, tp)]} (TP ranks 0..{tp - 1}), pids "
+        f"{[pids.get(x, os.getpid()) for x in [k, *peer_ranks(k, pp, tp)]]}"
+        for k, r in enumerate(layers))
+    model.rank_layout = (f"tensor-parallel engine ready: TP {tp} x PP {pp} = {world} rank "
+                         f"processes, {threads} torch thread(s) each; stage 0 TP rank 0 "
+                         f"schedules\n{stages}\n{rank_layout(shard.full_config, tp, {})}")
+    tp_log.info("%s", model.rank_layout)
+    return Built(model, pools)

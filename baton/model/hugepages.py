@@ -74,6 +74,11 @@ def huge_zeros(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     return _arena(nbytes).view(dtype).view(shape).zero_()
 
 
+BEFORE_MOVE: list = []
+"""Called with the model before its weights move: who caches views of them drops them
+(`baton.model.layers.linear` registers itself on import; nothing to drop without it)."""
+
+
 def place_on_huge_pages(model: nn.Module) -> int:
     """Move every CPU parameter and buffer whose storage holds at least MIN_BYTES into one
     arena on huge pages (`_arena`), in place: each Parameter object keeps its identity (tied
@@ -86,12 +91,8 @@ def place_on_huge_pages(model: nn.Module) -> int:
     if not available():
         log.info("weights stay on 4 KiB pages: this machine offers no transparent huge pages")
         return 0
-    from baton.model.layers import linear
-
-    for m in model.modules():  # views of the old storages
-        for cache in ("_baton_packed", "_baton_wt", "_baton_plan"):
-            m.__dict__.pop(cache, None)
-    linear._state["generation"] += 1
+    for drop in BEFORE_MOVE:  # views of the old storages (the fast path's caches)
+        drop(model)
     # (module, name, is a parameter) by storage, and each storage's offset in the arena
     groups: dict[int, list[tuple[nn.Module, str, bool]]] = {}
     sizes: dict[int, int] = {}

@@ -3,6 +3,10 @@
 Every product module's imports (top-level and inside functions) are read from its AST and
 checked against LAYERS: a module may import its own unit or a unit of an earlier layer,
 never a peer in its own layer or anything above it. That also rules out package cycles.
+Inside `baton.model`: the base (configs, registry, pools) <- the shared layers <- the
+loaders and the families. Nothing in baton/ outside a family's folder imports that folder
+(families are found through `baton.model.family`), and no two baton modules import each
+other, directly or round a loop (typing-only imports aside).
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("baton.config",),
     ("baton.auth",),
     ("baton.model",),
+    ("baton.model.layers",),
+    ("baton.model.loader",),
+    ("baton.model.tp_loader",),
+    ("baton.model.nemotron_h", "baton.model.qwen3_5"),
+    ("baton.model.qwen3_next",),
     ("baton.cache",),
     ("baton.engine",),
     ("baton.worker",),
@@ -38,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 def unit_of(module: str) -> str | None:
     """The LAYERS unit a dotted module name belongs to (None: not ours, e.g. a library)."""
     parts = module.split(".")
-    for n in (2, 1):
+    for n in (3, 2, 1):
         name = ".".join(parts[:n])
         if len(parts) >= n and any(name in layer for layer in LAYERS):
             return name
@@ -55,12 +64,20 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
-    """(line, imported module) for every import statement in the file."""
+def imports_of(path: Path, module: str, typing_too: bool = True) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement in the file (`typing_too` False:
+    leaving out `if TYPE_CHECKING:` blocks)."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    skip = set()
+    if not typing_too:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skip |= {id(n) for b in node.body for n in ast.walk(b)}
     out = []
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -103,6 +120,83 @@ def test_every_product_module_has_a_layer():
     assert orphans == []
 
 
+def family_packages(root: Path) -> set[str]:
+    """The family folders: packages under baton/model with a `family.py`."""
+    return {f"baton.model.{p.parent.name}" for p in (root / "baton" / "model").glob("*/family.py")}
+
+
+def family_imports(root: Path) -> list[str]:
+    """Modules of baton/ outside a family's folder that import one (a layer, the engine,
+    the loader, the CLI ...)."""
+    families = family_packages(root)
+    found = []
+    for path in sorted((root / "baton").rglob("*.py")):
+        module = module_name(root, path)
+        if any(module == f or module.startswith(f + ".") for f in families):
+            continue
+        for line, target in imports_of(path, module):
+            fam = next((f for f in families if target == f or target.startswith(f + ".")),
+                       None)
+            if fam is not None:
+                found.append(f"{path.relative_to(root)}:{line}: {module} imports {target}")
+    return sorted(set(found))
+
+
+def module_graph(root: Path, package: str = "baton") -> dict[str, set[str]]:
+    """module -> the package's modules it imports (at module level or inside functions;
+    `if TYPE_CHECKING:` blocks left out: they never run)."""
+    mods = {module_name(root, p): p for p in (root / package).rglob("*.py")}
+    graph = {}
+    for module, path in mods.items():
+        graph[module] = set()
+        for _, target in imports_of(path, module, typing_too=False):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != module and not module.startswith(target + "."):
+                graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles (strongly connected components of more than one module)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_nothing_outside_a_family_imports_it():
+    assert family_packages(ROOT) >= {"baton.model.nemotron_h", "baton.model.qwen3_5"}
+    assert family_imports(ROOT) == []
+
+
+def test_no_import_cycle_in_baton():
+    assert cycles(module_graph(ROOT)) == []
+
+
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         p = tmp_path / name
@@ -124,7 +218,38 @@ def test_an_upward_import_is_caught(tmp_path):
     assert violations(root, ("baton", "router", "transfer")) == [
         "baton/engine/engine.py:2: baton.engine imports router.server "
         "(router is not below baton.engine)",
-        "baton/model/nemotron_h.py:1: baton.model imports baton.cache "
-        "(baton.cache is not below baton.model)",
+        "baton/model/nemotron_h.py:1: baton.model.nemotron_h imports baton.cache "
+        "(baton.cache is not below baton.model.nemotron_h)",
         "router/server.py:1: router imports transfer.sender (transfer is not below router)",
     ]
+
+
+def test_a_layer_or_the_engine_importing_a_family_is_caught(tmp_path):
+    root = _tree(tmp_path, {
+        "baton/__init__.py": "",
+        "baton/model/__init__.py": "",
+        "baton/model/fam/__init__.py": "",
+        "baton/model/fam/family.py": "",
+        "baton/model/fam/model.py": "from baton.model.layers import mlp\n",
+        "baton/model/layers/__init__.py": "",
+        "baton/model/layers/mlp.py": "from baton.model.fam.config import Cfg\n",
+        "baton/engine/__init__.py": "",
+        "baton/engine/engine.py": "def f():\n    import baton.model.fam.model\n",
+    })
+    assert family_imports(root) == [
+        "baton/engine/engine.py:2: baton.engine.engine imports baton.model.fam.model",
+        "baton/model/layers/mlp.py:1: baton.model.layers.mlp imports baton.model.fam.config",
+        "baton/model/layers/mlp.py:1: baton.model.layers.mlp imports baton.model.fam.config.Cfg",
+    ]
+
+
+def test_an_import_cycle_is_caught(tmp_path):
+    root = _tree(tmp_path, {
+        "baton/__init__.py": "",
+        "baton/a.py": "def f():\n    from baton import b\n",
+        "baton/b.py": "from baton.c import x\n",
+        "baton/c.py": "import baton.a\n",
+        "baton/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import baton.e\n",
+        "baton/e.py": "import baton.d\n",
+    })
+    assert cycles(module_graph(root)) == [["baton.a", "baton.b", "baton.c"]]

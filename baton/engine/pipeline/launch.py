@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from baton.config import BatonConfig
 from baton.config.base import to_dict
+from baton.engine.process import set_threads
 from baton.model.config import load_config
 from baton.model.partition import partition_layers
 from baton.model.pools import Pools, PoolSpec
@@ -61,7 +62,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
                 ) -> tuple[Stage, Pools]:
     """One stage's weights and pools. With speculation on, the last stage also holds the
     MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
-    from baton.engine.builder import DTYPES, on_huge_pages
+    from baton.engine.process import DTYPES, on_huge_pages
     from baton.engine.speculative.setup import with_draft_layers
     from baton.model.loader import load_stage
 
@@ -140,11 +141,7 @@ def serve_stage(cfg: BatonConfig, model_path, rank: int, master: str,
     from baton.engine.pipeline.stage import StageLoop
 
     _die_with_parent()
-    threads = os.environ.get("BATON_NUM_THREADS")
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
+    set_threads()
     layers = stage_layers(cfg, model_path)
     size = len(layers)
     store = open_store(rank, size, master)

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from baton.engine.speculative import kernel_verify, mamba_verify
+from baton.engine.speculative.position import Position as _Position
 from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
 from baton.model.layers.ssd import ssd_step_
@@ -197,18 +198,6 @@ def _run_layers(model, h: torch.Tensor, mix) -> torch.Tensor:
     for layer in model.blocks():  # each layer's own residual structure (`Layer.run_mixed`)
         h = layer.run_mixed(h, mix)
     return h
-
-
-class _Position(NamedTuple):
-    ctx: StepContext
-    """The slots of the requests still running at this position."""
-    rows: torch.Tensor
-    """Rows of the pass at this position (one per request still running)."""
-    save_to: torch.Tensor | None
-    """Scratch rows for the requests with a later position (their state is saved)."""
-    save_slots: torch.Tensor | None
-    copy_from: torch.Tensor | None = None
-    """Tree levels: the parents' slots, copied into `ctx.slots` before the step."""
 
 
 def _positions(pools, plan: VerifyPlan, starts, dev) -> list[_Position]:

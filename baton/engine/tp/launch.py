@@ -24,17 +24,13 @@ from baton.engine.pipeline.launch import (
     join_group,
     open_store,
 )
+from baton.engine.process import DTYPES, rank_threads
 from baton.model import family
 from baton.model.config import load_config
 from baton.model.layers.parallel import TPGroup, collective_backend, rank_device
 from baton.model.tp_shard import held_units
 
 log = logging.getLogger("baton.tp")
-
-
-def rank_threads(size: int) -> int:
-    total = int(os.environ.get("BATON_NUM_THREADS") or 0) or os.cpu_count() or 1
-    return max(1, total // size)
 
 
 def rank_layout(cfg, size: int, pids: dict[int, int]) -> str:
@@ -75,7 +71,6 @@ def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
 
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     """(the rank's model, its pools)."""
-    from baton.engine.builder import DTYPES
     from baton.model.tp_loader import load_tp_model
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
@@ -84,6 +79,12 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
     return model, pools
+
+
+def check_split(cfg: BatonConfig, path, tp: int) -> None:
+    """ConfigError in one line if the model cannot be split over `tp` ranks."""
+    mcfg = load_config(path)
+    family.of(mcfg).tp_module().local_config(mcfg, tp, cfg.worker.moe_tp_split)
 
 
 def rank_argv(model_path: str):
@@ -96,9 +97,7 @@ def start_ranks(cfg: BatonConfig, path, on_death=None, argv=None):
     master)`: a rank's command line (default a bare rank; a worker's ranks run its role's
     transfer agent: `baton <role>-worker --pp-rank R --pp-master M`)."""
     size = cfg.worker.tensor_parallel_size
-    mcfg = load_config(path)
-    family.of(mcfg).tp_module().local_config(mcfg, size, cfg.worker.moe_tp_split)  # refused here, before
-    # any rank starts
+    check_split(cfg, path, size)  # refused here, before any rank starts
     warn_cores(size)
     store = open_store(0, size, None)
     ranks = LocalStages(cfg, argv or rank_argv(str(path)), f"127.0.0.1:{store.port}", size,
@@ -141,36 +140,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-
-
-def build_tp_engine(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
-                    rank_argv_of=None):
-    """Rank 0 of a tensor-parallel worker: starts ranks 1..N-1, joins their group, loads its
-    shard, and runs the scheduler and cache manager for every rank (`on_rank_death(rank,
-    code)`: a rank exited; `on_link_lost(error)`: the group broke)."""
-    from baton.cache.manager import HybridCacheManager
-    from baton.engine.builder import _maybe_arm_canaries
-    from baton.engine.engine import Engine
-    from baton.engine.pipeline.channel import Channel
-    from baton.engine.tp.model import DigestPools, TPModel
-    from baton.model.tokenizer import load_tokenizer
-
-    size = cfg.worker.tensor_parallel_size
-    threads = rank_threads(size)
-    torch.set_num_threads(threads)
-    store, ranks = start_ranks(cfg, path, on_rank_death, rank_argv_of)
-    try:
-        tp = join(0, size, store, cfg.model.device)
-        shard, local = load_rank(cfg, path, tp)
-    except BaseException:
-        ranks.kill()
-        raise
-    pools = DigestPools(local.spec, local)
-    cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs)
-    _maybe_arm_canaries(cache)  # the fills reach ranks 1..N-1 as mirrored operations
-    model = TPModel(shard, shard.full_config, pools, Channel(0, size), tp, ranks, on_link_lost)
-    model.rank_layout = (f"tensor-parallel engine ready: TP {size} x PP 1 = {size} rank processes, "
-                         f"{threads} torch thread(s) each\n"
-                         f"{rank_layout(shard.full_config, size, ranks.pids())}")
-    log.info("%s", model.rank_layout)
-    return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path))

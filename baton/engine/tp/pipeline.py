@@ -33,7 +33,7 @@ from baton.engine.pipeline.launch import (
 )
 from baton.engine.pipeline.mirror import apply_ops
 from baton.engine.pipeline.stage import StageLoop, hidden_shape, last_logits, run_layers
-from baton.engine.tp.launch import rank_threads
+from baton.engine.process import DTYPES, rank_threads
 from baton.model.layers.parallel import TPGroup, collective_backend, rank_device
 from baton.model.pools import Pools, PoolSpec
 
@@ -201,7 +201,6 @@ def world_argv(model_path: str):
 def setup(cfg, path, rank: int, store):
     """Join the world and the stage groups, load this rank's share of its stage:
     (stage, model, pools, group, layers)."""
-    from baton.engine.builder import DTYPES
     from baton.model.tp_loader import load_tp_model
 
     pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size

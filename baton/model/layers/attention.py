@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from baton.model.layers import fused, linear
-from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext
 
 
+class AttentionDims(Protocol):
+    """What the layer reads of a model config (any family's)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: AttentionDims, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads

@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model import hugepages
 from baton.model.layers import cpu_kernels
 
 MAX_PACKED_ROWS = 64
@@ -90,6 +91,18 @@ _state = {"path": _env_path(), "generation": 0}
 """generation: bumped whenever `install` / `cast_weights` may have replaced weights (the
 direct layer calls' cached plans, `fast_decode`, are rebuilt then)."""
 _local = threading.local()  # .decoding: inside a marked decode call of this thread
+
+
+def _drop_weight_views(model: nn.Module) -> None:
+    """Before `hugepages` moves the weights: the views cached of the old storages go, the
+    direct calls' plans are rebuilt."""
+    for m in model.modules():
+        for cache in ("_baton_packed", "_baton_wt", "_baton_plan"):
+            m.__dict__.pop(cache, None)
+    _state["generation"] += 1
+
+
+hugepages.BEFORE_MOVE.append(_drop_weight_views)
 
 
 def set_decode_path(path: str) -> str:

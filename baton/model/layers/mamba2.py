@@ -7,6 +7,8 @@ The conv state holds the last `conv_kernel - 1` conv inputs per channel, section
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,12 +17,30 @@ from baton.model.layers import fused, step_kernels
 from baton.model.layers.norms import GatedRMSNorm
 from baton.model.layers.ssd import ssd_scan, ssd_step_
 from baton.model.layers.ssd_fast import ssd_scan_fast
-from baton.model.nemotron_h.config import ModelConfig
 from baton.model.paged import StepContext
 
 
+class Mamba2Dims(Protocol):
+    """What the layer reads of a model config (any family's)."""
+
+    hidden_size: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    mamba_intermediate: int
+    n_groups: int
+    ssm_state_size: int
+    conv_kernel: int
+    conv_dim: int
+    conv_sections: tuple[int, int, int]
+    chunk_size: int
+    use_bias: bool
+    use_conv_bias: bool
+    layer_norm_epsilon: float
+    dt_limit: tuple[float, float]
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: Mamba2Dims, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.cfg = cfg

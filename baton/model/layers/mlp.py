@@ -3,12 +3,22 @@ expert of its `E` layers, at its own width)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from baton.errors import ConfigError
-from baton.model.nemotron_h.config import ModelConfig
+
+
+class MLPDims(Protocol):
+    """What the layer reads of a model config (any family's)."""
+
+    hidden_size: int
+    intermediate_size: int
+    mlp_bias: bool
+    mlp_hidden_act: str
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +48,7 @@ def activation(name: str):
 class MLP(nn.Module):
     stateless = True
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, intermediate_size: int | None = None):
+    def __init__(self, cfg: MLPDims, layer_idx: int = 0, intermediate_size: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.act = activation(cfg.mlp_hidden_act)

@@ -31,7 +31,7 @@ each whole block, router to residual add, as one C++ call of the same ops in the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,23 @@ from torch import nn
 
 from baton.model.layers import cpu_kernels, fused, linear, step_kernels
 from baton.model.layers.mlp import MLP, activate, activation
-from baton.model.nemotron_h.config import ModelConfig
+
+
+class MoEDims(Protocol):
+    """What the routers and the `E` layer read of a model config (any family's)."""
+
+    hidden_size: int
+    mlp_bias: bool
+    mlp_hidden_act: str
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 class Routing(NamedTuple):
@@ -178,7 +194,7 @@ def _as(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class TopkRouter(nn.Module):
     """`mixer.gate`: float32 weight [E, H] and the choice-only bias [E]."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: MoEDims):
         super().__init__()
         e = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.zeros(e, cfg.hidden_size, dtype=torch.float32))
@@ -207,7 +223,7 @@ class Experts(nn.Module):
     stacked = ("up_proj", "down_proj")
     """The expert weights `model.weight_dtype` stores narrower (`linear.cast_weights`)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: MoEDims):
         super().__init__()
         e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
         d = cfg.moe_latent_size or cfg.hidden_size
@@ -221,7 +237,7 @@ class MoE(nn.Module):
 
     stateless = True
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: MoEDims, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.act = activation(cfg.mlp_hidden_act)

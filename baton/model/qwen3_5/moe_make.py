@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 
 from baton.model.config import config_from_dict
 from baton.model.qwen3_5 import make
-from baton.model.qwen3_next.convert import join_projections
 
 ARCH = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
@@ -52,14 +51,15 @@ def checkpoint_config(family: str, preset: str = "tiny", multimodal: bool = Fals
 
 
 def write_checkpoint(out_dir: str | Path, *, family: str, preset: str = "tiny", seed: int = 0,
-                     multimodal: bool = False, **fields) -> Path:
+                     multimodal: bool = False, convert=None, **fields) -> Path:
+    """`convert(cfg, tensors)`: the family's own layout of the tensors (Qwen3-Next's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = checkpoint_config(family, preset, multimodal, **fields)
     cfg = config_from_dict(d)
     tensors = make.random_weights(cfg, seed)
-    if family == "qwen3_next":
-        tensors = _per_expert(join_projections(cfg, tensors))
+    if convert is not None:
+        tensors = convert(cfg, tensors)
     if multimodal:
         tensors = {make._multimodal_name(k): v for k, v in tensors.items()}
         gen = torch.Generator().manual_seed(seed + 1)
@@ -71,7 +71,7 @@ def write_checkpoint(out_dir: str | Path, *, family: str, preset: str = "tiny", 
     return out
 
 
-def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fused `experts.gate_up_proj` / `experts.down_proj` as one tensor per expert."""
     out = {}
     for name, w in state.items():
