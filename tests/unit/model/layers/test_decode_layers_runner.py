@@ -3,7 +3,7 @@ decode step's layers to: how a model's parts become programs and module fallback
 plan with fallbacks between programs gives the module path's bits, that a changed norm
 weight or new weights rebuild it, and that a malformed part is refused before it runs.
 
-(The runner with every part covered is what tests/unit/test_fast_decode_layers.py and the
+(The runner with every part covered is what tests/unit/model/layers/test_fast_decode_layers.py and the
 decode tests check bit for bit against the module path for every family.)
 """
 
