@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
-    p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "pp", "tp", "http", "soak", "spec", "all"],
-                   help="which benchmark")
+    from bench import BENCHES
+
+    p.add_argument("which", choices=[*BENCHES, "all"], help="which benchmark")
     p.add_argument("--json", action="store_true", help="one JSON object a measurement")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

@@ -1,3 +1,8 @@
 """Baton's benchmarks (`baton bench ...`, `python -m bench.<name>`)."""
 
 import baton  # noqa: F401 - first: its import sets torch's huge-page allocation (see there)
+
+BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "tp", "http",
+           "soak", "spec")
+"""What `baton bench NAME` runs (`all`: each in this order), each `bench/NAME.py`'s `run(args)`:
+the one list, which the CLI's choices read too."""

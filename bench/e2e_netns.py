@@ -1,7 +1,7 @@
 """`baton bench e2e --hosts netns`: the e2e workload with every role on its own host.
 
 Router, one prefill and one decode host, each a network namespace on one bridge
-(tests/support/netns.py), KV over UCX TCP (`transfer.ucx_tls: tcp`; between namespaces UCX
+(bench/harness/netns.py), KV over UCX TCP (`transfer.ucx_tls: tcp`; between namespaces UCX
 would otherwise copy with cma). The prefill host's link (the KV's way out) is shaped with
 `tc tbf` to each rate in RATES (after a warm-up run; every rate on sessions of its own, whose
 prompts no earlier run cached); per rate: throughput, TTFT and ITL p50/p99, bytes per request
@@ -65,8 +65,8 @@ def run(args) -> list[dict]:
     import yaml
 
     from bench.e2e import _workload
-    from tests.support.netns import Network, unavailable
-    from tests.support.netns_cluster import NetnsCluster
+    from bench.harness.netns import Network, unavailable
+    from bench.harness.netns_cluster import NetnsCluster
 
     reason = unavailable()
     if reason:

@@ -9,18 +9,10 @@ import time
 from pathlib import Path
 
 from baton.model.progress import progress
-
-BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "tp", "http",
-           "soak", "spec")
-
-
-CHECKOUT = Path(__file__).resolve().parents[1]
-"""The source checkout: its tests/support holds the harnesses some benchmarks drive."""
+from bench import BENCHES
 
 
 def run_bench(args) -> int:
-    if (CHECKOUT / "tests" / "support").is_dir() and str(CHECKOUT) not in sys.path:
-        sys.path.insert(0, str(CHECKOUT))  # test harnesses are not shipped in the package
     names = BENCHES if args.which == "all" else (args.which,)
     out_dir = Path(args.out) if args.out else None
     all_rows: dict[str, list[dict]] = {}

@@ -43,10 +43,10 @@ from baton.proto_gen import router_pb2_grpc as rgrpc
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
 from bench.common import cpu_seconds
+from bench.harness.fake_workers import FakeWorker, Script
 from router.policies import RouteRequest, make_policy
 from router.registry import Registry
 from router.server import run_router
-from tests.support.fake_workers import FakeWorker, Script
 
 TARGET_P50_MS = 1.0
 TARGET_TOKENS_PER_S = 20_000

@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 
-from tests.support.loopback import StageProc
-from tests.support.testbed import tiny_model
+from bench.harness.loopback import StageProc
+from bench.harness.testbed import tiny_model
 
 MODEL = tiny_model("M*-" * 8, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
                    head_dim=64, mamba_num_heads=16, mamba_head_dim=32, ssm_state_size=32,

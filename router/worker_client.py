@@ -233,7 +233,7 @@ def _end(call, finished: bool) -> bool:
 def _drain(call) -> bool:
     """Takes an ended single-threaded call's outstanding events; True once none is left.
     gRPC has no public call for it (reading a cancelled call raises at once and leaves
-    them), hence its internals: tests/unit/test_worker_streams.py fails if a gRPC release
+    them), hence its internals: tests/unit/router/test_worker_streams.py fails if a gRPC release
     changes them."""
     consume = getattr(call, "_consume_next_event", None)
     while not _released(call):

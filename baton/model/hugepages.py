@@ -9,10 +9,8 @@ last whole 2 MB, and every smaller weight (a 100m Qwen3.5-MoE's shared experts a
 out_proj, 1.5-2 MB each: 133 of its 1,021 MB), stay on 4 KiB pages, and a weight stream
 crosses between them. `place_on_huge_pages` packs a model's weights into one arena advised
 `MADV_HUGEPAGE`; `huge_zeros` allocates a pool there. The same bytes at the same strides, so
-every result is unchanged. On the Zen 2, one thread streaming 24 weights of 9 MB through
-Baton's kernel read 16.2 GB/s as torch allocated them and 16.8 in one arena (2 threads: 29.9
-and 31.1); decode attention over cold KV at batch 32 x 150 keys, 1.24 -> 1.11 ms a layer.
-Where huge pages are not offered (another OS, `never`) these do nothing and say so once.
+every result is unchanged (measured figures in docs/performance.md). Where huge pages are
+not offered (another OS, `never`) these do nothing and say so once.
 """
 
 from __future__ import annotations

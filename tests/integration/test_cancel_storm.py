@@ -36,7 +36,6 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import router_pb2_grpc
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
     assert_clean,
     list_workers,
@@ -44,6 +43,7 @@ from tests.integration.cluster_helpers import (
     worker_counters,
     write_config,
 )
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

@@ -30,8 +30,8 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2, router_pb2_grpc, worker_pb2_grpc
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import assert_clean, list_workers, write_config
+from tests.support.engine_helpers import make_checkpoint, prompt
 from transfer.sender import TEST_HOLD_ENV
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ from baton.client.requests import RequestSpec
 from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from baton.client.remote import run_remote
 from baton.client.requests import RequestSpec
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import list_workers, start_cluster, write_config
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

@@ -20,15 +20,15 @@ from baton.contract import Role
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import router_pb2_grpc
+from bench.harness.fake_workers import Act, FakeWorker, Script
 from router.server import run_router
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
     list_workers,
     start_cluster,
     worker_counters,
     write_config,
 )
-from tests.support.fake_workers import Act, FakeWorker, Script
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

@@ -31,13 +31,13 @@ from baton.model.chat_template import load_chat_template
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.tokenizer import ByteTokenizer
 from baton.proto_gen import baton_pb2
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
     assert_clean,
     list_workers,
     start_cluster,
     write_config,
 )
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from baton.model.nemotron_h.make import checkpoint_config
-from tests.engine_helpers import make_checkpoint, prompt
-from tests.support.loopback import StageProc
+from bench.harness.loopback import StageProc
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -22,7 +22,6 @@ from baton.engine.request import SamplingParams
 from baton.model.chat_template import load_chat_template
 from baton.model.make_model import write_checkpoint
 from baton.model.tokenizer import load_tokenizer
-from tests.engine_helpers import prompt
 from tests.integration.cluster_helpers import (
     assert_clean,
     list_workers,
@@ -30,6 +29,7 @@ from tests.integration.cluster_helpers import (
     worker_counters,
     write_config,
 )
+from tests.support.engine_helpers import prompt
 
 pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")

@@ -23,10 +23,10 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2, router_pb2_grpc
-from tests.engine_helpers import make_checkpoint, prompt
+from bench.harness.netns import Network, Unavailable, unavailable
+from bench.harness.netns_cluster import METRICS_PORT, NetnsCluster
 from tests.integration.cluster_helpers import assert_clean, list_workers, write_config
-from tests.support.netns import Network, Unavailable, unavailable
-from tests.support.netns_cluster import METRICS_PORT, NetnsCluster
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

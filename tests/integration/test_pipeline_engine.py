@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from baton.engine.request import Request, SamplingParams
-from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
 PATTERNS = {"nemotron_h": "MMM*-M*-", "qwen3_5": "GGG*G***"}
 """Split [3, 3, 2]: stage 0 attention-free, stage 2 free of recurrent state (Mamba/DeltaNet)."""

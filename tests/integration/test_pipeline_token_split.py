@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from baton.engine.request import Request
-from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
 PATTERN = "MMM*-M*-"
 

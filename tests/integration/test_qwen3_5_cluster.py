@@ -22,7 +22,6 @@ from baton.client.requests import RequestSpec
 from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.proto_gen import baton_pb2
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
     assert_clean,
     list_workers,
@@ -31,6 +30,7 @@ from tests.integration.cluster_helpers import (
     write_config,
 )
 from tests.integration.test_pipeline_cluster import _spawn, greedy, tokens
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

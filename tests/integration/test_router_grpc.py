@@ -16,8 +16,8 @@ from baton.contract.prefix_hash import snapshot_key
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
+from bench.harness.fake_workers import Act, FakeWorker, Script, health_status
 from router.server import run_router
-from tests.support.fake_workers import Act, FakeWorker, Script, health_status
 
 pytestmark = pytest.mark.integration
 

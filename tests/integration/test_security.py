@@ -37,8 +37,8 @@ from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import start_cluster, write_config
+from tests.support.engine_helpers import make_checkpoint, prompt
 from transfer import wire as side
 
 pytestmark = pytest.mark.integration

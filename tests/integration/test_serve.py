@@ -19,7 +19,7 @@ from baton.cluster.local import free_port
 from baton.engine.request import SamplingParams
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
-from tests.engine_helpers import make_checkpoint
+from tests.support.engine_helpers import make_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -27,14 +27,14 @@ from baton.config.speculative import SpeculativeConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2
-from tests.engine_helpers import prompt
 from tests.integration.cluster_helpers import (
     assert_clean,
     list_workers,
     start_cluster,
     write_config,
 )
-from tests.speculative_helpers import agreeing_checkpoint
+from tests.support.engine_helpers import prompt
+from tests.support.speculative_helpers import agreeing_checkpoint
 
 pytestmark = pytest.mark.integration
 

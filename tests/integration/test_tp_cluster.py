@@ -38,7 +38,6 @@ from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
 from baton.proto_gen import baton_pb2
-from tests.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import (
     alive,
     assert_clean,
@@ -48,6 +47,7 @@ from tests.integration.cluster_helpers import (
     worker_counters,
     write_config,
 )
+from tests.support.engine_helpers import make_checkpoint, prompt
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from baton.contract.types import FinishReason
 from baton.engine.request import Request
 from baton.model.loader import load_model
 from baton.worker.load import canary_audit
-from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 from tests.support.tp_handoff import decode_from, prefill_dump, tp_of
 
 SMALL = dict(pattern="M*M-M*", hidden_size=64, vocab_size=256, intermediate_size=128,

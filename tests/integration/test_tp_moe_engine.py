@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from baton.engine.request import Request
 from baton.model.loader import load_model
 from baton.worker.load import canary_audit
-from tests.engine_helpers import engine_for, greedy, prompt
 from tests.integration.test_tp_engine import (  # noqa: F401
     MARGIN,
     STEPS,
@@ -30,6 +29,7 @@ from tests.integration.test_tp_engine import (  # noqa: F401
     explain,
     greedy_margins,
 )
+from tests.support.engine_helpers import engine_for, greedy, prompt
 
 NH = dict(pattern="ME*E-E", hidden_size=64, vocab_size=256, intermediate_size=128,
           mamba_head_dim=8, ssm_state_size=8, head_dim=16, chunk_size=16, n_groups=4,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from baton.worker.load import canary_audit
-from tests.engine_helpers import engine_for, run_all
 from tests.integration.test_tp_engine import WORKER, case, env, explain, reqs  # noqa: F401
+from tests.support.engine_helpers import engine_for, run_all
 
 
 # the two configs that replicate the most (B/C and the only KV head; Qwen3.5's key heads)

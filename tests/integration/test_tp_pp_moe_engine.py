@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from baton.worker.load import canary_audit
-from tests.engine_helpers import engine_for
 from tests.integration.test_tp_engine import WORKER, env, explain  # noqa: F401
 from tests.integration.test_tp_moe_engine import _case, logprob_gaps, run
+from tests.support.engine_helpers import engine_for
 
 
 @pytest.mark.parametrize("family, split", [("nemotron_h", "within")])

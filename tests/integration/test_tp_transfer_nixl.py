@@ -4,7 +4,7 @@ on NemotronH with n_groups 1 / one KV head (B/C and KV replicated on every rank)
 n_groups 4 / two KV heads (split, KV replicated at TP 4). Each rank is its own process with its
 own NIXL agent (the loopback stage processes, forked once and set up again per case).
 
-The oracle (`tests/support/tp_bytes.py`) does not use the plan: each prefill stage's bytes are
+The oracle (`bench/harness/tp_bytes.py`) does not use the plan: each prefill stage's bytes are
 seeded at TP 1 and every rank holds its shard of them, so after the handoffs decode rank d of
 TP q must hold its shard of the source blocks and slot in the reserved ones and its canary
 bytes everywhere else (no byte lost, misplaced, or written outside the reservation).
@@ -18,9 +18,9 @@ import torch
 from baton.model.config import config_from_dict
 from baton.model.nemotron_h.tp import local_config
 from baton.model.pools import Pools, PoolSpec
-from tests.support import tp_bytes
-from tests.support.testbed import Testbed, tiny_model, two_handoffs
-from tests.support.verify import first_difference, split_layers, views
+from bench.harness import tp_bytes
+from bench.harness.testbed import Testbed, tiny_model, two_handoffs
+from bench.harness.verify import first_difference, split_layers, views
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

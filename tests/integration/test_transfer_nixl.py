@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.testbed import (
+from bench.harness.testbed import (
     Testbed,
     check_pp_matrix,
     events_ok,
@@ -12,7 +12,7 @@ from tests.support.testbed import (
     tiny_qwen,
     two_handoffs,
 )
-from tests.support.verify import Handoff
+from bench.harness.verify import Handoff
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

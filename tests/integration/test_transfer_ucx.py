@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.testbed import Testbed, check_pp_matrix, events_ok, tiny_model, two_handoffs
+from bench.harness.testbed import Testbed, check_pp_matrix, events_ok, tiny_model, two_handoffs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

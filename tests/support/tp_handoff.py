@@ -14,7 +14,7 @@ from baton.engine.tp.rank import dump_request, load_request
 from baton.model.pools import Pools, PoolSpec
 from baton.model.tp_loader import family_tp
 from baton.model.tp_shard import model_shards
-from tests.engine_helpers import greedy
+from tests.support.engine_helpers import greedy
 from transfer.layout import StageLayout
 from transfer.tp_plan import expand, plan_tp
 

@@ -1,33 +1,27 @@
-"""Fused decode steps of the recurrent mixers and of paged attention (the fast decode path,
-`BATON_DECODE_PATH=fast`).
+"""Fused decode steps of the recurrent mixers and of paged attention, compiled by inductor: the
+fast decode path's fallback where Baton's C++ step kernels do not build.
 
 What a Mamba2 or DeltaNet layer does per decode step between its input and output projections
-(conv window, gates, state update, read-out, gated norm) is a dozen small element-wise ops
-and a few passes over the state; in eager PyTorch each is a kernel call and a full pass over
-its operands. Here each mixer's step is one function compiled by inductor (C++ on CPU), which
-fuses it into a few loops that read and write the state once, straight in the pool's slots.
-
-Measured on the 2-core dev machine (one thread, bench 100m NemotronH, per Mamba2 layer, the
-state read-out and update alone): batch 1 209 -> 44 us, batch 8 395 -> 182 us, batch 32
-2040 -> 633 us. The fused steps round differently from the eager reference (sums in another
-order, FMA): about 1e-6 relative, like the packed linears; the fast path is compared with the
-reference in tests/unit/test_decode_fast_path.py.
-
-Attention (`attention_step`) reads each key and value straight from the paged pool inside
-the compiled loop, so no dense [b, kv_heads, keys, hd] history is gathered first (batch 8 x
-640 keys: 2.9 -> 1.9 ms a layer; batch 32 x 192 keys: 4.0 -> 2.1 ms).
+(conv window, gates, state update, read-out, gated norm) is a dozen small element-wise ops and a
+few passes over the state; in eager PyTorch each is a kernel call and a full pass over its
+operands. Here each mixer's step is one function compiled by inductor (C++ on CPU), which fuses
+it into a few loops that read and write the state once, straight in the pool's slots. Attention
+(`attention_step`) reads each key and value straight from the paged pool inside the compiled
+loop, so no dense [b, kv_heads, keys, hd] history is gathered first.
 
 Shapes: only the batch (and, for attention, the key count) are dynamic; every other size is
-baked in, which is what lets inductor vectorise the state loops (a fully dynamic compile was
-1.6-3x slower). A speculating engine whose verify passes cannot run on the C++ step kernels
+baked in, which is what lets inductor vectorise the state loops. The fused steps round
+differently from the eager reference (sums in another order, FMA): about 1e-6 relative, like the
+packed linears; tests/unit/engine/test_decode_fast_path.py compares the fast path with the
+reference. A speculating engine whose verify passes cannot run on the C++ step kernels
 (`baton.engine.speculative.kernel_verify`) decodes on the reference path instead.
 
 Only the fast path calls these, and only on CPU float32; a compiler failure (no C++ toolchain)
 falls back once, with a warning, to running the same function eagerly. Where the C++ step
 kernels build (`baton.model.layers.step_kernels`: the same steps, one pybind call each, on the
-pools' slot rows in place), the layers call those instead and these compiled steps are the
-fallback: between two linears of a decode step the caches are cold, and a compiled call's
-dynamo guards and wrappers then cost ~200 us against the kernel's ~10-15 us.
+pools' slot rows in place), the layers call those instead: between two linears of a decode step
+the caches are cold, and a compiled call's guards and wrappers then cost far more than a kernel
+call. Measured figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """The fast path's gated DeltaNet prefill scan (`chunk_scan_fast`): the chunked recurrence of
-`baton.model.layers.gdn.chunk_scan`, the same closed form, with less work around its matmuls.
-
-Why (bench 100m Qwen3.5, 2,048 tokens, 1 thread): the reference scan took ~75 ms a layer for
-~1 GFLOP of matmuls, more than the layer's projections. What this one does instead:
-- q k^T and k k^T once per key head (the value heads of a key head share them, only the
-  decay and beta differ), and no repeat of q and k per value head;
+`baton.model.layers.gdn.chunk_scan`, the same closed form, with less work around its matmuls:
+- q k^T and k k^T once per key head (the value heads of a key head share them, only the decay
+  and beta differ), and no repeat of q and k per value head;
 - the decay matrices in one kernel pass each (`step_kernels` ssd_decay: the masked
   exp(cum_i - cum_j) times the shared product, the difference in float64, no cancellation);
 - one triangular solve for values and keys together (one right-hand side of dv + dk), by a
-  forward-substitution kernel (LAPACK's batched trsm ran at a fifth of the matmul rate);
+  forward-substitution kernel (LAPACK's batched trsm runs far below the matmul rate);
 - the per-chunk loop only carries the state (v_new, then S), two batched matmul-adds a chunk;
   every chunk's output is then one batched matmul, [intra | q decay] @ [v_new ; S], the first
   factor never in memory where dv is a multiple of 16 (`step_kernels` decay_matmul, as in
-  `ssd_fast`: 32.9 -> 28.7 ms a layer);
+  `ssd_fast`);
 - no padding copies when T is a multiple of the chunk; decays below e^FLUSH are 0 (their
-  products would be float32 denormals, which slow every op that meets them), and the solve
-  still made them (7% of its keys' column on the bench 100m), so the scan runs with
-  denormals flushed to zero (`ssd_fast.denormals_flushed`): its per-chunk matmul-adds took
-  0.21 s of a 2,048-token prefill with them, 0.03 s without.
+  products would be float32 denormals, which slow every op that meets them), and as the solve
+  still makes some, the scan runs with denormals flushed to zero (`ssd_fast.denormals_flushed`).
 It rounds differently from the reference (about 1e-6), so it runs only on the fast path, and
-needs the step kernels (`fused.fast_prefill`).
+needs the step kernels (`fused.fast_prefill`). Measured figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,62 +1,38 @@
 """The linear layers of every family: a fast path for decode-sized matmuls on CPU, and weights
 stored at half the bytes (`model.weight_dtype`) but computed in float32.
 
-Why (measured on the 2-core AMD EPYC dev machine, Zen 4 with AVX-512, torch 2.13 CPU, MKL
-2024.2, oneDNN 3.12; all 57 linear layers of the bench 100m NemotronH, one decode step,
-`python -m bench.linears`: ms at 1 / 2 threads, each layer's best of 9 passes summed, as the
-machine is shared; `sum()` reads 22.5 / 32.6 GB/s, i.e. 16 / 11 ms for the 366 MB of fp32
-weights):
+What this module owns:
+- `install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
+  the model's decode calls (`decode`, `run_layers(..., decode=True)`). Inside them, fp32
+  activations on CPU take Baton's kernel (`baton/model/layers/cpu_kernels/gemv.cpp`, compiled
+  on first use) at any row count, so a speculative verify pass of K+1 rows a request rounds
+  every row as plain decode does (`baton.engine.speculative.kernel_verify`); without the
+  kernel, at most `MAX_PACKED_ROWS` rows take the packed MKL / oneDNN path. The kernel reads
+  the weight in place, upcasts half weights in registers, prefetches the weight stream, splits
+  the outputs over torch's threads, and sums each output element in one fixed order
+  (`gemv.cpp`'s contract): a row's result does not depend on the batch it is in, the thread
+  count or the instruction set, where MKL differs by about 1e-6 between a row alone and the
+  same row in a batch.
+- Prefill on the fast path (`_prefill_linear`): oneDNN on the weight in place, or, on AVX2
+  machines without AVX-512, Baton's `prefill_gemm` (`step_kernels/gemm.cpp`); either way a
+  row's bits do not depend on its chunk or the thread count. Everything else (prefill on the
+  reference path; CUDA; low-precision models) runs plain `F.linear`.
+- `fused_linears`: a layer's several input projections on one input (q/k/v, DeltaNet's in_proj
+  qkv/a/b/z, SwiGLU gate/up, MoE routers with the shared expert's input) in one kernel call on
+  the fast decode path, the same bits as one call each.
+- Half weights take the kernel at up to `MAX_PACKED_ROWS` rows on the reference path too
+  (judged by their own parity test).
+- The decode path switch: `fast` (the default) or `reference` (`BATON_DECODE_PATH=reference`,
+  `set_decode_path`, `reference_scope`), bit for bit the unoptimised path. The fast path rounds
+  differently from MKL (about 1e-6 relative) and is exact in itself (a row's bits do not depend
+  on its batch, a verify pass equals plain decode, prefill does not depend on chunking); the
+  whole test suite holds on either path.
 
-    rows per matmul                    1           8           16          32
-    F.linear (MKL sgemm)            35 / 31     66 / 64     74 / 80    105 / 189
-    previous fast path (MKL/oneDNN) 24 / 21     30 / 19     40 / 30     70 / 60
-    Baton's kernel, fp32 weights    15 / 8.5    20 / 13     32 / 18     68 / 41
-      fp16 (bf16 the same)         9.0 / 5.6    15 / 10     30 / 17     62 / 41
-    previous half path (chunked)    26 / -      74 / 64     62 / 54     87 / 74
-
-On an AVX2-only EPYC (no AVX-512; `sum()` reads 15.9 GB/s at one thread) the same linears
-take 21 ms fp32 and 13.9 ms fp16 at one row, 1 thread (the AVX2 blocks' numbers are in
-`gemv_avx2.h`), and the batch-1 peer ratios there are 0.78-0.92 (fp32) and 0.76-0.91 (fp16)
-of llama.cpp's speed (`bench engine --peer llamacpp`, NemotronH and Qwen3.5 100m).
-
-`F.linear` on fp32 CPU goes to MKL's sgemm, whose small-M path on this AMD part is weak (MKL
-picks its non-Intel code path) and does not split one-row matmuls over threads; oneDNN's
-matmul on a weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`) is faster at
-8-64 rows, MKL on a transposed copy for one row of a wide layer. Baton's kernel
-(`baton/model/layers/cpu_kernels/gemv.cpp`, compiled on first use) beats both at every row
-count up to 64 (ties at 32-64 on one thread, where the step is compute bound) and gains
-1.5-1.7x from the second thread: it reads the weight in place (no copy, near the read
-bandwidth at one row), upcasts half weights in registers (0.6x the fp32 time at one row, 0.75x
-at 8), prefetches the weight stream, and splits the outputs over torch's threads. And it
-sums each output element in one fixed order (`gemv.cpp`'s contract), so a row's result does
-not depend on the batch it is in, the thread count or the instruction set; MKL differs by
-about 1e-6 between a row alone and the same row in a batch. Where it cannot be built (no
-compiler), the previous fast path and the chunked upcast remain, with one line in the log.
-
-`install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
-the model's decode calls (`decode`, `run_layers(..., decode=True)`): inside them, fp32
-activations on CPU take the kernel at any row count (also faster than MKL at 64-256 rows:
-0.6-0.9x its time on this machine), so a speculative verify pass of K+1 rows a request
-rounds every row as plain decode does (`baton.engine.speculative.kernel_verify`); without the
-kernel, at most `MAX_PACKED_ROWS` rows take the packed path. Prefill on the fast path takes
-oneDNN on the weight in place (`_prefill_linear`: 1.2-1.4x MKL at 256-2048 rows here, and a
-row's bits do not depend on its chunk or the thread count), or, on AVX2 machines without
-AVX-512, Baton's `prefill_gemm` (`step_kernels/gemm.cpp`: on the Zen 3 EPYC oneDNN ran at
-62-82 GFLOP/s a core on the prefill shapes, MKL at 80-90, this kernel at MKL's rate, with each
-output summed in one fixed order). Everything else (prefill on the
-reference path; CUDA; low-precision models) runs plain `F.linear`. `fused_linears` runs a
-layer's several input projections on one input (q/k/v, DeltaNet's in_proj qkv/a/b/z, SwiGLU
-gate/up, MoE routers with the shared expert's input) in one kernel call on the fast decode
-path, the same bits as one call each (bench 100m, 1 thread, batch 1: ~1-1.5 ms a step less,
-Qwen3.5 most). Half weights take the kernel at up to `MAX_PACKED_ROWS` rows on the reference
-path too (judged by their own parity test). The fast path is the default
-(`BATON_DECODE_PATH=reference` or `set_decode_path("reference")` picks the unoptimised path,
-bit for bit what it was before the kernels): it rounds differently from MKL (about 1e-6
-relative), is exact in itself (a row's bits do not depend on its batch, a verify pass equals
-plain decode, prefill does not depend on chunking), and the whole test suite holds on either
-path. `install` loads the kernels when a model is loaded (built once per machine, ~1 min, on
-first use), so a worker is ready only once they are.
-tests/unit/test_decode_fast_path.py compares the two paths, tests/unit/test_cpu_linear_kernel.py
+Where the kernel cannot be built (no compiler), the packed path and the chunked upcast remain,
+with one line in the log. `install` loads the kernels when a model is loaded (built once per
+machine on first use), so a worker is ready only once they are. The measured speeds of each
+path are in docs/performance.md (`python -m bench.linears`). tests/unit/engine/
+test_decode_fast_path.py compares the two paths, tests/unit/model/layers/test_cpu_linear_kernel.py
 the kernel's accuracy and contract.
 """
 

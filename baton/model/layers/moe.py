@@ -18,9 +18,8 @@ weight [U, d_in] in place (already its [N, K] layout; float16 / bfloat16 stacks 
 expert output is then the same bits whichever other tokens share its experts (what a
 speculative verify pass relies on), where MKL's sgemm rounds by the run's row count. It is
 faster: one `grouped_linear` call a matmul for all active experts, the pair sort and the
-weighted sum in C++ (`moe_sort`, `moe_combine`: no argsort / bincount / index_add_ calls).
-Measured (bench.step_profile, 1 thread, fp32): NemotronH-MoE step batch 1 27.6 -> ~22 ms,
-batch 8 69 -> ~49 ms; Qwen3.5-MoE batch 1 47 -> ~34 ms, batch 8 146 -> ~66 ms. The reference
+weighted sum in C++ (`moe_sort`, `moe_combine`: no argsort / bincount / index_add_ calls;
+measured figures in docs/performance.md, `python -m bench.step_profile`). The reference
 path (`decode_path` reference) keeps torch.mm, bit for bit. A prefill on the fast path runs
 the same torch.mm products, one expert a thread (`step_kernels` `grouped_mm`): the bits of the
 loop at one thread, whatever the thread count. A plain decode step runs

@@ -1,9 +1,5 @@
 """The fast path's Mamba2 prefill scan (`ssd_scan_fast`): the recurrence of `baton.model.
-layers.ssd`, the same closed form chunk by chunk, with less work than the reference's scan.
-
-Why (bench 100m NemotronH, 2,048 tokens, 1 thread): the reference scan took ~150 ms a layer,
-about the layer's in_proj and out_proj together; this one ~40 ms, then ~32 (the fused output
-matmul and the carry kernel below). What it does instead:
+layers.ssd`, the same closed form chunk by chunk, with less work than the reference's scan:
 - C B^T per group (B and C are shared by the r = H/G heads of a group): 1/r of the FLOPs,
   and B and C are never copied per head;
 - the decay mask in one kernel pass (`step_kernels` ssd_decay) instead of a masked cumsum
@@ -13,24 +9,21 @@ matmul and the carry kernel below). What it does instead:
   state carry writes the second factor): no separate matmul and no strided add for what the
   entering state gives. Where the head size is a multiple of 16 the first factor never goes
   to memory (`step_kernels` decay_matmul: each block's rows into a buffer in cache, then
-  straight into its matmul, M's zero triangle skipped; the matrix was 25 MB a layer, written
-  and read back, and MKL's batched sgemm ran these 64 x 128 by 128 x 64 products at 49-54
-  GFLOP/s here): the scan 41 -> 33 ms a layer (alternating, 1 thread), the same bits as
-  MKL's product on the bench model's shapes;
+  straight into its matmul, M's zero triangle skipped), the same bits as MKL's product on the
+  bench model's shapes;
 - 64-token chunks (the checkpoint's are 128): the intra-chunk terms cost T * l per head, the
-  carried states T / l; on this CPU 64 is the cheaper side of that trade (`CHUNK`);
+  carried states T / l; on CPU 64 is the cheaper side of that trade (`CHUNK`);
 - the states carried in order, one multiply-add a chunk, instead of a [c+1, c+1] matmul
   over every chunk pair (`step_kernels` ssd_carry: one pass for every chunk, with
-  torch.addcmul's rounding; 2.9 -> 1.8 ms a layer against 32 strided addcmul calls, `_carry`
-  where the kernels are not built); decays below e^FLUSH are 0 (denormals, see FLUSH).
+  torch.addcmul's rounding; `_carry` where the kernels are not built); decays below e^FLUSH
+  are 0 (denormals, see FLUSH);
 - float32 denormals flushed to zero while it runs (`denormals_flushed`): not the inputs, but
-  the chunk products' partial sums (decays down to e^FLUSH times small states) still made
-  them, and every multiply that meets one takes a microcode assist: on the bench 100m
-  NemotronH's 2,048-token prefill the scan's batched matmuls took 0.27-0.63 s with them in
-  profiled runs (it varies with the prompt's decays), 0.14 s without. A denormal is below
+  the chunk products' partial sums (decays down to e^FLUSH times small states) still make
+  them, and every multiply that meets one takes a microcode assist. A denormal is below
   1.2e-38, under half an ulp of any output above ~1e-31, so the outputs keep their bits
   unless they are themselves that small.
 It rounds differently from the reference (about 1e-6), so it runs only on the fast path.
+Measured figures: docs/performance.md.
 """
 
 from __future__ import annotations
