@@ -22,9 +22,9 @@ from baton.engine.builder import build_engine
 from baton.model import family
 from baton.model.config import load_config
 from baton.model.loader import load_model
-from tests.support.engine_helpers import make_checkpoint, prompt
 from tests.integration.cluster_helpers import start_cluster, write_config
 from tests.integration.test_pipeline_cluster import greedy, tokens
+from tests.support.engine_helpers import make_checkpoint, prompt
 from tests.support.toy_family import family as toy
 
 pytestmark = pytest.mark.integration
