@@ -1,0 +1,42 @@
+"""Quantized checkpoints: the published formats read exactly (`scheme`, `checkpoint`,
+`formats`), dequantized into the model's dtype at load; see docs/quantization.md.
+
+The loaders open checkpoint files through `open_file`, which presents a quantized checkpoint as
+the float one it encodes and refuses, before any weight is read, anything it cannot decode
+exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from baton.model.quant.checkpoint import Checkpoint, FileView
+
+__all__ = ["Checkpoint", "FileView", "checkpoint", "open_file", "weight_format"]
+
+_CACHE: dict[tuple, Checkpoint] = {}
+
+
+def checkpoint(path: str | Path) -> Checkpoint:
+    """The checked view of checkpoint directory `path` (cached while its files are unchanged)."""
+    path = Path(path)
+    key = (str(path.resolve()),) + tuple(
+        (p.name, st.st_mtime_ns, st.st_size)
+        for p in sorted(path.iterdir()) if p.suffix in (".json", ".safetensors")
+        for st in [p.stat()])
+    ckpt = _CACHE.get(key)
+    if ckpt is None:
+        if len(_CACHE) > 8:
+            _CACHE.clear()
+        ckpt = _CACHE[key] = Checkpoint(path)
+    return ckpt
+
+
+def open_file(file: str | Path) -> FileView:
+    """One safetensors file of a checkpoint, its tensors decoded (use as a context manager)."""
+    file = Path(file)
+    return checkpoint(file.parent).view(file)
+
+
+def weight_format(path: str | Path) -> str | None:
+    """The quantized format the checkpoint at `path` stores, None when it is unquantized."""
+    return checkpoint(path).label
