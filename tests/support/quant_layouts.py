@@ -10,7 +10,7 @@ Written from the formats' descriptions (/work/shared/QUANTIZATION.md), sharing n
     modelopt_nvfp4   NVFP4: uint8 pairs (low nibble first), e4m3 scale per 16, weight_scale_2
     modelopt_mixed   MIXED_PRECISION: routed experts NVFP4, the rest FP8, the map per layer
     ct_fp8           compressed-tensors float-quantized, fp8 per output channel
-    ct_w4a16         compressed-tensors pack-quantized int4, group 32 (asym: zero points)
+    ct_w4a16         compressed-tensors pack-quantized int4, group 16 (asym: zero points)
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FP8_MAX = 448.0
+GROUP = 16
+"""The int4 group (compressed-tensors' own decompression needs it to divide every width)."""
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 LAYOUTS = ("qwen_fp8", "modelopt_fp8", "modelopt_nvfp4", "modelopt_mixed", "ct_fp8",
@@ -44,6 +46,12 @@ def read(src: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         return cfg, {k: f.get_tensor(k) for k in f.keys()}
 
 
+def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from baton.model.qwen3_5.moe_make import per_expert as split
+
+    return split(tensors)
+
+
 def quantized(family: str, name: str, t: torch.Tensor) -> bool:
     if not name.endswith(".weight") or t.dim() != 2:
         return False
@@ -56,6 +64,7 @@ def write(src: Path, out: Path, layout: str, *, scale_dtype=torch.bfloat16,
           block=(128, 128)) -> Path:
     """`src` (a float checkpoint, per-expert tensors) in `layout` at `out`."""
     cfg, tensors = read(src)
+    tensors = per_expert(tensors)  # the quantized releases store one tensor per expert
     family = "nemotron_h" if cfg.get("model_type") == "nemotron_h" else "qwen"
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -91,7 +100,7 @@ def write(src: Path, out: Path, layout: str, *, scale_dtype=torch.bfloat16,
         else:
             state.pop(name, None)
             state |= {f"{module}.{k}": v
-                      for k, v in int4_packed(t, 32, layout.endswith("asym"), scale_dtype).items()}
+                      for k, v in int4_packed(t, GROUP, layout.endswith("asym"), scale_dtype).items()}
     cfg = dict(cfg)
     if layout == "qwen_fp8":
         cfg["quantization_config"] = {
@@ -122,7 +131,7 @@ def ct_config(layout: str, kept: list[str]) -> dict:
                 "dynamic": True}
         fmt = "float-quantized"
     else:
-        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP,
                    "symmetric": not layout.endswith("asym"), "dynamic": False}
         acts, fmt = None, "pack-quantized"
     return {"quant_method": "compressed-tensors", "format": fmt,
