@@ -16,7 +16,7 @@ from baton.model.config import load_config
 from baton.model.family import Weights
 from baton.model.layers.linear import install as install_linears
 from baton.model.progress import progress
-from baton.model.quant import open_file
+from baton.model.quant import safe_open  # the checkpoint as the float one it encodes
 from baton.model.stacking import ExpertStacks
 
 log = logging.getLogger("baton.model")
@@ -137,7 +137,7 @@ def checkpoint_files(path: Path) -> list[Path]:
 def _tensor_names(path: Path) -> set[str]:
     names: set[str] = set()
     for file in checkpoint_files(path):
-        with open_file(file) as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             names.update(f.keys())
     return names
 
@@ -149,7 +149,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
     skipped = {p: 0 for p in fam.skipped if not any(k.startswith(p) for k in expected)}
     stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
-        with open_file(file) as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
                 part = next((p for p in skipped if name.startswith(p)), None)
                 if part is not None:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from baton.errors import ConfigError
-from baton.model.quant import open_file
+from baton.model.quant import safe_open  # the checkpoint as the float one it encodes
 
 PER_EXPERT = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 # per-expert projection -> (fused parameter, which half of its rows; None: all of them)
@@ -79,7 +79,7 @@ class ExpertStacks:
         for p in pieces:
             by_file[p.file].append(p)
         for file, group in by_file.items():
-            with open_file(file) as f:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
                 for p in group:
                     e = p.expert - first
                     dst = out[e] if p.half is None else out[e, p.half * rows:(p.half + 1) * rows]

@@ -15,7 +15,7 @@ from baton.model.config import load_config
 from baton.model.layers.moe_tp import MODES
 from baton.model.layers.parallel import TPGroup
 from baton.model.loader import _canonical, checkpoint_files, family_loader
-from baton.model.quant import open_file
+from baton.model.quant import safe_open  # the checkpoint as the float one it encodes
 from baton.model.tp_shard import held_units
 from baton.model.tp_stacks import TPExpertStacks
 
@@ -61,7 +61,7 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
     state = {}
     stacks = TPExpertStacks(expected, tp.size, tp.rank, moe_split)
     for file in checkpoint_files(path):
-        with open_file(file) as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 ours = _canonical(name, fam.prefix_aliases)
                 if stacks.claim(ours, name, file):  # one expert's tensor (published layout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from baton.model.quant.checkpoint import Checkpoint, FileView
 
-__all__ = ["Checkpoint", "FileView", "checkpoint", "open_file", "weight_format"]
+__all__ = ["Checkpoint", "FileView", "checkpoint", "open_file", "safe_open", "weight_format"]
 
 _CACHE: dict[tuple, Checkpoint] = {}
 
@@ -35,6 +35,13 @@ def open_file(file: str | Path) -> FileView:
     """One safetensors file of a checkpoint, its tensors decoded (use as a context manager)."""
     file = Path(file)
     return checkpoint(file.parent).view(file)
+
+
+def safe_open(file: str | Path, framework: str = "pt", device: str = "cpu") -> FileView:
+    """`safetensors.safe_open`'s signature (the loaders call it so): `open_file`."""
+    if (framework, device) != ("pt", "cpu"):
+        raise ValueError(f"quantized checkpoints are read as pt on cpu, not {framework}/{device}")
+    return open_file(file)
 
 
 def weight_format(path: str | Path) -> str | None:
