@@ -18,6 +18,7 @@ weight-only, in the model's dtype.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -70,6 +71,26 @@ class Entry:
         return self.parts["q"][0]
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its shard index names, else all of them
+    (as `baton.model.loader.checkpoint_files`, which this unit sits below)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{index} is not valid JSON: {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in model directory {str(path)!r}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"shard(s) {missing} named by {index} do not exist")
+    return files
+
+
 class Checkpoint:
     """The tensors of one checkpoint directory, checked against its quantization scheme."""
 
@@ -77,8 +98,6 @@ class Checkpoint:
         self.path = path
         self.scheme: Scheme | None = read_scheme(path)
         self.meta: dict[str, Meta] = {}
-        from baton.model.loader import checkpoint_files
-
         for file in checkpoint_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
