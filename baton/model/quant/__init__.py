@@ -11,12 +11,12 @@ from pathlib import Path
 
 from baton.model.quant.checkpoint import Checkpoint, FileView
 
-__all__ = ["Checkpoint", "FileView", "checkpoint", "open_file", "safe_open", "weight_format"]
+__all__ = ["Checkpoint", "FileView", "open_checkpoint", "open_file", "safe_open", "weight_format"]
 
 _CACHE: dict[tuple, Checkpoint] = {}
 
 
-def checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checked view of checkpoint directory `path` (cached while its files are unchanged)."""
     path = Path(path)
     key = (str(path.resolve()),) + tuple(
@@ -34,7 +34,7 @@ def checkpoint(path: str | Path) -> Checkpoint:
 def open_file(file: str | Path) -> FileView:
     """One safetensors file of a checkpoint, its tensors decoded (use as a context manager)."""
     file = Path(file)
-    return checkpoint(file.parent).view(file)
+    return open_checkpoint(file.parent).view(file)
 
 
 def safe_open(file: str | Path, framework: str = "pt", device: str = "cpu") -> FileView:
@@ -46,4 +46,4 @@ def safe_open(file: str | Path, framework: str = "pt", device: str = "cpu") -> F
 
 def weight_format(path: str | Path) -> str | None:
     """The quantized format the checkpoint at `path` stores, None when it is unquantized."""
-    return checkpoint(path).label
+    return open_checkpoint(path).label

@@ -356,8 +356,8 @@ class QuantSlice:
             raise ConfigError(
                 f"checkpoint tensor {self.entry.stored!r} {list(self.entry.shape)}: the part "
                 f"[{a}:{b}] of its {axis} (a tensor-parallel shard or section) cuts its "
-                f"{what} of {unit}; {self.entry.rule.label} can be split only at multiples of "
-                f"{unit}: choose a tensor-parallel size whose shards are")
+                f"{what} of {unit}; {self.entry.rule.label} splits only at multiples of "
+                f"{unit}: use a tensor-parallel size whose shards are whole blocks, or 1")
 
     def _decode(self, rows: tuple[int, int], cols: tuple[int, int],
                 whole: bool = False) -> torch.Tensor:

@@ -20,7 +20,7 @@ pytest.importorskip("compressed_tensors")
 
 from baton.model.loader import load_model  # noqa: E402
 from baton.model.make_model import write_checkpoint  # noqa: E402
-from baton.model.quant import checkpoint  # noqa: E402
+from baton.model.quant import open_checkpoint  # noqa: E402
 from tests.support import quant_layouts  # noqa: E402
 from tests.support.hf_parity import assert_greedy_matches, assert_logits_match, prompt_ids  # noqa: E402
 
@@ -55,7 +55,7 @@ def float_checkpoint(request, tmp_path_factory):
 def test_layout_loads_exactly(float_checkpoint, layout, tmp_path):
     name, src = float_checkpoint
     q = quant_layouts.write(src, tmp_path / layout, layout)
-    ckpt = checkpoint(q)
+    ckpt = open_checkpoint(q)
     assert ckpt.entries, "the layout quantized nothing"
     if layout == "modelopt_mixed" and name.endswith("moe"):
         kinds = {e.rule.kind for e in ckpt.entries.values()}
