@@ -130,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--local: MTP draft tokens per decode step, 0..8 (default: config "
                         "speculative.num_draft_tokens, 0 = off)")
 
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="--local: quantize the projections at load (default: config "
+                        "model.quantize; docs/quantization.md)")
+
+    p = sub.add_parser("quantize", help="write a float checkpoint as int8 / int4 "
+                       "(compressed-tensors)")
+    p.add_argument("src", help="float checkpoint folder (or a named model)")
+    p.add_argument("out", help="new folder to write")
+    p.add_argument("--to", required=True, choices=["int8", "int4"],
+                   help="int8: per output channel; int4: groups of 32, float16 scales")
+
     p = sub.add_parser("make-model", help="write a small seeded checkpoint of a registered family")
     p.add_argument("--out", required=True, help="folder to write the checkpoint into")
     p.add_argument("--pattern", default=None,

@@ -38,6 +38,10 @@ def cmd_generate(args) -> int:
                                                                    tensor_parallel_size=tp))
     if getattr(args, "speculative_tokens", None) is not None:
         cfg = _with_speculation(cfg, args.speculative_tokens)
+    if getattr(args, "quantize", None):
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantize=args.quantize))
     if args.local:
         from baton.client.local import run_local
         from baton.engine.builder import build_engine
@@ -137,6 +141,15 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_quantize(args) -> int:
+    from baton.model.quant.quantize import write_quantized
+    from baton.model.registry import resolve_model
+
+    out = write_quantized(resolve_model(args.src), args.out, args.to)
+    print(f"wrote {out} ({args.to}, compressed-tensors)")
+    return 0
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "make-model": cmd_make_model,
@@ -145,4 +158,6 @@ COMMANDS = {
     "prefill-worker": cmd_prefill_worker,
     "decode-worker": cmd_decode_worker,
     "bench": cmd_bench,
+    "quantize": cmd_quantize,
 }
+

@@ -14,6 +14,7 @@ def run_router_role(args) -> int:
     from baton.auth.tls import cluster_tls, http_ssl_args, router_tls
     from baton.model.chat_template import load_chat_template
     from baton.model.config import load_config
+    from baton.model.quant.served import served_weights
     from baton.model.registry import resolve_model, served_name
     from baton.model.tokenizer import load_tokenizer
     from router.http.server import start_http
@@ -31,7 +32,8 @@ def run_router_role(args) -> int:
     ssl_args = http_ssl_args(router_tls(router_cfg), tls)
     try:
         http = start_http(handle, router_cfg.host, http_port, served_name(model_dir),
-                          load_chat_template(model_dir), max_len, api_keys, ssl_args)
+                          load_chat_template(model_dir), max_len, api_keys, ssl_args,
+                          weights=served_weights(model_dir, cfg.model.quantize))
     except BaseException:
         handle.stop()
         raise

@@ -35,6 +35,11 @@ class ModelSection:
     float32, greedy tokens equal where float32's top-1 leads by 0.05 (tests/unit/
     test_weight_dtype.py). float32 is the default and the exact reference. Single-
     stage workers only (pipeline stages keep `dtype` weights)."""
+    quantize: Literal["int8", "int4"] | None = None
+    """Quantize a float checkpoint's projections at load: int8 per output channel or int4 in
+    groups of 32 (norms, router, conv, SSM parameters, embeddings and LM head stay exact);
+    dequantized into `dtype` (int8/int4 numerics, not yet their memory). docs/quantization.md.
+    Single-process workers (no TP / PP yet)."""
 
     def __post_init__(self) -> None:
         if self.weight_dtype != "float32" and self.dtype != "float32":

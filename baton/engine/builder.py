@@ -69,6 +69,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
             f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
             f"supported with worker.tensor_parallel_size={tp} "
             "yet; set it to 0 or use tensor_parallel_size 1")
+    if cfg.model.quantize and (tp > 1 or pp > 1):
+        raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
+                          f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
+                          "write the checkpoint with `baton quantize` and serve that instead")
     if tp > 1 and pp > 1:
         built = _tp_pipeline(cfg, path, on_stage_death, on_link_lost, stage_argv)
     elif tp > 1:
@@ -83,10 +87,24 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     if built.pad_rows:
         log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
                  list(cfg.worker.decode_batch_buckets), cache.pad_block, cache.pad_slot)
+    weights = _weights(path, cfg, built.model)
     if tp == 1 and pp == 1:
-        _log_plain(path, built.model, built.pools.spec, built.reserved, cache)
-    return Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
-                  speculative=cfg.speculative)
+        _log_plain(path, built.model, built.pools.spec, built.reserved, cache, weights)
+    else:
+        log.info("weights: %s", weights)
+    engine = Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
+                    speculative=cfg.speculative)
+    engine.weights = weights
+    return engine
+
+
+def _weights(path, cfg: BatonConfig, model):
+    """The weight format served and the bytes held (this process's: a TP / PP worker's rank
+    0 or stage 0)."""
+    from baton.model.quant.served import WeightInfo, resident_bytes, served_format
+
+    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(model),
+                      cfg.model.dtype)
 
 
 def _plain(cfg: BatonConfig, path) -> Built:
@@ -94,6 +112,10 @@ def _plain(cfg: BatonConfig, path) -> Built:
 
     dtype = DTYPES[cfg.model.dtype]
     model = load_model(path, device=cfg.model.device, dtype=dtype)
+    if cfg.model.quantize:
+        from baton.model.quant.quantize import quantize_model
+
+        quantize_model(model, cfg.model.quantize)
     if cfg.model.weight_dtype != "float32":
         from baton.model.layers.linear import cast_weights
 
@@ -108,11 +130,12 @@ def _plain(cfg: BatonConfig, path) -> Built:
     return Built(model, Pools(spec), reserved, buckets)
 
 
-def _log_plain(path, model, spec: PoolSpec, reserved: int, cache) -> None:
+def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> None:
     log.info(
-        "engine ready: model %s (%s, %s), %d KV blocks x %d tokens, %d state slots of %d bytes "
-        "(%s; %d kept for speculation), reuse %s",
-        path, model.config.family, model.config.pattern, spec.num_blocks, spec.tokens_per_block,
+        "engine ready: model %s (%s, %s), weights %s, %d KV blocks x %d tokens, %d state slots "
+        "of %d bytes (%s; %d kept for speculation), reuse %s",
+        path, model.config.family, model.config.pattern, weights, spec.num_blocks,
+        spec.tokens_per_block,
         spec.num_slots, spec.state_bytes_per_slot(),
         ", ".join(f"{t.name} {list(t.shape)}" for t in spec.state_tensors) or "no state",
         reserved, "on" if cache.reuse_enabled else "off",

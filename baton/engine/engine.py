@@ -46,6 +46,10 @@ class LayerStream(Protocol):
 
 
 class Engine:
+    weights = None
+    """`baton.model.quant.served.WeightInfo`: the weight format and bytes served (set by the
+    builder; the engine-ready line, Stats, /metrics)."""
+
     def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None,
                  speculative=None):
         self.model = model

@@ -48,6 +48,9 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
         out.update(integrity_ok=ok, live_requests=float(len(cache.live_requests())),
                    engine_requests=float(len(loop.engine.requests)),
                    prefilled_tokens=float(loop.engine.prefilled_tokens))
+        w = loop.engine.weights
+        if w is not None:  # the format as a key (counters are numbers): weight_format.<format>
+            out.update({"weight_bytes": float(w.bytes), f"weight_format.{w.format}": 1.0})
         if pool_checksum:
             out["pool_crc32"] = float(_pools_crc32(loop.engine.pools))
         if cache.canaries:

@@ -13,6 +13,7 @@ import logging
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     start_http_server,
@@ -60,6 +61,11 @@ class WorkerMetrics:
         self.generation_tokens = Counter("baton_worker_generation_tokens", "Tokens this worker "
                                          "sampled", lab, registry=r)
         r.register(_EngineCollector(self.role, loop))
+        weights = getattr(getattr(loop, "engine", None), "weights", None)  # fakes have none
+        if weights is not None:
+            Gauge("baton_model_weight_bytes", "Bytes the served weights take in this process, "
+                  "by weight format", ["role", "format"], registry=r
+                  ).labels(self.role, weights.format).set(weights.bytes)
         r.register(_ThreadCollector(self.role))
         if has_moe(getattr(loop, "engine", None)):
             r.register(_ExpertCollector(self.role, loop))

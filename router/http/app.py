@@ -68,6 +68,8 @@ class HttpContext:
     """Threads that run requests (one each while it streams)."""
     api_keys: frozenset[str] = frozenset()
     """Bearer keys the /v1 API needs (`router.api_keys_file`, `BATON_API_KEY`); empty: open."""
+    weights: dict | None = None
+    """`weight_format` and `checkpoint_bytes` of the served checkpoint (/v1/models)."""
 
 
 def make_app(ctx: HttpContext) -> FastAPI:
@@ -126,7 +128,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "baton",
-                "max_model_len": ctx.max_model_len}
+                "max_model_len": ctx.max_model_len, **(ctx.weights or {})}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

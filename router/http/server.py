@@ -45,13 +45,13 @@ class HttpServer:
 
 def start_http(router, host: str, port: int, model_name: str, chat_template: ChatTemplate | None,
                max_model_len: int, api_keys: frozenset[str] = frozenset(),
-               ssl: dict | None = None) -> HttpServer:
+               ssl: dict | None = None, weights: dict | None = None) -> HttpServer:
     """The OpenAI-compatible API for a running router (`router.server.RouterHandle`); `ssl`:
     uvicorn's TLS arguments (baton/auth/tls.py `http_ssl_args`)."""
     cfg = router.orchestrator.config
     pool = ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="http-request")
     ctx = HttpContext(router.orchestrator, router.metrics, model_name, chat_template,
-                      max_model_len, cfg.http_max_body_bytes, pool, api_keys)
+                      max_model_len, cfg.http_max_body_bytes, pool, api_keys, weights)
     server = HttpServer(ctx, host, port, ssl)
     log.info("HTTP%s API on %s:%d (model %s)", "S" if ssl else "", host, server.port, model_name)
     return server

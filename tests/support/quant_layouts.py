@@ -219,7 +219,7 @@ def dequantized_copy(qdir: Path, out: Path) -> Path:
                     "weight_zero_point", "weight_shape"):
             continue
         if qc and qc.get("quant_method") == "compressed-tensors" and (
-                part == "weight_packed" or (part == "weight" and v.dtype == torch.float8_e4m3fn)):
+                part == "weight_packed" or (part == "weight" and v.dtype in (torch.float8_e4m3fn, torch.int8))):
             state[module + ".weight"] = _ct_decompress(t, module, qc)
         elif v.dtype == torch.float8_e4m3fn:
             s = t.get(module + ".weight_scale_inv", t.get(module + ".weight_scale")).float()

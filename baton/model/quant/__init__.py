@@ -8,10 +8,12 @@ exactly."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from baton.model.quant.checkpoint import Checkpoint, FileView
+if TYPE_CHECKING:  # torch only when a checkpoint is opened (the router reads `served`)
+    from baton.model.quant.checkpoint import Checkpoint, FileView
 
-__all__ = ["Checkpoint", "FileView", "open_checkpoint", "open_file", "safe_open", "weight_format"]
+__all__ = ["open_checkpoint", "open_file", "safe_open", "weight_format"]
 
 _CACHE: dict[tuple, Checkpoint] = {}
 
@@ -25,6 +27,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         for st in [p.stat()])
     ckpt = _CACHE.get(key)
     if ckpt is None:
+        from baton.model.quant.checkpoint import Checkpoint
+
         if len(_CACHE) > 8:
             _CACHE.clear()
         ckpt = _CACHE[key] = Checkpoint(path)
