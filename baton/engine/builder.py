@@ -101,9 +101,11 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
 def _weights(path, cfg: BatonConfig, model):
     """The weight format served and the bytes held (this process's: a TP / PP worker's rank
     0 or stage 0)."""
+    from baton.engine.pipeline.model import PipelineModel
     from baton.model.quant.served import WeightInfo, resident_bytes, served_format
 
-    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(model),
+    held = model.stage if isinstance(model, PipelineModel) else model  # TP / PP: this process's
+    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(held),
                       cfg.model.dtype)
 
 

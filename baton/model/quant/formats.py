@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], device="cpu")
+# (device named: this module may first be imported while a model is built on the meta device)
 """NVFP4's 16 codes: bits 0-2 the magnitude, bit 3 the sign."""
 NVFP4_GROUP = 16
 
@@ -48,7 +49,7 @@ def fp8_scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     b = packed.view(torch.uint8).to(torch.int64)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # low nibble first
-    vals = E2M1[codes]
+    vals = E2M1.to(b.device)[codes]
     per_group = scale.to(torch.float32).repeat_interleave(NVFP4_GROUP, dim=-1)
     return vals * per_group * scale_2.to(torch.float32).reshape(())
 
@@ -59,7 +60,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     per_word = 32 // bits
     if 32 % bits:
         raise ValueError(f"{bits}-bit values straddle int32 words")
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=packed.device) * bits
     vals = (words[..., None] >> shifts) & ((1 << bits) - 1)
     return vals.flatten(-2)[..., :count] - (1 << (bits - 1))
 

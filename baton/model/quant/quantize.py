@@ -86,7 +86,7 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
     u = q + (1 << (bits - 1))
     u = torch.nn.functional.pad(u, (0, -u.shape[-1] % per)).unflatten(-1, (-1, per))
-    words = (u << (torch.arange(per) * bits)).sum(-1)
+    words = (u << (torch.arange(per, device=q.device) * bits)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 

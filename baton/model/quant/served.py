@@ -77,10 +77,10 @@ def checkpoint_bytes(path: str | Path) -> int:
     return total
 
 
-def resident_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers in memory (tied tensors once)."""
+def resident_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers in memory (tied tensors once)."""
     seen: dict[int, int] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in list(module.parameters()) + list(module.buffers()):
         if t.device.type != "meta":
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
