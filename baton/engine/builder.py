@@ -73,6 +73,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
                           f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
                           "write the checkpoint with `baton quantize` and serve that instead")
+    if cfg.model.quantize:
+        from baton.model.quant.served import refuse_requantize
+
+        refuse_requantize(path, cfg.model.quantize)
     if tp > 1 and pp > 1:
         built = _tp_pipeline(cfg, path, on_stage_death, on_link_lost, stage_argv)
     elif tp > 1:

@@ -90,3 +90,14 @@ def served_weights(path: str | Path, quantize: str | None = None) -> dict:
     """/v1/models' fields: the weight format served and the checkpoint's bytes as stored."""
     return {"weight_format": served_format(path, quantize),
             "checkpoint_bytes": checkpoint_bytes(path)}
+
+
+def refuse_requantize(path: str | Path, quantize: str) -> None:
+    """`model.quantize` on a checkpoint that is already quantized is refused (one line)."""
+    scheme = read_scheme(Path(path))
+    if scheme is not None:
+        from baton.errors import ConfigError
+
+        raise ConfigError(f"model.quantize={quantize!r} on {str(path)!r}, which is already "
+                          f"quantized ({scheme.label}): unset model.quantize, or quantize its "
+                          "float (bf16 / fp32) release")

@@ -71,13 +71,15 @@ def test_engine_stats_and_metrics_name_the_format(dirs, caplog):
 
 
 def test_quantize_at_load_is_the_served_format(dirs):
-    src, _ = dirs
+    src, fp8 = dirs
     cfg = BatonConfig.from_dict({"model": {"quantize": "int4"}})
     assert build_engine(cfg, str(src)).weights.format == "w4a16_g32"
     tp = BatonConfig.from_dict({"model": {"quantize": "int8"},
                                 "worker": {"tensor_parallel_size": 2}})
     with pytest.raises(Exception, match="model.quantize='int8' runs in single-process"):
         build_engine(tp, str(src))
+    with pytest.raises(Exception, match="already quantized \\(fp8_block128x128\\)"):
+        build_engine(cfg, str(fp8))
 
 
 def test_handshake_refuses_workers_serving_different_formats(dirs):
