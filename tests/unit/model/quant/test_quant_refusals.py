@@ -207,3 +207,14 @@ def test_sharded_checkpoint_with_scales_in_another_file(src, tmp_path):
     ).state_dict()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_mtp_head_loads_in_the_checkpoints_format(tmp_path):
+    src = write_checkpoint(tmp_path / "f", seed=3, mtp_layers=1, **{**NH_MOE, "pattern": "M*-"})
+    q = quant_layouts.write(src, tmp_path / "q", "modelopt_fp8")
+    assert any(e.startswith("mtp.") for e in open_checkpoint(q).entries)
+    got = load_model(q)
+    want = load_model(quant_layouts.dequantized_copy(q, tmp_path / "c"))
+    assert got.mtp is not None
+    for k, v in want.mtp.state_dict().items():
+        assert torch.equal(got.mtp.state_dict()[k], v), k
