@@ -123,3 +123,16 @@ def test_cli_quantize_and_refusals(float_model, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="'int3'"):
         write_quantized(src, tmp_path / "x", "int3")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_transformers_loads_the_written_checkpoint(name, mode, tmp_path):
+    # transformers itself (through compressed-tensors) on the folder `baton quantize` wrote.
+    # Dense models only: transformers 5.24 fuses MoE experts into non-Linear parameters, and
+    # its compressed-tensors path does not decompress per-expert tensors into them (MoE is
+    # checked above against the package's own decompression)
+    src = write_checkpoint(tmp_path / name, seed=4, **DENSE[name])
+    out = write_quantized(src, tmp_path / mode, mode)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert_logits_match(hf, load_model(out), prompt_ids(40, seed=5), 16)
