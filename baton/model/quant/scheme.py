@@ -198,14 +198,15 @@ def _modelopt_rule(algo: str, group: int, src: str) -> Rule:
 
 def _mixed_algo(name: str, layers: dict) -> str | None:
     for pattern, v in layers.items():
-        if _match(name, pattern):
+        if any(_match(n, pattern) for n in _names(name)):
             return v["quant_algo"]
     return None
 
 
 def _ct_rule(name: str, qc: dict, src: str) -> Rule | None:
     for key, g in qc["config_groups"].items():
-        if any(t == "Linear" or _match(name, t) for t in g.get("targets") or []):
+        if any(t == "Linear" or _match(n, t) for t in g.get("targets") or []
+               for n in _names(name)):
             if not g.get("weights"):
                 return None
             return _ct_args_rule(g["weights"], g.get("format") or qc["format"], src, key)
@@ -248,8 +249,23 @@ def _ct_args_rule(w: dict, fmt: str, src: str, key: str) -> Rule:
                 strategy=strategy)
 
 
+PREFIXES = (("backbone.", "model."), ("model.language_model.", "model."))
+"""Checkpoint name prefixes a producer's lists may use for one another (NemotronH on disk
+`backbone.`, transformers' `model.`; Qwen3.5's multimodal `model.language_model.`): vllm#28072."""
+
+
+def _names(name: str) -> list[str]:
+    """`name` and its spellings under the other prefixes of `PREFIXES`."""
+    out = [name]
+    for a, b in PREFIXES:
+        for x, y in ((a, b), (b, a)):
+            if name.startswith(x):
+                out.append(y + name[len(x):])
+    return out
+
+
 def _excluded(name: str, patterns: list[str]) -> bool:
-    return any(_match(name, p) for p in patterns)
+    return any(_match(n, p) for n in _names(name) for p in patterns)
 
 
 def _match(name: str, pattern: str) -> bool:

@@ -218,3 +218,20 @@ def test_mtp_head_loads_in_the_checkpoints_format(tmp_path):
     assert got.mtp is not None
     for k, v in want.mtp.state_dict().items():
         assert torch.equal(got.mtp.state_dict()[k], v), k
+
+
+def test_lists_in_the_other_naming_match(src, tmp_path):
+    # ModelOpt lists written in transformers' naming (`model.`) for a NemotronH checkpoint
+    # stored as `backbone.` (vllm#28072): the per-layer map still finds every module
+    d = quant_layouts.write(src["nh_moe"], tmp_path / "q", "modelopt_mixed")
+
+    def rename(q):
+        q["quantized_layers"] = {k.replace("backbone.", "model.", 1): v
+                                 for k, v in q["quantized_layers"].items()}
+        q["exclude_modules"] = [k.replace("backbone.", "model.", 1)
+                                for k in q["exclude_modules"]]
+
+    _edit(d, hf_quant=rename)
+    kinds = {e.rule.kind for e in open_checkpoint(d).entries.values()}
+    assert kinds == {"nvfp4", "fp8_tensor"}
+    load_model(d)
