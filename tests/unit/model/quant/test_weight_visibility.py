@@ -116,3 +116,24 @@ def test_v1_models_lists_format_and_bytes(dirs):
         server.stop()
     assert card["weight_format"] == "fp8_block128x128"
     assert card["checkpoint_bytes"] == checkpoint_bytes(fp8) > 0
+
+
+def test_a_sender_of_another_weight_format_is_refused_at_connect():
+    # the handshake itself (Receiver / Sender over the side channel): fp8 and bf16 workers of
+    # one model never exchange a byte
+    from baton.model.pools import Pools
+    from tests.unit.transfer.test_transfer_leases import MODEL, Link, make
+    from transfer.receiver import Receiver
+    from transfer.sender import Sender
+
+    cfg, spec, rc, sc = make(Link())
+    r = Receiver(cfg, Pools(spec), compute_fingerprint(MODEL, spec, weight_format="bfloat16"),
+                 "127.0.0.1", rc)
+    s = Sender(cfg, Pools(spec), compute_fingerprint(MODEL, spec, weight_format="nvfp4"), sc)
+    try:
+        with pytest.raises(TransferError) as e:
+            s.connect(r.endpoint)
+        assert "field 'weight_format'" in str(e.value) and "nvfp4" in str(e.value), e.value
+    finally:
+        s.close()
+        r.close()
