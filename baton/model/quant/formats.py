@@ -28,6 +28,15 @@ NVFP4_GROUP = 16
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _pairs() -> torch.Tensor:
+    """[256, 2]: a byte's two e2m1 values, low nibble first."""
+    b = torch.arange(256, device="cpu")
+    return torch.stack((E2M1[b & 0xF], E2M1[b >> 4]), dim=-1)
+
+
+E2M1_PAIRS = _pairs()
+
+
 def _expand(scale: torch.Tensor, sizes: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
     """A per-tile scale grid [..., ceil(N/bn), ceil(K/bk)] repeated to [..., N, K]."""
     n, k = sizes
@@ -37,7 +46,12 @@ def _expand(scale: torch.Tensor, sizes: tuple[int, int], block: tuple[int, int])
 
 
 def fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    return q.to(torch.float32) * _expand(scale, tuple(q.shape[-2:]), block)
+    n, k = q.shape[-2:]
+    (bn, bk), s = block, scale.to(torch.float32)
+    if n % bn == 0 and k % bk == 0:  # whole tiles: one multiply, no expanded scale
+        tiles = q.to(torch.float32).unflatten(-1, (k // bk, bk)).unflatten(-3, (n // bn, bn))
+        return (tiles * s[..., :, None, :, None]).flatten(-4, -3).flatten(-2)
+    return q.to(torch.float32) * _expand(s, (n, k), block)
 
 
 def fp8_scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -47,19 +61,23 @@ def fp8_scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    b = packed.view(torch.uint8).to(torch.int64)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # low nibble first
-    vals = E2M1.to(b.device)[codes]
-    per_group = scale.to(torch.float32).repeat_interleave(NVFP4_GROUP, dim=-1)
-    return vals * per_group * scale_2.to(torch.float32).reshape(())
+    b = packed.view(torch.uint8)
+    vals = E2M1_PAIRS.to(b.device)[b.to(torch.int64)].flatten(-2)  # low nibble first
+    groups = vals.unflatten(-1, (-1, NVFP4_GROUP)) * scale.to(torch.float32)[..., None]
+    return groups.flatten(-2) * scale_2.to(torch.float32).reshape(())
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first `count` values of each row of `packed` (int32), signed (stored + 2^(b-1))."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    per_word = 32 // bits
     if 32 % bits:
         raise ValueError(f"{bits}-bit values straddle int32 words")
+    if bits in (4, 8):  # whole bytes: the words' little-endian bytes, low nibble first
+        b = packed.contiguous().view(torch.uint8)
+        if bits == 4:
+            b = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+        return b[..., :count].to(torch.int16) - (1 << (bits - 1))
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    per_word = 32 // bits
     shifts = torch.arange(per_word, dtype=torch.int64, device=packed.device) * bits
     vals = (words[..., None] >> shifts) & ((1 << bits) - 1)
     return vals.flatten(-2)[..., :count] - (1 << (bits - 1))
@@ -72,14 +90,18 @@ def int_grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     k = q.shape[-1]
     s = scale.to(torch.float32)
     z = None if zero is None else zero.to(torch.float32)
+    x = q.to(torch.float32)
     if s.numel() == 1:
         s = s.reshape(())
         z = None if z is None else z.reshape(())
     elif group is None:
         s = s.reshape(q.shape[:-1] + (1,))
         z = None if z is None else z.reshape(q.shape[:-1] + (1,))
+    elif k % group == 0:  # whole groups: broadcast over a [.., G, group] view
+        g = x.unflatten(-1, (k // group, group))
+        g = g if z is None else g - z[..., None]
+        return (g * s[..., None]).flatten(-2)
     else:
         s = s.repeat_interleave(group, dim=-1)[..., :k]
         z = None if z is None else z.repeat_interleave(group, dim=-1)[..., :k]
-    x = q.to(torch.float32)
     return (x if z is None else x - z) * s
