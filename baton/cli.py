@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="TP ranks of every prefill and decode worker (default: config "
                         "worker.tensor_parallel_size and the per-role sections)")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="MTP draft tokens per decode step, 0..8 (default: config "
+                        "speculative.num_draft_tokens, 0 = off; the section's other keys stay)")
 
     p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "that place stages on different hosts; 0 serves gRPC")
         p.add_argument("--pp-master", default=None,
                        help="HOST:PORT of the stages' rendezvous, hosted by stage 0")
+        p.add_argument("--speculative-tokens", type=int, default=None,
+                       help="MTP draft tokens per decode step, 0..8 (default: config "
+                            "speculative.num_draft_tokens, 0 = off; the section's other "
+                            "keys stay)")
 
     p = sub.add_parser("generate", help="send requests to a router or a local engine")
     g = p.add_mutually_exclusive_group(required=True)

@@ -3,7 +3,7 @@ the target in one forward; see baton/engine/speculative/)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from baton.errors import ConfigError
@@ -97,6 +97,12 @@ class SpeculativeConfig:
                 raise ConfigError("speculative.tree needs speculative.num_draft_tokens > 0 "
                                   "(the tree's depth); got 0")
             self.tree.check(k)
+
+    def with_draft_tokens(self, k: int) -> SpeculativeConfig:
+        """This section with `num_draft_tokens` = k (`--speculative-tokens`), every other key
+        as configured (`max_batch`, a tree, whose depth must then be k); k = 0 drops the
+        tree (speculation off)."""
+        return replace(self, num_draft_tokens=k, tree=self.tree if k else None)
 
     @property
     def rows_per_request(self) -> int:
