@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 
+    p = sub.add_parser("train", help="train a small NemotronH or Qwen3.5 (with an MTP head) "
+                                     "on the Python standard library's source, on CPU")
+    from baton.train.cli import add_arguments
+
+    add_arguments(p)
+
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
                                      "pp", "tp", "http", "soak", "spec", "all"],

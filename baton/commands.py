@@ -126,6 +126,12 @@ def cmd_decode_worker(args) -> int:
     return run_decode_worker(args)
 
 
+def cmd_train(args) -> int:
+    from baton.train.cli import run
+
+    return run(args)
+
+
 def cmd_bench(args) -> int:
     from bench.main import run_bench
 
@@ -140,4 +146,5 @@ COMMANDS = {
     "prefill-worker": cmd_prefill_worker,
     "decode-worker": cmd_decode_worker,
     "bench": cmd_bench,
+    "train": cmd_train,
 }
