@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "pp", "tp", "http", "soak", "spec", "all"],
+                                     "pp", "tp", "http", "soak", "spec", "quality", "all"],
                    help="which benchmark")
     p.add_argument("--json", action="store_true", help="one JSON object a measurement")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")
@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(KV over UCX TCP, link rates shaped with tc; root)")
     p.add_argument("--minutes", type=float, default=None,
                    help="soak: how long to run (default 2; --quick: 0.25)")
+    p.add_argument("--model", default=None,
+                   help="quality: the model (a named one or a folder; default tiny)")
+    p.add_argument("--variant", default=None,
+                   help="quality: YAML config of the engine variant compared with the float32 "
+                        "reference (default: model.dtype bfloat16)")
     return ap
 
 
