@@ -159,3 +159,40 @@ def test_bad_runs_are_refused_in_one_line(small, tmp_path):
     (tmp_path / "done" / "training.json").unlink()
     with pytest.raises(ConfigError, match=r"other settings \(steps=4 there, 8 now\)"):
         run.train(_settings(digest, steps=8), tmp_path / "done", FAST, root)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_the_trained_mtp_head_is_the_head_baton_drafts_with(small, tmp_path, family):
+    """Baton's first draft after a prompt is the argmax of the training module's MTP logits at
+    the prompt's last position (fed the first generated token): the same head, the same maths."""
+    from baton.engine.request import Request, SamplingParams
+    from baton.train import models
+    from tests.engine_helpers import engine_for, run_all
+
+    root, digest = small
+    out = tmp_path / "m"
+    run.train(_settings(digest, family, steps=8), out, FAST, root)
+    model, _ = models.build(family, "tiny", 0)
+    names = models.published(model, torch.float32)
+    saved = load_file(str(out / "model.safetensors"))
+    assert saved.keys() == names.keys()
+    model.lm.load_state_dict({("model." + k[len("backbone."):] if k.startswith("backbone.")
+                               else k): v for k, v in saved.items() if not k.startswith("mtp.")})
+    model.mtp.load_state_dict({k[4:]: v for k, v in saved.items() if k.startswith("mtp.")})
+    model.eval()
+    eng = engine_for(out, speculative={"num_draft_tokens": 1})
+    first_drafts = []
+    draft = eng.spec.drafter.draft
+    eng.spec.drafter.draft = lambda jobs: first_drafts.append(draft(jobs)) or first_drafts[-1]
+    prompts = [[5 + 37 * i % 4000, 300 + i, 41, 9 * i + 1, 1200, 77, 3 + i] for i in range(6)]
+    want = []
+    for i, p in enumerate(prompts):
+        first_drafts.clear()
+        toks = run_all(eng, [Request(f"r{i}", p, SamplingParams(max_tokens=3,
+                                                                 ignore_eos=True))])["tokens"]
+        ids = torch.tensor([p + toks[f"r{i}"][:1]])
+        with torch.no_grad():
+            h = model.lm.model(input_ids=ids[:, :-1]).last_hidden_state
+            m = model.lm.lm_head(model.mtp(h, ids[:, 1:], model.lm.get_input_embeddings()))
+        want.append(int(m[0, -1].argmax()))
+        assert first_drafts[0] == [[want[-1]]], (i, first_drafts[0], want[-1])
