@@ -112,6 +112,9 @@ def train(s: Settings, out: Path, k: Knobs = Knobs(), corpus_root: Path | None =
         say(f"training {s.family} {s.size}: {models.num_params(model) / 1e6:.2f}M parameters, "
             f"{s.steps} steps of {s.batch}x{s.seq} tokens ({s.tokens / 1e6:.1f}M; the train "
             f"part is {len(train_ids) / 1e6:.2f}M), {k.threads} thread(s) -> {out}")
+        ev = evaluate(model, held_ids, tbytes, s, k.eval_tokens)  # the seeded random model
+        log.append({"step": 0, **ev})
+        say(f"held-out @ 0: {_fmt(ev)}")
     stop = _Stop()
     try:
         step, log = _loop(model, opt, s, k, train_ids, held_ids, tbytes, step, log, stop,

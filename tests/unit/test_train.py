@@ -18,8 +18,8 @@ from baton.train.run import Knobs, Settings
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
-FAST = Knobs(threads=1, eval_every=1000, log_every=5, final_eval_tokens=4096, nice=0,
-             dtype="float32")
+FAST = Knobs(threads=1, eval_every=1000, eval_tokens=2048, log_every=5,
+             final_eval_tokens=4096, nice=0, dtype="float32")
 
 
 def test_committed_heldout_matches_its_manifest_and_the_split():
@@ -91,6 +91,7 @@ def test_a_short_run_lowers_the_loss_and_resumes_exactly(small, tmp_path, family
     monkeypatch.undo()
     assert whole["loss"] < fresh["loss"] - 0.3, (whole, fresh)
     assert log["heldout"] == whole and log["settings"]["steps"] == 12
+    assert log["log"][0]["step"] == 0 and log["log"][0]["loss"] > whole["loss"]
 
     # stopped after step 5 (as SIGINT would), then run again: it resumes at 5
     monkeypatch.setattr(run, "_Stop", _StopAfter5)
