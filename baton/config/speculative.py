@@ -67,9 +67,11 @@ class SpeculativeConfig:
     Needs a checkpoint with an MTP head (`num_nextn_predict_layers` > 0 and `mtp.*`
     tensors). Each step drafts K tokens with the MTP head applied K times, the target
     verifies K+1 positions in one forward and greedy acceptance emits the accepted drafts
-    plus one target token: greedy output is identical to speculation off. Temperature > 0
-    uses the rejection rule for one-hot drafts (the target's distribution is kept; a seeded
-    request's draws depend only on (seed, position)). A prefill-only handoff does not draft."""
+    plus one target token: greedy output is identical to speculation off. Temperature > 0:
+    the target's token at each position is its own (seed, position) draw, as a plain step
+    draws it, and a draft is kept exactly when it equals that token (the exact rejection
+    rule for one-hot drafts), so a seeded request's tokens are those of speculation off, at
+    any batch. A prefill-only handoff does not draft."""
     tree: TreeConfig | None = None
     """Tree drafts instead of a chain (greedy requests; see TreeConfig)."""
     max_batch: int = 2
