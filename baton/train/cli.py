@@ -17,10 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True,
                    help="output folder (must not exist, unless it is this run to resume)")
     p.add_argument("--size", default=None,
-                   help=f"model size: {', '.join(SIZES['nemotron_h'])} (default: the planned "
-                        f"one, {PLANNED['nemotron_h'].size})")
+                   help=f"model size: {', '.join(SIZES['nemotron_h'])}; None: the planned one "
+                        f"({_planned(PLANNED, 'size')})")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"optimizer steps (default: the planned {PLANNED['nemotron_h'].steps})")
+                   help=f"optimizer steps; None: the planned ones ({_planned(PLANNED, 'steps')})")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of the written weights")
     p.add_argument("--nice", type=int, default=k.nice,
                    help="niceness increment (a background run yields the CPU)")
+
+
+def _planned(plan: dict, key: str) -> str:
+    return ", ".join(f"{family} {getattr(s, key)}" for family, s in plan.items())
 
 
 def run(args) -> int:
