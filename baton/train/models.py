@@ -87,13 +87,6 @@ class Trainee(nn.Module):
         mloss = nn.functional.cross_entropy(head(m).flatten(0, 1).float(), y[:, 1:].flatten())
         return loss, mloss
 
-    @torch.no_grad()
-    def token_losses(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, T+1] -> per-token next-token losses [B, T] (nats)."""
-        h = self.lm.model(input_ids=ids[:, :-1]).last_hidden_state
-        lg = self.lm.lm_head(h).float()
-        return nn.functional.cross_entropy(lg.transpose(1, 2), ids[:, 1:], reduction="none")
-
 
 def build(family: str, size: str, seed: int) -> tuple[Trainee, dict]:
     """(the model, its config.json dict): seeded init, published names."""

@@ -32,8 +32,6 @@ def write(tok, out_dir: Path, max_model_len: int) -> None:
 def token_bytes(tok) -> list[int]:
     """UTF-8 bytes each id stands for (0 for special tokens): bits per byte = nats of the
     predicted tokens / ln 2 / their bytes."""
-    from tokenizers import pre_tokenizers  # noqa: F401 - the byte-level alphabet below
-
     alphabet = _byte_decoder()
     special = {t.content for t in tok.get_added_tokens_decoder().values()}
     out = []
