@@ -123,14 +123,15 @@ class _StopAfter5:
         pass
 
 
-def test_trained_checkpoint_loads_in_baton_and_transformers_alike(small, tmp_path):
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_trained_checkpoint_loads_in_baton_and_transformers_alike(small, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     from baton.engine.request import Request, SamplingParams
     from tests.engine_helpers import engine_for, run_all
 
     root, digest = small
-    run.train(_settings(digest, steps=6), tmp_path / "m", FAST, root)
+    run.train(_settings(digest, family, steps=6), tmp_path / "m", FAST, root)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
     prompt = [5, 300, 41, 9, 1200, 77]
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
@@ -177,8 +178,12 @@ def test_the_trained_mtp_head_is_the_head_baton_drafts_with(small, tmp_path, fam
     names = models.published(model, torch.float32)
     saved = load_file(str(out / "model.safetensors"))
     assert saved.keys() == names.keys()
-    model.lm.load_state_dict({("model." + k[len("backbone."):] if k.startswith("backbone.")
-                               else k): v for k, v in saved.items() if not k.startswith("mtp.")})
+    missing, unexpected = model.lm.load_state_dict(
+        {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
+         for k, v in saved.items() if not k.startswith("mtp.")}, strict=False)
+    assert not unexpected and missing == (["lm_head.weight"] if family == "qwen3_5" else [])
+    assert (model.lm.lm_head.weight is model.lm.get_input_embeddings().weight) == \
+        (family == "qwen3_5")  # Qwen3.5's head is its (loaded) embedding
     model.mtp.load_state_dict({k[4:]: v for k, v in saved.items() if k.startswith("mtp.")})
     model.eval()
     eng = engine_for(out, speculative={"num_draft_tokens": 1})
