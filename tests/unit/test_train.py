@@ -202,3 +202,17 @@ def test_the_trained_mtp_head_is_the_head_baton_drafts_with(small, tmp_path, fam
             m = model.lm.lm_head(model.mtp(h, ids[:, 1:], model.lm.get_input_embeddings()))
         want.append(int(m[0, -1].argmax()))
         assert first_drafts[0] == [[want[-1]]], (i, first_drafts[0], want[-1])
+
+
+def test_tokenizer_is_deterministic_and_round_trips(small):
+    from baton.train import tokenizer
+
+    root, _ = small
+    c = corpus.scan(root)
+    a, b = tokenizer.build(c, 1024), tokenizer.build(c, 1024)
+    assert a.to_str() == b.to_str()
+    text = corpus.heldout()[0].text[:5000]
+    ids = a.encode(text).ids
+    assert a.decode(ids) == text
+    assert sum(tokenizer.token_bytes(a)[i] for i in ids) == len(text.encode())
+    assert [a.token_to_id(t) for t in ("<pad>", "<s>", "</s>")] == [0, 1, 2]
