@@ -216,3 +216,17 @@ def test_tokenizer_is_deterministic_and_round_trips(small):
     assert a.decode(ids) == text
     assert sum(tokenizer.token_bytes(a)[i] for i in ids) == len(text.encode())
     assert [a.token_to_id(t) for t in ("<pad>", "<s>", "</s>")] == [0, 1, 2]
+
+
+def test_the_command_refuses_in_one_line(tmp_path, capsys):
+    from baton.cli import main
+
+    (tmp_path / "x").mkdir()
+    assert main(["train", "--family", "qwen3_5", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"baton train: error: output folder {tmp_path / 'x'} exists and is not a "
+                   f"baton train run to resume: choose a new --out"]
+    assert main(["train", "--family", "qwen3_5", "--size", "huge", "--out",
+                 str(tmp_path / "y")]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "baton train: error: --size 'huge': qwen3_5 comes in ['base', 'small', 'tiny']"
