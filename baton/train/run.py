@@ -83,6 +83,7 @@ def train(s: Settings, out: Path, k: Knobs = Knobs(), corpus_root: Path | None =
     """Train (or resume) into `out`; returns the final held-out figures."""
     out = Path(out)
     state_dir = out / STATE
+    models.fields(s.family, s.size)  # an unknown family or size, before anything else
     resume = _check_out(out, s)
     corpus = corpus_mod.scan(corpus_root)
     corpus_mod.check(corpus, s.corpus_hash or corpus_mod.manifest().get("train_sha256", ""))
