@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 
-.PHONY: serve test test-deploy test-clients bench lint venv clean
+.PHONY: serve test test-deploy test-clients bench lint venv clean train-models
 
 venv: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: pip takes the CPU build from this machine's disk.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,train]'
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -35,6 +35,14 @@ test-deploy: $(STAMP)
 # lm-eval and AIPerf (their own venvs under ~/.cache/baton/venvs, never .venv) against a cluster
 test-clients: $(STAMP)
 	$(BIN)/python -m tests.clients.run
+
+# the two small models (docs/training.md): both at once, one core each, about 2 hours;
+# run it again after an interruption and each resumes from its last checkpoint
+train-models: $(STAMP)
+	mkdir -p runs
+	$(BIN)/baton train --family nemotron_h --out runs/code-nemotron_h >> runs/code-nemotron_h.log 2>&1 & \
+	$(BIN)/baton train --family qwen3_5 --out runs/code-qwen3_5 >> runs/code-qwen3_5.log 2>&1 & \
+	wait
 
 bench: $(STAMP)
 	$(BIN)/baton bench all --out bench/results

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="TP ranks of every prefill and decode worker (default: config "
                         "worker.tensor_parallel_size and the per-role sections)")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="MTP draft tokens per decode step, 0..8 (default: config "
+                        "speculative.num_draft_tokens, 0 = off; the section's other keys stay)")
 
     p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
@@ -108,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "that place stages on different hosts; 0 serves gRPC")
         p.add_argument("--pp-master", default=None,
                        help="HOST:PORT of the stages' rendezvous, hosted by stage 0")
+        p.add_argument("--speculative-tokens", type=int, default=None,
+                       help="MTP draft tokens per decode step, 0..8 (default: config "
+                            "speculative.num_draft_tokens, 0 = off; the section's other "
+                            "keys stay)")
 
     p = sub.add_parser("generate", help="send requests to a router or a local engine")
     g = p.add_mutually_exclusive_group(required=True)
@@ -164,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="add an MTP head (num_nextn_predict_layers; a dense '*-' block)")
 
+    p = sub.add_parser("train", help="train a small NemotronH or Qwen3.5 (with an MTP head) "
+                                     "on the Python standard library's source, on CPU")
+    from baton.train.cli import add_arguments
+
+    add_arguments(p)
+
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     from bench import BENCHES
 
@@ -179,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(KV over UCX TCP, link rates shaped with tc; root)")
     p.add_argument("--minutes", type=float, default=None,
                    help="soak: how long to run (default 2; --quick: 0.25)")
+    p.add_argument("--model", default=None,
+                   help="quality: the model (a named one or a folder; default tiny)")
+    p.add_argument("--variant", default=None,
+                   help="quality: YAML config of the engine variant compared with the float32 "
+                        "reference (default: model.dtype bfloat16)")
     return ap
 
 

@@ -65,13 +65,10 @@ def cmd_generate(args) -> int:
 
 
 def _with_speculation(cfg: BatonConfig, k: int) -> BatonConfig:
+    """`--speculative-tokens k` over the config: that key alone (max_batch, a tree stay)."""
     import dataclasses
 
-    from baton.config.speculative import SpeculativeConfig
-
-    # a configured tree stays (its depth must be k); speculation off drops it
-    tree = cfg.speculative.tree if k else None
-    return dataclasses.replace(cfg, speculative=SpeculativeConfig(num_draft_tokens=k, tree=tree))
+    return dataclasses.replace(cfg, speculative=cfg.speculative.with_draft_tokens(k))
 
 
 def _print_results(results: list[dict], as_json: bool) -> int:
@@ -135,6 +132,12 @@ def cmd_decode_worker(args) -> int:
     return run_decode_worker(args)
 
 
+def cmd_train(args) -> int:
+    from baton.train.cli import run
+
+    return run(args)
+
+
 def cmd_bench(args) -> int:
     from bench.main import run_bench
 
@@ -159,5 +162,6 @@ COMMANDS = {
     "decode-worker": cmd_decode_worker,
     "bench": cmd_bench,
     "quantize": cmd_quantize,
+    "train": cmd_train,
 }
 

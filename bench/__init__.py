@@ -3,6 +3,6 @@
 import baton  # noqa: F401 - first: its import sets torch's huge-page allocation (see there)
 
 BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "tp", "http",
-           "soak", "spec")
+           "soak", "spec", "quality")
 """What `baton bench NAME` runs (`all`: each in this order), each `bench/NAME.py`'s `run(args)`:
 the one list, which the CLI's choices read too."""

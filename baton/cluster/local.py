@@ -345,16 +345,31 @@ def _http_port(args) -> int | None:
     return BatonConfig.load(args.config).router.http_port or None
 
 
+def _worker_flags(args) -> tuple[str, ...]:
+    """`baton serve`'s flags that every worker takes over its config file (a bad
+    `--speculative-tokens` is refused here, in one line, before any worker starts)."""
+    k = getattr(args, "speculative_tokens", None)
+    if k is not None:
+        from baton.config import BatonConfig
+
+        BatonConfig.load(args.config).speculative.with_draft_tokens(k)
+    out: list[str] = []
+    for flag in ("tensor_parallel_size", "speculative_tokens"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            out += ["--" + flag.replace("_", "-"), str(v)]
+    return tuple(out)
+
+
 def serve_local(args) -> int:
     from baton.model.registry import resolve_model
 
     model = str(resolve_model(args.model))  # make `tiny` once, before the workers race for it
     # SIGTERM (a supervisor, `timeout`) must stop the workers too: they run in their own sessions
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    tp = getattr(args, "tensor_parallel_size", None)
     cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config,
                            host=args.host, http_port=_http_port(args),
-                           worker_args=() if tp is None else ("--tensor-parallel-size", str(tp)))
+                           worker_args=_worker_flags(args))
     try:
         cluster.wait_ready()
         metrics = ", ".join(f"{role} :{port}" for role, port in cluster.metrics_ports)

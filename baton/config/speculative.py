@@ -3,7 +3,7 @@ the target in one forward; see baton/engine/speculative/)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from baton.errors import ConfigError
@@ -67,9 +67,11 @@ class SpeculativeConfig:
     Needs a checkpoint with an MTP head (`num_nextn_predict_layers` > 0 and `mtp.*`
     tensors). Each step drafts K tokens with the MTP head applied K times, the target
     verifies K+1 positions in one forward and greedy acceptance emits the accepted drafts
-    plus one target token: greedy output is identical to speculation off. Temperature > 0
-    uses the rejection rule for one-hot drafts (the target's distribution is kept; a seeded
-    request's draws depend only on (seed, position)). A prefill-only handoff does not draft."""
+    plus one target token: greedy output is identical to speculation off. Temperature > 0:
+    the target's token at each position is its own (seed, position) draw, as a plain step
+    draws it, and a draft is kept exactly when it equals that token (the exact rejection
+    rule for one-hot drafts), so a seeded request's tokens are those of speculation off, at
+    any batch. A prefill-only handoff does not draft."""
     tree: TreeConfig | None = None
     """Tree drafts instead of a chain (greedy requests; see TreeConfig)."""
     max_batch: int = 2
@@ -97,6 +99,12 @@ class SpeculativeConfig:
                 raise ConfigError("speculative.tree needs speculative.num_draft_tokens > 0 "
                                   "(the tree's depth); got 0")
             self.tree.check(k)
+
+    def with_draft_tokens(self, k: int) -> SpeculativeConfig:
+        """This section with `num_draft_tokens` = k (`--speculative-tokens`), every other key
+        as configured (`max_batch`, a tree, whose depth must then be k); k = 0 drops the
+        tree (speculation off)."""
+        return replace(self, num_draft_tokens=k, tree=self.tree if k else None)
 
     @property
     def rows_per_request(self) -> int:

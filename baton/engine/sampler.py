@@ -92,7 +92,7 @@ class Sampler:
                 continue
             try:
                 pos = 0 if positions is None else positions[i]
-                out.append(Draw(self._sample_one(logits[i].cpu(), ids[i], p, pos)))
+                out.append(Draw(self.draw(logits[i].cpu(), ids[i], p, pos)))
             except (ValueError, RuntimeError) as e:
                 out.append(Draw(None, f"sampling failed: {e}"))
         return out
@@ -108,14 +108,16 @@ class Sampler:
             logits[i] = penalties.apply(logits[i], params[i], prompt, output, self.eos_ids)
         return logits
 
-    def _sample_one(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
+    def draw(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
+        """The non-greedy draw of one row of (processed) logits at sequence position `pos`;
+        speculative verification draws each verified row with it too, so its tokens are
+        exactly a plain step's."""
         probs = self.distribution(logits, rid, p)
         return int(torch.multinomial(probs, 1, generator=self.generator(rid, p, pos)).item())
 
     def distribution(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> torch.Tensor:
         """The float64 distribution a non-greedy draw samples from (temperature, top-k,
-        top-p applied); ValueError for non-finite logits. Speculative decoding's rejection
-        rule reads it too."""
+        top-p applied); ValueError for non-finite logits."""
         logits = logits.double()
         if not bool((logits < float("inf")).all()) or bool(torch.isnan(logits).any()) or \
                 not bool(torch.isfinite(logits).any()):

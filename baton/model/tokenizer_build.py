@@ -19,8 +19,9 @@ from baton.model.tokenizer_corpus import CORPUS
 SPECIAL = ["<pad>", "<s>", "</s>"]
 
 
-def train_tokenizer(vocab_size: int):
-    """A `tokenizers.Tokenizer` of at most `vocab_size` tokens."""
+def train_tokenizer(vocab_size: int, texts=None):
+    """A `tokenizers.Tokenizer` of at most `vocab_size` tokens, trained on `texts` (an
+    iterable of strings; default: `tokenizer_corpus`'s lines)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -31,7 +32,8 @@ def train_tokenizer(vocab_size: int):
         vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    texts = CORPUS.splitlines(keepends=True) if texts is None else texts
+    tok.train_from_iterator(texts, trainer)
     return tok
 
 

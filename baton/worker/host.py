@@ -166,6 +166,9 @@ def _worker_config(args, role: Role) -> BatonConfig:
         size = getattr(args, key, None)
         if size is not None and size != getattr(cfg.worker, key):
             cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, **{key: size}))
+    k = getattr(args, "speculative_tokens", None)
+    if k is not None:  # that key alone: the file's max_batch and tree stay
+        cfg = dataclasses.replace(cfg, speculative=cfg.speculative.with_draft_tokens(k))
     return cfg
 
 

@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("baton.worker",),
     ("transfer", "router"),
     ("prefill_worker", "decode_worker"),
-    ("baton.client", "baton.cluster"),
+    ("baton.client", "baton.cluster", "baton.train"),
     ("tests.support",),
     ("bench",),
     ("baton.commands",),

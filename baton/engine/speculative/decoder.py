@@ -5,7 +5,7 @@
                (verify.py; a request that does not speculate has one row: plain decode)
     accept     greedy: d_{j+1} is kept while it equals the target's argmax at row j; the
                target's argmax after the last kept draft is emitted too (temperature > 0:
-               the rejection rule of rejection.py)
+               the target's own (seed, position) draws, rejection.py)
     emit       token by token until EOS, a stop token or a length limit: E tokens
     roll back  the recurrent state of position n+E-1 (on the kernels the live slot holds
                row 0's, so only E >= 2 copies scratch row E-2; elsewhere scratch row E-1

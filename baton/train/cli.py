@@ -1,0 +1,68 @@
+"""`baton train`'s flags (baton/cli.py adds them) and what the command does with them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from baton.train.models import SIZES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from baton.train.run import PLANNED, Knobs, Settings
+
+    d, k = Settings("", "", 0), Knobs()
+    p.add_argument("--family", required=True, choices=sorted(SIZES), help="model family")
+    p.add_argument("--out", required=True,
+                   help="output folder (must not exist, unless it is this run to resume)")
+    p.add_argument("--size", default=None,
+                   help=f"model size: {', '.join(SIZES['nemotron_h'])}; None: the planned one "
+                        f"({_planned(PLANNED, 'size')})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps; None: the planned ones ({_planned(PLANNED, 'steps')})")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    p.add_argument("--mtp-weight", type=float, default=d.mtp_weight,
+                   help="weight of the MTP head's loss (token i+2), trained with the target")
+    p.add_argument("--seed", type=int, default=d.seed, help="init and batch seed")
+    p.add_argument("--corpus", default=None,
+                   help="stdlib folder to read (default: this interpreter's)")
+    p.add_argument("--corpus-hash", default=d.corpus_hash,
+                   help="the train part's expected sha256 (16+ hex digits; default: the "
+                        "committed manifest's)")
+    p.add_argument("--threads", type=int, default=k.threads, help="torch threads")
+    p.add_argument("--budget-minutes", type=float, default=k.budget_minutes,
+                   help="refuse a run whose measured estimate is longer")
+    p.add_argument("--eval-every", type=int, default=k.eval_every,
+                   help="steps between held-out evaluations")
+    p.add_argument("--eval-tokens", type=int, default=k.eval_tokens,
+                   help="held-out tokens of those evaluations (the final one reads all)")
+    p.add_argument("--log-every", type=int, default=k.log_every, help="steps between lines")
+    p.add_argument("--checkpoint-minutes", type=float, default=k.checkpoint_minutes,
+                   help="minutes between checkpoints (also written when stopped)")
+    p.add_argument("--dtype", default=k.dtype, choices=["bfloat16", "float32"],
+                   help="dtype of the written weights")
+    p.add_argument("--nice", type=int, default=k.nice,
+                   help="niceness increment (a background run yields the CPU)")
+
+
+def _planned(plan: dict, key: str) -> str:
+    return ", ".join(f"{family} {getattr(s, key)}" for family, s in plan.items())
+
+
+def run(args) -> int:
+    from baton.train.run import PLANNED, Knobs, Settings, train
+
+    plan = PLANNED[args.family]
+    s = Settings(args.family, args.size or plan.size, args.steps or plan.steps,
+                 batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
+                 mtp_weight=args.mtp_weight, seed=args.seed, corpus_hash=args.corpus_hash)
+    k = Knobs(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(Knobs)})
+    try:
+        train(s, Path(args.out), k, Path(args.corpus) if args.corpus else None)
+    except KeyboardInterrupt:
+        return 130
+    return 0
