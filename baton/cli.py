@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import baton.startup  # noqa: F401 - first: this module is a process's entry point
+
+# isort: split
+
 import argparse
 import logging
 import sys

@@ -1,3 +1,3 @@
 """Baton's benchmarks (`baton bench ...`, `python -m bench.<name>`)."""
 
-import baton  # noqa: F401 - first: its import sets torch's huge-page allocation (see there)
+import baton.startup  # noqa: F401 - first: the process tuning (huge pages before torch)
