@@ -58,20 +58,6 @@ class _Plan:
         return None
 
 
-def qwen_parts(layer):
-    """(norm weight as the kernel reads it, eps, watched norm weight, module, is mixer) of a
-    Qwen3.5 / Qwen3.5-MoE `DecoderLayer`'s two parts."""
-    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-    return [(n1._scale(), n1.eps, n1.weight, layer.mixer, True),
-            (n2._scale(), n2.eps, n2.weight, layer.mlp, False)]
-
-
-def nemotron_parts(block):
-    """The same of a NemotronH `Block`: one part, its mixer (or MLP / MoE)."""
-    n = block.norm
-    return [(n.weight, n.eps, n.weight, block.mixer, not block.stateless)]
-
-
 def _fallback(w, eps, m, mixer: bool):
     rms = step_kernels.kernels().rms_norm
     if mixer:
@@ -109,8 +95,9 @@ def _build(layers, pools, parts_of) -> _Plan:
 
 
 def decode_layers(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor:
-    """h through every layer of `layers` (decode, fast path: `applies`); `parts_of`:
-    `qwen_parts` or `nemotron_parts`."""
+    """h through every layer of `layers` (decode, fast path: `applies`); `parts_of(layer)`:
+    the family's split of a layer into parts, (norm weight as the kernel reads it, eps,
+    watched norm weight, module, is mixer) each (e.g. `nemotron_h.model.nemotron_parts`)."""
     p = layers.__dict__.get("_baton_plan")
     if (p is None or p.pools is not ctx.pools or p.generation != linear._state["generation"]
             or any(w._version != v for w, v in p.norms)):

@@ -47,6 +47,12 @@ class Block(nn.Module):
         return h + (self.mixer(x) if self.stateless else mix(self.mixer, x))
 
 
+def nemotron_parts(block: Block):
+    """A `Block`'s parts for `fast_decode`: one, its mixer (or MLP / MoE)."""
+    n = block.norm
+    return [(n.weight, n.eps, n.weight, block.mixer, not block.stateless)]
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -60,7 +66,7 @@ class Backbone(nn.Module):
         if decode and on_layer is None and fast_decode.applies(h, ctx.pools):
             # the fast path: every layer in one call of the kernels (fast_decode)
             return self.norm_f(fast_decode.decode_layers(self.layers, h, ctx,
-                                                         fast_decode.nemotron_parts))
+                                                         nemotron_parts))
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, decode)
             if on_layer is not None:

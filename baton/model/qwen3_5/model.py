@@ -52,6 +52,14 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def qwen_parts(layer: DecoderLayer):
+    """A `DecoderLayer`'s two parts for `fast_decode` (norm weight as the kernel reads it,
+    eps, watched norm weight, module, is mixer)."""
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    return [(n1._scale(), n1.eps, n1.weight, layer.mixer, True),
+            (n2._scale(), n2.eps, n2.weight, layer.mlp, False)]
+
+
 class TextModel(nn.Module):
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
@@ -65,7 +73,7 @@ class TextModel(nn.Module):
         if decode and on_layer is None and fast_decode.applies(h, ctx.pools):
             # the fast path: every layer in one call of the kernels (fast_decode)
             return self.norm(fast_decode.decode_layers(self.layers, h, ctx,
-                                                       fast_decode.qwen_parts))
+                                                       qwen_parts))
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, decode)
             if on_layer is not None:
