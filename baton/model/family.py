@@ -16,8 +16,8 @@ What the named parts must answer (the engine probes none of it with getattr):
     model       class(config): `baton.model.protocol.CausalLM`
     stage       class(config, layers, first, last): `baton.model.protocol.Stage`
     tp          module (or None: no tensor parallelism): `local_config(cfg, tp, moe_split)`,
-                `sections(cfg, what)`, `RULES`, `MOE_RULES`, `build_local(cfg, tp, split)`,
-                `build_local_stage(cfg, tp, layers, first, last, moe_split=)`
+                `sections(cfg, what)`, `RULES`, `MOE_RULES`, `parallelize(cfg, tp, blocks,
+                moe_split)` (its layers' modules that talk over the group)
     mtp         function(config) -> the MTP head module the config declares, or None
     make        function(out_dir, *, preset, seed, **fields) -> out_dir (a seeded checkpoint)
     weights     how the checkpoint names its tensors (`Weights`)

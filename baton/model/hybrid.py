@@ -26,6 +26,8 @@ from baton.model.protocol import LOCAL
 
 class HybridLM(nn.Module):
     capabilities = LOCAL
+    first = last = True
+    """A whole model is its own first and last stage (`protocol.Stage`)."""
     state_kind = "state"
     """What the family calls its recurrent layers ("Mamba", "DeltaNet"), for errors."""
     config: object
@@ -51,6 +53,10 @@ class HybridLM(nn.Module):
         raise NotImplementedError
 
     # ---- written once -------------------------------------------------------------------
+    @property
+    def layer_ids(self) -> range:
+        return range(self.config.num_layers)
+
     def blocks(self) -> list[nn.Module]:
         return list(self.layer_list)
 
@@ -152,3 +158,46 @@ class HybridLM(nn.Module):
             f"needs layers {missing}: build them with PoolSpec.for_model(config, ...) over all "
             f"layers"
         )
+
+
+class HybridStage(nn.Module):
+    """One pipeline stage of a family's model (`protocol.Stage`): a contiguous range of
+    global layers, plus the embeddings on the first stage and the final norm and LM head on
+    the last. A family's stage builds its module tree under the whole model's names (its
+    layers in a ModuleDict keyed by global id, so it loads straight from the checkpoint) and
+    declares `layer_dict`, `embedding`, `set_embedding`, `final_norm` and `dtype`."""
+
+    lm_head: nn.Linear
+
+    def __init__(self, config, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.config, self.layer_ids, self.first, self.last = config, layers, first, last
+        self.mtp: nn.Module | None = None
+        """The MTP head on a speculating worker's last stage (`loader.load_stage`)."""
+
+    @property
+    def layer_dict(self) -> nn.ModuleDict:
+        raise NotImplementedError
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layer_dict.values())
+
+    @property
+    def param(self) -> torch.Tensor:
+        return next(self.parameters())
+
+    @property
+    def device(self) -> torch.device:
+        return self.param.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids.to(self.device))
+
+    def run_layers(self, h: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
+        for layer in self.layer_dict.values():
+            h = layer(h, ctx, decode)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final hidden states `h` (last stage only)."""
+        return self.lm_head(self.final_norm(h)).float()

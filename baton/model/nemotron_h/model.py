@@ -81,6 +81,10 @@ class NemotronHModel(HybridLM):
     def embedding(self) -> nn.Embedding:
         return self.backbone.embeddings
 
+    def set_embedding(self, table: nn.Embedding) -> None:
+        """Replace the embedding table (nn.Module's setattr would register a new module)."""
+        self.backbone.embeddings = table
+
     @property
     def layer_list(self) -> nn.ModuleList:
         return self.backbone.layers

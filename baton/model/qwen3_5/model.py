@@ -86,6 +86,10 @@ class Qwen35Model(HybridLM):
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    def set_embedding(self, table: nn.Embedding) -> None:
+        """Replace the embedding table (nn.Module's setattr would register a new module)."""
+        self.model.embed_tokens = table
+
     @property
     def layer_list(self) -> nn.ModuleList:
         return self.model.layers
