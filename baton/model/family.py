@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,7 @@ class FamilySpec:
 _BY_NAME: dict[str, FamilySpec] = {}
 _BY_TYPE: dict[str, FamilySpec] = {}
 _discovered = False
+_lock = threading.RLock()
 
 
 def register(spec: FamilySpec) -> FamilySpec:
@@ -158,12 +160,15 @@ def _discover() -> None:
     global _discovered
     if _discovered:
         return
-    _discovered = True
-    from baton import envs
+    with _lock:  # a second thread waits for the first's imports (re-entrant: they register)
+        if _discovered:
+            return
+        from baton import envs
 
-    here = Path(__file__).parent
-    for info in pkgutil.iter_modules([str(here)]):
-        if info.ispkg and (here / info.name / "family.py").is_file():
-            importlib.import_module(f"{__package__}.{info.name}.family")
-    for mod in envs.FAMILY_MODULES.get():
-        importlib.import_module(mod)
+        here = Path(__file__).parent
+        for info in pkgutil.iter_modules([str(here)]):
+            if info.ispkg and (here / info.name / "family.py").is_file():
+                importlib.import_module(f"{__package__}.{info.name}.family")
+        for mod in envs.FAMILY_MODULES.get():
+            importlib.import_module(mod)
+        _discovered = True
