@@ -84,3 +84,9 @@ class Qwen35MTPHead(nn.Module):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = self.norm(x)
         return out, lm_head(out).float() if logits else None
+
+    def write_kv(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
+                 ctx: StepContext) -> None:
+        """Only the head's KV entries of decode rows hidden [R, H]: its pass without the LM
+        head (the attention layer comes first, so nothing is left to skip)."""
+        self(hidden, next_ids, embed, None, ctx, decode=True, logits=False)
