@@ -168,6 +168,9 @@ class HybridStage(nn.Module):
     declares `layer_dict`, `embedding`, `set_embedding`, `final_norm` and `dtype`."""
 
     lm_head: nn.Linear
+    before_forward = None
+    """TP x PP: the stage leader's hook handing each micro-batch to its TP peers first
+    (`baton.engine.tp.pipeline.attach_leader`); None: no peers."""
 
     def __init__(self, config, layers: range, first: bool, last: bool):
         super().__init__()

@@ -78,6 +78,9 @@ class Stage(Protocol):
     layer_ids: range
     first: bool
     last: bool
+    mtp: torch.nn.Module | None
+    before_forward: Callable | None
+    """A hook run on each micro-batch before the stage's layers (TP x PP leaders)."""
 
     @property
     def device(self) -> torch.device: ...
