@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default=families.for_model_type(None).name,
                    choices=families.names(), help="model family (config.json model_type)")
     p.add_argument("--multimodal", action="store_true",
-                   help="qwen3_5: the published multimodal layout (text_config, a vision stub)")
+                   help="the published multimodal layout (text_config, a vision stub), for "
+                        "families that have one")
     p.add_argument("--moe-experts", type=int, default=None, help="routed experts per E layer")
     p.add_argument("--moe-top-k", type=int, default=None, help="experts per token")
     p.add_argument("--moe-latent-size", type=int, default=None, help="latent MoE width")
