@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import baton.startup  # noqa: F401 - first: this module is a process's entry point
+
+# isort: split
+
 import argparse
 import logging
 import sys
@@ -160,11 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
                    help="write tokenizer.json (byte-level BPE trained on the shipped text, as the "
                         "named models have; default on); --no-tokenizer: text is one id a byte")
-    p.add_argument("--family", default=None, choices=families.names(),
-                   help="model family (config.json model_type; default: "
-                        f"{families.for_model_type(None).name})")
+    p.add_argument("--family", default=families.for_model_type(None).name,
+                   choices=families.names(), help="model family (config.json model_type)")
     p.add_argument("--multimodal", action="store_true",
-                   help="qwen3_5: the published multimodal layout (text_config, a vision stub)")
+                   help="the published multimodal layout (text_config, a vision stub), for "
+                        "families that have one")
     p.add_argument("--moe-experts", type=int, default=None, help="routed experts per E layer")
     p.add_argument("--moe-top-k", type=int, default=None, help="experts per token")
     p.add_argument("--moe-latent-size", type=int, default=None, help="latent MoE width")

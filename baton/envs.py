@@ -44,17 +44,82 @@ def _env(name: str, default: T, parse: Callable[[str], T], doc: str) -> Env[T]:
     return e
 
 
+def _flag(raw: str) -> bool:
+    return raw != "0"
+
+
+def _decode_path(raw: str) -> str:
+    if raw not in ("fast", "reference"):
+        raise ValueError(f"BATON_DECODE_PATH must be 'fast' or 'reference', got {raw!r}")
+    return raw
+
+
+def _seconds(raw: str) -> float:
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return 0.0
+
+
+# ---- process tuning (baton.startup) ------------------------------------------------------
+MALLOC_TUNE = _env(
+    "BATON_MALLOC_TUNE", True, _flag,
+    "0: leave glibc's malloc thresholds alone (default: a prefill's freed temporaries stay on "
+    "the heap; baton.startup).")
+NUM_THREADS = _env(
+    "BATON_NUM_THREADS", 0, int,
+    "torch threads of an engine process (0 / unset: torch's default); a tensor-parallel "
+    "worker divides it (or the cores) between its ranks.")
+LOG_LEVEL = _env(
+    "BATON_LOG_LEVEL", "WARNING", str,
+    "Log level of a pipeline stage or tensor-parallel rank process started bare.")
+
+# ---- kernels and decode path -------------------------------------------------------------
+DECODE_PATH = _env(
+    "BATON_DECODE_PATH", "fast", _decode_path,
+    "`reference`: decode on the unoptimised torch path (baton.model.layers.linear); `fast`.")
+CPU_KERNELS = _env(
+    "BATON_CPU_KERNELS", True, _flag,
+    "0: do not build or use Baton's CPU matmul kernels (torch's matmuls instead).")
+STEP_KERNELS = _env(
+    "BATON_STEP_KERNELS", True, _flag,
+    "0: do not build or use the fused decode-step kernels (the compiled torch steps).")
+
+# ---- models ------------------------------------------------------------------------------
+CACHE_DIR = _env(
+    "BATON_CACHE_DIR", "", str,
+    "Where named test models are generated (default ~/.cache/baton).")
 FAMILY_MODULES = _env(
     "BATON_FAMILY_MODULES", (), _modules,
     "Comma-separated modules imported with the built-in families, each registering more "
     "(`baton.model.family.register`): a family kept outside baton/, e.g. a test's. Child "
     "processes (workers, stages, ranks) inherit it.")
 
+# ---- security (the config file's keys do the same) ---------------------------------------
+CLUSTER_TOKEN = _env(
+    "BATON_CLUSTER_TOKEN", "", str,
+    "The cluster secret (as `cluster.token_file`); `baton serve` sets it for its children.")
+API_KEY = _env(
+    "BATON_API_KEY", "", str,
+    "One public API key the router accepts (beside `router.api_keys_file`); clients send it.")
 
-NUM_THREADS = _env(
-    "BATON_NUM_THREADS", 0, int,
-    "torch threads of an engine process (0 / unset: torch's default); a tensor-parallel "
-    "worker divides it (or the cores) between its ranks.")
+# ---- set by Baton for its own child processes ----------------------------------------------
+PP_CONFIG_JSON = _env(
+    "BATON_PP_CONFIG_JSON", "", str,
+    "A locally spawned stage's or rank's config: stage 0's, as JSON.")
+PP_PARENT_PID = _env(
+    "BATON_PP_PARENT_PID", 0, int,
+    "A locally spawned stage or rank dies with this process (stage 0).")
+
+# ---- tests only ----------------------------------------------------------------------------
+TEST_CANARIES = _env(
+    "BATON_TEST_CANARIES", False, lambda raw: raw == "1",
+    "1: every freed KV block and state slot is overwritten with a canary the integrity check "
+    "audits.")
+TEST_TRANSFER_HOLD_S = _env(
+    "BATON_TEST_TRANSFER_HOLD_S", 0.0, _seconds,
+    "A transfer is reported done no sooner than this many seconds after it started (the "
+    "chaos tests kill processes mid-transfer).")
 
 
 def describe() -> str:

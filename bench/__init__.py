@@ -1,6 +1,6 @@
 """Baton's benchmarks (`baton bench ...`, `python -m bench.<name>`)."""
 
-import baton  # noqa: F401 - first: its import sets torch's huge-page allocation (see there)
+import baton.startup  # noqa: F401 - first: the process tuning (huge pages before torch)
 
 BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "tp", "http",
            "soak", "spec", "quality")

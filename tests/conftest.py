@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-import baton  # noqa: F401 - its process settings (gRPC's fork handlers) before grpc loads
+import baton.startup  # noqa: F401 - the process tuning (gRPC's fork handlers) before grpc loads
 
 # Tiny-model ops are dominated by thread hand-off; one thread is faster and steadier on the
 # 2-core CI box, and worker processes started by tests inherit it.

@@ -23,12 +23,12 @@ The prefill worker frees its copy of the blocks after either event.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from baton import envs
 from baton.config.transfer import TransferConfig
 from baton.errors import TransferError
 from baton.model.pools import Pools
@@ -51,16 +51,13 @@ DRAIN_INTERVAL_S = 0.05
 STREAMING_INTERVAL_S = 0.005
 """Poll interval while layer-wise requests are still computing: early layers progress a little,
 the forward keeps the GIL; `layers_done` of the last layer wakes the poller (see the service)."""
-TEST_HOLD_ENV = "BATON_TEST_TRANSFER_HOLD_S"
+TEST_HOLD_ENV = envs.TEST_TRANSFER_HOLD_S.name
 """Tests only (the chaos matrix): a transfer is reported done no sooner than this many seconds
 after it started, so that a process can be killed while transfers are in flight."""
 
 
 def _test_hold_s() -> float:
-    try:
-        return max(0.0, float(os.environ.get(TEST_HOLD_ENV, "0") or 0))
-    except ValueError:
-        return 0.0
+    return envs.TEST_TRANSFER_HOLD_S.get()
 
 
 @dataclass

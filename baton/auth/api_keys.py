@@ -6,9 +6,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from baton import envs
 from baton.errors import ConfigError
 
-ENV_API_KEY = "BATON_API_KEY"
+ENV_API_KEY = envs.API_KEY.name
 
 
 def load_api_keys(api_keys_file: str, environ: Mapping[str, str] = os.environ) -> frozenset[str]:

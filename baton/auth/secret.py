@@ -11,12 +11,13 @@ from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 
+from baton import envs
 from baton.config.cluster import ClusterConfig
 from baton.errors import ConfigError
 
 log = logging.getLogger("baton.auth")
 
-ENV_TOKEN = "BATON_CLUSTER_TOKEN"
+ENV_TOKEN = envs.CLUSTER_TOKEN.name
 MIN_TOKEN_CHARS = 16
 MAC_BYTES = 32
 """HMAC-SHA256 tag length."""

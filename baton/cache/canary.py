@@ -10,17 +10,17 @@ garbage. Off by default: the fills cost a memset per freed block.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-ENV = "BATON_TEST_CANARIES"
+from baton import envs
+
+ENV = envs.TEST_CANARIES.name
 CANARY = 12288
 """Exact in float32, bfloat16 and float16 (1.5 * 2**13), and never a plausible KV value."""
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "") == "1"
+    return envs.TEST_CANARIES.get()
 
 
 def bad_blocks(pools, ids: list[int]) -> list[int]:

@@ -22,6 +22,7 @@ import urllib.request
 
 import grpc
 
+from baton import envs
 from baton.auth import ENV_TOKEN, ClusterSecret
 from baton.auth.grpc_auth import open_channel
 from baton.auth.secret import configured_token
@@ -186,7 +187,7 @@ class LocalCluster:
         env = dict(os.environ)
         env[ENV_TOKEN] = self.token  # never on a command line, where `ps` would show it
         # several worker processes share this machine's cores: split them instead of oversubscribing
-        env.setdefault("BATON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.expected)))
+        env.setdefault(envs.NUM_THREADS.name, str(max(1, (os.cpu_count() or 1) // self.expected)))
         # children's banners go to stderr: stdout stays for what the caller prints (JSON)
         return subprocess.Popen(cmd, start_new_session=True, env=env, stdout=STDERR_FD)
 

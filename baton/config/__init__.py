@@ -76,7 +76,7 @@ class WorkerConfig:
     synchronisation: the fixed shapes that CUDA graphs capture (not captured yet). Pad rows
     read and write one KV block and one state slot kept out of the cache for them; a batch
     larger than the last bucket runs unpadded. A real row's tokens and states are those of
-    an unpadded step, bit for bit on the CPU fast path (tests/unit/test_decode_buckets.py).
+    an unpadded step, bit for bit on the CPU fast path (tests/unit/engine/test_decode_buckets.py).
     Single-process workers (pipeline and tensor-parallel ones ignore it with a warning)."""
     host: str = "auto"
     """Address this worker advertises to the router and peers, and binds its gRPC server,

@@ -14,7 +14,7 @@ gains a block when its position crosses a block boundary. So the tensors live in
 
 `tables[:b, :nb]` is exactly what `baton.model.paged.decode_meta` builds from lists (each row
 cut to the blocks its length needs, padded with its column 0), so the model computes the same
-thing either way (tests/unit/test_decode_batch.py checks the buffers against a rebuild after
+thing either way (tests/unit/engine/test_decode_batch.py checks the buffers against a rebuild after
 every step of a workload where requests join and leave). Only for models that take a table
 tensor (`decode_takes_tables`); pipeline and tensor-parallel models send lists over the wire.
 
@@ -27,7 +27,7 @@ so a decode forward only ever sees a few shapes (what CUDA graphs capture):
     columns nb..W-1  a real row's padding, its column 0 as before (read only as masked keys)
 
 A real row's tokens and states are what an unpadded step computes (the fast path's kernels
-give a row the same bits in any batch; tests/unit/test_decode_buckets.py).
+give a row the same bits in any batch; tests/unit/engine/test_decode_buckets.py).
 """
 
 from __future__ import annotations

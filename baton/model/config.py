@@ -9,12 +9,35 @@ head size, vocabulary, special tokens); see `baton.model.state_spec`.
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 from baton.errors import ConfigError
 from baton.model import family
 
-__all__ = ["config_from_dict", "load_config"]
+__all__ = ["LayerPattern", "config_from_dict", "load_config"]
+
+
+class LayerPattern:
+    """What a config derives from its `pattern` (one char a layer): `num_layers`,
+    `attention_layers` ('*') and `state_layers` (the chars in the family's `STATE_CHARS`).
+    A mixin of the family's frozen config dataclass."""
+
+    STATE_CHARS = ""
+    pattern: str
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pattern)
+
+    @cached_property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.pattern) if c == "*")
+
+    @cached_property
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers with recurrent state (a slot each)."""
+        return tuple(i for i, c in enumerate(self.pattern) if c in self.STATE_CHARS)
 
 
 def config_from_dict(d: dict):

@@ -16,8 +16,8 @@ What the named parts must answer (the engine probes none of it with getattr):
     model       class(config): `baton.model.protocol.CausalLM`
     stage       class(config, layers, first, last): `baton.model.protocol.Stage`
     tp          module (or None: no tensor parallelism): `local_config(cfg, tp, moe_split)`,
-                `sections(cfg, what)`, `RULES`, `MOE_RULES`, `build_local(cfg, tp, split)`,
-                `build_local_stage(cfg, tp, layers, first, last, moe_split=)`
+                `sections(cfg, what)`, `RULES`, `MOE_RULES`, `parallelize(cfg, tp, blocks,
+                moe_split)` (its layers' modules that talk over the group)
     mtp         function(config) -> the MTP head module the config declares, or None
     make        function(out_dir, *, preset, seed, **fields) -> out_dir (a seeded checkpoint)
     weights     how the checkpoint names its tensors (`Weights`)
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,7 @@ class FamilySpec:
 _BY_NAME: dict[str, FamilySpec] = {}
 _BY_TYPE: dict[str, FamilySpec] = {}
 _discovered = False
+_lock = threading.RLock()
 
 
 def register(spec: FamilySpec) -> FamilySpec:
@@ -158,12 +160,15 @@ def _discover() -> None:
     global _discovered
     if _discovered:
         return
-    _discovered = True
-    from baton import envs
+    with _lock:  # a second thread waits for the first's imports (re-entrant: they register)
+        if _discovered:
+            return
+        from baton import envs
 
-    here = Path(__file__).parent
-    for info in pkgutil.iter_modules([str(here)]):
-        if info.ispkg and (here / info.name / "family.py").is_file():
-            importlib.import_module(f"{__package__}.{info.name}.family")
-    for mod in envs.FAMILY_MODULES.get():
-        importlib.import_module(mod)
+        here = Path(__file__).parent
+        for info in pkgutil.iter_modules([str(here)]):
+            if info.ispkg and (here / info.name / "family.py").is_file():
+                importlib.import_module(f"{__package__}.{info.name}.family")
+        for mod in envs.FAMILY_MODULES.get():
+            importlib.import_module(mod)
+        _discovered = True

@@ -4,7 +4,7 @@ Decode streams every weight once a step, and a batch-32 step reads and writes ev
 of the batch: hundreds of MB through 4 KiB pages is a TLB miss every 4 KiB. Where the kernel
 gives huge pages only to memory that asks for them (`transparent_hugepage/enabled` =
 `madvise`, the usual default), torch asks for allocations of 2 MB and more
-(THP_MEM_ALLOC_ENABLE, set in baton/__init__.py), each on its own: a tensor's tail past its
+(THP_MEM_ALLOC_ENABLE, set in baton/startup.py), each on its own: a tensor's tail past its
 last whole 2 MB, and every smaller weight (a 100m Qwen3.5-MoE's shared experts and DeltaNet
 out_proj, 1.5-2 MB each: 133 of its 1,021 MB), stay on 4 KiB pages, and a weight stream
 crosses between them. `place_on_huge_pages` packs a model's weights into one arena advised

@@ -176,7 +176,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
                     continue
                 _check_shape(ours, tuple(f.get_slice(name).get_shape()), expected[ours], file)
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
-                # copied into memory torch allocates (huge pages, see baton/__init__.py):
+                # copied into memory torch allocates (huge pages, see baton/startup.py):
                 # safetensors' own buffers have 4 KB pages, and decode streams every weight
                 state[ours] = f.get_tensor(name).to(device=device, dtype=want, copy=True)
     stacks.load(state, device, dtype)

@@ -47,6 +47,14 @@ class PoolSpec:
     device: str = "cpu"
 
     @classmethod
+    def kv_beside(cls, target: PoolSpec, attn_layers: tuple[int, ...], model) -> PoolSpec:
+        """KV only, for `attn_layers` (an MTP head's), block for block beside `target`."""
+        return cls(attn_layers=attn_layers, state_layers=(), num_blocks=target.num_blocks,
+                   tokens_per_block=target.tokens_per_block,
+                   num_kv_heads=model.num_key_value_heads, head_dim=model.head_dim,
+                   num_slots=0, state_tensors=(), dtype=target.dtype, device=target.device)
+
+    @classmethod
     def for_model(
         cls,
         model,

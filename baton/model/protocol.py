@@ -2,7 +2,7 @@
 stand-in of a pipeline / tensor-parallel worker), `Stage` (one pipeline stage) and `Layer`,
 with the capabilities the engine branches on declared as data (`Capabilities`), never probed.
 
-    plain model      NemotronHModel, Qwen35Model, ... (a family's `model`)   LOCAL
+    plain model      a family's `model` (a HybridLM)                          LOCAL
     PP / TP / TPxPP  PipelineModel, TPModel, TPPipelineModel (baton.engine)  STAGED
 """
 
@@ -78,6 +78,9 @@ class Stage(Protocol):
     layer_ids: range
     first: bool
     last: bool
+    mtp: torch.nn.Module | None
+    before_forward: Callable | None
+    """A hook run on each micro-batch before the stage's layers (TP x PP leaders)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -88,6 +91,8 @@ class Stage(Protocol):
     @property
     def embedding(self) -> torch.nn.Embedding:
         """The token embeddings (first stage, or a last stage that holds the MTP head)."""
+
+    def set_embedding(self, table: torch.nn.Embedding) -> None: ...
 
     def blocks(self) -> Iterable[Layer]:
         """This stage's layers, in order."""

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from baton import envs
 from baton.errors import ConfigError
 from baton.model import family
 
@@ -17,7 +18,7 @@ def named_models() -> dict[str, tuple[str, dict]]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BATON_CACHE_DIR") or Path.home() / ".cache" / "baton")
+    return Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "baton")
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

@@ -1,6 +1,6 @@
-"""Any family's model at tensor-parallel size t, rank r: the family's TP module (its spec's
-`tp`: `local_config`, `sections`, `RULES`, `MOE_RULES`, `build_local(_stage)`) builds the
-rank's module tree; its weights are cut from the TP-1 checkpoint section by section, each
+"""Any family's model at tensor-parallel size t, rank r: `build_rank` builds the rank's module
+tree with the family's TP module (its spec's `tp`: `local_config`, `sections`, `RULES`,
+`MOE_RULES`, `parallelize`); its weights are cut from the TP-1 checkpoint section by section, each
 rank reading only its rows (`shard_tensor`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from baton.errors import ConfigError
 from baton.model import family
 from baton.model.config import load_config
 from baton.model.layers.moe_tp import MODES
-from baton.model.layers.parallel import TPGroup
+from baton.model.layers.parallel import TPGroup, VocabParallelEmbedding, VocabParallelHead
 from baton.model.loader import _canonical, checkpoint_files, family_loader
 from baton.model.quant import safe_open  # the checkpoint as the float one it encodes
 from baton.model.tp_shard import held_units
@@ -44,6 +44,27 @@ def shard_tensor(cfg, name: str, t, tp: int, rank: int,
     return torch.cat(parts, dim=axis).contiguous()
 
 
+def build_rank(cfg, tp: TPGroup, moe_split: str = MODES[0],
+               stage: tuple[range, bool, bool] | None = None):
+    """The rank's module tree (on the current device, meta when loading): the family's
+    model (or stage) built from the rank's local config, with the modules that talk over
+    the group swapped in: the family's layers (its `parallelize`), the vocab-parallel
+    embedding and LM head."""
+    spec = family.of(cfg)
+    ftp = spec.tp_module()
+    local = ftp.local_config(cfg, tp.size, moe_split)
+    model = spec.model_class()(local) if stage is None else spec.stage_class()(local, *stage)
+    if tp.size == 1:
+        return model
+    ftp.parallelize(cfg, tp, model.blocks(), moe_split)
+    if model.first:
+        model.set_embedding(VocabParallelEmbedding(local.vocab_size, cfg.hidden_size,
+                                                   tp.rank * local.vocab_size, tp))
+    if model.last:
+        model.lm_head = VocabParallelHead(cfg.hidden_size, local.vocab_size, tp)
+    return model
+
+
 def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float32,
                   stage: tuple[range, bool, bool] | None = None, moe_split: str = MODES[0]):
     """Rank `tp.rank`'s model (or, with `stage` = (layers, first, last), its share of one
@@ -52,10 +73,8 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
     split (`layers.moe_tp.MODES`)."""
     path = Path(path)
     cfg = load_config(path)
-    ftp = family.of(cfg).tp_module()
     with torch.device("meta"):
-        model = ftp.build_local(cfg, tp, moe_split) if stage is None else \
-            ftp.build_local_stage(cfg, tp, *stage, moe_split=moe_split)
+        model = build_rank(cfg, tp, moe_split, stage)
     expected = model.state_dict()
     fam = family_loader(cfg)
     state = {}

@@ -45,10 +45,11 @@ def failed_children(n: int) -> int:
 
 
 def test_children_forked_beside_a_busy_channel_all_start_in_a_baton_process():
-    """Without `GRPC_ENABLE_FORK_SUPPORT=false` (set by importing baton) 2-3% of these children
+    """Without `GRPC_ENABLE_FORK_SUPPORT=false` (set by importing baton.startup, which every
+    Baton entry point imports first) 2-3% of these children
     die before exec on grpcio 1.85, logging only `epoll_wait error: Bad file descriptor`."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-    code = ("import baton  # first, as in every Baton process\n"
+    code = ("import baton.startup  # first, as in every Baton process\n"
             "from tests.unit.test_grpc_fork import failed_children\n"
             f"print(failed_children({FORKS}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("baton.auth",),
     ("baton.model",),
     ("baton.model.layers",),
+    ("baton.model.hybrid",),
     ("baton.model.loader",),
     ("baton.model.tp_loader",),
     ("baton.model.nemotron_h", "baton.model.qwen3_5"),

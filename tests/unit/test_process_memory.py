@@ -1,4 +1,5 @@
-"""How every Baton process sets up its memory on import (baton/__init__.py): torch's
+"""How every Baton process sets up its memory first (baton/startup.py, which every entry point
+imports first; `import baton` alone changes nothing): torch's
 transparent huge pages asked for before torch's first allocation (an explicit 0 kept; where
 the kernel's THP mode allows it a large tensor gets huge pages), and glibc's malloc keeping
 freed 10-30 MB temporaries on its heap, so allocating one again faults no pages."""
@@ -21,15 +22,26 @@ def _run(code: str, **env: str) -> str:
                           capture_output=True, text=True, timeout=120).stdout.strip()
 
 
-@pytest.mark.parametrize("package", ["baton", "bench"])
+@pytest.mark.parametrize("package", ["baton.startup", "bench", "baton.cli"])
 def test_importing_the_package_sets_huge_pages_before_torch(package):
     out = _run(f"import sys, os, {package}; "
                "print(os.environ['THP_MEM_ALLOC_ENABLE'], 'torch' in sys.modules)")
     assert out == "1 False"
 
 
+def test_importing_baton_alone_changes_nothing_in_the_process():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("THP_MEM_ALLOC_ENABLE", "GRPC_ENABLE_FORK_SUPPORT")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, sys, baton, baton.model.config; print("
+         "os.environ.get('THP_MEM_ALLOC_ENABLE'), os.environ.get('GRPC_ENABLE_FORK_SUPPORT'), "
+         "'baton.startup' in sys.modules)"],
+        cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "None", "False"]
+
+
 def test_an_explicit_setting_is_kept():
-    assert _run("import os, baton; print(os.environ['THP_MEM_ALLOC_ENABLE'])",
+    assert _run("import os, baton.startup; print(os.environ['THP_MEM_ALLOC_ENABLE'])",
                 THP_MEM_ALLOC_ENABLE="0") == "0"
 
 
@@ -37,7 +49,7 @@ def test_a_large_tensor_gets_huge_pages_where_the_kernel_allows():
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.is_file() or "[never]" in mode.read_text():
         pytest.skip("transparent huge pages are off in this kernel")
-    out = _run("import baton, torch\n"
+    out = _run("import baton.startup, torch\n"
                "x = torch.ones(16 << 20)\n"  # 64 MiB, touched
                "print([int(l.split()[1]) for l in open('/proc/self/smaps_rollup')\n"
                "       if l.startswith('AnonHugePages')][0])")
@@ -72,8 +84,9 @@ def test_freed_temporaries_stay_on_the_heap():
         ctypes.CDLL(None).mallinfo2  # noqa: B018 - glibc >= 2.33
     except (OSError, AttributeError):
         pytest.skip("no glibc mallinfo2 here")
-    assert _run("import baton; print(baton.MALLOC_TUNED)") == "True"
-    mapped, kept = map(int, _run("import baton\n" + _HEAP).split())
+    assert _run("import baton.startup; print(baton.startup.MALLOC_TUNED)") == "True"
+    mapped, kept = map(int, _run("import baton.startup\n" + _HEAP).split())
     assert mapped < 24 and kept >= 24
-    mapped, kept = map(int, _run("import baton\n" + _HEAP, BATON_MALLOC_TUNE="0").split())
+    mapped, kept = map(int, _run("import baton.startup\n" + _HEAP,
+                                 BATON_MALLOC_TUNE="0").split())
     assert mapped >= 24 and kept < 24

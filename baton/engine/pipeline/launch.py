@@ -9,6 +9,10 @@ Launchers that place stages on other hosts start each stage with `--pp-rank R
 
 from __future__ import annotations
 
+import baton.startup  # noqa: F401 - first: this module is a process's entry point
+
+# isort: split
+
 import ctypes
 import json
 import logging
@@ -23,6 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from baton import envs
 from baton.config import BatonConfig
 from baton.config.base import to_dict
 from baton.engine.process import set_threads
@@ -33,9 +38,9 @@ from baton.model.protocol import Stage
 
 log = logging.getLogger("baton.pipeline")
 
-CONFIG_ENV = "BATON_PP_CONFIG_JSON"
+CONFIG_ENV = envs.PP_CONFIG_JSON.name
 """A locally spawned stage's config (stage 0's, as JSON): identical on every stage."""
-PARENT_ENV = "BATON_PP_PARENT_PID"
+PARENT_ENV = envs.PP_PARENT_PID.name
 """Set on locally spawned stages: the stage dies with this process (stage 0)."""
 GROUP_TIMEOUT = timedelta(seconds=600)
 
@@ -159,7 +164,7 @@ def serve_stage(cfg: BatonConfig, model_path, rank: int, master: str,
 
 
 def config_from_env(path: str | None) -> BatonConfig:
-    data = os.environ.get(CONFIG_ENV)
+    data = envs.PP_CONFIG_JSON.get()
     return BatonConfig.from_dict(json.loads(data)) if data else BatonConfig.load(path)
 
 
@@ -171,17 +176,17 @@ def _split(address: str) -> tuple[str, int]:
 def _die_with_parent() -> None:
     """A stage that stage 0 spawned gets SIGKILL when stage 0 dies (no orphaned stages), and
     leaves at once if stage 0 died before that was armed."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = envs.PP_PARENT_PID.get()
     if not parent:
         return  # started by a launcher: the broken process group ends it
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):
+    if os.getppid() != parent:
         os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     """`python -m baton.engine.pipeline.launch MODEL RANK MASTER` (config in the env)."""
-    logging.basicConfig(level=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=envs.LOG_LEVEL.get())
     model_path, rank, master = argv[0], int(argv[1]), argv[2]
     code = serve_stage(config_from_env(None), model_path, rank, master)
     sys.stdout.flush()

@@ -45,7 +45,7 @@ def run_layers(model: Stage, pools: Pools, mb: dict, h: torch.Tensor) -> torch.T
     """This stage's layers over micro-batch `mb` (input hidden states, or token ids on the
     first stage)."""
     decode, starts, tables, slots = mb["decode"], mb["starts"], mb["tables"], mb["slots"]
-    before = getattr(model, "before_forward", None)
+    before = model.before_forward
     if before is not None:  # TP x PP: the stage's other TP ranks get the micro-batch first
         before(mb, h)
     h = model.embed(h) if model.first else h.to(model.device)

@@ -131,11 +131,7 @@ class Drafter:
             meta = decode_meta(self._longs(pos), [j.table for j in jobs for _ in j.next_ids],
                                self.pools, lean=fused.kernel_attention(self.pools))
             ctx = StepContext(self.pools, meta, None)
-            if hasattr(self.head, "write_kv"):
-                self.head.write_kv(hid, self._longs(ids), self.embed, ctx)
-            else:
-                self.head(hid, self._longs(ids), self.embed, self.lm_head, ctx, decode=True,
-                          logits=False)
+            self.head.write_kv(hid, self._longs(ids), self.embed, ctx)
 
     def draft(self, jobs: list[DraftJob]) -> list[list[int]]:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries

@@ -16,7 +16,7 @@ Exactness: every op is elementwise (the same values, the same IEEE roundings, wh
 shape) except `silu` and `softplus`, whose vectorised and scalar tails round differently:
 `_conv`'s silu sees whole multiples of 64 elements here (`fits` asks conv_dim % 64 == 0), as
 it does in a one-window step. float32 pools only (a narrower pool rounds the state between
-positions in the loop this replaces). tests/unit/test_speculative.py checks every verify
+positions in the loop this replaces). tests/unit/engine/speculative/test_speculative.py checks every verify
 row against plain decode bit for bit.
 """
 

@@ -9,6 +9,10 @@ and TP N use the same total. More ranks than cores is allowed, with one warning.
 
 from __future__ import annotations
 
+import baton.startup  # noqa: F401 - first: this module is a process's entry point
+
+# isort: split
+
 import logging
 import os
 import sys
@@ -16,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from baton import envs
 from baton.config import BatonConfig
 from baton.engine.pipeline.launch import (
     LocalStages,
@@ -132,7 +137,7 @@ def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str,
 
 def main(argv: list[str]) -> int:
     """`python -m baton.engine.tp.launch MODEL RANK MASTER` (config in the env)."""
-    logging.basicConfig(level=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=envs.LOG_LEVEL.get())
     code = serve_rank(config_from_env(None), argv[0], int(argv[1]), argv[2])
     sys.stdout.flush()
     os._exit(code)

@@ -16,6 +16,10 @@ World rank 0 (stage 0's leader, the engine) is built in `pp_model.py`.
 
 from __future__ import annotations
 
+import baton.startup  # noqa: F401 - first: this module is a process's entry point
+
+# isort: split
+
 import logging
 import os
 import sys
@@ -23,6 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from baton import envs
 from baton.engine.pipeline.channel import TAG_CTRL, TAG_REPLY, Channel
 from baton.engine.pipeline.launch import (
     _die_with_parent,
@@ -247,7 +252,7 @@ def serve(cfg, path, rank: int, master: str, make_handlers=None) -> int:
 
 def main(argv: list[str]) -> int:
     """`python -m baton.engine.tp.pipeline MODEL RANK MASTER` (config in the env)."""
-    logging.basicConfig(level=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=envs.LOG_LEVEL.get())
     code = serve(config_from_env(None), argv[0], int(argv[1]), argv[2])
     sys.stdout.flush()
     os._exit(code)

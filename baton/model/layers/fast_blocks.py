@@ -14,7 +14,17 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from baton.model.layers import cpu_kernels, step_kernels
+from baton.model.layers.attention import Attention
+from baton.model.layers.deltanet import GatedDeltaNet
+from baton.model.layers.gated_attention import GatedAttention
+from baton.model.layers.gated_mlp import GatedMLP
+from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.linear import FastLinear
+from baton.model.layers.mamba2 import Mamba2Mixer
+from baton.model.layers.mlp import MLP
+from baton.model.layers.moe import MoE
+from baton.model.layers.norms import GatedRMSNorm
+from baton.model.layers.qwen_moe import QwenSparseMoe
 from baton.model.paged import StepContext
 
 DELTANET, MAMBA2, GATED_ATTENTION, ATTENTION, SWIGLU, RELU2, QWEN_MOE, NEMOTRON_MOE = range(1, 9)
@@ -50,15 +60,16 @@ def _out(proj):
 
 
 def mixer_part(m, pools) -> Body | None:
-    build = {"GatedDeltaNet": _deltanet, "Mamba2Mixer": _mamba2, "GatedAttention": _gated_attn,
-             "Attention": _attention}.get(type(m).__name__)
+    """The body of a mixer whose class (exactly: a tensor-parallel subclass runs its module)
+    has one, else None."""
+    build = MIXER_BODIES.get(type(m))
     return build(m, pools) if build is not None else None
 
 
 def _deltanet(m, pools):
     ws = [_weight(p) for p in (m.in_proj_qkv, m.in_proj_a, m.in_proj_b, m.in_proj_z)]
     out = _out(m.out_proj)
-    if None in ws or out is None or type(m.norm).__name__ != "HeadGatedRMSNorm":
+    if None in ws or out is None or type(m.norm) is not HeadGatedRMSNorm:
         return None
     ctx0 = StepContext(pools, None, None)
     conv, rec = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "recurrent")
@@ -68,7 +79,7 @@ def _deltanet(m, pools):
 
 def _mamba2(m, pools):
     inp, out = _out(m.in_proj), _out(m.out_proj)
-    if inp is None or out is None or type(m.norm).__name__ != "GatedRMSNorm":
+    if inp is None or out is None or type(m.norm) is not GatedRMSNorm:
         return None
     ctx0 = StepContext(pools, None, None)
     conv, ssm = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "ssm")
@@ -98,8 +109,8 @@ def _attention(m, pools):
 
 
 def mlp_part(m) -> Body | None:
-    build = {"GatedMLP": _swiglu_mlp, "MLP": _relu2_mlp, "QwenSparseMoe": _qwen_moe,
-             "MoE": _nemotron_moe}.get(type(m).__name__)
+    """The body of a feed-forward whose class (exactly) has one, else None."""
+    build = FEED_FORWARD_BODIES.get(type(m))
     return build(m) if build is not None else None
 
 
@@ -141,6 +152,14 @@ def _nemotron_moe(m):
                                ex.down_proj, m.routed_tokens],
                 [c.num_experts_per_tok, int(c.norm_topk_prob)],
                 [float(c.routed_scaling_factor)], [])
+
+
+MIXER_BODIES = {GatedDeltaNet: _deltanet, Mamba2Mixer: _mamba2, GatedAttention: _gated_attn,
+                Attention: _attention}
+"""Mixer class -> its body's builder (m, pools) -> Body | None: a new layer kind adds one."""
+FEED_FORWARD_BODIES = {GatedMLP: _swiglu_mlp, MLP: _relu2_mlp, QwenSparseMoe: _qwen_moe,
+                       MoE: _nemotron_moe}
+"""Feed-forward class -> its body's builder (m) -> Body | None."""
 
 
 def program(parts) -> object:

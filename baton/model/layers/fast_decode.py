@@ -24,7 +24,7 @@ Bits: each part makes the kernel calls the module path's kernels make, on the sa
 torch's ops do, relu2 and the rotary are exact element-wise products and sums, the MoE calls
 run the module path's ATen ops in C++), so plain decode, a speculative verify pass (which
 runs the modules: `speculative.verify`) and every test see the same numbers
-(tests/unit/test_fast_decode_layers.py: each family, against the modules, bit for bit). A
+(tests/unit/model/layers/test_fast_decode_layers.py: each family, against the modules, bit for bit). A
 part no body covers (biases in fused projections, NemotronH's grouped routing or latent MoE,
 another activation, a tensor-parallel linear) runs its module from Python between programs.
 """
@@ -56,20 +56,6 @@ class _Plan:
 
     def __deepcopy__(self, memo):  # a copied model builds its own (the programs hold ours)
         return None
-
-
-def qwen_parts(layer):
-    """(norm weight as the kernel reads it, eps, watched norm weight, module, is mixer) of a
-    Qwen3.5 / Qwen3.5-MoE `DecoderLayer`'s two parts."""
-    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-    return [(n1._scale(), n1.eps, n1.weight, layer.mixer, True),
-            (n2._scale(), n2.eps, n2.weight, layer.mlp, False)]
-
-
-def nemotron_parts(block):
-    """The same of a NemotronH `Block`: one part, its mixer (or MLP / MoE)."""
-    n = block.norm
-    return [(n.weight, n.eps, n.weight, block.mixer, not block.stateless)]
 
 
 def _fallback(w, eps, m, mixer: bool):
@@ -109,8 +95,9 @@ def _build(layers, pools, parts_of) -> _Plan:
 
 
 def decode_layers(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor:
-    """h through every layer of `layers` (decode, fast path: `applies`); `parts_of`:
-    `qwen_parts` or `nemotron_parts`."""
+    """h through every layer of `layers` (decode, fast path: `applies`); `parts_of(layer)`:
+    the family's split of a layer into parts, (norm weight as the kernel reads it, eps,
+    watched norm weight, module, is mixer) each (e.g. `nemotron_h.model.nemotron_parts`)."""
     p = layers.__dict__.get("_baton_plan")
     if (p is None or p.pools is not ctx.pools or p.generation != linear._state["generation"]
             or any(w._version != v for w, v in p.norms)):

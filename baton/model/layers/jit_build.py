@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from baton.envs import Env
+
 log = logging.getLogger("baton.model")
 
 
@@ -38,8 +40,8 @@ class KernelBuild:
     sources: tuple[Path, ...]
     headers: tuple[Path, ...]
     flags: tuple[str, ...]
-    switch: str
-    """The environment variable that turns it off when `0`."""
+    switch: Env
+    """The switch (`baton.envs`) that turns it off when `0`."""
     label: str
     """What the log line calls it (`cpu kernels`)."""
     fallback: str
@@ -74,7 +76,7 @@ def build_name(b: KernelBuild) -> str:
 
 def load(b: KernelBuild):
     """The compiled module of `b`, or None (see the module docstring)."""
-    if os.environ.get(b.switch, "1") == "0":
+    if not b.switch.get():
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
         log.info("baton %s: not built on %s, using %s", b.label, platform.machine(), b.fallback)

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton import envs
 from baton.model import hugepages
 from baton.model.layers import cpu_kernels
 
@@ -56,14 +56,7 @@ PACK_HINT = 32
 """Batch size the weights are reordered for: as fast as a hint of 1 or 8 at every size 1-64."""
 HALF = (torch.float16, torch.bfloat16)
 
-def _env_path() -> str:
-    path = os.environ.get("BATON_DECODE_PATH", "fast")
-    if path not in ("fast", "reference"):
-        raise ValueError(f"BATON_DECODE_PATH must be 'fast' or 'reference', got {path!r}")
-    return path
-
-
-_state = {"path": _env_path(), "generation": 0}
+_state = {"path": envs.DECODE_PATH.get(), "generation": 0}
 """generation: bumped whenever `install` / `cast_weights` may have replaced weights (the
 direct layer calls' cached plans, `fast_decode`, are rebuilt then)."""
 _local = threading.local()  # .decoding: inside a marked decode call of this thread

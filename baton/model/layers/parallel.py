@@ -96,6 +96,15 @@ class RowParallelLinear(nn.Linear):
         return y + self.bias if self.bias is not None else y
 
 
+def row_parallel(owner: nn.Module, names: tuple[str, ...], tp: TPGroup) -> None:
+    """`owner`'s output projections among `names` as row-parallel ones (one all-reduce)."""
+    for name in names:
+        old = getattr(owner, name, None)
+        if old is not None:
+            setattr(owner, name, RowParallelLinear(old.in_features, old.out_features,
+                                                   old.bias is not None, tp))
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """Rows [start, start + num_embeddings) of the full table."""
 

@@ -8,6 +8,7 @@ from functools import cached_property
 from pathlib import Path
 
 from baton.errors import ConfigError
+from baton.model.config import LayerPattern
 from baton.model.state_spec import StateTensorSpec
 
 # transformers 5 writes `layers_block_type`; published checkpoints use the pattern string.
@@ -16,7 +17,7 @@ SUPPORTED_CHARS = "M*-E"
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerPattern):
     vocab_size: int
     hidden_size: int
     pattern: str
@@ -85,16 +86,8 @@ class ModelConfig:
             _check_moe(self)
 
     @property
-    def num_layers(self) -> int:
-        return len(self.pattern)
-
-    @cached_property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, c in enumerate(self.pattern) if c == "*")
-
-    @cached_property
     def mamba_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, c in enumerate(self.pattern) if c == "M")
+        return self.state_layers
 
     @cached_property
     def moe_layers(self) -> tuple[int, ...]:
@@ -102,11 +95,8 @@ class ModelConfig:
         return tuple(i for i, c in enumerate(self.pattern) if c == "E")
 
     family = "nemotron_h"
-
-    @property
-    def state_layers(self) -> tuple[int, ...]:
-        """Layers with recurrent state: the Mamba2 (`M`) layers."""
-        return self.mamba_layers
+    STATE_CHARS = "M"
+    """Layers with recurrent state: the Mamba2 (`M`) layers."""
 
     @cached_property
     def state_tensors(self) -> tuple[StateTensorSpec, ...]:

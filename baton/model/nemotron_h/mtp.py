@@ -111,11 +111,7 @@ class MTPHead(nn.Module):
 
     def make_pools(self, target: PoolSpec) -> Pools:
         """KV for the head's attention layers, block for block beside the target's pool."""
-        return Pools(PoolSpec(
-            attn_layers=self.attention_layers, state_layers=(), num_blocks=target.num_blocks,
-            tokens_per_block=target.tokens_per_block, num_kv_heads=self.cfg.num_key_value_heads,
-            head_dim=self.cfg.head_dim, num_slots=0, state_tensors=(), dtype=target.dtype,
-            device=target.device))
+        return Pools(PoolSpec.kv_beside(target, self.attention_layers, self.cfg))
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
                 lm_head: nn.Linear, ctx: StepContext, decode: bool, logits: bool = True):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.model.hybrid import HybridStage
 from baton.model.layers.norms import RMSNorm
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.model import Block
-from baton.model.paged import StepContext
 
 
 class _Layers(nn.Module):
@@ -27,12 +27,9 @@ class _Layers(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
 
 
-class StageModel(nn.Module):
+class StageModel(HybridStage):
     def __init__(self, config: ModelConfig, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.config, self.layer_ids, self.first, self.last = config, layers, first, last
-        self.mtp: nn.Module | None = None
-        """The MTP head on a speculating worker's last stage (`loader.load_stage`)."""
+        super().__init__(config, layers, first, last)
         self.backbone = _Layers(config, layers)
         if first:
             self.backbone.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -41,12 +38,8 @@ class StageModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
-    def param(self) -> torch.Tensor:
-        return next(self.parameters())
-
-    @property
-    def device(self) -> torch.device:
-        return self.param.device
+    def layer_dict(self) -> nn.ModuleDict:
+        return self.backbone.layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,20 +49,9 @@ class StageModel(nn.Module):
     def embedding(self) -> nn.Embedding:
         return self.backbone.embeddings
 
-    def blocks(self) -> list[nn.Module]:
-        return list(self.backbone.layers.values())
+    def set_embedding(self, table: nn.Embedding) -> None:
+        """Replace the embedding table (nn.Module's setattr would register a new module)."""
+        self.backbone.embeddings = table
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.backbone.norm_f(h)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.backbone.embeddings(ids.to(self.device))
-
-    def run_layers(self, h: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
-        for block in self.backbone.layers.values():
-            h = block(h, ctx, decode)
-        return h
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the final hidden states `h` (last stage only)."""
-        return self.lm_head(self.backbone.norm_f(h)).float()

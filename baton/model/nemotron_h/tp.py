@@ -26,17 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from baton.model.layers.mamba2 import Mamba2Mixer
 from baton.model.layers.moe import MoE
 from baton.model.layers.moe_tp import MODES, TPMoE, check_split
-from baton.model.layers.parallel import (
-    ReplicatedGroupGatedNorm,
-    RowParallelLinear,
-    TPGroup,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-)
+from baton.model.layers.parallel import ReplicatedGroupGatedNorm, TPGroup, row_parallel
 from baton.model.nemotron_h.config import ModelConfig
-from baton.model.nemotron_h.model import NemotronHModel
 from baton.model.tp_shard import check_tp
 
 
@@ -94,45 +88,16 @@ MOE_RULES = {  # the stacked routed experts [E, out, in], by `moe_split`
 }
 
 
-def build_local(cfg: ModelConfig, tp: TPGroup, moe_split: str = MODES[0]) -> NemotronHModel:
-    """The rank's module tree (on the meta device): parallel layers where TP talks."""
-    model = NemotronHModel(local_config(cfg, tp.size, moe_split))
-    _parallelize(cfg, tp, model.backbone.layers, model.backbone, model, moe_split)
-    return model
-
-
-def build_local_stage(cfg: ModelConfig, tp: TPGroup, layers: range, first: bool, last: bool,
-                      moe_split: str = MODES[0]):
-    """One pipeline stage's share on this TP rank (meta device)."""
-    from baton.model.nemotron_h.stage import StageModel
-
-    model = StageModel(local_config(cfg, tp.size, moe_split), layers, first, last)
-    _parallelize(cfg, tp, model.backbone.layers.values(), model.backbone if first else None,
-                 model if last else None, moe_split)
-    return model
-
-
-def _parallelize(cfg: ModelConfig, tp: TPGroup, blocks, embed_owner, head_owner,
-                 moe_split: str) -> None:
-    """Swap in the modules that talk over the group (TP 1: nothing to swap)."""
-    if tp.size == 1:
-        return
+def parallelize(cfg: ModelConfig, tp: TPGroup, blocks, moe_split: str) -> None:
+    """Swap in the modules of `blocks` that talk over the group (TP > 1; the embedding and
+    LM head are `tp_loader`'s)."""
     lc = local_config(cfg, tp.size, moe_split)
     for block in blocks:
         m = block.mixer
         if isinstance(m, MoE):
             block.mixer = TPMoE(cfg, m.layer_idx, tp, moe_split)
             continue
-        for proj in ("out_proj", "o_proj", "down_proj"):
-            old = getattr(m, proj, None)
-            if old is not None:
-                setattr(m, proj, RowParallelLinear(old.in_features, old.out_features,
-                                                   old.bias is not None, tp))
-        if hasattr(m, "A_log") and cfg.n_groups == 1:
+        row_parallel(m, ("out_proj", "o_proj", "down_proj"), tp)
+        if isinstance(m, Mamba2Mixer) and cfg.n_groups == 1:
             m.norm = ReplicatedGroupGatedNorm(lc.mamba_intermediate, cfg.mamba_intermediate,
                                               cfg.layer_norm_epsilon, tp)
-    if embed_owner is not None:
-        embed_owner.embeddings = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size,
-                                                        tp.rank * lc.vocab_size, tp)
-    if head_owner is not None:
-        head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)

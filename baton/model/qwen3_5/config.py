@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from baton.errors import ConfigError
+from baton.model.config import LayerPattern
 from baton.model.state_spec import StateTensorSpec
 
 LAYER_TYPE_TO_CHAR = {"linear_attention": "G", "full_attention": "*"}
@@ -18,7 +19,7 @@ STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
-class Qwen35Config:
+class Qwen35Config(LayerPattern):
     vocab_size: int
     hidden_size: int
     pattern: str
@@ -78,17 +79,8 @@ class Qwen35Config:
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported: use 'silu'")
 
     # ---- what every family's config answers (see baton.model.state_spec) --------------------
-    @property
-    def num_layers(self) -> int:
-        return len(self.pattern)
-
-    @cached_property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, c in enumerate(self.pattern) if c == "*")
-
-    @cached_property
-    def state_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, c in enumerate(self.pattern) if c == "G")
+    STATE_CHARS = "G"
+    """Layers with recurrent state: the gated DeltaNet (`G`) layers."""
 
     @property
     def key_dim(self) -> int:

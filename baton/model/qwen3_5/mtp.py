@@ -70,11 +70,7 @@ class Qwen35MTPHead(nn.Module):
         return (self.cfg.num_layers,)  # layer 0 (every draft step applies it)
 
     def make_pools(self, target: PoolSpec) -> Pools:
-        return Pools(PoolSpec(
-            attn_layers=self.attention_layers, state_layers=(), num_blocks=target.num_blocks,
-            tokens_per_block=target.tokens_per_block, num_kv_heads=self.cfg.num_key_value_heads,
-            head_dim=self.cfg.head_dim, num_slots=0, state_tensors=(), dtype=target.dtype,
-            device=target.device))
+        return Pools(PoolSpec.kv_beside(target, self.attention_layers, self.cfg))
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
                 lm_head: nn.Linear, ctx: StepContext, decode: bool, logits: bool = True):
@@ -88,3 +84,9 @@ class Qwen35MTPHead(nn.Module):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = self.norm(x)
         return out, lm_head(out).float() if logits else None
+
+    def write_kv(self, hidden: torch.Tensor, next_ids: torch.Tensor, embed: nn.Embedding,
+                 ctx: StepContext) -> None:
+        """Only the head's KV entries of decode rows hidden [R, H]: its pass without the LM
+        head (the attention layer comes first, so nothing is left to skip)."""
+        self(hidden, next_ids, embed, None, ctx, decode=True, logits=False)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.model.hybrid import HybridStage
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
-from baton.model.paged import StepContext
 from baton.model.qwen3_5.config import Qwen35Config
 from baton.model.qwen3_5.model import DecoderLayer
 
@@ -27,12 +27,9 @@ class _Layers(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layers})
 
 
-class Qwen35Stage(nn.Module):
+class Qwen35Stage(HybridStage):
     def __init__(self, config: Qwen35Config, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.config, self.layer_ids, self.first, self.last = config, layers, first, last
-        self.mtp: nn.Module | None = None
-        """The MTP head on a speculating worker's last stage (`loader.load_stage`)."""
+        super().__init__(config, layers, first, last)
         self.model = _Layers(config, layers)
         if first:
             self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -41,8 +38,8 @@ class Qwen35Stage(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
+    def layer_dict(self) -> nn.ModuleDict:
+        return self.model.layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,20 +49,9 @@ class Qwen35Stage(nn.Module):
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def blocks(self) -> list[nn.Module]:
-        return list(self.model.layers.values())
+    def set_embedding(self, table: nn.Embedding) -> None:
+        """Replace the embedding table (nn.Module's setattr would register a new module)."""
+        self.model.embed_tokens = table
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids.to(self.device))
-
-    def run_layers(self, h: torch.Tensor, ctx: StepContext, decode: bool) -> torch.Tensor:
-        for layer in self.model.layers.values():
-            h = layer(h, ctx, decode)
-        return h
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the final hidden states `h` (last stage only)."""
-        return self.lm_head(self.model.norm(h)).float()

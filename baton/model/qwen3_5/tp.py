@@ -20,15 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from baton.model.layers.moe_tp import MODES, TPQwenMoe, check_split
-from baton.model.layers.parallel import (
-    RowParallelLinear,
-    TPGroup,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-)
+from baton.model.layers.parallel import TPGroup, row_parallel
 from baton.model.layers.qwen_moe import QwenSparseMoe
 from baton.model.qwen3_5.config import Qwen35Config
-from baton.model.qwen3_5.model import Qwen35Model
 from baton.model.tp_shard import check_tp
 
 
@@ -87,38 +81,11 @@ MOE_RULES = {  # the stacked routed experts, by `moe_split`: gate_up [E, 2I, H],
 }
 
 
-def build_local(cfg: Qwen35Config, tp: TPGroup, moe_split: str = MODES[0]) -> Qwen35Model:
-    model = Qwen35Model(local_config(cfg, tp.size, moe_split))
-    _parallelize(cfg, tp, model.model.layers, model.model, model, moe_split)
-    return model
-
-
-def build_local_stage(cfg: Qwen35Config, tp: TPGroup, layers: range, first: bool, last: bool,
-                      moe_split: str = MODES[0]):
-    from baton.model.qwen3_5.stage import Qwen35Stage
-
-    model = Qwen35Stage(local_config(cfg, tp.size, moe_split), layers, first, last)
-    _parallelize(cfg, tp, model.model.layers.values(), model.model if first else None,
-                 model if last else None, moe_split)
-    return model
-
-
-def _parallelize(cfg: Qwen35Config, tp: TPGroup, layers, embed_owner, head_owner,
-                 moe_split: str) -> None:
-    if tp.size == 1:
-        return
-    lc = local_config(cfg, tp.size, moe_split)
+def parallelize(cfg: Qwen35Config, tp: TPGroup, layers, moe_split: str) -> None:
+    """Swap in the modules of `layers` that talk over the group (TP > 1; the embedding and
+    LM head are `tp_loader`'s)."""
     for layer in layers:
         if isinstance(layer.mlp, QwenSparseMoe):
             layer.mlp = TPQwenMoe(cfg, layer.mlp.layer_idx, layer.mlp.norm, tp, moe_split)
-        for owner, proj in ((layer.mixer, "out_proj"), (layer.mixer, "o_proj"),
-                            (layer.mlp, "down_proj")):
-            old = getattr(owner, proj, None)
-            if old is not None:
-                setattr(owner, proj, RowParallelLinear(old.in_features, old.out_features,
-                                                       old.bias is not None, tp))
-    if embed_owner is not None:
-        embed_owner.embed_tokens = VocabParallelEmbedding(lc.vocab_size, cfg.hidden_size,
-                                                          tp.rank * lc.vocab_size, tp)
-    if head_owner is not None:
-        head_owner.lm_head = VocabParallelHead(cfg.hidden_size, lc.vocab_size, tp)
+        row_parallel(layer.mixer, ("out_proj", "o_proj"), tp)
+        row_parallel(layer.mlp, ("down_proj",), tp)

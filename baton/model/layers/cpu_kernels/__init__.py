@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from baton import envs
 from baton.model.layers import jit_build
 
 HERE = Path(__file__).parent
@@ -19,7 +20,7 @@ BUILD = jit_build.KernelBuild(
     headers=(HERE / "gemv_common.h", HERE / "gemv_glue.h", HERE / "gemv_moe.h", HERE / "gemv_route.h",
              HERE / "gemv_kernels.h", HERE / "gemv_avx2.h", HERE / "gemv_api.h"),
     flags=("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
-    switch="BATON_CPU_KERNELS", label="cpu kernels", fallback="torch's matmuls")
+    switch=envs.CPU_KERNELS, label="cpu kernels", fallback="torch's matmuls")
 """No -march: each kernel carries its own target attribute and is chosen at run time, so a
 build runs on any x86-64. -fopenmp makes at::parallel_for use torch's OpenMP pool; fp
 contraction stays off so nothing but the kernel's explicit FMAs fuses."""

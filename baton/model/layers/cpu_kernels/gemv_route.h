@@ -23,7 +23,7 @@
 //   sigmoid through `sigmoid_by_element`'s stride-2 view: the scalar path, 1 / (1 + exp(-x));
 //   scalars added to or multiplying a float32 tensor (1e-20, the routed scale): rounded to
 //   float32 first.
-// tests/unit/test_moe_route.py holds each against the ATen op, bit for bit.
+// tests/unit/model/layers/test_moe_route.py holds each against the ATen op, bit for bit.
 #pragma once
 
 #include <ATen/Parallel.h>  // at::get_num_threads

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from baton import envs
 from baton.model.layers import jit_build
 
 HERE = Path(__file__).parent
@@ -24,7 +25,7 @@ BUILD = jit_build.KernelBuild(
                                   HERE / "gemm.cpp"),
     headers=(HERE / "common.h", HERE / "kernels.h", HERE.parent / "cpu_kernels" / "gemv_api.h"),
     flags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
-    switch="BATON_STEP_KERNELS", label="step kernels", fallback="the compiled torch steps")
+    switch=envs.STEP_KERNELS, label="step kernels", fallback="the compiled torch steps")
 """-ffp-contract=off: no FMA the source does not write, so sums round like the reference's
 separate multiply and add; -fopenmp: at::parallel_for uses torch's thread pool, and the
 `omp simd` reductions vectorise."""

@@ -11,7 +11,7 @@
 // paged pool through the block tables (no index rows, no mask). Each kernel computes each row
 // of the batch alone, in a fixed order: a sequence's result does not depend on its batch.
 // Rounding differs from the eager reference only in the order of sums (~1e-6 relative), as the
-// compiled steps did; tests/unit/test_decode_fast_path.py compares the two paths.
+// compiled steps did; tests/unit/engine/test_decode_fast_path.py compares the two paths.
 
 #include "common.h"
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from baton.model.layers import cpu_kernels, fast_blocks, fast_decode, step_kernels
+from baton.model.nemotron_h.model import nemotron_parts
+from baton.model.qwen3_5.model import qwen_parts
 from tests.support.engine_helpers import decode_rows, engine_for, make_checkpoint, prompt
 
 pytestmark = pytest.mark.skipif(cpu_kernels.gemv() is None or step_kernels.kernels() is None,
@@ -70,7 +72,7 @@ def _same_as_modules(model):
 
 
 def _parts(model) -> int:
-    parts = fast_decode.qwen_parts if hasattr(model, "model") else fast_decode.nemotron_parts
+    parts = qwen_parts if hasattr(model, "model") else nemotron_parts
     return sum(len(parts(layer)) for layer in _layers(model))
 
 
@@ -128,8 +130,8 @@ def test_plan_is_rebuilt_when_a_norm_changes_in_place(model):
 def _ffn(model):
     """A feed-forward Body of `model` and its norm (weight, eps) as the plan passes them."""
     for layer in _layers(model):
-        for w, eps, _, m, mixer in (fast_decode.qwen_parts(layer) if hasattr(model, "model")
-                                    else fast_decode.nemotron_parts(layer)):
+        for w, eps, _, m, mixer in (qwen_parts(layer) if hasattr(model, "model")
+                                    else nemotron_parts(layer)):
             if not mixer:
                 return w, eps, fast_blocks.mlp_part(m)
     raise AssertionError("no feed-forward part")
