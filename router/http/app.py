@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -28,8 +29,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from baton.agents.messages import template_messages
 from baton.contract import Role
-from baton.errors import BatonError
+from baton.errors import BatonError, InvalidRequestError
 from baton.model.chat_template import ChatTemplate
 from router.http import tokens
 from router.http.answer import ChatShape, CompletionShape
@@ -215,12 +217,27 @@ def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
     if ctx.chat_template is None:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]  # content parts: their texts joined (schemas.py)
-    ids = _encode(ctx, ctx.chat_template.render(messages))
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+    if tools and not ctx.chat_template.supports_tools:
+        raise ApiError(400, "tools: this model's chat template has no tool support (it never "
+                       "reads `tools`); leave tools out or serve a checkpoint whose template "
+                       "renders them", "tools")
+    try:  # content parts: their texts joined (schemas.py)
+        messages = template_messages([m.for_template() for m in body.messages])
+        text = ctx.chat_template.render(messages, tools=tools,
+                                        **(body.chat_template_kwargs or {}))
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), _field(str(e))) from None
+    ids = _encode(ctx, text)
     if not ids:
         raise ApiError(400, "messages: the rendered prompt is empty", "messages")
     return ids
+
+
+def _field(message: str) -> str:
+    """The field an error message starts with (`messages[2].tool_calls[0]...: why`)."""
+    m = re.match(r"([A-Za-z_][\w\[\].]*):", message)
+    return m.group(1) if m else "messages"
 
 
 def _encode(ctx: HttpContext, text: str) -> list[int]:

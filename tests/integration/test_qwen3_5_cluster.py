@@ -152,7 +152,7 @@ def test_openai_chat_uses_the_checkpoints_qwen_template(setup):
                 {"role": "user", "content": "Name a colour."}]
     text = load_chat_template(setup["model"]).render(messages)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour."
-                    "<|im_end|>\n<|im_start|>assistant\n")
+                    "<|im_end|>\n<|im_start|>assistant\n<think>\n")
     tok = load_tokenizer(setup["model"])
     ids = tok.encode(text)
     (want,) = local(setup, [RequestSpec("chat-local", prompt_ids=ids, sampling=greedy(7))])
