@@ -16,6 +16,7 @@ Life of an HTTP request:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import re
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from baton.agents.messages import template_messages
+from baton.agents.parse import OutputSpec
 from baton.contract import Role
 from baton.errors import BatonError, InvalidRequestError
 from baton.model.chat_template import ChatTemplate
@@ -113,9 +115,10 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
-        prompt = await _off_loop(ctx, _chat_prompt, ctx, body)
+        prompt, spec = await _off_loop(ctx, _chat_prompt, ctx, body)
         limit = _fit(ctx, len(prompt), body.limit, "messages")
-        return await generate(ctx, request, body, [(prompt, "")], [limit], ChatShape)
+        shape = functools.partial(ChatShape, spec=spec)
+        return await generate(ctx, request, body, [(prompt, "")], [limit], shape)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -213,7 +216,8 @@ def _completion_prompts(ctx: HttpContext, prompt) -> list[tuple[list[int], str]]
     return out
 
 
-def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> tuple[list[int], OutputSpec | None]:
+    """The prompt's token ids and how its answers are read (reasoning, tool calls)."""
     if ctx.chat_template is None:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
@@ -231,7 +235,11 @@ def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
     ids = _encode(ctx, text)
     if not ids:
         raise ApiError(400, "messages: the rendered prompt is empty", "messages")
-    return ids
+    spec = OutputSpec(ctx.chat_template.call_format,
+                      tools if body.tool_choice != "none" else None,
+                      reasoning=text.rstrip(" \n").endswith("<think>"),
+                      parallel=body.parallel_tool_calls is not False)
+    return ids, (spec if spec.tools or spec.reasoning else None)
 
 
 def _field(message: str) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from baton.agents.parse import OutputParser
 from baton.contract import GenerateInput, SamplingParams
 from baton.errors import InvalidRequestError
 from router.http.answer import Answer, Shape
@@ -130,6 +131,8 @@ def _prompt_choices(ctx, body, shape: Shape, i: int, prompt: tuple[list[int], st
         answer = Answer(StopStrings(stops), len(ids), body.session_id or "",
                         tok.decode if tok is not None else None, index=index,
                         counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
+        if getattr(shape, "spec", None) is not None:
+            answer.parser = OutputParser(shape.spec)
         if getattr(body, "echo", False):
             answer.echo_ids = list(ids)
             answer.echo_text = text if text is not None else (
@@ -223,7 +226,8 @@ async def _events(c: _Choice, shape: Shape, batch: list):
                 t, i, lp = answer.add(chunk)
                 text, ids, lps = text + t, ids + i, lps + lp
             await _settle(chunks, answer)  # the last event carries the summary's fields
-            yield _sse(shape.chunk(text, ids, lps, answer, first))
+            for event in shape.chunks(text, ids, lps, answer, first):
+                yield _sse(event)
             first = False
             if answer.done:
                 break
