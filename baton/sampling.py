@@ -48,6 +48,10 @@ class SamplingParams:
     n: int = 1
     """Samples of the prompt: one prefill, then n decodes sharing the prompt's cache; sample
     i draws as a request of its own seeded `seed + i` would (`for_sample`)."""
+    grammar: str = ""
+    """llguidance grammar text the output follows (baton/agents/grammar.py); "" = none. Every
+    worker that draws a token masks with its own matcher, rebuilt from this and the tokens
+    drawn so far."""
 
     def for_sample(self, i: int) -> SamplingParams:
         """The parameters of sample `i` alone (n = 1; seeded seed + i, as n separate requests

@@ -73,6 +73,7 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(m.logit_bias.items())),
         min_tokens=m.min_tokens,
         n=m.n if m.HasField("n") else d.n,
+        grammar=m.grammar,
     )
 
 
@@ -87,6 +88,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         logit_bias=dict(s.logit_bias),
         min_tokens=s.min_tokens,
+        grammar=s.grammar,
     )
     if s.top_k:
         m.top_k = s.top_k

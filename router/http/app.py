@@ -37,6 +37,7 @@ from baton.errors import BatonError, InvalidRequestError
 from baton.model.chat_template import ChatTemplate
 from router.http import tokens
 from router.http.answer import ChatShape, CompletionShape
+from router.http.constraints import chat_grammar
 from router.http.errors import (
     ApiError,
     api_error_response,
@@ -115,10 +116,10 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
-        prompt, spec = await _off_loop(ctx, _chat_prompt, ctx, body)
+        prompt, spec, grammar = await _off_loop(ctx, _chat_prompt, ctx, body)
         limit = _fit(ctx, len(prompt), body.limit, "messages")
         shape = functools.partial(ChatShape, spec=spec)
-        return await generate(ctx, request, body, [(prompt, "")], [limit], shape)
+        return await generate(ctx, request, body, [(prompt, "")], [limit], shape, grammar)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -216,8 +217,10 @@ def _completion_prompts(ctx: HttpContext, prompt) -> list[tuple[list[int], str]]
     return out
 
 
-def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> tuple[list[int], OutputSpec | None]:
-    """The prompt's token ids and how its answers are read (reasoning, tool calls)."""
+def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest
+                 ) -> tuple[list[int], OutputSpec | None, str]:
+    """The prompt's token ids, how its answers are read (reasoning, tool calls) and the
+    grammar they follow ("" = none)."""
     if ctx.chat_template is None:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
@@ -239,7 +242,12 @@ def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> tuple[list[in
                       tools if body.tool_choice != "none" else None,
                       reasoning=text.rstrip(" \n").endswith("<think>"),
                       parallel=body.parallel_tool_calls is not False)
-    return ids, (spec if spec.tools or spec.reasoning else None)
+    try:
+        grammar, tc, rf = chat_grammar(body, spec.call_format, spec.tools, spec.reasoning)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), _field(str(e))) from None
+    ctx.metrics.count_constraint(tc, rf)
+    return ids, (spec if spec.tools or spec.reasoning else None), grammar
 
 
 def _field(message: str) -> str:
