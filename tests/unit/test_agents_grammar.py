@@ -180,3 +180,26 @@ def test_compiles_once_per_grammar_and_counts_masks(setup):
     masks = eng.grammars.masks
     run(setup, grammar, [{}])
     assert eng.grammars.masks == masks + 2 and eng.grammars.mask_seconds > 0
+
+
+def test_speculation_on_equals_off_for_constrained_requests(tmp_path):
+    """A constrained request decodes through the masked sampler (no drafts) beside one that
+    drafts: both answers equal speculation off."""
+    from tests.speculative_helpers import agreeing_checkpoint
+
+    ck = agreeing_checkpoint(tmp_path)
+    tok = load_tokenizer(ck)
+    grammar = g.compile_text("start: " + g.json_lark(SCHEMA), "response_format")
+
+    def answers(**spec):
+        eng = engine_for(ck, worker={"max_num_seqs": 4}, **spec)
+        reqs = [Request("c", tok.encode("Q:"), SamplingParams(max_tokens=200, grammar=grammar)),
+                Request("f", tok.encode("Q:"), SamplingParams(max_tokens=24, ignore_eos=True))]
+        out = run_all(eng, reqs)
+        drafts = eng.spec.draft_tokens if eng.spec is not None else 0
+        return out["tokens"], drafts
+
+    off, _ = answers()
+    on, drafts = answers(speculative={"num_draft_tokens": 3})
+    assert on == off and drafts > 0
+    Order.model_validate_json(tok.decode(on["c"][:-1]))
