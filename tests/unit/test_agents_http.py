@@ -148,3 +148,78 @@ def test_a_template_without_tool_support_refuses_tools():
         assert code == 400 and json.loads(raw)["error"]["param"] == "tools"
     finally:
         server.stop()
+
+
+# ---- /v1/responses ---------------------------------------------------------------------------
+
+RTOOLS = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_responses_text_then_continued_by_previous_response_id(tiny):
+    orch, client, port = tiny
+    orch.script = lambda inp, cancel: iter(chunks_of("Hello there.", 4))
+    first = client.responses.create(model="tiny", input="Hi", instructions="Be kind.")
+    assert first.output_text == "Hello there." and first.status == "completed"
+    inp1 = orch.calls[-1][0]
+    assert ByteTokenizer().decode(list(inp1.prompt_ids)) == \
+        "<|system|>\nBe kind.\n<|user|>\nHi\n<|assistant|>\n"
+    assert inp1.session_id == first.id
+    orch.script = lambda inp, cancel: iter(chunks_of("Fine.", 2))
+    second = client.responses.create(model="tiny", input="How are you?",
+                                     previous_response_id=first.id)
+    inp2 = orch.calls[-1][0]
+    assert ByteTokenizer().decode(list(inp2.prompt_ids)) == (
+        "<|user|>\nHi\n<|assistant|>\nHello there.\n<|user|>\nHow are you?\n<|assistant|>\n")
+    assert inp2.session_id == first.id  # the conversation's decode worker again
+    assert second.output_text == "Fine." and second.previous_response_id == first.id
+    assert client.responses.retrieve(second.id).output_text == "Fine."
+    code, raw = request(port, "/v1/responses", {"model": "tiny", "input": "x",
+                                                "previous_response_id": "resp_nope"})
+    assert code == 400 and json.loads(raw)["error"]["param"] == "previous_response_id"
+
+
+def test_responses_function_calls_and_their_outputs(tiny):
+    orch, client, _ = tiny
+    orch.script = lambda inp, cancel: iter(chunks_of(CALL, 6))
+    first = client.responses.create(model="tiny", input="2+40?", tools=RTOOLS)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 40})]
+    assert first.output[0].type == "message" and first.output_text == "Adding."
+    orch.script = lambda inp, cancel: iter(chunks_of("It is 42.", 3))
+    second = client.responses.create(
+        model="tiny", tools=RTOOLS, previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "42"}])
+    prompt = ByteTokenizer().decode(list(orch.calls[-1][0].prompt_ids))
+    assert prompt.endswith("<|assistant|>\nAdding.\n<tool_call>\n<function=add>\n"
+                           "<parameter=a>\n2\n</parameter>\n<parameter=b>\n40\n</parameter>\n"
+                           "</function>\n</tool_call>\n<|tool|>\n42\n<|assistant|>\n")
+    assert second.output_text == "It is 42."
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_responses_streamed_events_build_the_same_response(tiny, step):
+    orch, client, _ = tiny
+    orch.script = lambda inp, cancel: iter(chunks_of(CALL, step))
+    with client.responses.stream(model="tiny", input="2+40?", tools=RTOOLS) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and \
+        "response.function_call_arguments.done" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.output_text == "Adding."
+    call = [o for o in final.output if o.type == "function_call"][0]
+    assert (call.name, call.arguments) == ("add", '{"a": 2, "b": 40}')
+    assert client.responses.retrieve(final.id).output[1].arguments == call.arguments
+
+
+def test_responses_text_format_json_schema_is_a_grammar(tiny):
+    orch, client, _ = tiny
+    orch.script = lambda inp, cancel: iter(chunks_of('{"a":1}', 3))
+    client.responses.create(model="tiny", input="x", text={"format": {
+        "type": "json_schema", "name": "A", "strict": True, "schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+            "additionalProperties": False}}})
+    assert "%json" in orch.calls[-1][0].sampling.grammar
