@@ -203,3 +203,22 @@ def test_speculation_on_equals_off_for_constrained_requests(tmp_path):
     on, drafts = answers(speculative={"num_draft_tokens": 3})
     assert on == off and drafts > 0
     Order.model_validate_json(tok.decode(on["c"][:-1]))
+
+
+def test_worker_metrics_show_compile_and_mask_time(setup):
+    from prometheus_client import generate_latest
+
+    from baton.contract import Role
+    from baton.engine.loop import EngineLoop
+    from baton.worker.metrics import WorkerMetrics
+
+    eng, _ = setup
+    run(setup, g.compile_text('start: "x" | "y"', "x"), [{}])
+    loop = EngineLoop(eng)
+    try:
+        text = generate_latest(WorkerMetrics(Role.DECODE, loop).registry).decode()
+    finally:
+        loop.stop()
+    for name in ("compiles", "compile_seconds", "masks", "mask_seconds"):
+        line = next(x for x in text.splitlines() if x.startswith(f"baton_grammar_{name}_total"))
+        assert float(line.split()[-1]) > 0, line

@@ -223,3 +223,19 @@ def test_responses_text_format_json_schema_is_a_grammar(tiny):
             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
             "additionalProperties": False}}})
     assert "%json" in orch.calls[-1][0].sampling.grammar
+
+
+def test_chat_requests_are_counted_by_tool_choice_and_response_format(tiny):
+    orch, client, port = tiny
+    orch.script = lambda inp, cancel: iter(chunks_of(CALL, 50))
+    client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                   tool_choice="required")
+    client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                   response_format={"type": "json_object"})
+    _, raw = request(port, "/metrics", None, "GET")
+    text = raw.decode()
+    for labels in ('response_format="text",tool_choice="required"',
+                   'response_format="json_object",tool_choice="none"'):
+        line = next(x for x in text.splitlines()
+                    if x.startswith("baton_router_chat_requests_total{") and labels in x)
+        assert float(line.split()[-1]) >= 1
