@@ -30,8 +30,10 @@ from tests.integration.cluster_helpers import assert_clean, start_cluster, write
 pytestmark = pytest.mark.integration
 
 CONFIG = {
-    "cache": {"num_blocks": 512, "num_state_slots": 64},
-    "router": {"eject_after_seconds": 10.0, "heartbeat_seconds": 0.5},
+    "cache": {"num_blocks": 512, "num_state_slots": 64, "mamba_state_config": {
+        "periodic_snapshot_interval": 32, "additional_snapshot_offsets_from_end": [0],
+        "decode_end_snapshot": True}},
+    "router": {"policy": "session", "eject_after_seconds": 10.0, "heartbeat_seconds": 0.5},
     "worker": {"max_num_seqs": 16, "max_model_len": 2048},
     "transfer": {"lease_seconds": 120.0},
 }
@@ -171,6 +173,30 @@ def test_tool_choice_calls_validate_and_stream_to_the_same_answer(setup, choice)
     assert streamed.finish_reason == "tool_calls" and _calls(streamed.message) == calls
     one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
     assert len(one.message.tool_calls) == 1
+
+
+def test_an_agent_loop_over_the_responses_api_reuses_earlier_turns(setup):
+    """Tool-call turns chained by previous_response_id: each runs on the conversation's decode
+    worker, and each prompt is served from the cache at least up to the previous prompt."""
+    client = setup["client"]
+    rtools = [{"type": "function", **t["function"]} for t in TOOLS]
+    prev, seen = None, []
+    for turn in range(4):
+        inp = "Find a book." if prev is None else [
+            {"type": "function_call_output", "call_id": c.call_id, "output": f"result {turn}"}
+            for c in prev.output if c.type == "function_call"]
+        r = client.responses.create(model="tiny", input=inp, tools=rtools,
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    temperature=0, max_output_tokens=200,
+                                    previous_response_id=prev.id if prev else None)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert r.status == "completed" and len(calls) == 1
+        assert _valid(calls[0].name, json.loads(calls[0].arguments))
+        seen.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens))
+        prev = r
+    for (before, _), (_, cached) in zip(seen, seen[1:], strict=False):
+        assert cached >= before, seen
+    assert_clean(setup["cluster"])
 
 
 def test_bad_constraints_are_400s_naming_the_field(setup):
