@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     p.add_argument("which", choices=["engine", "reuse", "transfer", "router", "e2e", "handoff",
-                                     "pp", "tp", "http", "soak", "spec", "all"],
+                                     "pp", "tp", "http", "soak", "spec", "grammar", "all"],
                    help="which benchmark")
     p.add_argument("--json", action="store_true", help="one JSON object a measurement")
     p.add_argument("--out", default=None, help="folder for JSON, markdown and plots")

@@ -11,7 +11,7 @@ from pathlib import Path
 from baton.model.progress import progress
 
 BENCHES = ("engine", "reuse", "transfer", "router", "e2e", "handoff", "pp", "tp", "http",
-           "soak", "spec")
+           "soak", "spec", "grammar")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]
