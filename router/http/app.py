@@ -120,7 +120,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
-        prompt, spec, grammar = await _off_loop(ctx, _chat_prompt, ctx, body)
+        prompt, spec, grammar, _ = await _off_loop(ctx, _chat_prompt, ctx, body)
         limit = _fit(ctx, len(prompt), body.limit, "messages")
         shape = functools.partial(ChatShape, spec=spec)
         return await generate(ctx, request, body, [(prompt, "")], [limit], shape, grammar)
@@ -179,7 +179,9 @@ async def _responses(ctx: HttpContext, request: Request):
                            f"'{body.previous_response_id}' (store it with store: true; the "
                            f"newest {R.MAX_STORED} are kept)", "previous_response_id",
                            "previous_response_not_found")
-        _, history, session = found
+        _, history, session, before = found
+    else:
+        before = None
     rid, created = R.new_id("resp"), R.now()
     session = session or rid
     chat = R.chat_body(body, history, session)
@@ -188,26 +190,30 @@ async def _responses(ctx: HttpContext, request: Request):
     if refused:
         name, why = refused[0]
         raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
-    prompt, spec, grammar = await _off_loop(ctx, _chat_prompt, ctx, creq)
+    prompt, spec, grammar, text = await _off_loop(ctx, _chat_prompt, ctx, creq)
+    if before is not None:  # the conversation's own tokens so far, then the new turn's
+        prompt = R.spliced(ctx.orchestrator.tokenizer, before, text, prompt)
     limit = _fit(ctx, len(prompt), creq.limit, "input")
     shape = functools.partial(ChatShape, spec=spec)
     answer = await generate(ctx, request, creq, [(prompt, "")], [limit], shape, grammar)
     turns = [*history, *R.input_messages(body.input)]
 
-    def keep(response: dict, message: dict) -> None:
+    def keep(response: dict, message: dict, output_ids: list[int]) -> None:
         if body.store is not False:
-            ctx.responses.put(response, [*turns, R.answer_message(message)], session)
+            ctx.responses.put(response, [*turns, R.answer_message(message)], session,
+                              R.Turn(text, tuple(prompt), tuple(output_ids)))
 
     if not body.stream:
         data = json.loads(answer.body)
         choice = data["choices"][0]
         out = R.response_object(rid, body, R.output_items(choice["message"]), data["usage"],
                                 choice["finish_reason"], created)
-        keep(out, choice["message"])
+        keep(out, choice["message"], choice.get("token_ids", []))
         return JSONResponse(out)
 
     async def events():
         tr = R.StreamTranslator(rid, body, created)
+        output_ids: list[int] = []
         for e in tr.start():
             yield _event(e)
         async for raw in answer.body_iterator:
@@ -220,12 +226,14 @@ async def _responses(ctx: HttpContext, request: Request):
                                   "message": chunk["error"].get("message", ""),
                                   "code": chunk["error"].get("code"), "param": None})
                     return
+                for c in chunk.get("choices", []):
+                    output_ids.extend(c.get("token_ids") or [])
                 for e in tr.chunk(chunk):
                     yield _event(e)
         tail, response = tr.end()
         for e in tail:
             yield _event(e)
-        keep(response, tr.message)
+        keep(response, tr.message, output_ids)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
@@ -308,9 +316,9 @@ def _completion_prompts(ctx: HttpContext, prompt) -> list[tuple[list[int], str]]
 
 
 def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest
-                 ) -> tuple[list[int], OutputSpec | None, str]:
-    """The prompt's token ids, how its answers are read (reasoning, tool calls) and the
-    grammar they follow ("" = none)."""
+                 ) -> tuple[list[int], OutputSpec | None, str, str]:
+    """The prompt's token ids, how its answers are read (reasoning, tool calls), the grammar
+    they follow ("" = none) and the rendered prompt text."""
     if ctx.chat_template is None:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
@@ -337,7 +345,7 @@ def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest
     except InvalidRequestError as e:
         raise ApiError(400, str(e), _field(str(e))) from None
     ctx.metrics.count_constraint(tc, rf)
-    return ids, (spec if spec.tools or spec.reasoning else None), grammar
+    return ids, (spec if spec.tools or spec.reasoning else None), grammar, text
 
 
 def _field(message: str) -> str:

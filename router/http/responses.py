@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,23 +71,52 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict | None = None
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A stored turn's tokens: its rendered prompt text, the ids it ran with, and the ids the
+    model drew (the next turn starts with exactly these: `spliced`)."""
+
+    text: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+
 class Store:
-    """Stored responses: id -> (response, conversation messages after it, session id)."""
+    """Stored responses: id -> (response, conversation messages after it, session id, the
+    turn's tokens)."""
 
     def __init__(self, limit: int = MAX_STORED):
         self.limit = limit
-        self._items: OrderedDict[str, tuple[dict, list[dict], str]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[dict, list[dict], str, Turn]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, response: dict, messages: list[dict], session: str) -> None:
+    def put(self, response: dict, messages: list[dict], session: str, turn: Turn) -> None:
         with self._lock:
-            self._items[response["id"]] = (response, messages, session)
+            self._items[response["id"]] = (response, messages, session, turn)
             while len(self._items) > self.limit:
                 self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict], str] | None:
+    def get(self, rid: str) -> tuple[dict, list[dict], str, Turn] | None:
         with self._lock:
             return self._items.get(rid)
+
+
+def spliced(tok, before: Turn, text: str, ids: list[int]) -> list[int]:
+    """The prompt of a turn that continues `before`: when its rendered `text` starts with the
+    earlier prompt's text and the earlier answer's text as the model wrote it (the template
+    re-renders the answer as generated), the earlier turn's own token ids, then the rest of
+    `text` encoded. The model then reads exactly the tokens it drew, not a re-tokenization of
+    their text, and the decode worker's state after them (the decode-end snapshot) is a prefix
+    of the prompt. Else `ids` (the plain rendering) unchanged."""
+    if tok is None:
+        return ids
+    out = list(before.output_ids)
+    while out and tok.decode([out[-1]]) == "":  # the end token: the template renders its own
+        out.pop()
+    head = before.text + tok.decode(out)
+    if not text.startswith(head):
+        return ids
+    return [*before.prompt_ids, *out, *tok.encode(text[len(head):])]
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -185,7 +215,7 @@ def chat_body(body: ResponsesRequest, history: list[dict], session: str) -> dict
     if not messages:
         raise ApiError(400, "input is empty: send a message", "input")
     chat = {"model": body.model, "messages": messages, "session_id": session,
-            "stream": bool(body.stream), "return_token_ids": False}
+            "stream": bool(body.stream), "return_token_ids": True}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
                      ("max_output_tokens", "max_tokens"),
                      ("parallel_tool_calls", "parallel_tool_calls"),

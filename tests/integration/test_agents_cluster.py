@@ -20,7 +20,7 @@ from baton.client.requests import RequestSpec
 from baton.config import BatonConfig
 from baton.engine.builder import build_engine
 from baton.engine.request import SamplingParams
-from baton.model.chat_template import load_chat_template
+from baton.model.chat_template import TINY_CHAT_TEMPLATE, load_chat_template
 from baton.model.tokenizer import load_tokenizer
 from router.http.constraints import chat_grammar
 from router.http.schemas import ChatCompletionRequest
@@ -72,6 +72,16 @@ MESSAGES = [{"role": "system", "content": "Answer in JSON."},
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("agents")
     model = make_checkpoint(root, tokenizer=True)  # folder "tiny": the served model name
+    # the tiny template, ending an assistant turn with the EOS token the model ends it with (as
+    # Qwen's <|im_end|> and Nemotron's do), so a turn's tokens are a prefix of the next prompt
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = TINY_CHAT_TEMPLATE.replace(
+        "{% endfor %}{{ '\\n' }}{% endfor %}",
+        "{% endfor %}{% if message.role == 'assistant' %}{{ eos_token }}{% endif %}"
+        "{{ '\\n' }}{% endfor %}")
+    assert cfg["chat_template"] != TINY_CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
     cluster = start_cluster(model, write_config(root / "baton.yaml", CONFIG), prefill=1, decode=1)
     client = openai.OpenAI(base_url=f"{cluster.http_address}/v1", api_key="unused",
                            max_retries=0, timeout=120)
@@ -177,7 +187,8 @@ def test_tool_choice_calls_validate_and_stream_to_the_same_answer(setup, choice)
 
 def test_an_agent_loop_over_the_responses_api_reuses_earlier_turns(setup):
     """Tool-call turns chained by previous_response_id: each runs on the conversation's decode
-    worker, and each prompt is served from the cache at least up to the previous prompt."""
+    worker and starts with the previous turn's own tokens, prompt and answer, all of them
+    served from the cache (the decode-end snapshot)."""
     client = setup["client"]
     rtools = [{"type": "function", **t["function"]} for t in TOOLS]
     prev, seen = None, []
@@ -192,10 +203,11 @@ def test_an_agent_loop_over_the_responses_api_reuses_earlier_turns(setup):
         calls = [o for o in r.output if o.type == "function_call"]
         assert r.status == "completed" and len(calls) == 1
         assert _valid(calls[0].name, json.loads(calls[0].arguments))
-        seen.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens))
+        seen.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens,
+                     r.usage.output_tokens))
         prev = r
-    for (before, _), (_, cached) in zip(seen, seen[1:], strict=False):
-        assert cached >= before, seen
+    for (before, _, out), (_, cached, _) in zip(seen, seen[1:], strict=False):
+        assert cached == before + out, seen
     assert_clean(setup["cluster"])
 
 

@@ -239,3 +239,28 @@ def test_chat_requests_are_counted_by_tool_choice_and_response_format(tiny):
         line = next(x for x in text.splitlines()
                     if x.startswith("baton_router_chat_requests_total{") and labels in x)
         assert float(line.split()[-1]) >= 1
+
+
+def test_a_continued_response_starts_with_the_earlier_turns_own_tokens(tiny):
+    """The next turn's prompt is the earlier prompt's ids and the ids the model drew (its end
+    token, which this template does not render, left out), then the new turn's text."""
+    orch, client, _ = tiny
+    tok = ByteTokenizer()
+
+    def answer(text):
+        ids = tok.encode(text) + [2]  # EOS, which the tiny template does not render
+        chunks = [GenerateChunk("r", (i,), tok.decode([i])) for i in ids[:-1]]
+        summary = GenerateSummary(FinishReason.STOP, 3, 0, "p0", "d0", 1.0, 2.0, 0)
+        chunks.append(GenerateChunk("r", (2,), "", summary))
+        return lambda inp, cancel: iter(chunks)
+
+    orch.script = answer(CALL)
+    first = client.responses.create(model="tiny", input="2+40?", tools=RTOOLS)
+    p1 = list(orch.calls[-1][0].prompt_ids)
+    call = [o for o in first.output if o.type == "function_call"][0]
+    orch.script = answer("42.")
+    client.responses.create(model="tiny", tools=RTOOLS, previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "42"}])
+    p2 = list(orch.calls[-1][0].prompt_ids)
+    assert p2[:len(p1) + len(tok.encode(CALL))] == p1 + tok.encode(CALL)
+    assert tok.decode(p2).endswith("</tool_call>\n<|tool|>\n42\n<|assistant|>\n")
