@@ -104,6 +104,11 @@ class SamplingParams:
         bad = [b for _, b in self.logit_bias if not (math.isfinite(b) and -100 <= b <= 100)]
         if bad:
             raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bad[:5]}")
+        if self.grammar and (self.ignore_eos or self.min_tokens):
+            name = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise InvalidRequestError(
+                f"{name}: a constrained answer (response_format, tool_choice, structured "
+                f"outputs) ends when its grammar does; leave {name} out")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "

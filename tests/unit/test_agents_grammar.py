@@ -222,3 +222,13 @@ def test_worker_metrics_show_compile_and_mask_time(setup):
     for name in ("compiles", "compile_seconds", "masks", "mask_seconds"):
         line = next(x for x in text.splitlines() if x.startswith(f"baton_grammar_{name}_total"))
         assert float(line.split()[-1]) > 0, line
+
+
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
+def test_a_grammar_with_ignore_eos_or_min_tokens_is_refused(setup, extra):
+    eng, tok = setup
+    grammar = g.compile_text('start: "a"', "x")
+    with pytest.raises(InvalidRequestError, match=f"^{next(iter(extra))}: a constrained"):
+        eng.add_request(Request("bad", tok.encode("x"), SamplingParams(
+            max_tokens=5, grammar=grammar, **extra)))
+    assert eng.requests == {}
