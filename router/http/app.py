@@ -171,6 +171,10 @@ async def _responses(ctx: HttpContext, request: Request):
     (router/http/responses.py)."""
     R = responses_api
     body = await _parse_body(request, R.ResponsesRequest, ctx)
+    refused = body.unsupported()
+    if refused:
+        name, why = refused[0]
+        raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
     history, session = [], ""
     if body.previous_response_id:
         found = ctx.responses.get(body.previous_response_id)

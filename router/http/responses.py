@@ -66,8 +66,21 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     stream_options: dict | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
     seed: int | None = None
     """Baton's extra: the seed of the sampled answer."""
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = []
+        if self.background:
+            out.append(("background", "background responses are not served; send "
+                        "background: false (or leave it out) and stream instead"))
+        if self.top_logprobs:
+            out.append(("top_logprobs", "logprobs are served on /v1/chat/completions"))
+        if self.include and any(i != "reasoning.encrypted_content" for i in self.include):
+            out.append(("include", f"{self.include} are not served"))
+        return out
     chat_template_kwargs: dict | None = None
 
 
@@ -216,6 +229,8 @@ def chat_body(body: ResponsesRequest, history: list[dict], session: str) -> dict
         raise ApiError(400, "input is empty: send a message", "input")
     chat = {"model": body.model, "messages": messages, "session_id": session,
             "stream": bool(body.stream), "return_token_ids": True}
+    if body.max_tool_calls == 1:
+        chat["parallel_tool_calls"] = False
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
                      ("max_output_tokens", "max_tokens"),
                      ("parallel_tool_calls", "parallel_tool_calls"),

@@ -173,9 +173,12 @@ def test_responses_text_then_continued_by_previous_response_id(tiny):
     assert inp2.session_id == first.id  # the conversation's decode worker again
     assert second.output_text == "Fine." and second.previous_response_id == first.id
     assert client.responses.retrieve(second.id).output_text == "Fine."
-    code, raw = request(port, "/v1/responses", {"model": "tiny", "input": "x",
-                                                "previous_response_id": "resp_nope"})
-    assert code == 400 and json.loads(raw)["error"]["param"] == "previous_response_id"
+    for body, param in (({"previous_response_id": "resp_nope"}, "previous_response_id"),
+                        ({"background": True}, "background"),
+                        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+                        ({"input": [{"type": "web_search_call"}]}, "input[0].type")):
+        code, raw = request(port, "/v1/responses", {"model": "tiny", "input": "x", **body})
+        assert code == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
 def test_responses_function_calls_and_their_outputs(tiny):
