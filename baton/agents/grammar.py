@@ -166,6 +166,7 @@ class Grammars:
         self._lltok = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._tok_lock = threading.Lock()
         self._states: dict[str, _State] = {}
         self._buf: torch.Tensor | None = None
         self.compile_seconds = 0.0
@@ -192,7 +193,8 @@ class Grammars:
 
     def prepare(self, grammar: str) -> object:
         """The compiled matcher of `grammar` (any thread; cached by its text);
-        InvalidRequestError when it cannot compile."""
+        InvalidRequestError when it cannot compile. The lock covers the cache only: a thread
+        compiling never holds up the engine step's look-ups."""
         if not grammar:
             return None
         with self._lock:
@@ -200,16 +202,21 @@ class Grammars:
             if hit is not None:
                 self._compiled.move_to_end(grammar)
                 return hit
-            from llguidance import LLMatcher
+        from llguidance import LLMatcher
 
-            t0 = time.perf_counter()
-            m = LLMatcher(self._tokenizer(), grammar, log_level=0)
-            self.compile_seconds += time.perf_counter() - t0
+        with self._tok_lock:  # built once, on the first constrained request's thread
+            tok = self._tokenizer()
+        t0 = time.perf_counter()
+        m = LLMatcher(tok, grammar, log_level=0)
+        spent = time.perf_counter() - t0
+        if m.is_error():
+            raise InvalidRequestError(
+                f"grammar: the grammar engine cannot compile it: {m.get_error()}")
+        with self._lock:
+            self.compile_seconds += spent
             self.compiles += 1
-            if m.is_error():
-                raise InvalidRequestError(
-                    f"grammar: the grammar engine cannot compile it: {m.get_error()}")
-            self._compiled[grammar] = m
+            m = self._compiled.setdefault(grammar, m)
+            self._compiled.move_to_end(grammar)
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
             return m

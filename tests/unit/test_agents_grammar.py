@@ -232,3 +232,35 @@ def test_a_grammar_with_ignore_eos_or_min_tokens_is_refused(setup, extra):
         eng.add_request(Request("bad", tok.encode("x"), SamplingParams(
             max_tokens=5, grammar=grammar, **extra)))
     assert eng.requests == {}
+
+
+def test_grammars_compile_on_the_submitting_thread_never_the_engine_loops(setup):
+    import queue
+    import threading
+
+    from baton.engine.loop import EngineLoop
+
+    eng, tok = setup
+    grammar = g.compile_text('start: "q" | "r" | "s"', "x")
+    compiled_on: list[str] = []
+    original = eng.grammars.prepare
+
+    def prepare(text):
+        before = eng.grammars.compiles
+        out = original(text)
+        if eng.grammars.compiles > before:
+            compiled_on.append(threading.current_thread().name)
+        return out
+
+    eng.grammars.prepare = prepare
+    loop = EngineLoop(eng)
+    try:
+        box: queue.Queue = queue.Queue()
+        loop.submit(Request("t", tok.encode("x"), SamplingParams(max_tokens=5, grammar=grammar)),
+                    box.put)
+        while not box.get(timeout=60).finished:
+            pass
+    finally:
+        loop.stop()
+        eng.grammars.prepare = original
+    assert compiled_on == [threading.current_thread().name]
