@@ -17,7 +17,9 @@ Worker side (`Grammars`): every worker that draws a token builds its own matcher
 step's) and replays the request's tokens drawn so far before masking: the prefill worker draws
 the first token under the grammar, the decode worker replays it, a request moved to another
 decode worker replays its output; no matcher state crosses the wire. Each sample of n has its
-own matcher (its own request id). Speculative decoding does not draft for a constrained
+own matcher (its own request id). A request resumed on another pair (its decode worker died)
+carries the tokens sent at the end of its prompt and `grammar_replay` = their count: the new
+workers' matchers replay them first. Speculative decoding does not draft for a constrained
 request: it decodes one token a step through the masked sampler (SpeculativeDecoder.wants).
 """
 
@@ -274,7 +276,9 @@ class Grammars:
 
     def _allowed(self, req) -> np.ndarray:
         st = self._states.get(req.id)
-        drawn = req.output_ids
+        replay = req.sampling.grammar_replay
+        drawn = [*req.prompt_ids[len(req.prompt_ids) - replay:], *req.output_ids] if replay \
+            else req.output_ids
         if st is None or st.consumed > len(drawn):
             st = _State(self.prepare(req.sampling.grammar).deep_copy())
             self._states[req.id] = st

@@ -264,3 +264,25 @@ def test_grammars_compile_on_the_submitting_thread_never_the_engine_loops(setup)
         loop.stop()
         eng.grammars.prepare = original
     assert compiled_on == [threading.current_thread().name]
+
+
+def test_a_resumed_request_replays_the_tokens_sent_into_its_matcher(setup):
+    """A request whose decode worker died goes on elsewhere as prompt + the tokens sent
+    (router/failover.py `resumed`, with grammar_replay = their count): its matcher replays them
+    first, and the answer goes on exactly as the uninterrupted one."""
+    from baton.contract import GenerateInput
+    from router.failover import resumed
+
+    eng, tok = setup
+    grammar = g.compile_text("start: " + g.json_lark(SCHEMA), "response_format")
+    prompt = tok.encode("Answer:")
+    whole = run_all(eng, [Request("w", prompt, SamplingParams(max_tokens=200,
+                                                              grammar=grammar))])
+    ids = whole["tokens"]["w"]
+    inp = GenerateInput("w", tuple(prompt), None, SamplingParams(max_tokens=200, grammar=grammar))
+    for cut in (1, 7):
+        new_prompt, new_inp = resumed(inp, prompt, ids[:cut])
+        assert new_inp.sampling.grammar_replay == cut
+        rest = run_all(eng, [Request(f"r{cut}", list(new_prompt), new_inp.sampling)])
+        assert ids[:cut] + rest["tokens"][f"r{cut}"] == ids
+    assert eng.tracked()["grammar_matchers"] == 0
