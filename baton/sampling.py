@@ -48,6 +48,14 @@ class SamplingParams:
     n: int = 1
     """Samples of the prompt: one prefill, then n decodes sharing the prompt's cache; sample
     i draws as a request of its own seeded `seed + i` would (`for_sample`)."""
+    grammar: str = ""
+    """llguidance grammar text the output follows (baton/agents/grammar.py); "" = none. Every
+    worker that draws a token masks with its own matcher, rebuilt from this and the tokens
+    drawn so far."""
+    grammar_replay: int = 0
+    """The prompt's last this many tokens were drawn under the grammar already (a request
+    resumed on another pair after its decode worker died: prompt + tokens sent): the matcher
+    replays them before the output's."""
 
     def for_sample(self, i: int) -> SamplingParams:
         """The parameters of sample `i` alone (n = 1; seeded seed + i, as n separate requests
@@ -100,6 +108,15 @@ class SamplingParams:
         bad = [b for _, b in self.logit_bias if not (math.isfinite(b) and -100 <= b <= 100)]
         if bad:
             raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bad[:5]}")
+        if not isinstance(self.grammar_replay, int) or self.grammar_replay < 0 or \
+                (self.grammar_replay and not self.grammar):
+            raise InvalidRequestError(f"grammar_replay must be an integer >= 0 and needs a "
+                                      f"grammar, got {self.grammar_replay!r}")
+        if self.grammar and (self.ignore_eos or self.min_tokens):
+            name = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise InvalidRequestError(
+                f"{name}: a constrained answer (response_format, tool_choice, structured "
+                f"outputs) ends when its grammar does; leave {name} out")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "

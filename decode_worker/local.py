@@ -42,6 +42,7 @@ class LocalServe:
         rid = inp.request_id
         box: queue.Queue[RequestOutput] = queue.Queue()
         req = Request(rid, list(inp.prompt_ids), inp.sampling, inp.session_id or None)
+        self.loop.engine.grammars.prepare(inp.sampling.grammar)  # here, not on the loop thread
         self.loop.call_watching(rid, box.put, self._admit, req, inp.max_uncached_tokens)
         if inp.sampling.n > 1:
             yield from self._samples(rid, box)

@@ -90,6 +90,7 @@ class DecodeService:
                               self.lease_seconds, self.receiver.incarnation)
             return sign_reservation(self.secret, request_id, res)
 
+        engine.grammars.prepare(inp.sampling.grammar)  # here, not on the engine's thread
         res = self.loop.call(do_reserve)
         self.events.wake()
         self._start_lease(request_id)

@@ -78,5 +78,8 @@ def resumed(inp: GenerateInput, prompt: Sequence[int], sent: Sequence[int]) -> t
         raise ValueError(f"all {inp.sampling.max_tokens} tokens were sent already")
     # the prompt's logprobs went out with the first token; min_tokens counts what was sent
     s = inp.sampling
+    # a grammar's matcher replays the tokens sent (they now end the prompt)
+    replay = s.grammar_replay + len(sent) if s.grammar else 0
     return tuple(prompt) + tuple(sent), replace(inp, sampling=replace(
-        s, max_tokens=left, prompt_logprobs=None, min_tokens=max(0, s.min_tokens - len(sent))))
+        s, max_tokens=left, prompt_logprobs=None, min_tokens=max(0, s.min_tokens - len(sent)),
+        grammar_replay=replay))

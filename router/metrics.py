@@ -59,6 +59,10 @@ class RouterMetrics:
                                      "requests", registry=r)
         self.cached_tokens = Counter("baton_router_cached_prompt_tokens", "Prompt tokens of "
                                      "finished requests served from a prefix cache", registry=r)
+        self.constrained = Counter(
+            "baton_router_chat_requests", "Chat requests by tool_choice (none / auto / required "
+            "/ named) and response_format (text / json_object / json_schema / "
+            "structured_outputs)", ["tool_choice", "response_format"], registry=r)
         self.generation_tokens = Counter("baton_router_generation_tokens",
                                          "Tokens streamed to clients", registry=r)
         self.retries = Counter("baton_router_retries", "Requests moved to another worker pair "
@@ -68,6 +72,10 @@ class RouterMetrics:
             r.register(_PathCollector(paths))
         if tracked is not None:
             r.register(_TrackedCollector(tracked))
+
+    def count_constraint(self, tool_choice: str, response_format: str) -> None:
+        """A chat request, by its tool_choice and response_format (docs/agents.md)."""
+        self.constrained.labels(tool_choice, response_format).inc()
 
     def timer(self, api: str) -> RequestTimer:
         return RequestTimer(self, api)

@@ -73,6 +73,8 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(m.logit_bias.items())),
         min_tokens=m.min_tokens,
         n=m.n if m.HasField("n") else d.n,
+        grammar=m.grammar,
+        grammar_replay=m.grammar_replay,
     )
 
 
@@ -87,6 +89,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         logit_bias=dict(s.logit_bias),
         min_tokens=s.min_tokens,
+        grammar=s.grammar,
+        grammar_replay=s.grammar_replay,
     )
     if s.top_k:
         m.top_k = s.top_k

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from baton.agents.grammar import Grammars
 from baton.cache.manager import HybridCacheManager
 from baton.config import WorkerConfig
 from baton.contract import FinishReason, TokenLogprob
@@ -62,6 +63,8 @@ class Engine:
         self.eos_ids = frozenset(mcfg.eos_token_id)
         self.scheduler = Scheduler(cfg, cache, self.max_model_len)
         self.sampler = Sampler(self.eos_ids)
+        self.grammars = Grammars(tokenizer, mcfg.vocab_size, self.eos_ids)
+        """Constrained requests' matchers (baton/agents/grammar.py)."""
         self.requests: dict[str, Request] = {}
         mc = cache.cfg.mamba_state_config
         self.decode_end_snapshot = cache.reuse_enabled and mc.decode_end_snapshot
@@ -100,6 +103,7 @@ class Engine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
         sampling.validate(vocab)
+        self.grammars.prepare(sampling.grammar)  # compiled already where the request came in
         if sampling.prompt_logprobs is not None and \
                 not self.model.capabilities.scores_every_position:
             raise InvalidRequestError(
@@ -170,6 +174,7 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+        self.grammars.forget(request_id)
         if self.spec is not None:
             self.spec.forget(request_id)
 
@@ -178,7 +183,7 @@ class Engine:
         with self._streams_lock:
             streams = len(self._streams)
         out = {"sampler_generators": self.sampler.tracked, "layer_streams": streams,
-               "sample_families": len(self.samples)}
+               "sample_families": len(self.samples), "grammar_matchers": self.grammars.tracked}
         if self.spec is not None:
             out["spec_pending"] = self.spec.tracked
         return out
@@ -283,14 +288,17 @@ class Engine:
             return failed + decided
         reqs = [r for r, _ in sampled]
         logits = _stacked([lg for _, lg in sampled])
+        masked, broken = self.grammars.mask(logits, reqs)
         draws = self.sampler.sample(
-            logits, [r.id for r in reqs], [r.sampling for r in reqs],
+            masked, [r.id for r in reqs], [r.sampling for r in reqs],
             [len(r.prompt_ids) + len(r.output_ids) for r in reqs],
             [(r.prompt_ids, r.output_ids) for r in reqs],
         )
         pairs, scored = [], []
         for i, (req, draw) in enumerate(zip(reqs, draws, strict=True)):
-            if draw.error is None:
+            if i in broken:
+                failed.append(self._fail(req, broken[i]))
+            elif draw.error is None:
                 pairs.append((req, draw.token))
                 scored.append(i)
             else:
@@ -528,6 +536,7 @@ class Engine:
                 log.exception("decode-end snapshot of %d requests failed; not kept", len(keep))
                 broken = True
         for r in reqs:
+            self.grammars.forget(r.id)
             if self.spec is not None:
                 self.spec.forget(r.id)
             if r.prefill_only and r.family is not None:  # a drawn first token, no cache

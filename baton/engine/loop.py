@@ -46,7 +46,9 @@ class EngineLoop:
         return fut.result()
 
     def submit(self, req: Request, on_output: OutputCallback) -> None:
-        """Queue a request; `on_output` runs on the loop thread for every output of it."""
+        """Queue a request; `on_output` runs on the loop thread for every output of it. Its
+        grammar, if any, compiles here, on the caller's thread, not between steps."""
+        self.engine.grammars.prepare(req.sampling.grammar)
         self.call_watching(req.id, on_output, self.engine.add_request, req)
 
     def call_watching(self, request_id: str, on_output: OutputCallback, fn: Callable, *args):

@@ -197,7 +197,20 @@ class _EngineCollector:
             ("baton_kv_blocks_evicted", "counter", "KV blocks evicted from the prefix tree",
              s.blocks_evicted),
             *_spec_figures(eng.spec),
+            *_grammar_figures(eng.grammars),
         ]
+
+
+def _grammar_figures(g) -> list[tuple[str, str, str, object]]:
+    """Constrained decoding (baton/agents/grammar.py): compiles and masks, with their time."""
+    return [
+        ("baton_grammar_compiles", "counter", "Grammars compiled (a cached one is not "
+         "compiled again)", g.compiles),
+        ("baton_grammar_compile_seconds", "counter", "Time compiling grammars", g.compile_seconds),
+        ("baton_grammar_masks", "counter", "Tokens drawn under a grammar's mask", g.masks),
+        ("baton_grammar_mask_seconds", "counter", "Time computing and applying masks (per "
+         "token: over baton_grammar_masks)", g.mask_seconds),
+    ]
 
 
 def _spec_figures(spec) -> list[tuple[str, str, str, object]]:

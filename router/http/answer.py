@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from baton.agents.parse import OutputParser, OutputSpec
 from baton.contract import GenerateChunk, GenerateSummary, TokenLogprob
 from router.http.logprobs import LogprobView
 from router.http.stops import StopStrings
@@ -36,6 +37,8 @@ class Answer:
     echo_ids: list[int] | None = None
     """echo: the prompt's ids (its text is `echo_text`), put before the answer."""
     echo_text: str = ""
+    parser: OutputParser | None = None
+    """Chat answers with tools or reasoning: reads the streamed text (baton/agents/parse.py)."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -161,6 +164,11 @@ class Shape:
             out["baton"] = a.baton()
         return out
 
+    def chunks(self, text: str, token_ids: list[int], lps: list[TokenLogprob], a: Answer,
+               first: bool) -> list[dict]:
+        """The stream events of one step: its chunk."""
+        return [self.chunk(text, token_ids, lps, a, first)]
+
     def usage_chunk(self, answers: Sequence[Answer]) -> dict:
         return {**self._head(self.chunk_object), "choices": [], "usage": usage(answers)}
 
@@ -202,14 +210,57 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl"
 
+    def __init__(self, model: str, return_token_ids: bool, view: LogprobView | None = None,
+                 spec: OutputSpec | None = None):
+        super().__init__(model, return_token_ids, view)
+        self.spec = spec
+        """How answers are read into reasoning, content and tool calls; None: all content."""
+
     def choice(self, a, text, ids, lps, first):
-        return {"index": a.index, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(ids, lps), "finish_reason": a.finish_reason}
+        message = {"role": "assistant", "content": text}
+        finish = a.finish_reason
+        if self.spec is not None:
+            parser = OutputParser(self.spec)
+            parser.feed(text, final=True)
+            message.update(parser.message())
+            finish = _finish(finish, "tool_calls" in message)
+        return {"index": a.index, "message": message,
+                "logprobs": self._logprobs(ids, lps), "finish_reason": finish}
 
     def delta(self, a, text, ids, lps, first):
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        finish = a.finish_reason
+        if a.parser is None:
+            delta = {"content": text}
+        else:
+            delta = a.parser.feed(text, final=a.done)
+            if first and not delta:
+                delta = {"content": ""}
+            if a.done:
+                finish = _finish(finish, bool(a.parser.parse(final=True).calls))
+        if first:
+            delta = {"role": "assistant", **delta}
         return {"index": a.index, "delta": delta, "logprobs": self._logprobs(ids, lps),
-                "finish_reason": a.finish_reason}
+                "finish_reason": finish}
+
+    def chunks(self, text, token_ids, lps, a, first):
+        """A last step that adds tool calls or content ends with a chunk of its own that
+        carries the finish_reason alone, as OpenAI streams it (the openai client closes a
+        call's arguments on the chunk after them)."""
+        out = self.chunk(text, token_ids, lps, a, first)
+        choice = out["choices"][0]
+        if a.parser is None or choice["finish_reason"] is None or \
+                not (set(choice["delta"]) - {"role"}):
+            return [out]
+        end = {**out, "choices": [{"index": a.index, "delta": {}, "logprobs": None,
+                                   "finish_reason": choice["finish_reason"]}]}
+        choice["finish_reason"] = None
+        out.pop("baton", None)
+        return [out, end]
 
     def _logprobs(self, ids, lps):
         return None if self.view is None else {"content": self.view.chat(ids, lps)}
+
+
+def _finish(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's finish_reason "tool_calls": the model stopped after calling."""
+    return "tool_calls" if calls and reason == "stop" else reason

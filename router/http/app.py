@@ -16,23 +16,30 @@ Life of an HTTP request:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import json
 import logging
+import re
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from baton.agents.messages import template_messages
+from baton.agents.parse import OutputSpec
 from baton.contract import Role
-from baton.errors import BatonError
+from baton.errors import BatonError, InvalidRequestError
 from baton.model.chat_template import ChatTemplate
+from router.http import responses as responses_api
 from router.http import tokens
 from router.http.answer import ChatShape, CompletionShape
+from router.http.constraints import chat_grammar
 from router.http.errors import (
     ApiError,
     api_error_response,
@@ -46,7 +53,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 
 log = logging.getLogger("baton.http")
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 OUTCOME_OF_HTTP = {400: "invalid", 404: "invalid", 413: "invalid", 429: "capacity",
                    499: "cancelled", 503: "unavailable"}
 DRAIN_FACTOR = 16
@@ -70,6 +77,8 @@ class HttpContext:
     """Bearer keys the /v1 API needs (`router.api_keys_file`, `BATON_API_KEY`); empty: open."""
     weights: dict | None = None
     """`weight_format` and `checkpoint_bytes` of the served checkpoint (/v1/models)."""
+    responses: responses_api.Store = field(default_factory=responses_api.Store)
+    """Stored responses of /v1/responses (`store`), for `previous_response_id`."""
 
 
 def make_app(ctx: HttpContext) -> FastAPI:
@@ -113,9 +122,22 @@ def make_app(ctx: HttpContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest, ctx)
-        prompt = await _off_loop(ctx, _chat_prompt, ctx, body)
+        prompt, spec, grammar, _ = await _off_loop(ctx, _chat_prompt, ctx, body)
         limit = _fit(ctx, len(prompt), body.limit, "messages")
-        return await generate(ctx, request, body, [(prompt, "")], [limit], ChatShape)
+        shape = functools.partial(ChatShape, spec=spec)
+        return await generate(ctx, request, body, [(prompt, "")], [limit], shape, grammar)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _responses(ctx, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        found = ctx.responses.get(response_id)
+        if found is None:
+            raise ApiError(404, f"No response found with id '{response_id}' (only stored "
+                           "responses are kept: store true)", "response_id", "not_found")
+        return found[0]
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -146,6 +168,87 @@ def make_app(ctx: HttpContext) -> FastAPI:
     return app
 
 
+async def _responses(ctx: HttpContext, request: Request):
+    """POST /v1/responses: the request as a chat request, its answer as output items
+    (router/http/responses.py)."""
+    R = responses_api
+    body = await _parse_body(request, R.ResponsesRequest, ctx)
+    refused = body.unsupported()
+    if refused:
+        name, why = refused[0]
+        raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
+    history, session = [], ""
+    if body.previous_response_id:
+        found = ctx.responses.get(body.previous_response_id)
+        if found is None:
+            raise ApiError(400, f"previous_response_id: no stored response "
+                           f"'{body.previous_response_id}' (store it with store: true; the "
+                           f"newest {R.MAX_STORED} are kept)", "previous_response_id",
+                           "previous_response_not_found")
+        _, history, session, before = found
+    else:
+        before = None
+    rid, created = R.new_id("resp"), R.now()
+    session = session or rid
+    chat = R.chat_body(body, history, session)
+    creq = R.to_chat_request(chat)
+    refused = creq.unsupported()
+    if refused:
+        name, why = refused[0]
+        raise ApiError(400, f"{name}: {why}", name, "unsupported_parameter")
+    prompt, spec, grammar, text = await _off_loop(ctx, _chat_prompt, ctx, creq)
+    if before is not None:  # the conversation's own tokens so far, then the new turn's
+        prompt = R.spliced(ctx.orchestrator.tokenizer, before, text, prompt)
+    limit = _fit(ctx, len(prompt), creq.limit, "input")
+    shape = functools.partial(ChatShape, spec=spec)
+    answer = await generate(ctx, request, creq, [(prompt, "")], [limit], shape, grammar)
+    turns = [*history, *R.input_messages(body.input)]
+
+    def keep(response: dict, message: dict, output_ids: list[int]) -> None:
+        if body.store is not False:
+            ctx.responses.put(response, [*turns, R.answer_message(message)], session,
+                              R.Turn(text, tuple(prompt), tuple(output_ids)))
+
+    if not body.stream:
+        data = json.loads(answer.body)
+        choice = data["choices"][0]
+        out = R.response_object(rid, body, R.output_items(choice["message"]), data["usage"],
+                                choice["finish_reason"], created)
+        keep(out, choice["message"], choice.get("token_ids", []))
+        return JSONResponse(out)
+
+    async def events():
+        tr = R.StreamTranslator(rid, body, created)
+        output_ids: list[int] = []
+        for e in tr.start():
+            yield _event(e)
+        async for raw in answer.body_iterator:
+            for part in raw.split("\n\n"):
+                if not part.startswith("data: ") or part == "data: [DONE]":
+                    continue
+                chunk = json.loads(part[6:])
+                if "error" in chunk:
+                    yield _event({"type": "error", "sequence_number": tr.seq,
+                                  "message": chunk["error"].get("message", ""),
+                                  "code": chunk["error"].get("code"), "param": None})
+                    return
+                for c in chunk.get("choices", []):
+                    output_ids.extend(c.get("token_ids") or [])
+                for e in tr.chunk(chunk):
+                    yield _event(e)
+        tail, response = tr.end()
+        for e in tail:
+            yield _event(e)
+        keep(response, tr.message, output_ids)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _event(e: dict) -> str:
+    return f"event: {e['type']}\ndata: {json.dumps(e, separators=(',', ':'))}\n\n"
+
+
 def _key_presented(header: str, keys: frozenset[str]) -> bool:
     given = header[len("Bearer "):].encode() if header.startswith("Bearer ") else b""
     return any([hmac.compare_digest(given, k.encode()) for k in keys])
@@ -157,7 +260,7 @@ async def _off_loop(ctx: HttpContext, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(ctx.pool, fn, *args)
 
 
-async def _parse(request: Request, cls, ctx: HttpContext):
+async def _parse_body(request: Request, cls, ctx: HttpContext):
     raw = await _read_body(request, ctx.max_body_bytes)
     try:
         body = cls.model_validate_json(raw)
@@ -166,6 +269,11 @@ async def _parse(request: Request, cls, ctx: HttpContext):
     if body.model != ctx.model_name:
         raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
                        f"'{ctx.model_name}' (GET /v1/models)", "model", "model_not_found")
+    return body
+
+
+async def _parse(request: Request, cls, ctx: HttpContext):
+    body = await _parse_body(request, cls, ctx)
     refused = body.unsupported()
     if refused:
         name, why = refused[0]
@@ -213,16 +321,43 @@ def _completion_prompts(ctx: HttpContext, prompt) -> list[tuple[list[int], str]]
     return out
 
 
-def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(ctx: HttpContext, body: ChatCompletionRequest
+                 ) -> tuple[list[int], OutputSpec | None, str, str]:
+    """The prompt's token ids, how its answers are read (reasoning, tool calls), the grammar
+    they follow ("" = none) and the rendered prompt text."""
     if ctx.chat_template is None:
         raise ApiError(400, "messages: this model has no chat template (tokenizer_config.json "
                        "chat_template); use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]  # content parts: their texts joined (schemas.py)
-    ids = _encode(ctx, ctx.chat_template.render(messages))
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+    if tools and not ctx.chat_template.supports_tools:
+        raise ApiError(400, "tools: this model's chat template has no tool support (it never "
+                       "reads `tools`); leave tools out or serve a checkpoint whose template "
+                       "renders them", "tools")
+    try:  # content parts: their texts joined (schemas.py)
+        messages = template_messages([m.for_template() for m in body.messages])
+        text = ctx.chat_template.render(messages, tools=tools,
+                                        **(body.chat_template_kwargs or {}))
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), _field(str(e))) from None
+    ids = _encode(ctx, text)
     if not ids:
         raise ApiError(400, "messages: the rendered prompt is empty", "messages")
-    return ids
+    spec = OutputSpec(ctx.chat_template.call_format,
+                      tools if body.tool_choice != "none" else None,
+                      reasoning=text.rstrip(" \n").endswith("<think>"),
+                      parallel=body.parallel_tool_calls is not False)
+    try:
+        grammar, tc, rf = chat_grammar(body, spec.call_format, spec.tools, spec.reasoning)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), _field(str(e))) from None
+    ctx.metrics.count_constraint(tc, rf)
+    return ids, (spec if spec.tools or spec.reasoning else None), grammar, text
+
+
+def _field(message: str) -> str:
+    """The field an error message starts with (`messages[2].tool_calls[0]...: why`)."""
+    m = re.match(r"([A-Za-z_][\w\[\].]*):", message)
+    return m.group(1) if m else "messages"
 
 
 def _encode(ctx: HttpContext, text: str) -> list[int]:

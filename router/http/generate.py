@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from baton.agents.parse import OutputParser
 from baton.contract import GenerateInput, SamplingParams
 from baton.errors import InvalidRequestError
 from router.http.answer import Answer, Shape
@@ -29,7 +30,7 @@ from router.http.stops import StopStrings
 log = logging.getLogger("baton.http")
 
 
-def _sampling(body, max_tokens: int, n: int = 1) -> SamplingParams:
+def _sampling(body, max_tokens: int, n: int = 1, grammar: str = "") -> SamplingParams:
     """The engine's parameters for a prompt's `n` choices (choice i seeded seed + i)."""
     chat = isinstance(body, ChatCompletionRequest)
     if chat:
@@ -52,6 +53,7 @@ def _sampling(body, max_tokens: int, n: int = 1) -> SamplingParams:
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items())),
         min_tokens=min(body.min_tokens, max_tokens),
+        grammar=grammar,
     )
     try:
         s.validate()  # the workers check token ids against their vocabulary
@@ -80,7 +82,7 @@ class _All:
 
 
 async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], str | None]],
-                   limits: list[int], shape_cls: type[Shape]):
+                   limits: list[int], shape_cls: type[Shape], grammar: str = ""):
     """The response to `body`: one choice per prompt and sample, whole or streamed."""
     n = body.n or 1
     if len(prompts) * n > MAX_N:
@@ -92,7 +94,7 @@ async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], s
                       LogprobView(token_text(tok)) if wants_lp else None)
     many = len(prompts) > 1
     choices = [c for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))
-               for c in _prompt_choices(ctx, body, shape, i, prompt, limit, many)]
+               for c in _prompt_choices(ctx, body, shape, i, prompt, limit, many, grammar)]
     watcher = asyncio.create_task(watch_disconnect(request, _All(choices)))
     # errors before the first token keep their status
     firsts = await asyncio.gather(*(c.chunks.next_batch() for c in choices),
@@ -115,14 +117,14 @@ async def generate(ctx, request: Request, body, prompts: list[tuple[list[int], s
 
 
 def _prompt_choices(ctx, body, shape: Shape, i: int, prompt: tuple[list[int], str | None],
-                    limit: int, many: bool) -> list[_Choice]:
+                    limit: int, many: bool, grammar: str = "") -> list[_Choice]:
     """Prompt i's n choices (indexes i * n ..), its request started (one for all n); `many`:
     the response has several prompts, whose requests are labelled `<response id>-<i>`."""
     ids, text = prompt
     n, tok = body.n or 1, ctx.orchestrator.tokenizer
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     rid = f"{shape.id}-{i}" if many else shape.id
-    inp = GenerateInput(rid, tuple(ids), None, _sampling(body, limit, n), body.session_id or "")
+    inp = GenerateInput(rid, tuple(ids), None, _sampling(body, limit, n, grammar), body.session_id or "")
     chunks = Chunks(ctx.orchestrator, inp, ctx.metrics.timer("http"), ctx.pool)
     out = []
     for j in range(n):
@@ -130,6 +132,8 @@ def _prompt_choices(ctx, body, shape: Shape, i: int, prompt: tuple[list[int], st
         answer = Answer(StopStrings(stops), len(ids), body.session_id or "",
                         tok.decode if tok is not None else None, index=index,
                         counts_prompt=j == 0, hide_output=getattr(body, "max_tokens", 1) == 0)
+        if getattr(shape, "spec", None) is not None:
+            answer.parser = OutputParser(shape.spec)
         if getattr(body, "echo", False):
             answer.echo_ids = list(ids)
             answer.echo_text = text if text is not None else (
@@ -223,7 +227,8 @@ async def _events(c: _Choice, shape: Shape, batch: list):
                 t, i, lp = answer.add(chunk)
                 text, ids, lps = text + t, ids + i, lps + lp
             await _settle(chunks, answer)  # the last event carries the summary's fields
-            yield _sse(shape.chunk(text, ids, lps, answer, first))
+            for event in shape.chunks(text, ids, lps, answer, first):
+                yield _sse(event)
             first = False
             if answer.done:
                 break

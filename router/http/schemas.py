@@ -98,15 +98,40 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    arguments: str | dict | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    """vLLM's newer name for reasoning_content; either reaches the template."""
+    refusal: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text or "" for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as baton/agents/messages.py reads it (content parts joined)."""
+        out = self.model_dump(exclude_none=True)
+        out["content"] = self.text()
+        return out
 
     def non_text(self) -> str | None:
         """Why the content cannot be read (a part that is not text), or None."""
@@ -117,8 +142,53 @@ class Message(_Strict):
         return None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of these constrains the answer."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_flexible: bool | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -131,9 +201,17 @@ class ChatCompletionRequest(_Common):
     echo: bool | None = None
     """Refused by name: echo is a /v1/completions field."""
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None
+    """Passed to the chat template (`enable_thinking`, ...), as vLLM and SGLang do."""
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older names for structured_outputs' json / regex / choice / grammar."""
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -145,8 +223,18 @@ class ChatCompletionRequest(_Common):
             out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.echo is not None:
             out.append(("echo", "echo is a /v1/completions field; chat answers never echo"))
-        if self.tools or self.tool_choice not in (None, "none"):
-            out.append(("tools", "tool calling is not supported; leave tools out"))
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            out.append(("tool_choice", "tool_choice needs tools; send the tools it chooses from"))
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in [t.function.name for t in self.tools]:
+            out.append(("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
+                        f"which is not among the tools {[t.function.name for t in self.tools]}"))
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and (
+                rf.json_schema is None or rf.json_schema.schema_ is None):
+            out.append(("response_format.json_schema", "json_schema needs a schema: "
+                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., "
+                        "\"schema\": {...}}}"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             out.append(("max_tokens", "send max_tokens or max_completion_tokens, not both"))
         return out

@@ -1,4 +1,5 @@
-"""`make test-clients`: lm-eval and AIPerf, unmodified, against a Baton cluster.
+"""`make test-clients`: lm-eval, AIPerf and the openai-agents SDK, unmodified, against a Baton
+cluster.
 
   1. the clients' venvs (tests/clients/venvs.py, cached; never the project's .venv)
   2. a seeded checkpoint with its tokenizer, a cluster on it (router + 1 prefill + 1 decode)
@@ -7,6 +8,8 @@
      identical, every per-choice loglikelihood within 1e-3, generations identical
   4. AIPerf (`--endpoint-type chat --streaming --tokenizer <model dir>`): 0 errors, and its
      token counts equal the router's (baton_router_*_tokens)
+  5. the openai-agents SDK runs a tool loop over chat completions and the Responses API
+     (tests/clients/agents_sdk.py)
 Exit status 0 only when every check holds; each failed check is one line on stderr.
 Usage: python -m tests.clients.run [--keep DIR]
 """
@@ -20,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.clients import aiperf, lm_eval, venvs
+from tests.clients import agents_sdk, aiperf, lm_eval, venvs
 
 CONFIG = """\
 cache: {num_blocks: 1024, num_state_slots: 64}
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="baton-clients-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        failures = run(work, lm_bin, ai_bin)
+        failures = run(work, lm_bin, ai_bin,
+                       venvs.ensure(f"openai-agents-{venvs.OPENAI_AGENTS}"))
     for f in failures:
         print(f"test-clients: FAILED: {f}", file=sys.stderr)
     print(f"test-clients: {'FAILED' if failures else 'passed'} in "
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def run(work: Path, lm_bin: Path, ai_bin: Path) -> list[str]:
+def run(work: Path, lm_bin: Path, ai_bin: Path, agents_bin: Path | None = None) -> list[str]:
     from baton.cluster.local import LocalCluster, free_port
     from baton.model.make_model import write_checkpoint
 
@@ -69,6 +73,11 @@ def run(work: Path, lm_bin: Path, ai_bin: Path) -> list[str]:
         t = time.monotonic()
         failures += aiperf.check(ai_bin, work, model, cluster.http_address)
         print(f"test-clients: aiperf done in {time.monotonic() - t:.0f} s", flush=True)
+        if agents_bin is not None:
+            t = time.monotonic()
+            failures += agents_sdk.check(agents_bin, work, cluster.http_address)
+            print(f"test-clients: openai-agents done in {time.monotonic() - t:.0f} s",
+                  flush=True)
     finally:
         cluster.stop()
     return failures

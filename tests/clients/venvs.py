@@ -16,6 +16,7 @@ from pathlib import Path
 
 LM_EVAL = "0.4.13"
 AIPERF = "0.13.0"
+OPENAI_AGENTS = "0.24.0"
 TORCH = "torch==2.13.0"
 
 
@@ -34,6 +35,7 @@ project's tests (pinned in pyproject.toml: releases change models' numerics)."""
 SPECS = {
     f"lm-eval-{LM_EVAL}": [[TORCH], [f"lm-eval[hf,api]=={LM_EVAL}", TRANSFORMERS]],
     f"aiperf-{AIPERF}": [[TORCH], [f"aiperf=={AIPERF}"]],
+    f"openai-agents-{OPENAI_AGENTS}": [[f"openai-agents=={OPENAI_AGENTS}"]],
 }
 
 

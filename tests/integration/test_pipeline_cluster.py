@@ -124,6 +124,22 @@ def test_every_prefill_decode_pp_pair_equals_local(setup):
         assert c["canary_slots_checked"] > 0, (wid, c)
 
 
+def test_constrained_output_with_pp_on_both_sides_equals_local(setup):
+    """A grammar through pipeline-parallel prefill and decode workers: the first token drawn
+    under it by the prefill worker's last stage, the rest by the decode worker's, which replays
+    the first into its own matcher; every token equals --local."""
+    from baton.agents import grammar as g
+
+    grammar = g.compile_text('start: "[" NUM ("," NUM){0,7} "]"\nNUM: /[0-9]{1,3}/',
+                             "structured_outputs.grammar")
+    specs = [RequestSpec(f"g{i}", prompt_ids=prompt(500 + i, 3 + 23 * i),
+                         sampling=SamplingParams(max_tokens=40, grammar=grammar))
+             for i in range(8)]
+    remote = run_remote(setup["cluster"].address, specs, concurrency=8)
+    assert tokens(remote) == tokens(local(setup, specs))
+    assert all(r["finish_reason"] in ("stop", "length") for r in remote)
+
+
 def test_six_turn_chat_with_pp_on_both_sides_equals_local(setup):
     address = setup["cluster"].address
     probe = [RequestSpec(f"probe{i}", prompt_ids=[5], sampling=greedy(1)) for i in range(6)]

@@ -152,7 +152,7 @@ def test_openai_chat_uses_the_checkpoints_qwen_template(setup):
                 {"role": "user", "content": "Name a colour."}]
     text = load_chat_template(setup["model"]).render(messages)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour."
-                    "<|im_end|>\n<|im_start|>assistant\n")
+                    "<|im_end|>\n<|im_start|>assistant\n<think>\n")
     tok = load_tokenizer(setup["model"])
     ids = tok.encode(text)
     (want,) = local(setup, [RequestSpec("chat-local", prompt_ids=ids, sampling=greedy(7))])
@@ -162,5 +162,34 @@ def test_openai_chat_uses_the_checkpoints_qwen_template(setup):
                                        temperature=0, extra_body={"ignore_eos": True,
                                                                   "return_token_ids": True})
     assert r.choices[0].token_ids == want["token_ids"]
-    assert r.choices[0].message.content == tok.decode(want["token_ids"])
+    # the prompt opened the thinking block and the answer never closed it: all reasoning
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == tok.decode(want["token_ids"])
+    assert msg.content == ""
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 7)
+
+
+def test_constrained_output_through_both_prefill_pp_sizes_equals_local(setup):
+    """A JSON-schema grammar: the prefill worker (PP 2 or PP 1) draws the first token under
+    it, the decode worker replays it into its own matcher; every token equals --local."""
+    import json
+
+    from baton.agents import grammar as g
+    from baton.engine.request import SamplingParams
+    from baton.model.tokenizer import ByteTokenizer
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["name", "n", "ok"], "additionalProperties": False}
+    grammar = g.compile_text("start: " + g.json_lark(schema), "response_format")
+    specs = [RequestSpec(f"g{i}", prompt_ids=prompt(300 + i, n),
+                         sampling=SamplingParams(max_tokens=80, grammar=grammar))
+             for i, n in enumerate([5, 70, 130, 9, 66, 200])]
+    remote = run_remote(setup["cluster"].address, specs, concurrency=6)
+    assert tokens(remote) == tokens(local(setup, specs))
+    assert {r["prefill_worker"] for r in remote} and all(
+        r["finish_reason"] == "stop" for r in remote)
+    for r in remote:
+        value = json.loads(ByteTokenizer().decode(r["token_ids"]))
+        assert set(value) == {"name", "n", "ok"} and 0 <= value["n"] <= 99

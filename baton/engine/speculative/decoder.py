@@ -85,9 +85,11 @@ class SpeculativeDecoder:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
         greedy ones by argmax, others by the rejection rule (rejection.py). One whose draw
         needs the processed distribution of every position (penalties, logit_bias,
-        min_tokens) or its logprobs decodes one token a step through the sampler instead."""
+        min_tokens), its logprobs or a grammar's mask (baton/agents/grammar.py: drafts are
+        not verified against the mask) decodes one token a step through the sampler instead."""
         s = req.sampling
-        return not req.prefill_only and not s.penalized and s.logprobs is None
+        return not req.prefill_only and not s.penalized and s.logprobs is None \
+            and not s.grammar
 
     def kv_wanted(self, req: Request) -> bool:
         """Whether a prefill chunk of `req` writes the head's KV: when it speculates here, or

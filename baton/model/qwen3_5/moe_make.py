@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from baton.model.config import config_from_dict
 from baton.model.qwen3_5 import make
+from baton.model.tool_templates import HERMES_TEMPLATE
 
 ARCH = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
@@ -66,7 +67,8 @@ def write_checkpoint(out_dir: str | Path, *, family: str, preset: str = "tiny", 
         tensors.update({k: torch.randn(s, generator=gen) for k, s in make.VISION_STUB.items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
-    tok = {"chat_template": make.QWEN_CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>"}
+    template = HERMES_TEMPLATE if family == "qwen3_next" else make.QWEN_CHAT_TEMPLATE
+    tok = {"chat_template": template, "bos_token": None, "eos_token": "<|im_end|>"}
     (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=2) + "\n")
     return out
 

@@ -1,5 +1,5 @@
-"""The Qwen-style chat template `make-model --family qwen3_5` ships renders as transformers
-renders it (roles, system message, generation prompt)."""
+"""The Qwen3.5 chat template `make-model --family qwen3_5` ships renders as transformers
+renders it (roles, system message, generation prompt opening the thinking block)."""
 
 from __future__ import annotations
 
@@ -32,4 +32,4 @@ def test_template_renders_as_transformers(template, messages, gen):
         conversations=[messages], chat_template=QWEN_CHAT_TEMPLATE, add_generation_prompt=gen)
     assert ours == rendered[0]
     assert ours.startswith(f"<|im_start|>{messages[0]['role']}\n")
-    assert ours.endswith("<|im_start|>assistant\n") == gen
+    assert ours.endswith("<|im_start|>assistant\n<think>\n") == gen

@@ -330,7 +330,12 @@ def test_body_limit_and_refusals_name_the_field(api):
                                                      {"type": "input_audio"}]}]},
          "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools"),
+         "tools[0].function"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+         "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+         "messages[1].tool_calls[0].function.arguments"),
         ({"messages": [{"role": "user", "content": "x"}], "stream_options": {
             "include_usage": True}}, "stream_options"),
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
