@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("baton.model.tp_loader",),
     ("baton.model.nemotron_h", "baton.model.qwen3_5"),
     ("baton.model.qwen3_next",),
+    ("baton.agents",),
     ("baton.cache",),
     ("baton.engine",),
     ("baton.worker",),

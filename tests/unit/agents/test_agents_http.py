@@ -16,7 +16,7 @@ from baton.model.tool_templates import QWEN3_5_TEMPLATE
 from router.http.app import HttpContext
 from router.http.server import HttpServer
 from router.metrics import RouterMetrics
-from tests.unit.test_http_frontend import ScriptedOrchestrator, request, sse
+from tests.unit.router.http.test_http_frontend import ScriptedOrchestrator, request, sse
 
 openai = pytest.importorskip("openai")
 
