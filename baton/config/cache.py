@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from baton.config.cache_tiers import EvictionConfig, SharedStoreConfig, TierConfig
 from baton.contract.types import DEFAULT_TOKENS_PER_BLOCK
 from baton.errors import ConfigError
 
@@ -117,6 +118,12 @@ class CacheConfig:
     """Reuse cached prefixes (KV blocks + a Mamba snapshot). Turned off, with a warning, when
     mamba_state_config has no snapshot policy at all."""
     mamba_state_config: MambaStateConfig = field(default_factory=MambaStateConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
+    """Disk tier of evicted snapshots (KV + state as one entry); docs/cache-tiers.md."""
+    shared_store: SharedStoreConfig = field(default_factory=SharedStoreConfig)
+    """Store shared by every worker (Redis); docs/cache-tiers.md."""
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    """Which snapshot leaves the pool (and a tier) first: `lru` or `value` (Marconi)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_blocks", "num_state_slots"):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from baton.cache.manager import HybridCacheManager
+from baton.cache.value import FlopModel
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
 from baton.engine.speculative.setup import reserved_slots, with_draft_layers
@@ -38,6 +39,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
             f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
             f"supported with worker.tensor_parallel_size={cfg.worker.tensor_parallel_size} "
             "yet; set it to 0 or use tensor_parallel_size 1")
+    if cfg.worker.tensor_parallel_size > 1 or cfg.worker.pipeline_parallel_size > 1:
+        from baton.cache.tiers import refuse_tiers
+
+        refuse_tiers(cfg, "worker.tensor_parallel_size / pipeline_parallel_size > 1")
     if cfg.worker.tensor_parallel_size > 1 and cfg.worker.pipeline_parallel_size > 1:
         from baton.engine.tp.pp_model import build_tp_pipeline_engine
 
@@ -71,7 +76,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
     buckets = cfg.worker.decode_batch_buckets and getattr(model, "decode_takes_tables", False)
     cache = HybridCacheManager(cfg.cache, pools, max_live=cfg.worker.max_num_seqs,
-                               reserved_slots=reserved, pad_rows=bool(buckets))
+                               reserved_slots=reserved, pad_rows=bool(buckets),
+                               tiers=_tiers(cfg, pools, path), flops=_flops(cfg, model))
     _maybe_arm_canaries(cache)
     if buckets:
         log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
@@ -86,6 +92,21 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     )
     return Engine(model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                   speculative=cfg.speculative)
+
+
+def _tiers(cfg: BatonConfig, pools: Pools, path):
+    """The cache's disk and shared tiers (docs/cache-tiers.md), None when not configured."""
+    from baton.auth.secret import configured_token
+    from baton.cache.tiers import model_identity, open_tiers, wanted
+
+    if not wanted(cfg.cache):
+        return None
+    return open_tiers(cfg.cache, pools, model_identity(path), configured_token(cfg.cluster))
+
+
+def _flops(cfg: BatonConfig, model) -> FlopModel | None:
+    """The model's FLOP counts where value-aware eviction scores snapshots by them."""
+    return FlopModel.for_model(model.config) if cfg.cache.eviction.policy == "value" else None
 
 
 def on_huge_pages(model, device: str) -> None:
