@@ -1,0 +1,96 @@
+"""Tiers keep reuse exact: with a pool far smaller than the working set and the disk tier on,
+interleaved multi-turn chats give the tokens of reuse off, the tier serves hits, and damaged
+entries or a restart change nothing but the hit counts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from baton.engine.request import Request
+from tests.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+
+SESSIONS, TURNS = 4, 4
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen3_5"])
+def model_dir(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers")
+    if request.param == "qwen3_5":
+        return make_checkpoint(root, "qwen", family="qwen3_5", pattern="*GG*G", seed=5)
+    return make_checkpoint(root)
+
+
+def _engine(model_dir, tier_path=None, reuse=True, policy="lru"):
+    cache = {"tokens_per_block": 16, "num_blocks": 40, "num_state_slots": 6,
+             "enable_prefix_reuse": reuse, "eviction": {"policy": policy},
+             "mamba_state_config": {"additional_snapshot_offsets_from_end": [0],
+                                    "decode_end_snapshot": True}}
+    if tier_path is not None:
+        cache["tier"] = {"path": str(tier_path), "bytes": 64 << 20}
+    return engine_for(model_dir, cache=cache, worker={"max_num_seqs": 2})
+
+
+def _chats(engine, sessions=SESSIONS, turns=TURNS):
+    """Sessions take turns (s0 t0, s1 t0, ..., s0 t1, ...): each turn's history was pushed
+    out of the 2-snapshot pool by the other sessions in between."""
+    history = {s: [] for s in range(sessions)}
+    toks, cached = {}, {}
+    for t in range(turns):
+        for s in range(sessions):
+            p = history[s] + prompt(1000 * s + t, 20 + 3 * t)
+            rid = f"s{s}t{t}"
+            res = run_all(engine, [Request(rid, p, greedy(6), session=f"s{s}")])
+            toks[rid] = res["tokens"][rid]
+            cached[rid] = res["outputs"][rid].cached_tokens
+            history[s] = p + toks[rid]
+    return toks, cached
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return _chats(_engine(model_dir, reuse=False))[0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "value"])
+def test_small_pool_with_disk_tier_gives_reuse_off_tokens(model_dir, reference, tmp_path,
+                                                          policy):
+    eng = _engine(model_dir, tmp_path, policy=policy)
+    got, cached = _chats(eng)
+    assert got == reference
+    st = eng.cache.stats()
+    assert st.tiers["disk"]["admitted"] > 0 and st.tiers["disk"]["hits"] > 0
+    # every turn after the first reuses the whole previous turn (decode-end snapshot), from
+    # the pool or the disk: the pool alone holds 2 snapshots for 4 sessions
+    for s in range(SESSIONS):
+        assert cached[f"s{s}t0"] == 0 and all(cached[f"s{s}t{t}"] > 0 for t in range(1, TURNS))
+    assert st.tier_hit_tokens > 0
+    eng.cache.check_integrity()
+
+
+def test_without_tier_the_same_pool_recomputes_more(model_dir, reference, tmp_path):
+    got, pool_only = _chats(_engine(model_dir))
+    assert got == reference
+    _, tiered = _chats(_engine(model_dir, tmp_path))
+    assert sum(pool_only.values()) < sum(tiered.values())
+    assert [k for k, v in pool_only.items() if v == 0 and not k.endswith("t0")]
+
+
+def test_restart_and_corruption_keep_tokens_exact(model_dir, reference, tmp_path):
+    first = _engine(model_dir, tmp_path)
+    _chats(first, turns=2)
+    del first
+    entries = sorted(n for n in os.listdir(tmp_path) if n.endswith(".snap"))
+    assert entries
+    for n in entries[::2]:  # damage every other entry's payload
+        f = tmp_path / n
+        raw = bytearray(f.read_bytes())
+        raw[-7] ^= 0x10
+        f.write_bytes(bytes(raw))
+    eng = _engine(model_dir, tmp_path)  # a new worker over its predecessor's folder
+    got, _ = _chats(eng)
+    assert got == reference
+    st = eng.cache.stats().tiers["disk"]
+    assert st["hits"] > 0 and st["corrupt"] > 0
+    eng.cache.check_integrity()
