@@ -94,3 +94,55 @@ def test_restart_and_corruption_keep_tokens_exact(model_dir, reference, tmp_path
     st = eng.cache.stats().tiers["disk"]
     assert st["hits"] > 0 and st["corrupt"] > 0
     eng.cache.check_integrity()
+
+
+def _shared_engine(model_dir, url):
+    import os as _os
+
+    from tests.unit.test_cache_shared_tier import TOKEN
+
+    _os.environ["BATON_CLUSTER_TOKEN"] = TOKEN  # the builder derives the store's password
+    try:
+        cache = {"tokens_per_block": 16, "num_blocks": 40, "num_state_slots": 6,
+                 "shared_store": {"url": url},
+                 "mamba_state_config": {"additional_snapshot_offsets_from_end": [0],
+                                        "decode_end_snapshot": True}}
+        eng = engine_for(model_dir, cache=cache, worker={"max_num_seqs": 2})
+    finally:
+        _os.environ.pop("BATON_CLUSTER_TOKEN", None)
+    return eng
+
+
+def test_shared_store_between_two_workers_and_stopped_mid_run(model_dir, reference):
+    """Worker 1 serves the first turns, worker 2 (its own pool) the rest through the store;
+    then the store dies and worker 2 goes on: the tokens of reuse off throughout."""
+    from tests.support.redis_server import RedisServer, RedisUnavailable
+    from tests.unit.test_cache_shared_tier import TOKEN
+
+    srv = RedisServer(TOKEN)
+    try:
+        srv.start()
+    except RedisUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        w1, w2 = _shared_engine(model_dir, srv.url), _shared_engine(model_dir, srv.url)
+        history = {s: [] for s in range(SESSIONS)}
+        got, cached = {}, {}
+        for t in range(TURNS):
+            if t == TURNS - 1:
+                srv.stop()
+            for s in range(SESSIONS):
+                eng = w1 if t < 2 else w2
+                p = history[s] + prompt(1000 * s + t, 20 + 3 * t)
+                rid = f"s{s}t{t}"
+                res = run_all(eng, [Request(rid, p, greedy(6), session=f"s{s}")])
+                got[rid], cached[rid] = res["tokens"][rid], res["outputs"][rid].cached_tokens
+                history[s] = p + got[rid]
+        assert got == reference
+        assert w2.cache.stats().tiers["shared"]["hits"] > 0
+        assert all(cached[f"s{s}t2"] > 0 for s in range(SESSIONS))  # from w1 via the store
+        assert w2.cache.stats().tiers["shared"]["errors"] >= 1
+        w1.cache.check_integrity()
+        w2.cache.check_integrity()
+    finally:
+        srv.stop()
