@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -50,6 +51,8 @@ class Tiers:
         if not todo:
             return
         header, payload = self.layout.gather(tokens, blocks, slot, saved)
+        tpb = self.layout.tpb
+        header = replace(header, bh=block_hashes(tokens[: n // tpb * tpb], tpb)[-1])
         for t in todo:
             t.put(t.key(h), header, payload)
 

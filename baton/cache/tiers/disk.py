@@ -42,6 +42,8 @@ class _Meta:
     size: int
     saved: float
     last: int
+    bh: int
+    sh: int
 
 
 class DiskTier:
@@ -52,6 +54,9 @@ class DiskTier:
         self.path, self.capacity, self.layout, self.io = path, capacity, layout, io
         self.eviction, self.clock = eviction, clock
         self.stats = TierCounters()
+        self.listener = None
+        """`fn(added, block_hash, snapshot_hash, num_tokens)` on every entry added or removed
+        (the worker's router events, tier 1)."""
         self._index: dict[str, _Meta] = {}
         self._lengths: dict[int, int] = {}
         self._dir_mtime = -1
@@ -139,14 +144,25 @@ class DiskTier:
             return None
 
     def _add(self, key: str, h: Header, size: int) -> None:
-        self._index[key] = _Meta(h.n, size, h.flops, self.clock())
+        sh = int(key[len(self._prefix):], 16)
+        meta = self._index[key] = _Meta(h.n, size, h.flops, self.clock(), h.bh, sh)
         self._lengths[h.n] = self._lengths.get(h.n, 0) + 1
+        self._notify(True, meta)
 
     def _forget(self, key: str) -> None:
         m = self._index.pop(key)
         self._lengths[m.n] -= 1
         if not self._lengths[m.n]:
             del self._lengths[m.n]
+        self._notify(False, m)
+
+    def _notify(self, added: bool, m: _Meta) -> None:
+        if self.listener is not None:
+            self.listener(added, m.bh, m.sh, m.n)
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        """(block_hash, snapshot_hash, num_tokens) of every entry held now."""
+        return [(m.bh, m.sh, m.n) for m in self._index.values()]
 
     def _file(self, key: str) -> str:
         return os.path.join(self.path, key + SUFFIX)

@@ -43,6 +43,8 @@ class Header:
     state: int
     crc: int
     flops: float = 0.0
+    bh: int = 0
+    """The contract's block_hash of the entry's full blocks (for router events)."""
 
     @property
     def payload_bytes(self) -> int:
