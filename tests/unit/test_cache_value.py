@@ -106,7 +106,8 @@ def test_exact_eviction_order_of_the_disk_tier(tmp_path, policy, kept):
     layout = Layout(pools, "m")
     clock = iter(range(1, 100))
     size = layout.entry_bytes(8)
-    t = DiskTier(str(tmp_path), 2 * size, layout, FileIO(), EvictionConfig(policy),
+    # value, alpha 2: a = 2 * 1 + 0 (old, dense), b = 2 * 0 + 1 (new, thin): b goes
+    t = DiskTier(str(tmp_path), 2 * size, layout, FileIO(), EvictionConfig(policy, alpha=2.0),
                  lambda: next(clock))
     toks = [1, 2, 3, 4, 5, 6, 7, 8]
     names = {}
