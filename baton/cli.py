@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(KV over UCX TCP, link rates shaped with tc; root)")
     p.add_argument("--minutes", type=float, default=None,
                    help="soak: how long to run (default 2; --quick: 0.25)")
+    p.add_argument("--trace", default=None,
+                   help="reuse: replay this multi-turn trace (Mooncake/AIPerf JSONL) at pools "
+                        "of 100/50/25%% of its working set, LRU vs value-aware, with and "
+                        "without the disk tier (bench/reuse_trace.py)")
     return ap
 
 

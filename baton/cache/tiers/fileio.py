@@ -54,11 +54,17 @@ class NixlPosixIO(FileIO):
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.agent_name = f"baton-tier-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(self.agent_name,
-                                nixl_agent_config(enable_prog_thread=False, backends=[]))
-        if "POSIX" not in self.agent.get_plugin_list():
-            raise ConfigError("NIXL has no POSIX plugin here; set cache.tier.io: file")
-        self.agent.create_backend("POSIX", {})
+        nixl_log = logging.getLogger("nixl")
+        level = nixl_log.level
+        nixl_log.setLevel(max(level, logging.WARNING))  # its INFO lines go to stdout
+        try:
+            self.agent = nixl_agent(self.agent_name,
+                                    nixl_agent_config(enable_prog_thread=False, backends=[]))
+            if "POSIX" not in self.agent.get_plugin_list():
+                raise ConfigError("NIXL has no POSIX plugin here; set cache.tier.io: file")
+            self.agent.create_backend("POSIX", {})
+        finally:
+            nixl_log.setLevel(level)
         self._lock = threading.Lock()  # one agent, one transfer at a time
 
     def write(self, fd: int, offset: int, buf: torch.Tensor) -> None:
