@@ -150,10 +150,11 @@ class HybridCacheManager:
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """Prompt tokens `admit` would restore now: its deepest snapshot whose KV blocks are all
-        present (never the last token; 0 when reuse is off)."""
+        present, in the pool or a tier (never the last token; 0 when reuse is off)."""
         if not self._reuse or len(prompt) < 2:
             return 0
-        return self.tree.match(prompt, len(prompt) - 1).cached_tokens
+        n = self.tree.match(prompt, len(prompt) - 1).cached_tokens
+        return n if self.tiers is None else self.tiers.peek(prompt, n, len(prompt) - 1)
 
     def snapshot_points(self, prompt_len: int) -> list[int]:
         """Where a prompt of this length is snapshotted ([] when reuse is off)."""

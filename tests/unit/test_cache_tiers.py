@@ -81,7 +81,8 @@ def test_evicted_snapshot_comes_back_from_disk_with_kv_and_state(tmp_path):
     compute(m, "a", A, 10.0)
     compute(m, "b", B, 20.0)
     compute(m, "c", C, 30.0)  # budget 2: A's snapshot leaves the pool, as one entry
-    assert m.tiers.disk.stats.admitted == 1 and m.cached_prefix(A + [99]) == 0
+    assert m.tiers.disk.stats.admitted == 1 and m.tree.match(A + [99], 9).cached_tokens == 0
+    assert m.cached_prefix(A + [99]) == 9  # what admit will restore: from the disk
     [name] = [n for n in os.listdir(tmp_path) if n.endswith(".snap")]
     adm = m.admit("a2", A + [99])
     assert adm.cached_tokens == 9
@@ -231,10 +232,10 @@ def test_nixl_posix_and_plain_files_write_the_same_bytes(tmp_path):
         os.close(fd)
     a, b = disk(tmp_path / "n", layout=layout, io=io), disk(tmp_path / "f", layout=layout)
     h, pay = layout.gather(A, [0, 1, 2], 0)
-    a.put("k", h, pay)
-    b.put("k", h, pay)
-    assert open(tmp_path / "n" / "k.snap", "rb").read() == open(tmp_path / "f" / "k.snap",
-                                                                 "rb").read()
+    k = a.key(3)
+    a.put(k, h, pay)
+    b.put(k, h, pay)
+    assert (tmp_path / "n" / f"{k}.snap").read_bytes() == (tmp_path / "f" / f"{k}.snap").read_bytes()
 
 
 KILL_SCRIPT = textwrap.dedent("""

@@ -57,8 +57,24 @@ class Tiers:
             t.put(t.key(h), header, payload)
 
     # ---- admission ----------------------------------------------------------------------
+    def peek(self, prompt: list[int], lo: int, hi: int) -> int:
+        """Tokens the deepest entry for `prompt` (lo < n <= hi) covers, unchecked; lo if none."""
+        options = self._options(prompt, lo, hi)
+        return -options[0][0] if options else lo
+
     def load(self, prompt: list[int], lo: int, hi: int) -> Loaded | None:
         """The deepest checked entry for `prompt` covering n tokens, lo < n <= hi."""
+        for _, _, t, key in self._options(prompt, lo, hi):
+            start = time.perf_counter()
+            got = t.get(key, prompt)
+            if got is not None:
+                t.stats.load_seconds += time.perf_counter() - start
+                t.stats.bytes_read += got[1].numel() if t is self.disk else 0
+                return Loaded(t, *got)
+        return None
+
+    def _options(self, prompt: list[int], lo: int, hi: int) -> list[tuple]:
+        """(-n, tier rank, tier, key) of each tier's deepest entry, deepest first."""
         options = []
         for rank, t in enumerate(self.tiers):
             lengths = [n for n in t.lengths() if lo < n <= hi]
@@ -71,14 +87,7 @@ class Tiers:
                 found = t.find(cands)
             if found is not None:
                 options.append((-found[0], rank, t, found[1]))
-        for _, _, t, key in sorted(options, key=lambda o: o[:2]):
-            start = time.perf_counter()
-            got = t.get(key, prompt)
-            if got is not None:
-                t.stats.load_seconds += time.perf_counter() - start
-                t.stats.bytes_read += got[1].numel() if t is self.disk else 0
-                return Loaded(t, *got)
-        return None
+        return sorted(options, key=lambda o: o[:2])
 
     def counters(self) -> dict[str, dict]:
         return {t.name: t.stats.as_dict() for t in self.tiers}
