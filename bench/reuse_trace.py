@@ -15,6 +15,10 @@ state slots = the snapshots an unbounded pool takes. Rows per pool size:
   value+tiers   value-aware + the disk tier
 Figures: prefill tokens computed / the oracle (tokens no earlier prompt shared), hit tokens per
 tier (pool / disk), prefill FLOPs saved (the model's FLOP model over each hit), TTFT p50/p95.
+
+Crossover rows (`crossover`), per family: TTFT of a prompt of n + 1 tokens computed from
+scratch vs with its first n restored from the disk tier (the snapshot spilled there first),
+best of 3; the restore pays for itself where `restore_over_recompute` < 1.
 """
 
 from __future__ import annotations
@@ -160,7 +164,55 @@ def run(args) -> list[dict]:
                     shutil.rmtree(folder, ignore_errors=True)
             out.append(_row(common, name, frac, eng, res, flops, reqs, time.perf_counter() - t0))
             print(f"[bench reuse --trace] {out[-1]}", file=sys.stderr, flush=True)
+    for family in ("nemotron_h", "qwen3_5"):
+        out += crossover(family, CROSS_LENGTHS[:3] if quick else CROSS_LENGTHS)
     return out
+
+
+CROSS_LENGTHS = (64, 256, 512, 1024, 2048)
+
+
+def _ttft(eng, rid: str, toks: list[int]) -> float:
+    from baton.engine.request import Request, SamplingParams
+
+    t0 = time.perf_counter()
+    eng.add_request(Request(rid, toks, SamplingParams(max_tokens=1, ignore_eos=True)))
+    while eng.has_work:
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def crossover(family: str, lengths=CROSS_LENGTHS, repeats: int = 3) -> list[dict]:
+    """Recompute vs restore-from-disk TTFT for prompts of n + 1 tokens (n restored)."""
+    path = checkpoint("tiny", family)
+    rows = []
+    for n in lengths:
+        rng = random.Random(n)
+        q = [rng.randrange(3, 200) for _ in range(n + 1)]
+        p = q[:n]
+        folder = tempfile.mkdtemp(prefix="baton-cross-")
+        try:
+            eng = _engine(path, 4 * (n // SCALE) + 8, 4, "lru", folder)
+            off = _engine(path, 4 * (n // SCALE) + 8, 4, "lru", None)
+            recompute, restore = [], []
+            for i in range(repeats):
+                _ttft(eng, f"w{i}", p)  # the snapshot after p, in the pool
+                while eng.cache.tree.evict_snapshot():  # ... spilled to the disk tier
+                    pass
+                while eng.cache.tree.evict_block():
+                    pass
+                restore.append(_ttft(eng, f"r{i}", q))
+                recompute.append(_ttft(off, f"c{i}", q + [i]))  # a fresh prompt each time
+            hits = eng.cache.stats().tiers["disk"]["hits"]
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        rows.append({"benchmark": "reuse_trace", "label": f"crossover:{family}:{n}",
+                     "family": family, "restored_tokens": n, "disk_hits": hits,
+                     "ttft_recompute_ms": round(1e3 * min(recompute), 2),
+                     "ttft_restore_ms": round(1e3 * min(restore), 2),
+                     "restore_over_recompute": round(min(restore) / min(recompute), 3)})
+        print(f"[bench reuse --trace] {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
 
 
 def _row(common, name, frac, eng, res, flops, reqs, wall) -> dict:

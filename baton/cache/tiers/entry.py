@@ -87,12 +87,14 @@ class Layout:
         """Copy a snapshot out of the pools: its header and payload (one uint8 tensor)."""
         n = len(tokens)
         parts = [torch.tensor(tokens, dtype=torch.int32).view(torch.uint8)]
+        # entries live in host memory: a GPU pool's bytes are copied down here
         if self.pools.has_kv:
-            idx = torch.tensor(blocks[: -(-n // self.tpb)], dtype=torch.long)
-            parts.append(self.pools.kv.index_select(1, idx).reshape(-1).view(torch.uint8))
+            kv = self.pools.kv
+            idx = torch.tensor(blocks[: -(-n // self.tpb)], dtype=torch.long, device=kv.device)
+            parts.append(kv.index_select(1, idx).cpu().reshape(-1).view(torch.uint8))
         if self.pools.has_state:
             for t in self.pools.state.values():
-                parts.append(t[:, slot].contiguous().reshape(-1).view(torch.uint8))
+                parts.append(t[:, slot].cpu().contiguous().reshape(-1).view(torch.uint8))
         payload = torch.cat(parts)
         crc = zlib.crc32(payload.numpy())
         kv = self.kv_bytes(n)
@@ -127,13 +129,14 @@ class Layout:
             shape = (kv.shape[0], -(-h.n // self.tpb), *kv.shape[2:])
             src = payload[off : off + h.kv].view(kv.dtype).view(shape)
             if blocks:
-                idx = torch.tensor(blocks, dtype=torch.long)
-                kv.index_copy_(1, idx, src[:, first : first + len(blocks)])
+                idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+                kv.index_copy_(1, idx, src[:, first : first + len(blocks)].to(kv.device))
             off += h.kv
         if self.pools.has_state:
             for t in self.pools.state.values():
                 nb = t[:, slot].numel() * t.element_size()
                 t[:, slot].copy_(payload[off : off + nb].view(t.dtype).view(t[:, slot].shape))
+                # (copy_ moves host bytes onto a GPU pool's device)
                 off += nb
 
 
