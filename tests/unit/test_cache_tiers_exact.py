@@ -5,6 +5,8 @@ entries or a restart change nothing but the hit counts."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 
 import pytest
 
@@ -88,11 +90,22 @@ def test_restart_and_corruption_keep_tokens_exact(model_dir, reference, tmp_path
         raw = bytearray(f.read_bytes())
         raw[-7] ^= 0x10
         f.write_bytes(bytes(raw))
+    # what a worker killed mid-write leaves (tests/unit/test_cache_tiers.py kills one for
+    # real): its half-written temporary file, here beside a truncated copy of an entry
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname().replace("-", "_")
+    half = (tmp_path / entries[1]).read_bytes()
+    (tmp_path / f".tmp-{host}-{dead.pid}-abc").write_bytes(half[: len(half) // 2])
+    truncated = tmp_path / (entries[1].split("-")[0] + "-" + "0" * 16 + ".snap")
+    truncated.write_bytes(half[:-9])
     eng = _engine(model_dir, tmp_path)  # a new worker over its predecessor's folder
     got, _ = _chats(eng)
     assert got == reference
     st = eng.cache.stats().tiers["disk"]
-    assert st["hits"] > 0 and st["corrupt"] > 0
+    assert st["hits"] > 0 and st["corrupt"] > 0 and st["removed_tmp"] == 1
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    assert not truncated.exists()
     eng.cache.check_integrity()
 
 
