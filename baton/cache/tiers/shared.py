@@ -152,3 +152,13 @@ def _safe(url: str) -> str:
     scheme, rest = url.split("//", 1)
     host = rest.split("@", 1)[1] if "@" in rest.split("/", 1)[0] else rest
     return f"{scheme}//{host}"
+
+
+if __name__ == "__main__":  # `python -m baton.cache.tiers.shared`: the store's requirepass
+    from baton.auth.secret import configured_token
+    from baton.config.cluster import ClusterConfig
+
+    _token = configured_token(ClusterConfig())
+    if not _token:
+        raise SystemExit("set BATON_CLUSTER_TOKEN to the cluster secret first")
+    print(store_password(_token))
