@@ -159,3 +159,25 @@ def test_shared_store_between_two_workers_and_stopped_mid_run(model_dir, referen
         w2.cache.check_integrity()
     finally:
         srv.stop()
+
+
+def test_exact_block_boundary_restore_never_applies_the_last_token_twice(model_dir, tmp_path):
+    """A 32-token prompt (2 blocks of 16) snapshotted at its end, pushed out to disk; the same
+    prompt again must not take that snapshot (its state holds token 32 already), while a
+    33-token extension takes it from disk: both give the tokens of reuse off."""
+    off = _engine(model_dir, reuse=False)
+    eng = _engine(model_dir, tmp_path)
+    p32 = prompt(4242, 32)
+    cases = [("a", p32), ("fill0", prompt(1, 40)), ("fill1", prompt(2, 40)),
+             ("fill2", prompt(3, 40)), ("ext", p32 + [77]), ("again", p32)]
+    got, cached = {}, {}
+    for rid, p in cases:
+        res = run_all(eng, [Request(rid, p, greedy(5))])
+        got[rid], cached[rid] = res["tokens"][rid], res["outputs"][rid].cached_tokens
+        if rid == "fill2":  # the 32-token snapshot is on disk only now
+            assert eng.cache.tree.match(p32 + [0], 32).cached_tokens == 0
+            assert 32 in eng.cache.tiers.disk.lengths()
+    ref = {rid: run_all(off, [Request(rid, p, greedy(5))])["tokens"][rid] for rid, p in cases}
+    assert got == ref
+    assert cached["again"] < 32 and cached["ext"] == 32
+    assert eng.cache.stats().tiers["disk"]["hit_tokens"] == 32  # "ext", from disk
