@@ -25,10 +25,19 @@ class RedisUnavailable(Exception):
 
 
 def ensure_redis_server() -> str:
-    """Path of redis-server, installing Debian's package when missing (root only)."""
+    """Path of redis-server, installing Debian's package when missing (root only; one
+    installer at a time across pytest workers)."""
     found = shutil.which("redis-server")
     if found:
         return found
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), "baton-redis-install.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return shutil.which("redis-server") or _install()
+
+
+def _install() -> str:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise RedisUnavailable("redis-server is not installed and installing it needs root "
                                "and apt-get (apt-get install redis-server)")
