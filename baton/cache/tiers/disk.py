@@ -59,6 +59,7 @@ class DiskTier:
         (the worker's router events, tier 1)."""
         self._index: dict[str, _Meta] = {}
         self._lengths: dict[int, int] = {}
+        self._used = 0
         self._dir_mtime = -1
         self._prefix = f"{layout.fmt}-"
         self._check_path()
@@ -108,7 +109,8 @@ class DiskTier:
     # ---- index -------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return sum(m.size for m in self._index.values())
+        """Bytes of the entries indexed now."""
+        return self._used
 
     def _refresh(self) -> None:
         """Re-read the folder when it changed (another worker committed or removed)."""
@@ -147,10 +149,12 @@ class DiskTier:
         sh = int(key[len(self._prefix):], 16)
         meta = self._index[key] = _Meta(h.n, size, h.flops, self.clock(), h.bh, sh)
         self._lengths[h.n] = self._lengths.get(h.n, 0) + 1
+        self._used += size
         self._notify(True, meta)
 
     def _forget(self, key: str) -> None:
         m = self._index.pop(key)
+        self._used -= m.size
         self._lengths[m.n] -= 1
         if not self._lengths[m.n]:
             del self._lengths[m.n]
