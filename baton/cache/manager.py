@@ -495,11 +495,13 @@ class HybridCacheManager:
     def _from_tiers(self, prompt: list[int], m: MatchResult) -> MatchResult:
         """A deeper prefix than the pool's from a tier, put back into the tree first."""
         got = self.tiers.load(prompt, m.cached_tokens, len(prompt) - 1)
-        if got is None or not materialize(self, prompt, got):
+        if got is None:
             return m
-        got.tier.stats.hits += 1
-        got.tier.stats.hit_tokens += got.header.n
-        self._tier_hit += got.header.n
+        if materialize(self, prompt, got):
+            got.tier.stats.hits += 1
+            got.tier.stats.hit_tokens += got.header.n
+            self._tier_hit += got.header.n
+        # match again either way: making room may have evicted the pool's own match
         return self.tree.match(prompt, len(prompt) - 1)
 
     def _restore(self, live: _Live, snap: Snapshot | None) -> None:

@@ -269,3 +269,25 @@ def test_kill_9_mid_write_leaves_nothing_that_reads_as_valid(tmp_path):
     assert t.lengths() == [] and os.listdir(tmp_path) == []
     assert t.stats.removed_tmp == 1
     time.sleep(0)
+
+
+def test_no_room_to_restore_never_uses_a_snapshot_evicted_meanwhile(tmp_path):
+    """Making room for a tier entry may evict the pool's own (shallower) match; when the room
+    still cannot be had, admission matches again instead of restoring what was dropped."""
+    m = make(tmp_path)
+    for rid, p, s in (("a", A, 10.0), ("b", B, 20.0), ("c", C, 30.0)):
+        compute(m, rid, p, s)  # A (9 tokens) on disk only
+    compute(m, "a5", A[:5], 50.0)  # the pool's match for A: 5 tokens
+    p5 = next(s for s in m.tree.lru_units()[1] if s.num_tokens == 5)
+
+    def starved(required=True):  # the pool drops the 5-token snapshot, then has no block
+        if p5.alive:
+            m.tree.drop(p5)
+        return None
+
+    m.store.alloc_block = starved
+    adm = m.admit("x", A + [99])
+    assert adm.cached_tokens == 0 and state_of(m, adm.slot) == (0.0, 0.0)
+    assert m.tiers.disk.stats.hits == 0
+    m.abort("x")
+    m.check_integrity()
