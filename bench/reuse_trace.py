@@ -11,6 +11,7 @@ of first appearance until `--quick` 60 / 150 requests, replayed one at a time in
 Pool sizes are fractions of the working set: KV blocks = the distinct blocks of the replay,
 state slots = the snapshots an unbounded pool takes. Rows per pool size:
   lru           LRU, pool only             value         value-aware (Marconi), pool only
+  lru+branch    LRU + branch-point snapshots (Marconi's admission); value+branch likewise
   lru+tiers     LRU + a disk tier >= the working set
   value+tiers   value-aware + the disk tier
 Figures: prefill tokens computed / the oracle (tokens no earlier prompt shared), hit tokens per
@@ -45,8 +46,10 @@ TRACE_BLOCK = 512
 POLICY = {"periodic_snapshot_interval": 4 * SCALE, "additional_snapshot_offsets_from_end": [0],
           "decode_end_snapshot": False}
 FRACTIONS = (1.0, 0.5, 0.25)
-ROWS = {"lru": ("lru", False), "value": ("value", False), "lru+tiers": ("lru", True),
-        "value+tiers": ("value", True)}
+ROWS = {"lru": ("lru", False, False), "value": ("value", False, False),
+        "lru+branch": ("lru", False, True), "value+branch": ("value", False, True),
+        "lru+tiers": ("lru", True, False), "value+tiers": ("value", True, False)}
+"""name: (eviction policy, disk tier, branch-point snapshots (Marconi's admission))"""
 
 
 def select(path: str | Path, n: int) -> list[dict]:
@@ -98,12 +101,13 @@ def oracle(reqs: list[tuple[list[int], int]]) -> tuple[int, int]:
 
 
 def _engine(path, blocks: int, slots: int, eviction: str, tier: str | None,
-            reuse: bool = True):
+            reuse: bool = True, branch: bool = False):
     from baton.config import BatonConfig
     from baton.engine.builder import build_engine
 
     cache = {"tokens_per_block": SCALE, "num_blocks": blocks, "num_state_slots": slots,
-             "mamba_state_config": POLICY, "eviction": {"policy": eviction},
+             "mamba_state_config": {**POLICY, "branch_point_snapshot": branch},
+             "eviction": {"policy": eviction},
              "enable_prefix_reuse": reuse}
     if tier is not None:
         cache["tier"] = {"path": tier, "bytes": 8 << 30, "io": "nixl"}
@@ -161,11 +165,11 @@ def run(args) -> list[dict]:
     for frac in FRACTIONS:
         blocks = max(int(frac * ws_blocks), 1) + longest
         slots = max(int(frac * ws_slots), 1) + 1
-        for name, (eviction, tiered) in ROWS.items():
+        for name, (eviction, tiered, branch) in ROWS.items():
             folder = tempfile.mkdtemp(prefix="baton-tier-") if tiered else None
             t0 = time.perf_counter()
             try:
-                eng = _engine(path, blocks, slots, eviction, folder)
+                eng = _engine(path, blocks, slots, eviction, folder, branch=branch)
                 res = replay(eng, reqs)
             finally:
                 if folder:

@@ -213,6 +213,8 @@ class HybridCacheManager:
             self._release(req_id)
             raise
         live.points = [p for p in self.snapshot_points(len(prompt)) if p > m.cached_tokens]
+        if self._reuse and reuse and self.policy.branch_point_snapshot:
+            live.points = self._with_branch_point(prompt, m.cached_tokens, live.points)
         self._start_turn(live, session)
         self._queried += len(prompt)
         self._hit += m.cached_tokens
@@ -503,6 +505,14 @@ class HybridCacheManager:
             self._tier_hit += got.header.n
         # match again either way: making room may have evicted the pool's own match
         return self.tree.match(prompt, len(prompt) - 1)
+
+    def _with_branch_point(self, prompt: list[int], cached: int, points: list[int]) -> list[int]:
+        """`points` plus the branch point: where the prompt's blocks leave the tree's KV, when
+        that lies past the restored snapshot and before the prompt's end."""
+        if self.policy.per_conversation:
+            return points
+        b = self.tree.match_blocks(prompt, len(prompt) - 1).depth * self.tpb
+        return sorted({*points, b}) if cached < b < len(prompt) else points
 
     def _restore(self, live: _Live, snap: Snapshot | None) -> None:
         page = self.store.restore(snap, live.slot)

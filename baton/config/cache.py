@@ -31,6 +31,10 @@ class MambaStateConfig:
     The boundaries are the end of each prompt and, with decode_end_snapshot, the decode end."""
     max_num_turns: int = 0
     """Turns of one session whose snapshots are kept (per_conversation only; 0 = no limit)."""
+    branch_point_snapshot: bool = False
+    """Also snapshot where a prompt leaves the KV the pool already holds (the deepest cached
+    full block past the restored snapshot): the point later prompts sharing that prefix
+    branch from (Marconi's admission). Not with per_conversation."""
     mamba_state_cache_interval: int | None = None
     """Deprecated alias of periodic_snapshot_interval (warns, then reads as None)."""
 

@@ -117,3 +117,24 @@ def test_exact_eviction_order_of_the_disk_tier(tmp_path, policy, kept):
         assert t.put(names[name], h, pay)
     assert t.stats.evicted == 1
     assert sorted(n for n, k in names.items() if t.has(k)) == kept
+
+
+def test_branch_point_snapshot_where_a_prompt_leaves_the_cached_kv():
+    """Marconi's admission: a second prompt sharing 2 blocks (8 tokens) of a first one whose
+    snapshot is at its end (12) gets a snapshot point at 8, where it branches off; a third
+    sharing those 8 tokens then restores them."""
+    cfg = CacheConfig(tokens_per_block=TPB, num_blocks=64, num_state_slots=6,
+                      mamba_state_config=MambaStateConfig(decode_end_snapshot=False,
+                                                          branch_point_snapshot=True))
+    spec = PoolSpec.for_model(MODEL, num_blocks=64, tokens_per_block=TPB, num_slots=6)
+    m = HybridCacheManager(cfg, Pools(spec), 1)
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert serve(m, "a", shared + [1, 2, 3, 4]).snapshot_points == (12,)
+    assert serve(m, "b", shared + [20, 21, 22]).snapshot_points == (8, 11)
+    adm = serve(m, "c", shared + [30, 31])
+    assert adm.cached_tokens == 8 and adm.snapshot_points == (10,)
+    off = CacheConfig(tokens_per_block=TPB, num_blocks=64, num_state_slots=6,
+                      mamba_state_config=MambaStateConfig(decode_end_snapshot=False))
+    m2 = HybridCacheManager(off, Pools(spec), 1)
+    serve(m2, "a", shared + [1, 2, 3, 4])
+    assert serve(m2, "b", shared + [20, 21, 22]).snapshot_points == (11,)
