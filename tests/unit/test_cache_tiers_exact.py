@@ -24,11 +24,12 @@ def model_dir(request, tmp_path_factory):
     return make_checkpoint(root)
 
 
-def _engine(model_dir, tier_path=None, reuse=True, policy="lru"):
+def _engine(model_dir, tier_path=None, reuse=True, policy="lru", branch=False):
     cache = {"tokens_per_block": 16, "num_blocks": 40, "num_state_slots": 6,
              "enable_prefix_reuse": reuse, "eviction": {"policy": policy},
              "mamba_state_config": {"additional_snapshot_offsets_from_end": [0],
-                                    "decode_end_snapshot": True}}
+                                    "decode_end_snapshot": True,
+                                    "branch_point_snapshot": branch}}
     if tier_path is not None:
         cache["tier"] = {"path": str(tier_path), "bytes": 64 << 20}
     return engine_for(model_dir, cache=cache, worker={"max_num_seqs": 2})
@@ -55,10 +56,10 @@ def reference(model_dir):
     return _chats(_engine(model_dir, reuse=False))[0]
 
 
-@pytest.mark.parametrize("policy", ["lru", "value"])
+@pytest.mark.parametrize("policy, branch", [("lru", False), ("value", False), ("value", True)])
 def test_small_pool_with_disk_tier_gives_reuse_off_tokens(model_dir, reference, tmp_path,
-                                                          policy):
-    eng = _engine(model_dir, tmp_path, policy=policy)
+                                                          policy, branch):
+    eng = _engine(model_dir, tmp_path, policy=policy, branch=branch)
     got, cached = _chats(eng)
     assert got == reference
     st = eng.cache.stats()
@@ -181,3 +182,18 @@ def test_exact_block_boundary_restore_never_applies_the_last_token_twice(model_d
     assert got == ref
     assert cached["again"] < 32 and cached["ext"] == 32
     assert eng.cache.stats().tiers["disk"]["hit_tokens"] == 32  # "ext", from disk
+
+
+def test_branch_point_snapshots_are_exact(model_dir, tmp_path):
+    """Three prompts share 40 tokens: the second is snapshotted where it leaves the first's
+    KV (32, two full blocks), and the third restores those 32: the tokens of reuse off."""
+    shared = prompt(9, 40)
+    cases = [(r, shared + prompt(10 + i, 9 - 2 * i)) for i, r in enumerate("abc")]
+    eng = _engine(model_dir, branch=True)
+    off = _engine(model_dir, reuse=False)
+    got, cached = {}, {}
+    for rid, p in cases:
+        res = run_all(eng, [Request(rid, p, greedy(5))])
+        got[rid], cached[rid] = res["tokens"][rid], res["outputs"][rid].cached_tokens
+    ref = {rid: run_all(off, [Request(rid, p, greedy(5))])["tokens"][rid] for rid, p in cases}
+    assert got == ref and cached == {"a": 0, "b": 0, "c": 32}
