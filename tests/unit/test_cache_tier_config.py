@@ -43,7 +43,7 @@ def test_unwritable_tier_path_fails_at_start(tmp_path, model):
 
     (tmp_path / "file").write_text("x")
     cfg = BatonConfig.from_dict({"cache": {"tier": {"path": str(tmp_path / "file" / "tier"),
-                                                    "bytes": 1 << 30}}})
+                                                    "bytes": 1 << 30, "io": "file"}}})
     with pytest.raises(ConfigError, match=r"cache.tier.path=.*file/tier.* cannot hold the disk "
                                           r"tier"):
         build_engine(cfg, str(model))

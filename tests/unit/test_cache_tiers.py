@@ -20,7 +20,7 @@ from baton.cache.manager import HybridCacheManager
 from baton.cache.tiers import Tiers
 from baton.cache.tiers.disk import DiskTier
 from baton.cache.tiers.entry import PREFIX, Header, Layout
-from baton.cache.tiers.fileio import FileIO, NixlPosixIO
+from baton.cache.tiers.fileio import FileIO
 from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.config.cache_tiers import EvictionConfig
 from baton.errors import ConfigError
@@ -220,22 +220,43 @@ def test_other_model_entries_are_kept_apart(tmp_path):
     assert t2.lengths() == [] and t1.lengths() == [9]
 
 
-def test_nixl_posix_and_plain_files_write_the_same_bytes(tmp_path):
+NIXL_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from pathlib import Path
+    from baton.cache.tiers.fileio import FileIO, NixlPosixIO, open_io
+    from baton.cache.tiers.entry import Layout
+    from tests.unit.test_cache_tiers import A, disk, pools
+
+    tmp = Path(sys.argv[1])
     io = NixlPosixIO()
+    assert isinstance(open_io("nixl"), NixlPosixIO)  # the plugin loads: no fallback here
     layout = Layout(pools(), "tiny")
     buf = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)
     for i, w in enumerate((io, FileIO())):
-        fd = os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT)
+        fd = os.open(tmp / f"f{i}", os.O_RDWR | os.O_CREAT)
         w.write(fd, 16, buf)
         assert torch.equal(io.read(fd, 16, buf.numel()), buf)
         assert torch.equal(FileIO().read(fd, 16, buf.numel()), buf)
         os.close(fd)
-    a, b = disk(tmp_path / "n", layout=layout, io=io), disk(tmp_path / "f", layout=layout)
+    a, b = disk(tmp / "n", layout=layout, io=io), disk(tmp / "f", layout=layout)
     h, pay = layout.gather(A, [0, 1, 2], 0)
     k = a.key(3)
     a.put(k, h, pay)
     b.put(k, h, pay)
-    assert (tmp_path / "n" / f"{k}.snap").read_bytes() == (tmp_path / "f" / f"{k}.snap").read_bytes()
+    assert (tmp / "n" / f"{k}.snap").read_bytes() == (tmp / "f" / f"{k}.snap").read_bytes()
+    got = a.get(k, A)
+    assert got is not None and torch.equal(got[1], pay)
+    print("same bytes", flush=True)
+""")
+
+
+def test_nixl_posix_and_plain_files_write_the_same_bytes(tmp_path):
+    """In its own process: one that has loaded NIXL crashes in grpc_tools' protoc later
+    (test_proto_stubs.py), and pytest workers run many test files each."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", NIXL_SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "same bytes", out.stderr[-2000:]
 
 
 KILL_SCRIPT = textwrap.dedent("""

@@ -31,7 +31,10 @@ def _engine(model_dir, tier_path=None, reuse=True, policy="lru", branch=False):
                                     "decode_end_snapshot": True,
                                     "branch_point_snapshot": branch}}
     if tier_path is not None:
-        cache["tier"] = {"path": str(tier_path), "bytes": 64 << 20}
+        # plain file I/O in this process: a process that has loaded NIXL crashes in
+        # grpc_tools' protoc later (test_proto_stubs); NIXL's POSIX path is covered by
+        # test_cache_tiers.py (in a subprocess) and the cluster test (workers use it)
+        cache["tier"] = {"path": str(tier_path), "bytes": 64 << 20, "io": "file"}
     return engine_for(model_dir, cache=cache, worker={"max_num_seqs": 2})
 
 
