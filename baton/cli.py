@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default=None,
                    help="quality: YAML config of the engine variant compared with the float32 "
                         "reference (default: model.dtype bfloat16)")
+    p.add_argument("--trace", default=None,
+                   help="reuse: replay this multi-turn trace (Mooncake/AIPerf JSONL) at pools "
+                        "of 100/50/25%% of its working set, LRU vs value-aware, with and "
+                        "without the disk tier (bench/reuse_trace.py)")
     return ap
 
 

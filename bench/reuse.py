@@ -69,6 +69,11 @@ def plan(default: str) -> list[tuple[str, str, str]]:
 def run(args) -> list[dict]:
     from baton.config import WorkerConfig
 
+    if getattr(args, "trace", None):  # `--trace FILE`: the tiered-cache trace replay
+        from bench.reuse_trace import run as run_trace
+
+        return run_trace(args)
+
     quick = getattr(args, "quick", False)
     wl = Workload(sessions=8, turns=4, system_len=256, message_len=96, answer_len=16) if quick \
         else Workload()

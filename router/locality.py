@@ -57,8 +57,8 @@ class SnapshotLocator:
             self.observe(worker.worker_id, ev)
 
     def observe(self, worker_id: str, events: Sequence[SnapshotEvent]) -> None:
-        with self._lock:
-            self.index.apply(worker_id, events)
+        with self._lock:  # snapshots to ship come out of a pool: tier entries do not count
+            self.index.apply(worker_id, [e for e in events if not e.tier])
 
     def forget(self, worker_id: str) -> None:
         with self._lock:

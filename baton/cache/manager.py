@@ -30,7 +30,10 @@ from baton.cache.policy import snapshot_points
 from baton.cache.sessions import SessionTurns
 from baton.cache.stats import CacheStats
 from baton.cache.store import SnapshotStore
+from baton.cache.tiers.chain import Tiers
+from baton.cache.tiers.restore import materialize, spill
 from baton.cache.tree import MatchResult, Node, Snapshot
+from baton.cache.value import FlopModel, tree_victim
 from baton.config.cache import CacheConfig
 from baton.errors import CapacityError, ConfigError, InvalidRequestError
 from baton.model.pools import Pools
@@ -65,11 +68,14 @@ class _Live:
 
 class HybridCacheManager:
     def __init__(self, cfg: CacheConfig, pools: Pools, max_live: int, reserved_slots: int = 0,
-                 pad_rows: bool = False):
+                 pad_rows: bool = False, tiers: Tiers | None = None,
+                 flops: FlopModel | None = None):
         """`reserved_slots`: the top slots of the pools that this manager never hands out
         (speculative decoding's per-position states, `slots_speculative` in stats).
         `pad_rows`: one more slot (just below those) and the top KV block are kept out too,
-        for the pad rows of bucketed decode steps (`pad_slot`, `pad_block`)."""
+        for the pad rows of bucketed decode steps (`pad_slot`, `pad_block`).
+        `tiers`: where evicted snapshots go and prefixes come back from (cache/tiers/);
+        `flops`: the model's FLOP counts, for `cache.eviction.policy: value`."""
         spec = pools.spec
         if spec.tokens_per_block != cfg.tokens_per_block:
             raise ConfigError(
@@ -101,6 +107,7 @@ class HybridCacheManager:
         self.store = SnapshotStore(pools, self.tpb, num_slots, self.snapshot_budget,
                                    spec.num_blocks - (self.pad_block is not None))
         self.blocks, self.slots, self.tree = self.store.blocks, self.store.slots, self.store.tree
+        self._setup_tiers(tiers, flops)
         self.policy = cfg.mamba_state_config
         self._reuse = cfg.enable_prefix_reuse
         if self._reuse and self.snapshot_budget == 0:
@@ -119,7 +126,22 @@ class HybridCacheManager:
         self.quarantined_total = 0
         self.canaries = False
         """Whether `arm_canaries` ran: free blocks and slots must hold CANARY (tests only)."""
-        self._queried = self._hit = self._rqueried = self._rhit = 0
+        self._queried = self._hit = self._rqueried = self._rhit = self._tier_hit = 0
+
+    def _setup_tiers(self, tiers: Tiers | None, flops: FlopModel | None) -> None:
+        self.tiers, self.flops = tiers, flops
+        self.layout = tiers.layout if tiers is not None else None
+        if tiers is not None:
+            self.tree.on_evict = lambda snap: spill(self, snap)
+        if self.cfg.eviction.policy == "value":
+            if flops is None:
+                raise ConfigError("cache.eviction.policy=value needs the model's FLOP counts "
+                                  "(pass flops=FlopModel.for_model(config))")
+            self.tree.victim = lambda units: tree_victim(self, units)
+
+    def saved_flops(self, n: int, p: int = 0) -> float:
+        """Prefill FLOPs a snapshot after n tokens saves over one after p (0 without a model)."""
+        return self.flops.saved(n, p) if self.flops is not None else 0.0
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -128,10 +150,11 @@ class HybridCacheManager:
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """Prompt tokens `admit` would restore now: its deepest snapshot whose KV blocks are all
-        present (never the last token; 0 when reuse is off)."""
+        present, in the pool or a tier (never the last token; 0 when reuse is off)."""
         if not self._reuse or len(prompt) < 2:
             return 0
-        return self.tree.match(prompt, len(prompt) - 1).cached_tokens
+        n = self.tree.match(prompt, len(prompt) - 1).cached_tokens
+        return n if self.tiers is None else self.tiers.peek(prompt, n, len(prompt) - 1)
 
     def snapshot_points(self, prompt_len: int) -> list[int]:
         """Where a prompt of this length is snapshotted ([] when reuse is off)."""
@@ -180,6 +203,8 @@ class HybridCacheManager:
         self._check_new(req_id, prompt, samples)
         none = MatchResult(self.tree.root, None, 0)
         m = self.tree.match(prompt, len(prompt) - 1) if self._reuse and reuse else none
+        if self.tiers is not None and self._reuse and reuse:
+            m = self._from_tiers(prompt, m)
         live = self._register(req_id, prompt, m.node)
         live.spare = samples - 1
         try:
@@ -188,6 +213,8 @@ class HybridCacheManager:
             self._release(req_id)
             raise
         live.points = [p for p in self.snapshot_points(len(prompt)) if p > m.cached_tokens]
+        if self._reuse and reuse and self.policy.branch_point_snapshot:
+            live.points = self._with_branch_point(prompt, m.cached_tokens, live.points)
         self._start_turn(live, session)
         self._queried += len(prompt)
         self._hit += m.cached_tokens
@@ -413,6 +440,8 @@ class HybridCacheManager:
             slots_quarantined=self._quarantined_slots(),
             quarantined_total=self.quarantined_total,
             slots_speculative=self.reserved_slots,
+            tier_hit_tokens=self._tier_hit,
+            tiers=self.tiers.counters() if self.tiers is not None else {},
         )
 
     def set_snapshot_listener(self, fn: Callable[[bool, list[int], int], None] | None) -> None:
@@ -464,6 +493,26 @@ class HybridCacheManager:
             self.blocks.incref(b)
         live = self._live[req_id] = _Live(list(prompt), slot, table, node, [])
         return live
+
+    def _from_tiers(self, prompt: list[int], m: MatchResult) -> MatchResult:
+        """A deeper prefix than the pool's from a tier, put back into the tree first."""
+        got = self.tiers.load(prompt, m.cached_tokens, len(prompt) - 1)
+        if got is None:
+            return m
+        if materialize(self, prompt, got):
+            got.tier.stats.hits += 1
+            got.tier.stats.hit_tokens += got.header.n
+            self._tier_hit += got.header.n
+        # match again either way: making room may have evicted the pool's own match
+        return self.tree.match(prompt, len(prompt) - 1)
+
+    def _with_branch_point(self, prompt: list[int], cached: int, points: list[int]) -> list[int]:
+        """`points` plus the branch point: where the prompt's blocks leave the tree's KV, when
+        that lies past the restored snapshot and before the prompt's end."""
+        if self.policy.per_conversation:
+            return points
+        b = self.tree.match_blocks(prompt, len(prompt) - 1).depth * self.tpb
+        return sorted({*points, b}) if cached < b < len(prompt) else points
 
     def _restore(self, live: _Live, snap: Snapshot | None) -> None:
         page = self.store.restore(snap, live.slot)

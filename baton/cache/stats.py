@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class CacheStats:
     slots_speculative: int = 0
     """Slots kept for speculative decoding's per-position states (max_num_seqs x K), outside
     slots_total."""
+    tier_hit_tokens: int = 0
+    """Of hit_tokens, those whose snapshot came back from a tier (disk or shared store)."""
+    tiers: dict = field(default_factory=dict)
+    """Per tier ("disk", "shared"): its counters (baton/cache/tiers/stats.py)."""
 
     @property
     def hit_rate(self) -> float:

@@ -25,6 +25,8 @@ class SnapshotStore:
         self.tree = PrefixTree(tokens_per_block, self.blocks, self.slots)
         self.budget = budget
         self.taken = 0
+        self.restored = 0
+        """Snapshots put back into the tree from a tier."""
 
     def alloc_block(self, required: bool = True) -> int | None:
         """A free block, evicting LRU tree blocks; CapacityError (or None) when impossible."""

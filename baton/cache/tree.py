@@ -38,6 +38,8 @@ class Snapshot:
     """Tokens past `node`'s blocks (partial snapshots only, 0 < len < tokens_per_block)."""
     page: int | None = None
     """Copied KV page holding `tail` (partial snapshots; None on attention-free stages)."""
+    last: int = 0
+    """Logical time of its last use (the tree's `clock`), for value-aware eviction."""
 
     @property
     def is_partial(self) -> bool:
@@ -60,6 +62,7 @@ class Node:
     snapshot: Snapshot | None = None
     partial: Snapshot | None = None
     lock_ref: int = 0
+    last: int = 0
 
 
 class MatchResult(NamedTuple):
@@ -86,6 +89,13 @@ class PrefixTree:
         """Told of every snapshot added (True) or dropped (False), e.g. to inform a router."""
         self.pinned: Snapshot | None = None
         """A partial snapshot being restored: KV eviction must not take its page meanwhile."""
+        self.clock = 0
+        """Logical time: bumped on every touch."""
+        self.on_evict: Callable[[Snapshot], None] | None = None
+        """Told of each snapshot about to be evicted for room (its slot and blocks still hold
+        it), e.g. to write it to a tier; not of snapshots retired or replaced."""
+        self.victim: Callable[[list], Node | Snapshot] | None = None
+        """Chooses which of the evictable units goes first; None: least recently used."""
 
     # ---- lookup ------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int) -> MatchResult:
@@ -180,6 +190,8 @@ class PrefixTree:
 
     # ---- LRU and locks -----------------------------------------------------------------
     def touch(self, unit: Node | Snapshot) -> None:
+        self.clock += 1
+        unit.last = self.clock
         if isinstance(unit, Snapshot):
             self._state_lru[unit] = None
             self._state_lru.move_to_end(unit)
@@ -234,32 +246,51 @@ class PrefixTree:
         if prune:
             self._prune(snap.node)
 
-    def evict_block(self) -> bool:
-        """Evict the least recently used KV unit; False when nothing is evictable."""
-        for unit in self._kv_lru:
-            if unit is self.pinned:
-                continue
-            if isinstance(unit, Snapshot):
-                self.drop(unit)
-                self.snapshots_evicted += 1
-            elif unit.lock_ref == 0 and not unit.children and unit.partial is None:
-                self._remove(unit)
-            else:
-                continue
-            self.blocks_evicted += 1
+    def _evictable(self, unit: Node | Snapshot) -> bool:
+        if unit is self.pinned:
+            return False
+        if isinstance(unit, Snapshot):
             return True
-        return False
+        return unit.lock_ref == 0 and not unit.children and unit.partial is None
+
+    def evict_block(self) -> bool:
+        """Evict a KV unit (the least recently used, or `victim`'s pick); False when nothing
+        is evictable."""
+        if self.victim is not None:
+            unit = self.victim([u for u in self._kv_lru if self._evictable(u)])
+        else:
+            unit = next((u for u in self._kv_lru if self._evictable(u)), None)
+        if unit is None:
+            return False
+        if isinstance(unit, Snapshot):
+            self._evicting(unit)
+            self.drop(unit)
+            self.snapshots_evicted += 1
+        else:
+            self._remove(unit, evicted=True)
+        self.blocks_evicted += 1
+        return True
 
     def evict_snapshot(self) -> bool:
-        """Drop the least recently used snapshot, freeing its slot; False when there is none."""
+        """Drop a snapshot (the least recently used, or `victim`'s pick), freeing its slot;
+        False when there is none."""
         if not self._state_lru:
             return False
-        self.drop(next(iter(self._state_lru)))
+        snaps = list(self._state_lru)
+        snap = self.victim(snaps) if self.victim is not None else snaps[0]
+        self._evicting(snap)
+        self.drop(snap)
         self.snapshots_evicted += 1
         return True
 
-    def _remove(self, node: Node) -> None:
+    def _evicting(self, snap: Snapshot) -> None:
+        if self.on_evict is not None:
+            self.on_evict(snap)
+
+    def _remove(self, node: Node, evicted: bool = False) -> None:
         if node.snapshot is not None:
+            if evicted:
+                self._evicting(node.snapshot)
             self.drop(node.snapshot, prune=False)
             self.snapshots_evicted += 1
         del node.parent.children[node.tokens]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from baton.config.cache_tiers import EvictionConfig, SharedStoreConfig, TierConfig
 from baton.contract.types import DEFAULT_TOKENS_PER_BLOCK
 from baton.errors import ConfigError
 
@@ -30,6 +31,10 @@ class MambaStateConfig:
     The boundaries are the end of each prompt and, with decode_end_snapshot, the decode end."""
     max_num_turns: int = 0
     """Turns of one session whose snapshots are kept (per_conversation only; 0 = no limit)."""
+    branch_point_snapshot: bool = False
+    """Also snapshot where a prompt leaves the KV the pool already holds (the deepest cached
+    full block past the restored snapshot): the point later prompts sharing that prefix
+    branch from (Marconi's admission). Not with per_conversation."""
     mamba_state_cache_interval: int | None = None
     """Deprecated alias of periodic_snapshot_interval (warns, then reads as None)."""
 
@@ -117,6 +122,12 @@ class CacheConfig:
     """Reuse cached prefixes (KV blocks + a Mamba snapshot). Turned off, with a warning, when
     mamba_state_config has no snapshot policy at all."""
     mamba_state_config: MambaStateConfig = field(default_factory=MambaStateConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
+    """Disk tier of evicted snapshots (KV + state as one entry); docs/cache-tiers.md."""
+    shared_store: SharedStoreConfig = field(default_factory=SharedStoreConfig)
+    """Store shared by every worker (Redis); docs/cache-tiers.md."""
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    """Which snapshot leaves the pool (and a tier) first: `lru` or `value` (Marconi)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_blocks", "num_state_slots"):

@@ -259,6 +259,9 @@ class SnapshotEvent:
     block_hash: int
     snapshot_hash: int
     num_tokens: int
+    tier: int = 0
+    """0: in the worker's pool; 1: in its disk tier (restored before use, cheaper than
+    computing, dearer than a pool hit)."""
 
 
 @dataclass(frozen=True)

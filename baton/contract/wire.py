@@ -163,13 +163,14 @@ def event_from_pb(m: pb.SnapshotEvent) -> SnapshotEvent:
         raise InvalidRequestError(
             f"snapshot event kind must be INSERTED or EVICTED, got {m.kind}")
     inserted = m.kind == pb.SnapshotEvent.KIND_INSERTED
-    return SnapshotEvent(inserted, m.block_hash, m.snapshot_hash, m.num_tokens)
+    return SnapshotEvent(inserted, m.block_hash, m.snapshot_hash, m.num_tokens, m.tier)
 
 
 def event_to_pb(e: SnapshotEvent) -> pb.SnapshotEvent:
     kind = pb.SnapshotEvent.KIND_INSERTED if e.inserted else pb.SnapshotEvent.KIND_EVICTED
     return pb.SnapshotEvent(
-        kind=kind, block_hash=e.block_hash, snapshot_hash=e.snapshot_hash, num_tokens=e.num_tokens
+        kind=kind, block_hash=e.block_hash, snapshot_hash=e.snapshot_hash,
+        num_tokens=e.num_tokens, tier=e.tier,
     )
 
 

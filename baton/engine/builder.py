@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from baton.cache.manager import HybridCacheManager
+from baton.cache.value import FlopModel
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
 from baton.engine.process import DTYPES, arm_canaries, on_huge_pages, rank_threads, set_threads
@@ -69,6 +70,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
             f"speculative.num_draft_tokens={cfg.speculative.num_draft_tokens} is not "
             f"supported with worker.tensor_parallel_size={tp} "
             "yet; set it to 0 or use tensor_parallel_size 1")
+    if tp > 1 or pp > 1:
+        from baton.cache.tiers import refuse_tiers
+
+        refuse_tiers(cfg, "worker.tensor_parallel_size / pipeline_parallel_size > 1")
     if cfg.model.quantize and (tp > 1 or pp > 1):
         raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
                           f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
@@ -86,7 +91,9 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     else:
         built = _plain(cfg, path)
     cache = HybridCacheManager(cfg.cache, built.pools, max_live=cfg.worker.max_num_seqs,
-                               reserved_slots=built.reserved, pad_rows=built.pad_rows)
+                               reserved_slots=built.reserved, pad_rows=built.pad_rows,
+                               tiers=_tiers(cfg, built.pools, path),
+                               flops=_flops(cfg, built.model))
     arm_canaries(cache)  # split: the fills reach the other processes as mirrored operations
     if built.pad_rows:
         log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
@@ -154,6 +161,21 @@ def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,
                               device=cfg.model.device)
+
+
+def _tiers(cfg: BatonConfig, pools: Pools, path):
+    """The cache's disk and shared tiers (docs/cache-tiers.md), None when not configured."""
+    from baton.auth.secret import configured_token
+    from baton.cache.tiers import model_identity, open_tiers, wanted
+
+    if not wanted(cfg.cache):
+        return None
+    return open_tiers(cfg.cache, pools, model_identity(path), configured_token(cfg.cluster))
+
+
+def _flops(cfg: BatonConfig, model) -> FlopModel | None:
+    """The model's FLOP counts where value-aware eviction scores snapshots by them."""
+    return FlopModel.for_model(model.config) if cfg.cache.eviction.policy == "value" else None
 
 
 def _pipeline(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62\x61ton/v1/baton.proto\x12\x08\x62\x61ton.v1\"\xeb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12;\n\nlogit_bias\x18\r \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x0e\n\x01n\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x12\x16\n\x0egrammar_replay\x18\x11 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x82\x01\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nfree_slots\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0btotal_slots\x18\x06 \x01(\r\"\xbd\x01\n\rSnapshotEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.baton.v1.SnapshotEvent.Kind\x12\x12\n\nblock_hash\x18\x02 \x01(\x06\x12\x15\n\rsnapshot_hash\x18\x03 \x01(\x06\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_INSERTED\x10\x01\x12\x10\n\x0cKIND_EVICTED\x10\x02\"B\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06sample\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_sample\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"%\n\x0cStatsRequest\x12\x15\n\rpool_checksum\x18\x01 \x01(\x08\"\xce\x01\n\nStatsReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x34\n\x08\x63ounters\x18\x04 \x03(\x0b\x32\".baton.v1.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62\x61ton/v1/baton.proto\x12\x08\x62\x61ton.v1\"\xeb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12;\n\nlogit_bias\x18\r \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x0e\n\x01n\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x12\x16\n\x0egrammar_replay\x18\x11 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x82\x01\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nfree_slots\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0btotal_slots\x18\x06 \x01(\r\"\xcb\x01\n\rSnapshotEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.baton.v1.SnapshotEvent.Kind\x12\x12\n\nblock_hash\x18\x02 \x01(\x06\x12\x15\n\rsnapshot_hash\x18\x03 \x01(\x06\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0c\n\x04tier\x18\x05 \x01(\r\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_INSERTED\x10\x01\x12\x10\n\x0cKIND_EVICTED\x10\x02\"B\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06sample\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_sample\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"%\n\x0cStatsRequest\x12\x15\n\rpool_checksum\x18\x01 \x01(\x08\"\xce\x01\n\nStatsReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x34\n\x08\x63ounters\x18\x04 \x03(\x0b\x32\".baton.v1.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_STATSREPLY_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=1416
-  _globals['_WORKERROLE']._serialized_end=1506
-  _globals['_FINISHREASON']._serialized_start=1509
-  _globals['_FINISHREASON']._serialized_end=1654
+  _globals['_WORKERROLE']._serialized_start=1430
+  _globals['_WORKERROLE']._serialized_end=1520
+  _globals['_FINISHREASON']._serialized_start=1523
+  _globals['_FINISHREASON']._serialized_end=1668
   _globals['_SAMPLINGPARAMS']._serialized_start=35
   _globals['_SAMPLINGPARAMS']._serialized_end=654
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=484
@@ -48,17 +48,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERLOAD']._serialized_start=747
   _globals['_WORKERLOAD']._serialized_end=877
   _globals['_SNAPSHOTEVENT']._serialized_start=880
-  _globals['_SNAPSHOTEVENT']._serialized_end=1069
-  _globals['_SNAPSHOTEVENT_KIND']._serialized_start=1004
-  _globals['_SNAPSHOTEVENT_KIND']._serialized_end=1069
-  _globals['_ABORTREQUEST']._serialized_start=1071
-  _globals['_ABORTREQUEST']._serialized_end=1137
-  _globals['_ABORTREPLY']._serialized_start=1139
-  _globals['_ABORTREPLY']._serialized_end=1166
-  _globals['_STATSREQUEST']._serialized_start=1168
-  _globals['_STATSREQUEST']._serialized_end=1205
-  _globals['_STATSREPLY']._serialized_start=1208
-  _globals['_STATSREPLY']._serialized_end=1414
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1367
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1414
+  _globals['_SNAPSHOTEVENT']._serialized_end=1083
+  _globals['_SNAPSHOTEVENT_KIND']._serialized_start=1018
+  _globals['_SNAPSHOTEVENT_KIND']._serialized_end=1083
+  _globals['_ABORTREQUEST']._serialized_start=1085
+  _globals['_ABORTREQUEST']._serialized_end=1151
+  _globals['_ABORTREPLY']._serialized_start=1153
+  _globals['_ABORTREPLY']._serialized_end=1180
+  _globals['_STATSREQUEST']._serialized_start=1182
+  _globals['_STATSREQUEST']._serialized_end=1219
+  _globals['_STATSREPLY']._serialized_start=1222
+  _globals['_STATSREPLY']._serialized_end=1428
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1381
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1428
 # @@protoc_insertion_point(module_scope)

@@ -103,7 +103,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_blocks: _Optional[int] = ..., total_slots: _Optional[int] = ...) -> None: ...
 
 class SnapshotEvent(_message.Message):
-    __slots__ = ("kind", "block_hash", "snapshot_hash", "num_tokens")
+    __slots__ = ("kind", "block_hash", "snapshot_hash", "num_tokens", "tier")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[SnapshotEvent.Kind]
@@ -116,11 +116,13 @@ class SnapshotEvent(_message.Message):
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     kind: SnapshotEvent.Kind
     block_hash: int
     snapshot_hash: int
     num_tokens: int
-    def __init__(self, kind: _Optional[_Union[SnapshotEvent.Kind, str]] = ..., block_hash: _Optional[int] = ..., snapshot_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    tier: int
+    def __init__(self, kind: _Optional[_Union[SnapshotEvent.Kind, str]] = ..., block_hash: _Optional[int] = ..., snapshot_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "sample")

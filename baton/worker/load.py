@@ -44,7 +44,11 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
             # a tensor-parallel rank applied other cache operations than rank 0 decided
             log.error("tensor-parallel ranks' cache operation digests differ: %s", digests())
             ok = 0.0
-        out = {k: float(v) for k, v in vars(cache.stats()).items()}
+        stats = dict(vars(cache.stats()))
+        tiers = stats.pop("tiers", {})
+        out = {k: float(v) for k, v in stats.items()}
+        for name, counters in tiers.items():  # tier_disk_hits, tier_shared_errors, ...
+            out.update({f"tier_{name}_{k}": float(v) for k, v in counters.items()})
         out.update(integrity_ok=ok, live_requests=float(len(cache.live_requests())),
                    engine_requests=float(len(loop.engine.requests)),
                    prefilled_tokens=float(loop.engine.prefilled_tokens))

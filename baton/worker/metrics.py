@@ -150,6 +150,9 @@ class _EngineCollector:
         except RuntimeError:  # the loop stopped (shutdown): nothing to report
             return
         for name, kind, doc, value in figures:
+            if kind == "tiers":  # value: {tier: {counter: number}} (cache/tiers/stats.py)
+                yield from _tier_families(self.role, value)
+                continue
             if kind == "histogram":  # value: (buckets [(le, cumulative count)], sum)
                 family = HistogramMetricFamily(name, doc, labels=["role"])
                 family.add_metric([self.role], value[0], sum_value=value[1])
@@ -198,6 +201,7 @@ class _EngineCollector:
              s.blocks_evicted),
             *_spec_figures(eng.spec),
             *_grammar_figures(eng.grammars),
+            ("baton_tier", "tiers", "", s.tiers),
         ]
 
 
@@ -211,6 +215,31 @@ def _grammar_figures(g) -> list[tuple[str, str, str, object]]:
         ("baton_grammar_mask_seconds", "counter", "Time computing and applying masks (per "
          "token: over baton_grammar_masks)", g.mask_seconds),
     ]
+
+
+TIER_SERIES = {
+    "hits": ("counter", "Admissions whose prefix came back from this tier"),
+    "hit_tokens": ("counter", "Prompt tokens restored from this tier"),
+    "bytes_read": ("counter", "Entry bytes read from this tier"),
+    "bytes_written": ("counter", "Entry bytes written to this tier"),
+    "load_seconds": ("counter", "Time reading and checking hits (latency = this / hits)"),
+    "admitted": ("counter", "Entries written (snapshots evicted from the pool)"),
+    "evicted": ("counter", "Entries removed for room by the tier's eviction policy"),
+    "rejected": ("counter", "Entries not admitted: larger than the tier"),
+    "corrupt": ("counter", "Entries that failed a check (checksum, truncation, missing "
+                           "state): removed, counted a miss"),
+    "errors": ("counter", "Reads or writes that failed (I/O, store unreachable): a miss each"),
+}
+
+
+def _tier_families(role: str, tiers: dict):
+    """baton_tier_<counter>{role, tier}: one series per tier (disk, shared)."""
+    for key, (kind, doc) in TIER_SERIES.items():
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = cls(f"baton_tier_{key}", doc, labels=["role", "tier"])
+        for tier, counters in tiers.items():
+            family.add_metric([role, tier], counters.get(key, 0))
+        yield family  # without tiers: a family with no series (the dashboard still finds it)
 
 
 def _spec_figures(spec) -> list[tuple[str, str, str, object]]:

@@ -14,18 +14,26 @@ class SnapshotEvents:
     def __init__(self, cache):
         self.tpb = cache.pools.spec.tokens_per_block
         self._lock = threading.Lock()
-        self._held: dict[int, SnapshotEvent] = {}
+        self._held: dict[tuple[int, int], SnapshotEvent] = {}
         self._changes: list[SnapshotEvent] = []
         cache.set_snapshot_listener(self._on_snapshot)
+        disk = cache.tiers.disk if getattr(cache, "tiers", None) is not None else None
+        if disk is not None:  # entries of the disk tier: tier 1 (router counts them lower)
+            for bh, sh, n in disk.entries():
+                self._record(SnapshotEvent(True, bh, sh, n, 1))
+            disk.listener = lambda added, bh, sh, n: self._record(
+                SnapshotEvent(added, bh, sh, n, 1))
 
     def _on_snapshot(self, inserted: bool, tokens: list[int], num_tokens: int) -> None:
         k = snapshot_key(tokens, num_tokens, self.tpb)
-        ev = SnapshotEvent(inserted, k.block_hash, k.snapshot_hash, num_tokens)
+        self._record(SnapshotEvent(inserted, k.block_hash, k.snapshot_hash, num_tokens))
+
+    def _record(self, ev: SnapshotEvent) -> None:
         with self._lock:
-            if inserted:
-                self._held[k.snapshot_hash] = ev
+            if ev.inserted:
+                self._held[ev.snapshot_hash, ev.tier] = ev
             else:
-                self._held.pop(k.snapshot_hash, None)
+                self._held.pop((ev.snapshot_hash, ev.tier), None)
             self._changes.append(ev)
 
     def drain(self, full: bool) -> list[SnapshotEvent]:

@@ -1,0 +1,136 @@
+"""What a snapshot is worth: the prefill FLOPs it saves per byte it holds, and the eviction
+order that follows from it (Marconi, MLSys 2025) or from recency alone (LRU).
+
+FLOPs of computing prompt tokens [p, n) given the cache after p, per layer kind
+(multiply-add = 2 FLOPs; D = hidden size):
+
+    recurrent (M Mamba2, G gated DeltaNet)  (n - p) * (projections + conv + state update)
+    attention (*)                           (n - p) * projections + 2 * H * hd * (n^2 - p^2)
+    MLP (-)                                 (n - p) * 2 * D * I * (2, or 3 when gated)
+    MoE (E)                                 (n - p) * (router + top_k experts + shared)
+
+The score of a candidate is alpha * norm(FLOPs saved / bytes) + norm(recency), both min-max
+normalised over the candidates, recency = 1 / (now - last use) on a logical clock; the lowest
+goes first, ties to the least recently used. With `policy: lru` only the last use counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from baton.config.cache_tiers import EvictionConfig
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    linear: float
+    """FLOPs per token that do not depend on its position (all layers)."""
+    quadratic: float
+    """Attention's position term: computing tokens [p, n) costs quadratic * (n^2 - p^2)."""
+
+    def saved(self, n: int, p: int = 0) -> float:
+        """FLOPs of computing tokens [p, n) from the cache after p."""
+        return self.linear * (n - p) + self.quadratic * (n * n - p * p)
+
+    @classmethod
+    def for_model(cls, m) -> FlopModel:
+        """From any family's config: one term per layer of `m.pattern`."""
+        d = m.hidden_size
+        lin = quad = 0.0
+        gated = getattr(m, "family", "") == "qwen3_5" or getattr(m, "hidden_act", "") == "silu"
+        for c in m.pattern:
+            if c == "M":
+                inner = m.mamba_num_heads * m.mamba_head_dim
+                gn = m.n_groups * m.ssm_state_size
+                lin += 2 * d * (2 * inner + 2 * gn + m.mamba_num_heads) + 2 * inner * d
+                lin += 2 * (inner + 2 * gn) * m.conv_kernel + 6 * inner * m.ssm_state_size
+            elif c == "G":
+                qk = m.linear_num_key_heads * m.linear_key_head_dim
+                v = m.linear_num_value_heads * m.linear_value_head_dim
+                lin += 2 * d * (2 * qk + 2 * v + 2 * m.linear_num_value_heads) + 2 * v * d
+                lin += 6 * m.linear_num_value_heads * m.linear_key_head_dim \
+                    * m.linear_value_head_dim
+            elif c == "*":
+                h, kvh, hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+                lin += 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d
+                quad += 2 * h * hd
+            elif c == "-":
+                lin += 2 * d * m.intermediate_size * (3 if gated else 2)
+            elif c == "E":
+                lin += 2 * d * m.n_routed_experts
+                lin += m.num_experts_per_tok * 4 * d * m.moe_intermediate_size
+                lin += 4 * d * getattr(m, "moe_shared_expert_intermediate_size", 0)
+            if gated and c in "G*":  # Qwen3.5: every layer carries its own gated MLP
+                experts = getattr(m, "num_experts_per_tok", 0)
+                inter = getattr(m, "moe_intermediate_size", 0) if experts else m.intermediate_size
+                lin += 2 * d * inter * 3 * max(experts, 1)
+        return cls(float(lin), float(quad))
+
+
+class Candidate(NamedTuple):
+    unit: object
+    saved: float
+    """FLOPs a hit on it saves."""
+    nbytes: int
+    """Bytes it holds."""
+    last: int
+    """Logical time of its last use."""
+
+
+def pick_victim(cands: Sequence[Candidate], now: int, cfg: EvictionConfig):
+    """The candidate to evict first under `cfg` (None when there is none)."""
+    if not cands:
+        return None
+    if cfg.policy == "lru":
+        return min(cands, key=lambda c: c.last).unit
+    eff = [c.saved / max(c.nbytes, 1) for c in cands]
+    rec = [1.0 / max(now - c.last, 1) for c in cands]
+    ne, nr = _norm(eff), _norm(rec)
+    scores = [cfg.alpha * e + r for e, r in zip(ne, nr, strict=True)]
+    best = min(range(len(cands)), key=lambda i: (scores[i], cands[i].last))
+    return cands[best].unit
+
+
+def _norm(xs: list[float]) -> list[float]:
+    lo, hi = min(xs), max(xs)
+    if hi <= lo:
+        return [0.0] * len(xs)
+    return [(x - lo) / (hi - lo) for x in xs]
+
+
+def tree_victim(m, units: list):
+    """`PrefixTree.victim` of a manager under `cache.eviction.policy: value`: scores the pool's
+    evictable snapshots and KV units. A snapshot saves the FLOPs from the deepest snapshot
+    above it to its own end and holds its state plus its path's KV; a tombstone node (KV
+    without a snapshot) saves nothing by itself."""
+    from baton.cache.tree import Snapshot
+
+    kv_b, st_b = _unit_bytes(m)
+    cands = []
+    for u in units:
+        snap = u if isinstance(u, Snapshot) else u.snapshot
+        if snap is None:
+            cands.append(Candidate(u, 0.0, kv_b * u.depth, u.last))
+            continue
+        n = snap.num_tokens
+        saved = m.saved_flops(n, _parent_tokens(snap, m.tpb))
+        cands.append(Candidate(u, saved, st_b + kv_b * -(-n // m.tpb), u.last))
+    return pick_victim(cands, m.tree.clock + 1, m.cfg.eviction)
+
+
+def _parent_tokens(snap, tpb: int) -> int:
+    node = snap.node if snap.is_partial else snap.node.parent
+    while node is not None and node.snapshot is None:
+        node = node.parent
+    return node.depth * tpb if node is not None else 0
+
+
+def _unit_bytes(m) -> tuple[int, int]:
+    import torch
+
+    s = m.pools.spec
+    item = torch.empty((), dtype=s.dtype).element_size()
+    kv = len(s.attn_layers) * 2 * s.tokens_per_block * s.num_kv_heads * s.head_dim * item
+    return kv, (s.state_bytes_per_slot() if s.state_layers else 0)
