@@ -6,6 +6,7 @@ import types
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from baton.agents.grammar import Grammars
 from baton.worker.load import counters_of
 from baton.worker.metrics import TIER_SERIES, _EngineCollector
 from tests.unit.cache.test_cache_tiers import A, B, C, compute, make
@@ -15,7 +16,8 @@ class Loop:
     def __init__(self, cache):
         self.engine = types.SimpleNamespace(
             cache=cache, scheduler=types.SimpleNamespace(running=[], waiting=[]),
-            prefilled_tokens=0, spec=None, requests={}, model=None, pools=cache.pools)
+            prefilled_tokens=0, spec=None, requests={}, model=None, pools=cache.pools,
+            weights=None, grammars=Grammars(None, 8, frozenset()))
 
     def call(self, fn):
         return fn()

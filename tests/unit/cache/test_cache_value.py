@@ -9,7 +9,7 @@ from baton.cache.manager import HybridCacheManager
 from baton.cache.value import Candidate, FlopModel, pick_victim
 from baton.config.cache import CacheConfig, MambaStateConfig
 from baton.config.cache_tiers import EvictionConfig
-from baton.model.config import ModelConfig
+from baton.model.nemotron_h.config import ModelConfig
 from baton.model.pools import Pools, PoolSpec
 from tests.unit.cache.test_cache_manager import MODEL, TPB, serve
 
