@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from baton.cache.manager import HybridCacheManager
+from baton.cache.state_format import check_built
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
 from baton.engine.process import DTYPES, arm_canaries, on_huge_pages, rank_threads, set_threads
@@ -150,6 +151,7 @@ def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> No
 
 def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
     """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
+    check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device)  # issue 50
     return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,
