@@ -6,9 +6,10 @@ tensors, its dtype) and on the device is checked here, when the engine builds it
 with one line naming the key, the value and what is allowed.
 
 What is built so far (docs/state-precision.md): the rounding primitive
-(`baton.cache.rounding`), the settings and the handshake's `cache_format` field. Pools,
-slot copies and snapshots still store the model dtype, so a format that would need them
-to store another dtype is refused here instead of being silently ignored.
+(`baton.cache.rounding`), the settings, the handshake's `cache_format` field and, in
+single-process engines, the live state rounded at the policy's points
+(`baton.engine.state_rounding`). Slots and KV still store the model dtype, so whatever
+would need them to store another dtype is refused here instead of being ignored.
 """
 
 from __future__ import annotations
@@ -63,19 +64,28 @@ def resolve(cache, state_tensors, model_dtype: torch.dtype, device: str) -> Stat
     return StateFormat(dtypes, cache.state_rounding, cache.state_rounding_seed, kv)
 
 
-def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str) -> StateFormat:
-    """`resolve`, then refuse what the pools cannot store yet: a state or KV dtype other than
-    the model's (the pools, slot copies, snapshots and transfer layout are not wired)."""
+def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
+                single_process: bool = False) -> StateFormat:
+    """`resolve`, then refuse what the engine cannot store yet. KV: any dtype other than the
+    model's. State: a 16-bit dtype is built only as the live-rounding schedule of a
+    single-process engine over float32 pools (`baton.engine.state_rounding`; the slots stay
+    float32); any other dtype than the model's is refused."""
     fmt = resolve(cache, state_tensors, model_dtype, device)
     model = str(model_dtype).removeprefix("torch.")
     for name, dt in fmt.dtypes.items():
-        if dt != model_dtype:
-            key = (f"cache.state_dtypes.{name}" if name in dict(cache.state_dtypes)
-                   else "cache.state_dtype")
+        if dt == model_dtype:
+            continue
+        key = (f"cache.state_dtypes.{name}" if name in dict(cache.state_dtypes)
+               else "cache.state_dtype")
+        if model_dtype != torch.float32:
             raise ConfigError(
-                f"{key}={cache.state_dtype_of(name)}: state pools store only the model dtype "
-                f"({model}) so far (reduced-precision pools are not built yet, "
-                f"docs/state-precision.md); allowed now: model or {model}")
+                f"{key}={cache.state_dtype_of(name)}: the pools hold the model dtype ({model}) "
+                f"and cannot store another; allowed with model.dtype {model}: model or {model}")
+        if not single_process:
+            raise ConfigError(
+                f"{key}={cache.state_dtype_of(name)}: reduced-precision state runs in "
+                "single-process engines only so far (no pipeline or tensor parallelism, no "
+                "speculative decoding; docs/state-precision.md); allowed here: model or float32")
     if fmt.kv_dtype != model_dtype:
         raise ConfigError(
             f"cache.kv_dtype={cache.kv_dtype}: the attention kernels read KV only in the model "

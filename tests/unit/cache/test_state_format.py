@@ -83,29 +83,54 @@ def test_resolve_against_the_model():
     assert set(fmt.dtypes.values()) == {torch.bfloat16}
 
 
-def test_engine_refuses_formats_the_pools_do_not_store_yet():
+def test_engine_refuses_formats_it_cannot_store_yet():
     check_built(CacheConfig(), MODEL.state_tensors, torch.float32, "cpu")
     check_built(cache(state_dtype="float32"), MODEL.state_tensors, torch.float32, "cpu")
-    with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16: state pools store "
-                                          r"only the model dtype \(float32\) .*allowed now: "
-                                          r"model or float32"):
+    fmt = check_built(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cpu",
+                      single_process=True)
+    assert fmt.dtypes == {"conv": torch.bfloat16, "ssm": torch.bfloat16}
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16: reduced-precision "
+                                          r"state runs in single-process engines only .*"
+                                          r"allowed here: model or float32"):
         check_built(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cpu")
-    with pytest.raises(ConfigError, match=r"cache\.state_dtypes\.ssm=float16: "):
+    with pytest.raises(ConfigError, match=r"cache\.state_dtypes\.ssm=float16: the pools hold "
+                                          r"the model dtype \(bfloat16\) and cannot store "
+                                          r"another"):
         check_built(cache(state_dtypes={"ssm": "float16"}), MODEL.state_tensors,
-                    torch.float32, "cpu")
+                    torch.bfloat16, "cpu", single_process=True)
     with pytest.raises(ConfigError, match=r"cache\.kv_dtype=float8_e4m3: the attention kernels "
                                           r"read KV only in the model dtype \(float32\)"):
-        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cpu")
+        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cpu",
+                    single_process=True)
+
+
+def test_prefill_and_decode_workers_refuse_rounded_state():
+    from types import SimpleNamespace
+
+    from baton.engine.state_rounding import refuse_in_transfer
+
+    refuse_in_transfer(SimpleNamespace(rounding=None), "prefill")
+    c = cache(state_dtype="bfloat16", state_rounding="stochastic")
+    eng = SimpleNamespace(rounding=object(), cache=SimpleNamespace(cfg=c))
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16 \(cache format "
+                                          r"state=bfloat16;rounding=stochastic;seed=0;kv=model\) "
+                                          r"is not built for decode workers yet"):
+        refuse_in_transfer(eng, "decode")
 
 
 def test_engine_builder_checks_the_format():
     from baton.config import BatonConfig
     from baton.engine.builder import _pool_spec
 
-    cfg = BatonConfig()
-    cfg = from_dict(BatonConfig, {**to_dict(cfg), "cache": {"state_dtype": "float16"}}, "")
-    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16"):
-        _pool_spec(cfg, MODEL, torch.float32)
+    def cfg(**sections):
+        return from_dict(BatonConfig, {**to_dict(BatonConfig()), **sections}, "")
+
+    _pool_spec(cfg(cache={"state_dtype": "float16"}), MODEL, torch.float32)  # one process
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*single-process"):
+        _pool_spec(cfg(cache={"state_dtype": "float16"},
+                       worker={"pipeline_parallel_size": 2}), MODEL, torch.float32)
+    with pytest.raises(ConfigError, match=r"cache\.kv_dtype=bfloat16"):
+        _pool_spec(cfg(cache={"kv_dtype": "bfloat16"}), MODEL, torch.float32)
 
 
 def test_handshake_refuses_another_cache_format():
