@@ -69,3 +69,25 @@ def test_two_runs_agree_and_another_seed_draws_differently(model_dir):
     assert _run(one, "a", a) == _run(two, "a", a)
     other = _engine(model_dir, True, **{**SR, "state_rounding_seed": 4})
     assert _run(other, "a", a)[1] != _run(one, "a2", a)[1]  # another seed, other draws
+
+
+def test_chat_reusing_periodic_points_is_bit_exact(model_dir):
+    """Periodic points are absolute positions: every turn of a chat reuses one that the cold
+    run also rounded, so reuse on equals reuse off in tokens and logprobs, turn by turn."""
+    periodic = {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [],
+                "decode_end_snapshot": False}
+
+    def chat(reuse: bool):
+        eng = engine_for(model_dir, cache={"tokens_per_block": 16, "enable_prefix_reuse": reuse,
+                                           "mamba_state_config": periodic, **SR})
+        history, turns = [], []
+        for t in range(4):
+            p = history + prompt(100 + t, 9 + 5 * t)
+            turns.append(_run(eng, f"t{t}", p))
+            history = p + turns[-1][0]
+        return turns
+
+    off, on = chat(False), chat(True)
+    cached = [c for _, _, c in on]
+    assert cached == [0, 0, 16, 48] and [c for _, _, c in off] == [0] * 4
+    assert [(t, lp) for t, lp, _ in on] == [(t, lp) for t, lp, _ in off]
