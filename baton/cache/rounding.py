@@ -99,6 +99,15 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, keys: torch.Tensor) ->
     if tuple(x.shape[: keys.dim()]) != tuple(keys.shape):
         raise ValueError(f"keys shape {list(keys.shape)} is not the leading dims of "
                          f"{list(x.shape)}")
+    r = draws(keys.to(x.device), tuple(x.shape[keys.dim():]))
+    if dtype == torch.bfloat16:
+        return _bf16_stochastic(x, r)
+    return _neighbours_stochastic(x, dtype, r)
+
+
+def _neighbours_stochastic(x: torch.Tensor, dtype: torch.dtype, r: torch.Tensor) -> torch.Tensor:
+    """Any 16-bit target: the two neighbours from the nearest result +-1 in the bits, rounding
+    up iff the draw r (24 bits) < frac * 2**24."""
     y = x.to(dtype)
     ax, ay = x.abs(), y.float().abs()
     bits = y.view(torch.int16)
@@ -107,11 +116,26 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, keys: torch.Tensor) ->
     up = torch.where(away, bits, bits + 1).view(dtype)
     adown = down.float().abs()
     frac = (ax - adown) / (up.float().abs() - adown)  # exact: power-of-two gap
-    r = draws(keys.to(x.device), tuple(x.shape[keys.dim():])).to(torch.float32)
-    round_up = r < frac * float(2**_DRAW_BITS)
+    round_up = r.to(torch.float32) < frac * float(2**_DRAW_BITS)
     finite_up = torch.isfinite(up.float())  # else: saturate at the largest finite value
     out = torch.where(round_up & finite_up, up, down)
     return torch.where(torch.isfinite(x), out, y)  # inf and nan: as nearest stores them
+
+
+def _bf16_stochastic(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 case in fewer passes: bfloat16 is float32's upper half, so adding 16
+    random bits below it and truncating rounds up with probability low16 / 2**16 = frac.
+    Adding 0xFFFF - r16 rounds up iff r16 < low16: the same decision, hence the same bytes,
+    as the general path (`draw < frac * 2**24` with a 16-bit frac)."""
+    bits = x.view(torch.int32)
+    add = (0xFFFF - (r >> (_DRAW_BITS - 16))).to(torch.int32)
+    up = ((bits + add) & -0x10000).view(torch.float32)  # finite x: no int32 overflow
+    out = up.to(torch.bfloat16)  # exact: the low half is zero
+    big = torch.finfo(torch.bfloat16).max
+    out = torch.where(torch.isinf(out), torch.copysign(torch.tensor(big, dtype=torch.bfloat16,
+                                                                    device=x.device), out), out)
+    return torch.where(torch.isfinite(x), out, x.to(torch.bfloat16))
+
 
 def round_state(x: torch.Tensor, dtype: torch.dtype, rounding: str,
                 keys: torch.Tensor | None = None) -> torch.Tensor:

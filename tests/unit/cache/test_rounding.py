@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.cache.rounding import draws, round_state, round_stochastic, stream_key
+from baton.cache.rounding import (
+    _bf16_stochastic,
+    _neighbours_stochastic,
+    draws,
+    round_state,
+    round_stochastic,
+    stream_key,
+)
 
 CHI2_999 = {1: 10.828, 6: 22.458, 255: 330.52}
 """Chi-square critical values at p = 0.001 by degrees of freedom."""
@@ -136,3 +143,17 @@ def test_round_state_dispatch_and_refusals():
         round_stochastic(x, torch.bfloat16, keys_for([1, 2, 3]))
     with pytest.raises(ValueError, match="reads float32"):
         round_stochastic(x.double(), torch.bfloat16, keys_for([1, 2]))
+
+
+def test_bfloat16_fast_path_gives_the_general_paths_bytes():
+    """bfloat16 rounds by adding bits below float32's upper half; the decision, hence every
+    byte, equals the neighbour algorithm the float16 path uses (all magnitudes, subnormals,
+    saturation, inf and nan)."""
+    g = torch.Generator().manual_seed(4)
+    scale = 10.0 ** torch.randint(-44, 38, (1, 50000), generator=g).float()
+    special = torch.tensor([[3.39e38, -3.39e38, 3.4e38, -3.4e38, 1e-42, -1e-44, 0.0, -0.0,
+                             float("inf"), -float("inf"), float("nan")]])
+    x = torch.cat([torch.randn(1, 50000, generator=g) * scale, special], 1)
+    r = draws(keys_for([9]), (x.shape[1],))
+    fast, general = _bf16_stochastic(x, r), _neighbours_stochastic(x, torch.bfloat16, r)
+    assert torch.equal(bits(fast), bits(general))
