@@ -170,3 +170,11 @@ def test_a_sender_of_another_cache_format_is_refused_at_connect():
     finally:
         s.close()
         r.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a device this machine lacks")
+def test_a_dtype_the_device_cannot_store_is_refused():
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16: device 'cuda' cannot "
+                                          r"store bfloat16 with torch .*; allowed: model, "
+                                          r"float32, bfloat16, float16"):
+        resolve(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cuda")
