@@ -13,10 +13,14 @@ from prefill_worker.snapshots import SnapshotPulls
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
            metrics=None) -> PrefillService:
+    from baton.engine.state_rounding import refuse_in_transfer
     from transfer import SIDE_CHANNEL, make_sender, tp_identity
 
+    refuse_in_transfer(engine, "prefill")
+
     fp, tp = tp_identity(engine.model.config, engine.pools.spec, *rank_of(engine.model),
-                        weight_format=engine.weights and engine.weights.format)
+                        weight_format=engine.weights and engine.weights.format,
+                        cache_format=cfg.cache.cache_format)
     key = None if secret is None else secret.key(SIDE_CHANNEL)
     # PP stages or TP ranks: each process sends its own pools, rank / stage 0 drives the rest
     pipelined = cfg.worker.pipeline_parallel_size > 1 or cfg.worker.tensor_parallel_size > 1

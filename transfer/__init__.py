@@ -78,13 +78,14 @@ def make_sender(cfg: TransferConfig, pools: Pools, fingerprint: dict, key: bytes
     return Sender(cfg, pools, fingerprint, _backend(cfg, 1), key, tp)
 
 
-def tp_identity(model, spec, rank: int = 0, size: int = 1, weight_format: str | None = None):
+def tp_identity(model, spec, rank: int = 0, size: int = 1, weight_format: str | None = None,
+                cache_format: str | None = None):
     """(fingerprint, TPSide) of rank `rank` of a TP-`size` worker of the whole model `model`
     whose pools follow `spec` (dtype, tokens per block), serving weights in `weight_format`."""
     from transfer.tp_route import TPSide
 
     fingerprint = compute_fingerprint(model, spec, tp_size=size, tp_rank=rank,
-                                      weight_format=weight_format)
+                                      weight_format=weight_format, cache_format=cache_format)
     side = TPSide(rank, size, model, str(spec.dtype).removeprefix("torch."),
                   spec.tokens_per_block)
     return fingerprint, side

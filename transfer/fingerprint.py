@@ -35,12 +35,15 @@ TP_FIELDS = ("tp_size", "tp_layout", "tp_rank")
 
 
 def compute_fingerprint(model, spec: PoolSpec, tp_size: int = 1, tp_rank: int = 0,
-                        weight_format: str | None = None) -> dict:
+                        weight_format: str | None = None,
+                        cache_format: str | None = None) -> dict:
     """Plain dict (msgpack-ready) describing what a cache built for `model`/`spec` holds.
 
     Per declared state tensor t: `t_sections` (only when it has more than one section: e.g.
     conv [x | B | C]), `t_shape` and `t_dtype`, so a mismatch names the tensor and what
-    differs. `state_tensors` lists the names, in order.
+    differs. `state_tensors` lists the names, in order. `cache_format` (`CacheConfig.
+    cache_format`: state dtypes, rounding and seed, KV dtype) is declared, like
+    `weight_format`, by the endpoints that build the engine.
     """
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     has_attn = bool(model.attention_layers)
@@ -65,6 +68,8 @@ def compute_fingerprint(model, spec: PoolSpec, tp_size: int = 1, tp_rank: int = 
     out["tp_rank"] = tp_rank  # which shard this side's pools hold (a decode rank's place)
     if weight_format is not None:  # fp8 and bf16 releases of one model compute differently
         out["weight_format"] = weight_format
+    if cache_format is not None:  # bf16 state with other rounding draws other bits
+        out["cache_format"] = cache_format
     out["model"] = model_hash(model)
     return out
 
@@ -86,11 +91,11 @@ def tp_layout(units: dict, tp: int) -> dict:
 def fields_of(fp: dict) -> tuple[str, ...]:
     """The fields of a fingerprint in comparison order."""
     state = [k for k in fp if k not in HEAD_FIELDS and k not in TP_FIELDS
-             and k not in ("model", "weight_format")]
+             and k not in ("model", "weight_format", "cache_format")]
     order = {"_sections": 0, "_shape": 1, "_dtype": 2}
     state.sort(key=lambda k: (0, 0) if k == "state_tensors" else
                (1, next((v for suf, v in order.items() if k.endswith(suf)), 3)))
-    return (*HEAD_FIELDS, *state, "weight_format", "model")
+    return (*HEAD_FIELDS, *state, "cache_format", "weight_format", "model")
 
 
 def model_hash(model) -> str:
@@ -110,7 +115,7 @@ def mismatch(local: dict, peer: object,
     names += [k for k in fields_of(peer) if k not in names]
     for f in names:
         a, b = local.get(f), peer.get(f)
-        if f == "weight_format" and (a is None or b is None):
+        if f in ("weight_format", "cache_format") and (a is None or b is None):
             continue  # declared by the endpoints that load the model (not every TP / PP rank's)
         if _norm(a) != _norm(b):
             return (f, a, b)

@@ -7,13 +7,19 @@ error naming the field (`cache.mamba_state_config.<field>`), never mid-request.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from baton.config.cache_tiers import EvictionConfig, SharedStoreConfig, TierConfig
 from baton.contract.types import DEFAULT_TOKENS_PER_BLOCK
 from baton.errors import ConfigError
 
 _MSC = "cache.mamba_state_config"
+STATE_DTYPES = ("model", "float32", "bfloat16", "float16")
+"""Values of cache.state_dtype and of each cache.state_dtypes entry ("model": the pools')."""
+STATE_ROUNDINGS = ("nearest", "stochastic")
+KV_DTYPES = ("model", "bfloat16", "float8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,22 @@ class CacheConfig:
     """Store shared by every worker (Redis); docs/cache-tiers.md."""
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     """Which snapshot leaves the pool (and a tier) first: `lru` or `value` (Marconi)."""
+    state_dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
+    """Stored dtype of every declared recurrent state tensor; the update computes in float32
+    from the stored state and rounds once when it stores (docs/state-precision.md)."""
+    state_dtypes: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    """{TENSOR: DTYPE}: one state tensor apart from state_dtype (e.g. conv kept in float32);
+    given as a mapping, kept as sorted (name, dtype) pairs."""
+    state_rounding: Literal["nearest", "stochastic"] = "nearest"
+    """How a float32 state is stored in a 16-bit dtype: round to nearest even, or stochastic
+    rounding keyed by (seed, token prefix, position, layer, tensor, element), never by slot."""
+    state_rounding_seed: int = 0
+    """Seed of the stochastic rounding draws (0 <= seed < 2**64); part of the cache format."""
+    kv_dtype: Literal["model", "bfloat16", "float8_e4m3"] = "model"
+    """Stored dtype of attention KV (float8_e4m3: with a scale per token and KV head)."""
 
     def __post_init__(self) -> None:
+        self._validate_formats()
         for name in ("tokens_per_block", "num_blocks", "num_state_slots"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cache.{name}={getattr(self, name)} must be >= 1")
@@ -149,3 +169,51 @@ class CacheConfig:
                 stacklevel=3,
             )
             object.__setattr__(self, "enable_prefix_reuse", False)
+
+    def _validate_formats(self) -> None:
+        """One line per refusal, naming the key, the value and what is allowed."""
+        def allowed(key: str, value: object, values: tuple[str, ...]) -> None:
+            if value not in values:
+                raise ConfigError(f"{key}={value!r} is not supported; allowed: "
+                                  f"{', '.join(values)}")
+
+        allowed("cache.state_dtype", self.state_dtype, STATE_DTYPES)
+        allowed("cache.state_rounding", self.state_rounding, STATE_ROUNDINGS)
+        allowed("cache.kv_dtype", self.kv_dtype, KV_DTYPES)
+        pairs = self.state_dtypes
+        if isinstance(pairs, Mapping):
+            pairs = tuple(pairs.items())
+        if not isinstance(pairs, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
+                for p in pairs):
+            raise ConfigError(f"cache.state_dtypes={self.state_dtypes!r} must map state tensor "
+                              "names to dtypes, e.g. {conv: float32, ssm: bfloat16}")
+        for name, dt in pairs:
+            allowed(f"cache.state_dtypes.{name}", dt, STATE_DTYPES)
+        object.__setattr__(self, "state_dtypes", tuple(sorted((n, d) for n, d in pairs)))
+        seed = self.state_rounding_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ConfigError(f"cache.state_rounding_seed={seed!r} must be an integer in "
+                              "[0, 2**64)")
+        if self.state_rounding == "stochastic" and self.state_dtype == "float32" and all(
+                d == "float32" for _, d in self.state_dtypes):
+            raise ConfigError(
+                "cache.state_rounding=stochastic with cache.state_dtype=float32: a float32 "
+                "state is stored as computed, nothing rounds; set state_dtype: bfloat16 or "
+                "float16, or state_rounding: nearest")
+
+    def state_dtype_of(self, tensor: str) -> str:
+        """The configured dtype name of state tensor `tensor` ("model" = the pools')."""
+        return dict(self.state_dtypes).get(tensor, self.state_dtype)
+
+    @property
+    def cache_format(self) -> str:
+        """What the pools store, as the handshake fingerprint compares it: workers whose
+        formats differ are refused before a byte moves."""
+        parts = [f"state={self.state_dtype}"]
+        parts += [f"state.{n}={d}" for n, d in self.state_dtypes]
+        parts.append(f"rounding={self.state_rounding}")
+        if self.state_rounding == "stochastic":
+            parts.append(f"seed={self.state_rounding_seed}")
+        parts.append(f"kv={self.kv_dtype}")
+        return ";".join(parts)

@@ -22,11 +22,13 @@ from typing import NamedTuple
 import torch
 
 from baton.cache.manager import HybridCacheManager
+from baton.cache.state_format import check_built
 from baton.cache.value import FlopModel
 from baton.config import BatonConfig
 from baton.engine.engine import Engine
 from baton.engine.process import DTYPES, arm_canaries, on_huge_pages, rank_threads, set_threads
 from baton.engine.speculative.setup import reserved_slots, with_draft_layers
+from baton.engine.state_rounding import live_rounding
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
@@ -106,6 +108,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     engine = Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                     speculative=cfg.speculative)
     engine.weights = weights
+    if tp == 1 and pp == 1:
+        engine.rounding = live_rounding(cfg.cache, cache, DTYPES[cfg.model.dtype])
     return engine
 
 
@@ -157,6 +161,10 @@ def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> No
 
 def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
     """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
+    w = cfg.worker  # issue 50: reduced-precision state rounds the live slot of one process
+    check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device,
+                single_process=w.tensor_parallel_size == w.pipeline_parallel_size == 1
+                and not cfg.speculative.num_draft_tokens)
     return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,

@@ -50,6 +50,9 @@ class Engine:
     weights = None
     """`baton.model.quant.served.WeightInfo`: the weight format and bytes served (set by the
     builder; the engine-ready line, Stats, /metrics)."""
+    rounding = None
+    """`baton.engine.state_rounding.LiveRounding` when the state is stored in fewer bits
+    (set by the builder), else None."""
 
     def __init__(self, model, cache: HybridCacheManager, cfg: WorkerConfig, tokenizer=None,
                  speculative=None):
@@ -128,6 +131,8 @@ class Engine:
         if req.id in self.requests:
             raise InvalidRequestError(f"request id {req.id!r} is already in use")
         self.validate(req.prompt_ids, req.sampling, forks=not req.prefill_only)
+        if self.rounding is not None:
+            req.round_points = self.rounding.points(req.prompt_len)
         self.requests[req.id] = req
         self.scheduler.add(req)
 
@@ -441,6 +446,8 @@ class Engine:
         """Book a computed chunk; a chunk that completes the prompt moves it to DECODE."""
         self.prefilled_tokens += end - req.num_computed
         req.num_computed = end
+        if self.rounding is not None and end in req.round_points:
+            self.rounding.round(self.cache.slot(req.id), req.prompt_ids[:end])
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])
         except CapacityError as e:  # a snapshot is an optimisation: skip it, never fail the request
@@ -549,6 +556,8 @@ class Engine:
                 if broken:  # a half-run forward leaves a state no snapshot may keep
                     self.cache.abort(r.id)
                 else:
+                    if self.rounding is not None and self.rounding.at_decode_end:
+                        self.rounding.round(self.cache.slot(r.id), r.all_ids[: r.num_computed])
                     if self.cache.finish(r.id, r.all_ids[: r.num_computed]):
                         r.end_snapshot_tokens = r.num_computed
             except Exception:  # noqa: BLE001 - the request finished; its neighbours go on

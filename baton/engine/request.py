@@ -40,6 +40,9 @@ class Request:
     """Admitted: owns a live slot and blocks in the cache manager until finished or aborted."""
     cached_tokens: int = 0
     snapshot_points: tuple[int, ...] = ()
+    round_points: tuple[int, ...] = ()
+    """Where its live state is rounded to the stored state dtype (chunks end there too; set
+    with reuse off as well; baton/engine/state_rounding.py)."""
     finish_reason: FinishReason | None = None
     end_snapshot_tokens: int = 0
     """Tokens (prompt + answer) of the decode-end snapshot it left on finishing (0: none)."""
@@ -78,7 +81,7 @@ class Request:
     def next_chunk_end(self, limit: int) -> int:
         """Where the next prefill chunk must end: a snapshot point, the prompt end or `limit`."""
         end = min(self.prompt_len, self.num_computed + limit)
-        for p in self.snapshot_points:
+        for p in sorted((*self.snapshot_points, *self.round_points)):
             if self.num_computed < p < end:
                 return p
         return end

@@ -1,0 +1,93 @@
+"""bf16 state with stochastic rounding at the policy's points keeps reuse exact: a prompt
+that reuses a snapshot at a prompt-internal point gives the tokens and the logprobs, bit for
+bit, of an engine with reuse off; and the rounding really happens (float32 state differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.request import Request
+from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt
+
+POLICY = {"additional_snapshot_offsets_from_start": [20],
+          "additional_snapshot_offsets_from_end": [0], "decode_end_snapshot": False}
+SR = {"state_dtype": "bfloat16", "state_rounding": "stochastic", "state_rounding_seed": 3}
+
+
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+def model_dir(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"round-{request.param}")
+    if request.param == "qwen3_5":
+        return make_checkpoint(root, "qwen", family="qwen3_5", pattern="GG*G", seed=4)
+    return make_checkpoint(root, pattern="M*M-M", seed=4)
+
+
+def _engine(model_dir, reuse: bool, **fmt):
+    return engine_for(model_dir, worker={"prefill_chunk_size": 64},
+                      cache={"tokens_per_block": 16, "enable_prefix_reuse": reuse,
+                             "mamba_state_config": POLICY, **fmt})
+
+
+def _run(eng, rid: str, ids: list[int]):
+    """(tokens, logprobs, cached_tokens) of one request run alone."""
+    eng.add_request(Request(rid, ids, greedy(8, logprobs=1)))
+    toks, lps, cached = [], [], None
+    while cached is None:
+        for o in eng.step():
+            toks += o.new_token_ids
+            lps += [lp.logprob for lp in o.logprobs]
+            if o.finished:
+                cached = o.cached_tokens
+    return toks, lps, cached
+
+
+def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
+    a = prompt(1, 40)
+    b = a[:20] + prompt(2, 25)
+    off, on = _engine(model_dir, False, **SR), _engine(model_dir, True, **SR)
+    assert off.rounding is not None and off.rounding.points(45) == (20, 45)
+    _run(off, "a", a)
+    ref = _run(off, "b", b)
+    _run(on, "a", a)
+    got = _run(on, "b", b)
+    assert got[2] == 20 and ref[2] == 0  # b restored the snapshot at 20
+    assert got[0] == ref[0] and got[1] == ref[1]  # tokens and logprobs, bit for bit
+    held = on.cache.hold_snapshot("h", a[:20])
+    for pool in on.pools.state.values():  # the snapshot holds bfloat16 values
+        snap = pool[:, held.slot]
+        assert torch.equal(snap, snap.to(torch.bfloat16).float())
+    plain = _engine(model_dir, False)
+    assert plain.rounding is None
+    _run(plain, "a", a)
+    assert _run(plain, "b", b)[1] != ref[1]  # float32 state gives other logprobs
+
+
+def test_two_runs_agree_and_another_seed_draws_differently(model_dir):
+    a = prompt(3, 45)
+    one, two = _engine(model_dir, True, **SR), _engine(model_dir, True, **SR)
+    assert _run(one, "a", a) == _run(two, "a", a)
+    other = _engine(model_dir, True, **{**SR, "state_rounding_seed": 4})
+    assert _run(other, "a", a)[1] != _run(one, "a2", a)[1]  # another seed, other draws
+
+
+def test_chat_reusing_periodic_points_is_bit_exact(model_dir):
+    """Periodic points are absolute positions: every turn of a chat reuses one that the cold
+    run also rounded, so reuse on equals reuse off in tokens and logprobs, turn by turn."""
+    periodic = {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [],
+                "decode_end_snapshot": False}
+
+    def chat(reuse: bool):
+        eng = engine_for(model_dir, cache={"tokens_per_block": 16, "enable_prefix_reuse": reuse,
+                                           "mamba_state_config": periodic, **SR})
+        history, turns = [], []
+        for t in range(4):
+            p = history + prompt(100 + t, 9 + 5 * t)
+            turns.append(_run(eng, f"t{t}", p))
+            history = p + turns[-1][0]
+        return turns
+
+    off, on = chat(False), chat(True)
+    cached = [c for _, _, c in on]
+    assert cached == [0, 0, 16, 48] and [c for _, _, c in off] == [0] * 4
+    assert [(t, lp) for t, lp, _ in on] == [(t, lp) for t, lp, _ in off]
