@@ -32,6 +32,7 @@ from baton.contract import (
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import InvalidRequestError, RequestCancelled, TransferError
+from baton.worker import phases as ph
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 
@@ -119,16 +120,41 @@ class PrefillService:
     def prefill(self, inp: PrefillInput,
                 destination: Callable[[], Reservation | None] = lambda: None) -> PrefillResult:
         """Compute `inp` and hand it off; `destination()` blocks until the router reserved it
-        (only asked when `inp` carries none) and returns None if it never will."""
+        (only asked when `inp` carries none) and returns None if it never will. The result's
+        `phases_ms` says where the time went (baton/worker/phases.py)."""
+        clock = ph.Clock()
+        req = Request(inp.request_id, list(inp.prompt_ids), inp.sampling,
+                      inp.session_id or None, prefill_only=True)
+        result = self._prefill(inp, destination, clock, req)
+        clock.mark("end")
+        phases = ph.clean({
+            "p_dest_wait": clock.ms(None, "dest"),
+            "p_claim": clock.ms("dest", "claimed"),
+            "p_queue": ph.mono_ms(req.arrival, req.prefill_start_time),
+            "p_forward": ph.mono_ms(req.prefill_start_time, req.forward_done_time),
+            "p_sample": ph.mono_ms(req.forward_done_time, req.first_token_time),
+            "p_output": ph.mono_ms(req.first_token_time, clock.at.get("output_mono")),
+            "p_post": clock.ms("output", "posted"),
+            "p_landed": clock.ms("posted", "landed"),
+            "p_wake": clock.ms("landed", "woke"),
+            "p_release": clock.ms("woke", "end"),
+            "p_total": clock.ms(None, "end"),
+        })
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(ph.line(inp.request_id, phases))
+        return replace(result, phases_ms=phases)
+
+    def _prefill(self, inp: PrefillInput, destination, clock: ph.Clock,
+                 req: Request) -> PrefillResult:
         rid = inp.request_id
         if inp.destination is not None:  # known already: nothing is computed for a forgery
             verify_reservation(self.secret, rid, inp.destination)
         box: queue.Queue[RequestOutput] = queue.Queue()
         t0 = time.perf_counter()
-        self.loop.submit(Request(rid, list(inp.prompt_ids), inp.sampling,
-                                 inp.session_id or None, prefill_only=True), box.put)
+        self.loop.submit(req, box.put)
         try:
             dest = inp.destination or destination()
+            clock.mark("dest")
         except BaseException:
             self.abort(rid)
             raise
@@ -150,6 +176,7 @@ class PrefillService:
             # that was granted until the writes are over (transfer/receiver.py)
             self.sender.claim(rid, dest.endpoints, list(dest.block_ids), dest.slot,
                               dest.skip_blocks, dest.incarnation or None)
+            clock.mark("claimed")
         except BaseException:
             self.abort(rid)
             raise
@@ -161,6 +188,8 @@ class PrefillService:
         if self.layerwise:
             self.loop.engine.stream_layers(rid, stream)  # picked up mid-forward if need be
         outs = _last(box)
+        clock.mark("output")
+        clock.at["output_mono"] = time.monotonic()
         out = outs[0]
         streamed = self.layerwise and self.loop.engine.take_stream(rid) is None
         t1 = time.perf_counter()
@@ -188,11 +217,13 @@ class PrefillService:
                     m.transfer_failed()
                     raise TransferError(_late(rid, dest))
                 self.loop.call(self._send_whole, stream)
+            clock.mark("posted")
             if stream.misfit:
                 raise InvalidRequestError(stream.misfit)
             self.events.wake()
             landed = self._await_landing(rid, dest)
-            now = time.perf_counter()
+            now = clock.mark("woke")
+            clock.at["landed"] = landed
             # layer-wise, the bytes can land before the forward's last (data-free) layers end
             tail = max(0.0, landed - stream.last_layer_at) if streamed and stream.sent else None
             self.timings.add(t1 - t0, now - t1, tail)

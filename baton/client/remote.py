@@ -14,6 +14,7 @@ from baton.client.requests import RequestSpec, result_dict
 from baton.contract import GenerateInput, wire
 from baton.errors import InvalidRequestError
 from baton.proto_gen import router_pb2_grpc
+from baton.worker import phases
 
 
 def to_input(spec: RequestSpec) -> GenerateInput:
@@ -51,7 +52,8 @@ def generate_samples(stub: router_pb2_grpc.RouterStub, spec: RequestSpec,
     except InvalidRequestError as e:
         return [{"id": spec.id, "error": f"invalid request: {e}"}]
     try:
-        for msg in stub.Generate(req, timeout=timeout):
+        call = stub.Generate(req, timeout=timeout)
+        for msg in call:
             last = wire.chunk_from_pb(msg)
             acc = accs[last.sample]
             acc["token_ids"].extend(last.token_ids)
@@ -63,7 +65,12 @@ def generate_samples(stub: router_pb2_grpc.RouterStub, spec: RequestSpec,
             acc["summary"] = last.summary
     except grpc.RpcError as e:
         return [{"id": spec.id, "error": f"{e.code().name}: {e.details()}"}]
+    # where the time to first token went (a disaggregated request's; baton/worker/phases.py)
+    measured = phases.from_metadata(call.trailing_metadata())
     out = [_result(spec.id, acc, t0) for acc in accs]
+    for r in out:
+        if measured and "error" not in r:
+            r["phases_ms"] = measured
     if n > 1:
         for i, r in enumerate(out):
             r["index"] = i
