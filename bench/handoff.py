@@ -32,6 +32,10 @@ CONFIG = {
     "worker": {"max_num_seqs": 4, "max_batch_tokens": 2048, "prefill_chunk_size": 2048,
                "max_model_len": 8448},
 }
+PROFILES = {"bench": CONFIG, "serve": {}}
+"""`bench`: prefix reuse off, one chunk of 2048 tokens; `serve`: `baton serve --model tiny`'s
+defaults (prefix reuse and its snapshots, 512-token chunks, decode-end snapshots shipped back,
+conditional disaggregation)."""
 THREADS = "1"
 """torch threads per worker process, and for the colocated engine."""
 
@@ -67,6 +71,8 @@ def _cluster_ttft(stub, reqs: list[list[int]], tag: str,
         if phases is not None and got:
             if "r_ttft" in got:
                 got["c_to_client"] = round(first - got["r_ttft"], 3)
+            # what the path adds to the prompt's own compute, whatever that took here
+            got["fixed"] = round(first - got.get("p_forward", 0) - got.get("p_sample", 0), 3)
             phases.append(got)
     return out
 
@@ -87,8 +93,8 @@ def breakdown(row: dict) -> str:
     p = row.get("phases_p50_ms") or {}
     parts = " ".join(f"{k}={p[k]:.2f}" for k in p)
     return (f"[handoff] {row['label']}: colocated {row['local_ttft_p50_ms']:.1f} ms, cluster "
-            f"{row['cluster_ttft_p50_ms']:.1f} ms, overhead {row['overhead_p50_ms']:.2f} ms | "
-            f"{parts}")
+            f"{row['cluster_ttft_p50_ms']:.1f} ms, overhead {row['overhead_p50_ms']:.2f} ms "
+            f"(fixed {row['fixed_overhead_p50_ms']} ms) | {parts}")
 
 
 def _idle_cpu(cluster, seconds: float) -> dict[str, float]:
@@ -120,6 +126,7 @@ def _cluster(path: Path, cfg_file: Path, sets: dict, idle_s: float) -> tuple:
     counters) of one fresh cluster."""
     import grpc
 
+    from baton.client.remote import CHANNEL_OPTIONS
     from baton.cluster.local import LocalCluster, free_port
     from baton.config import BatonConfig
     from baton.engine.builder import build_engine
@@ -131,7 +138,7 @@ def _cluster(path: Path, cfg_file: Path, sets: dict, idle_s: float) -> tuple:
     try:
         cluster.wait_ready()
         idle = _idle_cpu(cluster, idle_s) if idle_s else {}
-        with grpc.insecure_channel(cluster.address) as ch:
+        with grpc.insecure_channel(cluster.address, options=CHANNEL_OPTIONS) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             warm = prompts(2, 64, 512, seed=99)
             _cluster_ttft(stub, warm, "warm")
@@ -158,6 +165,7 @@ def run(args) -> list[dict]:
     sizes = tuple(getattr(args, "sizes", None) or SIZES)
     modes = {"both": (False, True), "whole": (False,), "layerwise": (True,)}[
         getattr(args, "modes", None) or "both"]
+    profile = getattr(args, "profile", None) or "bench"
     path = checkpoint("tiny")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,15 +173,18 @@ def run(args) -> list[dict]:
         results = {}
         for layerwise in modes:
             cfg_file = Path(tmp) / f"handoff-{layerwise}.yaml"
-            cfg_file.write_text(yaml.safe_dump({**CONFIG, "transfer": {"layerwise": layerwise}}))
+            cfg_file.write_text(yaml.safe_dump({**PROFILES[profile],
+                                                "transfer": {"layerwise": layerwise}}))
             results[layerwise] = _cluster(path, cfg_file, sets, idle_s if not results else 0)
     for layerwise, (local, remote, phases, _, counters) in results.items():
         for n in sizes:
             over = [r - lo for r, lo in zip(remote[n], local[n], strict=True)]
             p50_local = statistics.median(local[n])
             rows.append({
-                "benchmark": "handoff", "label": f"{n} tokens, layerwise {layerwise}",
-                "prompt_tokens": n, "layerwise": layerwise, "trials": trials,
+                "benchmark": "handoff",
+                "label": f"{n} tokens, layerwise {layerwise}" + (
+                    f", {profile} config" if profile != "bench" else ""),
+                "prompt_tokens": n, "layerwise": layerwise, "trials": trials, "profile": profile,
                 "torch_threads": int(THREADS),
                 "local_ttft_p50_ms": round(p50_local, 2),
                 "cluster_ttft_p50_ms": round(statistics.median(remote[n]), 2),
@@ -182,6 +193,9 @@ def run(args) -> list[dict]:
                 "ratio": round(statistics.median(remote[n]) / p50_local, 3),
                 "ratio_note": "cluster TTFT p50 / colocated TTFT p50",
                 "phases_p50_ms": phase_medians(phases.get(n, [])),
+                "fixed_overhead_p50_ms": phase_medians(phases.get(n, [])).get("fixed"),
+                "fixed_note": "client TTFT minus the prefill worker's forward and first draw: "
+                              "the handoff's cost without the compute's noise",
                 "phases_on_path": list(ON_PATH),
             })
             print(breakdown(rows[-1]), file=sys.stderr, flush=True)
@@ -206,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=None, help="prompts per size (default 7)")
     p.add_argument("--idle-s", type=float, default=None, help="idle CPU window (default 60)")
     p.add_argument("--modes", choices=["both", "whole", "layerwise"], default="both")
+    p.add_argument("--profile", choices=list(PROFILES), default="bench",
+                   help="cluster config: bench (reuse off, 2k chunks) or serve (its defaults)")
     p.add_argument("--quick", action="store_true", help="3 prompts a size, 10 s idle")
     for r in run(p.parse_args(argv)):
         print(json.dumps(r), flush=True)

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import grpc.experimental
 
 from baton.auth.api_keys import ENV_API_KEY
 from baton.auth.grpc_auth import open_channel
@@ -22,6 +23,10 @@ def to_input(spec: RequestSpec) -> GenerateInput:
     text = None if ids is not None else (spec.prompt or "")
     return GenerateInput(spec.id, ids, text, spec.sampling, spec.session or "")
 
+
+CHANNEL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+"""Generate streams are read on the thread that asked, not handed over by the channel's own
+thread: one thread switch less before the first token (issue 53)."""
 
 WIRE_RANGES = "max_tokens and top_k below 2^32, seed below 2^64, token ids below 2^31"
 
@@ -107,7 +112,7 @@ def run_remote(router: str, specs: list[RequestSpec], concurrency: int = 1,
     `BATON_API_KEY` in the environment is sent as the API key (routers with keys need it);
     `credentials`: TLS towards the router (baton/auth/tls.py), None: plaintext."""
     key = os.environ.get(ENV_API_KEY, "").strip() or None
-    with open_channel(router, key, credentials) as ch:
+    with open_channel(router, key, credentials, CHANNEL_OPTIONS) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         if concurrency <= 1:
             return [r for s in specs for r in generate_samples(stub, s)]
