@@ -261,9 +261,7 @@ class PrefillService:
             raise
         finally:
             m.request_ended(outcome)
-            # queued, not waited for: the reply leaves now (freeing an 8k prompt's blocks
-            # takes ~2 ms), and any later call on the loop (Stats, the next request) runs after it
-            self.loop.post(self.loop.engine.release, rid)
+            self.loop.call(self.loop.engine.release, rid)
             self.events.forget(rid)  # nothing waits for its transfer's event any more
 
     def abort(self, request_id: str) -> bool:

@@ -45,18 +45,6 @@ class EngineLoop:
             self._cond.notify()
         return fut.result()
 
-    def post(self, fn: Callable, *args) -> Future:
-        """Like `call`, without waiting: `fn(*args)` runs on the loop thread before any command
-        queued after this one (a failure is logged)."""
-        fut: Future = Future()
-        with self._cond:
-            if self._stop:
-                raise RuntimeError("engine loop is stopped")
-            self._commands.append((fn, args, fut))
-            self._cond.notify()
-        fut.add_done_callback(_log_failure)
-        return fut
-
     def submit(self, req: Request, on_output: OutputCallback) -> None:
         """Queue a request; `on_output` runs on the loop thread for every output of it."""
         self.call_watching(req.id, on_output, self.engine.add_request, req)
@@ -163,8 +151,3 @@ class EngineLoop:
         for _, _, fut in self._commands:
             fut.set_exception(RuntimeError("engine loop is stopped"))
         self._commands.clear()
-
-
-def _log_failure(fut: Future) -> None:
-    if fut.exception() is not None:
-        log.error("engine loop command failed: %s", fut.exception(), exc_info=fut.exception())

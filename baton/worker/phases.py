@@ -16,7 +16,7 @@ prefill worker (`p_`)
   p_post        the transfer planned and posted (layer-wise: 0, posted during the forward)
   p_landed      posted to the sender's DONE, as seen by its poller
   p_wake        the poller's event reaching the request's thread
-  p_release     the reply built (the prefill copy is freed after it, queued on the loop)
+  p_release     the prefill copy freed (engine call) and the reply built
   p_total       arrival to the reply
 router (`r_`)
   r_route       Generate's arrival to the Prefill call (admission, routing, decisions)

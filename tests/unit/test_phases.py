@@ -33,32 +33,3 @@ def test_malformed_or_oversized_metadata_is_ignored():
     assert len(big) > phases.MAX_METADATA_BYTES
     assert phases.from_metadata([(key, big)]) == {}
 
-
-class _IdleEngine:
-    has_work = False
-
-
-def test_loop_post_runs_before_later_calls_and_logs_a_failure(caplog):
-    """`EngineLoop.post` (the prefill copy freed after the reply) does not wait, yet every
-    call queued after it sees its effect; a failure is logged, not lost."""
-    import threading
-
-    from baton.engine.loop import EngineLoop
-
-    loop = EngineLoop(_IdleEngine())
-    try:
-        gate, seen = threading.Event(), []
-        loop.post(gate.wait, 5)  # the loop is busy with this one meanwhile
-        loop.post(seen.append, "posted")
-        assert seen == []  # post returned without waiting
-        gate.set()
-        assert loop.call(lambda: list(seen)) == ["posted"]
-
-        def boom():
-            raise ValueError("release failed")
-
-        loop.post(boom).exception(timeout=5)
-        loop.call(lambda: None)  # the failure's callback ran on the loop thread before this
-        assert any("release failed" in r.getMessage() for r in caplog.records)
-    finally:
-        loop.stop()
