@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 
-.PHONY: serve test test-deploy test-clients bench lint venv clean train-models
+.PHONY: serve test test-deploy test-clients bench bench-handoff lint venv clean train-models
 
 venv: $(STAMP)
 
@@ -46,6 +46,13 @@ train-models: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/baton bench all --out bench/results
+
+# What disaggregation adds to time to first token (1 prefill + 1 decode worker, `baton serve`'s
+# config, against colocated), phase by phase: a short run (about a minute) that prints the
+# figure and never fails on it (a shared machine's timings are no verdict). docs/performance-handoff.md
+bench-handoff: $(STAMP)
+	-$(BIN)/python -m bench.handoff --profile serve --modes whole --sizes 512 2048 8192 \
+		--trials 3 --idle-s 5
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

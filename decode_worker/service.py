@@ -24,6 +24,7 @@ from baton.contract import (
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import TransferError, UnknownRequestError
+from baton.worker import phases as ph
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 from decode_worker.local import LocalServe
@@ -104,7 +105,9 @@ class DecodeService:
                 f"request {request_id!r} holds no reservation on this worker (never reserved, "
                 "already decoding, aborted, or its lease ran out); Reserve it first")
         self.events.wake()
+        clock = ph.Clock()
         ev = self.events.wait(request_id, self.lease_seconds)
+        clock.mark("landed")
         if ev is None or not ev.ok:
             self.metrics.transfer_failed()
             self.metrics.request_ended("failed")
@@ -117,6 +120,7 @@ class DecodeService:
         box: queue.Queue[RequestOutput] = queue.Queue()
         first = self.loop.call_watching(request_id, box.put, self.loop.engine.start_remote,
                                         request_id, first_token)
+        clock.mark("admitted")
         if len(first) > 1:
             yield from self._decode_samples(request_id, first, box)
             return
@@ -128,6 +132,12 @@ class DecodeService:
         try:
             while True:
                 chunk, last = drain_chunk(box)
+                if "first" not in clock.at and log.isEnabledFor(logging.DEBUG):
+                    clock.mark("first")
+                    log.debug(ph.line(request_id, ph.clean({
+                        "d_landed_wait": clock.ms(None, "landed"),
+                        "d_admit": clock.ms("landed", "admitted"),
+                        "d_first_step": clock.ms("admitted", "first")})))
                 self.metrics.generation_tokens.labels(self.metrics.role).inc(
                     len(chunk.token_ids))
                 if last.finished:  # counted before the router can see the last chunk

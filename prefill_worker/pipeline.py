@@ -19,6 +19,10 @@ def endpoints_of(endpoint: str | Sequence[str]) -> list[str]:
 
 
 class PipelineSender(StagedAgent):
+    streams_layers = False
+    """Its `send` posts every stage at once: the prefill service must not begin it mid-forward
+    (layer-wise handoff and the whole post at the forward's end are off)."""
+
     @property
     def layout(self):
         return self.local.layout

@@ -10,6 +10,7 @@ from baton.contract import Role, wire
 from baton.contract.status import abort_with
 from baton.errors import BatonError
 from baton.proto_gen import baton_pb2, worker_pb2, worker_pb2_grpc
+from baton.worker import phases
 from baton.worker.load import counters_of, load_of, tracked_counters
 from prefill_worker.service import PrefillService
 
@@ -34,7 +35,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return None if msg is None else wire.destination_from_pb(msg)
 
         try:
-            return wire.prefill_result_to_pb(self.service.prefill(inp, destination))
+            result = self.service.prefill(inp, destination)
+            context.set_trailing_metadata(phases.to_metadata(result.phases_ms))
+            return wire.prefill_result_to_pb(result)
         except (BatonError, ValueError, grpc.RpcError) as e:
             log.warning("prefill %.80r failed: %s", inp.request_id, e)
             abort_with(context, e)

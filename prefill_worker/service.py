@@ -32,6 +32,7 @@ from baton.contract import (
 from baton.engine.loop import EngineLoop
 from baton.engine.request import Request, RequestOutput
 from baton.errors import InvalidRequestError, RequestCancelled, TransferError
+from baton.worker import phases as ph
 from baton.worker.events import EventRouter
 from baton.worker.metrics import WorkerMetrics
 
@@ -73,11 +74,18 @@ class HandoffTimings:
 
 
 class _Stream:
-    """Engine-side half of a layer-wise handoff (runs on the engine loop thread)."""
+    """Engine-side half of a handoff that starts inside the last chunk's forward (runs on the
+    engine loop thread). Layer-wise: each layer is posted as it is computed. Whole (`whole`):
+    every layer in one post as soon as the last one is final, before the first token is
+    drawn; the prefill worker's own thread then finds it landed, instead of asking the loop
+    thread for the post after the first token and waiting for it (issue 53)."""
 
     def __init__(self, service: PrefillService, request_id: str, dest: Reservation,
-                 deadline: float):
+                 deadline: float, whole: bool = False):
         self.service, self.rid, self.dest, self.deadline = service, request_id, dest, deadline
+        self.whole = whole
+        self._final: set[int] = set()
+        """Whole: the layers final so far (posted once they are all of this stage's)."""
         self.error: str | None = None
         self.misfit: str | None = None
         """Why the destination cannot hold this prompt (nothing was sent): INVALID_ARGUMENT."""
@@ -93,10 +101,22 @@ class _Stream:
         self.service._send(self, block_table, slot, layerwise=True)
 
     def layers_done(self, layers: list[int]) -> None:
-        if self.sent:
-            self.last_layer_at = time.perf_counter()
-            self.service.sender.layers_done(self.rid, layers)
-            self.service.events.wake()  # once the last layer is posted, the poller goes fast
+        if not self.sent:
+            return
+        if self.whole:
+            self._final.update(layers)
+            if not set(self.service.sender.layout.layers) <= self._final:
+                return
+            layers = sorted(self._final)
+        self.last_layer_at = time.perf_counter()
+        self.service.sender.layers_done(self.rid, layers)
+        self.service.events.wake()  # once the last layer is posted, the poller goes fast
+
+    def flush(self) -> None:
+        """Whole, begun: posts whatever no layer callback posted (a layer the forward never
+        reported); nothing when every layer went out already."""
+        if self.sent and self.whole:
+            self.service.sender.layers_done(self.rid, list(self.service.sender.layout.layers))
 
 
 class PrefillService:
@@ -110,6 +130,9 @@ class PrefillService:
         self.worker_id = worker_id
         self.layerwise = layerwise
         """Stream each layer of the last chunk as it is computed (`transfer.layerwise`)."""
+        self.post_in_forward = getattr(sender, "streams_layers", True)
+        """Whole requests: post at the end of the last chunk's forward, on the loop thread
+        (False for senders that cannot hold a post until its layers are final)."""
         self.events = EventRouter(sender.poll, sender.poll_interval)
         self.transfers_done = 0
         self.timings = HandoffTimings()
@@ -119,16 +142,41 @@ class PrefillService:
     def prefill(self, inp: PrefillInput,
                 destination: Callable[[], Reservation | None] = lambda: None) -> PrefillResult:
         """Compute `inp` and hand it off; `destination()` blocks until the router reserved it
-        (only asked when `inp` carries none) and returns None if it never will."""
+        (only asked when `inp` carries none) and returns None if it never will. The result's
+        `phases_ms` says where the time went (baton/worker/phases.py)."""
+        clock = ph.Clock()
+        req = Request(inp.request_id, list(inp.prompt_ids), inp.sampling,
+                      inp.session_id or None, prefill_only=True)
+        result = self._prefill(inp, destination, clock, req)
+        clock.mark("end")
+        phases = ph.clean({
+            "p_dest_wait": clock.ms(None, "dest"),
+            "p_claim": clock.ms("dest", "claimed"),
+            "p_queue": ph.mono_ms(req.arrival, req.prefill_start_time),
+            "p_forward": ph.mono_ms(req.prefill_start_time, req.forward_done_time),
+            "p_sample": ph.mono_ms(req.forward_done_time, req.first_token_time),
+            "p_output": ph.mono_ms(req.first_token_time, clock.at.get("output_mono")),
+            "p_post": clock.ms("output", "posted"),
+            "p_landed": clock.ms("posted", "landed"),
+            "p_wake": clock.ms("landed", "woke"),
+            "p_release": clock.ms("woke", "end"),
+            "p_total": clock.ms(None, "end"),
+        })
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(ph.line(inp.request_id, phases))
+        return replace(result, phases_ms=phases)
+
+    def _prefill(self, inp: PrefillInput, destination, clock: ph.Clock,
+                 req: Request) -> PrefillResult:
         rid = inp.request_id
         if inp.destination is not None:  # known already: nothing is computed for a forgery
             verify_reservation(self.secret, rid, inp.destination)
         box: queue.Queue[RequestOutput] = queue.Queue()
         t0 = time.perf_counter()
-        self.loop.submit(Request(rid, list(inp.prompt_ids), inp.sampling,
-                                 inp.session_id or None, prefill_only=True), box.put)
+        self.loop.submit(req, box.put)
         try:
             dest = inp.destination or destination()
+            clock.mark("dest")
         except BaseException:
             self.abort(rid)
             raise
@@ -150,6 +198,7 @@ class PrefillService:
             # that was granted until the writes are over (transfer/receiver.py)
             self.sender.claim(rid, dest.endpoints, list(dest.block_ids), dest.slot,
                               dest.skip_blocks, dest.incarnation or None)
+            clock.mark("claimed")
         except BaseException:
             self.abort(rid)
             raise
@@ -157,12 +206,17 @@ class PrefillService:
         # past it, the reservation may be freed and reused, so writing into it would corrupt
         # another request
         deadline = time.monotonic() + dest.lease_seconds * LEASE_SAFETY
-        stream = _Stream(self, rid, dest, deadline)
-        if self.layerwise:
+        # a request that ends at its first token whatever it draws needs no bytes
+        whole = not self.layerwise and self.post_in_forward and inp.sampling.max_tokens > 1
+        stream = _Stream(self, rid, dest, deadline, whole=whole)
+        if self.layerwise or whole:
             self.loop.engine.stream_layers(rid, stream)  # picked up mid-forward if need be
         outs = _last(box)
+        clock.mark("output")
+        clock.at["output_mono"] = time.monotonic()
         out = outs[0]
-        streamed = self.layerwise and self.loop.engine.take_stream(rid) is None
+        picked = (self.layerwise or whole) and self.loop.engine.take_stream(rid) is None
+        streamed = self.layerwise and picked
         t1 = time.perf_counter()
         m, outcome = self.metrics, "failed"
         m.prefill_seconds.labels(m.role).observe(t1 - t0)
@@ -188,11 +242,14 @@ class PrefillService:
                     m.transfer_failed()
                     raise TransferError(_late(rid, dest))
                 self.loop.call(self._send_whole, stream)
+            stream.flush()
+            clock.mark("posted")
             if stream.misfit:
                 raise InvalidRequestError(stream.misfit)
             self.events.wake()
             landed = self._await_landing(rid, dest)
-            now = time.perf_counter()
+            now = clock.mark("woke")
+            clock.at["landed"] = max(landed, clock.at["posted"])  # it may land before
             # layer-wise, the bytes can land before the forward's last (data-free) layers end
             tail = max(0.0, landed - stream.last_layer_at) if streamed and stream.sent else None
             self.timings.add(t1 - t0, now - t1, tail)

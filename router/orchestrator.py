@@ -58,6 +58,7 @@ from baton.errors import (
     WorkerFailed,
 )
 from baton.model.detokenizer import IncrementalDetokenizer
+from baton.worker import phases
 from router.admission import AdmissionQueue, Ticket, check_limits
 from router.cancellation import Cancellation
 from router.conditional import (
@@ -152,6 +153,8 @@ class Orchestrator:
             run, first, retries = self._start(key, rid, prompt, inp, cancel, ticket)
         finally:
             self.queue.leave(ticket)
+        if isinstance(run, _Attempt):
+            run.arrived = start
         yield from self._stream(key, rid, prompt, inp, cancel, ticket.seq, run, first, start,
                                 retries)
 
@@ -341,6 +344,10 @@ class _Attempt:
         self._aborted = False
         tok = orch.tokenizer
         self._detok = IncrementalDetokenizer(tok) if tok is not None else None
+        self.arrived: float | None = None
+        """perf_counter() of Generate's arrival (`r_route`, `r_ttft`)."""
+        self._at: dict[str, float] = {}
+        """perf_counter() of this attempt's instants, for its phases (baton/worker/phases.py)."""
 
     def count(self) -> None:
         """Counts the attempt on its workers (until `_finish`); `start` follows at once."""
@@ -353,6 +360,7 @@ class _Attempt:
             # A cancel while Reserve/Prefill block aborts both workers, which ends the calls.
             with cancel.hook(self._abort_in_background):
                 # Prefill computes while Reserve runs; the transfer waits only for the destination
+                self._at["prefill"] = time.perf_counter()
                 call = self.pc.start_prefill(
                     PrefillInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
                 )
@@ -364,16 +372,19 @@ class _Attempt:
 
                 with self.orch.peers.watching(self.d.worker_id, on_lost):
                     try:
+                        self._at["reserve"] = time.perf_counter()
                         res = self.dc.reserve(
                             ReserveInput(self.wid, self.prompt, inp.sampling, inp.session_id),
                             cancel,
                         )
+                        self._at["reserved"] = time.perf_counter()
                         self._check_cancelled("Reserve")
                     except BaseException:
                         call.cancel()
                         raise
                     try:
                         result = call.finish(res)
+                        self._at["prefilled"] = time.perf_counter()
                     except (WorkerFailed, RequestCancelled) as e:
                         # a prefill that failed because its destination died is D's failure
                         if not cancel.cancelled and (lost.is_set() or (
@@ -398,7 +409,8 @@ class _Attempt:
             return
         finished = False
         try:
-            ttft_ms = (time.perf_counter() - start) * 1000
+            self._at["first_chunk"] = now = time.perf_counter()
+            ttft_ms = (now - start) * 1000
             first_ids = (first.first_token_id,)
             lps = (first.logprobs,) if first.logprobs is not None else ()
             if first.finished:
@@ -413,6 +425,7 @@ class _Attempt:
             try:
                 if not self.cancel.stopped:  # else the answer ended with its first token
                     for chunk in self.dc.decode(self.wid, first.first_token_id, self.cancel):
+                        self._at.setdefault("decode_first", time.perf_counter())
                         finished = chunk.finish_reason is not None
                         output.extend(chunk.token_ids)
                         if finished:  # the decode-end snapshot, known before the next turn
@@ -442,7 +455,8 @@ class _Attempt:
                  retries: int) -> Iterator[GenerateChunk]:
         """n > 1: every sample's first token, then the decode worker's stream of them all
         (router/samples.py); the reservation is freed if every first token ended its sample."""
-        ttft_ms = (time.perf_counter() - start) * 1000
+        self._at["first_chunk"] = now = time.perf_counter()
+        ttft_ms = (now - start) * 1000
         decodes = not all(f.finished for f in first.firsts)
 
         def chunks():
@@ -494,7 +508,30 @@ class _Attempt:
             latency_ms=(time.perf_counter() - start) * 1000,
             retries=retries,
             **spec_counts(getattr(self, "_spec", None)),
+            phases_ms=self.phases(first),
         )
+
+    def phases(self, first: PrefillResult) -> dict[str, float]:
+        """The request's phases: the prefill worker's and the router's own
+        (baton/worker/phases.py); empty unless this attempt gave the first token."""
+        at = self._at
+        if "first_chunk" not in at or "prefilled" not in at:
+            return {}
+
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else (b - a) * 1000
+
+        call = ms(at.get("prefill"), at["prefilled"])
+        worker = first.phases_ms.get("p_total")
+        return {**first.phases_ms, **phases.clean({
+            "r_route": ms(self.arrived, at.get("prefill")),
+            "r_reserve": ms(at.get("reserve"), at.get("reserved")),
+            "r_prefill": call,
+            "r_rpc": None if call is None or worker is None else call - worker,
+            "r_first_chunk": ms(at["prefilled"], at["first_chunk"]),
+            "r_ttft": ms(self.arrived, at["first_chunk"]),
+            "r_decode_first": ms(at["first_chunk"], at.get("decode_first")),
+        })}
 
     def _check_cancelled(self, what: str) -> None:
         if self.cancel.cancelled:

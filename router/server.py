@@ -27,6 +27,7 @@ from baton.errors import InvalidRequestError, NotPermittedError
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import router_pb2 as rpb
 from baton.proto_gen import router_pb2_grpc as rgrpc
+from baton.worker import phases
 from router.cancellation import Cancellation
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Tokenizer
@@ -51,6 +52,8 @@ class RouterServicer(rgrpc.RouterServicer):
             stream = self._metrics.track(
                 self._orch.generate(wire.generate_from_pb(request), cancel), "grpc")
             for chunk in stream:
+                if chunk.summary is not None and chunk.summary.phases_ms:
+                    context.set_trailing_metadata(phases.to_metadata(chunk.summary.phases_ms))
                 yield wire.chunk_to_pb(chunk)
         except Exception as e:
             code = status_of(e)

@@ -48,6 +48,7 @@ from baton.errors import (
 from baton.proto_gen import baton_pb2 as pb
 from baton.proto_gen import worker_pb2 as wpb
 from baton.proto_gen import worker_pb2_grpc as wgrpc
+from baton.worker import phases
 from router.cancellation import Cancellation
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,9 @@ class GrpcPrefillCall:
         if destination is not None:
             self._dest.put(destination)
         try:
-            return wire.prefill_result_from_pb(self._future.result())
+            result = wire.prefill_result_from_pb(self._future.result())
+            return replace(result, phases_ms=phases.from_metadata(
+                self._future.trailing_metadata()))
         except grpc.RpcError as e:
             raise self._client._error("Prefill", self._req.request_id, e, self._cancel) from e
         except grpc.FutureCancelledError as e:  # `cancel()` ran meanwhile

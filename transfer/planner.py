@@ -21,6 +21,7 @@ Everything is built with numpy from base + index*stride; nothing loops per block
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -95,19 +96,35 @@ def plan(src: StageLayout, dst: StageLayout, src_blocks: Sequence[int], src_slot
     return Plan(layers, *cols)
 
 
-def _kv_part(src: StageLayout, dst: StageLayout, sb: Sequence[int], db: Sequence[int]):
-    if src.kv is None or dst.kv is None:
-        return None
-    s, d = src.kv, dst.kv
+@functools.lru_cache(maxsize=256)
+def _kv_pair(s, d) -> tuple[list[int], np.ndarray, np.ndarray] | None:
+    """(common layers, their rows in s, in d) of two KV layouts; one per peer pair, cached:
+    a one-block handoff's plan is mostly this fixed part (issue 53)."""
     common = sorted(set(s.layers) & set(d.layers))
     if not common:
         return None
     if s.block_bytes != d.block_bytes:
         raise TransferError(f"kv.block_bytes differs: source {s.block_bytes}, "
                             f"destination {d.block_bytes}")
-    sb, db = _ids(sb, s.num_blocks, "source block"), _ids(db, d.num_blocks, "destination block")
     sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)[:, None]
     dl = np.array([d.layers.index(g) for g in common], dtype=np.int64)[:, None]
+    return common, _frozen(sl), _frozen(dl)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False  # shared by every plan of the pair
+    return a
+
+
+def _kv_part(src: StageLayout, dst: StageLayout, sb: Sequence[int], db: Sequence[int]):
+    if src.kv is None or dst.kv is None:
+        return None
+    s, d = src.kv, dst.kv
+    pair = _kv_pair(s, d)
+    if pair is None:
+        return None
+    common, sl, dl = pair
+    sb, db = _ids(sb, s.num_blocks, "source block"), _ids(db, d.num_blocks, "destination block")
     n = len(common) * sb.size
     return (common,
             (sl * s.num_blocks + sb).reshape(-1), (dl * d.num_blocks + db).reshape(-1),
@@ -122,6 +139,14 @@ def _state_part(src: StageLayout, dst: StageLayout, ss: int | None, ds: int | No
     tensor by tensor in declared order (its sections are contiguous inside it)."""
     if src.state is None or dst.state is None:
         return None
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (ss, ds)):
+        return _state_slots(src, dst, int(ss), int(ds))
+    return _state_slots.__wrapped__(src, dst, ss, ds)  # refused (or no layer in common)
+
+
+@functools.lru_cache(maxsize=1024)
+def _state_slots(src: StageLayout, dst: StageLayout, ss, ds):
+    """`_state_part` of valid slot ids (a pure function of the pair and the slots: cached)."""
     s, d = src.state, dst.state
     common = sorted(set(s.layers) & set(d.layers))
     if not common:
@@ -142,7 +167,7 @@ def _state_part(src: StageLayout, dst: StageLayout, ss: int | None, ds: int | No
                 _addr(dt.base, dt.layer_stride, dl, dt.slot_stride, ds),
                 np.full(len(common), st.bytes, dtype=np.uint64), glayers), strict=True):
             col.append(v)
-    return (common, *(np.concatenate(c) for c in cols))
+    return (common, *(_frozen(np.concatenate(c)) for c in cols))
 
 
 def _check_tensors(s, d) -> None:

@@ -130,6 +130,10 @@ class Sender:
         self._hold_s = _test_hold_s()
         self._connecting: dict[str, threading.Lock] = {}
         """One lock per endpoint: its handshake runs once, outside `_lock`."""
+        self._outbox: list[tuple[_Peer, bytes]] = []
+        """`sent` messages of requests done, sent at the start of the next poll: the poll that
+        found them done returns their events first (a side-channel send costs ~0.2 ms on a
+        busy host, and the decode side needs them only to end a quarantine sooner)."""
 
     @property
     def in_flight(self) -> int:
@@ -276,6 +280,7 @@ class Sender:
     def poll(self) -> list[TransferEvent]:
         """Delivered and failed requests since the last call."""
         with self._lock:
+            self._flush()
             for ep, peer in list(self._peers.items()):
                 self._read(ep, peer)
             now = time.monotonic()
@@ -295,6 +300,7 @@ class Sender:
 
     def close(self) -> None:
         with self._lock:
+            self._flush()
             for rid in list(self._inflight):
                 self._finish(rid, "sender closed")
             for rid in list(self._claims):
@@ -523,9 +529,16 @@ class Sender:
                     self._drop_peer(ep, error)
         elif not fl.read:  # done: nothing more comes from here (frees a quarantine sooner)
             for peer, _ in fl.plans:
-                peer.client.send(wire.encode("sent", rid=rid,
-                                             posted=sorted(fl.posted.get(id(peer), ()))))
+                self._outbox.append((peer, wire.encode(
+                    "sent", rid=rid, posted=sorted(fl.posted.get(id(peer), ())))))
         self._events.append(TransferEvent(rid, error is None, error))
+
+    def _flush(self) -> None:
+        """Sends the queued `sent` messages (to peers still connected)."""
+        out, self._outbox = self._outbox, []
+        for peer, msg in out:
+            if any(p is peer for p in self._peers.values()):
+                peer.client.send(msg)
 
     def _drop_peer(self, endpoint: str, why: str) -> None:
         peer = self._peers.pop(endpoint, None)

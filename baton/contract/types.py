@@ -133,6 +133,9 @@ class PrefillResult:
     samples: tuple[PrefillResult, ...] = ()
     """n > 1: the first tokens of samples 1.. (this result is sample 0's), drawn from the
     same logits; their cached_tokens and prompt_logprobs are left unset (shared)."""
+    phases_ms: dict[str, float] = field(default_factory=dict, compare=False)
+    """Where the prefill worker's time went, by phase (baton/worker/phases.py); a debug
+    field, carried in the call's trailing metadata."""
 
     @property
     def firsts(self) -> tuple[PrefillResult, ...]:
@@ -198,6 +201,9 @@ class GenerateSummary:
     draft_tokens: int = 0
     """Speculative decoding on the decode worker: drafts verified, and accepted."""
     accepted_tokens: int = 0
+    phases_ms: dict[str, float] = field(default_factory=dict, compare=False)
+    """Where the time to first token went, by phase (baton/worker/phases.py; empty when not
+    measured); carried in the Generate stream's trailing metadata."""
 
 
 @dataclass(frozen=True)

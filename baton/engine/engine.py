@@ -283,6 +283,10 @@ class Engine:
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
         sampled = self._forked(self._prefill(plan.prefills, failed), failed)
+        if sampled:  # the forward is over; what follows is the first tokens' draw
+            now = time.monotonic()
+            for req, _ in sampled:
+                req.forward_done_time = now
         decided: list[RequestOutput] = []  # decoded by speculation (drafts verified)
         if plan.decodes and self.spec is not None:
             more, decided = self.spec.step(self, plan.decodes, failed)
@@ -364,7 +368,10 @@ class Engine:
         """Run the step's prompt chunks, one forward per group of equally long chunks; return
         the last-token logits of the requests whose prompt is now complete, in plan order."""
         groups: dict[int, list[tuple[Request, int]]] = {}
+        now = time.monotonic()
         for req, end in chunks:
+            if req.prefill_start_time is None:
+                req.prefill_start_time = now
             if self._guarded(req, failed, self.cache.ensure_blocks, req.id, end):
                 groups.setdefault(end - req.num_computed, []).append((req, end))
         logits: dict[str, torch.Tensor] = {}

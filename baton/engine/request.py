@@ -53,6 +53,10 @@ class Request:
     accepted_tokens: int = 0
     """Of those, the drafts the target accepted."""
     arrival: float = field(default_factory=time.monotonic)
+    prefill_start_time: float | None = None
+    """When its first prompt chunk's forward began (time.monotonic; the request's phases)."""
+    forward_done_time: float | None = None
+    """When the forward of its prompt's last chunk ended, before its first token was drawn."""
     first_token_time: float | None = None
     finish_time: float | None = None
     family: str | None = None

@@ -181,3 +181,21 @@ def test_killing_a_prefill_worker_in_flight(setup):
         time.sleep(0.3)
     assert roles.count(baton_pb2.WORKER_ROLE_PREFILL) == 1
     assert_clean(cluster)
+
+
+def test_a_handoff_reports_its_phases_and_equal_tokens(setup):
+    """A prompt longer than router.local_prefill_max_tokens goes through a prefill worker;
+    its `--json` result names where the time to first token went (baton/worker/phases.py)."""
+    specs = [RequestSpec(f"ph{i}", prompt_ids=prompt(90 + i, 700 + 37 * i),
+                         sampling=greedy(4)) for i in range(2)]
+    remote = run_remote(setup["cluster"].address, specs)
+    assert tokens(remote) == tokens(local(setup, specs))
+    for r in remote:
+        assert r["prefill_worker"], r
+        ph = r["phases_ms"]
+        for name in ("p_forward", "p_sample", "p_total", "r_reserve", "r_prefill", "r_rpc",
+                     "r_ttft"):
+            assert ph[name] >= 0.0, (name, ph)
+        # the parts sit inside their wholes (the worker's time inside the router's call)
+        assert ph["p_forward"] <= ph["p_total"] <= ph["r_prefill"] <= ph["r_ttft"]
+    assert_clean(setup["cluster"])
