@@ -84,6 +84,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         from baton.model.quant.served import refuse_requantize
 
         refuse_requantize(path, cfg.model.quantize)
+    if tp > 1 or pp > 1:  # refused before any rank or stage starts (nothing half-built runs)
+        from baton.model.config import load_config
+
+        _pool_spec(cfg, load_config(path), DTYPES[cfg.model.dtype])
     if tp > 1 and pp > 1:
         built = _tp_pipeline(cfg, path, on_stage_death, on_link_lost, stage_argv)
     elif tp > 1:

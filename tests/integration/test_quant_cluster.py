@@ -36,7 +36,11 @@ def model(tmp_path_factory):
 def local_tokens(model, specs, **worker):
     eng = engine_for(model, cache=CONFIG["cache"], worker={**CONFIG["worker"], **worker})
     reqs = [Request(s.id, list(s.prompt_ids), s.sampling) for s in specs]
-    return run_all(eng, reqs)["tokens"]
+    try:
+        return run_all(eng, reqs)["tokens"]
+    finally:
+        if hasattr(eng.model, "close"):  # a TP engine's ranks and process group
+            eng.model.close()
 
 
 def test_one_prefill_one_decode_equals_local(model, tmp_path):

@@ -106,7 +106,9 @@ def read_scheme(path: str | Path) -> Scheme | None:
     """The checkpoint's quantization scheme, None when it declares none; refused (ConfigError,
     one line) when it declares one Baton does not read."""
     path = Path(path)
-    cfg = _json(path / "config.json")
+    # a folder of bare weights (no config.json: a loader's piece read on its own) declares
+    # nothing; low-precision tensors in it are still refused by the checkpoint's check
+    cfg = _json(path / "config.json") if (path / "config.json").is_file() else {}
     qc = cfg.get("quantization_config")
     if qc is None and isinstance(cfg.get("text_config"), dict):
         qc = cfg["text_config"].get("quantization_config")

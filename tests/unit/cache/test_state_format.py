@@ -178,3 +178,20 @@ def test_a_dtype_the_device_cannot_store_is_refused():
                                           r"store bfloat16 with torch .*; allowed: model, "
                                           r"float32, bfloat16, float16"):
         resolve(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cuda")
+
+
+def test_a_split_engine_is_refused_before_any_stage_starts(tmp_path):
+    """Reduced-precision state under PP is refused before the process group or a stage
+    process exists (a refusal after them left the group joined and the stages running)."""
+    import torch.distributed as dist
+
+    from baton.config import BatonConfig
+    from baton.engine.builder import build_engine
+    from tests.support.engine_helpers import make_checkpoint
+
+    path = make_checkpoint(tmp_path, "m", seed=1)
+    cfg = BatonConfig.from_dict({"cache": {"state_dtype": "float16"},
+                                 "worker": {"pipeline_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*single-process"):
+        build_engine(cfg, str(path))
+    assert not dist.is_initialized()
