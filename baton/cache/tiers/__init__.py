@@ -40,11 +40,12 @@ def open_tiers(cfg: CacheConfig, pools, model_id: str, token: str = "") -> Tiers
     if not cfg.enable_prefix_reuse:
         log.warning("cache.tier / cache.shared_store are set but prefix reuse is off: unused")
         return None
+    from baton.auth.secret import ClusterSecret
     from baton.cache.tiers.disk import DiskTier
     from baton.cache.tiers.fileio import open_io
     from baton.cache.tiers.shared import SharedTier
 
-    layout = Layout(pools, model_id)
+    layout = Layout(pools, model_id, ClusterSecret(token).key("cache-tier") if token else b"")
     counter = itertools.count(1)
     disk = shared = None
     if cfg.tier.enabled:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -50,9 +49,9 @@ class Tiers:
         todo = [t for t in self.tiers if not (t is self.disk and t.has(t.key(h)))]
         if not todo:
             return
-        header, payload = self.layout.gather(tokens, blocks, slot, saved)
         tpb = self.layout.tpb
-        header = replace(header, bh=block_hashes(tokens[: n // tpb * tpb], tpb)[-1])
+        header, payload = self.layout.gather(tokens, blocks, slot, saved,
+                                             bh=block_hashes(tokens[: n // tpb * tpb], tpb)[-1])
         for t in todo:
             t.put(t.key(h), header, payload)
 

@@ -3,7 +3,7 @@
     offset 0   magic     b"BATONSN\\x01"                            8 bytes
            8   hlen      header length, u32 LE
           12   hcrc      CRC-32 of the header, u32 LE
-          16   header    JSON: fmt, n (tokens), tpb, sections' byte counts, crc, flops
+          16   header    JSON: fmt, n (tokens), tpb, sections' byte counts, crc, flops, mac
       16+hlen  payload   tokens (int32 LE, n of them) | KV | state
 
 KV: `kv[:, blocks]` of the pool (every attention layer, ceil(n / tpb) blocks, the last one a
@@ -11,15 +11,19 @@ partial page when n is not block-aligned); state: every state tensor's slot, in 
 order. An entry is a hit only if every check passes: magic, header CRC, the format (model and
 layouts) equal to the reader's, the exact byte counts this format needs for n tokens (so an
 entry whose state is missing, LMCache's failure on hybrids, is a miss, never KV-only reuse),
-the payload CRC, and tokens equal to the prompt's first n.
+the payload CRC, the MAC (HMAC-SHA256 over the header's other fields and the payload, keyed
+by the cluster secret: an entry some other writer put in a shared folder or store is a miss),
+and tokens equal to the prompt's first n.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +49,8 @@ class Header:
     flops: float = 0.0
     bh: int = 0
     """The contract's block_hash of the entry's full blocks (for router events)."""
+    mac: str = ""
+    """HMAC-SHA256 (hex) of the other fields and the payload under the tier key."""
 
     @property
     def payload_bytes(self) -> int:
@@ -59,8 +65,11 @@ class Layout:
     """How one worker's pools turn into entry bytes and back; `fmt` names everything a reader
     must share (model identity, dtypes, shapes, layer ids) so another layout never matches."""
 
-    def __init__(self, pools: Pools, model_id: str):
+    def __init__(self, pools: Pools, model_id: str, key: bytes = b""):
         self.pools = pools
+        self._key = key or b"baton/tier-entry/no-cluster-secret"
+        """The entries' MAC key (the cluster secret's "cache-tier" key; without a secret a
+        fixed one: corruption is still caught, authorship is not)."""
         s = pools.spec
         self.tpb = s.tokens_per_block
         self.kv_block_bytes = (len(s.attn_layers) * pools.kv[0, 0].numel()
@@ -83,7 +92,7 @@ class Layout:
         return 512 + 4 * n + self.kv_bytes(n) + self.state_bytes
 
     def gather(self, tokens: list[int], blocks: list[int], slot: int,
-               flops: float = 0.0) -> tuple[Header, torch.Tensor]:
+               flops: float = 0.0, bh: int = 0) -> tuple[Header, torch.Tensor]:
         """Copy a snapshot out of the pools: its header and payload (one uint8 tensor)."""
         n = len(tokens)
         parts = [torch.tensor(tokens, dtype=torch.int32).view(torch.uint8)]
@@ -98,7 +107,14 @@ class Layout:
         payload = torch.cat(parts)
         crc = zlib.crc32(payload.numpy())
         kv = self.kv_bytes(n)
-        return Header(self.fmt, n, self.tpb, 4 * n, kv, self.state_bytes, crc, flops), payload
+        h = Header(self.fmt, n, self.tpb, 4 * n, kv, self.state_bytes, crc, flops, bh)
+        return replace(h, mac=self.mac(h, payload)), payload
+
+    def mac(self, h: Header, payload: torch.Tensor) -> str:
+        fields = {k: v for k, v in h.__dict__.items() if k != "mac"}
+        m = hmac.new(self._key, json.dumps(fields, sort_keys=True).encode(), hashlib.sha256)
+        m.update(memoryview(payload.numpy()))
+        return m.hexdigest()
 
     def check_header(self, h: Header) -> None:
         """BadEntry unless `h` describes a complete entry of this layout."""
@@ -115,6 +131,8 @@ class Layout:
             raise BadEntry(f"payload has {payload.numel()} bytes, header says {h.payload_bytes}")
         if zlib.crc32(payload.numpy()) != h.crc:
             raise BadEntry("payload checksum does not match")
+        if not hmac.compare_digest(self.mac(h, payload), h.mac):
+            raise BadEntry("entry's MAC does not match: not written under this cluster's secret")
         got = payload[: h.tokens].view(torch.int32).tolist()
         if got != list(tokens[: h.n]):
             raise BadEntry("entry's tokens are not the prompt's")

@@ -42,12 +42,12 @@ def disk(path, capacity=1 << 20, layout=None, io=None) -> DiskTier:
                     lambda: next(clock))
 
 
-def make(path, blocks=12, slots=3, max_live=1, capacity=1 << 20, io=None):
+def make(path, blocks=12, slots=3, max_live=1, capacity=1 << 20, io=None, key=b""):
     """Snapshot budget 2: the third snapshot evicts the least recently used one."""
     cfg = CacheConfig(tokens_per_block=TPB, num_blocks=blocks, num_state_slots=slots,
                       mamba_state_config=MambaStateConfig(decode_end_snapshot=False))
     p = pools(blocks, slots)
-    layout = Layout(p, "tiny")
+    layout = Layout(p, "tiny", key)
     tiers = Tiers(layout, disk(path, capacity, layout, io))
     return HybridCacheManager(cfg, p, max_live, tiers=tiers)
 
@@ -210,6 +210,24 @@ def test_two_workers_sharing_a_folder_never_overwrite(tmp_path):
     t1.put(t1.key(6), h2, pay2)
     assert t3.lengths() == [9] and t3.has(t1.key(6)) and t3.has(k)
     assert [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")] == []
+
+
+def test_an_entry_written_under_another_secret_is_a_miss(tmp_path):
+    """A well-formed entry whose MAC was made with another key (another cluster, or anyone who
+    can write the folder without the secret) is never restored: a miss, counted and removed."""
+    m = make(tmp_path, key=b"k" * 32)
+    for rid, p, s in (("a", A, 10.0), ("b", B, 20.0), ("c", C, 30.0)):
+        compute(m, rid, p, s)
+    f = _entry_file(tmp_path)
+    same = make(tmp_path, key=b"k" * 32)
+    assert same.admit("y", A + [1]).cached_tokens == 9  # the right key restores it
+    same.abort("y")
+    other = make(tmp_path, key=b"j" * 32)
+    adm = other.admit("x", A + [1])
+    assert adm.cached_tokens == 0
+    assert other.tiers.disk.stats.corrupt == 1 and not os.path.exists(f)
+    other.abort("x")
+    other.check_integrity()
 
 
 def test_other_model_entries_are_kept_apart(tmp_path):
