@@ -277,6 +277,10 @@ class Grammars:
     def _allowed(self, req) -> np.ndarray:
         st = self._states.get(req.id)
         replay = req.sampling.grammar_replay
+        if replay > len(req.prompt_ids):  # a slice from a negative start would replay garbage
+            raise InvalidRequestError(
+                f"request {req.id}: grammar_replay={replay} exceeds its {len(req.prompt_ids)} "
+                "prompt tokens")
         drawn = [*req.prompt_ids[len(req.prompt_ids) - replay:], *req.output_ids] if replay \
             else req.output_ids
         if st is None or st.consumed > len(drawn):

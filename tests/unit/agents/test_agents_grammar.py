@@ -286,3 +286,21 @@ def test_a_resumed_request_replays_the_tokens_sent_into_its_matcher(setup):
         rest = run_all(eng, [Request(f"r{cut}", list(new_prompt), new_inp.sampling)])
         assert ids[:cut] + rest["tokens"][f"r{cut}"] == ids
     assert eng.tracked()["grammar_matchers"] == 0
+
+
+def test_a_replay_count_beyond_the_prompt_fails_that_request_alone(setup):
+    """grammar_replay counts tokens at the end of the prompt: one larger than the prompt (a
+    malformed resume) fails its own request with the reason, never replays from a wrapped
+    slice, and the request beside it finishes exactly as it would alone."""
+    eng, tok = setup
+    grammar = g.compile_text("start: " + g.json_lark(SCHEMA), "response_format")
+    prompt = tok.encode("Answer:")
+    alone = run_all(eng, [Request("ok", prompt, SamplingParams(max_tokens=40, grammar=grammar))])
+    both = run_all(eng, [
+        Request("ok2", prompt, SamplingParams(max_tokens=40, grammar=grammar)),
+        Request("bad", prompt, SamplingParams(max_tokens=40, grammar=grammar,
+                                              grammar_replay=len(prompt) + 2))])
+    assert both["tokens"]["ok2"] == alone["tokens"]["ok"]
+    assert both["tokens"]["bad"] == []
+    assert "exceeds its" in str(both["outputs"]["bad"].error)
+    assert eng.tracked()["grammar_matchers"] == 0
