@@ -4,7 +4,6 @@ build and how the checkpoint names its tensors."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from baton.model.family import Weights
 from baton.model.layers.linear import install as install_linears
 from baton.model.progress import progress
 from baton.model.quant import safe_open  # the checkpoint as the float one it encodes
+from baton.model.quant.checkpoint import checkpoint_files
 from baton.model.stacking import ExpertStacks
 
 log = logging.getLogger("baton.model")
@@ -116,22 +116,6 @@ def attach_mtp(model, checkpoint_names: set[str]) -> bool:
                           f"lacks tensor(s) {missing[:6]}")
     model.mtp = head
     return True
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those named by the shard index, else all of them."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors files in model directory {str(path)!r}")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise ConfigError(f"shard(s) {missing} named by {index} do not exist")
-    return files
 
 
 def _tensor_names(path: Path) -> set[str]:

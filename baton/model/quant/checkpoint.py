@@ -73,7 +73,7 @@ class Entry:
 
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those its shard index names, else all of them
-    (as `baton.model.loader.checkpoint_files`, which this unit sits below)."""
+    (every loader reads this list; this unit sits below them)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
