@@ -16,6 +16,7 @@ import time
 
 from baton.cache.tiers.shared import store_password
 from baton.cluster.local import free_port
+from tests.support.apt import apt_install
 
 PACKAGE = "redis-server"
 
@@ -41,14 +42,7 @@ def _install() -> str:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise RedisUnavailable("redis-server is not installed and installing it needs root "
                                "and apt-get (apt-get install redis-server)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", PACKAGE]
-    for attempt in range(2):
-        r = subprocess.run(install, env=env, capture_output=True, text=True)
-        if r.returncode == 0:
-            break
-        if attempt == 0:  # stale or missing package lists
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+    r = apt_install([PACKAGE])
     found = shutil.which("redis-server")
     if not found:
         raise RedisUnavailable(f"apt-get install {PACKAGE} failed: {r.stderr.strip()[-300:]}")

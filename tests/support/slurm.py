@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from baton.cluster.local import free_port
+from tests.support.apt import apt_install
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 3
@@ -50,15 +51,8 @@ def ensure_slurm() -> None:
         raise Skip("Slurm is not installed and installing it needs root")
     if not shutil.which("apt-get"):
         raise Skip("Slurm is not installed and there is no apt-get to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    for attempt in range(2):
-        r = subprocess.run(install, env=env, capture_output=True, text=True)
-        if r.returncode == 0:
-            break
-        if attempt == 0:  # stale or missing package lists
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-    else:
+    r = apt_install(list(PACKAGES))
+    if r.returncode != 0:
         raise Skip(f"could not install {' '.join(PACKAGES)}: {r.stderr.strip()[-300:]}")
     missing = [t for t in DAEMONS if not shutil.which(t)]
     if missing:
