@@ -277,7 +277,7 @@ class Grammars:
     def _allowed(self, req) -> np.ndarray:
         st = self._states.get(req.id)
         replay = req.sampling.grammar_replay
-        if replay > len(req.prompt_ids):  # a slice from a negative start would replay garbage
+        if replay and replay > len(req.prompt_ids):  # a negative slice start: the wrong tokens
             raise InvalidRequestError(
                 f"request {req.id}: grammar_replay={replay} exceeds its {len(req.prompt_ids)} "
                 "prompt tokens")
