@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from baton.model.paged import StepContext
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,74 @@ class CausalLM(Protocol):
 Mix = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 """(mixer, normed input) -> the mixer's output: a verify pass's stand-in for a stateful
 mixer's own call (baton/engine/speculative/verify.py)."""
+
+
+class VerifyPosition(NamedTuple):
+    """One position of a speculative verify pass's recurrent steps (a chain's position j,
+    a tree's depth; baton/engine/speculative/verify.py and tree.py)."""
+
+    ctx: StepContext
+    """The slots of the requests still running at this position."""
+    rows: torch.Tensor
+    """Rows of the pass at this position (one per request still running)."""
+    save_to: torch.Tensor | None
+    """Scratch rows for the requests with a later position (their state is saved)."""
+    save_slots: torch.Tensor | None
+    copy_from: torch.Tensor | None = None
+    """Tree levels: the parents' slots, copied into `ctx.slots` before the step."""
+
+
+class RecurrentMixer(nn.Module):
+    """A recurrent layer kind (Mamba2, gated DeltaNet, ...), behind one interface: its state
+    tensors by name, the prefill scan, the decode step, the fast path's kernel step and the
+    per-position verify of speculation. The engine recognises a recurrent layer by this
+    base class and what it declares, never by probing its methods."""
+
+    layer_idx: int
+    state_names: tuple[str, ...]
+    """The names of its state tensors in the pools (`ctx.state(layer_idx, name)`), in the
+    order the kind reads them; the model's `state_tensors` declares each name once, so two
+    kinds with different names (say `conv`/`ssm` and `gdn_conv`/`recurrent`) mix in one
+    model."""
+    has_kernel_step: ClassVar[bool] = False
+    """True: `kernel_inputs(h)` (the row-wise input projections) and `kernel_step(inputs,
+    ctx, src, dst)` (one step reading slots src, writing slots dst) run the fast path's step
+    kernel, and `out_proj` the output projection (baton/engine/speculative/kernel_verify.py)."""
+
+    def prefill(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h [n, T, hidden]: a chunked scan from each sequence's slot (zeros when fresh)."""
+        raise NotImplementedError
+
+    def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h [b, hidden]: one step of each sequence, in its slot."""
+        raise NotImplementedError
+
+    def kernel_inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def kernel_step(self, inputs: tuple[torch.Tensor, ...], ctx: StepContext,
+                    src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def save_state(self, ctx: StepContext, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots `dst` <- slots `src`, every state tensor of this layer."""
+        for name in self.state_names:
+            t = ctx.state(self.layer_idx, name)
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    def verify_positions(self, x: torch.Tensor, positions: list[VerifyPosition],
+                         counts: list[int], tree: bool) -> torch.Tensor:
+        """The layer over a verify pass's rows x [R, H] (request-major; `counts` rows per
+        request), position after position, the state after each saved where `positions`
+        say. Here: `decode` once per position; a kind may do the row-wise parts at once."""
+        out = torch.empty_like(x)
+        for p in positions:
+            if p.copy_from is not None:
+                self.save_state(p.ctx, p.copy_from, p.ctx.slots)
+            out.index_copy_(0, p.rows, self.decode(x.index_select(0, p.rows), p.ctx))
+            if p.save_to is not None:
+                self.save_state(p.ctx, p.save_slots, p.save_to)
+        return out
 
 
 class Layer(Protocol):

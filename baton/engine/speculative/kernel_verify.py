@@ -10,7 +10,8 @@ What makes each part of a verify row equal to the same token decoded alone:
                 keys 0..its own position through its block table (no padding to the pass's
                 longest row, no mask: a row reads what one-token decode reads)
     Mamba2,     the step kernel once per position j over the requests with a row there:
-    DeltaNet    `mixer.kernel_step(inputs, ctx, src, dst)` reads each state from slot src
+    DeltaNet    (a mixer that declares `has_kernel_step`, `protocol.RecurrentMixer`)
+                `mixer.kernel_step(inputs, ctx, src, dst)` reads each state from slot src
                 and writes the next one to slot dst (`schedule`); the input projections run
                 over all rows at once before, out_proj after (`mixer.kernel_inputs`)
     MoE         the experts on the gemv kernel (a token's output does not depend on which
@@ -35,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from baton.model.layers import cpu_kernels, linear, step_kernels
+from baton.model.protocol import RecurrentMixer
 
 
 class KernelRows(NamedTuple):
@@ -103,14 +105,8 @@ def all_fit(model, pools) -> bool:
     """Whether every recurrent layer of `model` takes the kernel step (then a chain's verify
     pass may keep its first row's state in the live slot: `VerifyPlan.live_first`)."""
     index = pools.spec.state_index
-    mixers = [m for m in model.modules() if getattr(m, "layer_idx", None) in index
-              and hasattr(m, "decode")]
-    return all(fits(m) for m in mixers)
-
-
-def fits(mixer) -> bool:
-    """Whether a recurrent mixer has the kernel step (Mamba2, gated DeltaNet)."""
-    return hasattr(mixer, "kernel_step") and hasattr(mixer, "kernel_inputs")
+    return all(m.has_kernel_step for m in model.modules()
+               if isinstance(m, RecurrentMixer) and m.layer_idx in index)
 
 
 def recurrent_rows(mixer, x: torch.Tensor, ctx, steps: list[KernelRows]) -> torch.Tensor:

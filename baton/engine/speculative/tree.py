@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from baton.engine.speculative.position import Position
 from baton.model.paged import AttnMeta, _tables, slot_context
+from baton.model.protocol import VerifyPosition
 
 
 class Tree(NamedTuple):
@@ -129,7 +129,7 @@ def tree_verify_meta(plan, pools) -> AttnMeta:
 
 
 def tree_levels(pools, plan, starts: list[int], dev) -> list:
-    """The recurrent layers' steps of a tree pass, one per depth (`Position`)."""
+    """The recurrent layers' steps of a tree pass, one per depth (`protocol.VerifyPosition`)."""
 
     levels: dict[int, list[tuple[int, int]]] = {}
     for i, par in enumerate(plan.parents):
@@ -144,14 +144,14 @@ def tree_levels(pools, plan, starts: list[int], dev) -> list:
         sel = levels[d]
         rows = longs([starts[i] + r for i, r in sel])
         if d == 0:
-            out.append(Position(slot_context(pools, None, [plan.slots[i] for i, _ in sel]),
-                                 rows, None, None))
+            live = slot_context(pools, None, [plan.slots[i] for i, _ in sel])
+            out.append(VerifyPosition(live, rows, None, None))
             continue
         parent = [plan.parents[i][r - 1] for i, r in sel]
         src = [plan.slots[i] if p == 0 else plan.scratch[i][p - 1]
                for (i, _), p in zip(sel, parent, strict=True)]
         own = [plan.scratch[i][r - 1] for i, r in sel]
-        out.append(Position(slot_context(pools, None, own), rows, None, None, longs(src)))
+        out.append(VerifyPosition(slot_context(pools, None, own), rows, None, None, longs(src)))
     return out
 
 

@@ -10,11 +10,12 @@ which an engine whose passes cannot take the kernels runs on):
     norms, MLPs    every row at once (row-wise ops)
     attention      `Attention.decode` over the rows as independent one-token queries
                    (`decode_meta`): row (r, j) sees keys 0..n_r+j, later ones masked
-    Mamba2         `Mamba2Mixer.decode`'s operations: projections, dt and the gated norm
-                   over every row at once, the conv window and SSM step once per position j
-                   over the requests with m_r > j, in place on their live slots; after
-                   position j (j < m_r - 1) the state is copied into the request's scratch
-                   slot j (`StateScratch`)
+    recurrent      the layer's own `verify_positions` (`protocol.RecurrentMixer`): its
+                   step once per position j over the requests with m_r > j, in place on
+                   their live slots; after position j (j < m_r - 1) the state is copied
+                   into the request's scratch slot j (`StateScratch`). Mamba2 runs its
+                   projections, dt and gated norm over every row at once
+                   (`layers/mamba2_verify.py`), other kinds their `decode` per position
 
 After acceptance, `StateScratch.restore` puts scratch slot e back into the live slot when
 fewer than all m_r positions are kept (all kept: the live slot holds the right state).
@@ -26,13 +27,12 @@ from typing import NamedTuple
 
 import torch
 
-from baton.engine.speculative import kernel_verify, mamba_verify
-from baton.engine.speculative.position import Position as _Position
+from baton.engine.speculative import kernel_verify
 from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
-from baton.model.layers.ssd import ssd_step_
 from baton.model.paged import StepContext, decode_meta, slot_context
 from baton.model.pools import Pools
+from baton.model.protocol import VerifyPosition
 
 
 class VerifyRow(NamedTuple):
@@ -152,13 +152,15 @@ def _verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> to
         def on_kernels(mixer, x: torch.Tensor) -> torch.Tensor:
             if mixer.layer_idx in pools.spec.attn_index:
                 return mixer.decode(x, flat)
-            if kernel_verify.fits(mixer):
+            if mixer.has_kernel_step:
                 return kernel_verify.recurrent_rows(mixer, x, flat, steps)
             if tree:
                 from baton.engine.speculative.tree import tree_levels
 
-                return _recurrent(mixer, x, pools, tree_levels(pools, plan, starts, dev))
-            return _recurrent(mixer, x, pools, _positions(pools, plan, starts, dev))
+                per_pos = tree_levels(pools, plan, starts, dev)
+            else:
+                per_pos = _positions(pools, plan, starts, dev)
+            return mixer.verify_positions(x, per_pos, counts, tree)
 
         return _run_layers(model, h, on_kernels)
     if tree:  # a tree: every node reads its path, starts from its parent
@@ -174,10 +176,7 @@ def _verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> to
     def mix(mixer, x: torch.Tensor) -> torch.Tensor:
         if mixer.layer_idx in pools.spec.attn_index:
             return mixer.decode(x, flat)
-        if all(hasattr(mixer, n) for n in _MAMBA2_PARTS) and \
-                mamba_verify.fits(mixer, per_pos[0].ctx, counts, plan.parents is not None):
-            return mamba_verify.mamba2_positions(mixer, x, per_pos, counts[0])
-        return _recurrent(mixer, x, pools, per_pos)
+        return mixer.verify_positions(x, per_pos, counts, tree)
 
     return _run_layers(model, h, mix)
 
@@ -200,7 +199,7 @@ def _run_layers(model, h: torch.Tensor, mix) -> torch.Tensor:
     return h
 
 
-def _positions(pools, plan: VerifyPlan, starts, dev) -> list[_Position]:
+def _positions(pools, plan: VerifyPlan, starts, dev) -> list[VerifyPosition]:
     def longs(xs):
         return torch.tensor(xs, dtype=torch.long, device=dev)
 
@@ -209,72 +208,10 @@ def _positions(pools, plan: VerifyPlan, starts, dev) -> list[_Position]:
     for j in range(max(counts)):
         sel = [i for i, m in enumerate(counts) if m > j]
         keep = [i for i in sel if counts[i] > j + 1]
-        out.append(_Position(
+        out.append(VerifyPosition(
             slot_context(pools, None, [plan.slots[i] for i in sel]),
             longs([starts[i] + j for i in sel]),
             longs([plan.scratch[i][j] for i in keep]) if keep else None,
             longs([plan.slots[i] for i in keep]) if keep else None,
         ))
     return out
-
-
-_MAMBA2_PARTS = ("_split", "_live_states", "_conv", "_ssm_inputs", "_dt", "_A", "_write_back",
-                 "_out")
-
-
-def _save(pools: Pools, local_layer: int, slots: torch.Tensor, dst: torch.Tensor) -> None:
-    """Slots `dst` <- live slots `slots`, every state tensor of one state layer."""
-    for t in pools.state.values():
-        t[local_layer].index_copy_(0, dst, t[local_layer].index_select(0, slots))
-
-
-def _recurrent(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position]) -> torch.Tensor:
-    """One recurrent layer: a Mamba2 mixer with its projections over every row at once and
-    the conv + SSM step position after position (`_mamba2`), any other mixer its own decode
-    per position."""
-    if all(hasattr(mixer, n) for n in _MAMBA2_PARTS):
-        return _mamba2(mixer, x, pools, per_pos)
-    out = torch.empty_like(x)
-    local = pools.spec.state_index[mixer.layer_idx]
-    for p in per_pos:
-        if p.copy_from is not None:
-            _save(pools, local, p.copy_from, p.ctx.slots)
-        out.index_copy_(0, p.rows, mixer.decode(x.index_select(0, p.rows), p.ctx))
-        if p.save_to is not None:
-            _save(pools, local, p.save_slots, p.save_to)
-    return out
-
-
-def _mamba2(mixer, x: torch.Tensor, pools: Pools, per_pos: list[_Position]) -> torch.Tensor:
-    """`Mamba2Mixer.decode`, operation for operation, over the positions of a verify pass:
-    in_proj, dt, gated norm and out_proj are row-wise (all rows in one call); the conv
-    window and the SSM state advance one position at a time."""
-    cfg = mixer.cfg
-    H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
-    local = pools.spec.state_index[mixer.layer_idx]
-    gate, xbc, dt = mixer._split(mixer.in_proj(x))
-    dt = mixer._dt(dt)
-    A = mixer._A()
-    y_all = None
-    for p in per_pos:
-        ctx = p.ctx
-        if p.copy_from is not None:
-            _save(pools, local, p.copy_from, ctx.slots)
-        in_place = ctx.slot_range is not None and \
-            ctx.state(mixer.layer_idx, "ssm").dtype == torch.float32
-        conv, ssm = mixer._live_states(ctx, in_place)
-        xb = xbc.index_select(0, p.rows)
-        b = xb.shape[0]
-        window = torch.cat([conv.to(xb.dtype), xb[:, :, None]], dim=-1)
-        xs, B, C = mixer._ssm_inputs(mixer._conv(window)[..., 0])
-        conv.copy_(window[:, :, 1:])
-        y = ssd_step_(ssm, xs.reshape(b, H, P), dt.index_select(0, p.rows), A,
-                      B.reshape(b, G, N), C.reshape(b, G, N), mixer.D)
-        if not in_place:
-            mixer._write_back(ctx, conv, ssm)
-        if y_all is None:
-            y_all = y.new_empty((x.shape[0], H * P))
-        y_all.index_copy_(0, p.rows, y.reshape(b, -1))
-        if p.save_to is not None:
-            _save(pools, local, p.save_slots, p.save_to)
-    return mixer._out(y_all, gate, x.dtype)

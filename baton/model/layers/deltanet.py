@@ -1,10 +1,12 @@
-"""The gated DeltaNet mixer of Qwen3.5 (`linear_attn`), reading and writing its state in the pool.
+"""The gated DeltaNet mixer (a `protocol.RecurrentMixer`; Qwen3.5's `linear_attn`), reading and
+writing its state in the pool.
 
     in_proj_qkv -> [ q | k | v ]  (widths HK*dk, HK*dk, HV*dv)  -> causal depthwise conv + SiLU
     in_proj_z   -> z (output gate)   in_proj_b -> beta = sigmoid(b)
     in_proj_a   -> g = -exp(A_log) * softplus(a + dt_bias)   (log decay, float32)
-Two state tensors per slot: `conv` (the last K-1 conv inputs per channel, sections [q | k | v])
-and `recurrent` [HV, dk, dv] (float32 unless the checkpoint asks otherwise).
+Two state tensors per slot (named by `state_names`): `conv` (the last K-1 conv inputs per
+channel, sections [q | k | v]) and `recurrent` [HV, dk, dv] (float32 unless the checkpoint asks
+otherwise).
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from baton.model.layers.gated_norms import HeadGatedRMSNorm
 from baton.model.layers.gdn import chunk_scan, recurrent_step_
 from baton.model.layers.gdn_fast import chunk_scan_fast
 from baton.model.paged import StepContext
+from baton.model.protocol import RecurrentMixer
 
 
-class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+class GatedDeltaNet(RecurrentMixer):
+    has_kernel_step = True
+
+    def __init__(self, cfg, layer_idx: int,
+                 state_names: tuple[str, str] = ("conv", "recurrent")):
         super().__init__()
         self.layer_idx = layer_idx
+        self.state_names = state_names
+        """The pools' names of its (conv window [conv_dim, K-1], recurrent [HV, dk, dv])."""
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.sections = list(cfg.conv_sections)
@@ -52,16 +60,20 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._qkv(self._conv(window).transpose(1, 2), (n, T))
         g, beta = self._gates(h)
         o, final = chunk_scan(q, k, v, g, beta, rec, self.chunk)
-        conv_pool = ctx.state(self.layer_idx, "conv")
-        rec_pool = ctx.state(self.layer_idx, "recurrent")
+        conv_pool, rec_pool = self._pools(ctx)
         tail = window[..., window.shape[-1] - conv_pool.shape[-1]:]
         conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
         rec_pool.index_copy_(0, ctx.slots, final.to(rec_pool.dtype))
         return self._out(o.to(h.dtype), h)
 
     def _fast_states(self, ctx: StepContext) -> bool:
-        return all(ctx.state(self.layer_idx, s).dtype == torch.float32
-                   for s in ("conv", "recurrent")) and self.conv1d.weight.dtype == torch.float32
+        return all(t.dtype == torch.float32 for t in self._pools(ctx)) \
+            and self.conv1d.weight.dtype == torch.float32
+
+    def _pools(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (conv, recurrent) state tensors [num_slots, ...] in the pools."""
+        return ctx.state(self.layer_idx, self.state_names[0]), \
+            ctx.state(self.layer_idx, self.state_names[1])
 
     def _prefill_fast(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """`prefill` on the fast path: the conv and gated norm in one kernel pass each over the
@@ -73,12 +85,12 @@ class GatedDeltaNet(nn.Module):
         q, kk, v = self._qkv(k.conv_silu(qkv, conv, self.conv1d.weight[:, 0], None), (n, T))
         g, beta = self._gates(h)
         o, final = chunk_scan_fast(q, kk, v, g, beta, rec, self.chunk)
-        conv_pool = ctx.state(self.layer_idx, "conv")
+        conv_pool, rec_pool = self._pools(ctx)
         K1 = conv_pool.shape[-1]  # the window's last K-1 columns: the next call's state
         tail = (qkv[:, T - K1:].transpose(1, 2) if T >= K1
                 else torch.cat([conv[..., T:], qkv.transpose(1, 2)], dim=-1))
         conv_pool.index_copy_(0, ctx.slots, tail)
-        ctx.state(self.layer_idx, "recurrent").index_copy_(0, ctx.slots, final)
+        rec_pool.index_copy_(0, ctx.slots, final)
         if type(self.norm) is not HeadGatedRMSNorm:
             return self._out(o, h)
         z = self.in_proj_z(h)
@@ -89,8 +101,7 @@ class GatedDeltaNet(nn.Module):
     def decode(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [b, hidden], one token per sequence; updates the states of `ctx.slots`."""
         b = h.shape[0]
-        conv_pool = ctx.state(self.layer_idx, "conv")
-        rec_pool = ctx.state(self.layer_idx, "recurrent")
+        conv_pool, rec_pool = self._pools(ctx)
         if fused.fast_decoding(h) and conv_pool.dtype == rec_pool.dtype == torch.float32:
             return self.out_proj(self._fused_step(h, ctx, conv_pool, rec_pool))
         qkv = self.in_proj_qkv(h)
@@ -146,15 +157,13 @@ class GatedDeltaNet(nn.Module):
         a verify pass's next position elsewhere); returns the gated-normed output."""
         qkv, a, b, z = inputs
         return step_kernels.kernels().deltanet_step(
-            qkv, ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "recurrent"), src,
-            dst, a, b, z, self.conv1d.weight[:, 0], self.dt_bias, self.A_log, self.norm.weight,
+            qkv, *self._pools(ctx), src, dst, a, b, z, self.conv1d.weight[:, 0], self.dt_bias, self.A_log, self.norm.weight,
             self.hk, self.hv, self.dk, self.dv, self.norm.eps)
 
     def _prefill_states(self, ctx: StepContext):
         """(conv, recurrent) the n sequences start from: their slots', zeros where fresh (a
         fresh slot is never read: it may hold a finished request's state)."""
-        conv_pool = ctx.state(self.layer_idx, "conv")
-        rec_pool = ctx.state(self.layer_idx, "recurrent")
+        conv_pool, rec_pool = self._pools(ctx)
         n = len(ctx.fresh)
         if all(ctx.fresh):
             return conv_pool.new_zeros((n, *conv_pool.shape[1:])), None

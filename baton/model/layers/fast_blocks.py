@@ -71,8 +71,7 @@ def _deltanet(m, pools):
     out = _out(m.out_proj)
     if None in ws or out is None or type(m.norm) is not HeadGatedRMSNorm:
         return None
-    ctx0 = StepContext(pools, None, None)
-    conv, rec = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "recurrent")
+    conv, rec = m._pools(StepContext(pools, None, None))
     return Body(DELTANET, [*ws, *out, conv, rec, m.conv1d.weight[:, 0], m.dt_bias, m.A_log,
                            m.norm.weight], [m.hk, m.hv, m.dk, m.dv], [m.norm.eps], [])
 
@@ -81,8 +80,7 @@ def _mamba2(m, pools):
     inp, out = _out(m.in_proj), _out(m.out_proj)
     if inp is None or out is None or type(m.norm) is not GatedRMSNorm:
         return None
-    ctx0 = StepContext(pools, None, None)
-    conv, ssm = ctx0.state(m.layer_idx, "conv"), ctx0.state(m.layer_idx, "ssm")
+    conv, ssm = m._pools(StepContext(pools, None, None))
     cfg, (lo, hi) = m.cfg, m.cfg.dt_limit
     return Body(MAMBA2, [*inp, *out, conv, ssm, m.conv1d.weight[:, 0], m.conv1d.bias, m.dt_bias,
                          m.A_log, m.D, m.norm.weight],

@@ -1,4 +1,4 @@
-"""The `M` layer of NemotronH: the Mamba2 mixer, reading and writing its state in the pool.
+"""The Mamba2 mixer (a `protocol.RecurrentMixer`), reading and writing its state in the pool.
 
 in_proj splits into   [ gate z | x | B | C | dt ]   (widths: inter, inter, G*N, G*N, H)
                                  \\_ conv input _/
@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import fused, step_kernels
+from baton.model.layers import fused, mamba2_verify, step_kernels
 from baton.model.layers.norms import GatedRMSNorm
 from baton.model.layers.ssd import ssd_scan, ssd_step_
 from baton.model.layers.ssd_fast import ssd_scan_fast
 from baton.model.paged import StepContext
+from baton.model.protocol import RecurrentMixer, VerifyPosition
 
 
 class Mamba2Dims(Protocol):
@@ -39,10 +40,15 @@ class Mamba2Dims(Protocol):
     dt_limit: tuple[float, float]
 
 
-class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: Mamba2Dims, layer_idx: int):
+class Mamba2Mixer(RecurrentMixer):
+    has_kernel_step = True
+
+    def __init__(self, cfg: Mamba2Dims, layer_idx: int,
+                 state_names: tuple[str, str] = ("conv", "ssm")):
         super().__init__()
         self.layer_idx = layer_idx
+        self.state_names = state_names
+        """The pools' names of its (conv window [conv_dim, K-1], SSM state [H, P, N])."""
         self.cfg = cfg
         inter, conv_dim, H = cfg.mamba_intermediate, cfg.conv_dim, cfg.mamba_num_heads
         self.in_proj = nn.Linear(cfg.hidden_size, inter + conv_dim + H, bias=cfg.use_bias)
@@ -77,7 +83,7 @@ class Mamba2Mixer(nn.Module):
             cfg.chunk_size,
             ssm_state,
         )
-        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
+        conv_pool, ssm_pool = self._pools(ctx)
         tail = window[..., window.shape[-1] - conv_pool.shape[-1] :]
         conv_pool.index_copy_(0, ctx.slots, tail.to(conv_pool.dtype))
         ssm_pool.index_copy_(0, ctx.slots, final.to(ssm_pool.dtype))
@@ -96,7 +102,7 @@ class Mamba2Mixer(nn.Module):
         y, final = ssd_scan_fast(x.view(n, T, H, P), self._dt(dt), self._A(),
                                  B.view(n, T, G, N), C.view(n, T, G, N), self.D,
                                  None if all(ctx.fresh) else ssm_state)
-        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
+        conv_pool, ssm_pool = self._pools(ctx)
         K1 = conv_pool.shape[-1]  # the window's last K-1 columns: the next call's state
         tail = (xbc[:, T - K1:].transpose(1, 2) if T >= K1
                 else torch.cat([conv_state[..., T:], xbc.transpose(1, 2)], dim=-1))
@@ -110,7 +116,7 @@ class Mamba2Mixer(nn.Module):
 
     def _prefill_states(self, ctx: StepContext):
         """(conv, ssm) states the n sequences start from: their slots', zeros where fresh."""
-        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
+        conv_pool, ssm_pool = self._pools(ctx)
         n = len(ctx.fresh)
         if all(ctx.fresh):
             # Never read a fresh slot: it may hold a finished request's state (or garbage).
@@ -129,7 +135,7 @@ class Mamba2Mixer(nn.Module):
         if fused.fast_decoding(zxbcdt) and self._fusable(ctx):
             return self.out_proj(self._fused_step(zxbcdt, ctx))
         gate, xbc, dt = self._split(zxbcdt)
-        in_place = ctx.slot_range is not None and ctx.state(self.layer_idx, "ssm").dtype == torch.float32
+        in_place = ctx.slot_range is not None and self._pools(ctx)[1].dtype == torch.float32
         conv, ssm = self._live_states(ctx, in_place)
         window = torch.cat([conv.to(xbc.dtype), xbc[:, :, None]], dim=-1)
         x, B, C = self._ssm_inputs(self._conv(window)[..., 0])
@@ -148,7 +154,7 @@ class Mamba2Mixer(nn.Module):
         return self._out(y.reshape(b, -1), gate, h.dtype)
 
     def _fusable(self, ctx: StepContext) -> bool:
-        return all(ctx.state(self.layer_idx, n).dtype == torch.float32 for n in ("conv", "ssm"))
+        return all(t.dtype == torch.float32 for t in self._pools(ctx))
 
     def _fused_step(self, zxbcdt: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The fast path's decode step between the projections: the C++ step kernel on the
@@ -179,24 +185,37 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         lo, hi = cfg.dt_limit
         return step_kernels.kernels().mamba2_step(
-            inputs[0], ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm"), src,
-            dst, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+            inputs[0], *self._pools(ctx), src, dst, self.conv1d.weight[:, 0], self.conv1d.bias,
+            self.dt_bias, self.A_log, self.D,
             self.norm.weight, cfg.mamba_intermediate, cfg.mamba_num_heads, cfg.mamba_head_dim,
             cfg.n_groups, cfg.ssm_state_size, float(lo), float(hi), self.norm.group_size,
             self.norm.eps)
+
+    def verify_positions(self, x: torch.Tensor, positions: list[VerifyPosition],
+                         counts: list[int], tree: bool) -> torch.Tensor:
+        """The row-wise parts over every row at once, the recurrence position by position
+        (`mamba2_verify`)."""
+        if mamba2_verify.fits(self, positions[0].ctx, counts, tree):
+            return mamba2_verify.uniform(self, x, positions, counts[0])
+        return mamba2_verify.stepwise(self, x, positions)
+
+    def _pools(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (conv, ssm) state tensors [num_slots, ...] in the pools."""
+        return ctx.state(self.layer_idx, self.state_names[0]), \
+            ctx.state(self.layer_idx, self.state_names[1])
 
     def _live_states(self, ctx: StepContext, in_place: bool):
         """(conv, ssm) of the batch's slots to update: views of the pools when the slots are
         consecutive (no gather, no scatter), copies otherwise. The SSM state is float32 either
         way, so a low-precision pool is rounded once per step, as in prefill."""
-        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
+        conv_pool, ssm_pool = self._pools(ctx)
         if in_place:
             return conv_pool[ctx.slot_range], ssm_pool[ctx.slot_range]
         conv = conv_pool.index_select(0, ctx.slots)
         return conv, ssm_pool.index_select(0, ctx.slots).float()
 
     def _write_back(self, ctx: StepContext, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        conv_pool, ssm_pool = ctx.state(self.layer_idx, "conv"), ctx.state(self.layer_idx, "ssm")
+        conv_pool, ssm_pool = self._pools(ctx)
         conv_pool.index_copy_(0, ctx.slots, conv)
         ssm_pool.index_copy_(0, ctx.slots, ssm.to(ssm_pool.dtype))
 

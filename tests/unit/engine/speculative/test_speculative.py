@@ -346,7 +346,7 @@ def test_greedy_identical_to_speculation_off_on_the_reference_path(agree_dir,
     with speculation off, every greedy token, with acceptance, prefix hits and stop tokens
     inside accepted drafts. A tree runs every part of that path's verify pass (tree_levels,
     the tree attention mask); its chains are checked bit for bit in
-    `test_verify_rows_equal_plain_decode_on_the_reference_path` and test_mamba_verify."""
+    `test_verify_rows_equal_plain_decode_on_the_reference_path` and test_mamba2_verify."""
     from baton.model.layers.linear import set_decode_path
 
     old = set_decode_path("reference")

@@ -1,4 +1,4 @@
-"""The uniform verify path of a Mamba2 layer (baton/engine/speculative/mamba_verify.py): its
+"""The uniform verify path of a Mamba2 layer (baton/model/layers/mamba2_verify.py): its
 multi-position SSD step is bit for bit m one-token steps, on both decode paths."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.engine.speculative.mamba_verify import ssd_steps_
 from baton.model.layers.linear import set_decode_path
+from baton.model.layers.mamba2_verify import ssd_steps_
 from baton.model.layers.ssd import ssd_step_
 
 
