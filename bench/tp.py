@@ -43,7 +43,7 @@ def _moe_models(quick: bool) -> dict[str, Path]:
 
     qwen = cache_dir() / f"bench-tp-qwen3_5_moe-{'tiny' if quick else '100m'}-v1"
     if not (qwen / "config.json").is_file():
-        write_checkpoint(qwen, family="qwen3_5_moe", preset="tiny" if quick else "100m", seed=1)
+        write_checkpoint(qwen, preset="tiny" if quick else "100m", seed=1)
     return {"nemotron_h-moe": checkpoints(quick)["moe"], "qwen3_5-moe": qwen}
 
 

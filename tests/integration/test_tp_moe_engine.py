@@ -52,7 +52,7 @@ def _write(name: str, root):
     if name == "qwen3_5_moe":
         from baton.model.qwen3_5.moe_make import write_checkpoint
 
-        return write_checkpoint(root / "q", family="qwen3_5_moe", seed=4, **QWEN)
+        return write_checkpoint(root / "q", seed=4, **QWEN)
     from baton.model.make_model import write_checkpoint
 
     path = write_checkpoint(root / "nh", seed=4, **NH)

@@ -35,7 +35,7 @@ def models(tmp_path_factory):
     for k in [k for k in state if k.endswith(".bias") and "conv1d" not in k]:
         state[k] = torch.randn(state[k].shape, generator=gen) * 0.1  # biases exist to test
     save_file(state, str(file), metadata={"format": "pt"})
-    q = write_qwen(root / "q", family="qwen3_5_moe", seed=2, **QWEN)
+    q = write_qwen(root / "q", seed=2, **QWEN)
     return {"nemotron_h": (nh, load_model(nh)), "qwen3_5_moe": (q, load_model(q))}
 
 
