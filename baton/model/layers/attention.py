@@ -1,4 +1,4 @@
-"""The `*` layer of NemotronH: GQA self-attention without positional encoding, over paged KV."""
+"""GQA self-attention without positional encoding, over paged KV (NemotronH's `*` layers)."""
 
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ from baton.model.layers.mamba2 import Mamba2Mixer
 from baton.model.layers.mlp import MLP
 from baton.model.layers.moe import MoE
 from baton.model.layers.norms import GatedRMSNorm
-from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.layers.softmax_moe import SoftmaxMoE
 from baton.model.paged import StepContext
 
-DELTANET, MAMBA2, GATED_ATTENTION, ATTENTION, SWIGLU, RELU2, QWEN_MOE, NEMOTRON_MOE = range(1, 9)
+DELTANET, MAMBA2, GATED_ATTENTION, ATTENTION, SWIGLU, RELU2, SOFTMAX_MOE, SIGMOID_GROUP_MOE = range(1, 9)
 """The part kinds of layers.cpp (`Kind`)."""
 
 
@@ -128,26 +128,26 @@ def _stacks_ok(*stacks) -> bool:
     return all(t.stride(-1) == 1 and t.device.type == "cpu" for t in stacks)
 
 
-def _qwen_moe(m):
+def _softmax_moe(m):
     se = m.shared_expert
     ws = [_weight(p) for p in (m.gate, m.shared_expert_gate, se.gate_proj, se.up_proj,
                                se.down_proj)]
     up, down = m.experts.gate_up_proj, m.experts.down_proj
     if None in ws or m.act is not F.silu or not _stacks_ok(up, down):
         return None
-    return Body(QWEN_MOE, [*ws, up, down, m.routed_tokens], [m.top_k, int(m.norm)], [], [])
+    return Body(SOFTMAX_MOE, [*ws, up, down, m.routed_tokens], [m.top_k, int(m.norm)], [], [])
 
 
-def _nemotron_moe(m):
+def _sigmoid_group_moe(m):
     c, se, ex = m.gate.cfg, m.shared_experts, m.experts
     if (c.topk_group < c.n_group or m.latent or m.act.__name__ != "_relu2"
             or se.act.__name__ != "_relu2" or None in (_weight(se.up_proj),
                                                        _weight(se.down_proj))
             or not _stacks_ok(ex.up_proj, ex.down_proj, m.gate.weight)):
         return None
-    return Body(NEMOTRON_MOE, [m.gate.weight, m.gate.e_score_correction_bias,
-                               _weight(se.up_proj), _weight(se.down_proj), ex.up_proj,
-                               ex.down_proj, m.routed_tokens],
+    return Body(SIGMOID_GROUP_MOE, [m.gate.weight, m.gate.e_score_correction_bias,
+                                    _weight(se.up_proj), _weight(se.down_proj), ex.up_proj,
+                                    ex.down_proj, m.routed_tokens],
                 [c.num_experts_per_tok, int(c.norm_topk_prob)],
                 [float(c.routed_scaling_factor)], [])
 
@@ -155,8 +155,8 @@ def _nemotron_moe(m):
 MIXER_BODIES = {GatedDeltaNet: _deltanet, Mamba2Mixer: _mamba2, GatedAttention: _gated_attn,
                 Attention: _attention}
 """Mixer class -> its body's builder (m, pools) -> Body | None: a new layer kind adds one."""
-FEED_FORWARD_BODIES = {GatedMLP: _swiglu_mlp, MLP: _relu2_mlp, QwenSparseMoe: _qwen_moe,
-                       MoE: _nemotron_moe}
+FEED_FORWARD_BODIES = {GatedMLP: _swiglu_mlp, MLP: _relu2_mlp, SoftmaxMoE: _softmax_moe,
+                       MoE: _sigmoid_group_moe}
 """Feed-forward class -> its body's builder (m) -> Body | None."""
 
 

@@ -1,4 +1,4 @@
-"""Gated full attention of Qwen3.5 (`self_attn`) over paged KV.
+"""Gated full attention with partial rotary embeddings (Qwen3.5's `self_attn`) over paged KV.
 
     q_proj -> per head [ q (hd) | gate (hd) ]      k_proj, v_proj -> kv heads
     q, k: zero-centred RMSNorm over hd, then partial rotary (first rotary_dim dims,

@@ -1,5 +1,5 @@
-"""The `-` layer of NemotronH: a two-matrix MLP with a squared-ReLU activation (also the shared
-expert of its `E` layers, at its own width)."""
+"""A two-matrix MLP with a squared-ReLU activation (NemotronH's `-` layers; also the shared
+expert of the sigmoid-routed `MoE`, at its own width)."""
 
 from __future__ import annotations
 

@@ -231,8 +231,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The `E` layer of NemotronH: routed experts (optionally in a latent width) plus one
-    shared expert on the layer's input. No KV, no state."""
+    """Sigmoid group top-k routed squared-ReLU experts (optionally in a latent width) plus one
+    shared expert on the layer's input (NemotronH's `E` layers). No KV, no state."""
 
     stateless = True
 

@@ -1,5 +1,5 @@
-"""MoE layers at tensor-parallel size t (NemotronH's `E` mixer, Qwen's sparse `mlp`): the
-router (and Qwen's shared-expert gate, NemotronH's latent projections) replicated, the
+"""MoE layers at tensor-parallel size t (`MoE`, `SoftmaxMoE`): the router (and
+`SoftmaxMoE`'s shared-expert gate, `MoE`'s latent projections) replicated, the
 routed experts split one of two ways, the shared expert split within, and ONE all-reduce
 per layer for all of it.
 
@@ -30,7 +30,7 @@ from torch import nn
 from baton.errors import ConfigError
 from baton.model.layers.moe import MoE, Routing, run_experts, softmax_topk
 from baton.model.layers.parallel import TPGroup
-from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.layers.softmax_moe import SoftmaxMoE
 from baton.model.tp_shard import check_tp
 
 MODES = ("experts", "within")
@@ -96,7 +96,7 @@ def _no_bias(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 class TPMoE(MoE):
-    """NemotronH's `E` layer on one TP rank (module doc)."""
+    """`MoE` on one TP rank (module doc)."""
 
     def __init__(self, cfg, layer_idx: int, tp: TPGroup, mode: str):
         super().__init__(cfg, layer_idx)
@@ -125,8 +125,8 @@ class TPMoE(MoE):
         return y.view(shape)
 
 
-class TPQwenMoe(QwenSparseMoe):
-    """Qwen's sparse `mlp` on one TP rank (module doc); `experts.gate_up_proj` holds the
+class TPSoftmaxMoE(SoftmaxMoE):
+    """`SoftmaxMoE` on one TP rank (module doc); `experts.gate_up_proj` holds the
     rank's gate rows then its up rows, as the TP-1 one holds all gate rows then all up."""
 
     def __init__(self, cfg, layer_idx: int, renormalize: bool | None, tp: TPGroup, mode: str):

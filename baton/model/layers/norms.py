@@ -1,4 +1,4 @@
-"""RMS norms of NemotronH: the plain pre-norm and the Mamba output's gated, grouped norm."""
+"""RMS norms: the plain pre-norm and the Mamba2 output's gated, grouped norm."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
-"""The MoE feed-forward of Qwen3.5-MoE and Qwen3-Next (`mlp` of a decoder layer): softmax
+"""The softmax-routed MoE feed-forward (`SoftmaxMoE`; the Qwen MoE families' `mlp`): softmax
 top-k router, SwiGLU experts stacked as transformers 5 stores them, and a shared SwiGLU expert
 scaled by its own sigmoid gate.
 
-    x [N, H] -> gate.weight [E, H] -> softmax (float32) -> top-k -> renormalise (Qwen3.5-MoE
-    always, Qwen3-Next when norm_topk_prob) -> weights cast to x's dtype
+    x [N, H] -> gate.weight [E, H] -> softmax (float32) -> top-k -> renormalise (always, or
+    when norm_topk_prob) -> weights cast to x's dtype
     routed = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))       experts.gate_up_proj [E, 2I, H]
     out    = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
 The block reads transformers' field names off the family's config: hidden_size, num_experts,
 num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size, hidden_act and
-(Qwen3-Next) norm_topk_prob.
+norm_topk_prob.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ class GatedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num, hidden, width))
 
 
-class QwenSparseMoe(nn.Module):
-    """One Qwen MoE feed-forward; `renormalize` None reads `norm_topk_prob` (Qwen3-Next),
-    True always renormalises (Qwen3.5-MoE)."""
+class SoftmaxMoE(nn.Module):
+    """Softmax top-k routed SwiGLU experts plus a sigmoid-gated shared expert; `renormalize`
+    None reads the config's `norm_topk_prob`, True always renormalises."""
 
     stateless = True
 
@@ -86,14 +86,6 @@ def feed_forward(cfg, layer: int) -> nn.Module:
     """Layer `layer`'s `mlp`: the MoE block where the family's config puts one (its
     `moe_layers`), else the dense SwiGLU."""
     if layer in getattr(cfg, "moe_layers", ()):
-        return QwenSparseMoe(cfg, layer, renormalize=cfg.norm_topk_prob)
+        return SoftmaxMoE(cfg, layer, renormalize=cfg.norm_topk_prob)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-
-def is_sparse_layer(cfg, layer: int) -> bool:
-    """Qwen3-Next: MoE unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
-    grid (transformers' rule); every layer of Qwen3.5-MoE is sparse (no such fields)."""
-    if layer in (getattr(cfg, "mlp_only_layers", None) or ()):
-        return False
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return cfg.num_experts > 0 and (layer + 1) % step == 0

@@ -15,7 +15,7 @@ from baton.model.hybrid import HybridLM
 from baton.model.layers.deltanet import GatedDeltaNet
 from baton.model.layers.gated_attention import GatedAttention
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
-from baton.model.layers.qwen_moe import feed_forward
+from baton.model.layers.softmax_moe import feed_forward
 from baton.model.paged import StepContext
 from baton.model.protocol import Mix
 from baton.model.qwen3_5.config import Qwen35Config

@@ -1,6 +1,6 @@
 """Config of Qwen3.5-MoE (`qwen3_5_moe`, multimodal with `text_config`, or `qwen3_5_moe_text`),
 which Qwen3-Next's (`baton.model.qwen3_next.config`, flat) extends. Both are Qwen3.5's layers
-with a MoE feed-forward (`baton.model.layers.qwen_moe`) where the family puts one:
+with a MoE feed-forward (`baton.model.layers.softmax_moe`) where the family puts one:
 
     qwen3_5_moe   every layer                      routing weights always renormalised
     qwen3_next    (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers, others a
@@ -66,6 +66,15 @@ class QwenMoeConfig(Qwen35Config):
             moe_intermediate_size=int(pick("moe_intermediate_size", 512)),
             shared_expert_intermediate_size=int(pick("shared_expert_intermediate_size", 512)),
         )
+
+
+def is_sparse_layer(cfg, layer: int) -> bool:
+    """Qwen3-Next: MoE unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
+    grid (transformers' rule); every layer of Qwen3.5-MoE is sparse (no such fields)."""
+    if layer in (getattr(cfg, "mlp_only_layers", None) or ()):
+        return False
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return cfg.num_experts > 0 and (layer + 1) % step == 0
 
 
 def text_fields(text: dict, multimodal: bool, top: dict) -> dict:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from baton.model.layers.moe_tp import MODES, TPQwenMoe, check_split
+from baton.model.layers.moe_tp import MODES, TPSoftmaxMoE, check_split
 from baton.model.layers.parallel import TPGroup, row_parallel
-from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.layers.softmax_moe import SoftmaxMoE
 from baton.model.qwen3_5.config import Qwen35Config
 from baton.model.tp_shard import check_tp
 
@@ -85,7 +85,7 @@ def parallelize(cfg: Qwen35Config, tp: TPGroup, layers, moe_split: str) -> None:
     """Swap in the modules of `layers` that talk over the group (TP > 1; the embedding and
     LM head are `tp_loader`'s)."""
     for layer in layers:
-        if isinstance(layer.mlp, QwenSparseMoe):
-            layer.mlp = TPQwenMoe(cfg, layer.mlp.layer_idx, layer.mlp.norm, tp, moe_split)
+        if isinstance(layer.mlp, SoftmaxMoE):
+            layer.mlp = TPSoftmaxMoE(cfg, layer.mlp.layer_idx, layer.mlp.norm, tp, moe_split)
         row_parallel(layer.mixer, ("out_proj", "o_proj"), tp)
         row_parallel(layer.mlp, ("down_proj",), tp)

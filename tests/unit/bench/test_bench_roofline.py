@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from baton.model.layers.moe import MoE
-from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.layers.softmax_moe import SoftmaxMoE
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.make import checkpoint_config
 from bench.roofline import _routed_expert_flops
@@ -23,7 +23,7 @@ def test_routed_experts_count_top_k_experts_per_token():
     cfg = ModelConfig.from_dict(checkpoint_config(
         "tiny", pattern="E", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
-    model = nn.ModuleList([QwenSparseMoe(_QwenCfg(), renormalize=True), MoE(cfg),
+    model = nn.ModuleList([SoftmaxMoE(_QwenCfg(), renormalize=True), MoE(cfg),
                            nn.Linear(64, 64)])
     qwen = 2 * 2 * (2 * 40 * 64 + 64 * 40)  # 2 experts: gate_up [80, 64], down [64, 40]
     nemotron = 2 * 4 * (48 * 64 + 64 * 48)  # 4 experts: up [48, 64], down [64, 48]
@@ -42,7 +42,7 @@ def test_each_moe_block_adds_its_routed_experts_to_the_step_matmuls():
     cfg = ModelConfig.from_dict(checkpoint_config(
         "tiny", pattern="E", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
-    qwen, nemotron = QwenSparseMoe(_QwenCfg(), renormalize=True), MoE(cfg)
+    qwen, nemotron = SoftmaxMoE(_QwenCfg(), renormalize=True), MoE(cfg)
     runs = _expert_runs(nn.ModuleList([qwen, nemotron, nn.Linear(64, 64)]), batch=5)
     shapes = [tuple(tuple(y.shape) for y in run()) for run in runs]
     # batch x top-k pairs: Qwen's gate_up [80] then down [64]; NemotronH's up [48], down [64]
@@ -61,7 +61,7 @@ def test_a_step_reads_every_linear_and_each_routed_expert_it_draws_once():
     cfg = ModelConfig.from_dict(checkpoint_config(
         "tiny", pattern="E", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=48, moe_shared_expert_intermediate_size=80))
-    qwen, nemotron = QwenSparseMoe(_QwenCfg(), renormalize=True), MoE(cfg)
+    qwen, nemotron = SoftmaxMoE(_QwenCfg(), renormalize=True), MoE(cfg)
     model = nn.ModuleList([qwen, nemotron, nn.Linear(64, 64)])
     linears = sum(m.weight.numel() * 4 for m in _linears(model))
     one_qwen, one_nemotron = (80 * 64 + 64 * 40) * 4, (48 * 64 + 64 * 48) * 4

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
-from baton.model.layers.qwen_moe import QwenSparseMoe  # noqa: E402
+from baton.model.layers.softmax_moe import SoftmaxMoE  # noqa: E402
 from baton.model.loader import load_model  # noqa: E402
 from baton.model.make_model import write_checkpoint  # noqa: E402
 from baton.worker.load import expert_load  # noqa: E402
@@ -66,20 +66,20 @@ def test_layouts_and_layer_kinds(qwen_moe_pair):
     kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
     if family == "qwen3_5_moe":
         assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in keys
-        assert kinds == ["QwenSparseMoe"] * 6
+        assert kinds == ["SoftmaxMoE"] * 6
     else:
         assert "model.layers.1.mlp.experts.7.gate_proj.weight" in keys
         assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in keys
         assert model.config.moe_layers == (1, 5)  # layer 3 is in mlp_only_layers
-        assert kinds == ["GatedMLP", "QwenSparseMoe", "GatedMLP", "GatedMLP", "GatedMLP",
-                         "QwenSparseMoe"]
+        assert kinds == ["GatedMLP", "SoftmaxMoE", "GatedMLP", "GatedMLP", "GatedMLP",
+                         "SoftmaxMoE"]
         assert not model.model.layers[1].mlp.norm
 
 
 def test_prefill_logits_match_hf_at_every_position(qwen_moe_pair):
     _, hf, model, _ = qwen_moe_pair
     assert_logits_match(hf, model, prompt_ids(2048, seed=5), TPB)
-    moe = [m for m in model.modules() if isinstance(m, QwenSparseMoe)]
+    moe = [m for m in model.modules() if isinstance(m, SoftmaxMoE)]
     assert all(m.routed_tokens.sum().item() >= 2048 * 3 for m in moe)
     load = expert_load(SimpleNamespace(model=model))  # what the worker's Stats report
     assert sorted(load) == list(model.config.moe_layers)

@@ -16,7 +16,7 @@ import torch
 
 from baton.model.layers import cpu_kernels, linear
 from baton.model.layers.moe import MoE, Routing, run_experts
-from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.layers.softmax_moe import SoftmaxMoE
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.make import checkpoint_config
 
@@ -41,7 +41,7 @@ def _seeded(block: torch.nn.Module) -> torch.nn.Module:
 
 def _block(kind: str) -> torch.nn.Module:
     if kind == "qwen":
-        return _seeded(QwenSparseMoe(_QwenCfg(), renormalize=True))
+        return _seeded(SoftmaxMoE(_QwenCfg(), renormalize=True))
     latent = {"moe_latent_size": 32} if kind == "nemotron_latent" else {}
     cfg = ModelConfig.from_dict(checkpoint_config(
         "tiny", pattern="E", hidden_size=HIDDEN, n_routed_experts=16, num_experts_per_tok=4,
@@ -71,7 +71,7 @@ def _experts(block, x: torch.Tensor) -> torch.Tensor:
     old = linear.set_decode_path("fast")
     try:
         with torch.inference_mode(), linear.decode_scope():
-            if isinstance(block, QwenSparseMoe):
+            if isinstance(block, SoftmaxMoE):
                 return torch.topk(block.gate(x), block.top_k, dim=-1)[1]
             return block.gate(x).experts
     finally:

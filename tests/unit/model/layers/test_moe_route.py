@@ -7,7 +7,7 @@ weight stream. The replicas follow torch's AVX-512 kernels (Sleef's exp, the red
 top-k's selection and tie order), so they are checked against torch itself: the router at
 expert counts below, at and above a vector, every k from 1 to 15, logits from flat to peaked,
 with ties; SwiGLU at widths with and without a tail; and the whole block against the module
-(`QwenSparseMoe`, the path plain decode and a speculative verify share) at 1 and 2 threads,
+(`SoftmaxMoE`, the path plain decode and a speculative verify share) at 1 and 2 threads,
 float32 and float16 weights, silu calls small enough for one thread and large enough for torch
 to split over its threads (mid-row too), and a size where the replicas do not apply (16 weights
 to renormalise): outputs and the expert load counts equal. NemotronH's
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from baton.model.layers import cpu_kernels, linear, step_kernels
 from baton.model.layers.fast_blocks import mlp_part, program
 from baton.model.layers.moe import MoE, sigmoid_group_topk
-from baton.model.layers.qwen_moe import QwenSparseMoe
+from baton.model.layers.softmax_moe import SoftmaxMoE
 from baton.model.nemotron_h.config import ModelConfig
 from baton.model.nemotron_h.make import checkpoint_config
 
@@ -147,8 +147,8 @@ class _Cfg:
         self.moe_intermediate_size, self.shared_expert_intermediate_size = width, shared
 
 
-def _block(cfg: _Cfg, dtype: torch.dtype) -> QwenSparseMoe:
-    block = QwenSparseMoe(cfg, renormalize=True)
+def _block(cfg: _Cfg, dtype: torch.dtype) -> SoftmaxMoE:
+    block = SoftmaxMoE(cfg, renormalize=True)
     gen = torch.Generator().manual_seed(cfg.num_experts)
     with torch.no_grad():
         for p in block.parameters():

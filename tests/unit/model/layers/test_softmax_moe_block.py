@@ -1,4 +1,4 @@
-"""The Qwen MoE feed-forward against transformers' Qwen3_5MoeSparseMoeBlock and
+"""The softmax-routed MoE feed-forward (`SoftmaxMoE`) against transformers' Qwen3_5MoeSparseMoeBlock and
 Qwen3NextSparseMoeBlock (same weights, same input), and the per-expert checkpoint layout
 (`experts.{e}.gate_proj` / `up_proj` / `down_proj`) stacked into its fused parameters."""
 
@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from baton.model.layers.qwen_moe import QwenSparseMoe, is_sparse_layer  # noqa: E402
+from baton.model.layers.softmax_moe import SoftmaxMoE  # noqa: E402
+from baton.model.qwen3_5.moe_config import is_sparse_layer  # noqa: E402
 from baton.model.stacking import ExpertStacks  # noqa: E402
 
 SHAPE = dict(hidden_size=48, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=20,
@@ -22,12 +23,12 @@ def _pair(kind: str, **extra):
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
 
         cfg = transformers.Qwen3_5MoeTextConfig(**SHAPE, **extra)
-        hf, ours = m.Qwen3_5MoeSparseMoeBlock(cfg), QwenSparseMoe(cfg, renormalize=True)
+        hf, ours = m.Qwen3_5MoeSparseMoeBlock(cfg), SoftmaxMoE(cfg, renormalize=True)
     else:
         from transformers.models.qwen3_next import modeling_qwen3_next as m
 
         cfg = transformers.Qwen3NextConfig(**SHAPE, **extra)
-        hf, ours = m.Qwen3NextSparseMoeBlock(cfg), QwenSparseMoe(cfg)
+        hf, ours = m.Qwen3NextSparseMoeBlock(cfg), SoftmaxMoE(cfg)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in hf.parameters():
@@ -50,7 +51,7 @@ def test_block_matches_transformers(kind, extra):
     assert ours.routed_tokens.sum().item() == 3 * 70 * 3
     # the routing weights really are (or are not) renormalised: outputs differ across the two
     if kind == "qwen3_next":
-        other = QwenSparseMoe(cfg, renormalize=not cfg.norm_topk_prob)
+        other = SoftmaxMoE(cfg, renormalize=not cfg.norm_topk_prob)
         other.load_state_dict(ours.state_dict())
         with torch.no_grad():
             assert (other(x) - got).abs().max().item() > 1e-3
