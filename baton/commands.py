@@ -50,9 +50,8 @@ def cmd_generate(args) -> int:
         try:
             results = run_local(engine, specs, args.concurrency)
         finally:
-            close = getattr(engine.model, "close", None)  # TP ranks / PP stages leave cleanly
-            if close is not None:
-                close()
+            if engine.model.capabilities.staged:  # TP ranks / PP stages leave cleanly
+                engine.model.close()
     else:
         from baton.auth.tls import cluster_tls, router_channel_credentials
         from baton.client.remote import run_remote

@@ -28,6 +28,9 @@ class HybridLM(nn.Module):
     capabilities = LOCAL
     first = last = True
     """A whole model is its own first and last stage (`protocol.Stage`)."""
+    tp_place: tuple[int, int] | None = None
+    full_config = None
+    """A tensor-parallel rank's shard: the whole model's config (`protocol.CausalLM`)."""
     state_kind = "state"
     """What the family calls its recurrent layers ("Mamba", "DeltaNet"), for errors."""
     config: object
@@ -168,6 +171,9 @@ class HybridStage(nn.Module):
     declares `layer_dict`, `embedding`, `set_embedding`, `final_norm` and `dtype`."""
 
     lm_head: nn.Linear
+    tp_place: tuple[int, int] | None = None
+    """TP x PP: this rank's (TP rank, TP size) within its stage (`protocol.CausalLM`)."""
+    full_config = None
     before_forward = None
     """TP x PP: the stage leader's hook handing each micro-batch to its TP peers first
     (`baton.engine.tp.pipeline.attach_leader`); None: no peers."""

@@ -46,6 +46,11 @@ class CausalLM(Protocol):
     capabilities: Capabilities
     mtp: torch.nn.Module | None
     """The MTP head (a whole model's when loaded; a pipeline's on the meta device)."""
+    tp_place: tuple[int, int] | None
+    """(TP rank, TP size) of this process when it holds a tensor-parallel part (TP x PP:
+    its rank within its stage); None: decided by its channel, or no tensor parallelism."""
+    full_config: object | None
+    """A tensor-parallel rank's shard: the whole model's config (`config` is the shard's)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -58,6 +63,32 @@ class CausalLM(Protocol):
                       hidden_out: list | None = None) -> torch.Tensor: ...
 
     def decode(self, input_ids, positions, block_tables, slots, pools=None) -> torch.Tensor: ...
+
+
+class StagedLM(CausalLM, Protocol):
+    """What a model whose forward runs across processes (`capabilities.staged`) answers
+    besides: PipelineModel, TPModel, TPPipelineModel. The worker reads these where
+    `capabilities.staged` says they exist, never by probing."""
+
+    stage: Stage
+    """This process's own part (stage 0, or TP rank 0's shard)."""
+    layers: list[range]
+    """Every pipeline stage's global layers."""
+    size: int
+    """Processes of the pipeline (or TP ranks)."""
+    agents: int
+    """Processes with a transfer agent (every rank of a TP x PP pipeline)."""
+    rank_layout: str | None
+    """What every rank process holds, for the start-up line (tensor parallelism)."""
+
+    def call(self, name: str, args_of, reply: bool = True) -> list[dict]:
+        """Run handler `name` on the other processes; their replies."""
+
+    def ops_digests(self) -> list[str]:
+        """Every process's digest of the cache operations it applied; [] when the others
+        mirror no cache operation of their own (a pipeline's stages)."""
+
+    def close(self) -> None: ...
 
 
 Mix = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]

@@ -65,9 +65,9 @@ class Worker:
             ("metrics", self.metrics.stop),
             ("engine loop", self.loop.stop),
         ]
-        close = getattr(self.loop.engine.model, "close", None)
-        if close is not None:  # a pipeline's other stages stop with stage 0
-            phases.append(("model", close))
+        model = self.loop.engine.model
+        if model.capabilities.staged:  # a pipeline's other stages stop with stage 0
+            phases.append(("model", model.close))
         timed_stop(f"worker {self.worker_id}", phases, budget_s)
 
 
@@ -123,7 +123,8 @@ def start_worker(cfg: BatonConfig, role: Role, attach: Attach, router: str, mode
 def _stages(engine: Engine, service) -> tuple[StageInfo, ...]:
     """Every stage's layers and (decode workers) transfer side channel, for the registration
     (a tensor-parallel worker: one stage, every rank's side channel, comma-separated)."""
-    layers = getattr(engine.model, "layers", None) or [range(engine.model.config.num_layers)]
+    model = engine.model
+    layers = model.layers if model.capabilities.staged else [range(model.config.num_layers)]
     receiver = getattr(service, "receiver", None)
     endpoints = receiver.endpoint.split(",") if receiver is not None else [""] * len(layers)
     if len(endpoints) != len(layers):  # TP ranks: every side channel on the first entry
@@ -212,7 +213,8 @@ def serve_until_signalled(args, role: Role, attach: Attach, stage_handlers=None)
                           ports, getattr(args, "metrics_port", None),
                           pp_master=args.pp_master if rank == 0 else None)
     stop = StopSignals()
-    layout = getattr(worker.loop.engine.model, "rank_layout", None)
+    model = worker.loop.engine.model
+    layout = model.rank_layout if model.capabilities.staged else None
     if layout:  # tensor parallelism: what every rank process holds
         print(layout, flush=True)
     print(f"{role.value} worker {worker.worker_id} serving on {worker.address}, metrics on "

@@ -39,10 +39,10 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
             ok = 1.0
         except AssertionError:
             ok = 0.0
-        digests = getattr(loop.engine.model, "ops_digests", None)
-        if digests is not None and len(set(digests())) != 1:
+        digests = loop.engine.model.ops_digests() if staged(loop.engine) else []
+        if len(set(digests)) > 1:
             # a tensor-parallel rank applied other cache operations than rank 0 decided
-            log.error("tensor-parallel ranks' cache operation digests differ: %s", digests())
+            log.error("tensor-parallel ranks' cache operation digests differ: %s", digests)
             ok = 0.0
         stats = dict(vars(cache.stats()))
         tiers = stats.pop("tiers", {})
@@ -66,6 +66,12 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
     return loop.call(read)
 
 
+def staged(engine) -> bool:
+    """Whether the engine's model runs across processes (`Capabilities.staged`: it answers
+    `protocol.StagedLM`); a stand-in engine without a model does not."""
+    return engine.model is not None and engine.model.capabilities.staged
+
+
 def has_moe(engine) -> bool:
     config = getattr(getattr(engine, "model", None), "config", None)
     return bool(getattr(config, "moe_layers", ()))
@@ -77,10 +83,9 @@ def expert_load(engine) -> dict[int, list[int]]:
     Call on the engine loop's thread."""
     if not has_moe(engine):
         return {}
-    out = routed_tokens(getattr(engine.model, "stage", engine.model))
-    call = getattr(engine.model, "call", None)  # the other pipeline stages
-    if call is not None:
-        for reply in call("expert_load", lambda k: {}):
+    out = routed_tokens(engine.model.stage if staged(engine) else engine.model)
+    if staged(engine):  # the other pipeline stages
+        for reply in engine.model.call("expert_load", lambda k: {}):
             if not reply.get("ok"):
                 raise RuntimeError(f"a stage's expert load failed: {reply.get('error')}")
             out.update({int(k): v for k, v in reply["layers"].items()})
@@ -104,11 +109,10 @@ def canary_audit(engine) -> dict[str, float]:
     were checked and how many lost their canary (a stray write landed there)."""
     cache = engine.cache
     blocks, slots = cache.free_ids()
-    local = getattr(engine.pools, "local", engine.pools)  # stage 0's own tensors under PP
+    local = engine.pools.local if staged(engine) else engine.pools  # stage 0's own under PP
     bad_b, bad_s = set(bad_blocks(local, blocks)), set(bad_slots(local, slots))
-    call = getattr(engine.model, "call", None)  # the other pipeline stages
-    if call is not None:
-        for reply in call("canaries", lambda k: {"blocks": blocks, "slots": slots}):
+    if staged(engine):  # the other pipeline stages
+        for reply in engine.model.call("canaries", lambda k: {"blocks": blocks, "slots": slots}):
             if not reply.get("ok"):
                 raise RuntimeError(f"a stage's canary audit failed: {reply.get('error')}")
             bad_b.update(reply.get("bad_blocks", ()))

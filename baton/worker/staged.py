@@ -28,7 +28,7 @@ class StagedAgent:
         """Stage 0's own agent."""
         self.model = loop.engine.model
         """The PipelineModel: `call(name, args_of, reply)` reaches stages 1..N-1."""
-        self.size = getattr(self.model, "agents", self.model.size)
+        self.size = self.model.agents
         """Processes with an agent: PP stages, TP ranks, or every rank of TP x PP."""
         self._make_event = make_event
         self._oks: dict[str, set[int]] = {}
@@ -93,22 +93,19 @@ class StagedAgent:
 
 
 def rank_of(model, channel=None) -> tuple[int, int]:
-    """(TP rank, TP size) of the process holding `model`: rank 0's engine model (`TPModel`,
-    `.tp`), a rank's shard (`.full_config`; its place is its channel's), else (0, 1)."""
-    place = getattr(model, "tp_place", None)
-    if place is not None:  # a TP x PP rank (its TP rank within its stage) or world rank 0
-        return place
-    tp = getattr(model, "tp", None)
-    if tp is not None:
-        return tp.rank, tp.size
-    if channel is not None and getattr(model, "full_config", None) is not None:
+    """(TP rank, TP size) of the process holding `model` (`protocol.CausalLM`): its declared
+    `tp_place` (rank 0's TPModel, a TP x PP rank), a rank's shard's channel (it has a
+    `full_config`), else (0, 1)."""
+    if model.tp_place is not None:
+        return model.tp_place
+    if channel is not None and model.full_config is not None:
         return channel.rank, channel.size
     return 0, 1
 
 
 def whole_config(model):
     """The whole model's config (a TP rank's shard holds its local one in `.config`)."""
-    return getattr(model, "full_config", None) or model.config
+    return model.full_config or model.config
 
 
 def stage_events(agent) -> dict:

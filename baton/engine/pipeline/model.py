@@ -73,6 +73,8 @@ class PipelineModel:
         self.layers = layers
         """Global layer range of every stage."""
         self.size = channel.size
+        self.agents = channel.size
+        """Processes with a transfer agent (`protocol.StagedLM`)."""
         self.micro_batches = micro_batches or 2 * self.size
         """Most micro-batches of a decode forward. A prefill forward may use up to twice this:
         one per sequence, or token ranges of each sequence when it has fewer sequences (its
@@ -105,6 +107,14 @@ class PipelineModel:
     mtp = None
     """The MTP head (on the meta device: its layers' ids; the weights are the last stage's)
     when the worker speculates (pipeline/speculative.py)."""
+    tp_place: tuple[int, int] | None = None
+    full_config = None
+    rank_layout: str | None = None
+    """Tensor parallelism: what every rank process holds (the builder sets it)."""
+
+    def ops_digests(self) -> list[str]:
+        """Stages apply their own cache operations (no digest to compare): []."""
+        return []
 
     def prefill_batch(self, input_ids, start_positions, block_tables, slots, pools=None,
                       all_logits: bool = False, on_layer=None, hidden_out: list | None = None,

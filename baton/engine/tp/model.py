@@ -37,6 +37,7 @@ class TPModel(PipelineModel):
         """The whole model's (the engine's vocabulary, special tokens, layers)."""
         self.shard = shard
         self.tp = tp
+        self.tp_place = (tp.rank, tp.size)
 
     def close(self) -> None:
         if not self.closed and self.local_stages is not None:
