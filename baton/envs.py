@@ -2,7 +2,10 @@
 
 A switch is read where it takes effect, through its `Env` here (never `os.environ` directly),
 so `python -m baton.envs` lists them all. A setting a deployment chooses belongs in the
-config file instead; these are process-level switches: tests, debugging, tuning.
+config file instead (`worker.torch_threads`, `cluster.token_file`, ...); what is left here is
+debugging (the decode path, kernels off, allocator tuning off), what tests and benchmarks
+pin, what Baton hands its own child processes, and secrets a deployment may prefer to pass
+in the environment.
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ MALLOC_TUNE = _env(
     "the heap; baton.startup).")
 NUM_THREADS = _env(
     "BATON_NUM_THREADS", 0, int,
-    "torch threads of an engine process (0 / unset: torch's default); a tensor-parallel "
-    "worker divides it (or the cores) between its ranks.")
+    "torch threads of an engine process where the config's `worker.torch_threads` is 0 (0 / "
+    "unset: torch's default); `baton serve` sets it to split the cores between its workers, "
+    "tests and benchmarks pin it; a tensor-parallel worker divides it between its ranks.")
 LOG_LEVEL = _env(
     "BATON_LOG_LEVEL", "WARNING", str,
     "Log level of a pipeline stage or tensor-parallel rank process started bare.")

@@ -104,6 +104,11 @@ class WorkerConfig:
     Qwen3.5 (DeltaNet by key / value heads). Combines with `pipeline_parallel_size` (TP x PP
     processes: each stage split over TP ranks). Prefill and decode may use different sizes:
     each prefill rank writes its pieces into every decode rank that needs them."""
+    torch_threads: int = 0
+    """torch threads of this worker's engine process; with pipeline or tensor parallelism
+    the total its stage / rank processes divide between them. 0: the `BATON_NUM_THREADS`
+    environment variable (which `baton serve` sets to split the machine's cores between its
+    workers, and tests and benchmarks pin), else torch's default (every core)."""
     moe_tp_split: Literal["experts", "within"] = "experts"
     """How a MoE layer's routed experts are split over the TP ranks (router, Qwen's shared
     gate and NemotronH's latent projections replicated; the shared expert split within;
@@ -132,6 +137,10 @@ class WorkerConfig:
                 f"without repeats (e.g. [1, 2, 4, 8]), got {list(b)}"
             )
         _ = self.ports  # a bad port is refused when the config loads, not at bind time
+        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
+                or self.torch_threads < 0:
+            raise ConfigError(f"worker.torch_threads must be an integer >= 0 (0: "
+                              f"BATON_NUM_THREADS or torch's default), got {self.torch_threads!r}")
         if self.pipeline_parallel_size < 1:
             raise ConfigError(
                 f"worker.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"

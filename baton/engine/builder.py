@@ -64,7 +64,7 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     from baton.model.registry import resolve_model
     from baton.model.tokenizer import load_tokenizer
 
-    set_threads()
+    set_threads(cfg)
     path = resolve_model(model_path or cfg.model.path)
     tp, pp = cfg.worker.tensor_parallel_size, cfg.worker.pipeline_parallel_size
     if tp > 1 and cfg.speculative.num_draft_tokens:
@@ -247,7 +247,7 @@ def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=No
     from baton.engine.tp.model import DigestPools, TPModel
 
     size = cfg.worker.tensor_parallel_size
-    threads = rank_threads(size)
+    threads = rank_threads(cfg, size)
     torch.set_num_threads(threads)
     store, ranks = start_ranks(cfg, path, on_rank_death, rank_argv_of)
     try:
@@ -276,7 +276,7 @@ def _tp_pipeline(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
 
     pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
     world = pp * tp
-    threads = rank_threads(world)
+    threads = rank_threads(cfg, world)
     torch.set_num_threads(threads)
     check_split(cfg, path, tp)  # refused here, before any rank starts
     warn_cores(world, f"TP {tp} x PP {pp} = {world}")

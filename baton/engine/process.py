@@ -16,17 +16,23 @@ log = logging.getLogger("baton.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def set_threads() -> None:
-    """torch's intra-op threads from BATON_NUM_THREADS (unset: torch's default)."""
-    threads = envs.NUM_THREADS.get()
+def threads_of(cfg) -> int:
+    """The engine's torch threads: `worker.torch_threads`, else BATON_NUM_THREADS; 0:
+    torch's default."""
+    return cfg.worker.torch_threads or envs.NUM_THREADS.get()
+
+
+def set_threads(cfg) -> None:
+    """torch's intra-op threads (`threads_of`; 0: torch's default)."""
+    threads = threads_of(cfg)
     if threads:
         torch.set_num_threads(threads)
 
 
-def rank_threads(size: int) -> int:
-    """Each of `size` rank processes' share of the cores (or of BATON_NUM_THREADS), so TP 1
-    and TP N use the same total."""
-    total = envs.NUM_THREADS.get() or os.cpu_count() or 1
+def rank_threads(cfg, size: int) -> int:
+    """Each of `size` rank processes' share of the cores (or of `threads_of`), so TP 1 and
+    TP N use the same total."""
+    total = threads_of(cfg) or os.cpu_count() or 1
     return max(1, total // size)
 
 

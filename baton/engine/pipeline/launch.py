@@ -146,7 +146,7 @@ def serve_stage(cfg: BatonConfig, model_path, rank: int, master: str,
     from baton.engine.pipeline.stage import StageLoop
 
     _die_with_parent()
-    set_threads()
+    set_threads(cfg)
     layers = stage_layers(cfg, model_path)
     size = len(layers)
     store = open_store(rank, size, master)

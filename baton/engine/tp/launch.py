@@ -3,7 +3,7 @@ rank 0), one gloo group for control plus a second one for the layers' collective
 control send never interleaves with an all-reduce), threads split between the ranks, the
 rank layout printed, and each rank's shard of weights and pools.
 
-Threads: the machine's cores (or BATON_NUM_THREADS) are divided between the ranks, so TP 1
+Threads: the machine's cores (or `worker.torch_threads` / BATON_NUM_THREADS) are divided between the ranks, so TP 1
 and TP N use the same total. More ranks than cores is allowed, with one warning.
 """
 
@@ -120,7 +120,7 @@ def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str,
 
     _die_with_parent()
     size = cfg.worker.tensor_parallel_size
-    torch.set_num_threads(rank_threads(size))
+    torch.set_num_threads(rank_threads(cfg, size))
     store = open_store(rank, size, master)
     tp = join(rank, size, store, cfg.model.device)
     model, pools = load_rank(cfg, model_path, tp)

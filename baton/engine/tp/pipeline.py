@@ -230,7 +230,7 @@ def serve(cfg, path, rank: int, master: str, make_handlers=None) -> int:
     `make_handlers(model, pools, channel)`: a worker role's handlers (its transfer agent)."""
     pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
     _die_with_parent()
-    torch.set_num_threads(rank_threads(pp * tp))
+    torch.set_num_threads(rank_threads(cfg, pp * tp))
     store = open_store(rank, pp * tp, master)
     stage, model, pools, _, _ = setup(cfg, path, rank, store)
     try:
