@@ -39,7 +39,7 @@ class FlopModel:
         """From any family's config: one term per layer of `m.pattern`."""
         d = m.hidden_size
         lin = quad = 0.0
-        gated = getattr(m, "family", "") == "qwen3_5" or getattr(m, "hidden_act", "") == "silu"
+        gated = getattr(m, "hidden_act", "") == "silu"  # SwiGLU feed-forwards (3 matrices)
         for c in m.pattern:
             if c == "M":
                 inner = m.mamba_num_heads * m.mamba_head_dim
@@ -62,7 +62,7 @@ class FlopModel:
                 lin += 2 * d * m.n_routed_experts
                 lin += m.num_experts_per_tok * 4 * d * m.moe_intermediate_size
                 lin += 4 * d * getattr(m, "moe_shared_expert_intermediate_size", 0)
-            if gated and c in "G*":  # Qwen3.5: every layer carries its own gated MLP
+            if gated and c in "G*":  # a mixer and its own gated MLP in one layer
                 experts = getattr(m, "num_experts_per_tok", 0)
                 inter = getattr(m, "moe_intermediate_size", 0) if experts else m.intermediate_size
                 lin += 2 * d * inter * 3 * max(experts, 1)

@@ -90,10 +90,10 @@ def mtp_head_meta(path: str | Path):
     layer ids and spec; no weights), or None."""
     from types import SimpleNamespace
 
-    holder = SimpleNamespace(config=load_config(Path(path)))
+    holder = SimpleNamespace(config=load_config(Path(path)), mtp=None)
     with torch.device("meta"):
         attach_mtp(holder, _tensor_names(Path(path)))
-    return getattr(holder, "mtp", None)
+    return holder.mtp
 
 
 def attach_mtp(model, checkpoint_names: set[str]) -> bool:
