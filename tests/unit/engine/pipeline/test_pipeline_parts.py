@@ -91,7 +91,9 @@ class _Agent:
 
 
 class _Model:
-    size = 3
+    """A `protocol.StagedLM` stand-in: 3 stages, each with a transfer agent."""
+
+    size = agents = 3
 
     def __init__(self):
         self.replies = {1: [], 2: []}
