@@ -14,14 +14,18 @@ from baton.contract import FinishReason
 from baton.engine.request import Request, SamplingParams
 from tests.support.engine_helpers import engine_for, greedy, prompt, run_all
 from tests.support.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpoint
+from tests.support.trained import NAMES, shipped
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "nemotron_h_moe", "qwen3_5"])
+@pytest.fixture(scope="module", params=["nemotron_h", "nemotron_h_moe", "qwen3_5", *NAMES])
 def agree_dir(request, tmp_path_factory):
     """A tiny model of each family whose MTP head agrees with it about a third of the time
-    (NemotronH with a dense `*-` head, NemotronH with MoE layers and a MoE `*E` head)."""
+    (NemotronH with a dense `*-` head, NemotronH with MoE layers and a MoE `*E` head), and the
+    trained models with their trained heads where they are shipped."""
+    if request.param in NAMES:
+        return shipped(request.param)
     root = tmp_path_factory.mktemp(f"spec_{request.param}")
     if request.param == "nemotron_h_moe":
         return agreeing_checkpoint(root, pattern="M*MEM*ME")
