@@ -60,6 +60,7 @@ def ship(runs: Path, dest: Path, names: list[str]) -> list[Path]:
     for name in names:
         run, target = runs / name, dest / name
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest))
+        tmp.chmod(0o755)
         try:
             for f in FILES:
                 shutil.copyfile(run / f, tmp / f)
