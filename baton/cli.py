@@ -53,7 +53,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "seed + i); one result line each, --json adds its `index`")
 
 
-MODEL_HELP = "`tiny` (the embedded seeded model, made on first use) or a checkpoint folder"
+MODEL_HELP = ("`tiny` (the embedded seeded model, made on first use), `code-nemotron_h` or "
+              "`code-qwen3_5` (trained, once shipped: docs/training.md) or a checkpoint folder")
 CONFIG_HELP = "YAML config file (sections model, cache, transfer, router, worker, cluster)"
 
 
