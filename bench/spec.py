@@ -130,7 +130,8 @@ def _row(preset: str, conc: int, variant, r: dict, base: dict, drift: float, ref
         "spec_decode_tok_s": round(r["tok_s"], 1), "speedup": round(r["tok_s"] / base["tok_s"], 2),
         # per CPU second of this process: what a shared, loaded machine cannot skew
         "cpu_speedup": round(r["cpu_tok_s"] / base["cpu_tok_s"], 2),
-        "accepted_length": _accepted_length(eng), "identical_to_off": all(o == ref for o in r.get("outs", [r["out"]])),
+        "accepted_length": _accepted_length(eng),
+        "identical_to_off": all(o == ref for o in r.get("outs", [r["out"]])),
         "state_slots_per_request": 1 + rows,
         "spec_state_bytes_per_request": rows * eng.pools.spec.state_bytes_per_slot(),
         "mtp_kv_bytes_per_token": head_kv, "distill_steps": summary["steps"],
