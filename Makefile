@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
 
-.PHONY: serve test test-deploy test-clients bench bench-handoff lint venv clean train-models
+.PHONY: serve test test-deploy test-clients bench bench-handoff lint venv clean train-models \
+	ship-models
 
 venv: $(STAMP)
 
@@ -16,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench,train]'
 	touch $(STAMP)
 
+# the trained NemotronH once it is shipped (docs/training.md), else the seeded `tiny`
+SERVE_MODEL ?= $(if $(wildcard baton/models_data/code-nemotron_h/config.json),code-nemotron_h,tiny)
+
 serve: $(STAMP)
-	$(BIN)/baton serve --model tiny
+	$(BIN)/baton serve --model $(SERVE_MODEL)
 
 # Two pytest workers, a test file each at a time (its module fixtures stay in one process):
 # one process keeps about 1.2 of 2 cores busy (it waits on its clusters' processes), two
@@ -43,6 +47,11 @@ train-models: $(STAMP)
 	$(BIN)/baton train --family nemotron_h --out runs/code-nemotron_h >> runs/code-nemotron_h.log 2>&1 & \
 	$(BIN)/baton train --family qwen3_5 --out runs/code-qwen3_5 >> runs/code-qwen3_5.log 2>&1 & \
 	wait
+
+# copy the finished runs into baton/models_data/ (minus .train/, the family's chat template,
+# bf16, 25 MB together at most): then commit that folder
+ship-models: $(STAMP)
+	$(BIN)/python -m baton.train.ship --runs runs
 
 bench: $(STAMP)
 	$(BIN)/baton bench all --out bench/results

@@ -53,7 +53,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "seed + i); one result line each, --json adds its `index`")
 
 
-MODEL_HELP = "`tiny` (the embedded seeded model, made on first use) or a checkpoint folder"
+MODEL_HELP = ("`tiny` (the embedded seeded model, made on first use), `code-nemotron_h` or "
+              "`code-qwen3_5` (trained, once shipped: docs/training.md) or a checkpoint folder")
 CONFIG_HELP = "YAML config file (sections model, cache, transfer, router, worker, cluster)"
 
 
@@ -197,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=None,
                    help="soak: how long to run (default 2; --quick: 0.25)")
     p.add_argument("--model", default=None,
-                   help="quality: the model (a named one or a folder; default tiny)")
+                   help="quality, spec: the model (a named one or a folder; quality: default tiny; spec: "
+                        "default a seeded 100m with a distilled head)")
     p.add_argument("--variant", default=None,
                    help="quality: YAML config of the engine variant compared with the float32 "
                         "reference (default: model.dtype bfloat16)")

@@ -93,6 +93,10 @@ STEP_KERNELS = _env(
 CACHE_DIR = _env(
     "BATON_CACHE_DIR", "", str,
     "Where named test models are generated (default ~/.cache/baton).")
+TRAINED_DIR = _env(
+    "BATON_TRAINED_DIR", "", str,
+    "Folder holding the trained named models' checkpoints, one subfolder per name (default "
+    "baton/models_data; `make ship-models` fills it). Tests point it at probe checkpoints.")
 FAMILY_MODULES = _env(
     "BATON_FAMILY_MODULES", (), _modules,
     "Comma-separated modules imported with the built-in families, each registering more "

@@ -11,6 +11,11 @@ the speculative runs, and averaged, so load drift shows in `off_drift`):
                 (`speculative.max_batch` = MAX_BATCH: no drafts while more requests decode)
     cluster     off and K = 3, one prefill and one decode worker (bench/spec_cluster.py)
 
+`--model NAME_OR_DIR` (e.g. `code-nemotron_h`) measures a trained checkpoint with its own
+trained head instead: no distillation, prompts of 96 tokens from the committed held-out text,
+and off and the variants alternating in turn, ROUNDS times (--quick: once, 32-token prompts),
+the rates over all rounds.
+
 Each row: decode tokens/s, the mean accepted length (tokens emitted per request per
 speculative step: 1 + accepted drafts), whether the tokens equal speculation off, where a
 speculative step's time goes (MTP passes, the verify forward, acceptance and roll back, in
@@ -125,7 +130,8 @@ def _row(preset: str, conc: int, variant, r: dict, base: dict, drift: float, ref
         "spec_decode_tok_s": round(r["tok_s"], 1), "speedup": round(r["tok_s"] / base["tok_s"], 2),
         # per CPU second of this process: what a shared, loaded machine cannot skew
         "cpu_speedup": round(r["cpu_tok_s"] / base["cpu_tok_s"], 2),
-        "accepted_length": _accepted_length(eng), "identical_to_off": r["out"] == ref,
+        "accepted_length": _accepted_length(eng),
+        "identical_to_off": all(o == ref for o in r.get("outs", [r["out"]])),
         "state_slots_per_request": 1 + rows,
         "spec_state_bytes_per_request": rows * eng.pools.spec.state_bytes_per_slot(),
         "mtp_kv_bytes_per_token": head_kv, "distill_steps": summary["steps"],
@@ -163,30 +169,96 @@ def _run_all(args) -> list[dict]:
     from bench.spec_distill import distill
 
     quick = getattr(args, "quick", False)
-    preset = "tiny" if quick else "100m"
-    path = _checkpoint(preset)
-    # the tiny head gains from tuning on continuations, the 100m's from data (spec_distill.py)
-    summary = distill(path, seconds=90, greedy=48) if quick else \
-        distill(path, seconds=360, greedy=4, data_share=0.85)
-    print(f"[bench spec] distilled {preset}: {summary}", file=sys.stderr, flush=True)
+    model = getattr(args, "model", None)
+    if model:  # a trained checkpoint: its own head, held-out prompts, no distillation
+        from baton.model.registry import resolve_model
+
+        path = Path(resolve_model(model))
+        preset, summary = path.name, {"steps": 0}
+        rounds = 1 if quick else ROUNDS
+    else:
+        preset = "tiny" if quick else "100m"
+        path = _checkpoint(preset)
+        # the tiny head gains from tuning on continuations, the 100m's from data
+        # (spec_distill.py)
+        summary = distill(path, seconds=90, greedy=48) if quick else \
+            distill(path, seconds=360, greedy=4, data_share=0.85)
+        print(f"[bench spec] distilled {preset}: {summary}", file=sys.stderr, flush=True)
+        rounds = 1
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    prompt_len, out_len = 32, (32 if quick else 64)
-    _run(path, prompts(1, 16, vocab), 4, 1)  # first calls pay one-off setup
+    prompt_len, out_len = (32, 32) if quick else ((96, 64) if model else (32, 64))
+    make_prompts = (lambda n, length, seed: heldout_prompts(path, n, length, seed)) if model \
+        else (lambda n, length, seed: prompts(n, length, vocab, seed=seed))
+    _run(path, make_prompts(1, 16, 0), 4, 1)  # first calls pay one-off setup
     rows, refs = [], {}
     for conc in (1, 8, 32):
-        reqs = prompts(conc, prompt_len, vocab, seed=100 + conc)
-        before = _run(path, reqs, out_len, 0)
-        runs = {v: _run(path, reqs, out_len, v) for v in (1, 2, 3, "tree", "rule")}
-        after = _run(path, reqs, out_len, 0)
-        base = {k: (before[k] + after[k]) / 2 for k in ("tok_s", "cpu_tok_s")}
+        reqs = make_prompts(conc, prompt_len, 100 + conc)
+        runs, offs = _alternating(path, reqs, out_len, rounds)
+        before, after = offs[0], offs[-1]
+        base = {k: sum(o[k] for o in offs[:-1]) / max(1, len(offs) - 1) if rounds > 1
+                else (before[k] + after[k]) / 2 for k in ("tok_s", "cpu_tok_s")}
         drift = after["tok_s"] / before["tok_s"] - 1
         refs[conc] = (reqs, before["out"])
         for v, r in runs.items():
             row = _row(preset, conc, v, r, base, drift, before["out"], summary)
-            row["off_step_ms"] = round((before["step_ms"] + after["step_ms"]) / 2, 2)
+            row["off_step_ms"] = round(sum(o["step_ms"] for o in offs) / len(offs), 2)
+            row["rounds"] = rounds
             print(f"[bench spec] {row}", file=sys.stderr, flush=True)
             rows.append(row)
     for row in cluster_rows(path, preset, refs, out_len):
         print(f"[bench spec] {row}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
+
+
+ROUNDS = 2
+"""Rounds of a trained model's rows (--model): off and every variant in turn, each round."""
+VARIANTS = (1, 2, 3, "tree", "rule")
+
+
+def _alternating(path: Path, reqs, out_len: int, rounds: int):
+    """Off, then each variant, `rounds` times in turn, and off once more: the variants'
+    rates summed over the rounds (decode tokens over seconds and over CPU seconds), and every
+    off run (the first one's tokens are the reference)."""
+    runs, offs = {}, []
+    for _ in range(rounds):
+        offs.append(_run(path, reqs, out_len, 0))
+        for v in VARIANTS:
+            r = _run(path, reqs, out_len, v)
+            if v in runs:  # rates over both rounds: tokens / (time of both)
+                a = runs[v]
+                for k in ("tok_s", "cpu_tok_s"):
+                    r[k] = 2 / (1 / a[k] + 1 / r[k])
+                r["eng"] = _merged(a["eng"], r["eng"])
+                r["outs"] = a["outs"] + [r["out"]]
+            else:
+                r["outs"] = [r["out"]]
+            runs[v] = r
+    offs.append(_run(path, reqs, out_len, 0))
+    return runs, offs
+
+
+def _merged(a, b):
+    """The later engine, its speculation counts summed with the earlier one's."""
+    if a.spec is not None and b.spec is not None:
+        b.spec.accepted_tokens += a.spec.accepted_tokens
+        b.spec.draft_tokens += a.spec.draft_tokens
+        b.spec.accepted_hist = [x + y for x, y in zip(a.spec.accepted_hist,
+                                                       b.spec.accepted_hist, strict=True)]
+        b.spec.seconds = {k: v + a.spec.seconds[k] for k, v in b.spec.seconds.items()}
+        b.spec.steps += a.spec.steps
+    return b
+
+
+def heldout_prompts(path: Path, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens from the committed held-out text (the model's tokenizer),
+    at offsets drawn from `seed`."""
+    import random
+
+    from baton.model.tokenizer import load_tokenizer
+    from baton.train.corpus import heldout
+
+    tok = load_tokenizer(path)
+    ids = [t for d in heldout() for t in tok.encode(d.text)]
+    rng = random.Random(seed)
+    return [ids[s : s + length] for s in (rng.randrange(len(ids) - length) for _ in range(n))]

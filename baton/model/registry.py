@@ -17,24 +17,48 @@ def named_models() -> dict[str, tuple[str, dict]]:
     return {name: how for spec in family.specs() for name, how in spec.named.items()}
 
 
+TRAINED = {"code-nemotron_h": "nemotron_h", "code-qwen3_5": "qwen3_5"}
+"""The models Baton trains itself (docs/training.md), name -> family: committed checkpoint
+folders under `trained_dir()`, not generated."""
+
+
+def trained_dir() -> Path:
+    """Where the trained named models live: baton/models_data/<name>/ (BATON_TRAINED_DIR)."""
+    return Path(envs.TRAINED_DIR.get() or Path(__file__).resolve().parents[1] / "models_data")
+
+
 def cache_dir() -> Path:
     return Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "baton")
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A named model (`named_models`, e.g. `tiny`) generated into the cache on first use, else a
-    directory."""
+    """A named model (`named_models`, e.g. `tiny`) generated into the cache on first use, a
+    trained one (`TRAINED`) from its committed folder, else a directory."""
     key = str(name_or_path)
     named = named_models()
     if key in named:
         folder, kwargs = named[key]
         return _ensure_generated(cache_dir() / folder, kwargs)
+    if key in TRAINED:
+        return trained_model(key)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         raise ConfigError(
-            f"model {key!r} is neither a named model {sorted(named)} nor an existing "
-            f"directory with config.json and *.safetensors"
+            f"model {key!r} is neither a named model {sorted(named) + sorted(TRAINED)} nor an "
+            f"existing directory with config.json and *.safetensors"
         )
+    return path
+
+
+def trained_model(name: str) -> Path:
+    """The committed checkpoint of a trained named model; ConfigError naming how to make it
+    when this checkout does not have it."""
+    path = trained_dir() / name
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model {name!r} is not shipped in this checkout ({path} holds no checkpoint): "
+            f"train it with `make train-models` (about 2 hours), then `make ship-models` "
+            f"copies it there")
     return path
 
 

@@ -13,9 +13,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from baton.train.run import PLANNED, Knobs, Settings
 
     d, k = Settings("", "", 0), Knobs()
-    p.add_argument("--family", required=True, choices=sorted(SIZES), help="model family")
-    p.add_argument("--out", required=True,
-                   help="output folder (must not exist, unless it is this run to resume)")
+    p.add_argument("--family", choices=sorted(SIZES), help="model family (required)")
+    p.add_argument("--out", help="output folder (required; must not exist, unless it is this "
+                                 "run to resume)")
+    p.add_argument("--verify", metavar="DIR", default=None,
+                   help="rerun the first --steps steps of the run recorded in DIR/training.json "
+                        "(a run's or shipped model's folder; --steps left out: all of them) and "
+                        "check its held-out loss is within 0.02 of the one logged there")
     p.add_argument("--size", default=None,
                    help=f"model size: {', '.join(SIZES['nemotron_h'])}; None: the planned one "
                         f"({_planned(PLANNED, 'size')})")
@@ -54,8 +58,14 @@ def _planned(plan: dict, key: str) -> str:
 
 
 def run(args) -> int:
+    from baton.errors import ConfigError
     from baton.train.run import PLANNED, Knobs, Settings, train
 
+    if args.verify:
+        return _verify(args)
+    for flag in ("family", "out"):
+        if not getattr(args, flag):
+            raise ConfigError(f"--{flag} is required (or --verify DIR)")
     plan = PLANNED[args.family]
     s = Settings(args.family, args.size or plan.size, args.steps or plan.steps,
                  batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
@@ -66,3 +76,19 @@ def run(args) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _verify(args) -> int:
+    from baton.train.run import VERIFY_TOLERANCE, Knobs, verify
+
+    k = Knobs(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(Knobs)})
+    try:
+        r = verify(Path(args.verify), args.steps, k, Path(args.corpus) if args.corpus else None)
+    except KeyboardInterrupt:
+        return 130
+    ok = abs(r["difference"]) <= VERIFY_TOLERANCE
+    print(f"verify {args.verify}: held-out loss at step {r['step']} ({r['tokens']} tokens) "
+          f"{r['loss']:.4f} nats/token, recorded {r['recorded_loss']:.4f}: difference "
+          f"{r['difference']:+.4f}, {'within' if ok else 'NOT within'} {VERIFY_TOLERANCE}",
+          flush=True)
+    return 0 if ok else 1

@@ -136,6 +136,62 @@ def train(s: Settings, out: Path, k: Knobs = Knobs(), corpus_root: Path | None =
     return ev
 
 
+VERIFY_TOLERANCE = 0.02
+"""A rerun with the same settings lands within this of the recorded held-out loss (nats)."""
+
+
+def verify(folder: Path, steps: int | None, k: Knobs = Knobs(),
+           corpus_root: Path | None = None) -> dict:
+    """Rerun the first `steps` steps of the run recorded in folder/training.json (its settings,
+    corpus and tokenizer, the full schedule) and compare the held-out loss with the one logged
+    at that step; None: the whole run against its final figures. Returns both losses; the
+    caller judges |difference| <= VERIFY_TOLERANCE. Nothing is written into `folder`."""
+    import tempfile
+
+    folder = Path(folder)
+    record_path = folder / "training.json"
+    if not record_path.is_file():
+        raise ConfigError(f"--verify {folder}: no training.json there (a finished "
+                          f"`baton train` run or a shipped model folder)")
+    record = json.loads(record_path.read_text())
+    s = Settings(**record["settings"])
+    if steps is None or steps == s.steps:
+        steps, want = s.steps, record["heldout"]
+    else:
+        logged = {e["step"]: e for e in record["log"] if e["step"] > 0}
+        if steps not in logged:
+            raise ConfigError(f"--steps {steps}: {record_path} logs the held-out loss at steps "
+                              f"{sorted(logged)} and {s.steps} (the end)")
+        want = logged[steps]
+    corpus = corpus_mod.scan(corpus_root)
+    corpus_mod.check(corpus, s.corpus_hash or corpus_mod.manifest().get("train_sha256", ""))
+    if k.nice:
+        os.nice(k.nice)
+    torch.set_num_threads(k.threads)
+    torch.manual_seed(s.seed)
+    model, _ = models.build(s.family, s.size, s.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    tok = tokenizer_mod.build(corpus, models.VOCAB)
+    train_ids = data.stream(tok, [d.text for d in corpus.train])
+    held_ids = data.stream(tok, [d.text for d in corpus_mod.heldout()])
+    tbytes = torch.tensor(tokenizer_mod.token_bytes(tok) + [0] * (models.VOCAB
+                                                                   - tok.get_vocab_size()))
+    say(f"verifying {folder}: {s.family} {s.size}, the first {steps} of {s.steps} steps")
+    quiet = dataclasses.replace(k, eval_every=s.steps + 1, checkpoint_minutes=1e9)
+    stop = _StopAt(steps)
+    try:
+        with tempfile.TemporaryDirectory(prefix="baton-verify-") as tmp:
+            done, _ = _loop(model, opt, s, quiet, train_ids, held_ids, tbytes, 0, [], stop,
+                            Path(tmp))
+    finally:
+        stop.close()
+    if done < steps:
+        raise KeyboardInterrupt
+    ev = evaluate(model, held_ids, tbytes, s, want["tokens"])
+    return {"step": steps, "tokens": ev["tokens"], "loss": ev["loss"],
+            "recorded_loss": want["loss"], "difference": ev["loss"] - want["loss"]}
+
+
 def _loop(model, opt, s, k, train_ids, held_ids, tbytes, step, log, stop, state_dir):
     """Steps until the last or a stop; the state is saved on the way out."""
     last_ckpt, t_log, done_log = time.monotonic(), time.monotonic(), step
@@ -272,6 +328,21 @@ def _lr(s: Settings, step: int) -> float:
 def _hms(sec: float) -> str:
     sec = int(sec)
     return f"{sec // 3600}h{sec % 3600 // 60:02d}m{sec % 60:02d}s"
+
+
+class _StopAt:
+    """Stops `_loop` after `steps` steps (and on SIGINT / SIGTERM)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.checks, self.stop = steps, 0, _Stop()
+
+    @property
+    def asked(self) -> bool:
+        self.checks += 1
+        return self.checks > self.steps or self.stop.asked
+
+    def close(self) -> None:
+        self.stop.close()
 
 
 class _Stop:

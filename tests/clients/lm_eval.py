@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.clients.tasks import write_tasks
+from tests.clients.tasks import write_nextline_task, write_tasks
 
 TASKS = "baton_mc,baton_gen"
 LL_TOLERANCE = 1e-3
@@ -25,11 +25,12 @@ def env(work: Path, offline: bool = True) -> dict:
 
 
 def evaluate(lm_bin: Path, work: Path, name: str, model: str, model_args: str,
-             batch_size: int) -> dict[str, dict[int, dict]]:
+             batch_size: int, tasks: str = TASKS,
+             include: str = "tasks") -> dict[str, dict[int, dict]]:
     """{task: {doc_id: sample}} from lm-eval's --log_samples files."""
     out = work / f"lm-eval-{name}"
     cmd = [str(lm_bin / "lm-eval"), "run", "--model", model, "--model_args", model_args,
-           "--tasks", TASKS, "--include_path", str(work / "tasks"), "--output_path", str(out),
+           "--tasks", tasks, "--include_path", str(work / include), "--output_path", str(out),
            "--log_samples", "--batch_size", str(batch_size), "--seed", "1234"]
     if model == "hf":
         cmd += ["--device", "cpu"]
@@ -81,12 +82,59 @@ def _compare_mc(doc: int, x: dict, y: dict) -> list[str]:
     return []
 
 
+def _api_args(model: Path, http: str) -> str:
+    """lm-eval's `local-completions` against Baton, tokenized with the folder's tokenizer
+    (the model's served name is its folder's)."""
+    return (f"model={model.name},base_url={http}/v1/completions,tokenizer={model},"
+            "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=2,"
+            "max_retries=1,timeout=300")
+
+
+def chance_bound(n: int, choices: int = 4) -> float:
+    """Accuracy above chance: 1/choices plus 2.33 standard errors of n guesses (a guesser
+    passes 1% of the time)."""
+    p = 1 / choices
+    return p + 2.33 * (p * (1 - p) / n) ** 0.5
+
+
+def check_nextline(lm_bin: Path, work: Path, model: Path, http: str) -> list[str]:
+    """`baton_nextline` (the true next line of held-out code among four) on a trained model:
+    every loglikelihood within LL_TOLERANCE of lm-eval's `hf` backend on the same folder, the
+    same accuracy, and that accuracy above chance."""
+    write_nextline_task(work / "tasks-nextline")
+    task, kw = "baton_nextline", {"tasks": "baton_nextline", "include": "tasks-nextline"}
+    try:
+        baton = evaluate(lm_bin, work, "nextline-baton", "local-completions",
+                         _api_args(model, http), 4, **kw)
+        hf = evaluate(lm_bin, work, "nextline-hf", "hf", f"pretrained={model},dtype=float32",
+                      1, **kw)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return [str(e)]
+    a, b = baton.get(task, {}), hf.get(task, {})
+    if not a or set(a) != set(b):
+        return [f"{task}: lm-eval scored {len(a)} docs on Baton, {len(b)} on hf"]
+    bad = []
+    for doc in sorted(a):
+        bad += [m.replace("baton_mc", task) for m in _compare_mc(doc, a[doc], b[doc])]
+    acc = {m: [sum(s[m] for s in d.values()) / len(d) for d in (a, b)]
+           for m in ("acc", "acc_norm")}
+    bound = chance_bound(len(a))
+    print(f"test-clients: {task} on {model.name}: acc {acc['acc'][0]:.3f} (hf "
+          f"{acc['acc'][1]:.3f}), acc_norm {acc['acc_norm'][0]:.3f} (hf {acc['acc_norm'][1]:.3f})"
+          f", {len(a)} docs, chance 0.25, above chance from {bound:.3f}", flush=True)
+    for m, (x, y) in acc.items():
+        if x != y:
+            bad.append(f"{task} {m}: Baton {x}, hf {y}")
+    if acc["acc"][0] <= bound:
+        bad.append(f"{task} acc {acc['acc'][0]:.3f} on {model.name} is not above chance "
+                   f"(0.25; {bound:.3f} with {len(a)} docs)")
+    return bad
+
+
 def check(lm_bin: Path, work: Path, model: Path, http: str) -> list[str]:
     write_tasks(work / "tasks")
     # batch_size 4: four prompts a request, as lm-eval batches against an API
-    api_args = (f"model=tiny,base_url={http}/v1/completions,tokenizer={model},"
-                "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=2,"
-                "max_retries=1,timeout=300")
+    api_args = _api_args(model, http)
     try:
         baton = evaluate(lm_bin, work, "baton", "local-completions", api_args, 4)
         hf = evaluate(lm_bin, work, "hf", "hf", f"pretrained={model},dtype=float32", 1)

@@ -41,3 +41,29 @@ def test_tasks_are_written_deterministically(tmp_path):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
     assert len((tmp_path / "a" / "mc.jsonl").read_text().splitlines()) == 24
     assert "output_type: multiple_choice" in (tmp_path / "a" / "baton_mc.yaml").read_text()
+
+
+def test_the_nextline_task_asks_for_the_true_next_held_out_line(tmp_path):
+    """96 questions: 8 lines of a held-out file, then its next line among four distinct whole
+    lines of that file; written the same every time. Above chance is 0.25 + 2.33 standard
+    errors."""
+    import json
+
+    from baton.train.corpus import heldout
+    from tests.clients.lm_eval import chance_bound
+    from tests.clients.tasks import write_nextline_task
+
+    write_nextline_task(tmp_path / "a")
+    write_nextline_task(tmp_path / "b")
+    text = (tmp_path / "a" / "nextline.jsonl").read_text()
+    assert text == (tmp_path / "b" / "nextline.jsonl").read_text()
+    docs = [json.loads(line) for line in text.splitlines()]
+    files = [d.text for d in heldout()]
+    assert len(docs) == 96
+    assert {d["answer"] for d in docs} == {0, 1, 2, 3}
+    for i, d in enumerate(docs):
+        choices = d["choices"]
+        assert len(set(choices)) == 4 and all(c.endswith("\n") for c in choices)
+        assert d["context"].count("\n") == 8
+        assert d["context"] + choices[d["answer"]] in files[i % len(files)]
+    assert round(chance_bound(96), 3) == 0.353

@@ -230,3 +230,31 @@ def test_the_command_refuses_in_one_line(tmp_path, capsys):
                  str(tmp_path / "y")]) == 2
     assert capsys.readouterr().err.strip() == \
         "baton train: error: --size 'huge': qwen3_5 comes in ['base', 'small', 'tiny']"
+
+
+def test_verify_reruns_the_recorded_steps_and_lands_on_the_logged_loss(small, tmp_path,
+                                                                      capsys):
+    """`baton train --verify DIR --steps N` reruns the first N steps of DIR's recorded run
+    (the full schedule) and compares the held-out loss with the one logged at step N; without
+    --steps the whole run against the final figures. Here (same machine, one thread) exactly."""
+    from baton.cli import main
+
+    root, digest = small
+    k = Knobs(threads=1, eval_every=4, eval_tokens=2048, log_every=5, final_eval_tokens=4096,
+              nice=0, dtype="float32")
+    out = tmp_path / "m"
+    final = run.train(_settings(digest, steps=8), out, k, root)
+    logged = {e["step"]: e for e in json.loads((out / "training.json").read_text())["log"]}
+    r = run.verify(out, None, FAST, root)
+    assert (r["step"], r["tokens"], r["loss"]) == (8, 4096, final["loss"])
+    with pytest.raises(ConfigError, match=r"--steps 3: .*training.json logs the held-out loss "
+                                          r"at steps \[4\] and 8 \(the end\)"):
+        run.verify(out, 3, FAST, root)
+    assert main(["train", "--verify", str(out), "--steps", "4", "--corpus", str(root),
+                 "--nice", "0"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == (f"verify {out}: held-out loss at step 4 (2048 tokens) "
+                    f"{logged[4]['loss']:.4f} nats/token, recorded {logged[4]['loss']:.4f}: "
+                    f"difference +0.0000, within 0.02")
+    assert main(["train", "--verify", str(tmp_path / "none")]) == 2
+    assert "no training.json there" in capsys.readouterr().err

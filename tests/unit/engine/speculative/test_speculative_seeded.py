@@ -11,6 +11,7 @@ from baton.config.speculative import SpeculativeConfig
 from baton.engine.request import Request, SamplingParams
 from tests.support.engine_helpers import engine_for, prompt, run_all
 from tests.support.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpoint
+from tests.support.trained import NAMES, shipped
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")
 
@@ -41,8 +42,11 @@ def _run(ck, spec: dict | None, concurrency: int):
     return toks, eng.spec
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5"])
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5", *NAMES])
 def checkpoint(request, tmp_path_factory):
+    """The agreeing tiny models, and the trained ones where they are shipped."""
+    if request.param in NAMES:
+        return shipped(request.param)
     root = tmp_path_factory.mktemp("seeded")
     return agreeing_checkpoint(root) if request.param == "nemotron_h" \
         else agreeing_qwen_checkpoint(root)
