@@ -29,6 +29,8 @@ class EngineLoop:
         self._commands: deque[tuple[Callable, tuple, Future]] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stop = False
+        if getattr(engine.cache, "tiers", None) is not None:
+            engine.cache.tiers.on_ready = self._wake  # a tier read done: its request can run
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -100,6 +102,10 @@ class EngineLoop:
         """Per-request bookkeeping sizes (worker Stats `tracked_*`)."""
         return {"output_callbacks": len(self._callbacks), **self.engine.tracked()}
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -110,7 +116,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._commands and not self.engine.has_work:
+                while not self._stop and not self._commands and not self.engine.has_ready_work:
                     self._cond.wait()
                 if self._stop:
                     self._fail_commands()
