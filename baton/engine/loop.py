@@ -111,6 +111,8 @@ class EngineLoop:
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        if getattr(self.engine.cache, "tiers", None) is not None:
+            self.engine.cache.tiers.close()  # finish the queued tier writes
 
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
