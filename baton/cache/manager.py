@@ -37,8 +37,9 @@ from baton.cache.store import SnapshotStore
 from baton.cache.tiers.chain import Loaded, Tiers
 from baton.cache.tiers.restore import materialize, spill
 from baton.cache.tree import MatchResult, Node, Snapshot
-from baton.cache.value import FlopModel, tree_victim
+from baton.cache.value import AlphaTuner, FlopModel, tree_victim
 from baton.config.cache import CacheConfig
+from baton.config.cache_tiers import EvictionConfig
 from baton.errors import CapacityError, ConfigError, InvalidRequestError
 from baton.model.pools import Pools
 
@@ -145,6 +146,14 @@ class HybridCacheManager:
                 raise ConfigError("cache.eviction.policy=value needs the model's FLOP counts "
                                   "(pass flops=FlopModel.for_model(config))")
             self.tree.victim = lambda units: tree_victim(self, units)
+        self.tuner = None
+        """`cache.eviction.tune_alpha`: the online alpha tuner (value.py), else None."""
+        if self.cfg.eviction.policy == "value" and self.cfg.eviction.tune_alpha:
+            self.tuner = AlphaTuner(flops, self.tpb, self.snapshot_budget, self.cfg.eviction)
+
+    def eviction_now(self) -> EvictionConfig:
+        """The eviction config in force (alpha as tuned, when it is)."""
+        return self.tuner.cfg if self.tuner is not None else self.cfg.eviction
 
     def saved_flops(self, n: int, p: int = 0) -> float:
         """Prefill FLOPs a snapshot after n tokens saves over one after p (0 without a model)."""
@@ -257,6 +266,8 @@ class HybridCacheManager:
         self._start_turn(live, session)
         self._queried += len(prompt)
         self._hit += m.cached_tokens
+        if self.tuner is not None and reuse:
+            self.tuner.observe(prompt, self.snapshot_points(len(prompt)))
         return Admission(m.cached_tokens, list(live.table), live.slot, tuple(live.points))
 
     def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None,
