@@ -35,6 +35,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -129,7 +130,7 @@ def replay(eng, reqs) -> dict:
         t0, c0 = time.perf_counter(), time.thread_time()
         eng.add_request(Request(f"r{i}", toks, SamplingParams(max_tokens=out, ignore_eos=True)))
         first = None
-        while eng.has_work:
+        while _has_work(eng):
             for o in eng.step():
                 if first is None and o.new_token_ids:
                     first = time.perf_counter() - t0, time.thread_time() - c0
@@ -139,6 +140,21 @@ def replay(eng, reqs) -> dict:
         ttft.append(first[0])
         cpu.append(first[1])
     return {"ttft": ttft, "ttft_cpu": cpu, "cached": cached}
+
+
+def _has_work(eng) -> bool:
+    """`eng.has_work`, sleeping as the engine loop does while every request waits for a tier
+    read (a loop stepping meanwhile would hold the GIL from the I/O thread doing the read)."""
+    tiers = eng.cache.tiers
+    if tiers is None or not eng.has_work:
+        return eng.has_work
+    if tiers.on_ready is None:
+        tiers.on_ready = threading.Event().set
+    ev = tiers.on_ready.__self__
+    while not eng.has_ready_work:
+        ev.wait(1.0)
+        ev.clear()
+    return True
 
 
 def run(args) -> list[dict]:
@@ -197,7 +213,7 @@ def _ttft(eng, rid: str, toks: list[int]) -> tuple[float, float, float]:
 
     t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     eng.add_request(Request(rid, toks, SamplingParams(max_tokens=1, ignore_eos=True)))
-    while eng.has_work:
+    while _has_work(eng):
         eng.step()
     return time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0
 
