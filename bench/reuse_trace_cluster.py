@@ -5,7 +5,8 @@ cluster: 1 prefill + 1 decode worker behind the router (`prefix_aware`), one con
 Requests as in reuse_trace.py (whole conversations in trace order, scaled: one trace block =
 16 tokens; `--quick` 60 requests, else 150), one at a time (closed loop; arrival times are
 not replayed). Pools per worker at 100 / 50 / 25% of the working set (KV blocks: the distinct
-blocks of the replay; state slots: the distinct snapshot points), rows per pool size:
+blocks of the replay; state slots: the distinct snapshot points), rows per pool size (and
+at 25% again through 2 prefill + 2 decode workers):
 
     lru           LRU, pool only
     lru+tiers     LRU + a disk tier >= the working set
@@ -50,14 +51,15 @@ def config(blocks: int, slots: int, eviction: str, tier: str | None) -> dict:
             "router": {"policy": "prefix_aware", "heartbeat_seconds": 0.3}}
 
 
-def replay(path, cfg_file, reqs) -> dict:
+def replay(path, cfg_file, reqs, prefill: int = 1, decode: int = 1) -> dict:
     from baton.client.remote import to_pb
     from baton.client.requests import RequestSpec
     from baton.cluster.local import LocalCluster, free_port
     from baton.engine.request import SamplingParams
     from baton.proto_gen import router_pb2_grpc
 
-    cluster = LocalCluster(str(path), 1, 1, free_port(), str(cfg_file), log_level="WARNING")
+    cluster = LocalCluster(str(path), prefill, decode, free_port(), str(cfg_file),
+                           log_level="WARNING")
     try:
         cluster.wait_ready()
         ch = cluster.channel()
@@ -137,11 +139,30 @@ def run(args) -> list[dict]:
                 out.append(_row(common, name, frac, blocks, slots, res,
                                 time.perf_counter() - t0))
                 print(f"[bench reuse --trace --cluster] {out[-1]}", file=sys.stderr, flush=True)
+        frac = FRACTIONS[-1]  # 2P+2D at the smallest pool: tiers shared by two workers a role
+        blocks = max(int(frac * ws_blocks), 1) + MAX_SEQS * longest
+        slots = max(int(frac * ws_slots), 1) + MAX_SEQS + 1
+        for name, (eviction, tiered) in ROWS.items():
+            folder = tempfile.mkdtemp(prefix="baton-tier-") if tiered else None
+            cfg = tmp / f"{name}-2x2.yaml"
+            cfg.write_text(yaml.safe_dump(config(blocks, slots, eviction, folder)))
+            t0 = time.perf_counter()
+            try:
+                res = replay(path, cfg, reqs, 2, 2)
+            finally:
+                if folder:
+                    shutil.rmtree(folder, ignore_errors=True)
+            row = _row({**common, "topology": "2P+2D"}, name, frac, blocks, slots, res,
+                       time.perf_counter() - t0)
+            row["label"] = f"2P+2D:{row['label']}"
+            out.append(row)
+            print(f"[bench reuse --trace --cluster] {out[-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     by = {r["label"]: r for r in out}
     for r in out:
-        base = by.get(f"lru@{int(r['pool_fraction'] * 100)}%")
+        pre = "2P+2D:" if r["topology"] == "2P+2D" else ""
+        base = by.get(f"{pre}lru@{int(r['pool_fraction'] * 100)}%")
         if base and r is not base:
             r["ttft_p95_over_lru"] = round(r["ttft_ms_p95"] / max(base["ttft_ms_p95"], 1e-9), 3)
             r["ttft_p50_over_lru"] = round(r["ttft_ms_p50"] / max(base["ttft_ms_p50"], 1e-9), 3)
