@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse: replay this multi-turn trace (Mooncake/AIPerf JSONL) at pools "
                         "of 100/50/25%% of its working set, LRU vs value-aware, with and "
                         "without the disk tier (bench/reuse_trace.py)")
+    p.add_argument("--cluster", action="store_true",
+                   help="reuse --trace: replay through 1 prefill + 1 decode worker behind the "
+                        "router, TTFT at the client (bench/reuse_trace_cluster.py)")
     return ap
 
 

@@ -70,6 +70,10 @@ def run(args) -> list[dict]:
     from baton.config import WorkerConfig
 
     if getattr(args, "trace", None):  # `--trace FILE`: the tiered-cache trace replay
+        if getattr(args, "cluster", False):
+            from bench.reuse_trace_cluster import run as run_cluster
+
+            return run_cluster(args)
         from bench.reuse_trace import run as run_trace
 
         return run_trace(args)

@@ -1,6 +1,9 @@
 """HybridCacheManager: KV blocks, recurrent state slots and the prefix tree behind one API.
 
 Life of a request in the cache:
+  0. (tiers) `restoring`: when a tier holds a deeper prefix than the pool, post its read and
+     keep the request waiting (other requests step) until it is done; `admit` then puts it
+     into the tree. `cancel_restore` drops a pending read (nothing of the pool is held).
   1. `admit`: match the prompt in the tree (never its last token), lock the matched path,
      share its full blocks, copy a partial page into a private block, copy the snapshot's
      state into a fresh live slot, and hand back the snapshot points still ahead.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,11 +34,12 @@ from baton.cache.policy import snapshot_points
 from baton.cache.sessions import SessionTurns
 from baton.cache.stats import CacheStats
 from baton.cache.store import SnapshotStore
-from baton.cache.tiers.chain import Tiers
+from baton.cache.tiers.chain import Loaded, Tiers
 from baton.cache.tiers.restore import materialize, spill
 from baton.cache.tree import MatchResult, Node, Snapshot
-from baton.cache.value import FlopModel, tree_victim
+from baton.cache.value import AlphaTuner, FlopModel, tree_victim
 from baton.config.cache import CacheConfig
+from baton.config.cache_tiers import EvictionConfig
 from baton.errors import CapacityError, ConfigError, InvalidRequestError
 from baton.model.pools import Pools
 
@@ -127,6 +132,9 @@ class HybridCacheManager:
         self.canaries = False
         """Whether `arm_canaries` ran: free blocks and slots must hold CANARY (tests only)."""
         self._queried = self._hit = self._rqueried = self._rhit = self._tier_hit = 0
+        self._restoring: dict[str, Future | None] = {}
+        """Tier reads posted for waiting requests (None: looked, nothing deeper in a tier)."""
+        self.restores_posted = 0
 
     def _setup_tiers(self, tiers: Tiers | None, flops: FlopModel | None) -> None:
         self.tiers, self.flops = tiers, flops
@@ -138,6 +146,14 @@ class HybridCacheManager:
                 raise ConfigError("cache.eviction.policy=value needs the model's FLOP counts "
                                   "(pass flops=FlopModel.for_model(config))")
             self.tree.victim = lambda units: tree_victim(self, units)
+        self.tuner = None
+        """`cache.eviction.tune_alpha`: the online alpha tuner (value.py), else None."""
+        if self.cfg.eviction.policy == "value" and self.cfg.eviction.tune_alpha:
+            self.tuner = AlphaTuner(flops, self.tpb, self.snapshot_budget, self.cfg.eviction)
+
+    def eviction_now(self) -> EvictionConfig:
+        """The eviction config in force (alpha as tuned, when it is)."""
+        return self.tuner.cfg if self.tuner is not None else self.cfg.eviction
 
     def saved_flops(self, n: int, p: int = 0) -> float:
         """Prefill FLOPs a snapshot after n tokens saves over one after p (0 without a model)."""
@@ -155,6 +171,34 @@ class HybridCacheManager:
             return 0
         n = self.tree.match(prompt, len(prompt) - 1).cached_tokens
         return n if self.tiers is None else self.tiers.peek(prompt, n, len(prompt) - 1)
+
+    def restoring(self, req_id: str, prompt: list[int], reuse: bool = True) -> bool:
+        """Whether a waiting request must wait for a tier read before `admit`: on its first
+        call, posts the read when a tier holds (or is writing) a deeper prefix than the pool;
+        True until that read is done. The read goes to a staging buffer, not the pool: a
+        request dropped meanwhile (`cancel_restore`) leaves nothing held."""
+        if self.tiers is None or not (self._reuse and reuse) or len(prompt) < 2:
+            return False
+        if req_id not in self._restoring:
+            lo = self.tree.match(prompt, len(prompt) - 1).cached_tokens
+            fut = self._restoring[req_id] = self.tiers.start_load(prompt, lo, len(prompt) - 1)
+            self.restores_posted += fut is not None
+        fut = self._restoring[req_id]
+        return fut is not None and not fut.done()
+
+    def restore_pending(self, req_id: str) -> bool:
+        """True while a read `restoring` posted for this request is in flight."""
+        fut = self._restoring.get(req_id)
+        return fut is not None and not fut.done()
+
+    def cancel_restore(self, req_id: str) -> None:
+        """Forget the request's tier read (its result, if it comes, is dropped)."""
+        self._restoring.pop(req_id, None)
+
+    @property
+    def restores_waiting(self) -> int:
+        """Requests with a tier read looked up or posted and not admitted yet."""
+        return len(self._restoring)
 
     def snapshot_points(self, prompt_len: int) -> list[int]:
         """Where a prompt of this length is snapshotted ([] when reuse is off)."""
@@ -204,7 +248,11 @@ class HybridCacheManager:
         none = MatchResult(self.tree.root, None, 0)
         m = self.tree.match(prompt, len(prompt) - 1) if self._reuse and reuse else none
         if self.tiers is not None and self._reuse and reuse:
-            m = self._from_tiers(prompt, m)
+            if req_id in self._restoring:  # `restoring` posted (or found no) read: its result
+                fut = self._restoring.pop(req_id)
+                m = self._put_back(prompt, m, fut.result() if fut is not None else None)
+            else:
+                m = self._from_tiers(prompt, m)
         live = self._register(req_id, prompt, m.node)
         live.spare = samples - 1
         try:
@@ -218,6 +266,8 @@ class HybridCacheManager:
         self._start_turn(live, session)
         self._queried += len(prompt)
         self._hit += m.cached_tokens
+        if self.tuner is not None and reuse:
+            self.tuner.observe(prompt, self.snapshot_points(len(prompt)))
         return Admission(m.cached_tokens, list(live.table), live.slot, tuple(live.points))
 
     def admit_remote(self, req_id: str, prompt: list[int], session: str | None = None,
@@ -496,9 +546,12 @@ class HybridCacheManager:
 
     def _from_tiers(self, prompt: list[int], m: MatchResult) -> MatchResult:
         """A deeper prefix than the pool's from a tier, put back into the tree first."""
-        got = self.tiers.load(prompt, m.cached_tokens, len(prompt) - 1)
-        if got is None:
-            return m
+        return self._put_back(prompt, m, self.tiers.load(prompt, m.cached_tokens,
+                                                         len(prompt) - 1))
+
+    def _put_back(self, prompt: list[int], m: MatchResult, got: Loaded | None) -> MatchResult:
+        if got is None or got.header.n <= m.cached_tokens:
+            return m  # a miss, or the pool got as deep meanwhile
         if materialize(self, prompt, got):
             got.tier.stats.hits += 1
             got.tier.stats.hit_tokens += got.header.n

@@ -16,11 +16,13 @@ goes first, ties to the least recently used. With `policy: lru` only the last us
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from baton.config.cache_tiers import EvictionConfig
+from baton.contract.prefix_hash import block_hashes
 
 
 @dataclass(frozen=True)
@@ -103,21 +105,29 @@ def _norm(xs: list[float]) -> list[float]:
 def tree_victim(m, units: list):
     """`PrefixTree.victim` of a manager under `cache.eviction.policy: value`: scores the pool's
     evictable snapshots and KV units. A snapshot saves the FLOPs from the deepest snapshot
-    above it to its own end and holds its state plus its path's KV; a tombstone node (KV
-    without a snapshot) saves nothing by itself."""
+    above it to its own end; a tombstone node (KV without a snapshot) saves nothing by itself.
+    Bytes are what evicting the unit frees (not its whole path's KV, as Marconi counts: that
+    ranks every deep snapshot of a long conversation lowest, the very ones its next turn
+    reuses; measured in docs/cache-tiers.md)."""
     from baton.cache.tree import Snapshot
 
     kv_b, st_b = _unit_bytes(m)
     cands = []
     for u in units:
         snap = u if isinstance(u, Snapshot) else u.snapshot
-        if snap is None:
-            cands.append(Candidate(u, 0.0, kv_b * u.depth, u.last))
-            continue
-        n = snap.num_tokens
-        saved = m.saved_flops(n, _parent_tokens(snap, m.tpb))
-        cands.append(Candidate(u, saved, st_b + kv_b * -(-n // m.tpb), u.last))
-    return pick_victim(cands, m.tree.clock + 1, m.cfg.eviction)
+        saved = m.saved_flops(snap.num_tokens, _parent_tokens(snap, m.tpb)) if snap else 0.0
+        cands.append(Candidate(u, saved, _freed_bytes(u, kv_b, st_b), u.last))
+    return pick_victim(cands, m.tree.clock + 1, m.eviction_now())
+
+
+def _freed_bytes(u, kv_b: int, st_b: int) -> int:
+    """Bytes evicting `u` frees: a snapshot its state slot (and a partial one its page); a
+    KV unit (a leaf node) its block, and its snapshot's slot if it carries one."""
+    from baton.cache.tree import Snapshot
+
+    if isinstance(u, Snapshot):
+        return st_b + (kv_b if u.is_partial and u.page is not None else 0)
+    return kv_b + (st_b if u.snapshot is not None else 0)
 
 
 def _parent_tokens(snap, tpb: int) -> int:
@@ -134,3 +144,94 @@ def _unit_bytes(m) -> tuple[int, int]:
     item = torch.empty((), dtype=s.dtype).element_size()
     kv = len(s.attn_layers) * 2 * s.tokens_per_block * s.num_kv_heads * s.head_dim * item
     return kv, (s.state_bytes_per_slot() if s.state_layers else 0)
+
+
+ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+"""The candidate alphas `AlphaTuner` compares."""
+
+
+class AlphaTuner:
+    """Online tuning of alpha (Marconi, MLSys 2025, section 4.3, in a cheaper form): instead of
+    replaying a window of requests against a copy of the tree for each candidate alpha, each
+    candidate keeps a shadow of the pool's snapshot slots (keys, token counts, FLOPs saved,
+    last use: no KV, no tensors) fed every admitted prompt as it comes. Every `window`
+    admissions the pool takes the alpha whose shadow saved the most prefill FLOPs over the
+    last `window` prompts (the current one on a tie). Shadows count slots, not KV blocks."""
+
+    def __init__(self, flops: FlopModel, tpb: int, budget: int, cfg: EvictionConfig,
+                 alphas: Sequence[float] = ALPHAS, window: int = 32):
+        self.flops, self.tpb, self.window = flops, tpb, window
+        self.cfg = cfg
+        """The eviction config in force (its alpha the tuned one)."""
+        self.shadows = [_Shadow(a, budget) for a in alphas]
+        self._recent = [deque(maxlen=window) for _ in alphas]
+        self.seen = self.changes = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.cfg.alpha
+
+    def observe(self, prompt: list[int], points: list[int]) -> None:
+        """An admitted prompt with its snapshot points: each shadow serves it."""
+        tpb = self.tpb
+        bh = block_hashes(prompt, tpb)
+
+        def key(n: int) -> tuple:
+            return bh[n // tpb], tuple(prompt[n // tpb * tpb : n])
+
+        for sh, rec in zip(self.shadows, self._recent, strict=True):
+            rec.append(sh.serve(key, points, len(prompt) - 1, self.flops))
+        self.seen += 1
+        if self.seen % self.window == 0:
+            totals = {sh.cfg.alpha: sum(rec) for sh, rec in zip(self.shadows, self._recent,
+                                                                strict=True)}
+            best = max(totals.values())
+            if totals.get(self.alpha, -1.0) < best:
+                alpha = next(a for a, t in totals.items() if t == best)
+                self.cfg = replace(self.cfg, alpha=alpha)
+                self.changes += 1
+
+
+class _Shadow:
+    """A pool of `budget` snapshot slots under one alpha, keys only."""
+
+    def __init__(self, alpha: float, budget: int):
+        self.cfg = EvictionConfig("value", alpha)
+        self.budget = max(budget, 1)
+        self.entries: dict[tuple, list] = {}
+        """key -> [tokens, FLOPs saved over its parent, last use]"""
+        self.lengths: Counter[int] = Counter()
+        self.clock = 0
+
+    def serve(self, key, points: list[int], hi: int, flops: FlopModel) -> float:
+        """FLOPs the deepest held snapshot (<= hi tokens) saves; then the prompt's points
+        past it are taken, evicting by the score."""
+        hit = 0
+        for n in sorted((n for n in self.lengths if n <= hi), reverse=True):
+            e = self.entries.get(key(n))
+            if e is not None:
+                hit = n
+                self.clock += 1
+                e[2] = self.clock
+                break
+        p = hit
+        for n in points:
+            if n <= hit:
+                continue
+            k = key(n)
+            if k not in self.entries:
+                self.clock += 1
+                self.entries[k] = [n, flops.saved(n, p), self.clock]
+                self.lengths[n] += 1
+                self._evict(k)
+            p = n
+        return flops.saved(hit)
+
+    def _evict(self, keep: tuple) -> None:
+        while len(self.entries) > self.budget:
+            cands = [Candidate(k, e[1], 1, e[2]) for k, e in self.entries.items() if k != keep]
+            k = pick_victim(cands, self.clock + 1, self.cfg)
+            n = self.entries.pop(k)[0]
+            self.lengths[n] -= 1
+            if not self.lengths[n]:
+                del self.lengths[n]

@@ -70,6 +70,10 @@ class EvictionConfig:
     alpha * norm(FLOPs saved per byte) + norm(recency), both min-max normalised."""
     alpha: float = 1.0
     """Weight of FLOP efficiency against recency in the `value` score."""
+    tune_alpha: bool = False
+    """`value` only: retune alpha online (Marconi): shadows of the pool's snapshot slots,
+    one per candidate alpha, see every admitted prompt; every 32 admissions the pool takes
+    the alpha whose shadow saved the most prefill FLOPs over the last 32 (`alpha` first)."""
 
     def __post_init__(self) -> None:
         if self.alpha < 0:

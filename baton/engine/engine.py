@@ -160,6 +160,7 @@ class Engine:
         self.scheduler.remove(req)
         if req.holds_cache:
             self.cache.abort(request_id)
+        self.cache.cancel_restore(request_id)
         self._forget(request_id)
         return True
 
@@ -191,11 +192,20 @@ class Engine:
                "sample_families": len(self.samples), "grammar_matchers": self.grammars.tracked}
         if self.spec is not None:
             out["spec_pending"] = self.spec.tracked
+        if self.cache.tiers is not None:
+            out["tier_restores"] = self.cache.restores_waiting
         return out
 
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def has_ready_work(self) -> bool:
+        """Work a step can do now: not when every request waits for a tier read (the read's
+        end wakes the loop: `cache.tiers.on_ready`)."""
+        s = self.scheduler
+        return bool(s.running) or any(not self.cache.restore_pending(r.id) for r in s.waiting)
 
     # ---- disaggregation ----------------------------------------------------------------
     def reserve_remote(self, req: Request):

@@ -29,6 +29,9 @@ class EngineLoop:
         self._commands: deque[tuple[Callable, tuple, Future]] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stop = False
+        tiers = _tiers(engine)
+        if tiers is not None:
+            tiers.on_ready = self._wake  # a tier read done: its request can run
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -100,17 +103,29 @@ class EngineLoop:
         """Per-request bookkeeping sizes (worker Stats `tracked_*`)."""
         return {"output_callbacks": len(self._callbacks), **self.engine.tracked()}
 
+    def _ready(self) -> bool:
+        """Work a step can do now (not only requests waiting for a tier read)."""
+        ready = getattr(self.engine, "has_ready_work", None)
+        return self.engine.has_work if ready is None else ready
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        tiers = _tiers(self.engine)
+        if tiers is not None:
+            tiers.close()  # finish the queued tier writes
 
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._commands and not self.engine.has_work:
+                while not self._stop and not self._commands and not self._ready():
                     self._cond.wait()
                 if self._stop:
                     self._fail_commands()
@@ -153,3 +168,8 @@ class EngineLoop:
         for _, _, fut in self._commands:
             fut.set_exception(RuntimeError("engine loop is stopped"))
         self._commands.clear()
+
+
+def _tiers(engine):
+    """The engine's cache tiers (cache/tiers/), None when it has none."""
+    return getattr(getattr(engine, "cache", None), "tiers", None)

@@ -145,6 +145,12 @@ class Scheduler:
             if self.cache.reuse_enabled and waits_for_snapshot(req, self.running):
                 deferred.append(self.waiting.popleft())
                 continue
+            # a prefix in a tier: its read is posted and the request waits ("restoring")
+            # while the others step; admitted once the read is done
+            if self.cache.restoring(req.id, req.prompt_ids,
+                                    reuse=req.sampling.prompt_logprobs is None):
+                deferred.append(self.waiting.popleft())
+                continue
             need = self.blocks_needed(req)
             if need and not self.cache.can_allocate(self.outstanding_blocks() + need):
                 if not self.running:  # nothing will free more: this request can never start

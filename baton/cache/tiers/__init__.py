@@ -5,6 +5,7 @@
     disk.py     the disk tier (cache.tier): write, fsync, link to commit; scan on start
     shared.py   the shared tier (cache.shared_store: Redis)
     chain.py    the tiers in order: spill on eviction, deepest checked entry on admission
+    background.py  the I/O thread: writes and restore reads off the engine thread
     restore.py  entries <-> the pool's prefix tree
     stats.py    per-tier counters
 
@@ -32,9 +33,11 @@ def wanted(cfg: CacheConfig) -> bool:
     return cfg.tier.enabled or cfg.shared_store.enabled
 
 
-def open_tiers(cfg: CacheConfig, pools, model_id: str, token: str = "") -> Tiers | None:
+def open_tiers(cfg: CacheConfig, pools, model_id: str, token: str = "",
+               background: bool = True) -> Tiers | None:
     """The configured tiers of a one-stage worker (None when none is configured); ConfigError
-    in one line for a path or store that cannot serve."""
+    in one line for a path or store that cannot serve. `background`: writes and restore
+    reads on the tiers' I/O thread (chain.py)."""
     if not wanted(cfg):
         return None
     if not cfg.enable_prefix_reuse:
@@ -53,7 +56,7 @@ def open_tiers(cfg: CacheConfig, pools, model_id: str, token: str = "") -> Tiers
                         cfg.eviction, lambda: next(counter))
     if cfg.shared_store.enabled:
         shared = SharedTier(cfg.shared_store, layout, token)
-    return Tiers(layout, disk, shared)
+    return Tiers(layout, disk, shared, background=background)
 
 
 def refuse_tiers(cfg, why: str) -> None:

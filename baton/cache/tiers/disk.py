@@ -11,6 +11,9 @@ looks at and the next worker on the host removes once its writer is dead. A rest
 (any id) scans the folder and keeps each entry whose header checks; the payload's checksum
 is checked on every read, and an entry that fails a check is removed and counted a miss.
 Workers sharing the folder see each other's new entries: a changed folder is rescanned.
+
+Thread-safe: the index is guarded by one lock, the payload I/O runs outside it (the worker's
+tiers read and write on their I/O thread while the engine thread looks entries up).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -57,6 +61,7 @@ class DiskTier:
         self.listener = None
         """`fn(added, block_hash, snapshot_hash, num_tokens)` on every entry added or removed
         (the worker's router events, tier 1)."""
+        self._lock = threading.RLock()
         self._index: dict[str, _Meta] = {}
         self._lengths: dict[int, int] = {}
         self._used = 0
@@ -114,6 +119,10 @@ class DiskTier:
 
     def _refresh(self) -> None:
         """Re-read the folder when it changed (another worker committed or removed)."""
+        with self._lock:
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
         try:
             mtime = os.stat(self.path).st_mtime_ns
         except OSError:
@@ -166,7 +175,8 @@ class DiskTier:
 
     def entries(self) -> list[tuple[int, int, int]]:
         """(block_hash, snapshot_hash, num_tokens) of every entry held now."""
-        return [(m.bh, m.sh, m.n) for m in self._index.values()]
+        with self._lock:
+            return [(m.bh, m.sh, m.n) for m in self._index.values()]
 
     def _file(self, key: str) -> str:
         return os.path.join(self.path, key + SUFFIX)
@@ -179,31 +189,34 @@ class DiskTier:
 
     def _reject(self, key: str, why: str) -> None:
         log.warning("disk tier entry %s is not usable (%s): removed, counted a miss", key, why)
-        self.stats.corrupt += 1
-        _unlink(self._file(key))
-        if key in self._index:
-            self._forget(key)
+        with self._lock:
+            self.stats.corrupt += 1
+            _unlink(self._file(key))
+            if key in self._index:
+                self._forget(key)
 
     # ---- the tier's calls --------------------------------------------------------------
     def key(self, snapshot_hash: int) -> str:
         return f"{self._prefix}{snapshot_hash:016x}"
 
     def lengths(self) -> list[int]:
-        self._refresh()
-        return sorted(self._lengths)
+        with self._lock:
+            self._refresh_locked()
+            return sorted(self._lengths)
 
     def has(self, key: str) -> bool:
         return key in self._index
 
     def get(self, key: str, tokens: list[int]) -> tuple[Header, torch.Tensor] | None:
         """The entry, checked; None (a miss) if absent or failing any check."""
-        if key not in self._index:
-            return None
-        try:
-            fd = os.open(self._file(key), os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
-            return None
+        with self._lock:
+            if key not in self._index:
+                return None
+            try:
+                fd = os.open(self._file(key), os.O_RDONLY)
+            except FileNotFoundError:
+                self._forget(key)
+                return None
         try:
             hlen, hcrc = decode_prefix(os.pread(fd, PREFIX.size, 0))
             h = decode_header(os.pread(fd, hlen, PREFIX.size), hcrc)
@@ -215,21 +228,24 @@ class DiskTier:
             return None
         finally:
             os.close(fd)
-        self._index[key].last = self.clock()
+        with self._lock:
+            if key in self._index:
+                self._index[key].last = self.clock()
         return h, payload
 
     def put(self, key: str, h: Header, payload: torch.Tensor) -> bool:
         """Write and commit an entry, evicting others for room; False if it cannot fit or
         the write failed (logged: a tier is an optimisation, never worth failing for)."""
-        if key in self._index:
-            self._index[key].last = self.clock()
-            return True
         head = h.encode()
         size = len(head) + payload.numel()
-        if size > self.capacity:
-            self.stats.rejected += 1
-            return False
-        self._make_room(size)
+        with self._lock:
+            if key in self._index:
+                self._index[key].last = self.clock()
+                return True
+            if size > self.capacity:
+                self.stats.rejected += 1
+                return False
+            self._make_room(size)
         tmp = self._tmp_name()
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -239,19 +255,21 @@ class DiskTier:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            try:
-                os.link(tmp, self._file(key))
-            except FileExistsError:
-                pass  # another worker committed this key first: its entry stands
+            with self._lock:  # commit and index together (a rescan must not see it first)
+                try:
+                    os.link(tmp, self._file(key))
+                except FileExistsError:
+                    pass  # another worker committed this key first: its entry stands
+                if key not in self._index:
+                    self._add(key, h, size)
+                    self.stats.admitted += 1
+                    self.stats.bytes_written += size
         except OSError as e:
             log.warning("disk tier write of %s failed (%s); entry not kept", key, e)
             self.stats.errors += 1
             return False
         finally:
             _unlink(tmp)
-        self._add(key, h, size)
-        self.stats.admitted += 1
-        self.stats.bytes_written += size
         return True
 
     def _make_room(self, size: int) -> None:

@@ -94,6 +94,12 @@ class Layout:
     def gather(self, tokens: list[int], blocks: list[int], slot: int,
                flops: float = 0.0, bh: int = 0) -> tuple[Header, torch.Tensor]:
         """Copy a snapshot out of the pools: its header and payload (one uint8 tensor)."""
+        payload = self.copy_out(tokens, blocks, slot)
+        return self.seal(len(tokens), payload, flops, bh), payload
+
+    def copy_out(self, tokens: list[int], blocks: list[int], slot: int) -> torch.Tensor:
+        """The payload of a snapshot still in the pools (the part that must happen before its
+        blocks and slot are reused); `seal` adds the checksums, on any thread."""
         n = len(tokens)
         parts = [torch.tensor(tokens, dtype=torch.int32).view(torch.uint8)]
         # entries live in host memory: a GPU pool's bytes are copied down here
@@ -104,11 +110,14 @@ class Layout:
         if self.pools.has_state:
             for t in self.pools.state.values():
                 parts.append(t[:, slot].cpu().contiguous().reshape(-1).view(torch.uint8))
-        payload = torch.cat(parts)
+        return torch.cat(parts)
+
+    def seal(self, n: int, payload: torch.Tensor, flops: float = 0.0, bh: int = 0) -> Header:
+        """The header of a payload `copy_out` made: byte counts, CRC-32 and MAC."""
         crc = zlib.crc32(payload.numpy())
         kv = self.kv_bytes(n)
         h = Header(self.fmt, n, self.tpb, 4 * n, kv, self.state_bytes, crc, flops, bh)
-        return replace(h, mac=self.mac(h, payload)), payload
+        return replace(h, mac=self.mac(h, payload))
 
     def mac(self, h: Header, payload: torch.Tensor) -> str:
         fields = {k: v for k, v in h.__dict__.items() if k != "mac"}

@@ -97,10 +97,12 @@ class NixlPosixIO(FileIO):
     @staticmethod
     def _wait(a, h, op: str, n: int) -> None:
         state, deadline = a.transfer(h), time.monotonic() + XFER_TIMEOUT_S
+        pause = 20e-6  # polled with growing sleeps: a long read does not hold a core
         while state == "PROC":
             if time.monotonic() > deadline:
                 raise OSError(f"NIXL POSIX {op} of {n} bytes did not finish in {XFER_TIMEOUT_S}s")
-            time.sleep(0)
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
             state = a.check_xfer_state(h)
         if state != "DONE":
             raise OSError(f"NIXL POSIX {op} of {n} bytes ended in state {state}")

@@ -34,3 +34,16 @@ def test_oracle_counts_what_no_earlier_prompt_shared():
     computed, blocks = oracle(reqs)
     assert computed == 32 + 19 + (44 - 32) + 10
     assert blocks == 2 + 2 + 1 + 1
+
+
+def test_cluster_replay_counts_snapshot_points_and_writes_a_valid_config(tmp_path):
+    from baton.config import BatonConfig
+    from bench.reuse_trace_cluster import config, snapshot_points
+
+    reqs = prompts(ROWS, vocab=256)
+    assert snapshot_points(reqs) == 4  # each prompt's end (all shorter than the 64 period)
+    twice = reqs + [(reqs[0][0], 1)]
+    assert snapshot_points(twice) == 4
+    cfg = BatonConfig.from_dict(config(100, 8, "value", str(tmp_path)))
+    assert cfg.cache.tier.path == str(tmp_path) and cfg.cache.eviction.policy == "value"
+    assert cfg.router.policy == "prefix_aware" and cfg.cache.num_state_slots == 8

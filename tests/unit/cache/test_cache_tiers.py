@@ -290,14 +290,19 @@ KILL_SCRIPT = textwrap.dedent("""
             time.sleep(60)
     layout = Layout(pools(), "tiny")
     t = disk(sys.argv[1], layout=layout, io=Slow())
+    if sys.argv[2] == "background":  # a worker's tiers: the write runs on their I/O thread
+        from baton.cache.tiers import Tiers
+        Tiers(layout, t, background=True).spill(A, [0, 1, 2], 0, 0.0)
+        time.sleep(60)
     h, pay = layout.gather(A, [0, 1, 2], 0)
     t.put(t.key(1), h, pay)
 """)
 
 
-def test_kill_9_mid_write_leaves_nothing_that_reads_as_valid(tmp_path):
+@pytest.mark.parametrize("writer", ["inline", "background"])
+def test_kill_9_mid_write_leaves_nothing_that_reads_as_valid(tmp_path, writer):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), writer],
                             stdout=subprocess.PIPE, env=env)
     assert proc.stdout.readline().strip() == b"half"
     os.kill(proc.pid, signal.SIGKILL)

@@ -86,6 +86,7 @@ def test_without_tier_the_same_pool_recomputes_more(model_dir, reference, tmp_pa
 def test_restart_and_corruption_keep_tokens_exact(model_dir, reference, tmp_path):
     first = _engine(model_dir, tmp_path)
     _chats(first, turns=2)
+    first.cache.tiers.close()  # a worker that stops finishes its queued writes
     del first
     entries = sorted(n for n in os.listdir(tmp_path) if n.endswith(".snap"))
     assert entries
@@ -108,6 +109,7 @@ def test_restart_and_corruption_keep_tokens_exact(model_dir, reference, tmp_path
     assert got == reference
     st = eng.cache.stats().tiers["disk"]
     assert st["hits"] > 0 and st["corrupt"] > 0 and st["removed_tmp"] == 1
+    eng.cache.tiers.flush()  # writes run in the background: none half-done once flushed
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
     assert not truncated.exists()
     eng.cache.check_integrity()

@@ -138,3 +138,38 @@ def test_branch_point_snapshot_where_a_prompt_leaves_the_cached_kv():
     m2 = HybridCacheManager(off, Pools(spec), 1)
     serve(m2, "a", shared + [1, 2, 3, 4])
     assert serve(m2, "b", shared + [20, 21, 22]).snapshot_points == (11,)
+
+
+def test_alpha_tuner_takes_the_alpha_whose_shadow_saved_most():
+    """Budget 2: a 40-token prompt comes back every third request between one-off 4-token
+    prompts. Recency alone (alpha 0) evicts it each time; alpha 4 keeps it (it saves ten
+    times more per slot): after a window of 10 the tuner moves to 4."""
+    from baton.cache.value import AlphaTuner
+
+    t = AlphaTuner(FlopModel(1.0, 0.0), TPB, 2, EvictionConfig("value", 0.0, tune_alpha=True),
+                   alphas=(0.0, 4.0), window=10)
+    a = list(range(1, 41))
+    seq = []
+    for i in range(3):
+        seq += [(a + [0], [40]), ([100 + 2 * i] * 4 + [0], [4]), ([101 + 2 * i] * 4 + [0], [4])]
+    seq.append((a + [0], [40]))
+    for p, pts in seq[:-1]:
+        t.observe(p, pts)
+    assert t.alpha == 0.0 and t.changes == 0
+    t.observe(*seq[-1])
+    assert t.alpha == 4.0 and t.changes == 1
+    got = {sh.cfg.alpha: sum(r) for sh, r in zip(t.shadows, t._recent, strict=True)}
+    assert got == {0.0: 0.0, 4.0: 3 * 40.0}
+
+
+def test_tune_alpha_is_the_managers_eviction_config():
+    cfg = CacheConfig(tokens_per_block=TPB, num_blocks=64, num_state_slots=4,
+                      mamba_state_config=MambaStateConfig(decode_end_snapshot=False),
+                      eviction=EvictionConfig("value", 0.5, tune_alpha=True))
+    spec = PoolSpec.for_model(MODEL, num_blocks=64, tokens_per_block=TPB, num_slots=4)
+    m = HybridCacheManager(cfg, Pools(spec), 1, flops=FlopModel.for_model(MODEL))
+    assert m.tuner is not None and m.eviction_now() is m.tuner.cfg and m.tuner.alpha == 0.5
+    assert m.tuner.shadows[0].budget == m.snapshot_budget == 3
+    serve(m, "r0", prompt(10, 16))
+    assert m.tuner.seen == 1
+    m.check_integrity()
