@@ -148,7 +148,17 @@ def _plain(cfg: BatonConfig, path) -> Built:
     spec = with_draft_layers(spec, model, cfg.speculative)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
     buckets = bool(cfg.worker.decode_batch_buckets) and model.capabilities.decode_takes_tables
-    return Built(model, Pools(spec), reserved, buckets)
+    return Built(model, Pools(_split_snapshots(cfg, spec, reserved)), reserved, buckets)
+
+
+def _split_snapshots(cfg: BatonConfig, spec: PoolSpec, reserved: int) -> PoolSpec:
+    """Snapshot slots in their own pool of the configured 16-bit state dtype when it is
+    narrower than the live one (docs/state-precision.md): the live rows are one per running
+    request, the pad row and speculation's rows; the rest of num_state_slots are snapshots."""
+    from baton.cache.state_format import resolve
+
+    fmt = resolve(cfg.cache, spec.state_tensors, spec.dtype, spec.device)
+    return spec.split_snapshots(cfg.worker.max_num_seqs + 1 + reserved, fmt.dtypes)
 
 
 def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> None:

@@ -434,6 +434,10 @@ class Engine:
         cuda = str(self.device).startswith("cuda")
 
         def on_layer(layer: int) -> None:
+            if self.rounding is not None:  # the prompt end rounds before its bytes leave
+                for rid, req in last.items():
+                    if req.prompt_len in req.round_points:  # as _commit_chunk will
+                        self.rounding.round(self.cache.slot(rid), req.prompt_ids, [layer])
             if cuda:  # the layer's kernels must be done before its bytes leave
                 torch.cuda.current_stream().synchronize()
             for stream in active.values():

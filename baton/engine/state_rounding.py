@@ -42,17 +42,28 @@ class LiveRounding:
     def at_decode_end(self) -> bool:
         return self.policy.decode_end_snapshot
 
-    def round(self, slot: int, tokens: Sequence[int]) -> None:
-        """Round slot `slot`'s state, which holds the state after `tokens`, in place."""
+    def round(self, slot: int, tokens: Sequence[int], layers: Sequence[int] | None = None
+              ) -> None:
+        """Round slot `slot`'s state, which holds the state after `tokens`, in place: every
+        state layer, or only global `layers` (a layer handed to a layer stream). Rounding a
+        value already rounded leaves it as it is, so a layer may be rounded twice."""
+        if layers is None:
+            local, glob = slice(None), self.layers
+        else:
+            idx = self.pools.spec.state_index
+            glob = [g for g in layers if g in idx]
+            if not glob:
+                return
+            local = torch.tensor([idx[g] for g in glob])
         p = len(tokens)
         prefix = snapshot_key(list(tokens), p, self.tpb).snapshot_hash
         for name in self.tensors:
             pool = self.pools.state[name]  # [layers, slots, *shape]
             keys = torch.tensor([stream_key(self.fmt.seed, prefix, p, g, name)
-                                 for g in self.layers], device=pool.device)
-            live = pool[:, slot].to(torch.float32)
-            pool[:, slot] = round_state(live, self.fmt.dtypes[name], self.fmt.rounding,
-                                        keys).to(pool.dtype)
+                                 for g in glob], device=pool.device)
+            live = pool[local, slot].to(torch.float32)
+            pool[local, slot] = round_state(live, self.fmt.dtypes[name], self.fmt.rounding,
+                                            keys).to(pool.dtype)
 
 
 def live_rounding(cache_cfg, cache, model_dtype: torch.dtype) -> LiveRounding | None:
@@ -65,16 +76,3 @@ def live_rounding(cache_cfg, cache, model_dtype: torch.dtype) -> LiveRounding | 
     fmt = resolve(cache_cfg, pools.spec.state_tensors, model_dtype, str(pools.spec.device))
     r = LiveRounding(fmt, pools, cache_cfg.mamba_state_config, pools.spec.tokens_per_block)
     return r if r.tensors else None
-
-
-def refuse_in_transfer(engine, role: str) -> None:
-    """A prefill or decode worker cannot round yet: its layer streams send the prompt-end
-    state before the chunk is committed, so P/D would differ from colocated."""
-    if getattr(engine, "rounding", None) is not None:
-        from baton.errors import ConfigError
-
-        raise ConfigError(
-            f"cache.state_dtype={engine.cache.cfg.state_dtype} (cache format "
-            f"{engine.cache.cfg.cache_format}) is not built for {role} workers yet: the handoff "
-            "would send the state before it is rounded (docs/state-precision.md); set "
-            "cache.state_dtype: model, or serve colocated (--local)")

@@ -104,20 +104,6 @@ def test_engine_refuses_formats_it_cannot_store_yet():
                     single_process=True)
 
 
-def test_prefill_and_decode_workers_refuse_rounded_state():
-    from types import SimpleNamespace
-
-    from baton.engine.state_rounding import refuse_in_transfer
-
-    refuse_in_transfer(SimpleNamespace(rounding=None), "prefill")
-    c = cache(state_dtype="bfloat16", state_rounding="stochastic")
-    eng = SimpleNamespace(rounding=object(), cache=SimpleNamespace(cfg=c))
-    with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16 \(cache format "
-                                          r"state=bfloat16;rounding=stochastic;seed=0;kv=model\) "
-                                          r"is not built for decode workers yet"):
-        refuse_in_transfer(eng, "decode")
-
-
 def test_engine_builder_checks_the_format():
     from baton.config import BatonConfig
     from baton.engine.builder import _pool_spec

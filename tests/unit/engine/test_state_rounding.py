@@ -53,10 +53,12 @@ def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
     got = _run(on, "b", b)
     assert got[2] == 20 and ref[2] == 0  # b restored the snapshot at 20
     assert got[0] == ref[0] and got[1] == ref[1]  # tokens and logprobs, bit for bit
-    held = on.cache.hold_snapshot("h", a[:20])
-    for pool in on.pools.state.values():  # the snapshot holds bfloat16 values
-        snap = pool[:, held.slot]
-        assert torch.equal(snap, snap.to(torch.bfloat16).float())
+    snap = on.cache.tree.match(a, 20).snapshot  # the snapshot sits in the snapshot-only pool
+    assert snap is not None and snap.slot >= on.pools.spec.num_slots
+    for name, pool in on.pools.snapshots.items():  # which really stores bfloat16
+        assert pool.dtype == torch.bfloat16 and on.pools.state[name].dtype == torch.float32
+    spec = on.pools.spec  # snapshots take half the bytes of a live slot
+    assert 2 * spec.snapshot_bytes_per_slot() == spec.state_bytes_per_slot()
     plain = _engine(model_dir, False)
     assert plain.rounding is None
     _run(plain, "a", a)
