@@ -84,8 +84,8 @@ def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
         if not single_process:
             raise ConfigError(
                 f"{key}={cache.state_dtype_of(name)}: reduced-precision state runs in "
-                "single-process engines only so far (no pipeline or tensor parallelism, no "
-                "speculative decoding; docs/state-precision.md); allowed here: model or float32")
+                "single-process engines only so far (no pipeline or tensor parallelism; "
+                "docs/state-precision.md); allowed here: model or float32")
     if fmt.kv_dtype != model_dtype:
         raise ConfigError(
             f"cache.kv_dtype={cache.kv_dtype}: the attention kernels read KV only in the model "

@@ -42,6 +42,19 @@ def _run(eng, rid: str, ids: list[int]):
     return toks, lps, cached
 
 
+def run_until_done(eng, rid: str):
+    """(tokens, logprobs, cached_tokens) of request `rid`, already added."""
+    toks, lps, cached = [], [], None
+    while cached is None:
+        for o in eng.step():
+            assert o.request_id == rid
+            toks += o.new_token_ids
+            lps += [lp.logprob for lp in o.logprobs or ()]
+            if o.finished:
+                cached = o.cached_tokens
+    return toks, lps, cached
+
+
 def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
     a = prompt(1, 40)
     b = a[:20] + prompt(2, 25)
@@ -93,3 +106,33 @@ def test_chat_reusing_periodic_points_is_bit_exact(model_dir):
     cached = [c for _, _, c in on]
     assert cached == [0, 0, 16, 48] and [c for _, _, c in off] == [0] * 4
     assert [(t, lp) for t, lp, _ in on] == [(t, lp) for t, lp, _ in off]
+
+
+def test_speculation_on_equals_off_with_rounded_state(tmp_path):
+    """Greedy chat turns speculate (K=3, an MTP head that agrees a third of the time): their
+    tokens equal speculation off, and the last turn, which reuses the previous decode-end
+    snapshot and asks for logprobs, has the same logprobs bit for bit: the state that
+    speculation verified and rounded is the state plain decoding rounded."""
+    from tests.support.speculative_helpers import agreeing_checkpoint
+
+    ck = agreeing_checkpoint(tmp_path)
+    policy = {"periodic_snapshot_interval": 16, "decode_end_snapshot": True}
+
+    def chat(k: int):
+        eng = engine_for(ck, speculative={"num_draft_tokens": k}, worker={"max_num_seqs": 4},
+                         cache={"tokens_per_block": 16, "num_state_slots": 32,
+                                "mamba_state_config": policy, **SR})
+        history, turns = [], []
+        for t in range(4):
+            p = history + prompt(200 + t, 7 + 6 * t)
+            rid = f"t{t}"
+            eng.add_request(Request(rid, p, greedy(12, logprobs=1 if t == 3 else None)))
+            out = run_until_done(eng, rid)
+            turns.append(out)
+            history = p + out[0]
+        return eng, turns
+
+    off_eng, off = chat(0)
+    on_eng, on = chat(3)
+    assert on_eng.rounding is not None and on_eng.spec.accepted_tokens > 0
+    assert on == off and off[3][1] and off[3][2] > 0  # the last turn reused a snapshot
