@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from baton.client.local import run_local
@@ -130,6 +131,25 @@ def test_prefix_cache_hits_give_local_tokens(state_setup):
     assert tokens(remote) == tokens(local(setup, specs))
     # periodic snapshots at 32, 64, 96 of the first prompt: the others reuse exactly 96
     assert [r["cached_tokens"] for r in remote] == [0, 96, 96, 96]
+
+
+def test_handed_off_state_gives_local_logprobs(state_setup):
+    """Cold prompts go through a prefill worker: every token's logprob (float32 on the wire)
+    equals --local's, so the state handed off is the state --local had, bit for bit (with
+    bf16 state: rounded at the prompt end before its bytes left)."""
+    setup = state_setup
+    specs = [RequestSpec(f"lp{i}", prompt_ids=prompt(700 + i, 40 + 23 * i),
+                         sampling=SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+             for i in range(4)]
+    remote = run_remote(setup["cluster"].address, specs)
+    assert all(r["prefill_worker"] for r in remote)
+
+    def logprobs(results):
+        return {r["id"]: [float(np.float32(x["logprob"] if isinstance(x, dict) else x.logprob))
+                          for x in r["logprobs"]] for r in results}
+
+    assert logprobs(remote) == logprobs(local(setup, specs))
+    assert_clean(setup["cluster"])
 
 
 @pytest.mark.parametrize(
