@@ -112,8 +112,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     engine = Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                     speculative=cfg.speculative)
     engine.weights = weights
-    if tp == 1 and pp == 1:
-        engine.rounding = live_rounding(cfg.cache, cache, DTYPES[cfg.model.dtype])
+    if tp == 1 or pp == 1:  # TP x PP: refused by check_built
+        model = built.model
+        engine.rounding = live_rounding(cfg.cache, built.pools, DTYPES[cfg.model.dtype],
+                                        cfg.model.device, model.config.state_tensors, tp, 0)
     return engine
 
 
@@ -177,7 +179,7 @@ def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
     """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
     w = cfg.worker  # issue 50: reduced-precision state rounds the live slot of one process
     check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device,
-                single_process=w.tensor_parallel_size == w.pipeline_parallel_size == 1)
+                tp_and_pp=w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1)
     return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,

@@ -13,7 +13,8 @@ from baton.model.pools import Pools, PoolSpec
 
 Op = tuple[str, int, int]
 """("slot", src, dst) | ("block", src, dst) | ("token", src, dst) | ("zero", slot, 0) |
-("fill_block", block, value) | ("fill_slot", slot, value)."""
+("fill_block", block, value) | ("fill_slot", slot, value) | ("round", slot, [prefix hash,
+position, layers]) (the stage's `pools.rounding`, baton/engine/state_rounding.py)."""
 
 
 class MirroredPools:
@@ -92,5 +93,9 @@ def apply_ops(pools: Pools, ops: list) -> None:
             pools.fill_block(a, b)
         elif kind == "fill_slot":
             pools.fill_slot(a, b)
+        elif kind == "round":  # b: [prefix hash, position, layers] (engine/state_rounding.py)
+            rounding = getattr(pools, "rounding", None)
+            if rounding is not None:  # None: this stage holds no state layer
+                rounding.apply(a, b)
         else:
             pools.zero_slot(a)

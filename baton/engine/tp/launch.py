@@ -76,6 +76,7 @@ def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
 
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     """(the rank's model, its pools)."""
+    from baton.engine.state_rounding import live_rounding
     from baton.model.tp_loader import load_tp_model
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
@@ -83,6 +84,9 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
                           moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
+    # rounds its shard as rank 0 records it, elements numbered as at TP 1 (state_rounding.py)
+    pools.rounding = live_rounding(cfg.cache, pools, DTYPES[cfg.model.dtype], cfg.model.device,
+                                   model.full_config.state_tensors, tp.size, tp.rank)
     return model, pools
 
 
