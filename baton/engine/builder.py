@@ -28,7 +28,7 @@ from baton.config import BatonConfig
 from baton.engine.engine import Engine
 from baton.engine.process import DTYPES, arm_canaries, on_huge_pages, rank_threads, set_threads
 from baton.engine.speculative.setup import reserved_slots, with_draft_layers
-from baton.engine.state_rounding import live_rounding
+from baton.engine.state_rounding import live_rounding, split_snapshots
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
@@ -150,17 +150,7 @@ def _plain(cfg: BatonConfig, path) -> Built:
     spec = with_draft_layers(spec, model, cfg.speculative)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
     buckets = bool(cfg.worker.decode_batch_buckets) and model.capabilities.decode_takes_tables
-    return Built(model, Pools(_split_snapshots(cfg, spec, reserved)), reserved, buckets)
-
-
-def _split_snapshots(cfg: BatonConfig, spec: PoolSpec, reserved: int) -> PoolSpec:
-    """Snapshot slots in their own pool of the configured 16-bit state dtype when it is
-    narrower than the live one (docs/state-precision.md): the live rows are one per running
-    request, the pad row and speculation's rows; the rest of num_state_slots are snapshots."""
-    from baton.cache.state_format import resolve
-
-    fmt = resolve(cfg.cache, spec.state_tensors, spec.dtype, spec.device)
-    return spec.split_snapshots(cfg.worker.max_num_seqs + 1 + reserved, fmt.dtypes)
+    return Built(model, Pools(split_snapshots(cfg, spec)), reserved, buckets)
 
 
 def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> None:
@@ -238,8 +228,8 @@ def _pipeline(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
     head = mtp_head_meta(path) if cfg.speculative.num_draft_tokens else None
     full = with_draft_layers(full, SimpleNamespace(mtp=head, config=stage.config),
                              cfg.speculative)
-    pools = MirroredPools(full, local)
     reserved = reserved_slots(cfg.speculative, full.num_slots, cfg.worker.max_num_seqs)
+    pools = MirroredPools(split_snapshots(cfg, full), local)
     model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages,
                           on_link_lost=on_link_lost)
     model.mtp = head

@@ -116,3 +116,19 @@ def live_rounding(cache_cfg, pools, model_dtype: torch.dtype, device: str | None
     r = LiveRounding(fmt, pools, cache_cfg.mamba_state_config, pools.spec.tokens_per_block,
                      index)
     return r if r.tensors else None
+
+
+def split_snapshots(cfg, spec):
+    """`spec` (an engine's, a stage's or a rank's) with its snapshot slots in a pool of the
+    configured 16-bit state dtype when that is narrower than the live one
+    (`PoolSpec.split_snapshots`): the live rows are one per running request, the pad row and
+    speculation's rows; the rest of num_state_slots are snapshots. The same split on every
+    stage and rank (it depends on the config alone)."""
+    from baton.cache.state_format import resolve
+    from baton.engine.speculative.setup import reserved_slots
+
+    if not spec.state_layers:
+        return spec
+    reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
+    fmt = resolve(cfg.cache, spec.state_tensors, spec.dtype, spec.device)
+    return spec.split_snapshots(cfg.worker.max_num_seqs + 1 + reserved, fmt.dtypes)

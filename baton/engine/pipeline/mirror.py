@@ -44,6 +44,14 @@ class MirroredPools:
     def tensors(self):
         return self.local.tensors
 
+    @property
+    def snapshots(self):
+        return self.local.snapshots
+
+    def slot(self, name: str, slot: int):
+        """This stage's layers of state tensor `name` of slot `slot` (`Pools.slot`)."""
+        return self.local.slot(name, slot)
+
     def __getattr__(self, name: str):
         # the declared state tensors by name (`pools.conv`), as on `Pools`
         local = self.__dict__.get("local")

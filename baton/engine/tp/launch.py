@@ -76,7 +76,8 @@ def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
 
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     """(the rank's model, its pools)."""
-    from baton.engine.state_rounding import live_rounding
+    from baton.engine.state_rounding import live_rounding, split_snapshots
+    from baton.model.pools import Pools
     from baton.model.tp_loader import load_tp_model
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
@@ -84,6 +85,9 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
                           moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
+    split = split_snapshots(cfg, pools.spec)  # 16-bit snapshots: the same split on every rank
+    if split is not pools.spec:
+        pools = Pools(split)
     # rounds its shard as rank 0 records it, elements numbered as at TP 1 (state_rounding.py)
     pools.rounding = live_rounding(cfg.cache, pools, DTYPES[cfg.model.dtype], cfg.model.device,
                                    model.full_config.state_tensors, tp.size, tp.rank)

@@ -21,7 +21,8 @@ def dump_request(pools, blocks: list[int], slot: int) -> dict:
     slot of every state tensor (a test / tool path: the cluster moves bytes by transfer)."""
     idx = torch.tensor(blocks, dtype=torch.long)
     out = {"kv": pools.kv.index_select(1, idx).contiguous().numpy().tobytes()}
-    out["state"] = {n: t[:, slot].contiguous().numpy().tobytes() for n, t in pools.state.items()}
+    out["state"] = {n: pools.slot(n, slot).contiguous().view(torch.uint8).numpy().tobytes()
+                    for n in pools.state}  # (a snapshot slot's in its stored dtype)
     return out
 
 
@@ -32,9 +33,10 @@ def load_request(pools, data: dict, blocks: list[int], slot: int, skip: int = 0)
     shape = (pools.kv.shape[0], len(blocks), *pools.kv.shape[2:])
     kv = torch.frombuffer(bytearray(data["kv"]), dtype=pools.kv.dtype).view(shape)
     pools.kv.index_copy_(1, idx, kv[:, skip:])
-    for n, t in pools.state.items():
+    for n in pools.state:
+        t = pools.slot(n, slot)
         src = torch.frombuffer(bytearray(data["state"][n]), dtype=t.dtype)
-        t[:, slot].copy_(src.view(t[:, slot].shape))
+        t.copy_(src.view(t.shape))
 
 
 class TPRankLoop(StageLoop):
