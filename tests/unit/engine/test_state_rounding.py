@@ -136,3 +136,26 @@ def test_speculation_on_equals_off_with_rounded_state(tmp_path):
     on_eng, on = chat(3)
     assert on_eng.rounding is not None and on_eng.spec.accepted_tokens > 0
     assert on == off and off[3][1] and off[3][2] > 0  # the last turn reused a snapshot
+
+
+def test_tp_ranks_number_their_shard_as_the_whole_tensor():
+    """A conv slot [x (I=4 rows) | B (2) | C (2)] x 3 taps, 1 group: at TP 2 rank r holds x
+    rows [2r, 2r+2) and every B and C row (replicated), numbered as in the TP 1 tensor; so
+    rounding a rank's shard with `index` gives the TP 1 result's elements, bit for bit."""
+    from baton.cache.rounding import round_state
+    from baton.engine.state_rounding import tp1_index
+    from baton.model.state_spec import StateTensorSpec
+
+    conv = StateTensorSpec("conv", (8, 3), sections=(4, 2, 2), section_names=("x", "B", "C"),
+                           section_units=(4, 1, 1))
+    rows = {r: (tp1_index(conv, 2, r) // 3)[:, 0].tolist() for r in (0, 1)}
+    assert rows == {0: [0, 1, 4, 5, 6, 7], 1: [2, 3, 4, 5, 6, 7]}
+    assert tp1_index(conv, 1, 0).flatten().tolist() == list(range(24))
+    x = torch.randn(2, 8, 3)
+    keys = torch.tensor([5, 9])
+    whole = round_state(x, torch.bfloat16, "stochastic", keys).flatten(1)
+    for r in (0, 1):
+        idx = tp1_index(conv, 2, r)
+        shard = x.flatten(1)[:, idx.flatten()].view(2, *idx.shape)
+        got = round_state(shard, torch.bfloat16, "stochastic", keys, idx)
+        assert torch.equal(got.flatten(1), whole[:, idx.flatten()])
