@@ -244,7 +244,7 @@ def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=No
     """Rank 0 of a tensor-parallel worker: starts ranks 1..N-1, joins their group, loads its
     shard; its scheduler and cache manager run for every rank."""
     from baton.engine.pipeline.channel import Channel
-    from baton.engine.tp.launch import join, load_rank, rank_layout, start_ranks
+    from baton.engine.tp.launch import join, load_rank, rank_layout, start_ranks, state_precision
     from baton.engine.tp.model import DigestPools, TPModel
 
     size = cfg.worker.tensor_parallel_size
@@ -254,6 +254,7 @@ def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=No
     try:
         tp = join(0, size, store, cfg.model.device)
         shard, local = load_rank(cfg, path, tp)
+        local = state_precision(cfg, shard, local, tp)
     except BaseException:
         ranks.kill()
         raise

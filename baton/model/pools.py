@@ -44,8 +44,6 @@ class PoolSpec:
     num_slots: int
     state_tensors: tuple[StateTensorSpec, ...]
     """What one slot of one state layer holds, tensor by tensor (the model's declaration)."""
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
     snapshot_slots: int = 0
     """Snapshot-only slots stored apart from the live ones (ids `num_slots` ..
     `num_slots + snapshot_slots - 1`), each tensor in its `snapshot_dtypes` dtype; 0: one
@@ -53,6 +51,8 @@ class PoolSpec:
     (docs/state-precision.md)."""
     snapshot_dtypes: tuple[str, ...] = ()
     """The snapshot slots' dtype of each state tensor, in declared order (torch names)."""
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
 
     @classmethod
     def kv_beside(cls, target: PoolSpec, attn_layers: tuple[int, ...], model) -> PoolSpec:

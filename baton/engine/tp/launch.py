@@ -76,8 +76,6 @@ def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
 
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     """(the rank's model, its pools)."""
-    from baton.engine.state_rounding import live_rounding, split_snapshots
-    from baton.model.pools import Pools
     from baton.model.tp_loader import load_tp_model
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
@@ -85,13 +83,22 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
                           moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots)
-    split = split_snapshots(cfg, pools.spec)  # 16-bit snapshots: the same split on every rank
+    return model, pools
+
+
+def state_precision(cfg: BatonConfig, model, pools, tp: TPGroup):
+    """A rank's pools with 16-bit snapshot slots and the rounding it mirrors from rank 0
+    (docs/state-precision.md): the same split on every rank; its shard's elements keyed by
+    their TP 1 index. Unchanged (no rounding) with the model's state dtype."""
+    from baton.engine.state_rounding import live_rounding, split_snapshots
+    from baton.model.pools import Pools
+
+    split = split_snapshots(cfg, pools.spec)
     if split is not pools.spec:
         pools = Pools(split)
-    # rounds its shard as rank 0 records it, elements numbered as at TP 1 (state_rounding.py)
     pools.rounding = live_rounding(cfg.cache, pools, DTYPES[cfg.model.dtype], cfg.model.device,
                                    model.full_config.state_tensors, tp.size, tp.rank)
-    return model, pools
+    return pools
 
 
 def check_split(cfg: BatonConfig, path, tp: int) -> None:
@@ -132,6 +139,7 @@ def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str,
     store = open_store(rank, size, master)
     tp = join(rank, size, store, cfg.model.device)
     model, pools = load_rank(cfg, model_path, tp)
+    pools = state_precision(cfg, model, pools, tp)
     ch = Channel(rank, size)
     handlers = make_handlers(model, pools, ch) if make_handlers is not None else None
     log.info("tensor-parallel rank %d/%d ready", rank, size)
