@@ -459,6 +459,7 @@ class Engine:
         req.num_computed = end
         if self.rounding is not None and end in req.round_points:
             self.rounding.round(self.cache.slot(req.id), req.prompt_ids[:end])
+            req.rounded_at = end
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])
         except CapacityError as e:  # a snapshot is an optimisation: skip it, never fail the request
@@ -567,7 +568,9 @@ class Engine:
                 if broken:  # a half-run forward leaves a state no snapshot may keep
                     self.cache.abort(r.id)
                 else:
-                    if self.rounding is not None and self.rounding.at_decode_end:
+                    if (self.rounding is not None and self.rounding.at_decode_end
+                            and r.rounded_at != r.num_computed):  # (a prefill-only request's
+                        # decode end is its prompt end, rounded already: rounding is idempotent)
                         self.rounding.round(self.cache.slot(r.id), r.all_ids[: r.num_computed])
                     if self.cache.finish(r.id, r.all_ids[: r.num_computed]):
                         r.end_snapshot_tokens = r.num_computed
