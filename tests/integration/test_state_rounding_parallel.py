@@ -120,7 +120,7 @@ def test_tensor_parallel_2_equals_tp1(model_dir, threads):
 def _rank1_snapshot(eng, p: list[int]) -> dict[str, torch.Tensor]:
     """Rank 1's bytes of the snapshot at 16 tokens of prompt `p`, per state tensor."""
     slot = eng.cache.tree.match(p, 16).snapshot.slot
-    (reply,) = eng.model.call("tp_dump", lambda k: {"blocks": [], "slot": slot})
+    (reply,) = eng.model.call("tp_dump_slot", lambda k: {"slot": slot})
     assert slot >= eng.pools.spec.num_slots  # in the ranks' bf16 snapshot pools
     return {n: torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()
             for n, b in reply["state"].items()}

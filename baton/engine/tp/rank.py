@@ -21,8 +21,7 @@ def dump_request(pools, blocks: list[int], slot: int) -> dict:
     slot of every state tensor (a test / tool path: the cluster moves bytes by transfer)."""
     idx = torch.tensor(blocks, dtype=torch.long)
     out = {"kv": pools.kv.index_select(1, idx).contiguous().numpy().tobytes()}
-    out["state"] = {n: pools.slot(n, slot).contiguous().view(torch.uint8).numpy().tobytes()
-                    for n in pools.state}  # (a snapshot slot's in its stored dtype)
+    out["state"] = {n: t[:, slot].contiguous().numpy().tobytes() for n, t in pools.state.items()}
     return out
 
 
@@ -33,10 +32,16 @@ def load_request(pools, data: dict, blocks: list[int], slot: int, skip: int = 0)
     shape = (pools.kv.shape[0], len(blocks), *pools.kv.shape[2:])
     kv = torch.frombuffer(bytearray(data["kv"]), dtype=pools.kv.dtype).view(shape)
     pools.kv.index_copy_(1, idx, kv[:, skip:])
-    for n in pools.state:
-        t = pools.slot(n, slot)
+    for n, t in pools.state.items():
         src = torch.frombuffer(bytearray(data["state"][n]), dtype=t.dtype)
-        t.copy_(src.view(t.shape))
+        t[:, slot].copy_(src.view(t[:, slot].shape))
+
+
+def dump_slot(pools, slot: int) -> dict:
+    """This rank's bytes of state slot `slot` (live or snapshot, in its stored dtype), per
+    state tensor (a test / tool path)."""
+    return {"state": {n: pools.slot(n, slot).contiguous().view(torch.uint8).numpy().tobytes()
+                      for n in pools.state}}
 
 
 class TPRankLoop(StageLoop):
@@ -47,6 +52,7 @@ class TPRankLoop(StageLoop):
         self.handlers["ops_digest"] = lambda a: {"digest": self.digest.hexdigest()}
         self.handlers["tp_stats"] = lambda a: {**tp.stats(), "busy_s": self.busy_s}
         self.handlers["tp_dump"] = lambda a: dump_request(pools, a["blocks"], a["slot"])
+        self.handlers["tp_dump_slot"] = lambda a: dump_slot(pools, a["slot"])
         self.handlers["tp_load"] = lambda a: load_request(pools, a, a["blocks"], a["slot"],
                                                           a.get("skip", 0))
 
