@@ -13,10 +13,7 @@ from decode_worker.ship import SnapshotHolds
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
            metrics=None) -> DecodeService:
-    from baton.engine.state_rounding import refuse_in_transfer
     from transfer import SIDE_CHANNEL, make_receiver, tp_identity
-
-    refuse_in_transfer(engine, "decode")
 
     fp, _ = tp_identity(engine.model.config, engine.pools.spec, *rank_of(engine.model),
                         weight_format=engine.weights and engine.weights.format,

@@ -13,10 +13,7 @@ from prefill_worker.snapshots import SnapshotPulls
 
 def attach(cfg, engine, loop, server, worker_id: str, host: str, secret=None,
            metrics=None) -> PrefillService:
-    from baton.engine.state_rounding import refuse_in_transfer
     from transfer import SIDE_CHANNEL, make_sender, tp_identity
-
-    refuse_in_transfer(engine, "prefill")
 
     fp, tp = tp_identity(engine.model.config, engine.pools.spec, *rank_of(engine.model),
                         weight_format=engine.weights and engine.weights.format,

@@ -56,11 +56,17 @@ class BlockAllocator:
 
 
 class SlotAllocator:
-    """Recurrent state slot ids; each slot is owned by one request (live) or one snapshot."""
+    """Recurrent state slot ids; each slot is owned by one request (live) or one snapshot.
 
-    def __init__(self, num_slots: int):
+    `snapshot_ids`: slots only snapshots take (a pool of their own in a narrower dtype,
+    `PoolSpec.snapshot_slots`); without them a snapshot takes any of `range(num_slots)`."""
+
+    def __init__(self, num_slots: int, snapshot_ids: range = range(0)):
         self.num_slots = num_slots
+        """Slots a live request can take."""
+        self.snapshot_ids = snapshot_ids
         self._free: deque[int] = deque(range(num_slots))
+        self._snap_free: deque[int] = deque(snapshot_ids)
         self._used: set[int] = set()
         self.on_free: Callable[[int], None] | None = None
         """Called with each slot that becomes free (test canaries)."""
@@ -76,12 +82,26 @@ class SlotAllocator:
         self._used.add(s)
         return s
 
+    def allocate_snapshot(self) -> int | None:
+        """A slot for a snapshot: one of `snapshot_ids` when there are any."""
+        if not self.snapshot_ids:
+            return self.allocate()
+        if not self._snap_free:
+            return None
+        s = self._snap_free.popleft()
+        self._used.add(s)
+        return s
+
     def release(self, s: int) -> None:
         assert s in self._used, f"release of slot {s}, which is not in use"
         self._used.remove(s)
-        self._free.append(s)
+        (self._snap_free if s in self.snapshot_ids else self._free).append(s)
         if self.on_free is not None:
             self.on_free(s)
 
     def free_ids(self) -> list[int]:
-        return list(self._free)
+        return [*self._free, *self._snap_free]
+
+    def ids(self) -> list[int]:
+        """Every slot id, live-capable and snapshot-only."""
+        return [*range(self.num_slots), *self.snapshot_ids]

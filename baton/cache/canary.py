@@ -36,9 +36,6 @@ def bad_slots(pools, ids: list[int]) -> list[int]:
     """Those of `ids` (free state slots) of which any state tensor is not all CANARY."""
     if not pools.has_state or not ids:
         return []
-    idx = torch.tensor(ids, dtype=torch.long)
-    ok = None
-    for t in pools.state.values():
-        good = (t.index_select(1, idx) == CANARY).transpose(0, 1).flatten(1).all(dim=1)
-        ok = good if ok is None else ok & good
-    return [s for s, good in zip(ids, ok.tolist(), strict=True) if not good]
+    # live and snapshot slots (their own 16-bit pool when split, PoolSpec.snapshot_slots)
+    return [s for s in ids if not all(bool((pools.slot(n, s) == CANARY).all())
+                                      for n in pools.state)]

@@ -79,9 +79,10 @@ def _check_locks(m: HybridCacheManager, nodes: list[Node]) -> None:
 
 def _check_slots(m: HybridCacheManager, snaps: list[Snapshot]) -> None:
     owner: dict[int, str] = {}
+    ids = set(m.slots.ids())
 
     def own(slot: int, who: str) -> None:
-        assert 0 <= slot < m.slots.num_slots, f"{who} holds slot {slot}, out of range"
+        assert slot in ids, f"{who} holds slot {slot}, out of range"
         assert slot not in owner, f"slot {slot} is owned by both {owner[slot]} and {who}"
         owner[slot] = who
 
@@ -98,7 +99,7 @@ def _check_slots(m: HybridCacheManager, snaps: list[Snapshot]) -> None:
     assert len(free) == len(set(free)), f"slot free queue has duplicates: {sorted(free)}"
     both = set(free) & set(owner)
     assert not both, f"slot {min(both, default=None)} is free but owned by {owner.get(min(both))}"
-    lost = set(range(m.slots.num_slots)) - set(free) - set(owner)
+    lost = ids - set(free) - set(owner)
     assert not lost, f"slots {sorted(lost)} are neither free nor owned (leaked)"
     assert len(snaps) <= m.snapshot_budget, (
         f"{len(snaps)} snapshots exceed the budget of {m.snapshot_budget}"

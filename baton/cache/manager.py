@@ -109,6 +109,8 @@ class HybridCacheManager:
         self.tpb = cfg.tokens_per_block
         self._kv = pools.has_kv
         self.snapshot_budget = num_slots - max_live
+        if pools.has_state and spec.snapshot_slots:  # their own (16-bit) slots
+            self.snapshot_budget = spec.snapshot_slots
         self.store = SnapshotStore(pools, self.tpb, num_slots, self.snapshot_budget,
                                    spec.num_blocks - (self.pad_block is not None))
         self.blocks, self.slots, self.tree = self.store.blocks, self.store.slots, self.store.tree
@@ -480,7 +482,7 @@ class HybridCacheManager:
             blocks_free=self.num_free_blocks,
             blocks_cached=(t.num_nodes + t.num_partials) if self._kv else 0,
             blocks_evictable=t.num_evictable_blocks,
-            slots_total=self.slots.num_slots,
+            slots_total=len(self.slots.ids()),
             slots_live=len(self._live),
             slots_snapshot=t.num_snapshots,
             snapshot_budget=self.snapshot_budget,
@@ -490,6 +492,9 @@ class HybridCacheManager:
             slots_quarantined=self._quarantined_slots(),
             quarantined_total=self.quarantined_total,
             slots_speculative=self.reserved_slots,
+            state_bytes=self.pools.spec.state_bytes() if self.pools.has_state else 0,
+            state_bytes_per_snapshot=(self.pools.spec.snapshot_bytes_per_slot()
+                                      if self.pools.has_state else 0),
             tier_hit_tokens=self._tier_hit,
             tiers=self.tiers.counters() if self.tiers is not None else {},
         )

@@ -68,14 +68,19 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def draws(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def draws(keys: torch.Tensor, shape: tuple[int, ...], index: torch.Tensor | None = None
+          ) -> torch.Tensor:
     """Uniform integers in [0, 2**24), shape `keys.shape + shape`: row r's element i (flat
-    index in `shape`) depends only on (keys[r], i)."""
+    index in `shape`, or `index[i]`: a tensor-parallel shard's elements numbered as in the
+    whole TP 1 tensor) depends only on (keys[r], i)."""
     keys = keys.to(torch.int64)
-    numel = 1
-    for n in shape:
-        numel *= n
-    idx = torch.arange(numel, dtype=torch.int64, device=keys.device).view(shape)
+    if index is not None:
+        idx = index.to(device=keys.device, dtype=torch.int64).view(shape)
+    else:
+        numel = 1
+        for n in shape:
+            numel *= n
+        idx = torch.arange(numel, dtype=torch.int64, device=keys.device).view(shape)
     k = keys.reshape(*keys.shape, *([1] * len(shape)))
     k_lo, k_hi = k & _M32, (k >> 32) & _M32
     h = _fmix32((idx & _M32) ^ k_lo)
@@ -89,7 +94,8 @@ def round_nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def round_stochastic(x: torch.Tensor, dtype: torch.dtype, keys: torch.Tensor) -> torch.Tensor:
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, keys: torch.Tensor,
+                     index: torch.Tensor | None = None) -> torch.Tensor:
     """Stochastically round float32 `x` [*keys.shape, *state_shape] to `dtype`, draws keyed
     per leading row by `keys` (see `stream_key`) and by element index in the trailing dims."""
     if dtype not in TARGETS.values():
@@ -99,7 +105,14 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, keys: torch.Tensor) ->
     if tuple(x.shape[: keys.dim()]) != tuple(keys.shape):
         raise ValueError(f"keys shape {list(keys.shape)} is not the leading dims of "
                          f"{list(x.shape)}")
-    r = draws(keys.to(x.device), tuple(x.shape[keys.dim():]))
+    if dtype == torch.bfloat16 and x.device.type == "cpu":
+        from baton.cache.round_kernel import kernel
+
+        k = kernel()  # the fused kernel: the same bits in one pass (about 60x less CPU)
+        if k is not None:
+            flat = index.reshape(-1) if index is not None else torch.empty(0, dtype=torch.int64)
+            return k.round_bf16_stochastic(x.contiguous(), keys.reshape(-1), flat)
+    r = draws(keys.to(x.device), tuple(x.shape[keys.dim():]), index)
     if dtype == torch.bfloat16:
         return _bf16_stochastic(x, r)
     return _neighbours_stochastic(x, dtype, r)
@@ -138,7 +151,8 @@ def _bf16_stochastic(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def round_state(x: torch.Tensor, dtype: torch.dtype, rounding: str,
-                keys: torch.Tensor | None = None) -> torch.Tensor:
+                keys: torch.Tensor | None = None, index: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Store float32 `x` as `dtype` with `rounding` ("nearest" or "stochastic"; stochastic
     needs `keys`). float32 targets (and x already in `dtype`) are returned unchanged."""
     if dtype == x.dtype:
@@ -149,4 +163,4 @@ def round_state(x: torch.Tensor, dtype: torch.dtype, rounding: str,
         raise ValueError(f"rounding {rounding!r} is not one of {list(ROUNDINGS)}")
     if keys is None:
         raise ValueError("stochastic rounding needs stream keys (see stream_key)")
-    return round_stochastic(x, dtype, keys)
+    return round_stochastic(x, dtype, keys, index)

@@ -65,11 +65,11 @@ def resolve(cache, state_tensors, model_dtype: torch.dtype, device: str) -> Stat
 
 
 def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
-                single_process: bool = False) -> StateFormat:
+                tp_and_pp: bool = False) -> StateFormat:
     """`resolve`, then refuse what the engine cannot store yet. KV: any dtype other than the
-    model's. State: a 16-bit dtype is built only as the live-rounding schedule of a
-    single-process engine over float32 pools (`baton.engine.state_rounding`; the slots stay
-    float32); any other dtype than the model's is refused."""
+    model's. State: a 16-bit dtype is built only as the live-rounding schedule over float32
+    pools (`baton.engine.state_rounding`: live slots float32, snapshots 16-bit), not under
+    TP x PP (`tp_and_pp`); any other dtype than the model's is refused."""
     fmt = resolve(cache, state_tensors, model_dtype, device)
     model = str(model_dtype).removeprefix("torch.")
     for name, dt in fmt.dtypes.items():
@@ -81,11 +81,11 @@ def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
             raise ConfigError(
                 f"{key}={cache.state_dtype_of(name)}: the pools hold the model dtype ({model}) "
                 f"and cannot store another; allowed with model.dtype {model}: model or {model}")
-        if not single_process:
+        if tp_and_pp:
             raise ConfigError(
-                f"{key}={cache.state_dtype_of(name)}: reduced-precision state runs in "
-                "single-process engines only so far (no pipeline or tensor parallelism, no "
-                "speculative decoding; docs/state-precision.md); allowed here: model or float32")
+                f"{key}={cache.state_dtype_of(name)}: reduced-precision state is not built for "
+                "tensor x pipeline parallelism (both sizes > 1) yet (docs/state-precision.md); "
+                "allowed here: model or float32")
     if fmt.kv_dtype != model_dtype:
         raise ConfigError(
             f"cache.kv_dtype={cache.kv_dtype}: the attention kernels read KV only in the model "

@@ -42,6 +42,11 @@ class CacheStats:
     slots_speculative: int = 0
     """Slots kept for speculative decoding's per-position states (max_num_seqs x K), outside
     slots_total."""
+    state_bytes: int = 0
+    """Bytes of every state slot, live and snapshot (snapshot slots in their stored dtype,
+    docs/state-precision.md)."""
+    state_bytes_per_snapshot: int = 0
+    """Bytes one snapshot's state holds (every layer and tensor, stored dtype)."""
     tier_hit_tokens: int = 0
     """Of hit_tokens, those whose snapshot came back from a tier (disk or shared store)."""
     tiers: dict = field(default_factory=dict)

@@ -4,6 +4,9 @@ tensor copies that take a snapshot (live -> snapshot) and restore one (snapshot 
     slots  [ live 0 .. max_live-1 worth | snapshot budget = num_slots - max_live ]
            (ids are not partitioned; only the counts are: snapshots <= budget always,
             so a free slot exists whenever fewer than max_live requests run)
+    split  [ live 0 .. num_slots-1 (float32) ][ snapshot num_slots .. (16-bit) ]
+           (PoolSpec.snapshot_slots: snapshots take only the second range, stored in the
+            narrower dtype; docs/state-precision.md)
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from baton.model.pools import Pools
 class SnapshotStore:
     def __init__(self, pools: Pools, tokens_per_block: int, num_slots: int, budget: int,
                  num_blocks: int | None = None):
-        """`num_blocks`: the pool's first blocks this store hands out (default all)."""
+        """`num_blocks`: the pool's first blocks this store hands out (default all). Pools
+        with snapshot-only slots (`PoolSpec.snapshot_slots`, a narrower dtype) give
+        snapshots those ids and live requests the first `num_slots`."""
         self.pools = pools
         n = pools.spec.num_blocks if num_blocks is None else num_blocks
         self.blocks = BlockAllocator(n) if pools.has_kv else None
-        self.slots = SlotAllocator(num_slots)
+        s = pools.spec
+        self.slots = SlotAllocator(num_slots, range(s.num_slots, s.num_slots + s.snapshot_slots)
+                                   if pools.has_state else range(0))
         self.tree = PrefixTree(tokens_per_block, self.blocks, self.slots)
         self.budget = budget
         self.taken = 0
@@ -45,7 +52,7 @@ class SnapshotStore:
         while self.tree.num_snapshots >= self.budget:
             if not self.tree.evict_snapshot():
                 return None
-        return self.slots.allocate()
+        return self.slots.allocate_snapshot()
 
     def take(self, node: Node, tail: tuple[int, ...], live_slot: int, tail_block: int | None):
         """Snapshot the live state at `node` (+ `tail` tokens, read from `tail_block`).

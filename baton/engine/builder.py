@@ -28,7 +28,7 @@ from baton.config import BatonConfig
 from baton.engine.engine import Engine
 from baton.engine.process import DTYPES, arm_canaries, on_huge_pages, rank_threads, set_threads
 from baton.engine.speculative.setup import reserved_slots, with_draft_layers
-from baton.engine.state_rounding import live_rounding
+from baton.engine.state_rounding import live_rounding, split_snapshots
 from baton.errors import ConfigError
 from baton.model.pools import Pools, PoolSpec
 
@@ -112,8 +112,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     engine = Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                     speculative=cfg.speculative)
     engine.weights = weights
-    if tp == 1 and pp == 1:
-        engine.rounding = live_rounding(cfg.cache, cache, DTYPES[cfg.model.dtype])
+    if tp == 1 or pp == 1:  # TP x PP: refused by check_built
+        model = built.model
+        engine.rounding = live_rounding(cfg.cache, built.pools, DTYPES[cfg.model.dtype],
+                                        cfg.model.device, model.config.state_tensors, tp, 0)
     return engine
 
 
@@ -148,7 +150,7 @@ def _plain(cfg: BatonConfig, path) -> Built:
     spec = with_draft_layers(spec, model, cfg.speculative)
     reserved = reserved_slots(cfg.speculative, spec.num_slots, cfg.worker.max_num_seqs)
     buckets = bool(cfg.worker.decode_batch_buckets) and model.capabilities.decode_takes_tables
-    return Built(model, Pools(spec), reserved, buckets)
+    return Built(model, Pools(split_snapshots(cfg, spec)), reserved, buckets)
 
 
 def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> None:
@@ -167,8 +169,7 @@ def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
     """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
     w = cfg.worker  # issue 50: reduced-precision state rounds the live slot of one process
     check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device,
-                single_process=w.tensor_parallel_size == w.pipeline_parallel_size == 1
-                and not cfg.speculative.num_draft_tokens)
+                tp_and_pp=w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1)
     return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,
@@ -227,8 +228,8 @@ def _pipeline(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
     head = mtp_head_meta(path) if cfg.speculative.num_draft_tokens else None
     full = with_draft_layers(full, SimpleNamespace(mtp=head, config=stage.config),
                              cfg.speculative)
-    pools = MirroredPools(full, local)
     reserved = reserved_slots(cfg.speculative, full.num_slots, cfg.worker.max_num_seqs)
+    pools = MirroredPools(split_snapshots(cfg, full), local)
     model = PipelineModel(stage, pools, Channel(0, size), layers, local_stages=stages,
                           on_link_lost=on_link_lost)
     model.mtp = head
@@ -243,7 +244,7 @@ def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=No
     """Rank 0 of a tensor-parallel worker: starts ranks 1..N-1, joins their group, loads its
     shard; its scheduler and cache manager run for every rank."""
     from baton.engine.pipeline.channel import Channel
-    from baton.engine.tp.launch import join, load_rank, rank_layout, start_ranks
+    from baton.engine.tp.launch import join, load_rank, rank_layout, start_ranks, state_precision
     from baton.engine.tp.model import DigestPools, TPModel
 
     size = cfg.worker.tensor_parallel_size
@@ -253,6 +254,7 @@ def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=No
     try:
         tp = join(0, size, store, cfg.model.device)
         shard, local = load_rank(cfg, path, tp)
+        local = state_precision(cfg, shard, local, tp)
     except BaseException:
         ranks.kill()
         raise

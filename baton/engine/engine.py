@@ -444,6 +444,10 @@ class Engine:
         cuda = str(self.device).startswith("cuda")
 
         def on_layer(layer: int) -> None:
+            if self.rounding is not None:  # the prompt end rounds before its bytes leave
+                for rid, req in last.items():
+                    if req.prompt_len in req.round_points:  # as _commit_chunk will
+                        self.rounding.round(self.cache.slot(rid), req.prompt_ids, [layer])
             if cuda:  # the layer's kernels must be done before its bytes leave
                 torch.cuda.current_stream().synchronize()
             for stream in active.values():
@@ -465,6 +469,7 @@ class Engine:
         req.num_computed = end
         if self.rounding is not None and end in req.round_points:
             self.rounding.round(self.cache.slot(req.id), req.prompt_ids[:end])
+            req.rounded_at = end
         try:
             self.cache.commit(req.id, req.prompt_ids[:end])
         except CapacityError as e:  # a snapshot is an optimisation: skip it, never fail the request
@@ -573,7 +578,9 @@ class Engine:
                 if broken:  # a half-run forward leaves a state no snapshot may keep
                     self.cache.abort(r.id)
                 else:
-                    if self.rounding is not None and self.rounding.at_decode_end:
+                    if (self.rounding is not None and self.rounding.at_decode_end
+                            and r.rounded_at != r.num_computed):  # (a prefill-only request's
+                        # decode end is its prompt end, rounded already: rounding is idempotent)
                         self.rounding.round(self.cache.slot(r.id), r.all_ids[: r.num_computed])
                     if self.cache.finish(r.id, r.all_ids[: r.num_computed]):
                         r.end_snapshot_tokens = r.num_computed

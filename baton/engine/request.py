@@ -43,6 +43,8 @@ class Request:
     round_points: tuple[int, ...] = ()
     """Where its live state is rounded to the stored state dtype (chunks end there too; set
     with reuse off as well; baton/engine/state_rounding.py)."""
+    rounded_at: int = -1
+    """The last of them its live state was rounded at (-1: none yet)."""
     finish_reason: FinishReason | None = None
     end_snapshot_tokens: int = 0
     """Tokens (prompt + answer) of the decode-end snapshot it left on finishing (0: none)."""

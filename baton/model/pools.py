@@ -21,6 +21,7 @@ them to global layer ids so stages with different splits line up.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -43,6 +44,13 @@ class PoolSpec:
     num_slots: int
     state_tensors: tuple[StateTensorSpec, ...]
     """What one slot of one state layer holds, tensor by tensor (the model's declaration)."""
+    snapshot_slots: int = 0
+    """Snapshot-only slots stored apart from the live ones (ids `num_slots` ..
+    `num_slots + snapshot_slots - 1`), each tensor in its `snapshot_dtypes` dtype; 0: one
+    pool per tensor whose slots hold live states and snapshots alike
+    (docs/state-precision.md)."""
+    snapshot_dtypes: tuple[str, ...] = ()
+    """The snapshot slots' dtype of each state tensor, in declared order (torch names)."""
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -106,11 +114,41 @@ class PoolSpec:
     def state_dtype(self, t: StateTensorSpec) -> torch.dtype:
         return getattr(torch, t.dtype) if t.dtype else self.dtype
 
+    def snapshot_dtype(self, t: StateTensorSpec) -> torch.dtype:
+        """The dtype a snapshot of `t` is stored in (the live dtype unless split)."""
+        if not self.snapshot_slots:
+            return self.state_dtype(t)
+        return getattr(torch, self.snapshot_dtypes[self.state_tensors.index(t)])
+
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one slot over every state layer of this stage (all tensors)."""
+        """Bytes of one (live) slot over every state layer of this stage (all tensors)."""
         return len(self.state_layers) * sum(
-            t.numel * torch.empty((), dtype=self.state_dtype(t)).element_size()
-            for t in self.state_tensors)
+            t.numel * self.state_dtype(t).itemsize for t in self.state_tensors)
+
+    def snapshot_bytes_per_slot(self) -> int:
+        """Bytes of one snapshot slot over every state layer (all tensors, stored dtype)."""
+        return len(self.state_layers) * sum(
+            t.numel * self.snapshot_dtype(t).itemsize for t in self.state_tensors)
+
+    def state_bytes(self) -> int:
+        """Bytes of every state slot of this stage, live and snapshot."""
+        return (self.num_slots * self.state_bytes_per_slot()
+                + self.snapshot_slots * self.snapshot_bytes_per_slot())
+
+    def split_snapshots(self, live_slots: int, dtypes: dict[str, torch.dtype]) -> PoolSpec:
+        """This spec with `live_slots` slots in the live dtype and the rest of `num_slots`
+        as snapshot slots stored in `dtypes` (by tensor name); unchanged when every dtype
+        is the live one or no slot is left for snapshots."""
+        names = [t.name for t in self.state_tensors]
+        if (not self.state_layers or self.num_slots <= live_slots
+                or all(dtypes.get(t.name, self.state_dtype(t)) == self.state_dtype(t)
+                       for t in self.state_tensors)):
+            return self
+        stored = tuple(str(dtypes.get(n, self.state_dtype(t))).removeprefix("torch.")
+                       for n, t in zip(names, self.state_tensors, strict=True))
+        return dataclasses.replace(self, num_slots=live_slots,
+                                   snapshot_slots=self.num_slots - live_slots,
+                                   snapshot_dtypes=stored)
 
 
 class Pools:
@@ -128,6 +166,19 @@ class Pools:
                                dtype=s.state_dtype(t), device=s.device)
             for t in s.state_tensors
         }
+        self.snapshots: dict[str, torch.Tensor] = {
+            t.name: huge_zeros((len(s.state_layers), s.snapshot_slots, *t.shape),
+                               dtype=s.snapshot_dtype(t), device=s.device)
+            for t in s.state_tensors
+        } if s.snapshot_slots and s.state_layers else {}
+        """Snapshot-only slots in their stored dtype (`PoolSpec.snapshot_slots`), by name."""
+
+    def slot(self, name: str, slot: int) -> torch.Tensor:
+        """State tensor `name` of slot `slot`, every layer: [layers, *shape] (a view)."""
+        n = self.spec.num_slots
+        if slot < n:
+            return self.state[name][:, slot]
+        return self.snapshots[name][:, slot - n]
 
     def __getattr__(self, name: str) -> torch.Tensor:
         # `pools.conv` for `pools.state["conv"]`: the declared names read like attributes.
@@ -150,10 +201,12 @@ class Pools:
         return bool(self.spec.state_layers)
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Copy one state slot (every layer, every state tensor) onto another."""
+        """Copy one state slot (every layer, every state tensor) onto another. Between a live
+        and a snapshot slot the copy narrows or widens the dtype: lossless for a state
+        rounded to the snapshot dtype first (baton/engine/state_rounding.py)."""
         if self.has_state:
-            for t in self.state.values():
-                t[:, dst].copy_(t[:, src])
+            for name in self.state:
+                self.slot(name, dst).copy_(self.slot(name, src))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block (every attention layer) onto another."""
@@ -169,8 +222,8 @@ class Pools:
 
     def zero_slot(self, slot: int) -> None:
         if self.has_state:
-            for t in self.state.values():
-                t[:, slot].zero_()
+            for name in self.state:
+                self.slot(name, slot).zero_()
 
     def fill_block(self, block: int, value: float) -> None:
         """Every element of one KV block (every attention layer) set to `value`."""
@@ -180,5 +233,5 @@ class Pools:
     def fill_slot(self, slot: int, value: float) -> None:
         """Every element of one state slot (every tensor, every state layer) set to `value`."""
         if self.has_state:
-            for t in self.state.values():
-                t[:, slot].fill_(value)
+            for name in self.state:
+                self.slot(name, slot).fill_(value)

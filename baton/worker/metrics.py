@@ -181,6 +181,8 @@ class _EngineCollector:
              s.slots_live + s.slots_snapshot),
             ("baton_state_slots_free", "gauge", "Mamba state slots unused",
              s.slots_total - s.slots_live - s.slots_snapshot),
+            ("baton_state_bytes", "gauge", "Bytes of every state slot, live and snapshot (in "
+             "their stored dtype)", s.state_bytes),
             ("baton_snapshots_held", "gauge", "Prefix snapshots held (slot snapshots)",
              s.slots_snapshot),
             ("baton_prefix_queried_tokens", "counter", "Prompt tokens looked up in the prefix "

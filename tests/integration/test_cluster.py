@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from baton.client.local import run_local
@@ -49,12 +50,34 @@ def greedy(n: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def model(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("cluster-model"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("cluster")
-    model = make_checkpoint(root)
     cfg_path = write_config(root / "baton.yaml", CONFIG)
     cluster = start_cluster(model, cfg_path, prefill=2, decode=2)
     yield {"cluster": cluster, "model": model, "config": BatonConfig.from_dict(CONFIG)}
+    cluster.stop()
+
+
+SR = {"state_dtype": "bfloat16", "state_rounding": "stochastic", "state_rounding_seed": 7}
+"""bf16 state with stochastic rounding (docs/state-precision.md): snapshots stored in 16 bits,
+the prefill workers round the prompt end before its bytes leave; P/D still equals --local."""
+
+
+@pytest.fixture(scope="module", params=["float32", "bf16-stochastic"])
+def state_setup(request, model, tmp_path_factory):
+    """The module's cluster (float32 state), or one whose state is bf16 + stochastic."""
+    if request.param == "float32":
+        yield request.getfixturevalue("setup")
+        return
+    root = tmp_path_factory.mktemp("cluster-sr")
+    cfg = {**CONFIG, "cache": {**CONFIG["cache"], **SR}}
+    cluster = start_cluster(model, write_config(root / "baton.yaml", cfg), 2, 2)
+    yield {"cluster": cluster, "model": model, "config": BatonConfig.from_dict(cfg)}
     cluster.stop()
 
 
@@ -66,7 +89,8 @@ def tokens(results):
     return {r["id"]: r.get("token_ids", r.get("error")) for r in results}
 
 
-def test_32_concurrent_requests_equal_local(setup):
+def test_32_concurrent_requests_equal_local(state_setup):
+    setup = state_setup
     specs = [
         RequestSpec(f"c{i}", prompt_ids=prompt(i, 1 + 13 * i), sampling=greedy(10))
         for i in range(32)
@@ -78,7 +102,8 @@ def test_32_concurrent_requests_equal_local(setup):
     assert_clean(setup["cluster"])
 
 
-def test_six_turn_chat_reuses_prefix_with_session_routing(setup):
+def test_six_turn_chat_reuses_prefix_with_session_routing(state_setup):
+    setup = state_setup
     history: list[int] = []
     remote_cached, remote_toks, specs = [], [], []
     for turn in range(6):
@@ -94,7 +119,8 @@ def test_six_turn_chat_reuses_prefix_with_session_routing(setup):
     assert_clean(setup["cluster"])
 
 
-def test_prefix_cache_hits_give_local_tokens(setup):
+def test_prefix_cache_hits_give_local_tokens(state_setup):
+    setup = state_setup
     base = prompt(900, 96)
     specs = [
         RequestSpec(f"p{i}", prompt_ids=base + prompt(901 + i, 5 + i), session="shared",
@@ -105,6 +131,25 @@ def test_prefix_cache_hits_give_local_tokens(setup):
     assert tokens(remote) == tokens(local(setup, specs))
     # periodic snapshots at 32, 64, 96 of the first prompt: the others reuse exactly 96
     assert [r["cached_tokens"] for r in remote] == [0, 96, 96, 96]
+
+
+def test_handed_off_state_gives_local_logprobs(state_setup):
+    """Cold prompts go through a prefill worker: every token's logprob (float32 on the wire)
+    equals --local's, so the state handed off is the state --local had, bit for bit (with
+    bf16 state: rounded at the prompt end before its bytes left)."""
+    setup = state_setup
+    specs = [RequestSpec(f"lp{i}", prompt_ids=prompt(700 + i, 40 + 23 * i),
+                         sampling=SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+             for i in range(4)]
+    remote = run_remote(setup["cluster"].address, specs)
+    assert all(r["prefill_worker"] for r in remote)
+
+    def logprobs(results):
+        return {r["id"]: [float(np.float32(x["logprob"] if isinstance(x, dict) else x.logprob))
+                          for x in r["logprobs"]] for r in results}
+
+    assert logprobs(remote) == logprobs(local(setup, specs))
+    assert_clean(setup["cluster"])
 
 
 @pytest.mark.parametrize(

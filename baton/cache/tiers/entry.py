@@ -74,12 +74,15 @@ class Layout:
         self.tpb = s.tokens_per_block
         self.kv_block_bytes = (len(s.attn_layers) * pools.kv[0, 0].numel()
                                * pools.kv.element_size()) if pools.has_kv else 0
-        self.state_bytes = s.state_bytes_per_slot() if pools.has_state else 0
+        # a snapshot's state, in its stored dtype (16-bit snapshot slots: PoolSpec.snapshot_slots)
+        self.state_bytes = s.snapshot_bytes_per_slot() if pools.has_state else 0
+        self._stored = {t.name: s.snapshot_dtype(t) for t in s.state_tensors}
         desc = {
             "model": model_id, "dtype": str(s.dtype), "tpb": s.tokens_per_block,
             "attn": list(s.attn_layers), "state": list(s.state_layers),
             "kv": [s.num_kv_heads, s.head_dim],
-            "tensors": [[t.name, list(t.shape), str(s.state_dtype(t))] for t in s.state_tensors],
+            "tensors": [[t.name, list(t.shape), str(s.snapshot_dtype(t))]
+                        for t in s.state_tensors],
         }
         raw = json.dumps(desc, sort_keys=True).encode()
         self.fmt = zlib.crc32(raw).to_bytes(4, "little").hex() + f"{len(raw):04x}"
@@ -108,8 +111,9 @@ class Layout:
             idx = torch.tensor(blocks[: -(-n // self.tpb)], dtype=torch.long, device=kv.device)
             parts.append(kv.index_select(1, idx).cpu().reshape(-1).view(torch.uint8))
         if self.pools.has_state:
-            for t in self.pools.state.values():
-                parts.append(t[:, slot].cpu().contiguous().reshape(-1).view(torch.uint8))
+            for name, dt in self._stored.items():
+                v = self.pools.slot(name, slot).to(dt)
+                parts.append(v.cpu().contiguous().reshape(-1).view(torch.uint8))
         return torch.cat(parts)
 
     def seal(self, n: int, payload: torch.Tensor, flops: float = 0.0, bh: int = 0) -> Header:
@@ -160,9 +164,10 @@ class Layout:
                 kv.index_copy_(1, idx, src[:, first : first + len(blocks)].to(kv.device))
             off += h.kv
         if self.pools.has_state:
-            for t in self.pools.state.values():
-                nb = t[:, slot].numel() * t.element_size()
-                t[:, slot].copy_(payload[off : off + nb].view(t.dtype).view(t[:, slot].shape))
+            for name, dt in self._stored.items():
+                t = self.pools.slot(name, slot)
+                nb = t.numel() * dt.itemsize
+                t.copy_(payload[off : off + nb].view(dt).view(t.shape))
                 # (copy_ moves host bytes onto a GPU pool's device)
                 off += nb
 

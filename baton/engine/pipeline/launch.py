@@ -69,6 +69,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
     MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
     from baton.engine.process import DTYPES, on_huge_pages
     from baton.engine.speculative.setup import with_draft_layers
+    from baton.engine.state_rounding import live_rounding, split_snapshots
     from baton.model.loader import load_stage
 
     dtype = DTYPES[cfg.model.dtype]
@@ -82,7 +83,10 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
                               dtype=dtype, device=cfg.model.device)
     if model.mtp is not None:
         spec = with_draft_layers(spec, model, cfg.speculative, cfg.cache.num_blocks)
-    return model, Pools(spec)
+    pools = Pools(split_snapshots(cfg, spec))  # 16-bit snapshots: the same split everywhere
+    # rounds its layers as stage 0 records it (mirrored "round" ops; engine/state_rounding.py)
+    pools.rounding = live_rounding(cfg.cache, pools, dtype, cfg.model.device)
+    return model, pools
 
 
 StageArgv = Callable[[int, str], list[str]]

@@ -13,7 +13,8 @@ from baton.model.pools import Pools, PoolSpec
 
 Op = tuple[str, int, int]
 """("slot", src, dst) | ("block", src, dst) | ("token", src, dst) | ("zero", slot, 0) |
-("fill_block", block, value) | ("fill_slot", slot, value)."""
+("fill_block", block, value) | ("fill_slot", slot, value) | ("round", slot, [prefix hash,
+position, layers]) (the stage's `pools.rounding`, baton/engine/state_rounding.py)."""
 
 
 class MirroredPools:
@@ -42,6 +43,14 @@ class MirroredPools:
     @property
     def tensors(self):
         return self.local.tensors
+
+    @property
+    def snapshots(self):
+        return self.local.snapshots
+
+    def slot(self, name: str, slot: int):
+        """This stage's layers of state tensor `name` of slot `slot` (`Pools.slot`)."""
+        return self.local.slot(name, slot)
 
     def __getattr__(self, name: str):
         # the declared state tensors by name (`pools.conv`), as on `Pools`
@@ -92,5 +101,9 @@ def apply_ops(pools: Pools, ops: list) -> None:
             pools.fill_block(a, b)
         elif kind == "fill_slot":
             pools.fill_slot(a, b)
+        elif kind == "round":  # b: [prefix hash, position, layers] (engine/state_rounding.py)
+            rounding = getattr(pools, "rounding", None)
+            if rounding is not None:  # None: this stage holds no state layer
+                rounding.apply(a, b)
         else:
             pools.zero_slot(a)

@@ -86,6 +86,21 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     return model, pools
 
 
+def state_precision(cfg: BatonConfig, model, pools, tp: TPGroup):
+    """A rank's pools with 16-bit snapshot slots and the rounding it mirrors from rank 0
+    (docs/state-precision.md): the same split on every rank; its shard's elements keyed by
+    their TP 1 index. Unchanged (no rounding) with the model's state dtype."""
+    from baton.engine.state_rounding import live_rounding, split_snapshots
+    from baton.model.pools import Pools
+
+    split = split_snapshots(cfg, pools.spec)
+    if split is not pools.spec:
+        pools = Pools(split)
+    pools.rounding = live_rounding(cfg.cache, pools, DTYPES[cfg.model.dtype], cfg.model.device,
+                                   model.full_config.state_tensors, tp.size, tp.rank)
+    return pools
+
+
 def check_split(cfg: BatonConfig, path, tp: int) -> None:
     """ConfigError in one line if the model cannot be split over `tp` ranks."""
     mcfg = load_config(path)
@@ -124,6 +139,7 @@ def serve_rank(cfg: BatonConfig, model_path, rank: int, master: str,
     store = open_store(rank, size, master)
     tp = join(rank, size, store, cfg.model.device)
     model, pools = load_rank(cfg, model_path, tp)
+    pools = state_precision(cfg, model, pools, tp)
     ch = Channel(rank, size)
     handlers = make_handlers(model, pools, ch) if make_handlers is not None else None
     log.info("tensor-parallel rank %d/%d ready", rank, size)

@@ -37,6 +37,13 @@ def load_request(pools, data: dict, blocks: list[int], slot: int, skip: int = 0)
         t[:, slot].copy_(src.view(t[:, slot].shape))
 
 
+def dump_slot(pools, slot: int) -> dict:
+    """This rank's bytes of state slot `slot` (live or snapshot, in its stored dtype), per
+    state tensor (a test / tool path)."""
+    return {"state": {n: pools.slot(n, slot).contiguous().view(torch.uint8).numpy().tobytes()
+                      for n in pools.state}}
+
+
 class TPRankLoop(StageLoop):
     def __init__(self, model, pools, channel, tp, handlers=None):
         super().__init__(model, pools, channel, handlers)
@@ -45,6 +52,7 @@ class TPRankLoop(StageLoop):
         self.handlers["ops_digest"] = lambda a: {"digest": self.digest.hexdigest()}
         self.handlers["tp_stats"] = lambda a: {**tp.stats(), "busy_s": self.busy_s}
         self.handlers["tp_dump"] = lambda a: dump_request(pools, a["blocks"], a["slot"])
+        self.handlers["tp_dump_slot"] = lambda a: dump_slot(pools, a["slot"])
         self.handlers["tp_load"] = lambda a: load_request(pools, a, a["blocks"], a["slot"],
                                                           a.get("skip", 0))
 

@@ -157,3 +157,25 @@ def test_bfloat16_fast_path_gives_the_general_paths_bytes():
     r = draws(keys_for([9]), (x.shape[1],))
     fast, general = _bf16_stochastic(x, r), _neighbours_stochastic(x, torch.bfloat16, r)
     assert torch.equal(bits(fast), bits(general))
+
+
+def test_the_fused_kernel_gives_the_references_bytes():
+    """`round_kernel` (C++, one pass) stores every byte the torch reference stores: all
+    magnitudes, subnormals, saturation, inf, several keys (negative ones too) and a TP index."""
+    from baton.cache.round_kernel import kernel
+
+    k = kernel()
+    if k is None:
+        pytest.skip("the rounding kernel cannot be built here")
+    g = torch.Generator().manual_seed(5)
+    scale = 10.0 ** torch.randint(-44, 38, (3, 20000), generator=g).float()
+    x = torch.randn(3, 20000, generator=g) * scale
+    x[0, :8] = torch.tensor([3.39e38, -3.39e38, 3.4e38, -3.4e38, 1e-42, -1e-44, 0.0, -0.0])
+    x[1, :2] = torch.tensor([float("inf"), -float("inf")])
+    keys = torch.tensor([-5, 2**62 + 3, keys_for([4]).item()])
+    index = torch.randperm(20000, generator=g) * 1000003
+    for idx in (None, index):
+        r = draws(keys, (20000,), idx)
+        want = _bf16_stochastic(x, r)
+        got = round_stochastic(x, torch.bfloat16, keys, idx)  # dispatched to the kernel
+        assert torch.equal(bits(got), bits(want))

@@ -86,36 +86,21 @@ def test_resolve_against_the_model():
 def test_engine_refuses_formats_it_cannot_store_yet():
     check_built(CacheConfig(), MODEL.state_tensors, torch.float32, "cpu")
     check_built(cache(state_dtype="float32"), MODEL.state_tensors, torch.float32, "cpu")
-    fmt = check_built(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cpu",
-                      single_process=True)
+    fmt = check_built(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cpu")
     assert fmt.dtypes == {"conv": torch.bfloat16, "ssm": torch.bfloat16}
     with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16: reduced-precision "
-                                          r"state runs in single-process engines only .*"
-                                          r"allowed here: model or float32"):
-        check_built(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cpu")
+                                          r"state is not built for tensor x pipeline "
+                                          r"parallelism .* allowed here: model or float32"):
+        check_built(cache(state_dtype="bfloat16"), MODEL.state_tensors, torch.float32, "cpu",
+                    tp_and_pp=True)
     with pytest.raises(ConfigError, match=r"cache\.state_dtypes\.ssm=float16: the pools hold "
                                           r"the model dtype \(bfloat16\) and cannot store "
                                           r"another"):
         check_built(cache(state_dtypes={"ssm": "float16"}), MODEL.state_tensors,
-                    torch.bfloat16, "cpu", single_process=True)
+                    torch.bfloat16, "cpu")
     with pytest.raises(ConfigError, match=r"cache\.kv_dtype=float8_e4m3: the attention kernels "
                                           r"read KV only in the model dtype \(float32\)"):
-        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cpu",
-                    single_process=True)
-
-
-def test_prefill_and_decode_workers_refuse_rounded_state():
-    from types import SimpleNamespace
-
-    from baton.engine.state_rounding import refuse_in_transfer
-
-    refuse_in_transfer(SimpleNamespace(rounding=None), "prefill")
-    c = cache(state_dtype="bfloat16", state_rounding="stochastic")
-    eng = SimpleNamespace(rounding=object(), cache=SimpleNamespace(cfg=c))
-    with pytest.raises(ConfigError, match=r"cache\.state_dtype=bfloat16 \(cache format "
-                                          r"state=bfloat16;rounding=stochastic;seed=0;kv=model\) "
-                                          r"is not built for decode workers yet"):
-        refuse_in_transfer(eng, "decode")
+        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cpu")
 
 
 def test_engine_builder_checks_the_format():
@@ -126,9 +111,12 @@ def test_engine_builder_checks_the_format():
         return from_dict(BatonConfig, {**to_dict(BatonConfig()), **sections}, "")
 
     _pool_spec(cfg(cache={"state_dtype": "float16"}), MODEL, torch.float32)  # one process
-    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*single-process"):
+    _pool_spec(cfg(cache={"state_dtype": "float16"}, worker={"pipeline_parallel_size": 2}),
+               MODEL, torch.float32)
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*tensor x pipeline"):
         _pool_spec(cfg(cache={"state_dtype": "float16"},
-                       worker={"pipeline_parallel_size": 2}), MODEL, torch.float32)
+                       worker={"pipeline_parallel_size": 2, "tensor_parallel_size": 2}),
+                   MODEL, torch.float32)
     with pytest.raises(ConfigError, match=r"cache\.kv_dtype=bfloat16"):
         _pool_spec(cfg(cache={"kv_dtype": "bfloat16"}), MODEL, torch.float32)
 
@@ -181,7 +169,7 @@ def test_a_dtype_the_device_cannot_store_is_refused():
 
 
 def test_a_split_engine_is_refused_before_any_stage_starts(tmp_path):
-    """Reduced-precision state under PP is refused before the process group or a stage
+    """Reduced-precision state under TP x PP is refused before the process group or a stage
     process exists (a refusal after them left the group joined and the stages running)."""
     import torch.distributed as dist
 
@@ -191,7 +179,8 @@ def test_a_split_engine_is_refused_before_any_stage_starts(tmp_path):
 
     path = make_checkpoint(tmp_path, "m", seed=1)
     cfg = BatonConfig.from_dict({"cache": {"state_dtype": "float16"},
-                                 "worker": {"pipeline_parallel_size": 2}})
-    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*single-process"):
+                                 "worker": {"pipeline_parallel_size": 2,
+                                            "tensor_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*tensor x pipeline"):
         build_engine(cfg, str(path))
     assert not dist.is_initialized()

@@ -42,6 +42,19 @@ def _run(eng, rid: str, ids: list[int]):
     return toks, lps, cached
 
 
+def run_until_done(eng, rid: str):
+    """(tokens, logprobs, cached_tokens) of request `rid`, already added."""
+    toks, lps, cached = [], [], None
+    while cached is None:
+        for o in eng.step():
+            assert o.request_id == rid
+            toks += o.new_token_ids
+            lps += [lp.logprob for lp in o.logprobs or ()]
+            if o.finished:
+                cached = o.cached_tokens
+    return toks, lps, cached
+
+
 def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
     a = prompt(1, 40)
     b = a[:20] + prompt(2, 25)
@@ -53,10 +66,12 @@ def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
     got = _run(on, "b", b)
     assert got[2] == 20 and ref[2] == 0  # b restored the snapshot at 20
     assert got[0] == ref[0] and got[1] == ref[1]  # tokens and logprobs, bit for bit
-    held = on.cache.hold_snapshot("h", a[:20])
-    for pool in on.pools.state.values():  # the snapshot holds bfloat16 values
-        snap = pool[:, held.slot]
-        assert torch.equal(snap, snap.to(torch.bfloat16).float())
+    snap = on.cache.tree.match(a, 20).snapshot  # the snapshot sits in the snapshot-only pool
+    assert snap is not None and snap.slot >= on.pools.spec.num_slots
+    for name, pool in on.pools.snapshots.items():  # which really stores bfloat16
+        assert pool.dtype == torch.bfloat16 and on.pools.state[name].dtype == torch.float32
+    spec = on.pools.spec  # snapshots take half the bytes of a live slot
+    assert 2 * spec.snapshot_bytes_per_slot() == spec.state_bytes_per_slot()
     plain = _engine(model_dir, False)
     assert plain.rounding is None
     _run(plain, "a", a)
@@ -91,3 +106,56 @@ def test_chat_reusing_periodic_points_is_bit_exact(model_dir):
     cached = [c for _, _, c in on]
     assert cached == [0, 0, 16, 48] and [c for _, _, c in off] == [0] * 4
     assert [(t, lp) for t, lp, _ in on] == [(t, lp) for t, lp, _ in off]
+
+
+def test_speculation_on_equals_off_with_rounded_state(tmp_path):
+    """Greedy chat turns speculate (K=3, an MTP head that agrees a third of the time): their
+    tokens equal speculation off, and the last turn, which reuses the previous decode-end
+    snapshot and asks for logprobs, has the same logprobs bit for bit: the state that
+    speculation verified and rounded is the state plain decoding rounded."""
+    from tests.support.speculative_helpers import agreeing_checkpoint
+
+    ck = agreeing_checkpoint(tmp_path)
+    policy = {"periodic_snapshot_interval": 16, "decode_end_snapshot": True}
+
+    def chat(k: int):
+        eng = engine_for(ck, speculative={"num_draft_tokens": k}, worker={"max_num_seqs": 4},
+                         cache={"tokens_per_block": 16, "num_state_slots": 32,
+                                "mamba_state_config": policy, **SR})
+        history, turns = [], []
+        for t in range(4):
+            p = history + prompt(200 + t, 7 + 6 * t)
+            rid = f"t{t}"
+            eng.add_request(Request(rid, p, greedy(12, logprobs=1 if t == 3 else None)))
+            out = run_until_done(eng, rid)
+            turns.append(out)
+            history = p + out[0]
+        return eng, turns
+
+    off_eng, off = chat(0)
+    on_eng, on = chat(3)
+    assert on_eng.rounding is not None and on_eng.spec.accepted_tokens > 0
+    assert on == off and off[3][1] and off[3][2] > 0  # the last turn reused a snapshot
+
+
+def test_tp_ranks_number_their_shard_as_the_whole_tensor():
+    """A conv slot [x (I=4 rows) | B (2) | C (2)] x 3 taps, 1 group: at TP 2 rank r holds x
+    rows [2r, 2r+2) and every B and C row (replicated), numbered as in the TP 1 tensor; so
+    rounding a rank's shard with `index` gives the TP 1 result's elements, bit for bit."""
+    from baton.cache.rounding import round_state
+    from baton.engine.state_rounding import tp1_index
+    from baton.model.state_spec import StateTensorSpec
+
+    conv = StateTensorSpec("conv", (8, 3), sections=(4, 2, 2), section_names=("x", "B", "C"),
+                           section_units=(4, 1, 1))
+    rows = {r: (tp1_index(conv, 2, r) // 3)[:, 0].tolist() for r in (0, 1)}
+    assert rows == {0: [0, 1, 4, 5, 6, 7], 1: [2, 3, 4, 5, 6, 7]}
+    assert tp1_index(conv, 1, 0).flatten().tolist() == list(range(24))
+    x = torch.randn(2, 8, 3)
+    keys = torch.tensor([5, 9])
+    whole = round_state(x, torch.bfloat16, "stochastic", keys).flatten(1)
+    for r in (0, 1):
+        idx = tp1_index(conv, 2, r)
+        shard = x.flatten(1)[:, idx.flatten()].view(2, *idx.shape)
+        got = round_state(shard, torch.bfloat16, "stochastic", keys, idx)
+        assert torch.equal(got.flatten(1), whole[:, idx.flatten()])
