@@ -55,7 +55,7 @@ def _cluster_ttft(stub, reqs: list[list[int]], tag: str,
                   phases: list[dict] | None = None) -> list[float]:
     """Client TTFTs (ms); each request's phases appended to `phases` (with `c_to_client`)."""
     from baton.contract import GenerateInput, SamplingParams, wire
-    from baton.worker.phases import from_metadata
+    from baton.worker.phases import AT_FIRST_CHUNK, from_metadata
 
     out = []
     for i, ids in enumerate(reqs):
@@ -65,12 +65,19 @@ def _cluster_ttft(stub, reqs: list[list[int]], tag: str,
         first = None
         call = stub.Generate(msg, timeout=600)
         for _ in call:  # 2 tokens: the handoff must happen
-            first = first or (time.perf_counter() - t0) * 1000
+            if first is None:
+                got_at = time.monotonic()
+                first = (time.perf_counter() - t0) * 1000
         out.append(first)
         got = from_metadata(call.trailing_metadata())
         if phases is not None and got:
             if "r_ttft" in got:
                 got["c_to_client"] = round(first - got["r_ttft"], 3)
+            left = got.pop(AT_FIRST_CHUNK, None)
+            if left is not None and "c_to_client" in got and \
+                    0 <= got_at * 1000 - left <= got["c_to_client"]:  # the router's host clock
+                got["c_out"] = round(got_at * 1000 - left, 3)
+                got["c_in"] = round(got["c_to_client"] - got["c_out"], 3)
             # what the path adds to the prompt's own compute, whatever that took here
             got["fixed"] = round(first - got.get("p_forward", 0) - got.get("p_sample", 0), 3)
             phases.append(got)
@@ -83,8 +90,8 @@ def phase_medians(phases: list[dict]) -> dict[str, float]:
     return {k: round(statistics.median(p[k] for p in phases if k in p), 3) for k in names}
 
 
-ON_PATH = ("p_queue", "p_forward", "p_sample", "p_output", "p_post", "p_landed", "p_wake",
-           "p_release", "r_rpc", "r_first_chunk", "c_to_client")
+ON_PATH = ("c_in", "r_route", "r_open", "p_queue", "p_forward", "p_sample", "p_output",
+           "p_post", "p_landed", "p_wake", "p_release", "r_reply", "r_first_chunk", "c_out")
 """The phases one after another on the way to the first token (the others overlap them)."""
 
 

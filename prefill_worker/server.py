@@ -25,7 +25,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         first = next(request_iterator, None)
         if first is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill stream carried no request")
-        inp = wire.prefill_from_pb(first)
+        try:
+            inp = wire.prefill_from_pb(first)
+        except (BatonError, ValueError) as e:  # a malformed prompt: nothing was started
+            abort_with(context, e)
         # runs when the RPC ends: a no-op after success, frees the request if the router cancelled
         context.add_callback(lambda: self.service.abort(inp.request_id))
 

@@ -145,6 +145,7 @@ class PrefillService:
         (only asked when `inp` carries none) and returns None if it never will. The result's
         `phases_ms` says where the time went (baton/worker/phases.py)."""
         clock = ph.Clock()
+        arrived = time.monotonic()
         req = Request(inp.request_id, list(inp.prompt_ids), inp.sampling,
                       inp.session_id or None, prefill_only=True)
         result = self._prefill(inp, destination, clock, req)
@@ -164,6 +165,8 @@ class PrefillService:
         })
         if log.isEnabledFor(logging.DEBUG):
             log.debug(ph.line(inp.request_id, phases))
+        # the host's clock at both ends: the router splits its r_rpc with them (same host)
+        phases.update({ph.AT_ARRIVAL: arrived * 1000, ph.AT_REPLY: time.monotonic() * 1000})
         return replace(result, phases_ms=phases)
 
     def _prefill(self, inp: PrefillInput, destination, clock: ph.Clock,

@@ -361,6 +361,7 @@ class _Attempt:
             with cancel.hook(self._abort_in_background):
                 # Prefill computes while Reserve runs; the transfer waits only for the destination
                 self._at["prefill"] = time.perf_counter()
+                self._at["prefill_mono"] = time.monotonic()
                 call = self.pc.start_prefill(
                     PrefillInput(self.wid, self.prompt, inp.sampling, inp.session_id), cancel
                 )
@@ -384,6 +385,7 @@ class _Attempt:
                         raise
                     try:
                         result = call.finish(res)
+                        self._at["prefilled_mono"] = time.monotonic()
                         self._at["prefilled"] = time.perf_counter()
                     except (WorkerFailed, RequestCancelled) as e:
                         # a prefill that failed because its destination died is D's failure
@@ -410,6 +412,7 @@ class _Attempt:
         finished = False
         try:
             self._at["first_chunk"] = now = time.perf_counter()
+            self._at["first_chunk_mono"] = time.monotonic()
             ttft_ms = (now - start) * 1000
             first_ids = (first.first_token_id,)
             lps = (first.logprobs,) if first.logprobs is not None else ()
@@ -456,6 +459,7 @@ class _Attempt:
         """n > 1: every sample's first token, then the decode worker's stream of them all
         (router/samples.py); the reservation is freed if every first token ended its sample."""
         self._at["first_chunk"] = now = time.perf_counter()
+        self._at["first_chunk_mono"] = time.monotonic()
         ttft_ms = (now - start) * 1000
         decodes = not all(f.finished for f in first.firsts)
 
@@ -523,15 +527,21 @@ class _Attempt:
 
         call = ms(at.get("prefill"), at["prefilled"])
         worker = first.phases_ms.get("p_total")
-        return {**first.phases_ms, **phases.clean({
+        got = dict(first.phases_ms)
+        opened, replied = phases.split_rpc(got.pop(phases.AT_ARRIVAL, None),
+                                           got.pop(phases.AT_REPLY, None),
+                                           at.get("prefill_mono"), at.get("prefilled_mono"))
+        return {**got, **phases.clean({
             "r_route": ms(self.arrived, at.get("prefill")),
             "r_reserve": ms(at.get("reserve"), at.get("reserved")),
             "r_prefill": call,
             "r_rpc": None if call is None or worker is None else call - worker,
+            "r_open": opened,
+            "r_reply": replied,
             "r_first_chunk": ms(at["prefilled"], at["first_chunk"]),
             "r_ttft": ms(self.arrived, at["first_chunk"]),
             "r_decode_first": ms(at["first_chunk"], at.get("decode_first")),
-        })}
+        }), phases.AT_FIRST_CHUNK: at["first_chunk_mono"] * 1000}
 
     def _check_cancelled(self, what: str) -> None:
         if self.cancel.cancelled:

@@ -258,7 +258,7 @@ class Sender:
             fl = self._inflight.get(request_id)
             todo = fl.unsent.intersection(layers) if fl is not None else None
             if todo:
-                self._post_layers(request_id, fl, todo)
+                self._post_layers(request_id, fl, todo, early=False)
 
     def abort(self, request_id: str, reason: str = "aborted by the prefill worker") -> None:
         with self._lock:
@@ -473,7 +473,11 @@ class Sender:
                 self._transport.release(post)
         self._draining = keep
 
-    def _post_layers(self, rid: str, fl: _InFlight, layers: set[int]) -> None:
+    def _post_layers(self, rid: str, fl: _InFlight, layers: set[int],
+                     early: bool = True) -> None:
+        """`early`: `posted` leaves before the post (its DONE is waited for next), else after
+        (layers posted from inside a forward: the first token is drawn meanwhile anyway, and
+        the decode side should not start polling while this side's forward still runs)."""
         if fl.waiting:  # posted once every decode stage granted the write
             fl.ready |= layers
             return
@@ -484,13 +488,19 @@ class Sender:
                 fl.posts.append((peer, self._transport.read(peer.handle, part)))
             elif part.layers:
                 first = id(peer) not in fl.posted
+                if first and early:
+                    # `posted` wakes the decode side's poller: sent before the post, not after,
+                    # because a post is DONE here only once that side's transport progressed
+                    # (NIXL/UCX: it acknowledges the notification's flush), so its wake-up
+                    # runs while this side posts (a one-block handoff: ~1.0 -> ~0.8 ms)
+                    peer.client.send(wire.encode("posted", rid=rid))
                 fl.posted.setdefault(id(peer), set()).update(part.layers)
                 parts = fl.parts.get(id(peer), {})
                 post = self._transport.post(peer.handle, part, wire.landed(
                     rid, part.layers, slot, blocks, self.tp.rank if self.tp else 0,
                     [parts.get(g, 1) for g in part.layers]))
                 fl.posts.append((peer, post))
-                if first:
+                if first and not early:
                     peer.client.send(wire.encode("posted", rid=rid))  # wakes its poller
         fl.unsent -= layers
         fl.ready -= layers

@@ -71,7 +71,7 @@ def generate_samples(stub: router_pb2_grpc.RouterStub, spec: RequestSpec,
     except grpc.RpcError as e:
         return [{"id": spec.id, "error": f"{e.code().name}: {e.details()}"}]
     # where the time to first token went (a disaggregated request's; baton/worker/phases.py)
-    measured = phases.from_metadata(call.trailing_metadata())
+    measured = phases.durations(phases.from_metadata(call.trailing_metadata()))
     out = [_result(spec.id, acc, t0) for acc in accs]
     for r in out:
         if measured and "error" not in r:

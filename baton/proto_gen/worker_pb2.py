@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from baton.proto_gen import baton_pb2 as baton_dot_v1_dot_baton__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x14\x62\x61ton/v1/baton.proto\"x\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xbf\x01\n\x0cReserveReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"\xbe\x01\n\x0b\x44\x65stination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.baton.v1.Destination\"\x81\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12(\n\x08logprobs\x18\x05 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12&\n\x07samples\x18\x07 \x03(\x0b\x32\x15.baton.v1.SampleFirst\"\x90\x01\n\x0bSampleFirst\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12(\n\x08logprobs\x18\x04 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\"Y\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x1c\n\x14more_first_token_ids\x18\x03 \x03(\x05\"\xeb\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fsnapshot_tokens\x18\x04 \x01(\r\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\r\"\x93\x01\n\x0cServeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1b\n\x13max_uncached_tokens\x18\x05 \x01(\r\"c\n\x13PullSnapshotRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x06source\x18\x03 \x01(\x0b\x32\x15.baton.v1.Destination\"*\n\x11PullSnapshotReply\x12\x15\n\rblocks_pulled\x18\x01 \x01(\r2\x88\x02\n\rPrefillWorker\x12=\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x16.baton.v1.PrefillReply(\x01\x12J\n\x0cPullSnapshot\x12\x1d.baton.v1.PullSnapshotRequest\x1a\x1b.baton.v1.PullSnapshotReply\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReply2\xf7\x02\n\x0c\x44\x65\x63odeWorker\x12;\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x16.baton.v1.ReserveReply\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12;\n\x05Serve\x12\x16.baton.v1.ServeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12@\n\x0cHoldSnapshot\x12\x18.baton.v1.ReserveRequest\x1a\x16.baton.v1.ReserveReply\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x14\x62\x61ton/v1/baton.proto\"\x8d\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x13\n\x0bprompt_le32\x18\x05 \x01(\x0c\"\xbf\x01\n\x0cReserveReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"\xbe\x01\n\x0b\x44\x65stination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12*\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x15.baton.v1.Destination\x12\x13\n\x0bprompt_le32\x18\x06 \x01(\x0c\"\x81\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12(\n\x08logprobs\x18\x05 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12&\n\x07samples\x18\x07 \x03(\x0b\x32\x15.baton.v1.SampleFirst\"\x90\x01\n\x0bSampleFirst\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12(\n\x08logprobs\x18\x04 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\"Y\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x1c\n\x14more_first_token_ids\x18\x03 \x03(\x05\"\xeb\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fsnapshot_tokens\x18\x04 \x01(\r\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\r\"\x93\x01\n\x0cServeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1b\n\x13max_uncached_tokens\x18\x05 \x01(\r\"c\n\x13PullSnapshotRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x06source\x18\x03 \x01(\x0b\x32\x15.baton.v1.Destination\"*\n\x11PullSnapshotReply\x12\x15\n\rblocks_pulled\x18\x01 \x01(\r2\x88\x02\n\rPrefillWorker\x12=\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x16.baton.v1.PrefillReply(\x01\x12J\n\x0cPullSnapshot\x12\x1d.baton.v1.PullSnapshotRequest\x1a\x1b.baton.v1.PullSnapshotReply\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReply2\xf7\x02\n\x0c\x44\x65\x63odeWorker\x12;\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x16.baton.v1.ReserveReply\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12;\n\x05Serve\x12\x16.baton.v1.ServeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12@\n\x0cHoldSnapshot\x12\x18.baton.v1.ReserveRequest\x1a\x16.baton.v1.ReserveReply\x12\x35\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x14.baton.v1.AbortReply\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESERVEREQUEST']._serialized_start=57
-  _globals['_RESERVEREQUEST']._serialized_end=177
-  _globals['_RESERVEREPLY']._serialized_start=180
-  _globals['_RESERVEREPLY']._serialized_end=371
-  _globals['_DESTINATION']._serialized_start=374
-  _globals['_DESTINATION']._serialized_end=564
-  _globals['_PREFILLREQUEST']._serialized_start=567
-  _globals['_PREFILLREQUEST']._serialized_end=731
-  _globals['_PREFILLREPLY']._serialized_start=734
-  _globals['_PREFILLREPLY']._serialized_end=991
-  _globals['_SAMPLEFIRST']._serialized_start=994
-  _globals['_SAMPLEFIRST']._serialized_end=1138
-  _globals['_DECODEREQUEST']._serialized_start=1140
-  _globals['_DECODEREQUEST']._serialized_end=1229
-  _globals['_DECODERESPONSE']._serialized_start=1232
-  _globals['_DECODERESPONSE']._serialized_end=1467
-  _globals['_SERVEREQUEST']._serialized_start=1470
-  _globals['_SERVEREQUEST']._serialized_end=1617
-  _globals['_PULLSNAPSHOTREQUEST']._serialized_start=1619
-  _globals['_PULLSNAPSHOTREQUEST']._serialized_end=1718
-  _globals['_PULLSNAPSHOTREPLY']._serialized_start=1720
-  _globals['_PULLSNAPSHOTREPLY']._serialized_end=1762
-  _globals['_PREFILLWORKER']._serialized_start=1765
-  _globals['_PREFILLWORKER']._serialized_end=2029
-  _globals['_DECODEWORKER']._serialized_start=2032
-  _globals['_DECODEWORKER']._serialized_end=2407
+  _globals['_RESERVEREQUEST']._serialized_start=58
+  _globals['_RESERVEREQUEST']._serialized_end=199
+  _globals['_RESERVEREPLY']._serialized_start=202
+  _globals['_RESERVEREPLY']._serialized_end=393
+  _globals['_DESTINATION']._serialized_start=396
+  _globals['_DESTINATION']._serialized_end=586
+  _globals['_PREFILLREQUEST']._serialized_start=589
+  _globals['_PREFILLREQUEST']._serialized_end=774
+  _globals['_PREFILLREPLY']._serialized_start=777
+  _globals['_PREFILLREPLY']._serialized_end=1034
+  _globals['_SAMPLEFIRST']._serialized_start=1037
+  _globals['_SAMPLEFIRST']._serialized_end=1181
+  _globals['_DECODEREQUEST']._serialized_start=1183
+  _globals['_DECODEREQUEST']._serialized_end=1272
+  _globals['_DECODERESPONSE']._serialized_start=1275
+  _globals['_DECODERESPONSE']._serialized_end=1510
+  _globals['_SERVEREQUEST']._serialized_start=1513
+  _globals['_SERVEREQUEST']._serialized_end=1660
+  _globals['_PULLSNAPSHOTREQUEST']._serialized_start=1662
+  _globals['_PULLSNAPSHOTREQUEST']._serialized_end=1761
+  _globals['_PULLSNAPSHOTREPLY']._serialized_start=1763
+  _globals['_PULLSNAPSHOTREPLY']._serialized_end=1805
+  _globals['_PREFILLWORKER']._serialized_start=1808
+  _globals['_PREFILLWORKER']._serialized_end=2072
+  _globals['_DECODEWORKER']._serialized_start=2075
+  _globals['_DECODEWORKER']._serialized_end=2450
 # @@protoc_insertion_point(module_scope)

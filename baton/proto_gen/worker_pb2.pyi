@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "prompt_le32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LE32_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _baton_pb2.SamplingParams
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    prompt_le32: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., prompt_le32: _Optional[bytes] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("worker_id", "transfer_endpoint", "block_ids", "slot", "skip_blocks", "lease_seconds", "incarnation", "signature")
@@ -60,18 +62,20 @@ class Destination(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., skip_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "destination")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "session_id", "destination", "prompt_le32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LE32_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _baton_pb2.SamplingParams
     session_id: str
     destination: Destination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., destination: _Optional[_Union[Destination, _Mapping]] = ...) -> None: ...
+    prompt_le32: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_baton_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., destination: _Optional[_Union[Destination, _Mapping]] = ..., prompt_le32: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token_id", "cached_tokens", "finished", "finish_reason", "logprobs", "prompt_logprobs", "samples")

@@ -23,6 +23,13 @@ router (`r_`)
   r_reserve     the decode worker's Reserve
   r_prefill     the Prefill call, opened to its reply
   r_rpc         r_prefill minus p_total: gRPC both ways, stream set-up
+  r_open        of r_rpc: the call opened to the request's arrival at the prefill worker
+  r_reply       of r_rpc: the reply built to the router holding it (r_open and r_reply only
+                when both processes share a host: they compare its monotonic clock)
+client (`bench handoff`, same host)
+  c_to_client   its time to first token minus r_ttft, of which
+  c_in          its call to Generate's arrival at the router, and
+  c_out         the router's first chunk to its own receipt of it
   r_first_chunk the Prefill reply to the first chunk leaving the router
   r_ttft        Generate's arrival to the first chunk leaving the router
   r_decode_first the first chunk to the decode worker's first Decode chunk (decode admit)
@@ -37,6 +44,12 @@ import time
 
 log = logging.getLogger("baton.phases")
 
+AT_ARRIVAL, AT_REPLY = "at_p_arrival", "at_p_reply"
+"""Not phases but instants (the host's time.monotonic(), ms): the prefill worker's request
+arrival and reply built, which the router turns into `r_open` and `r_reply` and drops."""
+AT_FIRST_CHUNK = "at_r_first_chunk"
+"""The instant the router's first chunk left (ms), for a client on the same host to split its
+own share (`bench handoff`: `c_in`, `c_out`); `durations` drops it."""
 METADATA_KEY = "baton-phases-ms"
 """gRPC trailing metadata key carrying a JSON object {phase: milliseconds}."""
 MAX_METADATA_BYTES = 2048
@@ -65,6 +78,23 @@ class Clock:
 def mono_ms(a: float | None, b: float | None) -> float | None:
     """Milliseconds between two time.monotonic() instants (None if either is unknown)."""
     return None if a is None or b is None else (b - a) * 1000
+
+
+def split_rpc(arrival: float | None, reply: float | None, opened: float | None,
+              replied: float | None) -> tuple[float | None, float | None]:
+    """(r_open, r_reply) ms: the worker's arrival and reply instants (ms) against the router's
+    call opened and reply held (time.monotonic(), s); (None, None) when one is unknown or the
+    two clocks are not one host's (a negative or longer-than-the-call share)."""
+    if None in (arrival, reply, opened, replied):
+        return None, None
+    a, b = arrival - opened * 1000, replied * 1000 - reply
+    call = (replied - opened) * 1000
+    return (a, b) if 0 <= a <= call and 0 <= b <= call else (None, None)
+
+
+def durations(phases: dict[str, float]) -> dict[str, float]:
+    """The phases without the instants (`at_` keys) that travel with them."""
+    return {k: v for k, v in phases.items() if not k.startswith("at_")}
 
 
 def clean(phases: dict[str, float | None]) -> dict[str, float]:

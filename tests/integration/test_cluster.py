@@ -239,8 +239,11 @@ def test_a_handoff_reports_its_phases_and_equal_tokens(setup):
         assert r["prefill_worker"], r
         ph = r["phases_ms"]
         for name in ("p_forward", "p_sample", "p_total", "r_reserve", "r_prefill", "r_rpc",
-                     "r_ttft"):
+                     "r_open", "r_reply", "r_ttft"):
             assert ph[name] >= 0.0, (name, ph)
         # the parts sit inside their wholes (the worker's time inside the router's call)
         assert ph["p_forward"] <= ph["p_total"] <= ph["r_prefill"] <= ph["r_ttft"]
+        # one host: the call's gRPC time splits into its two ways; instants are not phases
+        assert ph["r_open"] + ph["r_reply"] <= ph["r_rpc"] + 0.01
+        assert not [k for k in ph if k.startswith("at_")], ph
     assert_clean(setup["cluster"])

@@ -33,3 +33,14 @@ def test_malformed_or_oversized_metadata_is_ignored():
     assert len(big) > phases.MAX_METADATA_BYTES
     assert phases.from_metadata([(key, big)]) == {}
 
+
+
+def test_rpc_split_on_one_host_and_not_across_hosts():
+    # router: call opened at 10.000 s, reply held at 10.050 s; worker: arrival 10.002 s,
+    # reply built 10.049 s (ms on the same clock)
+    assert [round(x, 6) for x in phases.split_rpc(10002.0, 10049.0, 10.0, 10.05)] == [2.0, 1.0]
+    # another host's clock: shares outside the call are no measurement
+    assert phases.split_rpc(5.0, 9.0, 10.0, 10.05) == (None, None)
+    assert phases.split_rpc(None, 10049.0, 10.0, 10.05) == (None, None)
+    # the instants travel with the phases but are not phases
+    assert phases.durations({"p_total": 1.0, phases.AT_FIRST_CHUNK: 5.0}) == {"p_total": 1.0}
