@@ -16,11 +16,29 @@ inline __m256 bf16x8(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+inline V16 scaled8(__m256i lo, __m256i hi, float s) {
+  const __m256 sv = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(_mm256_cvtepi32_ps(lo), sv), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), sv)};
+}
+
 template <int WT>
 inline V16 w256(const char* p, int64_t k) {
   if constexpr (WT == kF32) {
     const float* f = reinterpret_cast<const float*>(p) + k;
     return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+  } else if constexpr (WT == kI8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
+                   i8_scale(p));
+  } else if constexpr (WT == kI4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i u = _mm_unpacklo_epi8(_mm_and_si128(b, m),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m256i eight = _mm256_set1_epi32(8);
+    return scaled8(_mm256_sub_epi32(_mm256_cvtepu8_epi32(u), eight),
+                   _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)), eight),
+                   _cvtsh_ss(i4_scale_bits(p, k)));
   } else {
     const __m128i* q = reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + k);
     __m128i h0 = _mm_loadu_si128(q), h1 = _mm_loadu_si128(q + 1);
@@ -31,9 +49,18 @@ inline V16 w256(const char* p, int64_t k) {
 
 template <int WT>
 inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
-  alignas(32) uint32_t buf[kLanes] = {0};  // big enough for 16 floats or 16 halves
-  std::memcpy(buf, p + k * (WT == kF32 ? 4 : 2), left * (WT == kF32 ? 4 : 2));
-  return w256<WT>(reinterpret_cast<const char*>(buf), 0);
+  if constexpr (WT == kI4) {
+    return w256<WT>(p, k);  // K % 32 == 0: never a partial chunk
+  } else if constexpr (WT == kI8) {
+    alignas(32) int8_t buf[4 + kLanes] = {0};  // the row's scale, then its last weights
+    std::memcpy(buf, p - 4, 4);
+    std::memcpy(buf + 4, p + k, left);
+    return w256<WT>(reinterpret_cast<const char*>(buf) + 4, 0);
+  } else {
+    alignas(32) uint32_t buf[kLanes] = {0};  // big enough for 16 floats or 16 halves
+    std::memcpy(buf, p + k * wsize(WT), left * wsize(WT));
+    return w256<WT>(reinterpret_cast<const char*>(buf), 0);
+  }
 }
 
 inline float tree256(V16 v) {
@@ -62,7 +89,7 @@ inline void block256(const Args& a, int64_t i0, int64_t n0, int64_t rs = 1,
     V16 wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      if constexpr (PF) _mm_prefetch(wr[j] + ahead + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
+      if constexpr (PF) _mm_prefetch(wr[j] + ahead + kbytes<WT>(k), BATON_PF_HINT);
       wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
       asm("" : "+x"(wv[j].lo), "+x"(wv[j].hi));  // loaded once, not refolded for every row
     }
@@ -102,7 +129,7 @@ inline void stream256(const Args& a, int64_t n) {
   const int64_t k2 = a.k & ~(2 * kLanes - 1);
   int64_t k = 0;
   for (; k < k2; k += 2 * kLanes) {
-    _mm_prefetch(wr + kAhead + k * 2, _MM_HINT_T0);
+    _mm_prefetch(wr + kAhead + kbytes<WT>(k), _MM_HINT_T0);
     const V16 w = w256<WT>(wr, k), v = w256<WT>(wr, k + kLanes);
     lo = _mm256_fmadd_ps(_mm256_loadu_ps(a.x + k), w.lo, lo);
     hi = _mm256_fmadd_ps(_mm256_loadu_ps(a.x + k + 8), w.hi, hi);
@@ -141,7 +168,7 @@ constexpr int64_t kStreamAhead = 16 << 10;
 
 template <int WT>
 int64_t strided256(const Args& a, int64_t n0, int64_t n1) {
-  const int64_t S = (n1 - n0) / 8, row_bytes = a.ldw * (WT == kF32 ? 4 : 2);
+  const int64_t S = (n1 - n0) / 8, row_bytes = a.ldw * wsize(WT);
   const int64_t stop = S - (kStreamAhead + row_bytes - 1) / row_bytes;
   int64_t b = 0;
   for (; b < stop; ++b) block256<WT, 1, 8>(a, 0, n0 + b, S, kStreamAhead);

@@ -13,8 +13,32 @@
 namespace baton_gemv {
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4 };
 constexpr int64_t kLanes = 16;
+// Quantized weights (baton/model/quant/packed.py lays them out), read as stored and each
+// weight dequantized in registers exactly as the loader's float32 reference rounds it
+// (w = float(q) * scale, one rounding), so every output is the float kernel's on the
+// dequantized weights, bit for bit:
+//   kI8  int8 [N, K], one float32 scale a row in the 4 bytes before the row's first weight;
+//   kI4  two int4 a byte (column 2j in the low nibble, 2j + 1 in the high; stored + 8), one
+//        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0).
+constexpr int64_t kI4Group = 32;
+// Bytes of a weight element in a row's address arithmetic (kI4: the view's unit, 1 byte;
+// its K values take K / 2).
+inline constexpr int64_t wsize(int wt) { return wt == kF32 ? 4 : wt <= kBF16 ? 2 : 1; }
+// Bytes from a row's start to its column k.
+template <int WT>
+inline constexpr int64_t kbytes(int64_t k) { return WT == kI4 ? k / 2 : k * wsize(WT); }
+inline float i8_scale(const char* row) {
+  float s;
+  std::memcpy(&s, row - 4, 4);
+  return s;
+}
+inline uint16_t i4_scale_bits(const char* row, int64_t k) {
+  uint16_t h;
+  std::memcpy(&h, row - 2 * (k / kI4Group + 1), 2);
+  return h;
+}
 // Weights are prefetched this many bytes ahead of their use into L2 (_MM_HINT_T1): without it
 // the few-row blocks stalled on memory (8 rows: 50 -> 26 ms for the bench NemotronH's linears,
 // one row 20 -> 16 ms); 16-96 KiB measured the same, L1 prefetch was slower.
@@ -39,8 +63,7 @@ struct Args {
 };
 
 inline const char* wbase(const Args& a, int wt, int64_t row) {
-  const int64_t es = wt == kF32 ? 4 : 2;
-  return static_cast<const char*>(a.w) + row * a.ldw * es;
+  return static_cast<const char*>(a.w) + row * a.ldw * wsize(wt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -58,8 +81,21 @@ inline uint32_t half_bits(uint16_t h) {  // IEEE half -> float bits, exact
   return sign | ((exp + 127 - 15) << 23) | (man << 13);
 }
 
+inline float half_float(uint16_t h) {
+  const uint32_t u = half_bits(h);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
+  if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
+  if (wt == kI4) {
+    const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
+    const int q = (k & 1 ? b >> 4 : b & 0xF) - 8;
+    return static_cast<float>(q) * half_float(i4_scale_bits(p, k));
+  }
   uint16_t h = reinterpret_cast<const uint16_t*>(p)[k];
   uint32_t u = wt == kF16 ? half_bits(h) : static_cast<uint32_t>(h) << 16;
   float f;
@@ -98,10 +134,25 @@ void scalar_range(const Args& a, int wt, int64_t n0, int64_t n1) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 
+// The 16 int4 of a row from column k (a multiple of 16) as 16 bytes q + 8, in column order:
+// the 8 packed bytes' nibbles, low then high of each.
+inline __m128i i4_bytes(const char* p, int64_t k) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+}
+
 template <int WT>
 inline __m512 w512(const char* p, int64_t k) {
   if constexpr (WT == kF32) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + k);
+  } else if constexpr (WT == kI8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kI4) {
+    const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(i4_bytes(p, k)), _mm512_set1_epi32(8));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q),
+                         _mm512_set1_ps(_cvtsh_ss(i4_scale_bits(p, k))));
   } else {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
         reinterpret_cast<const uint16_t*>(p) + k));
@@ -114,6 +165,11 @@ template <int WT>
 inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   if constexpr (WT == kF32) {
     return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(p) + k);
+  } else if constexpr (WT == kI8) {
+    const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kI4) {
+    return w512<WT>(p, k);  // K % 32 == 0: never a partial chunk
   } else {
     __m256i h = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(p) + k);
     if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
@@ -143,12 +199,11 @@ inline void block512(const Args& a, int64_t i0, int64_t n0) {
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
   const float* xr = a.x + i0 * a.ldx;
   const int64_t kf = a.k & ~(kLanes - 1);
-  constexpr int64_t es = WT == kF32 ? 4 : 2;
   for (int64_t k = 0; k < kf; k += kLanes) {
     __m512 wv[NR];
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(wr[j] + kPrefetch + k * es, BATON_PF_HINT);
+      _mm_prefetch(wr[j] + kPrefetch + kbytes<WT>(k), BATON_PF_HINT);
       wv[j] = w512<WT>(wr[j], k);
     }
 #pragma GCC unroll 16
@@ -219,7 +274,7 @@ inline void stream512(const Args& a, int64_t n) {
   const int64_t k2 = a.k & ~(2 * kLanes - 1), kf = a.k & ~(kLanes - 1);
   int64_t k = 0;
   for (; k < k2; k += 2 * kLanes) {
-    _mm_prefetch(wr + kAhead + k * 2, _MM_HINT_T0);
+    _mm_prefetch(wr + kAhead + kbytes<WT>(k), _MM_HINT_T0);
     const __m512 w = w512<WT>(wr, k), v = w512<WT>(wr, k + kLanes);
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(a.x + k), w, acc);
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(a.x + k + kLanes), v, acc);
@@ -279,11 +334,15 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
   if (isa == kAvx512) {
     if (wt == kF32) range512<kF32>(a, n0, n1);
     else if (wt == kF16) range512<kF16>(a, n0, n1);
-    else range512<kBF16>(a, n0, n1);
+    else if (wt == kBF16) range512<kBF16>(a, n0, n1);
+    else if (wt == kI8) range512<kI8>(a, n0, n1);
+    else range512<kI4>(a, n0, n1);
   } else if (isa == kAvx2) {
     if (wt == kF32) range256<kF32>(a, n0, n1);
     else if (wt == kF16) range256<kF16>(a, n0, n1);
-    else range256<kBF16>(a, n0, n1);
+    else if (wt == kBF16) range256<kBF16>(a, n0, n1);
+    else if (wt == kI8) range256<kI8>(a, n0, n1);
+    else range256<kI4>(a, n0, n1);
   } else {
     scalar_range(a, wt, n0, n1);
   }

@@ -1,0 +1,131 @@
+"""Quantized weights kept compressed in memory, laid out for Baton's CPU kernels
+(`cpu_kernels/gemv_kernels.h`, `kI8` / `kI4`), which read them as stored.
+
+A packed weight is a tensor view with the float weight's shape [..., N, K] (rows contiguous in
+K, so every caller that hands `FastLinear._packed()` or an expert stack to the kernels hands
+it on unchanged); each row carries its scales just before its first weight:
+
+    int8  dtype int8: K values q, one float32 scale s in the 4 bytes before the row;
+          w = float(q) * s                                    (per output channel)
+    int4  dtype uint8 (the view's K "elements" cover K / 2 bytes: never read it as a tensor):
+          column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
+          float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
+          w = float(q - 8) * float(s_g)                        (K % 32 == 0)
+
+`dense` decodes either into float32 exactly as the loader's reference does (one rounding a
+weight: `formats.int_grouped`), so the kernel's outputs are the float kernel's on `dense(w)`,
+bit for bit. Everything that is not the kernel (prefill matmuls, the reference path, CUDA)
+reads `dense` of the rows it needs (`linear.FastLinear`, `moe._as`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baton.model.quant.served import QUANTIZE_GROUP
+
+GROUP = QUANTIZE_GROUP
+I8_PREFIX = 16
+"""Bytes before an int8 row's first weight (its scale in the last 4): rows 16-byte aligned."""
+KINDS = {torch.int8: "int8", torch.uint8: "int4"}
+
+
+def kind(t: torch.Tensor) -> str | None:
+    """'int8' / 'int4' for a packed weight, None for anything else (a float weight)."""
+    return KINDS.get(t.dtype) if t.dim() >= 2 else None
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
+    """`w` [..., N, K] (float) quantized as `model.quantize` does (`quantize.encode`) and laid
+    out packed. The float weight is read once; only the packed bytes stay."""
+    from baton.model.quant.quantize import encode
+
+    parts = encode(w, mode)
+    if mode == "int8":
+        return pack_int8(parts["weight"], parts["weight_scale"])
+    from baton.model.quant.formats import unpack_int32
+
+    q = unpack_int32(parts["weight_packed"], 4, w.shape[-1])
+    return pack_int4(q, parts["weight_scale"])
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 values q [..., N, K] and one float32 scale a row ([..., N] or [..., N, 1])."""
+    *lead, n, k = q.shape
+    rows = q.numel() // max(k, 1)
+    ldw = I8_PREFIX + _round16(k)
+    buf = torch.zeros(rows, ldw, dtype=torch.uint8)
+    buf[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
+    s = scale.to(torch.float32).reshape(rows, 1).contiguous()
+    buf[:, I8_PREFIX - 4:I8_PREFIX] = s.view(torch.uint8)
+    return buf.view(-1).view(torch.int8).as_strided(q.shape, _strides(lead, n, ldw), I8_PREFIX)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Signed int4 values q [..., N, K] in [-8, 7] (K a multiple of 32) and float16 scales
+    [..., N, K / 32]."""
+    *lead, n, k = q.shape
+    if k % GROUP:
+        raise ValueError(f"int4 weight of width {k}: a multiple of {GROUP} is packed")
+    rows, groups = q.numel() // max(k, 1), k // GROUP
+    prefix = _round16(2 * groups)
+    ldw = prefix + _round16(k // 2)
+    u = (q.reshape(rows, k).to(torch.int16) + 8).to(torch.uint8)
+    buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)  # + k: the view's last row fits
+    grid = buf[:rows * ldw].view(rows, ldw)
+    grid[:, prefix:prefix + k // 2] = u[:, 0::2] | (u[:, 1::2] << 4)
+    s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
+    grid[:, prefix - 2 * groups:prefix] = s.view(torch.uint8)
+    return buf.as_strided(q.shape, _strides(lead, n, ldw), prefix)
+
+
+def _strides(lead: list[int], n: int, ldw: int) -> tuple[int, ...]:
+    strides, step = [ldw, 1], n * ldw
+    for d in reversed(lead):
+        strides.insert(0, step)
+        step *= d
+    return tuple(strides)
+
+
+def _bytes(t: torch.Tensor, width: int, before: int) -> torch.Tensor:
+    """Each row's `width` bytes starting `before` bytes before its first weight [..., N, w]."""
+    base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return base.as_strided((*t.shape[:-1], width), (*t.stride()[:-1], 1),
+                           t.storage_offset() - before)
+
+
+def scales(t: torch.Tensor) -> torch.Tensor:
+    """A packed weight's scales: int8 [..., N] float32, int4 [..., N, K / 32] float16."""
+    if kind(t) == "int8":
+        return _bytes(t, 4, 4).contiguous().view(torch.float32)[..., 0]
+    groups = t.shape[-1] // GROUP
+    return _bytes(t, 2 * groups, 2 * groups).contiguous().view(torch.float16).flip(-1)
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """A packed weight's integer values [..., N, K] (int16)."""
+    if kind(t) == "int8":
+        return t.to(torch.int16)
+    b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int16)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2) - 8
+
+
+def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A packed weight decoded (float32: each weight float(q) * scale, one rounding; the
+    loader's reference), then cast to `dtype`; a float tensor as it is."""
+    from baton.model.quant.formats import int_grouped
+
+    k = kind(t)
+    if k is None:
+        return t
+    w = int_grouped(values(t), scales(t), None, None if k == "int8" else GROUP)
+    return w if dtype == torch.float32 else w.to(dtype)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes a packed weight's storage holds."""
+    return t.untyped_storage().nbytes()
