@@ -59,15 +59,18 @@ class ExpertStacks:
             return True
         return False
 
-    def load(self, state: dict, device: torch.device, dtype: torch.dtype) -> None:
-        """Stack every claimed tensor into `state[target]`; a missing expert is an error."""
+    def load(self, state: dict, device: torch.device, dtype: torch.dtype,
+             keep=lambda name, t: t) -> None:
+        """Stack every claimed tensor into `state[target]`; a missing expert is an error.
+        `keep(target, stack)`: the stack as the model holds it (packed under
+        `model.quantize`: one stack in float at a time)."""
         for target, pieces in self.pieces.items():
             if target in state:
                 raise ConfigError(
                     f"checkpoint holds both {target!r} and per-expert tensors such as "
                     f"{pieces[0].name!r}: keep one layout"
                 )
-            state[target] = self._stack(target, pieces, device, dtype)
+            state[target] = keep(target, self._stack(target, pieces, device, dtype))
 
     def _stack(self, target: str, pieces: list[Piece], device, dtype) -> torch.Tensor:
         want = self.expected[target]
