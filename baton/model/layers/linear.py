@@ -204,7 +204,7 @@ def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Te
             y[:, i:j] = _prefill_linear(x2, rows, quant_packed.dense(w[i:j]).contiguous(),
                                         None if bias is None else bias[i:j])
         return y.view(*x.shape[:-1], n_out)
-    return F.linear(x, quant_packed.dense(w, x.dtype).to(x.device), 
+    return F.linear(x, quant_packed.dense(w, x.dtype).to(x.device),
                     None if bias is None else bias.to(x.dtype))
 
 

@@ -70,7 +70,7 @@ def test_linear_cat_mixes_packed_and_float_weights(kernel, isa):
     got = kernel.linear_cat(x, parts, ISAS[isa])
     assert torch.equal(got, kernel.linear_cat(x, dense, ISAS[isa]))
     split = kernel.linear_split(x, parts, ISAS[isa])
-    assert all(torch.equal(a, c) for a, c in zip(split, kernel.linear_split(x, dense, ISAS[isa])))
+    assert all(torch.equal(a, c) for a, c in zip(split, kernel.linear_split(x, dense, ISAS[isa]), strict=True))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
