@@ -188,8 +188,11 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 # copied into memory torch allocates (huge pages, see baton/startup.py):
                 # safetensors' own buffers have 4 KB pages, and decode streams every weight
-                state[ours] = keep(ours, f.get_tensor(name).to(device=device, dtype=want,
-                                                                copy=True))
+                t = f.get_tensor(name)
+                packed = keep(ours, t)  # a packed weight needs no float copy of its own
+                state[ours] = packed if packed is not t else t.to(device=device, dtype=want,
+                                                                   copy=True)
+                del t, packed
     stacks.load(state, device, dtype, keep)
     for part, count in skipped.items():
         if count:

@@ -39,48 +39,86 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
+CHUNK_BYTES = 1 << 20
+"""Float32 bytes of a weight quantized at a time (`pack`): the temporaries stay small, so
+loading never holds more than the tensor being read beside the packed model."""
+
+
 def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
-    """`w` [..., N, K] (float) quantized as `model.quantize` does (`quantize.encode`) and laid
-    out packed. The float weight is read once; only the packed bytes stay."""
+    """`w` [..., N, K] (float) quantized as `model.quantize` does (`quantize.encode`, row by
+    row: the same values) and laid out packed, a few rows at a time."""
     from baton.model.quant.quantize import encode
 
-    parts = encode(w, mode)
-    if mode == "int8":
-        return pack_int8(parts["weight"], parts["weight_scale"])
-    from baton.model.quant.formats import unpack_int32
+    *lead, n, k = w.shape
+    if mode == "int4" and k % GROUP:
+        raise ValueError(f"int4 weight of width {k}: a multiple of {GROUP} is packed")
+    flat = w.reshape(-1, k)
+    out, grid, _ = _layout(w.shape, mode)
+    step = max(1, CHUNK_BYTES // (4 * max(k, 1)))
+    for r in range(0, flat.shape[0], step):
+        parts = encode(flat[r:r + step], mode)
+        if mode == "int8":
+            _fill_int8(grid[r:r + step], parts["weight"], parts["weight_scale"])
+        else:
+            from baton.model.quant.formats import unpack_int32
 
-    q = unpack_int32(parts["weight_packed"], 4, w.shape[-1])
-    return pack_int4(q, parts["weight_scale"])
+            _fill_int4(grid[r:r + step], unpack_int32(parts["weight_packed"], 4, k),
+                       parts["weight_scale"])
+    return out
+
+
+def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the packed view, its rows' bytes [rows, ldw], the row prefix) of a new zeroed weight."""
+    *lead, n, k = shape
+    rows = n
+    for d in lead:
+        rows *= d
+    if mode == "int8":
+        prefix = I8_PREFIX
+        ldw = prefix + _round16(k)
+        buf = torch.zeros(rows * ldw, dtype=torch.uint8)
+        view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
+    else:
+        prefix = _round16(2 * (k // GROUP))
+        ldw = prefix + _round16(k // 2)
+        buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)  # + k: the view's last row fits
+        view = buf.as_strided(shape, _strides(lead, n, ldw), prefix)
+    return view, buf[:rows * ldw].view(rows, ldw), prefix
+
+
+def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    rows, k = q.shape[0], q.shape[-1]
+    grid[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
+    s = scale.to(torch.float32).reshape(rows, 1).contiguous()
+    grid[:, I8_PREFIX - 4:I8_PREFIX] = s.view(torch.uint8)
+
+
+def _fill_int4(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    k = q.shape[-1]
+    rows, groups = q.numel() // max(k, 1), k // GROUP
+    prefix = _round16(2 * groups)
+    u = (q.reshape(rows, k).to(torch.int16) + 8).to(torch.uint8)
+    grid[:, prefix:prefix + k // 2] = u[:, 0::2] | (u[:, 1::2] << 4)
+    s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
+    grid[:, prefix - 2 * groups:prefix] = s.view(torch.uint8)
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 values q [..., N, K] and one float32 scale a row ([..., N] or [..., N, 1])."""
-    *lead, n, k = q.shape
-    rows = q.numel() // max(k, 1)
-    ldw = I8_PREFIX + _round16(k)
-    buf = torch.zeros(rows, ldw, dtype=torch.uint8)
-    buf[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
-    s = scale.to(torch.float32).reshape(rows, 1).contiguous()
-    buf[:, I8_PREFIX - 4:I8_PREFIX] = s.view(torch.uint8)
-    return buf.view(-1).view(torch.int8).as_strided(q.shape, _strides(lead, n, ldw), I8_PREFIX)
+    view, grid, _ = _layout(q.shape, "int8")
+    _fill_int8(grid, q.reshape(-1, q.shape[-1]), scale)
+    return view
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Signed int4 values q [..., N, K] in [-8, 7] (K a multiple of 32) and float16 scales
     [..., N, K / 32]."""
-    *lead, n, k = q.shape
+    k = q.shape[-1]
     if k % GROUP:
         raise ValueError(f"int4 weight of width {k}: a multiple of {GROUP} is packed")
-    rows, groups = q.numel() // max(k, 1), k // GROUP
-    prefix = _round16(2 * groups)
-    ldw = prefix + _round16(k // 2)
-    u = (q.reshape(rows, k).to(torch.int16) + 8).to(torch.uint8)
-    buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)  # + k: the view's last row fits
-    grid = buf[:rows * ldw].view(rows, ldw)
-    grid[:, prefix:prefix + k // 2] = u[:, 0::2] | (u[:, 1::2] << 4)
-    s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
-    grid[:, prefix - 2 * groups:prefix] = s.view(torch.uint8)
-    return buf.as_strided(q.shape, _strides(lead, n, ldw), prefix)
+    view, grid, _ = _layout(q.shape, "int4")
+    _fill_int4(grid, q.reshape(-1, k), scale)
+    return view
 
 
 def _strides(lead: list[int], n: int, ldw: int) -> tuple[int, ...]:
