@@ -140,6 +140,14 @@ def _tensor_names(path: Path) -> set[str]:
     return names
 
 
+def packed_weights() -> bool:
+    """Whether quantized checkpoints' weights stay packed in memory: where Baton's CPU kernels
+    are on (`BATON_PACKED_WEIGHTS=0`: decoded into float32 at load)."""
+    from baton import envs
+
+    return envs.PACKED_WEIGHTS.get() and envs.CPU_KERNELS.get()
+
+
 def _packer(quantize: str | None):
     """name, tensor -> the tensor as the model holds it: packed where `quantize` quantizes
     it (`quant.quantize.quantizable`), else unchanged."""
@@ -154,6 +162,9 @@ def _packer(quantize: str | None):
 def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = None):
     fam = family_loader(cfg)
     keep = _packer(quantize)
+    # quantized checkpoints' weights stay as stored where the CPU kernels read them (float32
+    # compute on the CPU; `QuantSlice.packed` says which formats); elsewhere decoded
+    pack_stored = device.type == "cpu" and dtype == torch.float32 and packed_weights()
     # a part the model does hold (an MTP head it attached) is read, not skipped
     state, unexpected = {}, []
     skipped = {p: 0 for p in fam.skipped if not any(k.startswith(p) for k in expected)}
@@ -188,6 +199,11 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 # copied into memory torch allocates (huge pages, see baton/startup.py):
                 # safetensors' own buffers have 4 KB pages, and decode streams every weight
+                if pack_stored and expected[ours].dim() == 2:
+                    stored = f.packed(name)  # a quantized weight kept as stored, if it can be
+                    if stored is not None:
+                        state[ours] = stored
+                        continue
                 t = f.get_tensor(name)
                 packed = keep(ours, t)  # a packed weight needs no float copy of its own
                 state[ours] = packed if packed is not t else t.to(device=device, dtype=want,

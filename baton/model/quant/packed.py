@@ -11,6 +11,9 @@ it on unchanged); each row carries its scales just before its first weight:
           column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
           float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
           w = float(q - 8) * float(s_g)                        (K % 32 == 0)
+    fp8   dtype float8_e4m3fn: K values q as the checkpoint stores them; one float32 scale per
+          128 columns, group g's 4 (g + 1) bytes before the row (Qwen's 128 x 128 tiles, a
+          per-channel or per-tensor scale repeated); w = fp32(q) * s_g
 
 `dense` decodes either into float32 exactly as the loader's reference does (one rounding a
 weight: `formats.int_grouped`), so the kernel's outputs are the float kernel's on `dense(w)`,
@@ -27,7 +30,8 @@ from baton.model.quant.served import QUANTIZE_GROUP
 GROUP = QUANTIZE_GROUP
 I8_PREFIX = 16
 """Bytes before an int8 row's first weight (its scale in the last 4): rows 16-byte aligned."""
-KINDS = {torch.int8: "int8", torch.uint8: "int4"}
+KINDS = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "fp8"}
+FP8_GROUP = 128
 
 
 def kind(t: torch.Tensor) -> str | None:
@@ -86,6 +90,21 @@ def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     return view, buf[:rows * ldw].view(rows, ldw), prefix
 
 
+def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 values q [..., N, K] and float32 scales [..., N, ceil(K / 128)] (each row's
+    scale for columns [128 g, 128 g + 128))."""
+    *lead, n, k = q.shape
+    rows, groups = q.numel() // max(k, 1), -(-k // FP8_GROUP)
+    prefix = _round16(4 * groups)
+    ldw = prefix + _round16(k)
+    buf = torch.zeros(rows * ldw, dtype=torch.uint8)
+    grid = buf.view(rows, ldw)
+    grid[:, prefix:prefix + k] = q.reshape(rows, k).view(torch.uint8)
+    s = scale.to(torch.float32).reshape(rows, groups).flip(-1).contiguous()
+    grid[:, prefix - 4 * groups:prefix] = s.view(torch.uint8)
+    return buf.view(torch.float8_e4m3fn).as_strided(q.shape, _strides(lead, n, ldw), prefix)
+
+
 def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     rows, k = q.shape[0], q.shape[-1]
     grid[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
@@ -137,15 +156,19 @@ def _bytes(t: torch.Tensor, width: int, before: int) -> torch.Tensor:
 
 
 def scales(t: torch.Tensor) -> torch.Tensor:
-    """A packed weight's scales: int8 [..., N] float32, int4 [..., N, K / 32] float16."""
+    """A packed weight's scales: int8 [..., N] float32, int4 [..., N, K / 32] float16, fp8
+    [..., N, ceil(K / 128)] float32."""
     if kind(t) == "int8":
         return _bytes(t, 4, 4).contiguous().view(torch.float32)[..., 0]
+    if kind(t) == "fp8":
+        groups = -(-t.shape[-1] // FP8_GROUP)
+        return _bytes(t, 4 * groups, 4 * groups).contiguous().view(torch.float32).flip(-1)
     groups = t.shape[-1] // GROUP
     return _bytes(t, 2 * groups, 2 * groups).contiguous().view(torch.float16).flip(-1)
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
-    """A packed weight's integer values [..., N, K] (int16)."""
+    """A packed int8 / int4 weight's integer values [..., N, K] (int16)."""
     if kind(t) == "int8":
         return t.to(torch.int16)
     b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int16)
@@ -160,6 +183,10 @@ def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     k = kind(t)
     if k is None:
         return t
+    if k == "fp8":
+        s = scales(t).repeat_interleave(FP8_GROUP, dim=-1)[..., :t.shape[-1]]
+        w = t.to(torch.float32) * s
+        return w if dtype == torch.float32 else w.to(dtype)
     w = int_grouped(values(t), scales(t), None, None if k == "int8" else GROUP)
     return w if dtype == torch.float32 else w.to(dtype)
 

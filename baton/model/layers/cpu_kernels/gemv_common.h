@@ -72,6 +72,7 @@ inline int weight_type(const at::Tensor& w) {
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
     case at::kChar: return kI8;  // packed int8 (baton/model/quant/packed.py)
+    case at::kFloat8_e4m3fn: return kF8;  // packed fp8
     case at::kByte:  // packed int4
       TORCH_CHECK(w.size(-1) % kI4Group == 0, "cpu kernel: packed int4 weight of width ",
                   w.size(-1), ": a multiple of ", kI4Group, " is read");

@@ -13,7 +13,7 @@
 namespace baton_gemv {
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4, kF8 = 5 };
 constexpr int64_t kLanes = 16;
 // Quantized weights (baton/model/quant/packed.py lays them out), read as stored and each
 // weight dequantized in registers exactly as the loader's float32 reference rounds it
@@ -21,8 +21,14 @@ constexpr int64_t kLanes = 16;
 // dequantized weights, bit for bit:
 //   kI8  int8 [N, K], one float32 scale a row in the 4 bytes before the row's first weight;
 //   kI4  two int4 a byte (column 2j in the low nibble, 2j + 1 in the high; stored + 8), one
-//        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0).
+//        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0);
+//   kF8  float8 e4m3 [N, K], one float32 scale per 128 columns, group g's at 4 (g + 1) bytes
+//        before the row (Qwen's 128 x 128 tiles, or a per-channel / per-tensor scale repeated);
+//        fp32(q) is exact (the 7 magnitude bits as (8 + m) * 2^(e - 10), or m * 2^-9 where
+//        e = 0: normal floats, so a DAZ setting changes nothing; 0x7F / 0xFF, e4m3's NaN, read
+//        as 480: no checkpoint stores it).
 constexpr int64_t kI4Group = 32;
+constexpr int64_t kF8Group = 128;
 // Bytes of a weight element in a row's address arithmetic (kI4: the view's unit, 1 byte;
 // its K values take K / 2).
 inline constexpr int64_t wsize(int wt) { return wt == kF32 ? 4 : wt <= kBF16 ? 2 : 1; }
@@ -33,6 +39,18 @@ inline float i8_scale(const char* row) {
   float s;
   std::memcpy(&s, row - 4, 4);
   return s;
+}
+inline float f8_scale(const char* row, int64_t k) {
+  float s;
+  std::memcpy(&s, row - 4 * (k / kF8Group + 1), 4);
+  return s;
+}
+// e4m3 -> float, exact (see kF8 above).
+inline float e4m3_float(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                         : std::ldexp(static_cast<float>(8 + m), e - 10);
+  return b & 0x80 ? -v : v;
 }
 inline uint16_t i4_scale_bits(const char* row, int64_t k) {
   uint16_t h;
@@ -91,6 +109,7 @@ inline float half_float(uint16_t h) {
 inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
   if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
+  if (wt == kF8) return e4m3_float(reinterpret_cast<const uint8_t*>(p)[k]) * f8_scale(p, k);
   if (wt == kI4) {
     const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
     const int q = (k & 1 ? b >> 4 : b & 0xF) - 8;
@@ -142,6 +161,21 @@ inline __m128i i4_bytes(const char* p, int64_t k) {
   return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
 }
 
+// 16 e4m3 bytes (as int32 lanes) -> floats, exact (kF8 above): the integer significand times
+// the power of two built in the exponent field (normal floats only: 2^-9 .. 2^8).
+inline __m512 e4m3_512(__m512i b) {
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(0xF));
+  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
+  const __mmask16 normal = _mm512_test_epi32_mask(e, e);
+  const __m512i sig = _mm512_mask_add_epi32(m, normal, m, _mm512_set1_epi32(8));
+  const __m512i ex = _mm512_mask_mov_epi32(_mm512_set1_epi32(1), normal, e);  // e = 0: as 1
+  const __m512 two = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_add_epi32(ex, _mm512_set1_epi32(127 - 10)), 23));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sig), two);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
 template <int WT>
 inline __m512 w512(const char* p, int64_t k) {
   if constexpr (WT == kF32) {
@@ -149,6 +183,9 @@ inline __m512 w512(const char* p, int64_t k) {
   } else if constexpr (WT == kI8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kF8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    return _mm512_mul_ps(e4m3_512(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(f8_scale(p, k)));
   } else if constexpr (WT == kI4) {
     const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(i4_bytes(p, k)), _mm512_set1_epi32(8));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(q),
@@ -168,6 +205,9 @@ inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   } else if constexpr (WT == kI8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kF8) {
+    const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
+    return _mm512_mul_ps(e4m3_512(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(f8_scale(p, k)));
   } else if constexpr (WT == kI4) {
     return w512<WT>(p, k);  // K % 32 == 0: never a partial chunk
   } else {
@@ -336,12 +376,14 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
     else if (wt == kF16) range512<kF16>(a, n0, n1);
     else if (wt == kBF16) range512<kBF16>(a, n0, n1);
     else if (wt == kI8) range512<kI8>(a, n0, n1);
+    else if (wt == kF8) range512<kF8>(a, n0, n1);
     else range512<kI4>(a, n0, n1);
   } else if (isa == kAvx2) {
     if (wt == kF32) range256<kF32>(a, n0, n1);
     else if (wt == kF16) range256<kF16>(a, n0, n1);
     else if (wt == kBF16) range256<kBF16>(a, n0, n1);
     else if (wt == kI8) range256<kI8>(a, n0, n1);
+    else if (wt == kF8) range256<kF8>(a, n0, n1);
     else range256<kI4>(a, n0, n1);
   } else {
     scalar_range(a, wt, n0, n1);
