@@ -114,3 +114,24 @@ def test_bad_packed_weights_are_refused_in_one_line(kernel):
     odd = torch.zeros(4, 48, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="packed int4 weight of width 48: a multiple of 32"):
         kernel.linear(torch.randn(1, 48), odd)
+
+
+@pytest.mark.parametrize("k", [17, 128, 200, 1100])
+def test_fp8_weights_on_every_instruction_set(kernel, k):
+    # every e4m3 code but NaN (subnormals, -0.0, the largest), a scale per 128 columns (the
+    # last group partial): fp32(q) * s exactly, the float kernel's bits on it on every ISA
+    g = torch.Generator().manual_seed(k)
+    q = torch.randint(0, 256, (9, k), generator=g, dtype=torch.uint8)
+    codes = torch.arange(256, dtype=torch.uint8)
+    q.view(-1)[:254] = codes[(codes & 0x7F) != 0x7F][:min(254, q.numel())]
+    q[(q & 0x7F) == 0x7F] = 0
+    q = q.view(torch.float8_e4m3fn)
+    s = torch.rand(9, -(-k // 128), generator=g) + 0.5
+    p = packed.pack_fp8(q, s)
+    want_w = q.to(torch.float32) * s.repeat_interleave(128, -1)[:, :k]
+    assert torch.equal(packed.dense(p), want_w)
+    for m in (1, 3, 13):
+        x = torch.randn(m, k, generator=g)
+        want = kernel.linear(x, want_w, None, 0)
+        for isa in ISAS.values():
+            assert torch.equal(kernel.linear(x, p, None, isa), want), (m, isa)

@@ -1,6 +1,7 @@
 """`model.quantize: int8 | int4` keeps the weights packed (`baton/model/quant/packed.py`) and
-serves them through the CPU kernels as stored. Against the `baton quantize`-written checkpoint
-(the same values, dequantized into float32 at load: the reference), for each family dense and
+serves them through the CPU kernels as stored (the written checkpoint loads packed too).
+Against the `baton quantize`-written checkpoint decoded into float32 at load
+(`BATON_PACKED_WEIGHTS=0`: the reference), for each family dense and
 MoE: every packed weight decodes to the reference's bits, the engine's greedy tokens are the
 reference's under a staggered workload (one-row and many-row decode steps, chunked prefills,
 MoE experts), a prompt's logits are the reference's whatever its chunking, and int8 keeps
@@ -48,9 +49,12 @@ def src(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_packed_model_serves_the_written_checkpoints_tokens(src, mode, tmp_path):
+def test_packed_model_serves_the_written_checkpoints_tokens(src, mode, tmp_path, monkeypatch):
     written = write_quantized(src, tmp_path / mode, mode)
-    ref, got = load_model(written), load_model(src, quantize=mode)
+    got = load_model(src, quantize=mode)
+    assert {packed.kind(p) for p in load_model(written).parameters()} - {None} == {mode}
+    monkeypatch.setenv("BATON_PACKED_WEIGHTS", "0")  # the reference: decoded into float32
+    ref = load_model(written)
     params = dict(got.named_parameters())
     kinds = {n: packed.kind(p) for n, p in params.items() if packed.kind(p) is not None}
     assert len(kinds) > 5 and set(kinds.values()) == {mode}
@@ -91,3 +95,35 @@ def test_int8_keeps_float32s_clear_top_token(src):
     clear = (top2[:, 0] - top2[:, 1]) > 0.1
     assert clear.sum() > 100
     assert torch.equal(f.argmax(-1)[clear], g.argmax(-1)[clear])
+
+
+STORED = {"qwen_fp8": "fp8", "modelopt_fp8": "fp8", "ct_fp8": "fp8"}
+
+
+@pytest.mark.parametrize("layout", sorted(STORED))
+def test_quantized_checkpoints_stay_packed_as_stored(src, layout, tmp_path, monkeypatch):
+    # A published layout's fp8 weights (128 x 128 tiles, per tensor, per channel) are kept as
+    # stored and served through the kernels (int4 stored in groups of 32 with float16 scales:
+    # the written checkpoints above; this layout's groups of 16 are decoded): each decodes to the
+    # float32 the loader decodes it to (BATON_PACKED_WEIGHTS=0), the logits and greedy tokens
+    # are that model's, bit for bit.
+    if "moe" in str(src.parent):
+        pytest.skip("dense models (the layouts' experts load alike)")
+    from tests.support import quant_layouts
+
+    q = quant_layouts.write(src, tmp_path / layout, layout, scale_dtype=torch.float16)
+    got = load_model(q)
+    kinds = {packed.kind(p) for p in got.parameters()} - {None}
+    assert kinds == {STORED[layout]}
+    monkeypatch.setenv("BATON_PACKED_WEIGHTS", "0")
+    ref = load_model(q)
+    params = dict(got.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(packed.dense(params[name]), p), name
+    ids = prompt_ids(40, seed=5)
+    pools = [m.make_pools(num_blocks=8, tokens_per_block=16, num_slots=1) for m in (got, ref)]
+    assert torch.equal(got.prefill(ids, 0, list(range(8)), 0, pools[0], all_logits=True),
+                       ref.prefill(ids, 0, list(range(8)), 0, pools[1], all_logits=True))
+    want = run_staggered(engine_for(q, **CONFIG), staggered(6))
+    monkeypatch.delenv("BATON_PACKED_WEIGHTS")
+    assert run_staggered(engine_for(q, **CONFIG), staggered(6)) == want
