@@ -235,6 +235,20 @@ void range256(const Args& a, int64_t n0, int64_t n1) {
   }
 }
 
+// gemv_kernels.h's dequant512 on AVX2.
+template <int WT>
+void dequant256(const Args& a, int64_t n, int64_t nt, float* out, int64_t ldb) {
+  for (int64_t r = 0; r < nt; ++r) {
+    const char* wr = wbase(a, WT, n + r);
+    float* o = out + r * ldb;
+    for (int64_t k = 0; k < a.k; k += kLanes) {
+      const V16 v = k + kLanes <= a.k ? w256<WT>(wr, k) : w256_tail<WT>(wr, k, a.k - k);
+      _mm256_storeu_ps(o + k, v.lo);
+      _mm256_storeu_ps(o + k + 8, v.hi);
+    }
+  }
+}
+
 #pragma GCC pop_options
 
 }  // namespace baton_gemv
