@@ -124,7 +124,10 @@ def _weights(path, cfg: BatonConfig, model):
     from baton.model.quant.served import WeightInfo, resident_bytes, served_format
 
     held = model.stage if isinstance(model, PipelineModel) else model  # TP / PP: this process's
-    held_as = f"packed {cfg.model.quantize}" if cfg.model.quantize else cfg.model.dtype
+    from baton.model.quant import packed
+
+    kinds = sorted({packed.kind(p) for p in held.parameters()} - {None})
+    held_as = f"packed {' / '.join(kinds)} and {cfg.model.dtype}" if kinds else cfg.model.dtype
     return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(held), held_as)
 
 
