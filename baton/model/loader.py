@@ -209,7 +209,7 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
                 state[ours] = packed if packed is not t else t.to(device=device, dtype=want,
                                                                    copy=True)
                 del t, packed
-    stacks.load(state, device, dtype, keep)
+    stacks.load(state, device, dtype, keep, stored=pack_stored and not quantize)
     for part, count in skipped.items():
         if count:
             log.info("skipping %s: %d tensor(s) under %r", fam.skipped[part], count, part)

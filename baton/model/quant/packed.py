@@ -105,6 +105,32 @@ def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.float8_e4m3fn).as_strided(q.shape, _strides(lead, n, ldw), prefix)
 
 
+def _prefix(t: torch.Tensor) -> int:
+    k = t.shape[-1]
+    return {"int8": I8_PREFIX, "int4": _round16(2 * (k // GROUP)),
+            "fp8": _round16(4 * -(-k // FP8_GROUP))}[kind(t)]
+
+
+def stack(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Packed 2-D weights of one kind and width, their rows one after another, as one packed
+    [E, N, K] stack of `shape` (MoE experts stored one tensor per expert)."""
+    first = parts[0]
+    k, prefix, ldw = first.shape[-1], _prefix(first), first.stride(-2)
+    rows = sum(t.shape[0] for t in parts)
+    if (any(kind(t) != kind(first) or t.shape[-1] != k or t.stride(-2) != ldw for t in parts)
+            or rows * k != torch.Size(shape).numel()):
+        raise ValueError(f"packed stack {list(shape)}: parts of other kinds or widths")
+    buf = torch.zeros(rows * ldw + (k if kind(first) == "int4" else 0), dtype=torch.uint8)
+    grid = buf[:rows * ldw].view(rows, ldw)
+    at = 0
+    for t in parts:
+        n = t.shape[0]
+        grid[at:at + n] = _bytes(t, ldw, prefix)
+        at += n
+    return buf.view(first.dtype).as_strided(shape, _strides(list(shape[:-2]), shape[-2], ldw),
+                                            prefix)
+
+
 def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     rows, k = q.shape[0], q.shape[-1]
     grid[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
