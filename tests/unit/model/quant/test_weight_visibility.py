@@ -138,3 +138,22 @@ def test_a_sender_of_another_weight_format_is_refused_at_connect():
     finally:
         s.close()
         r.close()
+
+
+def test_quantize_flag_on_serve_router_and_workers(capsys):
+    from baton.cli import build_parser
+    from baton.cluster.local import _worker_flags
+    from baton.worker.host import _worker_config
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--quantize", "int8"])
+    assert _worker_flags(serve) == ("--quantize", "int8")
+    assert parser.parse_args(["router", "--quantize", "int4"]).quantize == "int4"
+    for role, r in (("prefill-worker", Role.PREFILL), ("decode-worker", Role.DECODE)):
+        args = parser.parse_args([role, "--router", "h:1", "--quantize", "int4"])
+        assert _worker_config(args, r).model.quantize == "int4"
+        args = parser.parse_args([role, "--router", "h:1"])
+        assert _worker_config(args, r).model.quantize is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantize", "int3"])
+    assert "invalid choice: 'int3' (choose from" in capsys.readouterr().err
