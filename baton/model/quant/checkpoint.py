@@ -374,6 +374,10 @@ class QuantSlice:
             s = v.full(p["scale"]).to(torch.float32)
             s = s.reshape(()) if s.numel() == 1 else s.reshape(n, 1)
             return packed.pack_fp8(v.full(p["q"]), s.expand(n, groups))
+        if r.kind == "nvfp4" and k % packed.NVFP4_GROUP == 0:
+            s2 = v.full(p["scale2"])
+            return packed.pack_nvfp4(v.full(p["q"]), v.full(p["scale"]), s2) \
+                if s2.numel() == 1 else None
         if "zero" in p or not r.symmetric:
             return None
         s = v.full(p["scale"])

@@ -14,6 +14,10 @@ it on unchanged); each row carries its scales just before its first weight:
     fp8   dtype float8_e4m3fn: K values q as the checkpoint stores them; one float32 scale per
           128 columns, group g's 4 (g + 1) bytes before the row (Qwen's 128 x 128 tiles, a
           per-channel or per-tensor scale repeated); w = fp32(q) * s_g
+    nvfp4 dtype float4_e2m1fn_x2 (K "elements" over K / 2 bytes, as int4): the checkpoint's
+          bytes (column 2j in the low nibble); the float32 tensor scale s2 in the 4 bytes
+          before the row, group g's e4m3 scale 4 + g + 1 bytes before it (16 columns a group);
+          w = (e2m1 * e4m3) * s2                             (K % 16 == 0)
 
 `dense` decodes either into float32 exactly as the loader's reference does (one rounding a
 weight: `formats.int_grouped`), so the kernel's outputs are the float kernel's on `dense(w)`,
@@ -30,7 +34,9 @@ from baton.model.quant.served import QUANTIZE_GROUP
 GROUP = QUANTIZE_GROUP
 I8_PREFIX = 16
 """Bytes before an int8 row's first weight (its scale in the last 4): rows 16-byte aligned."""
-KINDS = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "fp8"}
+KINDS = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "fp8",
+         torch.float4_e2m1fn_x2: "nvfp4"}
+NVFP4_GROUP = 16
 FP8_GROUP = 128
 
 
@@ -105,10 +111,30 @@ def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.float8_e4m3fn).as_strided(q.shape, _strides(lead, n, ldw), prefix)
 
 
+def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """NVFP4 as ModelOpt stores it: bytes q [..., N, K / 2] (uint8), e4m3 scales
+    [..., N, K / 16], the float32 tensor scale."""
+    *lead, n, half = q.shape
+    k, groups = 2 * half, half // (NVFP4_GROUP // 2)
+    rows = q.numel() // max(half, 1)
+    prefix = _round16(4 + groups)
+    ldw = prefix + _round16(half)
+    buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)
+    grid = buf[:rows * ldw].view(rows, ldw)
+    grid[:, prefix:prefix + half] = q.reshape(rows, half).view(torch.uint8)
+    s = scale.reshape(rows, groups).view(torch.uint8).flip(-1)
+    grid[:, prefix - 4 - groups:prefix - 4] = s
+    s2 = scale_2.to(torch.float32).reshape(1, 1).expand(rows, 1).contiguous()
+    grid[:, prefix - 4:prefix] = s2.view(torch.uint8)
+    return buf.view(torch.float4_e2m1fn_x2).as_strided((*lead, n, k), _strides(lead, n, ldw),
+                                                       prefix)
+
+
 def _prefix(t: torch.Tensor) -> int:
     k = t.shape[-1]
     return {"int8": I8_PREFIX, "int4": _round16(2 * (k // GROUP)),
-            "fp8": _round16(4 * -(-k // FP8_GROUP))}[kind(t)]
+            "fp8": _round16(4 * -(-k // FP8_GROUP)),
+            "nvfp4": _round16(4 + k // NVFP4_GROUP)}[kind(t)]
 
 
 def stack(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -120,7 +146,8 @@ def stack(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     if (any(kind(t) != kind(first) or t.shape[-1] != k or t.stride(-2) != ldw for t in parts)
             or rows * k != torch.Size(shape).numel()):
         raise ValueError(f"packed stack {list(shape)}: parts of other kinds or widths")
-    buf = torch.zeros(rows * ldw + (k if kind(first) == "int4" else 0), dtype=torch.uint8)
+    buf = torch.zeros(rows * ldw + (k if kind(first) in ("int4", "nvfp4") else 0),
+                      dtype=torch.uint8)
     grid = buf[:rows * ldw].view(rows, ldw)
     at = 0
     for t in parts:
@@ -209,6 +236,16 @@ def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     k = kind(t)
     if k is None:
         return t
+    if k == "nvfp4":
+        from baton.model.quant.formats import E2M1_PAIRS
+
+        groups = t.shape[-1] // NVFP4_GROUP
+        s = _bytes(t, groups, 4 + groups).flip(-1).contiguous().view(torch.float8_e4m3fn)
+        s2 = _bytes(t, 4, 4).contiguous().view(torch.float32)  # [..., N, 1]: a row's (an
+        b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int64)   # expert's) tensor scale
+        vals = E2M1_PAIRS[b].flatten(-2).unflatten(-1, (-1, NVFP4_GROUP))
+        w = (vals * s.to(torch.float32)[..., None]).flatten(-2) * s2  # formats.nvfp4's order
+        return w if dtype == torch.float32 else w.to(dtype)
     if k == "fp8":
         s = scales(t).repeat_interleave(FP8_GROUP, dim=-1)[..., :t.shape[-1]]
         w = t.to(torch.float32) * s

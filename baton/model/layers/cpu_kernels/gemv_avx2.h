@@ -49,6 +49,21 @@ inline V16 w256(const char* p, int64_t k) {
     const __m256 s = _mm256_set1_ps(f8_scale(p, k));
     return {_mm256_mul_ps(e4m3_256(_mm256_cvtepu8_epi32(b)), s),
             _mm256_mul_ps(e4m3_256(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s)};
+  } else if constexpr (WT == kE2M1) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i u = _mm_unpacklo_epi8(_mm_and_si128(b, m),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m256 mags = _mm256_loadu_ps(kE2M1Values);  // codes 0-7; bit 3 the sign
+    const float s = e2m1_group_scale(p, k), t = i8_scale(p);
+    const auto lanes = [&](__m128i c) {
+      const __m256i idx = _mm256_cvtepu8_epi32(c);
+      const __m256 v = _mm256_permutevar8x32_ps(mags, idx);  // uses idx & 7
+      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+      const __m256 sv = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), sign));
+      return _mm256_mul_ps(_mm256_mul_ps(sv, _mm256_set1_ps(s)), _mm256_set1_ps(t));
+    };
+    return {lanes(u), lanes(_mm_srli_si128(u, 8))};
   } else if constexpr (WT == kI4) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
     const __m128i m = _mm_set1_epi8(0x0F);
@@ -68,8 +83,8 @@ inline V16 w256(const char* p, int64_t k) {
 
 template <int WT>
 inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
-  if constexpr (WT == kI4) {
-    return w256<WT>(p, k);  // K % 32 == 0: never a partial chunk
+  if constexpr (WT == kI4 || WT == kE2M1) {
+    return w256<WT>(p, k);  // K % 32 (16) == 0: never a partial chunk
   } else if constexpr (WT == kI8) {
     alignas(32) int8_t buf[4 + kLanes] = {0};  // the row's scale, then its last weights
     std::memcpy(buf, p - 4, 4);

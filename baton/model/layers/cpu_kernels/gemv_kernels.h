@@ -14,7 +14,7 @@
 namespace baton_gemv {
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4, kF8 = 5 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4, kF8 = 5, kE2M1 = 6 };
 constexpr int64_t kLanes = 16;
 // Quantized weights (baton/model/quant/packed.py lays them out), read as stored and each
 // weight dequantized in registers exactly as the loader's float32 reference rounds it
@@ -28,14 +28,22 @@ constexpr int64_t kLanes = 16;
 //        fp32(q) is exact (the 7 magnitude bits as (8 + m) * 2^(e - 10), or m * 2^-9 where
 //        e = 0: normal floats, so a DAZ setting changes nothing; 0x7F / 0xFF, e4m3's NaN, read
 //        as 480: no checkpoint stores it).
+//   kE2M1 NVFP4: two e2m1 codes a byte (column 2j low nibble), an e4m3 scale per 16 columns
+//        (group g's byte 4 + g + 1 bytes before the row) and the tensor's float32 scale in the 4
+//        bytes before the row; w = (e2m1 * e4m3) * s2, the first product exact (K % 16 == 0).
 constexpr int64_t kI4Group = 32;
 constexpr int64_t kF8Group = 128;
+constexpr int64_t kE2M1Group = 16;
+constexpr float kE2M1Values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                   -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 // Bytes of a weight element in a row's address arithmetic (kI4: the view's unit, 1 byte;
 // its K values take K / 2).
 inline constexpr int64_t wsize(int wt) { return wt == kF32 ? 4 : wt <= kBF16 ? 2 : 1; }
 // Bytes from a row's start to its column k.
 template <int WT>
-inline constexpr int64_t kbytes(int64_t k) { return WT == kI4 ? k / 2 : k * wsize(WT); }
+inline constexpr int64_t kbytes(int64_t k) {
+  return WT == kI4 || WT == kE2M1 ? k / 2 : k * wsize(WT);
+}
 inline float i8_scale(const char* row) {
   float s;
   std::memcpy(&s, row - 4, 4);
@@ -46,12 +54,26 @@ inline float f8_scale(const char* row, int64_t k) {
   std::memcpy(&s, row - 4 * (k / kF8Group + 1), 4);
   return s;
 }
-// e4m3 -> float, exact (see kF8 above).
-inline float e4m3_float(uint8_t b) {
+// e4m3 -> float, exact (see kF8 above), through a table made once.
+inline float e4m3_exact(uint8_t b) {
   const int e = (b >> 3) & 0xF, m = b & 7;
   const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
                          : std::ldexp(static_cast<float>(8 + m), e - 10);
   return b & 0x80 ? -v : v;
+}
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) v[b] = e4m3_exact(static_cast<uint8_t>(b));
+  }
+};
+inline float e4m3_float(uint8_t b) {
+  static const E4m3Table table;
+  return table.v[b];
+}
+// NVFP4 group scale (e4m3, exact) and tensor scale of a row.
+inline float e2m1_group_scale(const char* row, int64_t k) {
+  return e4m3_float(static_cast<uint8_t>(row[-4 - (k / kE2M1Group + 1)]));
 }
 inline uint16_t i4_scale_bits(const char* row, int64_t k) {
   uint16_t h;
@@ -111,6 +133,10 @@ inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
   if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
   if (wt == kF8) return e4m3_float(reinterpret_cast<const uint8_t*>(p)[k]) * f8_scale(p, k);
+  if (wt == kE2M1) {
+    const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
+    return kE2M1Values[k & 1 ? b >> 4 : b & 0xF] * e2m1_group_scale(p, k) * i8_scale(p);
+  }
   if (wt == kI4) {
     const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
     const int q = (k & 1 ? b >> 4 : b & 0xF) - 8;
@@ -187,6 +213,11 @@ inline __m512 w512(const char* p, int64_t k) {
   } else if constexpr (WT == kF8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return _mm512_mul_ps(e4m3_512(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(f8_scale(p, k)));
+  } else if constexpr (WT == kE2M1) {
+    const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(i4_bytes(p, k)),
+                                           _mm512_loadu_ps(kE2M1Values));
+    return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(e2m1_group_scale(p, k))),
+                         _mm512_set1_ps(i8_scale(p)));
   } else if constexpr (WT == kI4) {
     const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(i4_bytes(p, k)), _mm512_set1_epi32(8));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(q),
@@ -209,8 +240,8 @@ inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   } else if constexpr (WT == kF8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
     return _mm512_mul_ps(e4m3_512(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(f8_scale(p, k)));
-  } else if constexpr (WT == kI4) {
-    return w512<WT>(p, k);  // K % 32 == 0: never a partial chunk
+  } else if constexpr (WT == kI4 || WT == kE2M1) {
+    return w512<WT>(p, k);  // K % 32 (16) == 0: never a partial chunk
   } else {
     __m256i h = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(p) + k);
     if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
@@ -422,6 +453,7 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
   if (wt >= kI8 && a.m >= kTiledFrom) {
     if (wt == kI8) tiled<kI8>(a, isa, n0, n1);
     else if (wt == kF8) tiled<kF8>(a, isa, n0, n1);
+    else if (wt == kE2M1) tiled<kE2M1>(a, isa, n0, n1);
     else tiled<kI4>(a, isa, n0, n1);
     return;
   }
@@ -431,6 +463,7 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
     else if (wt == kBF16) range512<kBF16>(a, n0, n1);
     else if (wt == kI8) range512<kI8>(a, n0, n1);
     else if (wt == kF8) range512<kF8>(a, n0, n1);
+    else if (wt == kE2M1) range512<kE2M1>(a, n0, n1);
     else range512<kI4>(a, n0, n1);
   } else if (isa == kAvx2) {
     if (wt == kF32) range256<kF32>(a, n0, n1);
@@ -438,6 +471,7 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
     else if (wt == kBF16) range256<kBF16>(a, n0, n1);
     else if (wt == kI8) range256<kI8>(a, n0, n1);
     else if (wt == kF8) range256<kF8>(a, n0, n1);
+    else if (wt == kE2M1) range256<kE2M1>(a, n0, n1);
     else range256<kI4>(a, n0, n1);
   } else {
     scalar_range(a, wt, n0, n1);

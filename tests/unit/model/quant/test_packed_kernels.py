@@ -135,3 +135,24 @@ def test_fp8_weights_on_every_instruction_set(kernel, k):
         want = kernel.linear(x, want_w, None, 0)
         for isa in ISAS.values():
             assert torch.equal(kernel.linear(x, p, None, isa), want), (m, isa)
+
+
+@pytest.mark.parametrize("k", [16, 48, 224, 1040])
+def test_nvfp4_weights_on_every_instruction_set(kernel, k):
+    # every e2m1 code, e4m3 group scales, the tensor scale: formats.nvfp4's bits, and the
+    # float kernel's on them on every ISA; two stacked experts with their own tensor scales
+    from baton.model.quant import formats
+
+    g = torch.Generator().manual_seed(k)
+    q = torch.randint(0, 256, (2, 9, k // 2), generator=g, dtype=torch.uint8)
+    s = (torch.rand(2, 9, k // 16, generator=g) * 4 + 0.01).to(torch.float8_e4m3fn)
+    s2 = torch.tensor([0.013, 0.021])
+    p = packed.stack([packed.pack_nvfp4(q[e], s[e], s2[e]) for e in range(2)], (2, 9, k))
+    for e in range(2):
+        want_w = formats.nvfp4(q[e], s[e], s2[e])
+        assert torch.equal(packed.dense(p[e]), want_w)
+        for m in (1, 3, 13):
+            x = torch.randn(m, k, generator=g)
+            want = kernel.linear(x, want_w, None, 0)
+            for isa in ISAS.values():
+                assert torch.equal(kernel.linear(x, p[e], None, isa), want), (e, m, isa)
