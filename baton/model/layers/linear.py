@@ -354,7 +354,7 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
     _state["generation"] += 1
     for m in model.modules():  # packed int8 / int4 weights (model.quantize) stay as they are
         if (isinstance(m, nn.Linear) and id(m.weight) not in shared and m.weight.dtype != dtype
-                and m.weight.is_floating_point()):
+                and quant_packed.kind(m.weight) is None):
             old = m.weight
             m.weight = nn.Parameter(old.detach().to(dtype), requires_grad=False)
             if getattr(model, "dtype", None) != before:
@@ -367,7 +367,8 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
     for m in model.modules():  # MoE expert stacks [E, out, in] (`moe.run_experts` reads them)
         for name in getattr(m, "stacked", ()):
             old = getattr(m, name)
-            if old.dtype != dtype and old.dtype.is_floating_point:
+            if (old.dtype != dtype and old.dtype.is_floating_point
+                    and quant_packed.kind(old) is None):
                 setattr(m, name, nn.Parameter(old.detach().to(dtype), requires_grad=False))
                 saved += old.numel() * (old.element_size() - dtype.itemsize)
     return saved

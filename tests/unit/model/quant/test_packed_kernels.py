@@ -156,3 +156,18 @@ def test_nvfp4_weights_on_every_instruction_set(kernel, k):
             want = kernel.linear(x, want_w, None, 0)
             for isa in ISAS.values():
                 assert torch.equal(kernel.linear(x, p[e], None, isa), want), (e, m, isa)
+
+
+def test_weight_dtype_leaves_packed_weights_alone():
+    # model.weight_dtype casts float linears and expert stacks; packed weights (fp8 is a float
+    # dtype to torch) keep their bytes and scales
+    from baton.model.layers.linear import cast_weights
+
+    w = torch.randn(40, 256) * 0.1
+    m = torch.nn.Sequential(FastLinear(256, 40, bias=False), FastLinear(256, 40, bias=False))
+    m[0].weight = torch.nn.Parameter(packed.pack_fp8(w.to(torch.float8_e4m3fn),
+                                                     torch.ones(40, 2)), requires_grad=False)
+    before = packed.dense(m[0].weight)
+    cast_weights(m, torch.bfloat16)
+    assert packed.kind(m[0].weight) == "fp8" and torch.equal(packed.dense(m[0].weight), before)
+    assert m[1].weight.dtype == torch.bfloat16
