@@ -21,20 +21,6 @@ inline V16 scaled8(__m256i lo, __m256i hi, float s) {
   return {_mm256_mul_ps(_mm256_cvtepi32_ps(lo), sv), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), sv)};
 }
 
-// 8 e4m3 bytes (as int32 lanes) -> floats, exact (gemv_kernels.h's e4m3_512 in 8 lanes).
-inline __m256 e4m3_256(__m256i b) {
-  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(b, 3), _mm256_set1_epi32(0xF));
-  const __m256i m = _mm256_and_si256(b, _mm256_set1_epi32(7));
-  const __m256i normal = _mm256_cmpgt_epi32(e, _mm256_setzero_si256());
-  const __m256i sig = _mm256_add_epi32(m, _mm256_and_si256(normal, _mm256_set1_epi32(8)));
-  const __m256i ex = _mm256_blendv_epi8(_mm256_set1_epi32(1), e, normal);
-  const __m256 two = _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_add_epi32(ex, _mm256_set1_epi32(127 - 10)), 23));
-  const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(sig), two);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
-}
-
 template <int WT>
 inline V16 w256(const char* p, int64_t k) {
   if constexpr (WT == kF32) {
@@ -44,11 +30,16 @@ inline V16 w256(const char* p, int64_t k) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
                    i8_scale(p));
-  } else if constexpr (WT == kF8) {
+  } else if constexpr (WT == kF8) {  // gemv_kernels.h's e4m3_512_lo, 8 lanes at a time
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
-    const __m256 s = _mm256_set1_ps(f8_scale(p, k));
-    return {_mm256_mul_ps(e4m3_256(_mm256_cvtepu8_epi32(b)), s),
-            _mm256_mul_ps(e4m3_256(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s)};
+    const __m256 s = _mm256_set1_ps(f8_scale(p, k) * 256.f);
+    const auto half = [](__m128i bytes) {
+      const __m128i h = _mm_cvtepu8_epi16(bytes);
+      const __m128i mag = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7);
+      const __m128i sign = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8);
+      return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+    };
+    return {_mm256_mul_ps(half(b), s), _mm256_mul_ps(half(_mm_srli_si128(b, 8)), s)};
   } else if constexpr (WT == kE2M1) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
     const __m128i m = _mm_set1_epi8(0x0F);

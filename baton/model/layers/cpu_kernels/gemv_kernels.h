@@ -25,9 +25,8 @@ constexpr int64_t kLanes = 16;
 //        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0);
 //   kF8  float8 e4m3 [N, K], one float32 scale per 128 columns, group g's at 4 (g + 1) bytes
 //        before the row (Qwen's 128 x 128 tiles, or a per-channel / per-tensor scale repeated);
-//        fp32(q) is exact (the 7 magnitude bits as (8 + m) * 2^(e - 10), or m * 2^-9 where
-//        e = 0: normal floats, so a DAZ setting changes nothing; 0x7F / 0xFF, e4m3's NaN, read
-//        as 480: no checkpoint stores it).
+//        fp32(q) is exact (in registers through a half, `e4m3_512_lo`; the plain path through
+//        a table; 0x7F / 0xFF, e4m3's NaN, read as 480: no checkpoint stores it).
 //   kE2M1 NVFP4: two e2m1 codes a byte (column 2j low nibble), an e4m3 scale per 16 columns
 //        (group g's byte 4 + g + 1 bytes before the row) and the tensor's float32 scale in the 4
 //        bytes before the row; w = (e2m1 * e4m3) * s2, the first product exact (K % 16 == 0).
@@ -188,19 +187,15 @@ inline __m128i i4_bytes(const char* p, int64_t k) {
   return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
 }
 
-// 16 e4m3 bytes (as int32 lanes) -> floats, exact (kF8 above): the integer significand times
-// the power of two built in the exponent field (normal floats only: 2^-9 .. 2^8).
-inline __m512 e4m3_512(__m512i b) {
-  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(0xF));
-  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
-  const __mmask16 normal = _mm512_test_epi32_mask(e, e);
-  const __m512i sig = _mm512_mask_add_epi32(m, normal, m, _mm512_set1_epi32(8));
-  const __m512i ex = _mm512_mask_mov_epi32(_mm512_set1_epi32(1), normal, e);  // e = 0: as 1
-  const __m512 two = _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_add_epi32(ex, _mm512_set1_epi32(127 - 10)), 23));
-  const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sig), two);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+// 16 e4m3 bytes -> their values times 2^-8, exact: each byte's magnitude shifted into a
+// half's exponent and mantissa (e4m3's bias 7 read as the half's 15), the half converted in
+// hardware (its subnormals exactly); the caller multiplies by scale * 2^8 (exact), so the
+// product rounds as fp32(q) * scale does.
+inline __m512 e4m3_512_lo(__m128i b) {
+  const __m256i h = _mm256_cvtepu8_epi16(b);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
 }
 
 template <int WT>
@@ -212,7 +207,7 @@ inline __m512 w512(const char* p, int64_t k) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
   } else if constexpr (WT == kF8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
-    return _mm512_mul_ps(e4m3_512(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(f8_scale(p, k)));
+    return _mm512_mul_ps(e4m3_512_lo(b), _mm512_set1_ps(f8_scale(p, k) * 256.f));
   } else if constexpr (WT == kE2M1) {
     const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(i4_bytes(p, k)),
                                            _mm512_loadu_ps(kE2M1Values));
@@ -239,7 +234,7 @@ inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
   } else if constexpr (WT == kF8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
-    return _mm512_mul_ps(e4m3_512(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(f8_scale(p, k)));
+    return _mm512_mul_ps(e4m3_512_lo(b), _mm512_set1_ps(f8_scale(p, k) * 256.f));
   } else if constexpr (WT == kI4 || WT == kE2M1) {
     return w512<WT>(p, k);  // K % 32 (16) == 0: never a partial chunk
   } else {
