@@ -199,7 +199,8 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 # copied into memory torch allocates (huge pages, see baton/startup.py):
                 # safetensors' own buffers have 4 KB pages, and decode streams every weight
-                if pack_stored and expected[ours].dim() == 2:
+                if pack_stored and expected[ours].dim() == 2 and ours != "lm_head.weight":
+                    # (the LM head stays float: families read the activation dtype off it)
                     stored = f.packed(name)  # a quantized weight kept as stored, if it can be
                     if stored is not None:
                         state[ours] = stored
