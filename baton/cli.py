@@ -58,6 +58,12 @@ MODEL_HELP = ("`tiny` (the embedded seeded model, made on first use), `code-nemo
 CONFIG_HELP = "YAML config file (sections model, cache, transfer, router, worker, cluster)"
 
 
+def _add_quantize(p, who: str = "") -> None:
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help=f"{who}quantize the projections at load, kept int8 / int4 in memory "
+                        "(default: config model.quantize; docs/quantization.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="baton", description=__doc__)
     ap.add_argument("--log-level", default="INFO",
@@ -80,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per decode step, 0..8 (default: config "
                         "speculative.num_draft_tokens, 0 = off; the section's other keys stay)")
+    _add_quantize(p, "every worker: ")
 
     p = sub.add_parser("router", help="the router alone (gRPC and the OpenAI-compatible HTTP API)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--model", default=None,
                    help="checkpoint whose tokenizer encodes text prompts (default: config model.path)")
+    _add_quantize(p, "the format /v1/models names: ")
 
     for role in ("prefill-worker", "decode-worker"):
         p = sub.add_parser(role, help=f"one {role} that registers with a router")
@@ -120,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MTP draft tokens per decode step, 0..8 (default: config "
                             "speculative.num_draft_tokens, 0 = off; the section's other "
                             "keys stay)")
+        _add_quantize(p)
 
     p = sub.add_parser("generate", help="send requests to a router or a local engine")
     g = p.add_mutually_exclusive_group(required=True)
@@ -142,9 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--local: MTP draft tokens per decode step, 0..8 (default: config "
                         "speculative.num_draft_tokens, 0 = off)")
 
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="--local: quantize the projections at load (default: config "
-                        "model.quantize; docs/quantization.md)")
+    _add_quantize(p, "--local: ")
 
     p = sub.add_parser("quantize", help="write a float checkpoint as int8 / int4 "
                        "(compressed-tensors)")

@@ -85,6 +85,10 @@ DECODE_PATH = _env(
 CPU_KERNELS = _env(
     "BATON_CPU_KERNELS", True, _flag,
     "0: do not build or use Baton's CPU matmul kernels (torch's matmuls instead).")
+PACKED_WEIGHTS = _env(
+    "BATON_PACKED_WEIGHTS", True, _flag,
+    "0: decode a quantized checkpoint's weights into float32 at load (docs/quantization.md) "
+    "instead of keeping them packed for the CPU kernels.")
 STEP_KERNELS = _env(
     "BATON_STEP_KERNELS", True, _flag,
     "0: do not build or use the fused decode-step kernels (the compiled torch steps).")

@@ -134,7 +134,7 @@ class LocalCluster:
 
     def __init__(self, model: str, prefill: int, decode: int, port: int, config: str | None,
                  log_level: str = "INFO", host: str = "127.0.0.1", http_port: int | None = None,
-                 worker_args: tuple[str, ...] = ()):
+                 worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()):
         local = host in ("0.0.0.0", "::", "")
         reach = "127.0.0.1" if local else host
         self._reach = reach
@@ -169,7 +169,7 @@ class LocalCluster:
         self.metrics_ports: list[tuple[str, int]] = []
         self.expected = prefill + decode
         self._spawn(_cmd(*base, "router", "--port", str(port), "--host", host, "--model", model,
-                         "--http-port", str(self.http_port), *extra))
+                         "--http-port", str(self.http_port), *extra, *router_args))
         for role, n in (("prefill-worker", prefill), ("decode-worker", decode)):
             for _ in range(n):
                 mport = free_port()
@@ -355,7 +355,7 @@ def _worker_flags(args) -> tuple[str, ...]:
 
         BatonConfig.load(args.config).speculative.with_draft_tokens(k)
     out: list[str] = []
-    for flag in ("tensor_parallel_size", "speculative_tokens"):
+    for flag in ("tensor_parallel_size", "speculative_tokens", "quantize"):
         v = getattr(args, flag, None)
         if v is not None:
             out += ["--" + flag.replace("_", "-"), str(v)]
@@ -370,7 +370,8 @@ def serve_local(args) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     cluster = LocalCluster(model, args.prefill, args.decode, args.port, args.config,
                            host=args.host, http_port=_http_port(args),
-                           worker_args=_worker_flags(args))
+                           worker_args=_worker_flags(args),
+                           router_args=("--quantize", args.quantize) if args.quantize else ())
     try:
         cluster.wait_ready()
         metrics = ", ".join(f"{role} :{port}" for role, port in cluster.metrics_ports)

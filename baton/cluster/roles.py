@@ -33,7 +33,8 @@ def run_router_role(args) -> int:
     try:
         http = start_http(handle, router_cfg.host, http_port, served_name(model_dir),
                           load_chat_template(model_dir), max_len, api_keys, ssl_args,
-                          weights=served_weights(model_dir, cfg.model.quantize))
+                          weights=served_weights(model_dir, getattr(args, "quantize", None)
+                                                 or cfg.model.quantize))
     except BaseException:
         handle.stop()
         raise

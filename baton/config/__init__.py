@@ -38,7 +38,7 @@ class ModelSection:
     quantize: Literal["int8", "int4"] | None = None
     """Quantize a float checkpoint's projections at load: int8 per output channel or int4 in
     groups of 32 (norms, router, conv, SSM parameters, embeddings and LM head stay exact);
-    dequantized into `dtype` (int8/int4 numerics, not yet their memory). docs/quantization.md.
+    packed in memory (int8 / int4, read as stored by the CPU kernels). docs/quantization.md.
     Single-process workers (no TP / PP yet)."""
 
     def __post_init__(self) -> None:

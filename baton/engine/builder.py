@@ -126,19 +126,20 @@ def _weights(path, cfg: BatonConfig, model):
     from baton.model.quant.served import WeightInfo, resident_bytes, served_format
 
     held = model.stage if isinstance(model, PipelineModel) else model  # TP / PP: this process's
-    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(held),
-                      cfg.model.dtype)
+    from baton.model.quant import packed
+
+    kinds = sorted({packed.kind(p) for p in held.parameters()} - {None})
+    held_as = f"packed {' / '.join(kinds)} and {cfg.model.dtype}" if kinds else cfg.model.dtype
+    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(held), held_as)
 
 
 def _plain(cfg: BatonConfig, path) -> Built:
     from baton.model.loader import load_model
 
     dtype = DTYPES[cfg.model.dtype]
-    model = load_model(path, device=cfg.model.device, dtype=dtype)
-    if cfg.model.quantize:
-        from baton.model.quant.quantize import quantize_model
-
-        quantize_model(model, cfg.model.quantize)
+    # model.quantize: each weight packed as it is read (int8 / int4 in memory, read as
+    # stored by the CPU kernels: baton/model/quant/packed.py)
+    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=cfg.model.quantize)
     if cfg.model.weight_dtype != "float32":
         from baton.model.layers.linear import cast_weights
 

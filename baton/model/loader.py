@@ -31,13 +31,16 @@ def family_loader(cfg) -> Weights:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    quantize: str | None = None,
 ):
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
     A missing or mis-shaped tensor raises ConfigError naming it; the multi-token-prediction
     head (`mtp.*`, the family's `mtp`) is loaded as `model.mtp` when the config declares
-    it; other tensors the model does not use are ignored with a warning.
+    it; other tensors the model does not use are ignored with a warning. `quantize` (int8 /
+    int4, `model.quantize`): each quantizable weight is packed as it is read (one tensor, or
+    one expert stack, in float at a time; `baton.model.quant.packed`), and stays packed.
     """
     path = Path(path)
     cfg = load_config(path)
@@ -46,18 +49,29 @@ def load_model(
         model = family.of(cfg).model_class()(cfg)
         attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
-    state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype)
+    state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype,
+                                      quantize)
     if unexpected:
         log.warning(
             "ignoring %d checkpoint tensor(s) the model does not use, e.g. %s",
             len(unexpected),
             unexpected[:5],
         )
+    model.requires_grad_(False)  # first: a packed (integer) weight cannot require grad
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.get_parameter(fam.embeddings)
-    model.requires_grad_(False)
+    if quantize:
+        log.info("model.quantize %s: %d weight tensors packed as they were read (%.1f MB)",
+                 quantize, *_packed_count(model))
     return install_linears(model.eval())
+
+
+def _packed_count(model) -> tuple[int, float]:
+    from baton.model.quant import packed
+
+    ts = [p for p in model.parameters() if packed.kind(p) is not None]
+    return len(ts), sum(packed.nbytes(p) for p in ts) / 1e6
 
 
 def load_stage(
@@ -126,8 +140,31 @@ def _tensor_names(path: Path) -> set[str]:
     return names
 
 
-def _read_tensors(path, expected, cfg, device, dtype):
+def packed_weights() -> bool:
+    """Whether quantized checkpoints' weights stay packed in memory: where Baton's CPU kernels
+    are on (`BATON_PACKED_WEIGHTS=0`: decoded into float32 at load)."""
+    from baton import envs
+
+    return envs.PACKED_WEIGHTS.get() and envs.CPU_KERNELS.get()
+
+
+def _packer(quantize: str | None):
+    """name, tensor -> the tensor as the model holds it: packed where `quantize` quantizes
+    it (`quant.quantize.quantizable`), else unchanged."""
+    if not quantize:
+        return lambda name, t: t
+    from baton.model.quant import packed
+    from baton.model.quant.quantize import quantizable
+
+    return lambda name, t: packed.pack(t, quantize) if quantizable(name, t, quantize) else t
+
+
+def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = None):
     fam = family_loader(cfg)
+    keep = _packer(quantize)
+    # quantized checkpoints' weights stay as stored where the CPU kernels read them (float32
+    # compute on the CPU; `QuantSlice.packed` says which formats); elsewhere decoded
+    pack_stored = device.type == "cpu" and dtype == torch.float32 and packed_weights()
     # a part the model does hold (an MTP head it attached) is read, not skipped
     state, unexpected = {}, []
     skipped = {p: 0 for p in fam.skipped if not any(k.startswith(p) for k in expected)}
@@ -152,7 +189,7 @@ def _read_tensors(path, expected, cfg, device, dtype):
                     kept = {k: v for k, v in parts.items() if k in expected}
                     for k, v in kept.items():
                         _check_shape(k, tuple(v.shape), expected[k], file)
-                        state[k] = v.to(device=device, dtype=dtype, copy=True)
+                        state[k] = keep(k, v.to(device=device, dtype=dtype, copy=True))
                     unexpected += [] if kept else [name]
                     continue
                 if ours not in expected:
@@ -162,8 +199,18 @@ def _read_tensors(path, expected, cfg, device, dtype):
                 want = torch.float32 if ours.endswith(fam.fp32_suffixes) else dtype
                 # copied into memory torch allocates (huge pages, see baton/startup.py):
                 # safetensors' own buffers have 4 KB pages, and decode streams every weight
-                state[ours] = f.get_tensor(name).to(device=device, dtype=want, copy=True)
-    stacks.load(state, device, dtype)
+                if pack_stored and expected[ours].dim() == 2 and ours != "lm_head.weight":
+                    # (the LM head stays float: families read the activation dtype off it)
+                    stored = f.packed(name)  # a quantized weight kept as stored, if it can be
+                    if stored is not None:
+                        state[ours] = stored
+                        continue
+                t = f.get_tensor(name)
+                packed = keep(ours, t)  # a packed weight needs no float copy of its own
+                state[ours] = packed if packed is not t else t.to(device=device, dtype=want,
+                                                                   copy=True)
+                del t, packed
+    stacks.load(state, device, dtype, keep, stored=pack_stored and not quantize)
     for part, count in skipped.items():
         if count:
             log.info("skipping %s: %d tensor(s) under %r", fam.skipped[part], count, part)

@@ -59,15 +59,47 @@ class ExpertStacks:
             return True
         return False
 
-    def load(self, state: dict, device: torch.device, dtype: torch.dtype) -> None:
-        """Stack every claimed tensor into `state[target]`; a missing expert is an error."""
+    def load(self, state: dict, device: torch.device, dtype: torch.dtype,
+             keep=lambda name, t: t, stored: bool = False) -> None:
+        """Stack every claimed tensor into `state[target]`; a missing expert is an error.
+        `keep(target, stack)`: the stack as the model holds it (packed under
+        `model.quantize`: one stack in float at a time). `stored`: quantized experts the CPU
+        kernels read as stored are stacked packed (`packed.stack`), not decoded."""
         for target, pieces in self.pieces.items():
             if target in state:
                 raise ConfigError(
                     f"checkpoint holds both {target!r} and per-expert tensors such as "
                     f"{pieces[0].name!r}: keep one layout"
                 )
-            state[target] = self._stack(target, pieces, device, dtype)
+            got = self._stack_packed(target, pieces) if stored else None
+            state[target] = got if got is not None else \
+                keep(target, self._stack(target, pieces, device, dtype))
+
+    def _stack_packed(self, target: str, pieces: list[Piece]) -> torch.Tensor | None:
+        """The stack from each expert's weight packed as stored, or None where one has no
+        packed form (then it is decoded) or this is a part of the experts (a TP rank's)."""
+        from baton.model.quant import packed
+
+        if type(self) is not ExpertStacks:
+            return None
+        want = self.expected[target]
+        _check_complete(target, pieces, want)
+        rows = want.shape[1] // (1 if pieces[0].half is None else 2)
+        order = sorted(pieces, key=lambda p: (p.expert, p.half or 0))
+        parts = []
+        by_file: dict[Path, list[Piece]] = defaultdict(list)
+        for p in order:
+            by_file[p.file].append(p)
+        got: dict[str, torch.Tensor] = {}
+        for file, group in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for p in group:
+                    t = f.packed(p.name) if hasattr(f, "packed") else None
+                    if t is None or tuple(t.shape) != (rows, want.shape[2]):
+                        return None
+                    got[p.name] = t
+        parts = [got[p.name] for p in order]
+        return packed.stack(parts, tuple(want.shape))
 
     def _stack(self, target: str, pieces: list[Piece], device, dtype) -> torch.Tensor:
         want = self.expected[target]

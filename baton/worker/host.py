@@ -170,6 +170,8 @@ def _worker_config(args, role: Role) -> BatonConfig:
     k = getattr(args, "speculative_tokens", None)
     if k is not None:  # that key alone: the file's max_batch and tree stay
         cfg = dataclasses.replace(cfg, speculative=cfg.speculative.with_draft_tokens(k))
+    if getattr(args, "quantize", None):
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantize=args.quantize))
     return cfg
 
 

@@ -34,9 +34,11 @@ def write_config(path: Path, data: dict) -> Path:
     return path
 
 
-def start_cluster(model_dir: Path, config: Path, prefill: int, decode: int) -> LocalCluster:
+def start_cluster(model_dir: Path, config: Path, prefill: int, decode: int,
+                  worker_args: tuple[str, ...] = ()) -> LocalCluster:
+    """`worker_args`: flags every worker takes (`baton serve`'s `--quantize int8`, ...)."""
     cluster = LocalCluster(str(model_dir), prefill, decode, free_port(), str(config),
-                           log_level="WARNING")
+                           log_level="WARNING", worker_args=worker_args)
     try:
         cluster.wait_ready(timeout=240)
     except BaseException:

@@ -1,6 +1,8 @@
 """A quantized checkpoint (NemotronH MoE in ModelOpt's MIXED_PRECISION layout: routed experts
 NVFP4, the other projections FP8, attention bf16, as Nemotron 3 Super ships) through a 1P+1D
-cluster and a TP 2 engine gives `--local`'s greedy tokens; the workers report its format."""
+cluster and a TP 2 engine gives `--local`'s greedy tokens; the workers report its format. The
+float checkpoint served with `--quantize int8` / `int4` (weights packed in memory, read as
+stored by the CPU kernels) through 1P+1D gives `--local --quantize`'s tokens."""
 
 from __future__ import annotations
 
@@ -27,14 +29,20 @@ LENGTHS = [1, 5, 17, 33, 60, 90]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantcluster")
     src = make_checkpoint(root, "f", seed=3, **NH_MOE)
-    return quant_layouts.write(src, root / "mixed", "modelopt_mixed")
+    return src, quant_layouts.write(src, root / "mixed", "modelopt_mixed")
 
 
-def local_tokens(model, specs, **worker):
-    eng = engine_for(model, cache=CONFIG["cache"], worker={**CONFIG["worker"], **worker})
+@pytest.fixture(scope="module")
+def model(dirs):
+    return dirs[1]
+
+
+def local_tokens(model, specs, quantize=None, **worker):
+    eng = engine_for(model, cache=CONFIG["cache"], worker={**CONFIG["worker"], **worker},
+                     model={"quantize": quantize})
     reqs = [Request(s.id, list(s.prompt_ids), s.sampling) for s in specs]
     try:
         return run_all(eng, reqs)["tokens"]
@@ -43,19 +51,24 @@ def local_tokens(model, specs, **worker):
             eng.model.close()
 
 
-def test_one_prefill_one_decode_equals_local(model, tmp_path):
+@pytest.mark.parametrize("served,quantize,fmt", [("mixed", None, "mixed_fp8_nvfp4"),
+                                                 ("float", "int8", "w8a16_channel"),
+                                                 ("float", "int4", "w4a16_g32")])
+def test_one_prefill_one_decode_equals_local(dirs, served, quantize, fmt, tmp_path):
+    model = dirs[served == "mixed"]
     specs = [RequestSpec(f"q{i}", prompt_ids=prompt(i, n), sampling=greedy(8))
              for i, n in enumerate(LENGTHS)]
-    cluster = start_cluster(model, write_config(tmp_path / "c.yaml", CONFIG), 1, 1)
+    flags = ("--quantize", quantize) if quantize else ()
+    cluster = start_cluster(model, write_config(tmp_path / "c.yaml", CONFIG), 1, 1, flags)
     try:
         remote = run_remote(cluster.address, specs, concurrency=4)
         counters = assert_clean(cluster)
     finally:
         cluster.stop()
     assert {r["id"]: r.get("token_ids", r.get("error")) for r in remote} == \
-        local_tokens(model, specs)
+        local_tokens(model, specs, quantize)
     for wid, c in counters.items():
-        assert c["weight_format.mixed_fp8_nvfp4"] == 1.0 and c["weight_bytes"] > 0, wid
+        assert c[f"weight_format.{fmt}"] == 1.0 and c["weight_bytes"] > 0, wid
 
 
 def test_tp2_equals_tp1(model):

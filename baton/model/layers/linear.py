@@ -49,12 +49,16 @@ from torch import nn
 from baton import envs
 from baton.model import hugepages
 from baton.model.layers import cpu_kernels
+from baton.model.quant import packed as quant_packed
 
 MAX_PACKED_ROWS = 64
 """Matmuls with more rows (prefill) stay on MKL's sgemm, which is at its peak there."""
 PACK_HINT = 32
 """Batch size the weights are reordered for: as fast as a hint of 1 or 8 at every size 1-64."""
 HALF = (torch.float16, torch.bfloat16)
+QUANT_TILE = 256
+"""Rows of a packed (int8 / int4) weight decoded at a time for a prefill matmul: 256 x 4,096
+float32 is 4 MiB, in cache beside the activations, and the whole layer is never float."""
 
 _state = {"path": envs.DECODE_PATH.get(), "generation": 0}
 """generation: bumped whenever `install` / `cast_weights` may have replaced weights (the
@@ -116,6 +120,8 @@ class FastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
+        if quant_packed.kind(w) is not None:
+            return _quant_linear(x, rows, w, self.bias)
         fast = (rows > 0 and decode_path() == "fast" and getattr(_local, "decoding", False)
                 and x.dtype == torch.float32 and x.device.type == "cpu")
         kernel = cpu_kernels.gemv() if fast else None
@@ -176,6 +182,32 @@ class FastLinear(nn.Linear):
         return cached[1]
 
 
+def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:
+    """x through a packed int8 / int4 weight (`baton.model.quant.packed`). Decode on the fast
+    path: Baton's kernel reads it as stored (each weight dequantized in registers: the float
+    kernel's bits on the dequantized weight). A prefill on the fast path: QUANT_TILE rows of
+    the weight decoded at a time into float32 and multiplied as a float prefill is
+    (`_prefill_linear`); the tiles do not depend on the rows, so a row's bits do not depend on
+    its chunk. Elsewhere (reference path, other devices): the decoded weight, one layer at a
+    time."""
+    n_out = w.shape[0]
+    bias = None if bias is None else bias.float()
+    cpu = x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
+    kernel = cpu_kernels.gemv() if cpu and decode_path() == "fast" else None
+    if kernel is not None and getattr(_local, "decoding", False):
+        return kernel.linear(x.reshape(rows, x.shape[-1]), w, bias).view(*x.shape[:-1], n_out)
+    if cpu and decode_path() == "fast" and _packed_ok():
+        x2 = x.reshape(rows, x.shape[-1])
+        y = x2.new_empty(rows, n_out)
+        for i in range(0, n_out, QUANT_TILE):
+            j = min(n_out, i + QUANT_TILE)
+            y[:, i:j] = _prefill_linear(x2, rows, quant_packed.dense(w[i:j]).contiguous(),
+                                        None if bias is None else bias[i:j])
+        return y.view(*x.shape[:-1], n_out)
+    return F.linear(x, quant_packed.dense(w, x.dtype).to(x.device),
+                    None if bias is None else bias.to(x.dtype))
+
+
 def _prefill_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:
     """A prefill matmul on the fast path: on AVX2 machines without AVX-512 the step kernels'
     `prefill_gemm` (each output in one fixed order: a row's bits are its own at any row count,
@@ -226,7 +258,8 @@ def fused_linears(x: torch.Tensor, *layers) -> list[torch.Tensor] | None:
     for layer in layers:
         w = layer if isinstance(layer, torch.Tensor) else layer.weight
         if (getattr(layer, "bias", None) is not None or w.stride(-1) != 1
-                or w.dtype not in (torch.float32, *HALF) or w.device.type != "cpu"):
+                or (w.dtype not in (torch.float32, *HALF) and quant_packed.kind(w) is None)
+                or w.device.type != "cpu"):
             return None
         ws.append(w)
     y = kernel.linear_cat(x.reshape(rows, x.shape[-1]), ws)
@@ -319,8 +352,9 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
     before = getattr(model, "dtype", None)
     saved = 0
     _state["generation"] += 1
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and id(m.weight) not in shared and m.weight.dtype != dtype:
+    for m in model.modules():  # packed int8 / int4 weights (model.quantize) stay as they are
+        if (isinstance(m, nn.Linear) and id(m.weight) not in shared and m.weight.dtype != dtype
+                and quant_packed.kind(m.weight) is None):
             old = m.weight
             m.weight = nn.Parameter(old.detach().to(dtype), requires_grad=False)
             if getattr(model, "dtype", None) != before:
@@ -333,7 +367,8 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
     for m in model.modules():  # MoE expert stacks [E, out, in] (`moe.run_experts` reads them)
         for name in getattr(m, "stacked", ()):
             old = getattr(m, name)
-            if old.dtype != dtype and old.dtype.is_floating_point:
+            if (old.dtype != dtype and old.dtype.is_floating_point
+                    and quant_packed.kind(old) is None):
                 setattr(m, name, nn.Parameter(old.detach().to(dtype), requires_grad=False))
                 saved += old.numel() * (old.element_size() - dtype.itemsize)
     return saved

@@ -38,6 +38,7 @@ from torch import nn
 
 from baton.model.layers import cpu_kernels, fused, linear, step_kernels
 from baton.model.layers.mlp import MLP, activate, activation
+from baton.model.quant import packed as quant_packed
 
 
 class MoEDims(Protocol):
@@ -186,7 +187,10 @@ def _grouped(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
 
 
 def _as(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """One expert's weight in x's dtype (half stacks of `model.weight_dtype`: upcast, exact)."""
+    """One expert's weight in x's dtype (half stacks of `model.weight_dtype`: upcast, exact;
+    packed int8 / int4 stacks of `model.quantize`: decoded, `quant.packed.dense`)."""
+    if quant_packed.kind(w) is not None:
+        return quant_packed.dense(w, x.dtype).to(x.device)
     return w if w.dtype == x.dtype else w.to(x.dtype)
 
 

@@ -1,5 +1,6 @@
 """Quantized checkpoints: the published formats read exactly (`scheme`, `checkpoint`,
-`formats`), dequantized into the model's dtype at load; see docs/quantization.md.
+`formats`); int8 / int4 / fp8 weights kept packed for the CPU kernels (`packed`), the others
+dequantized into the model's dtype at load; see docs/quantization.md.
 
 The loaders open checkpoint files through `open_file`, which presents a quantized checkpoint as
 the float one it encodes and refuses, before any weight is read, anything it cannot decode

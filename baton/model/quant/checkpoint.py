@@ -319,6 +319,12 @@ class FileView:
             return self._open(self.ckpt.meta[name].file).get_tensor(name)
         return QuantSlice(self, entry)[:]
 
+    def packed(self, name: str) -> torch.Tensor | None:
+        """Weight `name` packed as stored (`QuantSlice.packed`), None where it is not a
+        quantized weight or has no packed form."""
+        entry = self.ckpt.entries.get(name)
+        return None if entry is None else QuantSlice(self, entry).packed()
+
     def raw(self, role_part: tuple[str, Meta]):
         name, meta = role_part
         return self._open(meta.file).get_slice(name)
@@ -349,6 +355,40 @@ class QuantSlice:
         spans = [i.indices(n)[:2] for i, n in zip(idx + (slice(None),) * (2 - len(idx)), shape,
                                                   strict=True)]
         return self._decode(*spans)
+
+    def packed(self) -> torch.Tensor | None:
+        """The whole weight as the CPU kernels read it as stored (`packed`: fp8 with its
+        scales per 128 columns, symmetric int8 per channel, symmetric int4 in groups of 32),
+        or None where it has no packed form (NVFP4, other groups, zero points: decoded)."""
+        from baton.model.quant import packed
+
+        e, r, v = self.entry, self.entry.rule, self.view
+        p, (n, k) = e.parts, e.shape[-2:]
+        if len(e.shape) != 2:
+            return None
+        groups = -(-k // packed.FP8_GROUP)
+        if r.kind == "fp8_block" and r.block[1] == packed.FP8_GROUP:
+            s = v.full(p["scale"]).to(torch.float32).repeat_interleave(r.block[0], 0)[:n]
+            return packed.pack_fp8(v.full(p["q"]), s)
+        if r.kind in ("fp8_tensor", "fp8_channel"):
+            s = v.full(p["scale"]).to(torch.float32)
+            s = s.reshape(()) if s.numel() == 1 else s.reshape(n, 1)
+            return packed.pack_fp8(v.full(p["q"]), s.expand(n, groups))
+        if r.kind == "nvfp4" and k % packed.NVFP4_GROUP == 0:
+            s2 = v.full(p["scale2"])
+            return packed.pack_nvfp4(v.full(p["q"]), v.full(p["scale"]), s2) \
+                if s2.numel() == 1 else None
+        if "zero" in p or not r.symmetric:
+            return None
+        s = v.full(p["scale"])
+        if r.kind == "int" and r.bits == 8 and r.group is None and s.numel() == n:
+            return packed.pack_int8(v.full(p["q"]), s.to(torch.float32).reshape(n))
+        if (r.kind == "packed" and r.bits == 4 and r.group == packed.GROUP
+                and k % packed.GROUP == 0 and tuple(s.shape) == (n, k // packed.GROUP)
+                and s.dtype == torch.float16):
+            q = formats.unpack_int32(v.full(p["q"]), 4, k)
+            return packed.pack_int4(q, s)
+        return None
 
     def _aligned(self, span: tuple[int, int], size: int, unit: int, what: str, axis: str):
         a, b = span

@@ -16,9 +16,10 @@ the embeddings: both stay exact). int4 also keeps a projection whose width is no
 of 32 (transformers' compressed-tensors path cannot decode a partial group); the log counts
 the tensors kept.
 
-At load (`model.quantize`) the weights are quantized and dequantized back into the model's
-dtype (the values a written checkpoint decodes to, bit for bit): the numerics of int8 / int4,
-not yet their memory (no int8 kernel reads them as stored).
+At load (`model.quantize`) the loader packs each weight as it is read (`packed.pack`: the
+values a written checkpoint decodes to, bit for bit), and the CPU kernels read them as stored.
+`quantize_model` quantizes a loaded model in place and dequantizes back into its dtype (the
+same numerics in float memory: a reference).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize_model(model, mode: str) -> int:
-    """`model.quantize` at load: every quantizable weight replaced, in place, by its int8 /
-    int4 values dequantized (what the written checkpoint decodes to). Returns the count."""
+    """Every quantizable weight replaced, in place, by its int8 / int4 values dequantized (what
+    the written checkpoint decodes to; `model.quantize` packs at load instead). Returns the
+    count."""
     if mode not in MODES:
         raise ConfigError(f"model.quantize {mode!r}: choose one of {list(MODES)} (or leave it "
                           "unset)")
@@ -102,8 +104,8 @@ def quantize_model(model, mode: str) -> int:
             if quantizable(name, p, mode):
                 p.copy_(decode(encode(p, mode), mode).to(p.dtype))
                 n += 1
-    log.info("model.quantize %s: %d weight tensors quantized at load (dequantized into the "
-             "model dtype: int8/int4 numerics, float memory)", mode, n)
+    log.info("%s: %d weight tensors quantized in place (dequantized into the model dtype: "
+             "int8/int4 numerics, float memory)", mode, n)
     return n
 
 

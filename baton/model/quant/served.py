@@ -16,7 +16,8 @@ from baton.model.quant.scheme import read_scheme
 @dataclass(frozen=True)
 class WeightInfo:
     """What an engine serves: the weight format, the bytes its weights take in this process,
-    the dtype they are held in (quantized formats are dequantized into it at load)."""
+    what they are held in (`packed fp8 and float32`: the kernels' packed weights beside the
+    float ones; `float32`: a checkpoint decoded at load)."""
 
     format: str
     bytes: int

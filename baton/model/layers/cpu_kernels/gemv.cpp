@@ -59,7 +59,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
   Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp, n,
          m, b.defined() ? b.data_ptr<float>() : nullptr};
   const int64_t blocks = (n + 7) / 8;
-  split_blocks(blocks, grain_blocks(k, wt == kF32 ? 4 : 2), [&](int64_t b0, int64_t b1) {
+  split_blocks(blocks, grain_blocks(k, wsize(wt)), [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * 8, n1 = std::min(b1 * 8, n);
     run_range(a, is, wt, n0, n1);
     for (int64_t i = 0; relu2 && i < m; ++i)
@@ -129,7 +129,7 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts,
   if (m == 0 || n == 0) return y;
   const Padded xp = padded(x, ri);
   const int is = pick(isa);
-  const int64_t nb = (n + 7) / 8, es = wt == kF32 ? 4 : 2, ldx = xp.ld;
+  const int64_t nb = (n + 7) / 8, es = wsize(wt), ldx = xp.ld;
   const int64_t groups = static_cast<int64_t>(expert.size());
   const char* wp = static_cast<const char*>(w.data_ptr());
   float* yp = y.data_ptr<float>();

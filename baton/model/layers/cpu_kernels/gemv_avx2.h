@@ -16,11 +16,54 @@ inline __m256 bf16x8(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+inline V16 scaled8(__m256i lo, __m256i hi, float s) {
+  const __m256 sv = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(_mm256_cvtepi32_ps(lo), sv), _mm256_mul_ps(_mm256_cvtepi32_ps(hi), sv)};
+}
+
 template <int WT>
 inline V16 w256(const char* p, int64_t k) {
   if constexpr (WT == kF32) {
     const float* f = reinterpret_cast<const float*>(p) + k;
     return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+  } else if constexpr (WT == kI8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
+                   i8_scale(p));
+  } else if constexpr (WT == kF8) {  // gemv_kernels.h's e4m3_512_lo, 8 lanes at a time
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    const __m256 s = _mm256_set1_ps(f8_scale(p, k) * 256.f);
+    const auto half = [](__m128i bytes) {
+      const __m128i h = _mm_cvtepu8_epi16(bytes);
+      const __m128i mag = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7);
+      const __m128i sign = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8);
+      return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+    };
+    return {_mm256_mul_ps(half(b), s), _mm256_mul_ps(half(_mm_srli_si128(b, 8)), s)};
+  } else if constexpr (WT == kE2M1) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i u = _mm_unpacklo_epi8(_mm_and_si128(b, m),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m256 mags = _mm256_loadu_ps(kE2M1Values);  // codes 0-7; bit 3 the sign
+    const float s = e2m1_group_scale(p, k), t = i8_scale(p);
+    const auto lanes = [&](__m128i c) {
+      const __m256i idx = _mm256_cvtepu8_epi32(c);
+      const __m256 v = _mm256_permutevar8x32_ps(mags, idx);  // uses idx & 7
+      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+      const __m256 sv = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), sign));
+      return _mm256_mul_ps(_mm256_mul_ps(sv, _mm256_set1_ps(s)), _mm256_set1_ps(t));
+    };
+    return {lanes(u), lanes(_mm_srli_si128(u, 8))};
+  } else if constexpr (WT == kI4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i u = _mm_unpacklo_epi8(_mm_and_si128(b, m),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m256i eight = _mm256_set1_epi32(8);
+    return scaled8(_mm256_sub_epi32(_mm256_cvtepu8_epi32(u), eight),
+                   _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)), eight),
+                   _cvtsh_ss(i4_scale_bits(p, k)));
   } else {
     const __m128i* q = reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + k);
     __m128i h0 = _mm_loadu_si128(q), h1 = _mm_loadu_si128(q + 1);
@@ -31,9 +74,24 @@ inline V16 w256(const char* p, int64_t k) {
 
 template <int WT>
 inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
-  alignas(32) uint32_t buf[kLanes] = {0};  // big enough for 16 floats or 16 halves
-  std::memcpy(buf, p + k * (WT == kF32 ? 4 : 2), left * (WT == kF32 ? 4 : 2));
-  return w256<WT>(reinterpret_cast<const char*>(buf), 0);
+  if constexpr (WT == kI4 || WT == kE2M1) {
+    return w256<WT>(p, k);  // K % 32 (16) == 0: never a partial chunk
+  } else if constexpr (WT == kI8) {
+    alignas(32) int8_t buf[4 + kLanes] = {0};  // the row's scale, then its last weights
+    std::memcpy(buf, p - 4, 4);
+    std::memcpy(buf + 4, p + k, left);
+    return w256<WT>(reinterpret_cast<const char*>(buf) + 4, 0);
+  } else if constexpr (WT == kF8) {
+    alignas(32) uint8_t buf[4 + kLanes] = {0};  // the chunk's group scale, then its weights
+    const float s = f8_scale(p, k);
+    std::memcpy(buf, &s, 4);
+    std::memcpy(buf + 4, p + k, left);
+    return w256<WT>(reinterpret_cast<const char*>(buf) + 4, 0);
+  } else {
+    alignas(32) uint32_t buf[kLanes] = {0};  // big enough for 16 floats or 16 halves
+    std::memcpy(buf, p + k * wsize(WT), left * wsize(WT));
+    return w256<WT>(reinterpret_cast<const char*>(buf), 0);
+  }
 }
 
 inline float tree256(V16 v) {
@@ -62,7 +120,7 @@ inline void block256(const Args& a, int64_t i0, int64_t n0, int64_t rs = 1,
     V16 wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      if constexpr (PF) _mm_prefetch(wr[j] + ahead + k * (WT == kF32 ? 4 : 2), BATON_PF_HINT);
+      if constexpr (PF) _mm_prefetch(wr[j] + ahead + kbytes<WT>(k), BATON_PF_HINT);
       wv[j] = k < kf ? w256<WT>(wr[j], k) : w256_tail<WT>(wr[j], k, a.k - k);
       asm("" : "+x"(wv[j].lo), "+x"(wv[j].hi));  // loaded once, not refolded for every row
     }
@@ -102,7 +160,7 @@ inline void stream256(const Args& a, int64_t n) {
   const int64_t k2 = a.k & ~(2 * kLanes - 1);
   int64_t k = 0;
   for (; k < k2; k += 2 * kLanes) {
-    _mm_prefetch(wr + kAhead + k * 2, _MM_HINT_T0);
+    _mm_prefetch(wr + kAhead + kbytes<WT>(k), _MM_HINT_T0);
     const V16 w = w256<WT>(wr, k), v = w256<WT>(wr, k + kLanes);
     lo = _mm256_fmadd_ps(_mm256_loadu_ps(a.x + k), w.lo, lo);
     hi = _mm256_fmadd_ps(_mm256_loadu_ps(a.x + k + 8), w.hi, hi);
@@ -141,7 +199,7 @@ constexpr int64_t kStreamAhead = 16 << 10;
 
 template <int WT>
 int64_t strided256(const Args& a, int64_t n0, int64_t n1) {
-  const int64_t S = (n1 - n0) / 8, row_bytes = a.ldw * (WT == kF32 ? 4 : 2);
+  const int64_t S = (n1 - n0) / 8, row_bytes = a.ldw * wsize(WT);
   const int64_t stop = S - (kStreamAhead + row_bytes - 1) / row_bytes;
   int64_t b = 0;
   for (; b < stop; ++b) block256<WT, 1, 8>(a, 0, n0 + b, S, kStreamAhead);
@@ -180,6 +238,20 @@ void range256(const Args& a, int64_t n0, int64_t n1) {
       if (two) block256<WT, 1, 2>(a, i, n); else block256<WT, 1, 1>(a, i, n);
     }
     n += two ? 1 : 0;
+  }
+}
+
+// gemv_kernels.h's dequant512 on AVX2.
+template <int WT>
+void dequant256(const Args& a, int64_t n, int64_t nt, float* out, int64_t ldb) {
+  for (int64_t r = 0; r < nt; ++r) {
+    const char* wr = wbase(a, WT, n + r);
+    float* o = out + r * ldb;
+    for (int64_t k = 0; k < a.k; k += kLanes) {
+      const V16 v = k + kLanes <= a.k ? w256<WT>(wr, k) : w256_tail<WT>(wr, k, a.k - k);
+      _mm256_storeu_ps(o + k, v.lo);
+      _mm256_storeu_ps(o + k + 8, v.hi);
+    }
   }
 }
 

@@ -71,6 +71,16 @@ inline int weight_type(const at::Tensor& w) {
     case at::kFloat: return kF32;
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
+    case at::kChar: return kI8;  // packed int8 (baton/model/quant/packed.py)
+    case at::kFloat8_e4m3fn: return kF8;  // packed fp8
+    case at::kFloat4_e2m1fn_x2:  // packed NVFP4
+      TORCH_CHECK(w.size(-1) % kE2M1Group == 0, "cpu kernel: packed NVFP4 weight of width ",
+                  w.size(-1), ": a multiple of ", kE2M1Group, " is read");
+      return kE2M1;
+    case at::kByte:  // packed int4
+      TORCH_CHECK(w.size(-1) % kI4Group == 0, "cpu kernel: packed int4 weight of width ",
+                  w.size(-1), ": a multiple of ", kI4Group, " is read");
+      return kI4;
     default: TORCH_CHECK(false, "cpu kernel: weight dtype ", w.scalar_type(), " not supported");
   }
   return kF32;

@@ -9,12 +9,76 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace baton_gemv {
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4, kF8 = 5, kE2M1 = 6 };
 constexpr int64_t kLanes = 16;
+// Quantized weights (baton/model/quant/packed.py lays them out), read as stored and each
+// weight dequantized in registers exactly as the loader's float32 reference rounds it
+// (w = float(q) * scale, one rounding), so every output is the float kernel's on the
+// dequantized weights, bit for bit:
+//   kI8  int8 [N, K], one float32 scale a row in the 4 bytes before the row's first weight;
+//   kI4  two int4 a byte (column 2j in the low nibble, 2j + 1 in the high; stored + 8), one
+//        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0);
+//   kF8  float8 e4m3 [N, K], one float32 scale per 128 columns, group g's at 4 (g + 1) bytes
+//        before the row (Qwen's 128 x 128 tiles, or a per-channel / per-tensor scale repeated);
+//        fp32(q) is exact (in registers through a half, `e4m3_512_lo`; the plain path through
+//        a table; 0x7F / 0xFF, e4m3's NaN, read as 480: no checkpoint stores it).
+//   kE2M1 NVFP4: two e2m1 codes a byte (column 2j low nibble), an e4m3 scale per 16 columns
+//        (group g's byte 4 + g + 1 bytes before the row) and the tensor's float32 scale in the 4
+//        bytes before the row; w = (e2m1 * e4m3) * s2, the first product exact (K % 16 == 0).
+constexpr int64_t kI4Group = 32;
+constexpr int64_t kF8Group = 128;
+constexpr int64_t kE2M1Group = 16;
+constexpr float kE2M1Values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                   -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+// Bytes of a weight element in a row's address arithmetic (kI4: the view's unit, 1 byte;
+// its K values take K / 2).
+inline constexpr int64_t wsize(int wt) { return wt == kF32 ? 4 : wt <= kBF16 ? 2 : 1; }
+// Bytes from a row's start to its column k.
+template <int WT>
+inline constexpr int64_t kbytes(int64_t k) {
+  return WT == kI4 || WT == kE2M1 ? k / 2 : k * wsize(WT);
+}
+inline float i8_scale(const char* row) {
+  float s;
+  std::memcpy(&s, row - 4, 4);
+  return s;
+}
+inline float f8_scale(const char* row, int64_t k) {
+  float s;
+  std::memcpy(&s, row - 4 * (k / kF8Group + 1), 4);
+  return s;
+}
+// e4m3 -> float, exact (see kF8 above), through a table made once.
+inline float e4m3_exact(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                         : std::ldexp(static_cast<float>(8 + m), e - 10);
+  return b & 0x80 ? -v : v;
+}
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) v[b] = e4m3_exact(static_cast<uint8_t>(b));
+  }
+};
+inline float e4m3_float(uint8_t b) {
+  static const E4m3Table table;
+  return table.v[b];
+}
+// NVFP4 group scale (e4m3, exact) and tensor scale of a row.
+inline float e2m1_group_scale(const char* row, int64_t k) {
+  return e4m3_float(static_cast<uint8_t>(row[-4 - (k / kE2M1Group + 1)]));
+}
+inline uint16_t i4_scale_bits(const char* row, int64_t k) {
+  uint16_t h;
+  std::memcpy(&h, row - 2 * (k / kI4Group + 1), 2);
+  return h;
+}
 // Weights are prefetched this many bytes ahead of their use into L2 (_MM_HINT_T1): without it
 // the few-row blocks stalled on memory (8 rows: 50 -> 26 ms for the bench NemotronH's linears,
 // one row 20 -> 16 ms); 16-96 KiB measured the same, L1 prefetch was slower.
@@ -39,8 +103,7 @@ struct Args {
 };
 
 inline const char* wbase(const Args& a, int wt, int64_t row) {
-  const int64_t es = wt == kF32 ? 4 : 2;
-  return static_cast<const char*>(a.w) + row * a.ldw * es;
+  return static_cast<const char*>(a.w) + row * a.ldw * wsize(wt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -58,8 +121,26 @@ inline uint32_t half_bits(uint16_t h) {  // IEEE half -> float bits, exact
   return sign | ((exp + 127 - 15) << 23) | (man << 13);
 }
 
+inline float half_float(uint16_t h) {
+  const uint32_t u = half_bits(h);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
+  if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
+  if (wt == kF8) return e4m3_float(reinterpret_cast<const uint8_t*>(p)[k]) * f8_scale(p, k);
+  if (wt == kE2M1) {
+    const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
+    return kE2M1Values[k & 1 ? b >> 4 : b & 0xF] * e2m1_group_scale(p, k) * i8_scale(p);
+  }
+  if (wt == kI4) {
+    const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
+    const int q = (k & 1 ? b >> 4 : b & 0xF) - 8;
+    return static_cast<float>(q) * half_float(i4_scale_bits(p, k));
+  }
   uint16_t h = reinterpret_cast<const uint16_t*>(p)[k];
   uint32_t u = wt == kF16 ? half_bits(h) : static_cast<uint32_t>(h) << 16;
   float f;
@@ -98,10 +179,44 @@ void scalar_range(const Args& a, int wt, int64_t n0, int64_t n1) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 
+// The 16 int4 of a row from column k (a multiple of 16) as 16 bytes q + 8, in column order:
+// the 8 packed bytes' nibbles, low then high of each.
+inline __m128i i4_bytes(const char* p, int64_t k) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k / 2));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+}
+
+// 16 e4m3 bytes -> their values times 2^-8, exact: each byte's magnitude shifted into a
+// half's exponent and mantissa (e4m3's bias 7 read as the half's 15), the half converted in
+// hardware (its subnormals exactly); the caller multiplies by scale * 2^8 (exact), so the
+// product rounds as fp32(q) * scale does.
+inline __m512 e4m3_512_lo(__m128i b) {
+  const __m256i h = _mm256_cvtepu8_epi16(b);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+}
+
 template <int WT>
 inline __m512 w512(const char* p, int64_t k) {
   if constexpr (WT == kF32) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + k);
+  } else if constexpr (WT == kI8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kF8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    return _mm512_mul_ps(e4m3_512_lo(b), _mm512_set1_ps(f8_scale(p, k) * 256.f));
+  } else if constexpr (WT == kE2M1) {
+    const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(i4_bytes(p, k)),
+                                           _mm512_loadu_ps(kE2M1Values));
+    return _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(e2m1_group_scale(p, k))),
+                         _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kI4) {
+    const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(i4_bytes(p, k)), _mm512_set1_epi32(8));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q),
+                         _mm512_set1_ps(_cvtsh_ss(i4_scale_bits(p, k))));
   } else {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
         reinterpret_cast<const uint16_t*>(p) + k));
@@ -114,6 +229,14 @@ template <int WT>
 inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   if constexpr (WT == kF32) {
     return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(p) + k);
+  } else if constexpr (WT == kI8) {
+    const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kF8) {
+    const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
+    return _mm512_mul_ps(e4m3_512_lo(b), _mm512_set1_ps(f8_scale(p, k) * 256.f));
+  } else if constexpr (WT == kI4 || WT == kE2M1) {
+    return w512<WT>(p, k);  // K % 32 (16) == 0: never a partial chunk
   } else {
     __m256i h = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(p) + k);
     if constexpr (WT == kF16) return _mm512_cvtph_ps(h);
@@ -143,12 +266,11 @@ inline void block512(const Args& a, int64_t i0, int64_t n0) {
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
   const float* xr = a.x + i0 * a.ldx;
   const int64_t kf = a.k & ~(kLanes - 1);
-  constexpr int64_t es = WT == kF32 ? 4 : 2;
   for (int64_t k = 0; k < kf; k += kLanes) {
     __m512 wv[NR];
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(wr[j] + kPrefetch + k * es, BATON_PF_HINT);
+      _mm_prefetch(wr[j] + kPrefetch + kbytes<WT>(k), BATON_PF_HINT);
       wv[j] = w512<WT>(wr[j], k);
     }
 #pragma GCC unroll 16
@@ -219,7 +341,7 @@ inline void stream512(const Args& a, int64_t n) {
   const int64_t k2 = a.k & ~(2 * kLanes - 1), kf = a.k & ~(kLanes - 1);
   int64_t k = 0;
   for (; k < k2; k += 2 * kLanes) {
-    _mm_prefetch(wr + kAhead + k * 2, _MM_HINT_T0);
+    _mm_prefetch(wr + kAhead + kbytes<WT>(k), _MM_HINT_T0);
     const __m512 w = w512<WT>(wr, k), v = w512<WT>(wr, k + kLanes);
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(a.x + k), w, acc);
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(a.x + k + kLanes), v, acc);
@@ -250,6 +372,20 @@ void range512(const Args& a, int64_t n0, int64_t n1) {
   else outs512<WT, 2, 8>(a, n0, n1, rb);
 }
 
+// Quantized rows n..n+nt decoded into float32 rows of `out` (row stride ldb >= K rounded up to
+// 16, zeros past K): the values the loads above give, for `tiled` (many rows of x).
+template <int WT>
+void dequant512(const Args& a, int64_t n, int64_t nt, float* out, int64_t ldb) {
+  const int64_t kf = a.k & ~(kLanes - 1);
+  for (int64_t r = 0; r < nt; ++r) {
+    const char* wr = wbase(a, WT, n + r);
+    float* o = out + r * ldb;
+    for (int64_t k = 0; k < kf; k += kLanes) _mm512_storeu_ps(o + k, w512<WT>(wr, k));
+    if (kf < a.k)
+      _mm512_storeu_ps(o + kf, w512_tail<WT>(wr, kf, static_cast<__mmask16>((1u << (a.k - kf)) - 1)));
+  }
+}
+
 #pragma GCC pop_options
 
 }  // namespace baton_gemv
@@ -275,15 +411,63 @@ int best_isa() {
   return isa;
 }
 
+// Quantized weights times many rows of x (kTiledFrom and up): each block of kTileRows outputs
+// decoded once into a float32 tile in cache, then the float kernel over it for every row, so
+// the decoding is paid once per weight, not once per block of rows (at 32 rows fp8 weights
+// ran at 0.5x float32's speed decoded in the blocks' loads). The decoded values are the
+// loads' own, so every output keeps its bits.
+constexpr int64_t kTileRows = 16, kTiledFrom = 4;
+
+template <int WT>
+void dequant_rows(const Args& a, int isa, int64_t n, int64_t nt, float* out, int64_t ldb) {
+  if (isa == kAvx512) return dequant512<WT>(a, n, nt, out, ldb);
+  if (isa == kAvx2) return dequant256<WT>(a, n, nt, out, ldb);
+  for (int64_t r = 0; r < nt; ++r) {
+    const char* wr = wbase(a, WT, n + r);
+    for (int64_t k = 0; k < ldb; ++k) out[r * ldb + k] = k < a.k ? upcast(wr, WT, k) : 0.f;
+  }
+}
+
+template <int WT>
+void tiled(const Args& a, int isa, int64_t n0, int64_t n1) {
+  const int64_t ldb = (a.k + kLanes - 1) / kLanes * kLanes;
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < kTileRows * ldb) buf.resize(kTileRows * ldb);
+  for (int64_t n = n0; n < n1; n += kTileRows) {
+    const int64_t nt = std::min(kTileRows, n1 - n);
+    dequant_rows<WT>(a, isa, n, nt, buf.data(), ldb);
+    Args b = a;
+    b.w = buf.data(), b.ldw = ldb, b.y = a.y + n, b.bias = a.bias ? a.bias + n : nullptr;
+    if (isa == kAvx512) range512<kF32>(b, 0, nt);
+    else if (isa == kAvx2) range256<kF32>(b, 0, nt);
+    else scalar_range(b, kF32, 0, nt);
+  }
+}
+
 void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
+  if (wt >= kI8 && a.m >= kTiledFrom) {
+    if (wt == kI8) tiled<kI8>(a, isa, n0, n1);
+    else if (wt == kF8) tiled<kF8>(a, isa, n0, n1);
+    else if (wt == kE2M1) tiled<kE2M1>(a, isa, n0, n1);
+    else tiled<kI4>(a, isa, n0, n1);
+    return;
+  }
   if (isa == kAvx512) {
     if (wt == kF32) range512<kF32>(a, n0, n1);
     else if (wt == kF16) range512<kF16>(a, n0, n1);
-    else range512<kBF16>(a, n0, n1);
+    else if (wt == kBF16) range512<kBF16>(a, n0, n1);
+    else if (wt == kI8) range512<kI8>(a, n0, n1);
+    else if (wt == kF8) range512<kF8>(a, n0, n1);
+    else if (wt == kE2M1) range512<kE2M1>(a, n0, n1);
+    else range512<kI4>(a, n0, n1);
   } else if (isa == kAvx2) {
     if (wt == kF32) range256<kF32>(a, n0, n1);
     else if (wt == kF16) range256<kF16>(a, n0, n1);
-    else range256<kBF16>(a, n0, n1);
+    else if (wt == kBF16) range256<kBF16>(a, n0, n1);
+    else if (wt == kI8) range256<kI8>(a, n0, n1);
+    else if (wt == kF8) range256<kF8>(a, n0, n1);
+    else if (wt == kE2M1) range256<kE2M1>(a, n0, n1);
+    else range256<kI4>(a, n0, n1);
   } else {
     scalar_range(a, wt, n0, n1);
   }

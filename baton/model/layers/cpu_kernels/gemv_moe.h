@@ -188,7 +188,7 @@ void experts_glued(const at::Tensor& x, const at::Tensor& experts, const float* 
   const int64_t xs = pack_rows(buf, xc.data_ptr<float>(), xc.stride(0), nullptr, m, k, ldk);
   // up: [pairs, uw] by expert run, and the shared [m, su] (gate | up, or up)
   std::vector<float> yu(pairs * uw), syu(m * su);
-  const int64_t es = weight_type(up) == kF32 ? 4 : 2;
+  const int64_t es = wsize(weight_type(up));
   const char* upp = static_cast<const char*>(up.data_ptr());
   std::vector<Job> jobs;
   for (int64_t x0 = 0, ex = 0; ex < e; x0 += counts[ex], ++ex) {
@@ -213,7 +213,7 @@ void experts_glued(const at::Tensor& x, const at::Tensor& experts, const float* 
   // down: [pairs, d] by expert run, and the shared [m, d]
   std::vector<float> yd(pairs * d);
   sd.assign(m * d, 0.f);
-  const int64_t esd = weight_type(down) == kF32 ? 4 : 2;
+  const int64_t esd = wsize(weight_type(down));
   const char* dp = static_cast<const char*>(down.data_ptr());
   jobs.clear();
   for (int64_t x0 = 0, ex = 0; ex < e; x0 += counts[ex], ++ex) {

@@ -52,10 +52,11 @@ def test_engine_stats_and_metrics_name_the_format(dirs, caplog):
     with caplog.at_level(logging.INFO, logger="baton"):
         engine = build_engine(cfg, str(fp8))
     w = engine.weights
-    assert w.format == "fp8_block128x128" and w.dtype == "float32"
+    # the fp8 projections stay packed; what the checkpoint keeps in bf16 is held in float32
+    assert w.format == "fp8_block128x128" and w.dtype == "packed fp8 and float32"
     assert w.bytes == resident_bytes(engine.model) > checkpoint_bytes(fp8)
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    assert ready and f"weights fp8_block128x128 ({w.bytes / 1e6:.1f} MB held in float32)" \
+    assert ready and f"weights fp8_block128x128 ({w.bytes / 1e6:.1f} MB held in {w.dtype})" \
         in ready[0]
     loop = EngineLoop(engine)
     try:
@@ -137,3 +138,22 @@ def test_a_sender_of_another_weight_format_is_refused_at_connect():
     finally:
         s.close()
         r.close()
+
+
+def test_quantize_flag_on_serve_router_and_workers(capsys):
+    from baton.cli import build_parser
+    from baton.cluster.local import _worker_flags
+    from baton.worker.host import _worker_config
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--quantize", "int8"])
+    assert _worker_flags(serve) == ("--quantize", "int8")
+    assert parser.parse_args(["router", "--quantize", "int4"]).quantize == "int4"
+    for role, r in (("prefill-worker", Role.PREFILL), ("decode-worker", Role.DECODE)):
+        args = parser.parse_args([role, "--router", "h:1", "--quantize", "int4"])
+        assert _worker_config(args, r).model.quantize == "int4"
+        args = parser.parse_args([role, "--router", "h:1"])
+        assert _worker_config(args, r).model.quantize is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantize", "int3"])
+    assert "invalid choice: 'int3' (choose from" in capsys.readouterr().err

@@ -1,0 +1,259 @@
+"""Quantized weights kept compressed in memory, laid out for Baton's CPU kernels
+(`cpu_kernels/gemv_kernels.h`, `kI8` / `kI4`), which read them as stored.
+
+A packed weight is a tensor view with the float weight's shape [..., N, K] (rows contiguous in
+K, so every caller that hands `FastLinear._packed()` or an expert stack to the kernels hands
+it on unchanged); each row carries its scales just before its first weight:
+
+    int8  dtype int8: K values q, one float32 scale s in the 4 bytes before the row;
+          w = float(q) * s                                    (per output channel)
+    int4  dtype uint8 (the view's K "elements" cover K / 2 bytes: never read it as a tensor):
+          column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
+          float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
+          w = float(q - 8) * float(s_g)                        (K % 32 == 0)
+    fp8   dtype float8_e4m3fn: K values q as the checkpoint stores them; one float32 scale per
+          128 columns, group g's 4 (g + 1) bytes before the row (Qwen's 128 x 128 tiles, a
+          per-channel or per-tensor scale repeated); w = fp32(q) * s_g
+    nvfp4 dtype float4_e2m1fn_x2 (K "elements" over K / 2 bytes, as int4): the checkpoint's
+          bytes (column 2j in the low nibble); the float32 tensor scale s2 in the 4 bytes
+          before the row, group g's e4m3 scale 4 + g + 1 bytes before it (16 columns a group);
+          w = (e2m1 * e4m3) * s2                             (K % 16 == 0)
+
+`dense` decodes either into float32 exactly as the loader's reference does (one rounding a
+weight: `formats.int_grouped`), so the kernel's outputs are the float kernel's on `dense(w)`,
+bit for bit. Everything that is not the kernel (prefill matmuls, the reference path, CUDA)
+reads `dense` of the rows it needs (`linear.FastLinear`, `moe._as`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baton.model.quant.served import QUANTIZE_GROUP
+
+GROUP = QUANTIZE_GROUP
+I8_PREFIX = 16
+"""Bytes before an int8 row's first weight (its scale in the last 4): rows 16-byte aligned."""
+KINDS = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "fp8",
+         torch.float4_e2m1fn_x2: "nvfp4"}
+NVFP4_GROUP = 16
+FP8_GROUP = 128
+
+
+def kind(t: torch.Tensor) -> str | None:
+    """'int8' / 'int4' for a packed weight, None for anything else (a float weight)."""
+    return KINDS.get(t.dtype) if t.dim() >= 2 else None
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+CHUNK_BYTES = 1 << 20
+"""Float32 bytes of a weight quantized at a time (`pack`): the temporaries stay small, so
+loading never holds more than the tensor being read beside the packed model."""
+
+
+def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
+    """`w` [..., N, K] (float) quantized as `model.quantize` does (`quantize.encode`, row by
+    row: the same values) and laid out packed, a few rows at a time."""
+    from baton.model.quant.quantize import encode
+
+    *lead, n, k = w.shape
+    if mode == "int4" and k % GROUP:
+        raise ValueError(f"int4 weight of width {k}: a multiple of {GROUP} is packed")
+    flat = w.reshape(-1, k)
+    out, grid, _ = _layout(w.shape, mode)
+    step = max(1, CHUNK_BYTES // (4 * max(k, 1)))
+    for r in range(0, flat.shape[0], step):
+        parts = encode(flat[r:r + step], mode)
+        if mode == "int8":
+            _fill_int8(grid[r:r + step], parts["weight"], parts["weight_scale"])
+        else:
+            from baton.model.quant.formats import unpack_int32
+
+            _fill_int4(grid[r:r + step], unpack_int32(parts["weight_packed"], 4, k),
+                       parts["weight_scale"])
+    return out
+
+
+def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the packed view, its rows' bytes [rows, ldw], the row prefix) of a new zeroed weight."""
+    *lead, n, k = shape
+    rows = n
+    for d in lead:
+        rows *= d
+    if mode == "int8":
+        prefix = I8_PREFIX
+        ldw = prefix + _round16(k)
+        buf = torch.zeros(rows * ldw, dtype=torch.uint8)
+        view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
+    else:
+        prefix = _round16(2 * (k // GROUP))
+        ldw = prefix + _round16(k // 2)
+        buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)  # + k: the view's last row fits
+        view = buf.as_strided(shape, _strides(lead, n, ldw), prefix)
+    return view, buf[:rows * ldw].view(rows, ldw), prefix
+
+
+def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 values q [..., N, K] and float32 scales [..., N, ceil(K / 128)] (each row's
+    scale for columns [128 g, 128 g + 128))."""
+    *lead, n, k = q.shape
+    rows, groups = q.numel() // max(k, 1), -(-k // FP8_GROUP)
+    prefix = _round16(4 * groups)
+    ldw = prefix + _round16(k)
+    buf = torch.zeros(rows * ldw, dtype=torch.uint8)
+    grid = buf.view(rows, ldw)
+    grid[:, prefix:prefix + k] = q.reshape(rows, k).view(torch.uint8)
+    s = scale.to(torch.float32).reshape(rows, groups).flip(-1).contiguous()
+    grid[:, prefix - 4 * groups:prefix] = s.view(torch.uint8)
+    return buf.view(torch.float8_e4m3fn).as_strided(q.shape, _strides(lead, n, ldw), prefix)
+
+
+def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """NVFP4 as ModelOpt stores it: bytes q [..., N, K / 2] (uint8), e4m3 scales
+    [..., N, K / 16], the float32 tensor scale."""
+    *lead, n, half = q.shape
+    k, groups = 2 * half, half // (NVFP4_GROUP // 2)
+    rows = q.numel() // max(half, 1)
+    prefix = _round16(4 + groups)
+    ldw = prefix + _round16(half)
+    buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)
+    grid = buf[:rows * ldw].view(rows, ldw)
+    grid[:, prefix:prefix + half] = q.reshape(rows, half).view(torch.uint8)
+    s = scale.reshape(rows, groups).view(torch.uint8).flip(-1)
+    grid[:, prefix - 4 - groups:prefix - 4] = s
+    s2 = scale_2.to(torch.float32).reshape(1, 1).expand(rows, 1).contiguous()
+    grid[:, prefix - 4:prefix] = s2.view(torch.uint8)
+    return buf.view(torch.float4_e2m1fn_x2).as_strided((*lead, n, k), _strides(lead, n, ldw),
+                                                       prefix)
+
+
+def _prefix(t: torch.Tensor) -> int:
+    k = t.shape[-1]
+    return {"int8": I8_PREFIX, "int4": _round16(2 * (k // GROUP)),
+            "fp8": _round16(4 * -(-k // FP8_GROUP)),
+            "nvfp4": _round16(4 + k // NVFP4_GROUP)}[kind(t)]
+
+
+def stack(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Packed 2-D weights of one kind and width, their rows one after another, as one packed
+    [E, N, K] stack of `shape` (MoE experts stored one tensor per expert)."""
+    first = parts[0]
+    k, prefix, ldw = first.shape[-1], _prefix(first), first.stride(-2)
+    rows = sum(t.shape[0] for t in parts)
+    if (any(kind(t) != kind(first) or t.shape[-1] != k or t.stride(-2) != ldw for t in parts)
+            or rows * k != torch.Size(shape).numel()):
+        raise ValueError(f"packed stack {list(shape)}: parts of other kinds or widths")
+    buf = torch.zeros(rows * ldw + (k if kind(first) in ("int4", "nvfp4") else 0),
+                      dtype=torch.uint8)
+    grid = buf[:rows * ldw].view(rows, ldw)
+    at = 0
+    for t in parts:
+        n = t.shape[0]
+        grid[at:at + n] = _bytes(t, ldw, prefix)
+        at += n
+    return buf.view(first.dtype).as_strided(shape, _strides(list(shape[:-2]), shape[-2], ldw),
+                                            prefix)
+
+
+def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    rows, k = q.shape[0], q.shape[-1]
+    grid[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
+    s = scale.to(torch.float32).reshape(rows, 1).contiguous()
+    grid[:, I8_PREFIX - 4:I8_PREFIX] = s.view(torch.uint8)
+
+
+def _fill_int4(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    k = q.shape[-1]
+    rows, groups = q.numel() // max(k, 1), k // GROUP
+    prefix = _round16(2 * groups)
+    u = (q.reshape(rows, k).to(torch.int16) + 8).to(torch.uint8)
+    grid[:, prefix:prefix + k // 2] = u[:, 0::2] | (u[:, 1::2] << 4)
+    s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
+    grid[:, prefix - 2 * groups:prefix] = s.view(torch.uint8)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 values q [..., N, K] and one float32 scale a row ([..., N] or [..., N, 1])."""
+    view, grid, _ = _layout(q.shape, "int8")
+    _fill_int8(grid, q.reshape(-1, q.shape[-1]), scale)
+    return view
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Signed int4 values q [..., N, K] in [-8, 7] (K a multiple of 32) and float16 scales
+    [..., N, K / 32]."""
+    k = q.shape[-1]
+    if k % GROUP:
+        raise ValueError(f"int4 weight of width {k}: a multiple of {GROUP} is packed")
+    view, grid, _ = _layout(q.shape, "int4")
+    _fill_int4(grid, q.reshape(-1, k), scale)
+    return view
+
+
+def _strides(lead: list[int], n: int, ldw: int) -> tuple[int, ...]:
+    strides, step = [ldw, 1], n * ldw
+    for d in reversed(lead):
+        strides.insert(0, step)
+        step *= d
+    return tuple(strides)
+
+
+def _bytes(t: torch.Tensor, width: int, before: int) -> torch.Tensor:
+    """Each row's `width` bytes starting `before` bytes before its first weight [..., N, w]."""
+    base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return base.as_strided((*t.shape[:-1], width), (*t.stride()[:-1], 1),
+                           t.storage_offset() - before)
+
+
+def scales(t: torch.Tensor) -> torch.Tensor:
+    """A packed weight's scales: int8 [..., N] float32, int4 [..., N, K / 32] float16, fp8
+    [..., N, ceil(K / 128)] float32."""
+    if kind(t) == "int8":
+        return _bytes(t, 4, 4).contiguous().view(torch.float32)[..., 0]
+    if kind(t) == "fp8":
+        groups = -(-t.shape[-1] // FP8_GROUP)
+        return _bytes(t, 4 * groups, 4 * groups).contiguous().view(torch.float32).flip(-1)
+    groups = t.shape[-1] // GROUP
+    return _bytes(t, 2 * groups, 2 * groups).contiguous().view(torch.float16).flip(-1)
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """A packed int8 / int4 weight's integer values [..., N, K] (int16)."""
+    if kind(t) == "int8":
+        return t.to(torch.int16)
+    b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int16)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2) - 8
+
+
+def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A packed weight decoded (float32: each weight float(q) * scale, one rounding; the
+    loader's reference), then cast to `dtype`; a float tensor as it is."""
+    from baton.model.quant.formats import int_grouped
+
+    k = kind(t)
+    if k is None:
+        return t
+    if k == "nvfp4":
+        from baton.model.quant.formats import E2M1_PAIRS
+
+        groups = t.shape[-1] // NVFP4_GROUP
+        s = _bytes(t, groups, 4 + groups).flip(-1).contiguous().view(torch.float8_e4m3fn)
+        s2 = _bytes(t, 4, 4).contiguous().view(torch.float32)  # [..., N, 1]: a row's (an
+        b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int64)   # expert's) tensor scale
+        vals = E2M1_PAIRS[b].flatten(-2).unflatten(-1, (-1, NVFP4_GROUP))
+        w = (vals * s.to(torch.float32)[..., None]).flatten(-2) * s2  # formats.nvfp4's order
+        return w if dtype == torch.float32 else w.to(dtype)
+    if k == "fp8":
+        s = scales(t).repeat_interleave(FP8_GROUP, dim=-1)[..., :t.shape[-1]]
+        w = t.to(torch.float32) * s
+        return w if dtype == torch.float32 else w.to(dtype)
+    w = int_grouped(values(t), scales(t), None, None if k == "int8" else GROUP)
+    return w if dtype == torch.float32 else w.to(dtype)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes a packed weight's storage holds."""
+    return t.untyped_storage().nbytes()
