@@ -36,6 +36,9 @@ import torch
 
 from baton.errors import InvalidRequestError
 
+OPEN = "<tool_call>\n"
+NO_TAG = "/(?s:.*)<tool_call>(?s:.*)/"
+"""Text that contains a call's opening tag (free text before calls must not)."""
 MAX_CALLS = 8
 """Most tool calls one constrained answer may make (a model looping on calls ends there)."""
 CACHE_SIZE = 256
@@ -101,15 +104,18 @@ def _xml_value(schema: dict, flexible: bool) -> str:
     return f"{json_lark(schema, flexible)} {_lit(chr(10) + '</parameter>' + chr(10))}"
 
 
-def calls_lark(tools: list[dict], call_format: str, one: bool, flexible: bool) -> str:
+def calls_lark(tools: list[dict], call_format: str, one: bool, flexible: bool,
+               free: bool = False) -> str:
     """`start` of one or more calls (`one`: exactly one; else up to MAX_CALLS) of `tools` in
     the model's format; a call names only its declared parameters (as the XML format does:
-    a schema without `additionalProperties` is taken as false)."""
+    a schema without `additionalProperties` is taken as false). `free` (`tool_choice: "auto"`
+    with strict tools): free text without `<tool_call>`, or free text (maybe none) and then
+    the calls."""
     rules = []
     if call_format == "xml":
         rules += xml_calls_lark(tools, flexible)
-        body = " | ".join(f"fn_{i}" for i in range(len(tools)))
-        rules.append(f'call: {_lit("<tool_call>" + chr(10))} ({body}) {_lit("</tool_call>")}')
+        alts = " | ".join(f"fn_{i}" for i in range(len(tools)))
+        rules.append(f'body: ({alts}) {_lit("</tool_call>")}')
     else:
         options = []
         for tool in tools:
@@ -120,9 +126,17 @@ def calls_lark(tools: list[dict], call_format: str, one: bool, flexible: bool) -
                 "name": {"const": fn["name"]}, "arguments": params},
                 "required": ["name", "arguments"], "additionalProperties": False})
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        rules.append(f'call: {_lit("<tool_call>" + chr(10))} {json_lark(schema, flexible)} '
-                     f'{_lit(chr(10) + "</tool_call>")}')
-    start = "start: call" if one else f'start: call ({_lit(chr(10))} call){{0,{MAX_CALLS - 1}}}'
+        rules.append(f'body: {json_lark(schema, flexible)} {_lit(chr(10) + "</tool_call>")}')
+    rules.append(f'call: {_lit(OPEN)} body')
+    more = "" if one else f' ({_lit(chr(10))} call){{0,{MAX_CALLS - 1}}}'
+    if free:
+        # one lexeme for the text and the opening tag: a lexer reading the text greedily
+        # would never end it before a `<tool_call>` it has half read
+        start = f"start: TEXT? | OPENER body{more}"
+        rules += [f"TEXT: /(?s:.+)/ & ~{NO_TAG}", f"NOTAG: /(?s:.*)/ & ~{NO_TAG}",
+                  f"OPENER: NOTAG {_lit(OPEN)}"]
+    else:
+        start = f"start: call{more}"
     return "\n".join([start, *rules])
 
 

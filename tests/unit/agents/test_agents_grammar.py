@@ -304,3 +304,49 @@ def test_a_replay_count_beyond_the_prompt_fails_that_request_alone(setup):
     assert both["tokens"]["bad"] == []
     assert "exceeds its" in str(both["outputs"]["bad"].error)
     assert eng.tracked()["grammar_matchers"] == 0
+
+
+def _accepts(grammars, grammar: str, tok, text: str) -> bool:
+    """Whether the grammar takes `text` whole and may end there."""
+    m = grammars.prepare(grammar).deep_copy()
+    ids = tok.encode(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", ["xml", "hermes"])
+def test_auto_with_strict_tools_is_free_text_or_valid_calls(setup, fmt):
+    """`tool_choice: "auto"` with a strict tool: free text without a call tag, or calls (after
+    free text, or none) whose arguments follow the schema; `parallel_tool_calls: false`: one."""
+    eng, tok = setup
+    xml = {"ok": "<tool_call>\n<function=lookup>\n<parameter=city>\nRome\n</parameter>\n"
+                 "<parameter=unit>\nc\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+                 "</function>\n</tool_call>",
+           "bad": "<tool_call>\n<function=lookup>\n<parameter=city>\nRome\n</parameter>\n"
+                  "<parameter=unit>\nc\n</parameter>\n<parameter=days>\n9\n</parameter>\n"
+                  "</function>\n</tool_call>"}
+    hermes = {"ok": '<tool_call>\n{"name":"lookup","arguments":{"city":"Rome","unit":"c",'
+                    '"days":3}}\n</tool_call>',
+              "bad": '<tool_call>\n{"name":"lookup","arguments":{"city":"Rome","unit":"k",'
+                     '"days":3}}\n</tool_call>'}
+    call = xml if fmt == "xml" else hermes
+    tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+    many = g.compile_text(g.calls_lark(tools, fmt, False, False, free=True), "tools")
+    one = g.compile_text(g.calls_lark(tools, fmt, True, False, free=True), "tools")
+    grammars = eng.grammars
+    for text in ("", "Sunny.", "a < b <tool", call["ok"], "Let me look.\n\n" + call["ok"],
+                 call["ok"] + "\n" + call["ok"]):
+        assert _accepts(grammars, many, tok, text), text
+    for text in (call["bad"], "x " + call["bad"], call["ok"] + " then text",
+                 "<tool_call>\nnot a call</tool_call>"):
+        assert not _accepts(grammars, many, tok, text), text
+    assert _accepts(grammars, one, tok, call["ok"])
+    assert not _accepts(grammars, one, tok, call["ok"] + "\n" + call["ok"])
+    reqs = [Request(f"a{i}", tok.encode("Answer:"), SamplingParams(
+        max_tokens=60, grammar=many, **s)) for i, s in enumerate(SAMPLINGS[:2])]
+    out = run_all(eng, reqs)  # the random model writes text (to the length limit) under it
+    for r in reqs:
+        assert out["outputs"][r.id].finish_reason in ("stop", "length")
+        assert _accepts(grammars, many, tok, tok.decode(
+            [t for t in out["tokens"][r.id] if t not in eng.eos_ids])) or \
+            out["outputs"][r.id].finish_reason == "length"
+    assert eng.tracked()["grammar_matchers"] == 0
