@@ -19,8 +19,9 @@ the first token under the grammar, the decode worker replays it, a request moved
 decode worker replays its output; no matcher state crosses the wire. Each sample of n has its
 own matcher (its own request id). A request resumed on another pair (its decode worker died)
 carries the tokens sent at the end of its prompt and `grammar_replay` = their count: the new
-workers' matchers replay them first. Speculative decoding does not draft for a constrained
-request: it decodes one token a step through the masked sampler (SpeculativeDecoder.wants).
+workers' matchers replay them first. Speculative decoding drafts for a constrained request too:
+each verify row is masked under the drafts before it (`mask_drafts`: the matcher consumes
+them and rolls back), so acceptance keeps exactly the tokens decoding without drafts draws.
 """
 
 from __future__ import annotations
@@ -249,7 +250,6 @@ class Grammars:
             return logits, {}
         t0 = time.perf_counter()
         out, errors = self._copy(logits), {}
-        width = out.shape[1]
         for i in rows:
             req = reqs[i]
             try:
@@ -257,18 +257,24 @@ class Grammars:
             except InvalidRequestError as e:
                 errors[i] = str(e)
                 continue
-            banned = ~allowed[:width]
-            if banned.shape[0] < width:  # rows past the grammar's vocabulary: never allowed
-                banned = np.concatenate([banned, np.ones(width - banned.shape[0], bool)])
-            if out.device.type == "cpu" and out.dtype == torch.float32:
-                # numpy's boolean assignment: ~0.1 ms at 151k (torch's masked_fill_ with a
-                # fresh mask took 15-80 ms here)
-                out[i].numpy()[banned] = -np.inf
-            else:
-                out[i].masked_fill_(torch.from_numpy(banned).to(out.device), float("-inf"))
+            self._apply(out, i, allowed)
         self.mask_seconds += time.perf_counter() - t0
         self.masks += len(rows)
         return out, errors
+
+    @staticmethod
+    def _apply(out: torch.Tensor, i: int, allowed: np.ndarray) -> None:
+        """Row i of `out` to -inf wherever `allowed` is not (and past its vocabulary)."""
+        width = out.shape[1]
+        banned = ~allowed[:width]
+        if banned.shape[0] < width:  # rows past the grammar's vocabulary: never allowed
+            banned = np.concatenate([banned, np.ones(width - banned.shape[0], bool)])
+        if out.device.type == "cpu" and out.dtype == torch.float32:
+            # numpy's boolean assignment: ~0.1 ms at 151k (torch's masked_fill_ with a
+            # fresh mask took 15-80 ms here)
+            out[i].numpy()[banned] = -np.inf
+        else:
+            out[i].masked_fill_(torch.from_numpy(banned).to(out.device), float("-inf"))
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` copied into a buffer kept across steps (a fresh 600 KB tensor a step took
@@ -288,7 +294,42 @@ class Grammars:
             out.copy_(logits)
         return out
 
-    def _allowed(self, req) -> np.ndarray:
+    def mask_drafts(self, logits: torch.Tensor, req, drafts: list[int],
+                    parents: tuple[int, ...] = ()) -> torch.Tensor:
+        """Speculation's verify rows of `req` ([m, vocab]: row 0 after its last token, row r
+        after draft r-1) each masked to what the grammar allows after the drafts on its path
+        (`parents`: a tree's, row r's parent row; none: a chain), as a copy. The matcher
+        consumes each path and rolls back: only tokens kept later advance it (the next call
+        replays them). A row after a draft the grammar does not allow stays as it was: the
+        masked row before it never draws that draft, so acceptance never reaches it.
+        InvalidRequestError when the request broke its grammar."""
+        t0 = time.perf_counter()
+        st = self._sync(req)
+        out = logits.clone()
+        m = st.matcher
+        eos = set(self.eos_ids)
+        masked = 0
+        for r in range(out.shape[0]):
+            path, p = [], r
+            while p > 0:
+                path.append(drafts[p - 1])
+                p = parents[p - 1] if parents else p - 1
+            path.reverse()
+            if any(t in eos for t in path):
+                continue  # past the end of the answer
+            n = m.try_consume_tokens(path) if path else 0
+            if n == len(path):
+                self._apply(out, r, self._bits(m, req))
+                masked += 1
+            if n and not m.rollback(n):
+                raise InvalidRequestError(f"request {req.id}: its grammar cannot roll back "
+                                          f"{n} draft token(s): {m.get_error()[:200]}")
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks += masked
+        return out
+
+    def _sync(self, req) -> _State:
+        """`req`'s matcher with every token it drew so far consumed."""
         st = self._states.get(req.id)
         replay = req.sampling.grammar_replay
         if replay and replay > len(req.prompt_ids):  # a negative slice start: the wrong tokens
@@ -307,7 +348,14 @@ class Grammars:
                     f"request {req.id}: token(s) {new} break its grammar: "
                     f"{st.matcher.get_error()[:200]}")
             st.consumed = len(drawn)
-        bits = np.frombuffer(st.matcher.compute_bitmask(), dtype=np.uint8)
+        return st
+
+    def _allowed(self, req) -> np.ndarray:
+        return self._bits(self._sync(req).matcher, req)
+
+    @staticmethod
+    def _bits(matcher, req) -> np.ndarray:
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         if not allowed.any():
             raise InvalidRequestError(f"request {req.id}: its grammar allows no next token")

@@ -1,8 +1,8 @@
 """Constrained decoding on the engine (llguidance): every answer follows its grammar (a JSON
 schema with every bound, tool calls in the model's own format, regex, choice), greedy and
 sampled, each of n samples on its own matcher, on the tiny model with its tokenizer.json and
-with the byte-level fallback; bad grammars are refused by name; speculation does not draft
-for a constrained request."""
+with the byte-level fallback; bad grammars are refused by name; speculation drafts for a
+constrained request and equals speculation off."""
 
 from __future__ import annotations
 
@@ -182,27 +182,59 @@ def test_compiles_once_per_grammar_and_counts_masks(setup):
     assert eng.grammars.masks == masks + 2 and eng.grammars.mask_seconds > 0
 
 
-def test_speculation_on_equals_off_for_constrained_requests(tmp_path):
-    """A constrained request decodes through the masked sampler (no drafts) beside one that
-    drafts: both answers equal speculation off."""
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
     from tests.support.speculative_helpers import agreeing_checkpoint
 
-    ck = agreeing_checkpoint(tmp_path)
-    tok = load_tokenizer(ck)
+    ck = agreeing_checkpoint(tmp_path_factory.mktemp("agree"))
+    return ck, load_tokenizer(ck)
+
+
+@pytest.mark.parametrize("spec", [{"num_draft_tokens": 3}, {"num_draft_tokens": 3, "tree": {
+    "top_k": [3, 2, 2], "max_total_draft_tokens": 8}}], ids=["chain", "tree"])
+def test_speculation_drafts_under_the_grammar_and_equals_off(agreeing, spec):
+    """Constrained requests draft: each verify row is masked under the drafts before it and
+    the matcher rolls back, so the tokens equal speculation off exactly, greedy and seeded,
+    samples of n (each its own matcher), beside an unconstrained request; drafts were both
+    accepted and rejected."""
+    ck, tok = agreeing
     grammar = g.compile_text("start: " + g.json_lark(SCHEMA), "response_format")
+    calls = g.compile_text(g.calls_lark(TOOLS, "xml", one=False, flexible=False), "tool_choice")
 
     def answers(**spec):
-        eng = engine_for(ck, worker={"max_num_seqs": 4}, **spec)
+        eng = engine_for(ck, worker={"max_num_seqs": 8}, cache={"num_state_slots": 128}, **spec)
         reqs = [Request("c", tok.encode("Q:"), SamplingParams(max_tokens=200, grammar=grammar)),
+                Request("t", tok.encode("Call:"), SamplingParams(max_tokens=300,
+                                                                 grammar=calls)),
+                Request("s", tok.encode("Q:"), SamplingParams(
+                    max_tokens=200, grammar=grammar, temperature=1.0, seed=7)),
+                *(Request(f"n{i}", tok.encode("Q?"), SamplingParams(  # samples of n, as the
+                    max_tokens=200, grammar=grammar, temperature=0.8, seed=3 + i))  # router
+                  for i in range(2)),  # sends them to a speculating worker
                 Request("f", tok.encode("Q:"), SamplingParams(max_tokens=24, ignore_eos=True))]
-        out = run_all(eng, reqs)
-        drafts = eng.spec.draft_tokens if eng.spec is not None else 0
-        return out["tokens"], drafts
+        samples: dict = {}
+        for r in reqs:
+            eng.add_request(r)
+        done = 0
+        while done < 6:
+            for o in eng.step():
+                samples.setdefault((o.request_id, o.sample), []).extend(o.new_token_ids)
+                done += o.finished
+        assert eng.requests == {} and eng.tracked()["grammar_matchers"] == 0
+        return samples, {r.id: (r.draft_tokens, r.accepted_tokens) for r in reqs}
 
     off, _ = answers()
-    on, drafts = answers(speculative={"num_draft_tokens": 3})
-    assert on == off and drafts > 0
-    Order.model_validate_json(tok.decode(on["c"][:-1]))
+    on, drafts = answers(speculative=spec)
+    assert on == off
+    for rid in ("c", "t", "s"):  # constrained requests drafted, kept some, rejected some
+        assert 0 < drafts[rid][1] < drafts[rid][0], drafts
+    for key, ids in on.items():
+        if key[0] != "f":
+            text = tok.decode(ids[:-1])
+            if key[0] == "t":
+                assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
+            else:
+                Order.model_validate_json(text)
 
 
 def test_worker_metrics_show_compile_and_mask_time(setup):
