@@ -186,10 +186,19 @@ class Grammars:
         self._tok_lock = threading.Lock()
         self._states: dict[str, _State] = {}
         self._buf: torch.Tensor | None = None
+        self._pool = None
+        self._job = None
+        self._ahead: dict[str, tuple[int, np.ndarray]] = {}
+        """Masks computed during the forward (`prefetch`): request id -> (tokens consumed,
+        allowed)."""
         self.compile_seconds = 0.0
         self.compiles = 0
         self.mask_seconds = 0.0
+        self.compute_seconds = 0.0
+        """Of mask_seconds, the matchers' bitmasks (the rest: unpacking, copying, applying)."""
         self.masks = 0
+        self.masks_ahead = 0
+        """Of masks, those computed during the forward (`prefetch`)."""
 
     @property
     def tracked(self) -> int:
@@ -239,7 +248,37 @@ class Grammars:
             return m
 
     def forget(self, request_id: str) -> None:
+        self._wait()
         self._states.pop(request_id, None)
+        self._ahead.pop(request_id, None)
+
+    def prefetch(self, reqs: list) -> None:
+        """Start computing the masks of `reqs`' next tokens on a helper thread, while the
+        step's forward runs (as vLLM and SGLang overlap them): a matcher's state depends only
+        on the tokens drawn so far, not on the logits. `mask` waits for it and computes only
+        what it lacks; nothing else touches a matcher meanwhile."""
+        todo = [r for r in reqs if r.sampling.grammar]
+        if not todo:
+            return
+        self._wait()
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar-mask")
+        self._job = self._pool.submit(self._compute_ahead, todo)
+
+    def _compute_ahead(self, reqs: list) -> None:
+        for r in reqs:
+            try:
+                st = self._sync(r)
+                self._ahead[r.id] = (st.consumed, self._bits(st.matcher, r))
+            except Exception:  # noqa: BLE001 - `mask` computes it again and names why
+                self._ahead.pop(r.id, None)
+
+    def _wait(self) -> None:
+        if self._job is not None:
+            job, self._job = self._job, None
+            job.result()
 
     def mask(self, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dict[int, str]]:
         """`logits` with every constrained request's row masked to what its grammar allows
@@ -249,6 +288,7 @@ class Grammars:
         if not rows:
             return logits, {}
         t0 = time.perf_counter()
+        self._wait()
         out, errors = self._copy(logits), {}
         for i in rows:
             req = reqs[i]
@@ -304,6 +344,8 @@ class Grammars:
         masked row before it never draws that draft, so acceptance never reaches it.
         InvalidRequestError when the request broke its grammar."""
         t0 = time.perf_counter()
+        self._wait()
+        self._ahead.pop(req.id, None)
         st = self._sync(req)
         out = logits.clone()
         m = st.matcher
@@ -351,11 +393,18 @@ class Grammars:
         return st
 
     def _allowed(self, req) -> np.ndarray:
-        return self._bits(self._sync(req).matcher, req)
+        st = self._sync(req)
+        ahead = self._ahead.pop(req.id, None)
+        if ahead is not None and ahead[0] == st.consumed:
+            self.masks_ahead += 1
+            return ahead[1]
+        return self._bits(st.matcher, req)
 
-    @staticmethod
-    def _bits(matcher, req) -> np.ndarray:
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    def _bits(self, matcher, req) -> np.ndarray:
+        t0 = time.perf_counter()
+        raw = matcher.compute_bitmask()
+        self.compute_seconds += time.perf_counter() - t0
+        bits = np.frombuffer(raw, dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         if not allowed.any():
             raise InvalidRequestError(f"request {req.id}: its grammar allows no next token")

@@ -177,9 +177,11 @@ def test_compiles_once_per_grammar_and_counts_masks(setup):
     first = eng.grammars.prepare(grammar)
     assert eng.grammars.prepare(grammar) is first
     assert eng.grammars.compiles == before + 1
-    masks = eng.grammars.masks
+    masks, ahead = eng.grammars.masks, eng.grammars.masks_ahead
     run(setup, grammar, [{}])
     assert eng.grammars.masks == masks + 2 and eng.grammars.mask_seconds > 0
+    # the first token's mask after the prefill, the second's computed during the decode forward
+    assert eng.grammars.masks_ahead == ahead + 1
 
 
 @pytest.fixture(scope="module")
