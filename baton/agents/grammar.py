@@ -370,6 +370,36 @@ class Grammars:
         self.masks += masked
         return out
 
+    def draft_mask(self, req):
+        """For the drafter (chains): (drafts so far, a logits row) -> the row masked to what
+        the grammar allows after `req`'s tokens and those drafts (the matcher consumes them
+        and rolls back), so the head guesses within the grammar; the row unchanged where the
+        drafts left it (the verify pass then rejects them)."""
+        eos = set(self.eos_ids)
+
+        def mask(drafts: list[int], row: torch.Tensor) -> torch.Tensor:
+            self._wait()
+            if any(t in eos for t in drafts):
+                return row
+            try:
+                m = self._sync(req).matcher
+            except InvalidRequestError:
+                return row  # the verify pass's mask names why
+            n = m.try_consume_tokens(drafts) if drafts else 0
+            try:
+                if n < len(drafts):
+                    return row
+                out = row[None].clone()
+                self._apply(out, 0, self._bits(m, req))
+                return out[0]
+            except InvalidRequestError:
+                return row
+            finally:
+                if n and not m.rollback(n):
+                    self._states.pop(req.id, None)  # rebuilt and replayed at its next mask
+
+        return mask
+
     def _sync(self, req) -> _State:
         """`req`'s matcher with every token it drew so far consumed."""
         st = self._states.get(req.id)

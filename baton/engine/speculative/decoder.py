@@ -269,7 +269,8 @@ class SpeculativeDecoder:
         for r in reqs:
             p = self.pending[r.id]
             nxt = tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0])
-            jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
+            jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id],
+                                 engine.grammars.draft_mask(r) if r.sampling.grammar else None))
         try:
             if self.tree is not None:  # greedy requests a tree, sampled ones a chain
                 depth = self.tree.depth
