@@ -183,13 +183,15 @@ def run(args) -> list[dict]:
 
 
 def _mask_row(g, tok, torch, ag, vocab_s: float) -> dict:
+    from baton.sampling import SamplingParams
+
     schema = _schemas()["order"]
     text = ag.compile_text("start: " + ag.json_lark(schema), "response_format")
     ids = tok.greedy_tokenize(json.dumps(ORDER, separators=(",", ":")))
 
     class Req:
         id = "bench"
-        sampling = type("S", (), {"grammar": text})()
+        sampling = SamplingParams(grammar=text)
         output_ids: list[int] = []
 
     req = Req()
