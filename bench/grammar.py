@@ -7,6 +7,8 @@
               and its application to a row of logits (`Grammars.mask`)
     decode    a batch of 8 decoding with a JSON schema against the same batch unconstrained:
               time per token, side by side (alternating runs, medians)
+    agent     an 8-turn tool-call loop over the Responses API through 1 prefill + 1 decode
+              worker: prefill tokens computed against the oracle's (every earlier turn reused)
 
 The 151,000-token vocabulary is built from words of the installed Python sources (the machine
 has no published tokenizer); its tokens are what a byte-level BPE vocabulary holds (words with
@@ -176,17 +178,20 @@ def run(args) -> list[dict]:
                      statistics.median(cached) < TARGETS["cached_compile_ms"]})
     rows.append(_mask_row(g, tok, torch, ag, vocab_s))
     rows.append(_decode_row(args))
+    rows.append(_agent_loop_row(args))
     return rows
 
 
 def _mask_row(g, tok, torch, ag, vocab_s: float) -> dict:
+    from baton.sampling import SamplingParams
+
     schema = _schemas()["order"]
     text = ag.compile_text("start: " + ag.json_lark(schema), "response_format")
     ids = tok.greedy_tokenize(json.dumps(ORDER, separators=(",", ":")))
 
     class Req:
         id = "bench"
-        sampling = type("S", (), {"grammar": text})()
+        sampling = SamplingParams(grammar=text)
         output_ids: list[int] = []
 
     req = Req()
@@ -216,13 +221,17 @@ def _decode_row(args) -> dict:
     path = checkpoint(preset)
     eng = decode_engine(path, 8, 512)
     vocab = eng.model.config.vocab_size
-    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {
-        "type": "string", "maxLength": 12}}}, "required": ["words"], "additionalProperties": False}
+    n = 48 if args.quick else 96
+    # never closes within n tokens (64 items take at least 192): both batches decode 8 x n
+    # tokens, like for like
+    schema = {"type": "object", "properties": {"words": {
+        "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}},
+        "required": ["words"], "additionalProperties": False}
     grammar = ag.compile_text("start: " + ag.json_lark(schema), "response_format")
     ps = prompts(8, 64, min(vocab, 259))
-    n = 48 if args.quick else 96
+    g = eng.grammars
 
-    def one(constrained: bool) -> float:
+    def one(constrained: bool) -> tuple[float, int]:
         reqs = [Request(f"{'c' if constrained else 'f'}{time.monotonic_ns()}-{i}", list(p),
                         SamplingParams(max_tokens=n, ignore_eos=not constrained,
                                        grammar=grammar if constrained else ""))
@@ -234,17 +243,116 @@ def _decode_row(args) -> dict:
         t, toks = time.perf_counter(), 0
         while eng.has_work:
             toks += sum(len(o.new_token_ids) for o in eng.step())
-        return (time.perf_counter() - t) / max(toks, 1)
+        return (time.perf_counter() - t) / max(toks, 1), toks
 
     one(True)
     one(False)  # warm
     free, cons = [], []
+    mask0, compute0, masks0 = g.mask_seconds, g.compute_seconds, g.masks
     for _ in range(3 if args.quick else 5):
-        free.append(one(False))
-        cons.append(one(True))
+        t, toks_f = one(False)
+        free.append(t)
+        t, toks_c = one(True)
+        cons.append(t)
+    masks = g.masks - masks0
     ratio = statistics.median(cons) / statistics.median(free)
     return {"benchmark": "grammar", "case": "decode", "model": preset, "batch": 8,
-            "vocab": vocab, "free_ms_per_token": round(statistics.median(free) * 1e3, 4),
+            "vocab": vocab, "tokens_per_run": [toks_f, toks_c],
+            "free_ms_per_token": round(statistics.median(free) * 1e3, 4),
             "constrained_ms_per_token": round(statistics.median(cons) * 1e3, 4),
+            "mask_us_per_token": round((g.mask_seconds - mask0) / max(masks, 1) * 1e6, 1),
+            "bitmask_us_per_token": round((g.compute_seconds - compute0) / max(masks, 1) * 1e6,
+                                          1),
             "ratio": round(ratio, 4), "target_ratio": TARGETS["decode_batch8_ratio"],
             "meets": ratio <= TARGETS["decode_batch8_ratio"]}
+
+
+AGENT_CONFIG = {
+    "cache": {"num_blocks": 1024, "num_state_slots": 64, "mamba_state_config": {
+        "periodic_snapshot_interval": 32, "additional_snapshot_offsets_from_end": [0],
+        "decode_end_snapshot": True}},
+    "router": {"policy": "session", "heartbeat_seconds": 0.5},
+    "worker": {"max_num_seqs": 16, "max_model_len": 4096},
+    "transfer": {"lease_seconds": 120.0},
+}
+AGENT_TOOLS = [
+    {"type": "function", "name": "search", "strict": True, "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "maxLength": 12},
+                                         "limit": {"type": "integer", "minimum": 1,
+                                                   "maximum": 9}},
+        "required": ["query", "limit"], "additionalProperties": False}},
+    {"type": "function", "name": "clock", "strict": True, "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}}]
+
+
+def _agent_loop_row(args, turns: int = 8) -> dict:
+    """An agent loop over the Responses API through 1 prefill + 1 decode worker: `turns`
+    tool-call turns chained by previous_response_id (greedy, one call a turn, each answered
+    by a function_call_output). Prefill tokens computed on both workers (Stats
+    `prefilled_tokens`) against the oracle: each turn's tokens that no earlier prompt or
+    answer held (the first prompt whole, then what the new turn adds). The tiny model, with
+    its template ending an assistant turn with the EOS token as Qwen's and Nemotron's do."""
+    import shutil
+    import tempfile
+
+    import grpc
+    import openai
+    import yaml
+
+    from baton.model.chat_template import TINY_CHAT_TEMPLATE
+    from baton.proto_gen import router_pb2_grpc
+    from bench.agentic import _computed
+    from bench.common import checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="bench-agents-"))
+    model = root / "tiny"
+    shutil.copytree(checkpoint("tiny"), model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = TINY_CHAT_TEMPLATE.replace(
+        "{% endfor %}{{ '\\n' }}{% endfor %}",
+        "{% endfor %}{% if message.role == 'assistant' %}{{ eos_token }}{% endif %}"
+        "{{ '\\n' }}{% endfor %}")
+    cfg_path.write_text(json.dumps(cfg))
+    (root / "baton.yaml").write_text(yaml.safe_dump(AGENT_CONFIG))
+    from baton.cluster.local import LocalCluster, free_port
+
+    cluster = LocalCluster(str(model), 1, 1, free_port(), str(root / "baton.yaml"),
+                           log_level="WARNING")
+    try:
+        cluster.wait_ready(timeout=240)
+        client = openai.OpenAI(base_url=f"{cluster.http_address}/v1", api_key="unused",
+                               max_retries=0, timeout=300)
+        prev, seen, t0 = None, [], time.perf_counter()
+        for turn in range(turns):
+            inp = "Find a book about whales, then the time." if prev is None else [
+                {"type": "function_call_output", "call_id": c.call_id,
+                 "output": json.dumps({"turn": turn, "result": f"item {turn}"})}
+                for c in prev.output if c.type == "function_call"]
+            r = client.responses.create(
+                model="tiny", input=inp, tools=AGENT_TOOLS, tool_choice="required",
+                parallel_tool_calls=False, temperature=0, max_output_tokens=120,
+                previous_response_id=prev.id if prev else None)
+            calls = [o for o in r.output if o.type == "function_call"]
+            if r.status != "completed" or len(calls) != 1:
+                raise RuntimeError(f"turn {turn}: {r.status}, {len(calls)} calls")
+            seen.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens,
+                         r.usage.output_tokens))
+            prev = r
+        wall = time.perf_counter() - t0
+        ch = grpc.insecure_channel(cluster.address)
+        computed = _computed(router_pb2_grpc.RouterStub(ch), cluster.secret.bearer)
+        ch.close()
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    oracle = seen[0][0] + sum(i - (pi + po) for (pi, _, po), (i, _, _) in
+                              zip(seen, seen[1:], strict=False))
+    prefilled = int(sum(computed.values()))
+    return {"benchmark": "grammar", "case": "agent_loop_responses_1p1d", "turns": turns,
+            "prompt_tokens": [s[0] for s in seen], "cached_tokens": [s[1] for s in seen],
+            "answer_tokens": [s[2] for s in seen], "prefill_tokens": prefilled,
+            "prefill_by_role": {k: int(v) for k, v in computed.items()},
+            "oracle_prefill_tokens": oracle, "ratio": round(prefilled / max(oracle, 1), 4),
+            "wall_s": round(wall, 1), "meets": prefilled == oracle}

@@ -19,8 +19,9 @@ the first token under the grammar, the decode worker replays it, a request moved
 decode worker replays its output; no matcher state crosses the wire. Each sample of n has its
 own matcher (its own request id). A request resumed on another pair (its decode worker died)
 carries the tokens sent at the end of its prompt and `grammar_replay` = their count: the new
-workers' matchers replay them first. Speculative decoding does not draft for a constrained
-request: it decodes one token a step through the masked sampler (SpeculativeDecoder.wants).
+workers' matchers replay them first. Speculative decoding drafts for a constrained request too:
+each verify row is masked under the drafts before it (`mask_drafts`: the matcher consumes
+them and rolls back), so acceptance keeps exactly the tokens decoding without drafts draws.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import torch
 
 from baton.errors import InvalidRequestError
 
+OPEN = "<tool_call>\n"
+NO_TAG = "/(?s:.*)<tool_call>(?s:.*)/"
+"""Text that contains a call's opening tag (free text before calls must not)."""
 MAX_CALLS = 8
 """Most tool calls one constrained answer may make (a model looping on calls ends there)."""
 CACHE_SIZE = 256
@@ -101,15 +105,18 @@ def _xml_value(schema: dict, flexible: bool) -> str:
     return f"{json_lark(schema, flexible)} {_lit(chr(10) + '</parameter>' + chr(10))}"
 
 
-def calls_lark(tools: list[dict], call_format: str, one: bool, flexible: bool) -> str:
+def calls_lark(tools: list[dict], call_format: str, one: bool, flexible: bool,
+               free: bool = False) -> str:
     """`start` of one or more calls (`one`: exactly one; else up to MAX_CALLS) of `tools` in
     the model's format; a call names only its declared parameters (as the XML format does:
-    a schema without `additionalProperties` is taken as false)."""
+    a schema without `additionalProperties` is taken as false). `free` (`tool_choice: "auto"`
+    with strict tools): free text without `<tool_call>`, or free text (maybe none) and then
+    the calls."""
     rules = []
     if call_format == "xml":
         rules += xml_calls_lark(tools, flexible)
-        body = " | ".join(f"fn_{i}" for i in range(len(tools)))
-        rules.append(f'call: {_lit("<tool_call>" + chr(10))} ({body}) {_lit("</tool_call>")}')
+        alts = " | ".join(f"fn_{i}" for i in range(len(tools)))
+        rules.append(f'body: ({alts}) {_lit("</tool_call>")}')
     else:
         options = []
         for tool in tools:
@@ -120,9 +127,17 @@ def calls_lark(tools: list[dict], call_format: str, one: bool, flexible: bool) -
                 "name": {"const": fn["name"]}, "arguments": params},
                 "required": ["name", "arguments"], "additionalProperties": False})
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        rules.append(f'call: {_lit("<tool_call>" + chr(10))} {json_lark(schema, flexible)} '
-                     f'{_lit(chr(10) + "</tool_call>")}')
-    start = "start: call" if one else f'start: call ({_lit(chr(10))} call){{0,{MAX_CALLS - 1}}}'
+        rules.append(f'body: {json_lark(schema, flexible)} {_lit(chr(10) + "</tool_call>")}')
+    rules.append(f'call: {_lit(OPEN)} body')
+    more = "" if one else f' ({_lit(chr(10))} call){{0,{MAX_CALLS - 1}}}'
+    if free:
+        # one lexeme for the text and the opening tag: a lexer reading the text greedily
+        # would never end it before a `<tool_call>` it has half read
+        start = f"start: TEXT? | OPENER body{more}"
+        rules += [f"TEXT: /(?s:.+)/ & ~{NO_TAG}", f"NOTAG: /(?s:.*)/ & ~{NO_TAG}",
+                  f"OPENER: NOTAG {_lit(OPEN)}"]
+    else:
+        start = f"start: call{more}"
     return "\n".join([start, *rules])
 
 
@@ -171,10 +186,19 @@ class Grammars:
         self._tok_lock = threading.Lock()
         self._states: dict[str, _State] = {}
         self._buf: torch.Tensor | None = None
+        self._pool = None
+        self._job = None
+        self._ahead: dict[str, tuple[int, np.ndarray]] = {}
+        """Masks computed during the forward (`prefetch`): request id -> (tokens consumed,
+        allowed)."""
         self.compile_seconds = 0.0
         self.compiles = 0
         self.mask_seconds = 0.0
+        self.compute_seconds = 0.0
+        """Of mask_seconds, the matchers' bitmasks (the rest: unpacking, copying, applying)."""
         self.masks = 0
+        self.masks_ahead = 0
+        """Of masks, those computed during the forward (`prefetch`)."""
 
     @property
     def tracked(self) -> int:
@@ -224,7 +248,37 @@ class Grammars:
             return m
 
     def forget(self, request_id: str) -> None:
+        self._wait()
         self._states.pop(request_id, None)
+        self._ahead.pop(request_id, None)
+
+    def prefetch(self, reqs: list) -> None:
+        """Start computing the masks of `reqs`' next tokens on a helper thread, while the
+        step's forward runs (as vLLM and SGLang overlap them): a matcher's state depends only
+        on the tokens drawn so far, not on the logits. `mask` waits for it and computes only
+        what it lacks; nothing else touches a matcher meanwhile."""
+        todo = [r for r in reqs if r.sampling.grammar]
+        if not todo:
+            return
+        self._wait()
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar-mask")
+        self._job = self._pool.submit(self._compute_ahead, todo)
+
+    def _compute_ahead(self, reqs: list) -> None:
+        for r in reqs:
+            try:
+                st = self._sync(r)
+                self._ahead[r.id] = (st.consumed, self._bits(st.matcher, r))
+            except Exception:  # noqa: BLE001 - `mask` computes it again and names why
+                self._ahead.pop(r.id, None)
+
+    def _wait(self) -> None:
+        if self._job is not None:
+            job, self._job = self._job, None
+            job.result()
 
     def mask(self, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dict[int, str]]:
         """`logits` with every constrained request's row masked to what its grammar allows
@@ -234,8 +288,8 @@ class Grammars:
         if not rows:
             return logits, {}
         t0 = time.perf_counter()
+        self._wait()
         out, errors = self._copy(logits), {}
-        width = out.shape[1]
         for i in rows:
             req = reqs[i]
             try:
@@ -243,18 +297,24 @@ class Grammars:
             except InvalidRequestError as e:
                 errors[i] = str(e)
                 continue
-            banned = ~allowed[:width]
-            if banned.shape[0] < width:  # rows past the grammar's vocabulary: never allowed
-                banned = np.concatenate([banned, np.ones(width - banned.shape[0], bool)])
-            if out.device.type == "cpu" and out.dtype == torch.float32:
-                # numpy's boolean assignment: ~0.1 ms at 151k (torch's masked_fill_ with a
-                # fresh mask took 15-80 ms here)
-                out[i].numpy()[banned] = -np.inf
-            else:
-                out[i].masked_fill_(torch.from_numpy(banned).to(out.device), float("-inf"))
+            self._apply(out, i, allowed)
         self.mask_seconds += time.perf_counter() - t0
         self.masks += len(rows)
         return out, errors
+
+    @staticmethod
+    def _apply(out: torch.Tensor, i: int, allowed: np.ndarray) -> None:
+        """Row i of `out` to -inf wherever `allowed` is not (and past its vocabulary)."""
+        width = out.shape[1]
+        banned = ~allowed[:width]
+        if banned.shape[0] < width:  # rows past the grammar's vocabulary: never allowed
+            banned = np.concatenate([banned, np.ones(width - banned.shape[0], bool)])
+        if out.device.type == "cpu" and out.dtype == torch.float32:
+            # numpy's boolean assignment: ~0.1 ms at 151k (torch's masked_fill_ with a
+            # fresh mask took 15-80 ms here)
+            out[i].numpy()[banned] = -np.inf
+        else:
+            out[i].masked_fill_(torch.from_numpy(banned).to(out.device), float("-inf"))
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` copied into a buffer kept across steps (a fresh 600 KB tensor a step took
@@ -274,7 +334,74 @@ class Grammars:
             out.copy_(logits)
         return out
 
-    def _allowed(self, req) -> np.ndarray:
+    def mask_drafts(self, logits: torch.Tensor, req, drafts: list[int],
+                    parents: tuple[int, ...] = ()) -> torch.Tensor:
+        """Speculation's verify rows of `req` ([m, vocab]: row 0 after its last token, row r
+        after draft r-1) each masked to what the grammar allows after the drafts on its path
+        (`parents`: a tree's, row r's parent row; none: a chain), as a copy. The matcher
+        consumes each path and rolls back: only tokens kept later advance it (the next call
+        replays them). A row after a draft the grammar does not allow stays as it was: the
+        masked row before it never draws that draft, so acceptance never reaches it.
+        InvalidRequestError when the request broke its grammar."""
+        t0 = time.perf_counter()
+        self._wait()
+        self._ahead.pop(req.id, None)
+        st = self._sync(req)
+        out = logits.clone()
+        m = st.matcher
+        eos = set(self.eos_ids)
+        masked = 0
+        for r in range(out.shape[0]):
+            path, p = [], r
+            while p > 0:
+                path.append(drafts[p - 1])
+                p = parents[p - 1] if parents else p - 1
+            path.reverse()
+            if any(t in eos for t in path):
+                continue  # past the end of the answer
+            n = m.try_consume_tokens(path) if path else 0
+            if n == len(path):
+                self._apply(out, r, self._bits(m, req))
+                masked += 1
+            if n and not m.rollback(n):
+                raise InvalidRequestError(f"request {req.id}: its grammar cannot roll back "
+                                          f"{n} draft token(s): {m.get_error()[:200]}")
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks += masked
+        return out
+
+    def draft_mask(self, req):
+        """For the drafter (chains): (drafts so far, a logits row) -> the row masked to what
+        the grammar allows after `req`'s tokens and those drafts (the matcher consumes them
+        and rolls back), so the head guesses within the grammar; the row unchanged where the
+        drafts left it (the verify pass then rejects them)."""
+        eos = set(self.eos_ids)
+
+        def mask(drafts: list[int], row: torch.Tensor) -> torch.Tensor:
+            self._wait()
+            if any(t in eos for t in drafts):
+                return row
+            try:
+                m = self._sync(req).matcher
+            except InvalidRequestError:
+                return row  # the verify pass's mask names why
+            n = m.try_consume_tokens(drafts) if drafts else 0
+            try:
+                if n < len(drafts):
+                    return row
+                out = row[None].clone()
+                self._apply(out, 0, self._bits(m, req))
+                return out[0]
+            except InvalidRequestError:
+                return row
+            finally:
+                if n and not m.rollback(n):
+                    self._states.pop(req.id, None)  # rebuilt and replayed at its next mask
+
+        return mask
+
+    def _sync(self, req) -> _State:
+        """`req`'s matcher with every token it drew so far consumed."""
         st = self._states.get(req.id)
         replay = req.sampling.grammar_replay
         if replay and replay > len(req.prompt_ids):  # a negative slice start: the wrong tokens
@@ -293,7 +420,21 @@ class Grammars:
                     f"request {req.id}: token(s) {new} break its grammar: "
                     f"{st.matcher.get_error()[:200]}")
             st.consumed = len(drawn)
-        bits = np.frombuffer(st.matcher.compute_bitmask(), dtype=np.uint8)
+        return st
+
+    def _allowed(self, req) -> np.ndarray:
+        st = self._sync(req)
+        ahead = self._ahead.pop(req.id, None)
+        if ahead is not None and ahead[0] == st.consumed:
+            self.masks_ahead += 1
+            return ahead[1]
+        return self._bits(st.matcher, req)
+
+    def _bits(self, matcher, req) -> np.ndarray:
+        t0 = time.perf_counter()
+        raw = matcher.compute_bitmask()
+        self.compute_seconds += time.perf_counter() - t0
+        bits = np.frombuffer(raw, dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         if not allowed.any():
             raise InvalidRequestError(f"request {req.id}: its grammar allows no next token")

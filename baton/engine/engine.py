@@ -292,6 +292,8 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         failed = [self._fail(req, why) for req, why in self.scheduler.take_rejected()]
+        if self.spec is None:  # their masks, computed during the forwards
+            self.grammars.prefetch(plan.decodes)
         sampled = self._forked(self._prefill(plan.prefills, failed), failed)
         if sampled:  # the forward is over; what follows is the first tokens' draw
             now = time.monotonic()

@@ -213,9 +213,11 @@ def _grammar_figures(g) -> list[tuple[str, str, str, object]]:
         ("baton_grammar_compiles", "counter", "Grammars compiled (a cached one is not "
          "compiled again)", g.compiles),
         ("baton_grammar_compile_seconds", "counter", "Time compiling grammars", g.compile_seconds),
-        ("baton_grammar_masks", "counter", "Tokens drawn under a grammar's mask", g.masks),
-        ("baton_grammar_mask_seconds", "counter", "Time computing and applying masks (per "
-         "token: over baton_grammar_masks)", g.mask_seconds),
+        ("baton_grammar_masks", "counter", "Logit rows masked by a grammar (a token drawn, "
+         "or a speculative verify row)", g.masks),
+        ("baton_grammar_mask_seconds", "counter", "Engine-thread time computing and applying "
+         "masks (per row: over baton_grammar_masks; masks computed during the forward count "
+         "only their wait)", g.mask_seconds),
     ]
 
 

@@ -5,6 +5,9 @@ Which one applies: `tool_choice` "required" or a named function (the calls in th
 format), else `response_format` json_object / json_schema, else vLLM's `structured_outputs`
 (json, regex, choice, grammar, json_object) or its older `guided_*` names. Only one may be
 given; `response_format` with a tool constraint is refused (SGLang drops one silently).
+`tool_choice: "auto"` (or left out) with a `strict` tool: free text, or calls whose arguments
+follow their tools' schemas, as vLLM does (its VLLM_ENFORCE_STRICT_TOOL_CALLING default); an
+explicit constraint beside it applies alone (the answer's text follows it, so may not call).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def chat_grammar(body, call_format: str, tools: list[dict] | None,
     tc_label = "none" if not tools else ("named" if not isinstance(tc, str | None)
                                          else (tc or "auto"))
     rf_label = body.response_format.type if body.response_format else (
-        "structured_outputs" if field and field not in ("tool_choice",) else "text")
+        "structured_outputs" if field and field not in ("tool_choice", "tools") else "text")
     if not lark:
         return "", tc_label, rf_label
     if reasoning:
@@ -46,6 +49,9 @@ def _lark(body, call_format: str, tools, flexible: bool) -> tuple[str, str]:
         raise InvalidRequestError(f"{given[1]}: only one constraint applies to an answer, and "
                                   f"{given[0]} is given too; send one of them")
     if not given:
+        if tools and tc in ("auto", None) and any(_strict(t) for t in tools):
+            return g.calls_lark(tools, call_format, body.parallel_tool_calls is False,
+                                flexible, free=True), "tools"
         return "", ""
     field = given[0]
     if field == "tool_choice":
@@ -92,6 +98,10 @@ def _extra(kind: str, value, field: str, flexible: bool) -> tuple[str, str]:
             raise InvalidRequestError(f"{field}: give at least one choice")
         return "start: " + " | ".join(json.dumps(c) for c in value), field
     return value, field  # a Lark grammar as llguidance reads it
+
+
+def _strict(tool: dict) -> bool:
+    return bool(tool.get("function", tool).get("strict"))
 
 
 def _from_grammar(grammar_json: str, field: str) -> str:

@@ -169,6 +169,27 @@ def test_every_tp_pair_through_the_router_equals_local(setup):
         assert c["canary_slots_checked"] > 0, (wid, c)
 
 
+def test_constrained_greedy_output_through_tp_workers_equals_local(setup):
+    """A grammar's answers through every pair, TP-2 prefill and decode among them: the
+    prefill worker draws the first token under the grammar, the decode worker replays it into
+    its own matcher; every token equals the local TP-1 engine's."""
+    from baton.agents import grammar as g
+
+    grammar = g.compile_text('start: "[" NUM ("," NUM){0,7} "]"\nNUM: /[0-9]{1,3}/',
+                             "structured_outputs.grammar")
+    specs = [RequestSpec(f"g{i}", prompt_ids=prompt(900 + i, 3 + 7 * i),
+                         sampling=SamplingParams(max_tokens=32, grammar=grammar))
+             for i in range(PAIRS)]
+    want = tokens(run_local(setup["engine"], specs, PAIRS))
+    remote = run_remote(setup["cluster"].address, specs, concurrency=1)
+    assert tokens(remote) == want
+    assert all(r["finish_reason"] in ("stop", "length") for r in remote)
+    assert sum(r["finish_reason"] == "stop" for r in remote) >= PAIRS // 2  # closed brackets
+    pairs = {(kind_of(setup, r["prefill_worker"]), kind_of(setup, r["decode_worker"]))
+             for r in remote}
+    assert pairs == {(p, d) for p in ("tp1", "tp2") for d in ("tp1", "tp2", "pp2")}
+
+
 def _metric(cluster, name: str) -> float:
     with urllib.request.urlopen(f"{cluster.http_address}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()

@@ -38,6 +38,7 @@ from baton.engine.speculative.pending import PendingRows, tokens
 from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
+from baton.errors import InvalidRequestError
 from baton.model.layers.linear import MAX_PACKED_ROWS
 
 log = logging.getLogger("baton.engine")
@@ -85,11 +86,11 @@ class SpeculativeDecoder:
         """Whether `req` speculates: a request decoding here (not a prefill-only handoff),
         greedy ones by argmax, others by the rejection rule (rejection.py). One whose draw
         needs the processed distribution of every position (penalties, logit_bias,
-        min_tokens), its logprobs or a grammar's mask (baton/agents/grammar.py: drafts are
-        not verified against the mask) decodes one token a step through the sampler instead."""
+        min_tokens) or its logprobs decodes one token a step through the sampler instead. A
+        grammar's request drafts: its verify rows are masked under the drafts before them
+        (`Grammars.mask_drafts`)."""
         s = req.sampling
-        return not req.prefill_only and not s.penalized and s.logprobs is None \
-            and not s.grammar
+        return not req.prefill_only and not s.penalized and s.logprobs is None
 
     def kv_wanted(self, req: Request) -> bool:
         """Whether a prefill chunk of `req` writes the head's KV: when it speculates here, or
@@ -268,7 +269,8 @@ class SpeculativeDecoder:
         for r in reqs:
             p = self.pending[r.id]
             nxt = tokens(r, p.start + 1, p.start + 1 + p.hidden.shape[0])
-            jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id]))
+            jobs.append(DraftJob(p, nxt, engine.cache.block_table(r.id), ks[r.id],
+                                 engine.grammars.draft_mask(r) if r.sampling.grammar else None))
         try:
             if self.tree is not None:  # greedy requests a tree, sampled ones a chain
                 depth = self.tree.depth
@@ -311,6 +313,13 @@ class SpeculativeDecoder:
                 r.num_computed += 1
                 sampled.append((r, lg[0]))
                 continue
+            if r.sampling.grammar:  # each row masked under the drafts before it
+                try:
+                    lg = engine.grammars.mask_drafts(lg, r, row.tokens[1:], row.parents)
+                except InvalidRequestError as ex:
+                    failed.append(engine._fail(r, str(ex)))
+                    continue
+                target = greedy_ids(lg).tolist()
             try:
                 cand, path = self._candidates(engine, r, row, lg, target)
             except (ValueError, RuntimeError) as ex:

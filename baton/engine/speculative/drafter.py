@@ -23,6 +23,7 @@ is drawn after its forward).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,9 @@ class DraftJob(NamedTuple):
     """The tokens at positions start+1..start+p (they follow the pending hiddens)."""
     table: list[int]
     num_drafts: int
+    mask: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
+    """A grammar's request: (its drafts so far, a logits row) -> the row masked to what the
+    grammar allows after them (chains only; `Grammars.draft_mask`)."""
 
 
 class Drafter:
@@ -137,7 +141,7 @@ class Drafter:
         """Greedy drafts of each job; a job with num_drafts 0 only has its pending entries
         written (a request that may emit one more token: nothing to draft)."""
         g, first = self._first_pass(jobs)
-        tok = greedy_ids(first)
+        tok = greedy_ids(_masked(jobs, range(len(jobs)), first, [[] for _ in jobs]))
         drafts = [[t] if j.num_drafts else [] for j, t in zip(jobs, tok.tolist(), strict=True)]
         for k in range(2, max(j.num_drafts for j in jobs) + 1):
             live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
@@ -147,6 +151,7 @@ class Drafter:
             out, logits = self._rows(g.index_select(0, sel), [drafts[i][-1] for i in live], pos,
                                      [jobs[i].table for i in live])
             g = g.index_copy(0, sel, out)
+            logits = _masked(jobs, live, logits, drafts)
             for i, t in zip(live, greedy_ids(logits).tolist(), strict=True):
                 drafts[i].append(t)
         return drafts
@@ -201,3 +206,16 @@ class Drafter:
             lps = torch.log_softmax(lg, -1)
             frontier = [(i, r, g_out[x], lps[x]) for x, (i, r, _) in enumerate(grown)]
         return trees
+
+
+def _masked(jobs: list[DraftJob], rows, logits: torch.Tensor,
+            drafts: list[list[int]]) -> torch.Tensor:
+    """`logits` (row r: job rows[r]) with the rows of grammar-constrained jobs masked under
+    their drafts so far (a copy when any is)."""
+    out = logits
+    for r, i in enumerate(rows):
+        if jobs[i].mask is not None and jobs[i].num_drafts:
+            if out is logits:
+                out = logits.clone()
+            out[r] = jobs[i].mask(drafts[i], logits[r])
+    return out

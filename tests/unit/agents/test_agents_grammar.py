@@ -1,8 +1,8 @@
 """Constrained decoding on the engine (llguidance): every answer follows its grammar (a JSON
 schema with every bound, tool calls in the model's own format, regex, choice), greedy and
 sampled, each of n samples on its own matcher, on the tiny model with its tokenizer.json and
-with the byte-level fallback; bad grammars are refused by name; speculation does not draft
-for a constrained request."""
+with the byte-level fallback; bad grammars are refused by name; speculation drafts for a
+constrained request and equals speculation off."""
 
 from __future__ import annotations
 
@@ -177,32 +177,68 @@ def test_compiles_once_per_grammar_and_counts_masks(setup):
     first = eng.grammars.prepare(grammar)
     assert eng.grammars.prepare(grammar) is first
     assert eng.grammars.compiles == before + 1
-    masks = eng.grammars.masks
+    masks, ahead = eng.grammars.masks, eng.grammars.masks_ahead
     run(setup, grammar, [{}])
     assert eng.grammars.masks == masks + 2 and eng.grammars.mask_seconds > 0
+    # the first token's mask after the prefill, the second's computed during the decode forward
+    assert eng.grammars.masks_ahead == ahead + 1
 
 
-def test_speculation_on_equals_off_for_constrained_requests(tmp_path):
-    """A constrained request decodes through the masked sampler (no drafts) beside one that
-    drafts: both answers equal speculation off."""
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
     from tests.support.speculative_helpers import agreeing_checkpoint
 
-    ck = agreeing_checkpoint(tmp_path)
-    tok = load_tokenizer(ck)
+    ck = agreeing_checkpoint(tmp_path_factory.mktemp("agree"))
+    return ck, load_tokenizer(ck)
+
+
+@pytest.mark.parametrize("spec", [{"num_draft_tokens": 3}, {"num_draft_tokens": 3, "tree": {
+    "top_k": [3, 2, 2], "max_total_draft_tokens": 8}}], ids=["chain", "tree"])
+def test_speculation_drafts_under_the_grammar_and_equals_off(agreeing, spec):
+    """Constrained requests draft: each verify row is masked under the drafts before it and
+    the matcher rolls back, so the tokens equal speculation off exactly, greedy and seeded,
+    samples of n (each its own matcher), beside an unconstrained request; drafts were both
+    accepted and rejected (a chain's drafts are drawn under the mask too: most are kept)."""
+    ck, tok = agreeing
     grammar = g.compile_text("start: " + g.json_lark(SCHEMA), "response_format")
+    calls = g.compile_text(g.calls_lark(TOOLS, "xml", one=False, flexible=False), "tool_choice")
 
     def answers(**spec):
-        eng = engine_for(ck, worker={"max_num_seqs": 4}, **spec)
+        eng = engine_for(ck, worker={"max_num_seqs": 8}, cache={"num_state_slots": 128}, **spec)
         reqs = [Request("c", tok.encode("Q:"), SamplingParams(max_tokens=200, grammar=grammar)),
+                Request("t", tok.encode("Call:"), SamplingParams(max_tokens=300,
+                                                                 grammar=calls)),
+                Request("s", tok.encode("Q:"), SamplingParams(
+                    max_tokens=200, grammar=grammar, temperature=1.0, seed=7)),
+                *(Request(f"n{i}", tok.encode("Q?"), SamplingParams(  # samples of n, as the
+                    max_tokens=200, grammar=grammar, temperature=0.8, seed=3 + i))  # router
+                  for i in range(2)),  # sends them to a speculating worker
                 Request("f", tok.encode("Q:"), SamplingParams(max_tokens=24, ignore_eos=True))]
-        out = run_all(eng, reqs)
-        drafts = eng.spec.draft_tokens if eng.spec is not None else 0
-        return out["tokens"], drafts
+        samples: dict = {}
+        for r in reqs:
+            eng.add_request(r)
+        done = 0
+        while done < 6:
+            for o in eng.step():
+                samples.setdefault((o.request_id, o.sample), []).extend(o.new_token_ids)
+                done += o.finished
+        assert eng.requests == {} and eng.tracked()["grammar_matchers"] == 0
+        return samples, {r.id: (r.draft_tokens, r.accepted_tokens) for r in reqs}
 
     off, _ = answers()
-    on, drafts = answers(speculative={"num_draft_tokens": 3})
-    assert on == off and drafts > 0
-    Order.model_validate_json(tok.decode(on["c"][:-1]))
+    on, drafts = answers(speculative=spec)
+    assert on == off
+    for rid in ("c", "t", "s"):  # constrained requests drafted, kept some, rejected some
+        assert 0 < drafts[rid][1] < drafts[rid][0], drafts
+        if "tree" not in spec:  # a chain's drafts are drawn under the mask: most are kept
+            assert drafts[rid][1] > 0.8 * drafts[rid][0], drafts
+    for key, ids in on.items():
+        if key[0] != "f":
+            text = tok.decode(ids[:-1])
+            if key[0] == "t":
+                assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
+            else:
+                Order.model_validate_json(text)
 
 
 def test_worker_metrics_show_compile_and_mask_time(setup):
@@ -303,4 +339,50 @@ def test_a_replay_count_beyond_the_prompt_fails_that_request_alone(setup):
     assert both["tokens"]["ok2"] == alone["tokens"]["ok"]
     assert both["tokens"]["bad"] == []
     assert "exceeds its" in str(both["outputs"]["bad"].error)
+    assert eng.tracked()["grammar_matchers"] == 0
+
+
+def _accepts(grammars, grammar: str, tok, text: str) -> bool:
+    """Whether the grammar takes `text` whole and may end there."""
+    m = grammars.prepare(grammar).deep_copy()
+    ids = tok.encode(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", ["xml", "hermes"])
+def test_auto_with_strict_tools_is_free_text_or_valid_calls(setup, fmt):
+    """`tool_choice: "auto"` with a strict tool: free text without a call tag, or calls (after
+    free text, or none) whose arguments follow the schema; `parallel_tool_calls: false`: one."""
+    eng, tok = setup
+    xml = {"ok": "<tool_call>\n<function=lookup>\n<parameter=city>\nRome\n</parameter>\n"
+                 "<parameter=unit>\nc\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+                 "</function>\n</tool_call>",
+           "bad": "<tool_call>\n<function=lookup>\n<parameter=city>\nRome\n</parameter>\n"
+                  "<parameter=unit>\nc\n</parameter>\n<parameter=days>\n9\n</parameter>\n"
+                  "</function>\n</tool_call>"}
+    hermes = {"ok": '<tool_call>\n{"name":"lookup","arguments":{"city":"Rome","unit":"c",'
+                    '"days":3}}\n</tool_call>',
+              "bad": '<tool_call>\n{"name":"lookup","arguments":{"city":"Rome","unit":"k",'
+                     '"days":3}}\n</tool_call>'}
+    call = xml if fmt == "xml" else hermes
+    tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+    many = g.compile_text(g.calls_lark(tools, fmt, False, False, free=True), "tools")
+    one = g.compile_text(g.calls_lark(tools, fmt, True, False, free=True), "tools")
+    grammars = eng.grammars
+    for text in ("", "Sunny.", "a < b <tool", call["ok"], "Let me look.\n\n" + call["ok"],
+                 call["ok"] + "\n" + call["ok"]):
+        assert _accepts(grammars, many, tok, text), text
+    for text in (call["bad"], "x " + call["bad"], call["ok"] + " then text",
+                 "<tool_call>\nnot a call</tool_call>"):
+        assert not _accepts(grammars, many, tok, text), text
+    assert _accepts(grammars, one, tok, call["ok"])
+    assert not _accepts(grammars, one, tok, call["ok"] + "\n" + call["ok"])
+    reqs = [Request(f"a{i}", tok.encode("Answer:"), SamplingParams(
+        max_tokens=60, grammar=many, **s)) for i, s in enumerate(SAMPLINGS[:2])]
+    out = run_all(eng, reqs)  # the random model writes text (to the length limit) under it
+    for r in reqs:
+        assert out["outputs"][r.id].finish_reason in ("stop", "length")
+        assert _accepts(grammars, many, tok, tok.decode(
+            [t for t in out["tokens"][r.id] if t not in eng.eos_ids])) or \
+            out["outputs"][r.id].finish_reason == "length"
     assert eng.tracked()["grammar_matchers"] == 0

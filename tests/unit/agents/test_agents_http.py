@@ -267,3 +267,22 @@ def test_a_continued_response_starts_with_the_earlier_turns_own_tokens(tiny):
     p2 = list(orch.calls[-1][0].prompt_ids)
     assert p2[:len(p1) + len(tok.encode(CALL))] == p1 + tok.encode(CALL)
     assert tok.decode(p2).endswith("</tool_call>\n<|tool|>\n42\n<|assistant|>\n")
+
+
+def test_auto_with_a_strict_tool_is_constrained(tiny):
+    """`tool_choice` "auto" (or left out) with a strict tool: text or calls under a grammar;
+    no strict tool, or "none": free; an explicit response_format applies alone."""
+    orch, client, _ = tiny
+    orch.script = lambda inp, cancel: iter(chunks_of(CALL, 50))
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    grammars = []
+    for tools, extra in ((strict, {}), (strict, {"tool_choice": "auto"}),
+                         (strict, {"parallel_tool_calls": False}), (TOOLS, {}),
+                         (strict, {"tool_choice": "none"}),
+                         (strict, {"response_format": {"type": "json_object"}})):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, **extra)
+        grammars.append(orch.calls[-1][0].sampling.grammar)
+    assert "OPENER" in grammars[0] and grammars[0] == grammars[1]
+    assert "OPENER" in grammars[2] and grammars[2] != grammars[0]
+    assert grammars[3] == grammars[4] == ""
+    assert "%json" in grammars[5] and "OPENER" not in grammars[5]
