@@ -8,8 +8,9 @@ with one line naming the key, the value and what is allowed.
 What is built so far (docs/state-precision.md): the rounding primitive
 (`baton.cache.rounding`), the settings, the handshake's `cache_format` field and, in
 single-process engines, the live state rounded at the policy's points
-(`baton.engine.state_rounding`). Slots and KV still store the model dtype, so whatever
-would need them to store another dtype is refused here instead of being ignored.
+(`baton.engine.state_rounding`) and KV stored in bfloat16 or fp8 (`baton.model.paged`). Slots
+still store the model dtype, so whatever would need them to store another dtype is refused
+here instead of being ignored.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def resolve(cache, state_tensors, model_dtype: torch.dtype, device: str) -> Stat
 
 def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
                 single_process: bool = False) -> StateFormat:
-    """`resolve`, then refuse what the engine cannot store yet. KV: any dtype other than the
-    model's. State: a 16-bit dtype is built only as the live-rounding schedule of a
+    """`resolve`, then refuse what the engine cannot store yet. KV: a dtype wider than the
+    model's (bfloat16 and fp8 KV are stored as such, `baton.model.paged`). State: a 16-bit dtype is built only as the live-rounding schedule of a
     single-process engine over float32 pools (`baton.engine.state_rounding`; the slots stay
     float32); any other dtype than the model's is refused."""
     fmt = resolve(cache, state_tensors, model_dtype, device)
@@ -86,11 +87,17 @@ def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
                 f"{key}={cache.state_dtype_of(name)}: reduced-precision state runs in "
                 "single-process engines only so far (no pipeline or tensor parallelism, no "
                 "speculative decoding; docs/state-precision.md); allowed here: model or float32")
-    if fmt.kv_dtype != model_dtype:
+    if fmt.kv_dtype.itemsize > model_dtype.itemsize:
         raise ConfigError(
-            f"cache.kv_dtype={cache.kv_dtype}: the attention kernels read KV only in the model "
-            f"dtype ({model}) so far; allowed now: model")
+            f"cache.kv_dtype={cache.kv_dtype}: wider than the model dtype ({model}), it would "
+            f"store nothing the model computes; allowed with model.dtype {model}: model"
+            + ("" if model_dtype.itemsize == 1 else ", float8_e4m3"))
     return fmt
+
+
+def kv_dtype(cache, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The stored KV dtype of `cache` (`cache.kv_dtype`) with pools of `model_dtype`."""
+    return _dtype("cache.kv_dtype", cache.kv_dtype, model_dtype, device, _KV_ALLOWED)
 
 
 def _dtype(key: str, name: str, model_dtype: torch.dtype, device: str,

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -161,6 +162,45 @@ inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
 }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+// Stored KV rows (`cache.kv_dtype`, baton/model/paged.py): a (token, kv head) row is hd
+// float32 (KV_F32), hd bfloat16 (KV_BF16), or hd float8_e4m3fn then its float32 scale
+// (KV_FP8, hd + 4 bytes). Widened to float32 exactly as `paged.dequantize`: bf16 by its bits,
+// fp8 as value * scale (one rounding).
+constexpr int64_t KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2;
+inline int64_t kv_head_bytes(int64_t fmt, int64_t hd) {
+  return fmt == KV_FP8 ? hd + 4 : fmt == KV_BF16 ? 2 * hd : 4 * hd;
+}
+inline const float* fp8_e4m3_table() {
+  static const std::vector<float> t = [] {
+    std::vector<float> a(256);
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 15 && m == 7 ? NAN
+                : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7);
+      a[b] = (b & 128) ? -x : x;
+    }
+    return a;
+  }();
+  return t.data();
+}
+inline void kv_widen(const uint8_t* src, int64_t fmt, int64_t hd, float* out) {
+  if (fmt == KV_FP8) {
+    float s;
+    std::memcpy(&s, src + hd, 4);
+    const float* lut = fp8_e4m3_table();
+    for (int64_t d = 0; d < hd; ++d) out[d] = lut[src[d]] * s;
+  } else if (fmt == KV_BF16) {
+    for (int64_t d = 0; d < hd; ++d) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * d, 2);
+      const uint32_t u = (uint32_t)h << 16;
+      std::memcpy(out + d, &u, 4);
+    }
+  } else {
+    std::memcpy(out, src, 4 * hd);
+  }
+}
 
 inline void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
