@@ -67,8 +67,9 @@ def resolve(cache, state_tensors, model_dtype: torch.dtype, device: str) -> Stat
 
 def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
                 single_process: bool = False) -> StateFormat:
-    """`resolve`, then refuse what the engine cannot store yet. KV: a dtype wider than the
-    model's (bfloat16 and fp8 KV are stored as such, `baton.model.paged`). State: a 16-bit dtype is built only as the live-rounding schedule of a
+    """`resolve`, then refuse what the engine cannot store yet. KV: nothing more (bfloat16
+    and fp8 KV are stored as such, `baton.model.paged`; `resolve` refuses a dtype the device
+    cannot store). State: a 16-bit dtype is built only as the live-rounding schedule of a
     single-process engine over float32 pools (`baton.engine.state_rounding`; the slots stay
     float32); any other dtype than the model's is refused."""
     fmt = resolve(cache, state_tensors, model_dtype, device)
@@ -87,11 +88,6 @@ def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
                 f"{key}={cache.state_dtype_of(name)}: reduced-precision state runs in "
                 "single-process engines only so far (no pipeline or tensor parallelism, no "
                 "speculative decoding; docs/state-precision.md); allowed here: model or float32")
-    if fmt.kv_dtype.itemsize > model_dtype.itemsize:
-        raise ConfigError(
-            f"cache.kv_dtype={cache.kv_dtype}: wider than the model dtype ({model}), it would "
-            f"store nothing the model computes; allowed with model.dtype {model}: model"
-            + ("" if model_dtype.itemsize == 1 else ", float8_e4m3"))
     return fmt
 
 

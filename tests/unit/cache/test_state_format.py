@@ -98,10 +98,10 @@ def test_engine_refuses_formats_it_cannot_store_yet():
                                           r"another"):
         check_built(cache(state_dtypes={"ssm": "float16"}), MODEL.state_tensors,
                     torch.bfloat16, "cpu", single_process=True)
-    with pytest.raises(ConfigError, match=r"cache\.kv_dtype=float8_e4m3: the attention kernels "
-                                          r"read KV only in the model dtype \(float32\)"):
-        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cpu",
-                    single_process=True)
+    # KV in bfloat16 / fp8 is stored as such (issue 50, tests/unit/model/layers/test_kv_formats)
+    for kv, dt in (("bfloat16", torch.bfloat16), ("float8_e4m3", torch.float8_e4m3fn)):
+        assert check_built(cache(kv_dtype=kv), MODEL.state_tensors, torch.float32,
+                           "cpu").kv_dtype == dt
 
 
 def test_prefill_and_decode_workers_refuse_rounded_state():
@@ -129,8 +129,9 @@ def test_engine_builder_checks_the_format():
     with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*single-process"):
         _pool_spec(cfg(cache={"state_dtype": "float16"},
                        worker={"pipeline_parallel_size": 2}), MODEL, torch.float32)
-    with pytest.raises(ConfigError, match=r"cache\.kv_dtype=bfloat16"):
-        _pool_spec(cfg(cache={"kv_dtype": "bfloat16"}), MODEL, torch.float32)
+    spec = _pool_spec(cfg(cache={"kv_dtype": "float8_e4m3"}, worker={"pipeline_parallel_size": 2}),
+                      MODEL, torch.float32)
+    assert spec.kv_store_dtype == torch.float8_e4m3fn and spec.kv_row == MODEL.head_dim + 4
 
 
 def test_handshake_refuses_another_cache_format():
