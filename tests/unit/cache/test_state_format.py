@@ -149,6 +149,19 @@ def test_handshake_refuses_another_cache_format():
         check(sr, compute_fingerprint(MODEL, spec, cache_format=other_seed))
     check(sr, dict(sr))
     check(sr, compute_fingerprint(MODEL, spec))  # a PP / TP rank that does not declare it
+    # fp8 KV: the format differs, and so do the block's real bytes (a rank that declares none)
+    fp8 = PoolSpec.for_model(MODEL, num_blocks=4, tokens_per_block=16, num_slots=2,
+                             kv_dtype=torch.float8_e4m3fn)
+    fp8_fmt = cache(kv_dtype="float8_e4m3").cache_format
+    assert fp8_fmt == "state=model;rounding=nearest;kv=float8_e4m3"
+    with pytest.raises(TransferError, match=r"field 'kv_block_bytes' differs \(local 1024, "
+                                            r"peer 384\)"):
+        check(plain, compute_fingerprint(MODEL, fp8, cache_format=fp8_fmt))
+    with pytest.raises(TransferError, match=r"field 'cache_format' differs"):
+        check(compute_fingerprint(MODEL, fp8, cache_format=fp8_fmt),
+              compute_fingerprint(MODEL, fp8, cache_format=CacheConfig().cache_format))
+    assert compute_fingerprint(MODEL, fp8)["kv_block_bytes"] == \
+        2 * 16 * MODEL.num_key_value_heads * (MODEL.head_dim + 4)
 
 
 def test_a_sender_of_another_cache_format_is_refused_at_connect():
