@@ -162,9 +162,9 @@ def attention_step(scale: float, q, pool, key_rows, mask):
 
 def kernel_attention(pools) -> bool:
     """True when this decode call's attention layers read KV through the step kernel (the
-    fast path, float32 on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
+    fast path, a float32 / bfloat16 / fp8 pool on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
     return (linear.decode_path() == "fast" and linear.decoding() and pools.has_kv
-            and pools.kv.dtype == torch.float32 and pools.kv.device.type == "cpu"
+            and pools.kv.dtype in KV_FORMATS and pools.kv.device.type == "cpu"
             and step_kernels.kernels() is not None)
 
 
@@ -205,11 +205,9 @@ def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def _paged_attention_q(scale, q, k, v, pool, meta):
     kern = step_kernels.kernels()
     b, heads, hd = q.shape
-    if kern is not None and meta.tables is not None:
-        kq, vq = paged.stored_rows(pool, k), paged.stored_rows(pool, v)
-        return kern.paged_attention_q(q.contiguous(), kq.view(torch.uint8), vq.view(torch.uint8),
-                                      pool.view(torch.uint8), meta.tables, meta.lens, scale,
-                                      meta.keys, KV_FORMATS[pool.dtype])
+    if kern is not None and meta.tables is not None:  # the kernel stores k, v as it reads
+        return kern.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool,
+                                    meta.tables, meta.lens, scale, meta.keys)
     kvh, S = pool.shape[3], meta.num_keys
     paged.store_kv(pool, meta.write_rows, k, v)
     kv = paged.dequantize(paged.gather_kv(pool, meta.read_rows), hd).view(2, b, kvh, S, hd)

@@ -4,6 +4,9 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
 using namespace baton_step;
 
 namespace {
@@ -241,9 +244,18 @@ std::pair<ScoresFn, ValuesFn> group_kernels(int64_t, int64_t) { return {nullptr,
 // fallback (neither, hd not a multiple of 16, more than 8 heads per kv head): per sequence
 // every head at once, a dot and an axpy per head and key, each block's keys (then values)
 // read front to back, once.
+// A bfloat16 or float8_e4m3fn pool (`cache.kv_dtype`): k and v stored as `kv_rows` gives them,
+// then paged_attention_q; so the one-call decode layers (layers.cpp, glue.cpp) take any pool.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
                            double scale, const c10::optional<at::Tensor>& keys) {
+  if (pool.scalar_type() == at::kBFloat16 || pool.scalar_type() == at::kFloat8_e4m3fn) {
+    const int64_t fmt = pool.scalar_type() == at::kBFloat16 ? KV_BF16 : KV_FP8;
+    const int64_t kvh = pool.size(3), b = q.size(0);
+    return paged_attention_q(q, kv_rows(k.reshape({b, kvh, -1}), fmt),
+                             kv_rows(v.reshape({b, kvh, -1}), fmt),
+                             pool.view(at::kByte), tables, lens, scale, keys, fmt);
+  }
   check(q, "q"); check(k, "k"); check(v, "v"); check(pool, "kv pool");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous()
               && pool.is_contiguous(), "q, k, v and the kv pool must be contiguous");
@@ -329,6 +341,41 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     }
   });
+  return out;
+}
+
+// Rows x [n, kvh, hd] (float32) as a bfloat16 / fp8 pool stores them, bytes [n, kvh * head
+// bytes]: bf16 rounded to nearest even; fp8 [hd values | float32 scale] with scale = max|x| /
+// 448 (1 for a zero row) and value = x / scale, clamped to +-448, rounded to nearest even by
+// c10's conversion: torch's own `.to(float8_e4m3fn)`, so these are `paged.stored_rows`' bytes
+// (tests/unit/model/layers/test_kv_formats.py compares them).
+at::Tensor kv_rows(const at::Tensor& x, int64_t fmt) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 3 && (fmt == KV_BF16 || fmt == KV_FP8), "kv_rows: x [n, kvh, hd], fmt 1 or 2");
+  const auto xc = x.contiguous();
+  const int64_t n = x.size(0), kvh = x.size(1), hd = x.size(2), hb = kv_head_bytes(fmt, hd);
+  auto out = at::empty({n, kvh * hb}, x.options().dtype(at::kByte));
+  const float* xp = xc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < n * kvh; ++r) {
+    const float* xr = xp + r * hd;
+    uint8_t* o = op + r * hb;
+    if (fmt == KV_BF16) {
+      for (int64_t d = 0; d < hd; ++d) {
+        const c10::BFloat16 h(xr[d]);
+        std::memcpy(o + 2 * d, &h.x, 2);
+      }
+      continue;
+    }
+    float amax = 0.f;
+    for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(xr[d]));
+    const float sc = amax > 0.f ? amax / 448.f : 1.f;
+    for (int64_t d = 0; d < hd; ++d) {
+      const float y = std::min(std::max(xr[d] / sc, -448.f), 448.f);
+      o[d] = c10::Float8_e4m3fn(y).x;
+    }
+    std::memcpy(o + hd, &sc, 4);
+  }
   return out;
 }
 
@@ -485,6 +532,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deltanet_step", &deltanet_step);
   m.def("paged_attention", &paged_attention);
   m.def("paged_attention_q", &paged_attention_q);
+  m.def("kv_rows", &kv_rows);
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
   m.def("argmax_rows", &argmax_rows);

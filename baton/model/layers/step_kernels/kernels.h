@@ -26,6 +26,7 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
                            double scale, const c10::optional<at::Tensor>& keys);
+at::Tensor kv_rows(const at::Tensor& x, int64_t fmt);
 at::Tensor paged_attention_q(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
                              double scale, const c10::optional<at::Tensor>& keys, int64_t fmt);

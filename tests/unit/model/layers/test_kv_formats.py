@@ -52,6 +52,22 @@ def test_a_rows_bytes_depend_on_that_row_alone():
     assert torch.equal(paged.quantize_fp8(other)[2], whole[2])
 
 
+@needs_kernels
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_kernels_store_the_bytes_torch_stores(fmt):
+    """The decode kernels quantize the new token's k, v themselves (`kv_rows`): the same bytes
+    as `paged.stored_rows` (torch's conversion), halfway cases, tiny and huge rows included."""
+    g = _gen(3)
+    x = torch.randn(64, 4, 32, generator=g) * torch.logspace(-30, 30, 64)[:, None, None]
+    x[0] = 0
+    x[1, :, :8] = torch.tensor([1.0, 1.0625, 1.125, 1.1875, -1.0625, 3.0, 0.5, 448.0])
+    x[2] = torch.arange(128).view(4, 32) * 2 ** -12  # subnormal fp8 values after scaling
+    dt, code = FORMATS[fmt]
+    pool = torch.zeros(1, 2, 1, 4, 36 if dt == FP8 else 32, dtype=dt)
+    want = paged.stored_rows(pool, x).view(torch.uint8)
+    assert torch.equal(K.kv_rows(x, code), want)
+
+
 def _pools(fmt: str, blocks: int, tpb: int, kvh: int, hd: int, g):
     """(a pool of `fmt`, the float32 pool of its widened values), random contents."""
     dt, _ = FORMATS[fmt]
