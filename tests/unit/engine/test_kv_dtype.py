@@ -88,3 +88,22 @@ def test_block_bytes_follow_the_format(model_dir):
     kv = _engine(model_dir, "float8_e4m3").pools.kv
     assert kv[0, 0].numel() * kv.element_size() * kv.shape[0] == \
         sizes["float8_e4m3"].kv_bytes_per_block()
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_speculation_on_equals_off_with_fp8_kv(family, tmp_path):
+    from tests.support.speculative_helpers import agreeing_checkpoint, agreeing_qwen_checkpoint
+
+    ckpt = (agreeing_checkpoint if family == "nemotron_h" else agreeing_qwen_checkpoint)(tmp_path)
+    cache = {"kv_dtype": "float8_e4m3", "num_state_slots": 160}
+
+    def reqs():
+        return [Request(f"r{i}", prompt(i, n), greedy(16)) for i, n in enumerate([3, 20, 45])]
+
+    off = run_all(engine_for(ckpt, cache=cache), reqs())["tokens"]
+    for spec in ({"num_draft_tokens": 2},
+                 {"num_draft_tokens": 3, "tree": {"top_k": [2, 2, 1],
+                                                  "max_total_draft_tokens": 6}}):
+        eng = engine_for(ckpt, cache=cache, speculative=spec)
+        assert eng.pools.kv.dtype == FP8
+        assert run_all(eng, reqs())["tokens"] == off, spec
