@@ -200,7 +200,7 @@ def measure(model_dir: Path, contexts, windows: int, decode: tuple[int, int, int
     for name, s in speeds.items():
         rows[name]["decode_tok_per_cpu_s"] = statistics.median(s)
         rows[name]["decode_rounds"] = s
-        rows[name]["decode_ratio"] = statistics.median(s) / ref
+        rows[name]["decode_ratio"] = statistics.median(s) / max(ref, 1e-9)
     return list(rows.values())
 
 
