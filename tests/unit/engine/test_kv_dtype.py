@@ -107,3 +107,31 @@ def test_speculation_on_equals_off_with_fp8_kv(family, tmp_path):
         eng = engine_for(ckpt, cache=cache, speculative=spec)
         assert eng.pools.kv.dtype == FP8
         assert run_all(eng, reqs())["tokens"] == off, spec
+
+
+def test_disk_tier_with_fp8_kv_gives_reuse_off_tokens(model_dir, tmp_path):
+    """Evicted snapshots go to the disk tier as bytes and come back into an fp8 pool."""
+
+    def engine(tier: bool):
+        cache = {"tokens_per_block": 16, "num_blocks": 40, "num_state_slots": 6,
+                 "kv_dtype": "float8_e4m3", "enable_prefix_reuse": tier,
+                 "mamba_state_config": {"additional_snapshot_offsets_from_end": [0],
+                                        "decode_end_snapshot": True}}
+        if tier:
+            cache["tier"] = {"path": str(tmp_path / "tier"), "bytes": 64 << 20, "io": "file"}
+        return engine_for(model_dir, cache=cache, worker={"max_num_seqs": 2})
+
+    def chats(eng):
+        history, toks = {s: [] for s in range(4)}, {}
+        for t in range(3):
+            for s in range(4):
+                ids = history[s] + prompt(1000 * s + t, 20 + 3 * t)
+                rid = f"s{s}t{t}"
+                out = run_all(eng, [Request(rid, ids, greedy(6), session=f"s{s}")])
+                toks[rid] = out["tokens"][rid]
+                history[s] = ids + toks[rid]
+        return toks
+
+    eng = engine(True)
+    assert chats(eng) == chats(engine(False))
+    assert eng.cache.stats().tiers["disk"]["hits"] > 0
