@@ -178,3 +178,24 @@ def test_the_kernels_refuse_what_they_do_not_take():
         K.paged_attention_q(q, kq, kq, pool, t, lens, 1.0, None, 1)
     with pytest.raises(RuntimeError, match="must be bytes"):
         K.paged_attention_q(q, kq.float(), kq, pool, t, lens, 1.0, None, 2)
+
+
+def test_tp_shards_of_fp8_kv_take_each_heads_scale_along():
+    """A TP rank's KV shard is its heads' rows, each [head_dim values | scale]: the bytes a
+    rank's fp8 pool block holds, which the TP handoff plans move."""
+    from baton.model.nemotron_h.config import ModelConfig
+    from baton.model.pools import PoolSpec
+    from baton.model.tp_shard import model_shards
+
+    cfg = ModelConfig.from_dict(dict(
+        vocab_size=64, hidden_size=32, hybrid_override_pattern="M*M-", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=4,
+        ssm_state_size=4, n_groups=2))
+    (kv, *_) = model_shards(cfg, 2, "float32", 16, "float8_e4m3fn")
+    assert kv.name == "kv" and kv.shape == (2, 16, 2, cfg.head_dim + 4) and kv.itemsize == 1
+    rank = PoolSpec(attn_layers=(1,), state_layers=(), num_blocks=1, tokens_per_block=16,
+                    num_kv_heads=1, head_dim=cfg.head_dim, num_slots=0, state_tensors=(),
+                    kv_dtype=FP8)
+    assert kv.local_bytes == rank.kv_bytes_per_block()
+    (f32, *_) = model_shards(cfg, 2, "float32", 16)
+    assert f32.shape == (2, 16, 2, cfg.head_dim) and f32.itemsize == 4
