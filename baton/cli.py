@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=None,
                    help="soak: how long to run (default 2; --quick: 0.25)")
     p.add_argument("--model", default=None,
-                   help="quality, precision: the model (a named one or a folder; default tiny)")
+                   help="quality: the model (a named one or a folder; default tiny)")
     p.add_argument("--variant", default=None,
                    help="quality: YAML config of the engine variant compared with the float32 "
                         "reference (default: model.dtype bfloat16)")
