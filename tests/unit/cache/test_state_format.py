@@ -209,3 +209,15 @@ def test_a_split_engine_is_refused_before_any_stage_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*single-process"):
         build_engine(cfg, str(path))
     assert not dist.is_initialized()
+
+
+def test_a_kv_dtype_the_device_cannot_store_is_refused(monkeypatch):
+    from baton.cache import state_format
+
+    monkeypatch.setattr(state_format, "_storable", lambda dtype, device: dtype != torch.float8_e4m3fn)
+    with pytest.raises(ConfigError, match=r"^cache\.kv_dtype=float8_e4m3: device 'cuda' cannot "
+                                          r"store float8_e4m3 with torch .*; allowed: model, "
+                                          r"bfloat16, float8_e4m3$"):
+        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cuda")
+    assert check_built(cache(kv_dtype="bfloat16"), MODEL.state_tensors, torch.float32,
+                       "cuda").kv_dtype == torch.bfloat16
