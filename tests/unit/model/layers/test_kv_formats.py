@@ -151,6 +151,26 @@ def test_prefill_attention_over_stored_rows_equals_float32_over_the_widened(fmt,
 
 
 @needs_kernels
+def test_every_fp8_byte_widens_as_torch_widens_it():
+    """All 254 finite e4m3 values (subnormals, zeros of both signs, +-448) in the rows the
+    kernels read, at a few scales: prefill over them equals float32 prefill over torch's
+    widening (so each value, vectorised or not, is torch's value times the scale)."""
+    vals = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    D, S = 48, 16  # 3 vectors of 16 and a tail, per row
+    g = _gen(9)
+    byts = vals[torch.randint(0, vals.numel(), (2, 1, 1, S, D), generator=g)]
+    scale = torch.tensor([1.0, 2.0 ** -20, 3.5, 1e30])[torch.arange(S) % 4]
+    rows = torch.cat([byts, scale.view(1, 1, 1, S, 1).expand(2, 1, 1, S, 1).contiguous()
+                      .view(torch.uint8).view(2, 1, 1, S, 4)], dim=-1)
+    rows[..., 0, :D] = vals[:D]  # the first key: the values in order
+    wide = paged.dequantize(rows, D)
+    q = torch.randn(1, S, 2, D, generator=g) * 1e-3
+    pos = torch.arange(S)[None]
+    got = K.prefill_attention_q(q, rows[0], rows[1], pos, D ** -0.5, 2)
+    assert torch.equal(got, K.prefill_attention(q, wide[0], wide[1], pos, D ** -0.5))
+
+
+@needs_kernels
 def test_prefill_over_fp8_rows_does_not_depend_on_the_chunking():
     T, H, Hk, D = 150, 8, 2, 32
     g = _gen(8)
