@@ -87,5 +87,5 @@ def tp_identity(model, spec, rank: int = 0, size: int = 1, weight_format: str | 
     fingerprint = compute_fingerprint(model, spec, tp_size=size, tp_rank=rank,
                                       weight_format=weight_format, cache_format=cache_format)
     side = TPSide(rank, size, model, str(spec.dtype).removeprefix("torch."),
-                  spec.tokens_per_block)
+                  spec.tokens_per_block, str(spec.kv_store_dtype).removeprefix("torch."))
     return fingerprint, side

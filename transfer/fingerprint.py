@@ -21,10 +21,8 @@ import dataclasses
 import hashlib
 import json
 
-import torch
-
 from baton.errors import ConfigError, TransferError
-from baton.model.pools import PoolSpec
+from baton.model.pools import FP8, PoolSpec
 from baton.model.tp_shard import held_units
 
 HEAD_FIELDS = ("dtype", "tokens_per_block", "num_layers", "pattern", "kv_block_bytes")
@@ -45,9 +43,10 @@ def compute_fingerprint(model, spec: PoolSpec, tp_size: int = 1, tp_rank: int = 
     cache_format`: state dtypes, rounding and seed, KV dtype) is declared, like
     `weight_format`, by the endpoints that build the engine.
     """
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
     has_attn = bool(model.attention_layers)
-    kv_bytes = 2 * spec.tokens_per_block * model.num_key_value_heads * model.head_dim * itemsize
+    kv = spec.kv_store_dtype  # the stored KV's real bytes (fp8 rows carry their scale)
+    row = model.head_dim + (4 if kv == FP8 else 0)
+    kv_bytes = 2 * spec.tokens_per_block * model.num_key_value_heads * row * kv.itemsize
     out = {
         "dtype": str(spec.dtype).removeprefix("torch."),
         "tokens_per_block": spec.tokens_per_block,

@@ -57,10 +57,12 @@ class TPSide:
     """The whole (TP 1) model config."""
     dtype: str
     tokens_per_block: int
+    kv_dtype: str | None = None
+    """KV's stored dtype where not `dtype` (cache.kv_dtype)."""
     _plans: dict[int, tuple[Piece, ...]] = field(default_factory=dict)
 
     def shards(self, tp: int) -> tuple[TensorShard, ...]:
-        return model_shards(self.model, tp, self.dtype, self.tokens_per_block)
+        return model_shards(self.model, tp, self.dtype, self.tokens_per_block, self.kv_dtype)
 
     def plan(self, dst_tp: int) -> tuple[Piece, ...]:
         if dst_tp not in self._plans:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from baton import envs
+from baton.model.pools import FP8, FP8_FILL
 
 ENV = envs.TEST_CANARIES.name
 CANARY = 12288
@@ -28,7 +29,10 @@ def bad_blocks(pools, ids: list[int]) -> list[int]:
     if not pools.has_kv or not ids:
         return []
     idx = torch.tensor(ids, dtype=torch.long)
-    ok = (pools.kv.index_select(1, idx) == CANARY).transpose(0, 1).flatten(1).all(dim=1)
+    kv, want = pools.kv, CANARY
+    if kv.dtype == FP8:  # rows of values and scales: `fill_block` wrote bytes
+        kv, want = kv.view(torch.uint8), FP8_FILL
+    ok = (kv.index_select(1, idx) == want).transpose(0, 1).flatten(1).all(dim=1)
     return [b for b, good in zip(ids, ok.tolist(), strict=True) if not good]
 
 

@@ -8,8 +8,9 @@ with one line naming the key, the value and what is allowed.
 What is built so far (docs/state-precision.md): the rounding primitive
 (`baton.cache.rounding`), the settings, the handshake's `cache_format` field and, in
 single-process engines, the live state rounded at the policy's points
-(`baton.engine.state_rounding`). Slots and KV still store the model dtype, so whatever
-would need them to store another dtype is refused here instead of being ignored.
+(`baton.engine.state_rounding`) and KV stored in bfloat16 or fp8 (`baton.model.paged`). Slots
+still store the model dtype, so whatever would need them to store another dtype is refused
+here instead of being ignored.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def resolve(cache, state_tensors, model_dtype: torch.dtype, device: str) -> Stat
 
 def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
                 tp_and_pp: bool = False) -> StateFormat:
-    """`resolve`, then refuse what the engine cannot store yet. KV: any dtype other than the
-    model's. State: a 16-bit dtype is built only as the live-rounding schedule over float32
-    pools (`baton.engine.state_rounding`: live slots float32, snapshots 16-bit), not under
-    TP x PP (`tp_and_pp`); any other dtype than the model's is refused."""
+    """`resolve`, then refuse what the engine cannot store yet. KV: nothing more (bfloat16
+    and fp8 KV are stored as such, `baton.model.paged`; `resolve` refuses a dtype the device
+    cannot store). State: a 16-bit dtype is built only as the live-rounding schedule over
+    float32 pools (`baton.engine.state_rounding`: live slots float32, snapshots 16-bit), not
+    under TP x PP (`tp_and_pp`); any other dtype than the model's is refused."""
     fmt = resolve(cache, state_tensors, model_dtype, device)
     model = str(model_dtype).removeprefix("torch.")
     for name, dt in fmt.dtypes.items():
@@ -86,11 +88,12 @@ def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
                 f"{key}={cache.state_dtype_of(name)}: reduced-precision state is not built for "
                 "tensor x pipeline parallelism (both sizes > 1) yet (docs/state-precision.md); "
                 "allowed here: model or float32")
-    if fmt.kv_dtype != model_dtype:
-        raise ConfigError(
-            f"cache.kv_dtype={cache.kv_dtype}: the attention kernels read KV only in the model "
-            f"dtype ({model}) so far; allowed now: model")
     return fmt
+
+
+def kv_dtype(cache, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The stored KV dtype of `cache` (`cache.kv_dtype`) with pools of `model_dtype`."""
+    return _dtype("cache.kv_dtype", cache.kv_dtype, model_dtype, device, _KV_ALLOWED)
 
 
 def _dtype(key: str, name: str, model_dtype: torch.dtype, device: str,

@@ -169,12 +169,12 @@ def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> No
 def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
     """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
     w = cfg.worker  # issue 50: reduced-precision state rounds the live slot of one process
-    check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device,
-                tp_and_pp=w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1)
+    fmt = check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device,
+                      tp_and_pp=w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1)
     return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,
-                              device=cfg.model.device)
+                              device=cfg.model.device, kv_dtype=fmt.kv_dtype)
 
 
 def _tiers(cfg: BatonConfig, pools: Pools, path):

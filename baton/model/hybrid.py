@@ -67,11 +67,13 @@ class HybridLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def make_pools(self, num_blocks: int, tokens_per_block: int, num_slots: int) -> Pools:
-        """Pools for every layer of this model, in its dtype and on its device."""
+    def make_pools(self, num_blocks: int, tokens_per_block: int, num_slots: int,
+                   kv_dtype: torch.dtype | None = None) -> Pools:
+        """Pools for every layer of this model, in its dtype (KV: `kv_dtype` where given) and
+        on its device."""
         spec = PoolSpec.for_model(self.config, num_blocks=num_blocks,
                                   tokens_per_block=tokens_per_block, num_slots=num_slots,
-                                  dtype=self.dtype, device=str(self.device))
+                                  dtype=self.dtype, device=str(self.device), kv_dtype=kv_dtype)
         return Pools(spec)
 
     def run(self, ids: torch.Tensor, ctx: StepContext, decode: bool,

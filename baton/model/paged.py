@@ -17,6 +17,14 @@ Reads gather head rows with one `index_select` straight into [2, b, kv_heads, ke
 the layout attention multiplies against, so no padded block copy or reshape copy is made.
 Both prefill (T queries per sequence) and decode (one query each) are described by the same
 `AttnMeta`.
+
+KV formats (`cache.kv_dtype`, docs/state-precision.md): float32 and bfloat16 pools hold the
+values; a float8_e4m3 pool's (token, kv head) row is [head_dim fp8 values | float32 scale]
+(head_dim + 4 bytes), so a token's bytes depend on that token alone, and a TP shard of heads
+takes its scales along. `store_kv` writes every format (fp8: `quantize_fp8`, round to nearest
+even, scale = max|x| / 448), `gather_kv` reads rows back as stored, `dequantize` widens them to
+float32 (value * scale, one rounding): the attention kernels compute the same from the stored
+rows tile by tile.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.errors import ConfigError, InvalidRequestError
-from baton.model.pools import Pools
+from baton.model.pools import FP8, Pools
+
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn value: a row's largest |x| is stored as it."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,7 @@ def prefill_meta(
     if any(starts):
         keys = torch.arange(num_keys, device=dev)
         hidden = (keys[None, None, :] > pos[:, :, None])[:, None]
-        mask = torch.zeros(hidden.shape, device=dev, dtype=pools.kv.dtype)
+        mask = torch.zeros(hidden.shape, device=dev, dtype=pools.spec.dtype)
         mask.masked_fill_(hidden, float("-inf"))
     return AttnMeta(_write_rows(tables, pos, pools), _read_rows(tables, num_keys, pools),
                     num_keys, mask, pos)
@@ -146,7 +157,7 @@ def decode_meta(positions: torch.Tensor, block_tables: list[list[int]] | torch.T
     if lean:
         return AttnMeta(write_rows, None, num_keys, None, pos, tables, pos + 1)
     keys = torch.arange(num_keys, device=dev)
-    mask = torch.zeros(pos.shape[0], 1, num_keys, device=dev, dtype=pools.kv.dtype)
+    mask = torch.zeros(pos.shape[0], 1, num_keys, device=dev, dtype=pools.spec.dtype)
     mask.masked_fill_(keys[None, None, :] > pos[:, None, None], float("-inf"))
     return AttnMeta(write_rows, _read_rows(tables, num_keys, pools), num_keys, mask, pos, tables,
                     pos + 1)
@@ -187,3 +198,57 @@ def _check_table(block_table: list[int], need: int, length: int, pools: Pools) -
             f"block table has {len(block_table)} blocks but {length} tokens need {need} "
             f"blocks of {pools.spec.tokens_per_block}: allocate more blocks before the call"
         )
+
+
+def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Rows x [..., hd] (any float dtype) as fp8 rows uint8 [..., hd + 4]: hd float8_e4m3fn
+    values (round to nearest even) then the row's float32 scale max|x| / 448 (1 for a zero
+    row). Element-wise but for the row's max, so a row's bytes depend on that row alone."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    vals = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch.cat([vals.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Stored KV rows [..., row] (fp8 rows as uint8 or float8, or float rows) as float32
+    [..., head_dim]: fp8 value * its row's scale."""
+    if rows.dtype in (torch.uint8, FP8):
+        rows = rows.view(torch.uint8)
+        scale = rows[..., head_dim:].contiguous().view(torch.float32)
+        return rows[..., :head_dim].view(FP8).float() * scale
+    return rows.float()
+
+
+def kv_token_rows(pool: torch.Tensor) -> torch.Tensor:
+    """One layer's pool [blocks, 2, tpb, kvh, row] as token rows [blocks*2*tpb, kvh*row]
+    (fp8 pools as bytes)."""
+    if pool.dtype == FP8:
+        pool = pool.view(torch.uint8)
+    return pool.view(-1, pool.shape[3] * pool.shape[4])
+
+
+def stored_rows(pool: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [n, kvh, hd] (or [n, kvh * hd]) as `pool` stores it: [n, kvh * row]."""
+    kvh = pool.shape[3]
+    n = x.shape[0]
+    if pool.dtype == FP8:
+        return quantize_fp8(x.reshape(n, kvh, -1)).reshape(n, -1)
+    return x.reshape(n, -1).to(pool.dtype)
+
+
+def store_kv(pool: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write tokens' k, v [n, kvh, hd] (or [n, kvh * hd]) at token rows `rows` [n] (K; V is
+    tpb rows on) of one layer's pool, in its format."""
+    tpb, tokens = pool.shape[2], kv_token_rows(pool)
+    tokens.index_copy_(0, rows, stored_rows(pool, k))
+    tokens.index_copy_(0, rows + tpb, stored_rows(pool, v))
+
+
+def gather_kv(pool: torch.Tensor, read_rows: torch.Tensor) -> torch.Tensor:
+    """Head rows `read_rows` of one layer's pool as stored: [len(read_rows), row] (fp8 rows
+    as bytes)."""
+    if pool.dtype == FP8:
+        pool = pool.view(torch.uint8)
+    return pool.view(-1, pool.shape[-1]).index_select(0, read_rows)

@@ -6,6 +6,7 @@ model's config declares (`config.state_tensors`, see `baton.model.state_spec`): 
 knows a layer kind.
 
     KV pool  kv[attn_layer, block, kv, token, kv_head, head_dim]      (kv: 0 = K, 1 = V)
+             (fp8 KV: the last dim is head_dim + 4, each row's 4 bytes its float32 scale)
              |<------------- block_stride = 2*tpb*kvh*hd*itemsize ------------->|
              layer_stride = num_blocks * block_stride
              address(layer l, block b) = kv.data_ptr() + l*layer_stride + b*block_stride
@@ -30,6 +31,10 @@ import torch
 from baton.model.hugepages import huge_zeros
 from baton.model.state_spec import StateTensorSpec
 
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_FILL = 0xA5
+"""The byte `fill_block` writes into an fp8 KV pool (the test canaries)."""
+
 
 @dataclass(frozen=True)
 class PoolSpec:
@@ -53,6 +58,24 @@ class PoolSpec:
     """The snapshot slots' dtype of each state tensor, in declared order (torch names)."""
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    kv_dtype: torch.dtype | None = None
+    """Stored dtype of KV (None: `dtype`); float8_e4m3fn rows carry their scale
+    (`kv_row`, `baton.model.kv_format`)."""
+
+    @property
+    def kv_store_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_row(self) -> int:
+        """Elements of one (token, KV head) row of the KV pool: head_dim, plus the 4 bytes of
+        its float32 scale in an fp8 pool."""
+        return self.head_dim + (4 if self.kv_store_dtype == FP8 else 0)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block over every attention layer of this stage (K, V and scales)."""
+        return (len(self.attn_layers) * 2 * self.tokens_per_block * self.num_kv_heads
+                * self.kv_row * self.kv_store_dtype.itemsize)
 
     @classmethod
     def kv_beside(cls, target: PoolSpec, attn_layers: tuple[int, ...], model) -> PoolSpec:
@@ -60,7 +83,8 @@ class PoolSpec:
         return cls(attn_layers=attn_layers, state_layers=(), num_blocks=target.num_blocks,
                    tokens_per_block=target.tokens_per_block,
                    num_kv_heads=model.num_key_value_heads, head_dim=model.head_dim,
-                   num_slots=0, state_tensors=(), dtype=target.dtype, device=target.device)
+                   num_slots=0, state_tensors=(), dtype=target.dtype, device=target.device,
+                   kv_dtype=target.kv_dtype)
 
     @classmethod
     def for_model(
@@ -73,6 +97,7 @@ class PoolSpec:
         layers: range | tuple[int, ...] | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        kv_dtype: torch.dtype | None = None,
     ) -> PoolSpec:
         """Spec for the stage owning global `layers` (default: all layers) of any family's
         config (`attention_layers`, `state_layers`, `state_tensors`, KV heads and size)."""
@@ -90,6 +115,7 @@ class PoolSpec:
             state_tensors=tuple(model.state_tensors),
             dtype=dtype,
             device=device,
+            kv_dtype=None if kv_dtype == dtype else kv_dtype,
         )
 
     @property
@@ -157,10 +183,10 @@ class Pools:
     def __init__(self, spec: PoolSpec):
         self.spec = s = spec
         kv_shape = (len(s.attn_layers), s.num_blocks, 2, s.tokens_per_block, s.num_kv_heads,
-                    s.head_dim)
+                    s.kv_row)
         # on huge pages where the machine offers them: a batch-32 step reads and writes every
         # state slot of its batch and reads its KV (hugepages.py)
-        self.kv = huge_zeros(kv_shape, dtype=s.dtype, device=s.device)
+        self.kv = huge_zeros(kv_shape, dtype=s.kv_store_dtype, device=s.device)
         self.state: dict[str, torch.Tensor] = {
             t.name: huge_zeros((len(s.state_layers), s.num_slots, *t.shape),
                                dtype=s.state_dtype(t), device=s.device)
@@ -226,9 +252,13 @@ class Pools:
                 self.slot(name, slot).zero_()
 
     def fill_block(self, block: int, value: float) -> None:
-        """Every element of one KV block (every attention layer) set to `value`."""
+        """Every element of one KV block (every attention layer) set to `value` (an fp8
+        pool, whose rows hold scales too: every byte set to FP8_FILL, whatever `value`)."""
         if self.has_kv:
-            self.kv[:, block].fill_(value)
+            if self.kv.dtype == FP8:
+                self.kv.view(torch.uint8)[:, block].fill_(FP8_FILL)
+            else:
+                self.kv[:, block].fill_(value)
 
     def fill_slot(self, slot: int, value: float) -> None:
         """Every element of one state slot (every tensor, every state layer) set to `value`."""

@@ -127,13 +127,18 @@ def kv_shard(num_kv_heads: int, head_dim: int, tokens_per_block: int, tp: int,
                        (SectionShard("heads", num_kv_heads, 1),), tp, itemsize)
 
 
-def model_shards(cfg, tp: int, dtype: str, tokens_per_block: int) -> tuple[TensorShard, ...]:
-    """KV (when the model has attention) then each declared state tensor, at TP `tp`."""
+def model_shards(cfg, tp: int, dtype: str, tokens_per_block: int,
+                 kv_dtype: str | None = None) -> tuple[TensorShard, ...]:
+    """KV (when the model has attention) then each declared state tensor, at TP `tp`.
+    `kv_dtype`: KV's stored dtype where not `dtype` (an fp8 row is head_dim + 4 bytes: its
+    values then its scale, so a rank's heads take their scales along)."""
     check_tp(cfg, tp)
     out = []
     if cfg.attention_layers:
-        out.append(kv_shard(cfg.num_key_value_heads, cfg.head_dim, tokens_per_block, tp,
-                            DTYPE_BYTES[dtype]))
+        kv = kv_dtype or dtype
+        row = cfg.head_dim + (4 if kv == "float8_e4m3fn" else 0)
+        out.append(kv_shard(cfg.num_key_value_heads, row, tokens_per_block, tp,
+                            DTYPE_BYTES[kv]))
     for t in cfg.state_tensors:
         out.append(state_shard(t, tp, DTYPE_BYTES[t.dtype or dtype]))
     return tuple(out)

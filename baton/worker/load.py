@@ -55,6 +55,10 @@ def counters_of(loop: EngineLoop, pool_checksum: bool = False) -> dict[str, floa
         w = loop.engine.weights
         if w is not None:  # the format as a key (counters are numbers): weight_format.<format>
             out.update({"weight_bytes": float(w.bytes), f"weight_format.{w.format}": 1.0})
+        spec = loop.engine.pools.spec
+        if spec.attn_layers:  # issue 50: the stored KV format and its real bytes a block
+            out.update({"kv_block_bytes": float(spec.kv_bytes_per_block()),
+                        f"kv_format.{str(spec.kv_store_dtype).removeprefix('torch.')}": 1.0})
         if pool_checksum:
             out["pool_crc32"] = float(_pools_crc32(loop.engine.pools))
         if cache.canaries:

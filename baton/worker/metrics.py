@@ -66,6 +66,13 @@ class WorkerMetrics:
             Gauge("baton_model_weight_bytes", "Bytes the served weights take in this process, "
                   "by weight format", ["role", "format"], registry=r
                   ).labels(self.role, weights.format).set(weights.bytes)
+        pools = getattr(getattr(loop, "engine", None), "pools", None)
+        if pools is not None and pools.has_kv:  # issue 50: the KV format's real bytes
+            spec = pools.spec
+            Gauge("baton_kv_block_bytes", "Bytes of one KV block over this stage's attention "
+                  "layers (K, V and fp8 scales), by stored KV dtype", ["role", "dtype"],
+                  registry=r).labels(self.role, str(spec.kv_store_dtype).removeprefix("torch.")
+                                     ).set(spec.kv_bytes_per_block())
         r.register(_ThreadCollector(self.role))
         if has_moe(getattr(loop, "engine", None)):
             r.register(_ExpertCollector(self.role, loop))

@@ -51,9 +51,13 @@ def by_role(address: str, role: Role, bearer: str | None = None) -> dict[str, fl
     return worker_counters(info, bearer)
 
 
-def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["model", "float8_e4m3"])
+def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path, kv_dtype):
+    """Also with fp8 KV (issue 50): the rows and their scales move as the block's bytes, so
+    1P+1D still equals --local."""
     model = make_checkpoint(tmp_path)
-    cluster = start_cluster(model, write_config(tmp_path / "lw.yaml", LAYERWISE), 1, 1)
+    cfg = {**LAYERWISE, "cache": {**LAYERWISE["cache"], "kv_dtype": kv_dtype}}
+    cluster = start_cluster(model, write_config(tmp_path / "lw.yaml", cfg), 1, 1)
     try:
         lengths = (1, 15, 16, 17, 64, 65, 200, 333, 700)
         specs = [RequestSpec(f"lw{i}", prompt_ids=prompt(40 + i, n), sampling=greedy(12))
@@ -61,7 +65,7 @@ def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
         t0 = time.monotonic()
         remote = run_remote(cluster.address, specs, concurrency=3)
         took = time.monotonic() - t0
-        engine = build_engine(BatonConfig.from_dict(LAYERWISE), str(model))
+        engine = build_engine(BatonConfig.from_dict(cfg), str(model))
         expected = run_local(engine, specs)
         assert [r.get("token_ids", r.get("error")) for r in remote] == \
             [r["token_ids"] for r in expected]
@@ -83,6 +87,12 @@ def test_layerwise_streaming_gives_local_tokens_and_no_lease_expiry(tmp_path):
             time.sleep(0.2)
         assert decode["integrity_ok"] == 1.0 and prefill["integrity_ok"] == 1.0
         assert decode["live_requests"] == 0 and prefill["live_requests"] == 0
+        stored = "float8_e4m3fn" if kv_dtype == "float8_e4m3" else "float32"
+        spec = engine.pools.spec  # both workers store and count the configured format
+        for c in (prefill, decode):
+            assert c[f"kv_format.{stored}"] == 1.0
+            assert c["kv_block_bytes"] == spec.kv_bytes_per_block()
+            assert c.get("canary_bad_blocks", 0) == 0
     finally:
         cluster.stop()
 

@@ -156,9 +156,9 @@ class Layout:
         `first` on) and its state into `slot`."""
         off = h.tokens
         if self.pools.has_kv:
-            kv = self.pools.kv
+            kv = self.pools.kv.view(torch.uint8)  # as bytes: torch copies no fp8 by index
             shape = (kv.shape[0], -(-h.n // self.tpb), *kv.shape[2:])
-            src = payload[off : off + h.kv].view(kv.dtype).view(shape)
+            src = payload[off : off + h.kv].view(shape)
             if blocks:
                 idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
                 kv.index_copy_(1, idx, src[:, first : first + len(blocks)].to(kv.device))

@@ -67,6 +67,7 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
                 ) -> tuple[Stage, Pools]:
     """One stage's weights and pools. With speculation on, the last stage also holds the
     MTP head (and the embeddings it reads) and the head's KV as a layer of its KV pool."""
+    from baton.cache.state_format import kv_dtype
     from baton.engine.process import DTYPES, on_huge_pages
     from baton.engine.speculative.setup import with_draft_layers
     from baton.engine.state_rounding import live_rounding, split_snapshots
@@ -80,7 +81,8 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
     spec = PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, layers=layers[rank],
-                              dtype=dtype, device=cfg.model.device)
+                              dtype=dtype, device=cfg.model.device,
+                              kv_dtype=kv_dtype(cfg.cache, dtype, cfg.model.device))
     if model.mtp is not None:
         spec = with_draft_layers(spec, model, cfg.speculative, cfg.cache.num_blocks)
     pools = Pools(split_snapshots(cfg, spec))  # 16-bit snapshots: the same split everywhere

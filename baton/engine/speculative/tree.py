@@ -80,7 +80,7 @@ def path_meta(prefix: list[int], paths: list[list[int]], writes: list[int],
     heads = torch.arange(kvh, device=dev)[None, :, None]
     k_rows = tok[:, None, :] * kvh + heads
     read_rows = torch.stack([k_rows, k_rows + tpb * kvh]).reshape(-1)
-    mask = torch.zeros(len(prefix), 1, num_keys, device=dev, dtype=pools.kv.dtype)
+    mask = torch.zeros(len(prefix), 1, num_keys, device=dev, dtype=pools.spec.dtype)
     mask.masked_fill_(~valid[:, None, :], float("-inf"))
     w = torch.tensor(writes, device=dev)
     write_rows = tab.gather(1, (w // tpb)[:, None])[:, 0] * (2 * tpb) + w % tpb

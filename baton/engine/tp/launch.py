@@ -76,13 +76,15 @@ def join(rank: int, size: int, store, device: str = "cpu") -> TPGroup:
 
 def load_rank(cfg: BatonConfig, path, tp: TPGroup):
     """(the rank's model, its pools)."""
+    from baton.cache.state_format import kv_dtype
     from baton.model.tp_loader import load_tp_model
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
                           dtype=DTYPES[cfg.model.dtype],
                           moe_split=cfg.worker.moe_tp_split)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
-                             cfg.cache.num_state_slots)
+                             cfg.cache.num_state_slots,
+                             kv_dtype(cfg.cache, DTYPES[cfg.model.dtype], cfg.model.device))
     return model, pools
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from baton import envs
+from baton.cache.state_format import kv_dtype
 from baton.engine.pipeline.channel import TAG_CTRL, TAG_REPLY, Channel
 from baton.engine.pipeline.launch import (
     _die_with_parent,
@@ -221,7 +222,8 @@ def setup(cfg, path, rank: int, store):
     pools = Pools(PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                                      tokens_per_block=cfg.cache.tokens_per_block,
                                      num_slots=cfg.cache.num_state_slots, layers=layers[stage],
-                                     dtype=dtype, device=cfg.model.device))
+                                     dtype=dtype, device=cfg.model.device,
+                                     kv_dtype=kv_dtype(cfg.cache, dtype, cfg.model.device)))
     return stage, model, pools, group, layers
 
 

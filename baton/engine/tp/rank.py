@@ -20,7 +20,8 @@ def dump_request(pools, blocks: list[int], slot: int) -> dict:
     """This rank's bytes of one request: its KV blocks (every layer, in table order) and its
     slot of every state tensor (a test / tool path: the cluster moves bytes by transfer)."""
     idx = torch.tensor(blocks, dtype=torch.long)
-    out = {"kv": pools.kv.index_select(1, idx).contiguous().numpy().tobytes()}
+    kv = pools.kv.view(torch.uint8)  # as bytes: numpy holds no bfloat16 or fp8
+    out = {"kv": kv.index_select(1, idx).contiguous().numpy().tobytes()}
     out["state"] = {n: t[:, slot].contiguous().numpy().tobytes() for n, t in pools.state.items()}
     return out
 
@@ -29,9 +30,10 @@ def load_request(pools, data: dict, blocks: list[int], slot: int, skip: int = 0)
     """Write `dump_request`'s bytes (of a rank with this rank's shard) into blocks / slot;
     the first `skip` blocks are left alone (a cached prefix the destination shares)."""
     idx = torch.tensor(blocks[skip:], dtype=torch.long)
-    shape = (pools.kv.shape[0], len(blocks), *pools.kv.shape[2:])
-    kv = torch.frombuffer(bytearray(data["kv"]), dtype=pools.kv.dtype).view(shape)
-    pools.kv.index_copy_(1, idx, kv[:, skip:])
+    pool = pools.kv.view(torch.uint8)  # as bytes: torch copies no fp8 by index
+    shape = (pool.shape[0], len(blocks), *pool.shape[2:])
+    kv = torch.frombuffer(bytearray(data["kv"]), dtype=torch.uint8).view(shape)
+    pool.index_copy_(1, idx, kv[:, skip:])
     for n, t in pools.state.items():
         src = torch.frombuffer(bytearray(data["state"][n]), dtype=t.dtype)
         t[:, slot].copy_(src.view(t[:, slot].shape))

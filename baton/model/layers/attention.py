@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from baton.model import paged
 from baton.model.layers import fused, linear
 from baton.model.paged import StepContext
 
@@ -39,8 +40,8 @@ class Attention(nn.Module):
         """x [n, T, hidden]: T tokens of each of n sequences."""
         n, T, _ = x.shape
         q = self.q_proj(x).view(n, T, self.num_heads, self.head_dim)
-        keys, values = self._store_and_read(x.reshape(n * T, -1), n, ctx)
-        out = fused.prefill_attention(self.scale, q, keys, values, ctx.attn)
+        rows = self._store_and_read(x.reshape(n * T, -1), n, ctx)
+        out = fused.prefill_attention_rows(self.scale, q, rows, ctx.kv(self.layer_idx), ctx.attn)
         return self.o_proj(out.reshape(n, T, -1))
 
     def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         masked kernel here, and need no repeat of K/V for the GQA group.
         """
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
-        if fused.fast_decoding(x) and ctx.kv(self.layer_idx).dtype == torch.float32:
+        if fused.fast_decoding(x) and fused.paged_fast(ctx.kv(self.layer_idx)):
             qkv = linear.fused_linears(x, self.q_proj, self.k_proj, self.v_proj)
             q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x),
                                                    self.v_proj(x))
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             return self.o_proj(fused.paged_attention(self.scale, q, k, v,
                                                      ctx.kv(self.layer_idx), ctx.attn))
         q = self.q_proj(x).view(b * self.num_kv_heads, rep, self.head_dim)
-        keys, values = self._store_and_read(x, b, ctx)
+        keys, values = paged.dequantize(self._store_and_read(x, b, ctx), self.head_dim)
         S = ctx.attn.num_keys
         keys = keys.to(q.dtype).view(-1, S, self.head_dim)
         scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale).view(b, self.num_heads, S)
@@ -73,28 +74,16 @@ class Attention(nn.Module):
         give a row's k and v alike alone, together or beside q)."""
         kv = linear.fused_linears(x, self.k_proj, self.v_proj)
         k, v = kv if kv is not None else (self.k_proj(x), self.v_proj(x))
-        pool = ctx.kv(self.layer_idx)
-        rows, tpb = ctx.attn.write_rows, pool.shape[2]
-        tokens = pool.view(-1, self.num_kv_heads * self.head_dim)
-        tokens.index_copy_(0, rows, k.reshape(x.shape[0], -1).to(pool.dtype))
-        tokens.index_copy_(0, rows + tpb, v.reshape(x.shape[0], -1).to(pool.dtype))
+        paged.store_kv(ctx.kv(self.layer_idx), ctx.attn.write_rows, k, v)
 
-    def _store_and_read(self, x: torch.Tensor, b: int, ctx: StepContext):
-        """Write the K/V of tokens x [n, hidden], then gather [b, kv_heads, keys, head_dim] K, V.
+    def _store_and_read(self, x: torch.Tensor, b: int, ctx: StepContext) -> torch.Tensor:
+        """Write the K/V of tokens x [n, hidden], then gather their rows as the pool stores
+        them: [2 (K, V), b, kv_heads, keys, row] (`paged.dequantize` widens them).
 
         Keys are read back from the pool even for fresh tokens, so a resumed prefill sees
         exactly the values (same dtype rounding) that a one-shot prefill saw.
         """
         meta, pool = ctx.attn, ctx.kv(self.layer_idx)
-        self._store(x, ctx)
-        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
-        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
-        return kv[0], kv[1]
-
-    def _store(self, x: torch.Tensor, ctx: StepContext) -> None:
-        """Write the K/V of tokens x [n, hidden] at the call's write rows."""
-        meta, pool = ctx.attn, ctx.kv(self.layer_idx)
-        tpb = pool.shape[2]
-        tokens = pool.view(-1, self.num_kv_heads * self.head_dim)
-        tokens.index_copy_(0, meta.write_rows, self.k_proj(x).to(pool.dtype))
-        tokens.index_copy_(0, meta.write_rows + tpb, self.v_proj(x).to(pool.dtype))
+        paged.store_kv(pool, meta.write_rows, self.k_proj(x), self.v_proj(x))
+        kv = paged.gather_kv(pool, meta.read_rows)
+        return kv.view(2, b, self.num_kv_heads, meta.num_keys, -1)

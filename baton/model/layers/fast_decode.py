@@ -39,13 +39,15 @@ from baton.model.layers.fast_blocks import ATTENTION, GATED_ATTENTION, mixer_par
 
 def applies(h: torch.Tensor, pools) -> bool:
     """Whether this decode call's layers take `decode_layers`: the fast decode path, both
-    kernel modules built, float32 pools on the CPU."""
+    kernel modules built, float32 state pools on the CPU (KV float32, bfloat16 or fp8)."""
     if not fused.fast_decoding(h) or h.dim() != 2:
         return False
     if cpu_kernels.gemv() is None or step_kernels.kernels() is None:
         return False
     tensors = [*pools.state.values(), *([pools.kv] if pools.has_kv else [])]
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    kv_ok = not pools.has_kv or pools.kv.dtype in fused.KV_FORMATS  # bf16 / fp8 KV too
+    return kv_ok and all((t.dtype == torch.float32 or t is pools.kv) and t.device.type == "cpu"
+                         for t in tensors)
 
 
 class _Plan:

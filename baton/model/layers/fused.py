@@ -33,6 +33,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from baton.model import paged
 from baton.model.layers import linear, step_kernels
 
 _broken: set[str] = set()
@@ -161,17 +162,31 @@ def attention_step(scale: float, q, pool, key_rows, mask):
 
 def kernel_attention(pools) -> bool:
     """True when this decode call's attention layers read KV through the step kernel (the
-    fast path, float32 on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
+    fast path, a float32 / bfloat16 / fp8 pool on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
     return (linear.decode_path() == "fast" and linear.decoding() and pools.has_kv
-            and pools.kv.dtype == torch.float32 and pools.kv.device.type == "cpu"
+            and pools.kv.dtype in KV_FORMATS and pools.kv.device.type == "cpu"
             and step_kernels.kernels() is not None)
+
+
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, paged.FP8: 2}
+"""Pool dtype -> the step kernels' KV format (common.h KV_F32, KV_BF16, KV_FP8)."""
+
+
+def paged_fast(pool: torch.Tensor) -> bool:
+    """Whether a decode step's attention over `pool` (one layer's) may take `paged_attention`:
+    a float32 pool, or a bfloat16 / fp8 one where the step kernels are built."""
+    return pool.dtype == torch.float32 or (pool.dtype in KV_FORMATS
+                                           and step_kernels.kernels() is not None)
 
 
 def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     pool: torch.Tensor, meta) -> torch.Tensor:
     """Store the decode tokens' k, v [b, kv_heads, hd] in one layer's pool, then
     `attention_step` for their queries q [b, heads, hd], `meta` the step's `AttnMeta`;
-    returns [b, heads * hd]."""
+    returns [b, heads * hd]. A bfloat16 / fp8 pool: the kernel widens its rows a tile at a
+    time (`paged_attention_q`); without its tables, the gathered history widened."""
+    if pool.dtype != torch.float32:
+        return _paged_attention_q(scale, q, k, v, pool, meta)
     kern = step_kernels.kernels()
     if kern is not None and meta.tables is not None:
         return kern.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool,
@@ -185,6 +200,38 @@ def paged_attention(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     out = run("attention", (scale,), q.view(b, kvh, heads // kvh, hd), pool, key_rows,
               meta.mask.view(b, S))
     return out.reshape(b, heads * hd)
+
+
+def _paged_attention_q(scale, q, k, v, pool, meta):
+    kern = step_kernels.kernels()
+    b, heads, hd = q.shape
+    if kern is not None and meta.tables is not None:  # the kernel stores k, v as it reads
+        return kern.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool,
+                                    meta.tables, meta.lens, scale, meta.keys)
+    kvh, S = pool.shape[3], meta.num_keys
+    paged.store_kv(pool, meta.write_rows, k, v)
+    kv = paged.dequantize(paged.gather_kv(pool, meta.read_rows), hd).view(2, b, kvh, S, hd)
+    qg = q.view(b * kvh, heads // kvh, hd)
+    scores = torch.bmm(qg, kv[0].reshape(-1, S, hd).transpose(1, 2)).mul_(scale)
+    probs = torch.softmax(scores.view(b, heads, S) + meta.mask, dim=-1)
+    out = torch.bmm(probs.view(-1, heads // kvh, S), kv[1].reshape(-1, S, hd))
+    return out.reshape(b, heads * hd)
+
+
+def prefill_attention_rows(scale: float, q: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
+                           meta) -> torch.Tensor:
+    """`prefill_attention` over keys and values as `pool` stores them: rows [2, n, kv_heads, S,
+    row] (`paged.gather_kv`). A bfloat16 / fp8 pool on the fast path: the kernel widens them
+    as it lays them out (`prefill_attention_q`); elsewhere they are widened first."""
+    hd = q.shape[-1]
+    if pool.dtype == torch.float32:
+        return prefill_attention(scale, q, rows[0], rows[1], meta)
+    if fast_prefill(q) and meta.positions is not None:
+        raw = rows.view(torch.uint8)
+        return step_kernels.kernels().prefill_attention_q(q, raw[0], raw[1], meta.positions,
+                                                          scale, KV_FORMATS[pool.dtype])
+    kv = paged.dequantize(rows, hd)
+    return prefill_attention(scale, q, kv[0], kv[1], meta)
 
 
 def prefill_attention(scale: float, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

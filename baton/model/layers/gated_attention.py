@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.model import paged
 from baton.model.layers import fused, linear
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
 from baton.model.paged import StepContext
@@ -56,8 +57,9 @@ class GatedAttention(nn.Module):
         """x [n, T, hidden]: T tokens of each of n sequences at ctx.attn.positions [n, T]."""
         n, T, _ = x.shape
         q, gate, k, v = self._project(x, ctx.attn)
-        keys, values = self._store_and_read(k, v, n, ctx)
-        out = fused.prefill_attention(self.scale, q, keys, values, ctx.attn).reshape(n, T, -1)
+        rows = self._store_and_read(k, v, n, ctx)
+        out = fused.prefill_attention_rows(self.scale, q, rows, ctx.kv(self.layer_idx),
+                                           ctx.attn).reshape(n, T, -1)
         return self.o_proj(out * torch.sigmoid(gate))
 
     def decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -65,10 +67,10 @@ class GatedAttention(nn.Module):
         b, rep = x.shape[0], self.num_heads // self.num_kv_heads
         q, gate, k, v = self._project(x, ctx.attn)
         pool = ctx.kv(self.layer_idx)
-        if fused.fast_decoding(x) and pool.dtype == torch.float32:
+        if fused.fast_decoding(x) and fused.paged_fast(pool):
             out = fused.paged_attention(self.scale, q, k, v, pool, ctx.attn)
             return self.o_proj(out * torch.sigmoid(gate))
-        keys, values = self._store_and_read(k, v, b, ctx)
+        keys, values = paged.dequantize(self._store_and_read(k, v, b, ctx), self.head_dim)
         S, hd = ctx.attn.num_keys, self.head_dim
         q = q.reshape(b * self.num_kv_heads, rep, hd)
         scores = torch.bmm(q, keys.to(q.dtype).view(-1, S, hd).transpose(1, 2))
@@ -99,19 +101,13 @@ class GatedAttention(nn.Module):
                                     x.dtype)
         return meta.memo[key]
 
-    def _store_and_read(self, k: torch.Tensor, v: torch.Tensor, b: int, ctx: StepContext):
-        """Write the new tokens' K/V, then gather [b, kv_heads, keys, hd] K, V from the pool
-        (read back even for fresh tokens, so a resumed prefill sees what a one-shot one saw)."""
+    def _store_and_read(self, k: torch.Tensor, v: torch.Tensor, b: int,
+                        ctx: StepContext) -> torch.Tensor:
+        """Write the new tokens' K/V, then gather their rows as the pool stores them: [2 (K, V),
+        b, kv_heads, keys, row] (read back even for fresh tokens, so a resumed prefill sees
+        what a one-shot one saw; `paged.dequantize` widens them)."""
         meta, pool = ctx.attn, ctx.kv(self.layer_idx)
-        self._store(k, v, ctx)
-        kv = pool.view(-1, self.head_dim).index_select(0, meta.read_rows)
-        kv = kv.view(2, b, self.num_kv_heads, meta.num_keys, self.head_dim)
-        return kv[0], kv[1]
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
-        """Write the new tokens' K/V at the call's write rows."""
-        meta, pool = ctx.attn, ctx.kv(self.layer_idx)
-        tpb, width = pool.shape[2], self.num_kv_heads * self.head_dim
-        tokens = pool.view(-1, width)
-        tokens.index_copy_(0, meta.write_rows, k.reshape(-1, width).to(pool.dtype))
-        tokens.index_copy_(0, meta.write_rows + tpb, v.reshape(-1, width).to(pool.dtype))
+        width = self.num_kv_heads * self.head_dim
+        paged.store_kv(pool, meta.write_rows, k.reshape(-1, width), v.reshape(-1, width))
+        kv = paged.gather_kv(pool, meta.read_rows)
+        return kv.view(2, b, self.num_kv_heads, meta.num_keys, -1)

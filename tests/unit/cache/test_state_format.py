@@ -98,9 +98,10 @@ def test_engine_refuses_formats_it_cannot_store_yet():
                                           r"another"):
         check_built(cache(state_dtypes={"ssm": "float16"}), MODEL.state_tensors,
                     torch.bfloat16, "cpu")
-    with pytest.raises(ConfigError, match=r"cache\.kv_dtype=float8_e4m3: the attention kernels "
-                                          r"read KV only in the model dtype \(float32\)"):
-        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cpu")
+    # KV in bfloat16 / fp8 is stored as such (issue 50, tests/unit/model/layers/test_kv_formats)
+    for kv, dt in (("bfloat16", torch.bfloat16), ("float8_e4m3", torch.float8_e4m3fn)):
+        assert check_built(cache(kv_dtype=kv), MODEL.state_tensors, torch.float32,
+                           "cpu").kv_dtype == dt
 
 
 def test_engine_builder_checks_the_format():
@@ -117,8 +118,9 @@ def test_engine_builder_checks_the_format():
         _pool_spec(cfg(cache={"state_dtype": "float16"},
                        worker={"pipeline_parallel_size": 2, "tensor_parallel_size": 2}),
                    MODEL, torch.float32)
-    with pytest.raises(ConfigError, match=r"cache\.kv_dtype=bfloat16"):
-        _pool_spec(cfg(cache={"kv_dtype": "bfloat16"}), MODEL, torch.float32)
+    spec = _pool_spec(cfg(cache={"kv_dtype": "float8_e4m3"}, worker={"pipeline_parallel_size": 2}),
+                      MODEL, torch.float32)
+    assert spec.kv_store_dtype == torch.float8_e4m3fn and spec.kv_row == MODEL.head_dim + 4
 
 
 def test_handshake_refuses_another_cache_format():
@@ -136,6 +138,19 @@ def test_handshake_refuses_another_cache_format():
         check(sr, compute_fingerprint(MODEL, spec, cache_format=other_seed))
     check(sr, dict(sr))
     check(sr, compute_fingerprint(MODEL, spec))  # a PP / TP rank that does not declare it
+    # fp8 KV: the format differs, and so do the block's real bytes (a rank that declares none)
+    fp8 = PoolSpec.for_model(MODEL, num_blocks=4, tokens_per_block=16, num_slots=2,
+                             kv_dtype=torch.float8_e4m3fn)
+    fp8_fmt = cache(kv_dtype="float8_e4m3").cache_format
+    assert fp8_fmt == "state=model;rounding=nearest;kv=float8_e4m3"
+    with pytest.raises(TransferError, match=r"field 'kv_block_bytes' differs \(local 1024, "
+                                            r"peer 384\)"):
+        check(plain, compute_fingerprint(MODEL, fp8, cache_format=fp8_fmt))
+    with pytest.raises(TransferError, match=r"field 'cache_format' differs"):
+        check(compute_fingerprint(MODEL, fp8, cache_format=fp8_fmt),
+              compute_fingerprint(MODEL, fp8, cache_format=CacheConfig().cache_format))
+    assert compute_fingerprint(MODEL, fp8)["kv_block_bytes"] == \
+        2 * 16 * MODEL.num_key_value_heads * (MODEL.head_dim + 4)
 
 
 def test_a_sender_of_another_cache_format_is_refused_at_connect():
@@ -184,3 +199,15 @@ def test_a_split_engine_is_refused_before_any_stage_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"cache\.state_dtype=float16: .*tensor x pipeline"):
         build_engine(cfg, str(path))
     assert not dist.is_initialized()
+
+
+def test_a_kv_dtype_the_device_cannot_store_is_refused(monkeypatch):
+    from baton.cache import state_format
+
+    monkeypatch.setattr(state_format, "_storable", lambda dtype, device: dtype != torch.float8_e4m3fn)
+    with pytest.raises(ConfigError, match=r"^cache\.kv_dtype=float8_e4m3: device 'cuda' cannot "
+                                          r"store float8_e4m3 with torch .*; allowed: model, "
+                                          r"bfloat16, float8_e4m3$"):
+        check_built(cache(kv_dtype="float8_e4m3"), MODEL.state_tensors, torch.float32, "cuda")
+    assert check_built(cache(kv_dtype="bfloat16"), MODEL.state_tensors, torch.float32,
+                       "cuda").kv_dtype == torch.bfloat16

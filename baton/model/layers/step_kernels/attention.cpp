@@ -4,6 +4,9 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
 using namespace baton_step;
 
 namespace {
@@ -43,7 +46,8 @@ inline void axpy(float* o, float a, const float* x, int64_t n) {
 
 using ScoresFn = void (*)(const float*, const float* const*, const float* const*, int64_t,
                           int64_t, int64_t, int64_t, float, float*);
-using ValuesFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
+using ValuesFn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*,
+                          bool);
 
 // One register of floats: AVX-512's 16 lanes, or AVX2's 8 (with FMA).
 #if defined(__AVX512F__)
@@ -73,14 +77,16 @@ struct Lanes {
 // all R heads in registers at a time (R * C accumulators), one pass over the values per C
 // columns (the rows stay in L2 between passes); hd a multiple of Lanes::N * C. Each lane is
 // one FMA chain over the keys in order, so the lane width and blocking change no bit.
+// `more`: go on from the sums in o (a tile of keys after the previous ones: the same chains).
 template <int R, int C>
 void group_values(const float* sc, const float* const* vrows, int64_t off, int64_t S, int64_t hd,
-                  float* o) {
+                  float* o, bool more) {
   using L = Lanes;
   for (int64_t d0 = 0; d0 < hd; d0 += L::N * C) {
     typename L::V acc[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = L::zero();
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = more ? L::load(o + r * hd + d0 + L::N * c) : L::zero();
     for (int64_t t = 0; t < S; ++t) {
       const float* val = vrows[t] + off + d0;
       typename L::V vv[C];
@@ -127,10 +133,10 @@ void group_scores(const float* q, const float* const* krows, const float* const*
 
 template <int R>
 void group_values_for(const float* sc, const float* const* vrows, int64_t off, int64_t S,
-                      int64_t hd, float* o) {
+                      int64_t hd, float* o, bool more) {
   constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // R * C <= 8 accumulators (of 32 zmm)
-  if ((hd / 16) % C == 0) group_values<R, C>(sc, vrows, off, S, hd, o);
-  else group_values<R, 1>(sc, vrows, off, S, hd, o);
+  if ((hd / 16) % C == 0) group_values<R, C>(sc, vrows, off, S, hd, o, more);
+  else group_values<R, 1>(sc, vrows, off, S, hd, o, more);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The score kernel with 8-lane registers and the AVX-512 kernel's order: a score's 16
@@ -183,17 +189,17 @@ void group_scores(const float* q, const float* const* krows, const float* const*
 
 template <int R>
 void group_values_for(const float* sc, const float* const* vrows, int64_t off, int64_t S,
-                      int64_t hd, float* o) {
+                      int64_t hd, float* o, bool more) {
   // R * C <= 8 accumulators (of 16 ymm); past 4 heads, blocks of 4 (a lane's chain is the
   // same in any blocking)
   constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;
   if constexpr (R > 4) {
-    group_values_for<4>(sc, vrows, off, S, hd, o);
-    group_values_for<R - 4>(sc + 4 * S, vrows, off, S, hd, o + 4 * hd);
+    group_values_for<4>(sc, vrows, off, S, hd, o, more);
+    group_values_for<R - 4>(sc + 4 * S, vrows, off, S, hd, o + 4 * hd, more);
   } else if ((hd / 8) % C == 0) {
-    group_values<R, C>(sc, vrows, off, S, hd, o);
+    group_values<R, C>(sc, vrows, off, S, hd, o, more);
   } else {
-    group_values<R, 1>(sc, vrows, off, S, hd, o);
+    group_values<R, 1>(sc, vrows, off, S, hd, o, more);
   }
 }
 #endif
@@ -238,9 +244,18 @@ std::pair<ScoresFn, ValuesFn> group_kernels(int64_t, int64_t) { return {nullptr,
 // fallback (neither, hd not a multiple of 16, more than 8 heads per kv head): per sequence
 // every head at once, a dot and an axpy per head and key, each block's keys (then values)
 // read front to back, once.
+// A bfloat16 or float8_e4m3fn pool (`cache.kv_dtype`): k and v stored as `kv_rows` gives them,
+// then paged_attention_q; so the one-call decode layers (layers.cpp, glue.cpp) take any pool.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
                            double scale, const c10::optional<at::Tensor>& keys) {
+  if (pool.scalar_type() == at::kBFloat16 || pool.scalar_type() == at::kFloat8_e4m3fn) {
+    const int64_t fmt = pool.scalar_type() == at::kBFloat16 ? KV_BF16 : KV_FP8;
+    const int64_t kvh = pool.size(3), b = q.size(0);
+    return paged_attention_q(q, kv_rows(k.reshape({b, kvh, -1}), fmt),
+                             kv_rows(v.reshape({b, kvh, -1}), fmt),
+                             pool.view(at::kByte), tables, lens, scale, keys, fmt);
+  }
   check(q, "q"); check(k, "k"); check(v, "v"); check(pool, "kv pool");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous()
               && pool.is_contiguous(), "q, k, v and the kv pool must be contiguous");
@@ -310,7 +325,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       if (fns.second != nullptr) {
         for (int64_t g = h0 / rep; g < h1 / rep; ++g)
-          fns.second(sc.data() + g * rep * S, vrows.data(), g * hd, S, hd, oi + g * rep * hd);
+          fns.second(sc.data() + g * rep * S, vrows.data(), g * hd, S, hd, oi + g * rep * hd,
+                     false);
         continue;
       }
       for (int64_t d = h0 * hd; d < h1 * hd; ++d) oi[d] = 0.f;
@@ -322,6 +338,145 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           const float* val = vals + (h / rep) * hd;
           axpy(oi + h * hd, pr, val, hd);
         }
+      }
+    }
+  });
+  return out;
+}
+
+// Rows x [n, kvh, hd] (float32) as a bfloat16 / fp8 pool stores them, bytes [n, kvh * head
+// bytes]: bf16 rounded to nearest even; fp8 [hd values | float32 scale] with scale = max|x| /
+// 448 (1 for a zero row) and value = x / scale, clamped to +-448, rounded to nearest even by
+// c10's conversion: torch's own `.to(float8_e4m3fn)`, so these are `paged.stored_rows`' bytes
+// (tests/unit/model/layers/test_kv_formats.py compares them).
+at::Tensor kv_rows(const at::Tensor& x, int64_t fmt) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 3 && (fmt == KV_BF16 || fmt == KV_FP8), "kv_rows: x [n, kvh, hd], fmt 1 or 2");
+  const auto xc = x.contiguous();
+  const int64_t n = x.size(0), kvh = x.size(1), hd = x.size(2), hb = kv_head_bytes(fmt, hd);
+  auto out = at::empty({n, kvh * hb}, x.options().dtype(at::kByte));
+  const float* xp = xc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < n * kvh; ++r) {
+    const float* xr = xp + r * hd;
+    uint8_t* o = op + r * hb;
+    if (fmt == KV_BF16) {
+      for (int64_t d = 0; d < hd; ++d) {
+        const c10::BFloat16 h(xr[d]);
+        std::memcpy(o + 2 * d, &h.x, 2);
+      }
+      continue;
+    }
+    float amax = 0.f;
+    for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(xr[d]));
+    const float sc = amax > 0.f ? amax / 448.f : 1.f;
+    for (int64_t d = 0; d < hd; ++d) {
+      const float y = std::min(std::max(xr[d] / sc, -448.f), 448.f);
+      o[d] = c10::Float8_e4m3fn(y).x;
+    }
+    std::memcpy(o + hd, &sc, 4);
+  }
+  return out;
+}
+
+// paged_attention over a bfloat16 or fp8 KV pool (`fmt` KV_BF16 / KV_FP8, common.h): pool is
+// its bytes [blocks, 2, tpb, kvh, head bytes]; k, v the new tokens' rows as stored (bytes
+// [b, kvh * head bytes], quantized by the caller: `baton.model.paged.stored_rows`), written
+// first as paged_attention writes. Keys and values are widened to float32 KT keys at a time
+// inside the loop (value * scale), so no float32 copy of the history is made. A tile's scores
+// are the float32 kernel's, and its value sums go on from the previous tile's (group_values
+// `more`: the same FMA chains), so the result is paged_attention's over a float32 pool holding
+// the widened values, bit for bit, whatever the batch, the threads or the tile.
+at::Tensor paged_attention_q(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
+                             double scale, const c10::optional<at::Tensor>& keys, int64_t fmt) {
+  check(q, "q");
+  TORCH_CHECK(fmt == KV_BF16 || fmt == KV_FP8, "paged_attention_q: fmt 1 (bf16) or 2 (fp8)");
+  TORCH_CHECK(pool.scalar_type() == at::kByte && k.scalar_type() == at::kByte
+              && v.scalar_type() == at::kByte, "the kv pool, k and v must be bytes (uint8)");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous()
+              && pool.is_contiguous() && pool.dim() == 5, "contiguous q, k, v, pool");
+  const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
+  const int64_t tpb = pool.size(2), kvh = pool.size(3), hb = pool.size(4), rep = heads / kvh;
+  TORCH_CHECK(hb == kv_head_bytes(fmt, hd), "pool rows must be ", kv_head_bytes(fmt, hd),
+              " bytes");
+  const int64_t ts = tables.stride(0), rowb = kvh * hb, row = kvh * hd;
+  TORCH_CHECK(k.numel() == b * rowb && v.numel() == b * rowb, "k and v: [b, kv_heads * row]");
+  const int64_t* kp = keys.has_value() ? keys->data_ptr<int64_t>() : nullptr;
+  const int64_t ks = keys.has_value() ? keys->stride(0) : 0;
+  TORCH_CHECK(!keys.has_value() || (keys->dim() == 2 && keys->stride(1) == 1
+              && keys->size(0) == b), "keys must be [b, S] with contiguous rows");
+  auto at_pos = [&](int64_t i, int64_t t) { return kp ? kp[i * ks + t] : t; };
+  auto out = at::empty({b, heads * hd}, q.options());
+  const float* qp = q.data_ptr<float>();
+  uint8_t* pp = pool.data_ptr<uint8_t>();
+  const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t p = at_pos(i, lp[i] - 1), blk = tp[i * ts + p / tpb];
+    std::copy_n(k.data_ptr<uint8_t>() + i * rowb, rowb, pp + (blk * 2 * tpb + p % tpb) * rowb);
+    std::copy_n(v.data_ptr<uint8_t>() + i * rowb, rowb,
+                pp + ((blk * 2 + 1) * tpb + p % tpb) * rowb);
+  }
+  const auto fns = group_kernels(rep, hd);
+  constexpr int64_t KT = 64;  // keys widened at a time
+  const int64_t parts = b >= at::get_num_threads() ? 1 : kvh, hpp = heads / parts;
+  at::parallel_for(0, b * parts, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> sc, tsc(heads * KT), buf(KT * row), tpr(rep * KT);
+    std::vector<const float*> rows(KT);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = j / parts, h0 = (j % parts) * hpp, h1 = h0 + hpp, S = lp[i];
+      const int64_t g0 = h0 / rep, g1 = h1 / rep;
+      const float* qi = qp + i * heads * hd;
+      float* oi = o + i * heads * hd;
+      sc.resize(heads * S);
+      // widen the tile's rows (kv = 0: keys, 1: values) of this task's kv heads into buf
+      auto widen = [&](int64_t t0, int64_t n, int64_t kv) {
+        for (int64_t tt = 0; tt < n; ++tt) {
+          const int64_t pos = at_pos(i, t0 + tt), blk = tp[i * ts + pos / tpb];
+          const uint8_t* src = pp + ((blk * 2 + kv) * tpb + pos % tpb) * rowb;
+          for (int64_t g = g0; g < g1; ++g)
+            kv_widen(src + g * hb, fmt, hd, buf.data() + tt * row + g * hd);
+          rows[tt] = buf.data() + tt * row;
+        }
+      };
+      for (int64_t t0 = 0; t0 < S; t0 += KT) {
+        const int64_t n = std::min(KT, S - t0);
+        widen(t0, n, 0);
+        if (fns.first != nullptr) {
+          fns.first(qi, rows.data(), rows.data(), g0, g1, n, hd, (float)scale, tsc.data());
+          for (int64_t h = h0; h < h1; ++h)
+            std::copy_n(tsc.data() + h * n, n, sc.data() + h * S + t0);
+        } else {
+          for (int64_t tt = 0; tt < n; ++tt)
+            for (int64_t h = h0; h < h1; ++h)
+              sc[h * S + t0 + tt] = dot(qi + h * hd, rows[tt] + (h / rep) * hd, hd) * (float)scale;
+        }
+      }
+      for (int64_t h = h0; h < h1; ++h) {  // as paged_attention's softmax
+        float* sr = sc.data() + h * S;
+        float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < S; ++t) mx = sr[t] > mx ? sr[t] : mx;
+        exp_(sr, S, -mx);
+        for (int64_t t = 0; t < S; ++t) sum += sr[t];
+        for (int64_t t = 0; t < S; ++t) sr[t] = sr[t] / sum;
+      }
+      for (int64_t d = h0 * hd; d < h1 * hd; ++d) oi[d] = 0.f;
+      for (int64_t t0 = 0; t0 < S; t0 += KT) {
+        const int64_t n = std::min(KT, S - t0);
+        widen(t0, n, 1);
+        if (fns.second != nullptr) {
+          for (int64_t g = g0; g < g1; ++g) {
+            for (int64_t r = 0; r < rep; ++r)
+              std::copy_n(sc.data() + (g * rep + r) * S + t0, n, tpr.data() + r * n);
+            fns.second(tpr.data(), rows.data(), g * hd, n, hd, oi + g * rep * hd, true);
+          }
+          continue;
+        }
+        for (int64_t tt = 0; tt < n; ++tt)
+          for (int64_t h = h0; h < h1; ++h)
+            axpy(oi + h * hd, sc[h * S + t0 + tt], rows[tt] + (h / rep) * hd, hd);
       }
     }
   });
@@ -376,6 +531,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba2_step", &mamba2_step);
   m.def("deltanet_step", &deltanet_step);
   m.def("paged_attention", &paged_attention);
+  m.def("paged_attention_q", &paged_attention_q);
+  m.def("kv_rows", &kv_rows);
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
   m.def("argmax_rows", &argmax_rows);
@@ -393,4 +550,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_gemm", &prefill_gemm);
   m.def("flush_denormals", &flush_denormals);
   m.def("prefill_attention", &prefill_attention);
+  m.def("prefill_attention_q", &prefill_attention_q);
 }

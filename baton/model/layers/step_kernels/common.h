@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -161,6 +162,72 @@ inline void silu_(const float* x, float* out, float* tmp, int64_t n) {
 }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+// Stored KV rows (`cache.kv_dtype`, baton/model/paged.py): a (token, kv head) row is hd
+// float32 (KV_F32), hd bfloat16 (KV_BF16), or hd float8_e4m3fn then its float32 scale
+// (KV_FP8, hd + 4 bytes). Widened to float32 exactly as `paged.dequantize`: bf16 by its bits,
+// fp8 as value * scale (one rounding).
+constexpr int64_t KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2;
+inline int64_t kv_head_bytes(int64_t fmt, int64_t hd) {
+  return fmt == KV_FP8 ? hd + 4 : fmt == KV_BF16 ? 2 * hd : 4 * hd;
+}
+inline const float* fp8_e4m3_table() {
+  static const std::vector<float> t = [] {
+    std::vector<float> a(256);
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 15 && m == 7 ? NAN
+                : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.f + m / 8.f, e - 7);
+      a[b] = (b & 128) ? -x : x;
+    }
+    return a;
+  }();
+  return t.data();
+}
+// With AVX-512, 16 values at a time by their bits (the table's values exactly: a normal
+// e4m3 (e, m) is the float with exponent e + 120 and mantissa m << 20, a subnormal m * 2^-9,
+// 0x7f NaN), then the same multiply.
+inline void kv_widen(const uint8_t* src, int64_t fmt, int64_t hd, float* out) {
+  int64_t d0 = 0;
+  if (fmt == KV_FP8) {
+    float s;
+    std::memcpy(&s, src + hd, 4);
+    const float* lut = fp8_e4m3_table();
+#ifdef __AVX512F__
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; d0 + 16 <= hd; d0 += 16) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(src + d0)));
+      const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+      __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+      const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)),
+                                   _mm512_castps_si512(sub));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                                   _mm512_set1_epi32(0x7FC00000));
+      bits = _mm512_or_si512(bits, sign);
+      _mm512_storeu_ps(out + d0, _mm512_mul_ps(_mm512_castsi512_ps(bits), sv));
+    }
+#endif
+    for (int64_t d = d0; d < hd; ++d) out[d] = lut[src[d]] * s;
+  } else if (fmt == KV_BF16) {
+#ifdef __AVX512F__
+    for (; d0 + 16 <= hd; d0 += 16) {
+      const __m512i h = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256((const __m256i*)(src + 2 * d0)));
+      _mm512_storeu_si512(out + d0, _mm512_slli_epi32(h, 16));
+    }
+#endif
+    for (int64_t d = d0; d < hd; ++d) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * d, 2);
+      const uint32_t u = (uint32_t)h << 16;
+      std::memcpy(out + d, &u, 4);
+    }
+  } else {
+    std::memcpy(out, src, 4 * hd);
+  }
+}
 
 inline void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,

@@ -26,6 +26,10 @@ at::Tensor deltanet_step(const at::Tensor& qkv, at::Tensor conv_pool, at::Tensor
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
                            double scale, const c10::optional<at::Tensor>& keys);
+at::Tensor kv_rows(const at::Tensor& x, int64_t fmt);
+at::Tensor paged_attention_q(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             at::Tensor pool, const at::Tensor& tables, const at::Tensor& lens,
+                             double scale, const c10::optional<at::Tensor>& keys, int64_t fmt);
 c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
 // glue.cpp
@@ -55,6 +59,8 @@ at::Tensor grouped_mm(const at::Tensor& xs, const at::Tensor& w, const at::Tenso
 bool flush_denormals(bool on);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& pos, double scale);
+at::Tensor prefill_attention_q(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& pos, double scale, int64_t fmt);
 
 // gemm.cpp
 bool prefill_gemm_built();

@@ -524,39 +524,87 @@ at::Tensor decay_matmul(const at::Tensor& CB, const at::Tensor& cum, int64_t r,
 // head (its query heads' rows at consecutive positions), so the keys it streams serve all of
 // them; its register tiles of AR rows each go over the same 16 keys (scores) or 64 keys x 16
 // columns (outputs) while those are in L1.
+namespace {
+// The keys [n, Hk, S, D] in blocks of 16 keys, each [D, 16] (zeros past S): a score tile reads
+// its 16 keys' d-th elements as one contiguous row, d after d; the values in blocks of 16
+// columns, each [S, 16] (zeros past D): an output pass reads its 16 columns key after key.
+// k, v: float32 [n, Hk, S, D] (fmt KV_F32), or stored rows, bytes [n, Hk, S, head bytes]
+// (KV_BF16, KV_FP8), widened a row at a time as `paged.dequantize` widens them.
+std::pair<at::Tensor, at::Tensor> key_tiles(const at::Tensor& k, const at::Tensor& v,
+                                            int64_t fmt, int64_t D, const at::TensorOptions& f) {
+  const int64_t n = k.size(0), Hk = k.size(1), S = k.size(2);
+  const int64_t S16 = (S + AJ - 1) / AJ * AJ, D16 = (D + 15) / 16;
+  const int64_t hb = kv_head_bytes(fmt, D);
+  const auto kc = k.contiguous(), vc = v.contiguous();
+  auto kt = at::zeros({n, Hk, S16 / AJ, D, AJ}, f);
+  auto vt = at::zeros({n, Hk, D16, S, 16}, f);
+  const auto *kp = (const uint8_t*)kc.data_ptr(), *vp = (const uint8_t*)vc.data_ptr();
+  float *ktp = kt.data_ptr<float>(), *vtp = vt.data_ptr<float>();
+  at::parallel_for(0, n * Hk, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kr(D), vr(D);
+    for (int64_t b = lo; b < hi; ++b) {
+      float *kd = ktp + b * S16 * D, *vd = vtp + b * D16 * S * 16;
+      for (int64_t j = 0; j < S; ++j) {
+        kv_widen(kp + (b * S + j) * hb, fmt, D, kr.data());
+        kv_widen(vp + (b * S + j) * hb, fmt, D, vr.data());
+        for (int64_t d = 0; d < D; ++d) {
+          kd[(j / AJ * D + d) * AJ + j % AJ] = kr[d];
+          vd[(d / 16 * S + j) * 16 + d % 16] = vr[d];
+        }
+      }
+    }
+  });
+  return {kt, vt};
+}
+
+at::Tensor attend_tiles(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& vt,
+                        const at::Tensor& pos, double scale, int64_t Hk, int64_t S);
+}  // namespace
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& pos, double scale) {
   check(q, "q"); check(k, "k"); check(v, "v");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
               "q [n, T, H, D], k and v [n, Hk, S, D]");
-  const int64_t n = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t n = q.size(0), H = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), S = k.size(2);
   TORCH_CHECK(k.size(0) == n && k.size(3) == D && Hk > 0 && H % Hk == 0 && S > 0,
               "k, v [n, Hk, S, D] with H a multiple of Hk");
+  const auto tiles = key_tiles(k, v, KV_F32, D, k.options());
+  return attend_tiles(q, tiles.first, tiles.second, pos, scale, Hk, S);
+}
+
+// prefill_attention over KV rows as a bfloat16 or fp8 pool stores them (`fmt` KV_BF16 /
+// KV_FP8): k, v bytes [n, Hk, S, head bytes] (gathered from the pool as they are,
+// `paged.gather_kv`), widened to float32 a row at a time as the kernel lays its key and value
+// tiles out; the result is prefill_attention's over the widened values, bit for bit.
+at::Tensor prefill_attention_q(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& pos, double scale, int64_t fmt) {
+  check(q, "q");
+  TORCH_CHECK(fmt == KV_BF16 || fmt == KV_FP8, "prefill_attention_q: fmt 1 (bf16) or 2 (fp8)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() &&
+              k.scalar_type() == at::kByte && v.scalar_type() == at::kByte,
+              "q [n, T, H, D], k and v bytes [n, Hk, S, head bytes]");
+  const int64_t n = q.size(0), H = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == n && k.size(3) == kv_head_bytes(fmt, D) && Hk > 0 && H % Hk == 0
+              && S > 0, "k, v [n, Hk, S, head bytes] with H a multiple of Hk");
+  const auto tiles = key_tiles(k, v, fmt, D, q.options());
+  return attend_tiles(q, tiles.first, tiles.second, pos, scale, Hk, S);
+}
+
+namespace {
+at::Tensor attend_tiles(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& vt,
+                        const at::Tensor& pos, double scale, int64_t Hk, int64_t S) {
+  const int64_t n = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 2 && pos.size(0) == n &&
               pos.size(1) == T, "pos long [n, T]");
-  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const auto qc = q.contiguous();
   const auto pc = pos.contiguous();
   const int64_t rep = H / Hk, S16 = (S + AJ - 1) / AJ * AJ, D16 = (D + 15) / 16;
-  // the keys in blocks of 16 keys, each [D, 16] (zeros past S): a score tile reads its 16
-  // keys' d-th elements as one contiguous row, d after d; the values in blocks of 16
-  // columns, each [S, 16] (zeros past D): an output pass reads its 16 columns key after key
-  auto kt = at::zeros({n, Hk, S16 / AJ, D, AJ}, k.options());
-  auto vt = at::zeros({n, Hk, D16, S, 16}, v.options());
-  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *qp = qc.data_ptr<float>();
-  float *ktp = kt.data_ptr<float>(), *vtp = vt.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  const float *ktp = kt.data_ptr<float>(), *vtp = vt.data_ptr<float>();
   const int64_t* pp = pc.data_ptr<int64_t>();
-  at::parallel_for(0, n * Hk, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const float *ks = kp + b * S * D, *vs = vp + b * S * D;
-      float *kd = ktp + b * S16 * D, *vd = vtp + b * D16 * S * 16;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < D; ++d) {
-          kd[(j / AJ * D + d) * AJ + j % AJ] = ks[j * D + d];
-          vd[(d / 16 * S + j) * 16 + d % 16] = vs[j * D + d];
-        }
-    }
-  });
   auto out = at::empty({n, T, H, D}, q.options());
   float* op = out.data_ptr<float>();
   const int64_t U = T * rep, tasks = (U + MR - 1) / MR;  // row u: position u / rep, head u % rep
@@ -675,3 +723,4 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   });
   return out;
 }
+}  // namespace
