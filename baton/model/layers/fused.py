@@ -162,8 +162,11 @@ def attention_step(scale: float, q, pool, key_rows, mask):
 
 def kernel_attention(pools) -> bool:
     """True when this decode call's attention layers read KV through the step kernel (the
-    fast path, a float32 / bfloat16 / fp8 pool on CPU, the kernels built): its metadata can be lean (`decode_meta`)."""
+    fast path: float32 activations, a float32 / bfloat16 / fp8 pool on CPU, the kernels
+    built): its metadata can be lean (`decode_meta`). A bfloat16 model (bfloat16 activations)
+    reads through the gathered rows, so it needs the full metadata."""
     return (linear.decode_path() == "fast" and linear.decoding() and pools.has_kv
+            and pools.spec.dtype == torch.float32
             and pools.kv.dtype in KV_FORMATS and pools.kv.device.type == "cpu"
             and step_kernels.kernels() is not None)
 
