@@ -10,6 +10,7 @@ from concurrent import futures
 from pathlib import Path
 
 FORKS = 300
+RUN_FIRST = True  # tests/conftest.py: forks are cheap while the worker is small
 ROOT = Path(__file__).resolve().parents[2]
 
 
