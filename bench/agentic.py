@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import percentile
+from bench.common import percentile, worker_stats
 from bench.workload import Workload, oracle_tokens
 
 LIMIT = 512
@@ -97,18 +97,8 @@ def _run(path: Path, cfg_file: Path, wl: Workload, long_turn: int | None) -> dic
 
 def _computed(stub, bearer: str) -> dict[str, float]:
     """Prompt tokens each worker computed (Stats `prefilled_tokens`), by role."""
-    import grpc
-
-    from baton.auth.grpc_auth import authorized
-    from baton.proto_gen import baton_pb2, router_pb2, worker_pb2_grpc
-
     out: dict[str, float] = {}
-    for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers:
-        prefill = w.role == baton_pb2.WORKER_ROLE_PREFILL
-        with authorized(grpc.insecure_channel(w.address), bearer) as ch:
-            cls = worker_pb2_grpc.PrefillWorkerStub if prefill else worker_pb2_grpc.DecodeWorkerStub
-            c = cls(ch).Stats(baton_pb2.StatsRequest(), timeout=10).counters
-        role = "prefill" if prefill else "decode"
+    for role, c in worker_stats(stub, bearer):
         out[role] = out.get(role, 0.0) + c["prefilled_tokens"]
     return out
 

@@ -81,3 +81,21 @@ def runqueue_wait_seconds(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError, IndexError):  # the thread ended meanwhile
             pass
     return total / 1e9
+
+
+def worker_stats(stub, bearer: str) -> list[tuple[str, dict[str, float]]]:
+    """(role, Stats counters) of every worker the router lists ("prefill" / "decode"), asked
+    with the cluster's bearer."""
+    import grpc
+
+    from baton.auth.grpc_auth import authorized
+    from baton.proto_gen import baton_pb2, router_pb2, worker_pb2_grpc
+
+    out = []
+    for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers:
+        prefill = w.role == baton_pb2.WORKER_ROLE_PREFILL
+        with authorized(grpc.insecure_channel(w.address), bearer) as ch:
+            cls = worker_pb2_grpc.PrefillWorkerStub if prefill else worker_pb2_grpc.DecodeWorkerStub
+            c = cls(ch).Stats(baton_pb2.StatsRequest(), timeout=10).counters
+        out.append(("prefill" if prefill else "decode", dict(c)))
+    return out

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import checkpoint, percentile
+from bench.common import checkpoint, percentile, worker_stats
 from bench.reuse_trace import FRACTIONS, POLICY, SCALE, oracle, prompts, select
 
 ROWS = {"lru": ("lru", False), "lru+tiers": ("lru", True), "value+tiers": ("value", True)}
@@ -84,17 +84,8 @@ def replay(path, cfg_file, reqs, prefill: int = 1, decode: int = 1) -> dict:
 
 def _counters(stub, bearer: str) -> dict[str, float]:
     """Stats counters summed over the workers."""
-    import grpc
-
-    from baton.auth.grpc_auth import authorized
-    from baton.proto_gen import baton_pb2, router_pb2, worker_pb2_grpc
-
     out: dict[str, float] = {}
-    for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers:
-        prefill = w.role == baton_pb2.WORKER_ROLE_PREFILL
-        with authorized(grpc.insecure_channel(w.address), bearer) as ch:
-            cls = worker_pb2_grpc.PrefillWorkerStub if prefill else worker_pb2_grpc.DecodeWorkerStub
-            c = cls(ch).Stats(baton_pb2.StatsRequest(), timeout=10).counters
+    for _, c in worker_stats(stub, bearer):
         for k, v in c.items():
             out[k] = out.get(k, 0.0) + v
     return out

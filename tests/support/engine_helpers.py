@@ -109,3 +109,16 @@ def decode_rows(model, pools, rows: list[int], lengths, steps: int, seed: int,
         return out
     finally:
         fast_decode.applies = applies
+
+
+def run_alone(engine: Engine, rid: str, ids: list[int], n: int = 8):
+    """(tokens, logprobs, cached_tokens) of one greedy request (top logprob kept) run alone."""
+    engine.add_request(Request(rid, ids, greedy(n, logprobs=1)))
+    toks, lps, cached = [], [], None
+    while cached is None:
+        for o in engine.step():
+            toks += o.new_token_ids
+            lps += [lp.logprob for lp in o.logprobs]
+            if o.finished:
+                cached = o.cached_tokens
+    return toks, lps, cached

@@ -11,7 +11,14 @@ import torch
 
 from baton.engine.request import Request
 from baton.model.layers import linear
-from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from tests.support.engine_helpers import (
+    engine_for,
+    greedy,
+    make_checkpoint,
+    prompt,
+    run_all,
+    run_alone,
+)
 
 FP8 = torch.float8_e4m3fn
 POLICY = {"periodic_snapshot_interval": 16, "decode_end_snapshot": False}
@@ -31,17 +38,6 @@ def _engine(model_dir, kv: str, reuse: bool = False, chunk: int = 64):
                              "mamba_state_config": POLICY, "kv_dtype": kv})
 
 
-def _run(eng, rid: str, ids: list[int], n: int = 8):
-    """(tokens, logprobs, cached_tokens) of one request run alone."""
-    eng.add_request(Request(rid, ids, greedy(n, logprobs=1)))
-    toks, lps, cached = [], [], None
-    while cached is None:
-        for o in eng.step():
-            toks += o.new_token_ids
-            lps += [lp.logprob for lp in o.logprobs]
-            if o.finished:
-                cached = o.cached_tokens
-    return toks, lps, cached
 
 
 @pytest.mark.parametrize("kv", ["model", "bfloat16", "float8_e4m3"])
@@ -55,16 +51,16 @@ def test_reuse_on_equals_reuse_off_bit_for_bit(model_dir, kv):
     want = {"model": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3": FP8}[kv]
     assert on.pools.kv.dtype == want
     assert on.pools.kv.shape[-1] == on.pools.spec.head_dim + (4 if kv == "float8_e4m3" else 0)
-    _run(off, "a", a)
-    ref = _run(off, "b", b)
-    _run(on, "a", a)
-    got = _run(on, "b", b)
+    run_alone(off, "a", a)
+    ref = run_alone(off, "b", b)
+    run_alone(on, "a", a)
+    got = run_alone(on, "b", b)
     assert got[2] == 32 and ref[2] == 0  # b reused a's first 32 tokens
     assert got[0] == ref[0] and got[1] == ref[1]  # tokens and logprobs, bit for bit
     if kv != "model":  # and the format really rounds: float32 KV gives other logprobs
         plain = _engine(model_dir, "model", chunk=16)
-        _run(plain, "a", a)
-        assert _run(plain, "b", b)[1] != ref[1]
+        run_alone(plain, "a", a)
+        assert run_alone(plain, "b", b)[1] != ref[1]
 
 
 def test_fast_path_agrees_with_the_reference_path(model_dir):

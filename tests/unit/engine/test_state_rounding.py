@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton.engine.request import Request
-from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt
+from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_alone
 
 POLICY = {"additional_snapshot_offsets_from_start": [20],
           "additional_snapshot_offsets_from_end": [0], "decode_end_snapshot": False}
@@ -29,17 +29,6 @@ def _engine(model_dir, reuse: bool, **fmt):
                              "mamba_state_config": POLICY, **fmt})
 
 
-def _run(eng, rid: str, ids: list[int]):
-    """(tokens, logprobs, cached_tokens) of one request run alone."""
-    eng.add_request(Request(rid, ids, greedy(8, logprobs=1)))
-    toks, lps, cached = [], [], None
-    while cached is None:
-        for o in eng.step():
-            toks += o.new_token_ids
-            lps += [lp.logprob for lp in o.logprobs]
-            if o.finished:
-                cached = o.cached_tokens
-    return toks, lps, cached
 
 
 def run_until_done(eng, rid: str):
@@ -60,10 +49,10 @@ def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
     b = a[:20] + prompt(2, 25)
     off, on = _engine(model_dir, False, **SR), _engine(model_dir, True, **SR)
     assert off.rounding is not None and off.rounding.points(45) == (20, 45)
-    _run(off, "a", a)
-    ref = _run(off, "b", b)
-    _run(on, "a", a)
-    got = _run(on, "b", b)
+    run_alone(off, "a", a)
+    ref = run_alone(off, "b", b)
+    run_alone(on, "a", a)
+    got = run_alone(on, "b", b)
     assert got[2] == 20 and ref[2] == 0  # b restored the snapshot at 20
     assert got[0] == ref[0] and got[1] == ref[1]  # tokens and logprobs, bit for bit
     snap = on.cache.tree.match(a, 20).snapshot  # the snapshot sits in the snapshot-only pool
@@ -74,16 +63,16 @@ def test_reuse_at_a_prompt_internal_point_equals_reuse_off(model_dir):
     assert 2 * spec.snapshot_bytes_per_slot() == spec.state_bytes_per_slot()
     plain = _engine(model_dir, False)
     assert plain.rounding is None
-    _run(plain, "a", a)
-    assert _run(plain, "b", b)[1] != ref[1]  # float32 state gives other logprobs
+    run_alone(plain, "a", a)
+    assert run_alone(plain, "b", b)[1] != ref[1]  # float32 state gives other logprobs
 
 
 def test_two_runs_agree_and_another_seed_draws_differently(model_dir):
     a = prompt(3, 45)
     one, two = _engine(model_dir, True, **SR), _engine(model_dir, True, **SR)
-    assert _run(one, "a", a) == _run(two, "a", a)
+    assert run_alone(one, "a", a) == run_alone(two, "a", a)
     other = _engine(model_dir, True, **{**SR, "state_rounding_seed": 4})
-    assert _run(other, "a", a)[1] != _run(one, "a2", a)[1]  # another seed, other draws
+    assert run_alone(other, "a", a)[1] != run_alone(one, "a2", a)[1]  # another seed, other draws
 
 
 def test_chat_reusing_periodic_points_is_bit_exact(model_dir):
@@ -98,7 +87,7 @@ def test_chat_reusing_periodic_points_is_bit_exact(model_dir):
         history, turns = [], []
         for t in range(4):
             p = history + prompt(100 + t, 9 + 5 * t)
-            turns.append(_run(eng, f"t{t}", p))
+            turns.append(run_alone(eng, f"t{t}", p))
             history = p + turns[-1][0]
         return turns
 
