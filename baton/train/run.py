@@ -85,14 +85,7 @@ def train(s: Settings, out: Path, k: Knobs = Knobs(), corpus_root: Path | None =
     state_dir = out / STATE
     models.fields(s.family, s.size)  # an unknown family or size, before anything else
     resume = _check_out(out, s)
-    corpus = corpus_mod.scan(corpus_root)
-    corpus_mod.check(corpus, s.corpus_hash or corpus_mod.manifest().get("train_sha256", ""))
-    if k.nice:
-        os.nice(k.nice)
-    torch.set_num_threads(k.threads)
-    torch.manual_seed(s.seed)
-    model, config = models.build(s.family, s.size, s.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    corpus, model, config, opt = _start(s, k, corpus_root)
     if not resume:
         _check_budget(model, opt, s, k)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -163,14 +156,7 @@ def verify(folder: Path, steps: int | None, k: Knobs = Knobs(),
             raise ConfigError(f"--steps {steps}: {record_path} logs the held-out loss at steps "
                               f"{sorted(logged)} and {s.steps} (the end)")
         want = logged[steps]
-    corpus = corpus_mod.scan(corpus_root)
-    corpus_mod.check(corpus, s.corpus_hash or corpus_mod.manifest().get("train_sha256", ""))
-    if k.nice:
-        os.nice(k.nice)
-    torch.set_num_threads(k.threads)
-    torch.manual_seed(s.seed)
-    model, _ = models.build(s.family, s.size, s.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    corpus, model, _, opt = _start(s, k, corpus_root)
     tok = tokenizer_mod.build(corpus, models.VOCAB)
     train_ids = data.stream(tok, [d.text for d in corpus.train])
     held_ids = data.stream(tok, [d.text for d in corpus_mod.heldout()])
@@ -366,3 +352,18 @@ class _Stop:
             sys.exit(130)
         self.asked = True
         say("stopping after this step (again to stop now)")
+
+
+def _start(s, k, corpus_root):
+    """(corpus, model, config, optimizer) of a run's settings `s` and knobs `k`: the corpus
+    checked against its digest, the process niced and threaded, the model built from the
+    seed (a training run and `--verify` start the same way)."""
+    corpus = corpus_mod.scan(corpus_root)
+    corpus_mod.check(corpus, s.corpus_hash or corpus_mod.manifest().get("train_sha256", ""))
+    if k.nice:
+        os.nice(k.nice)
+    torch.set_num_threads(k.threads)
+    torch.manual_seed(s.seed)
+    model, config = models.build(s.family, s.size, s.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return corpus, model, config, opt
