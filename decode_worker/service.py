@@ -32,6 +32,11 @@ from decode_worker.samples import closes, drain_samples
 
 log = logging.getLogger("baton.decode")
 
+# the reason of a transfer this worker ended because its request ended here (the router's
+# Abort: the first token finished the request, a stop string, a cancelled client): like
+# ENDED_AT_FIRST_TOKEN from the prefill side, nothing was owed, so it is no failure
+ABORTED_HERE = "aborted by the decode worker"
+
 
 def drain_chunk(box: queue.Queue[RequestOutput]) -> tuple[DecodeChunk, RequestOutput]:
     """Waits for the request's next output, then takes every output already queued behind it:
@@ -188,7 +193,7 @@ class DecodeService:
 
     def abort(self, request_id: str) -> bool:
         self._end_lease(request_id)
-        self.receiver.abort(request_id)
+        self.receiver.abort(request_id, ABORTED_HERE)
         self.events.forget(request_id)
         return self._free(request_id)
 
@@ -230,7 +235,9 @@ class DecodeService:
 
     def _transfer_failed(self, request_id: str, error: str) -> None:
         held = self.receiver.held(request_id)
-        quiet = ENDED_AT_FIRST_TOKEN in error and not held  # nothing was owed: no failure
+        # nothing was owed (the request ended at its first token, or here): no failure; which
+        # of the prefill's and the router's word arrives first is a race
+        quiet = (ENDED_AT_FIRST_TOKEN in error or error == ABORTED_HERE) and not held
         log.log(logging.INFO if quiet else logging.WARNING, "transfer into %s failed: %s%s",
                 request_id, error,
                     f" (its {len(held.blocks)} blocks stay quarantined until its writes are "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 
 from baton.contract import DecodeChunk, FinishReason
@@ -46,3 +47,40 @@ def test_an_abort_behind_ready_tokens_keeps_them_and_its_error():
     chunk, last = drain_chunk(box)
     assert chunk == DecodeChunk((4,), FinishReason.ABORT)
     assert last.error == "aborted"
+
+
+class _Held:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+
+class _Service:
+    """What `_transfer_failed` touches of a decode service."""
+
+    def __init__(self, held=None):
+        self.receiver = type("R", (), {"held": lambda _s, rid: held})()
+        self.ended, self.freed = [], []
+        self._end_lease = self.ended.append
+        self._free = self.freed.append
+
+
+def _levels(caplog, error, held=None):
+    from decode_worker.service import DecodeService
+    caplog.clear()
+    svc = _Service(held)
+    with caplog.at_level(logging.INFO, logger="baton.decode"):
+        DecodeService._transfer_failed(svc, "r1", error)
+    assert svc.ended == ["r1"] and svc.freed == ["r1"]
+    return [r.levelno for r in caplog.records]
+
+
+def test_a_transfer_ended_because_its_request_ended_is_no_failure(caplog):
+    """The router's Abort of a request its first token finished races the prefill's own word
+    (ENDED_AT_FIRST_TOKEN): either way nothing was owed, so neither logs a warning; a real
+    failure, or one whose blocks stay quarantined, still does."""
+    from baton.contract import ENDED_AT_FIRST_TOKEN
+    from decode_worker.service import ABORTED_HERE
+    assert _levels(caplog, ABORTED_HERE) == [logging.INFO]
+    assert _levels(caplog, f"aborted by prefill: {ENDED_AT_FIRST_TOKEN}") == [logging.INFO]
+    assert _levels(caplog, "peer gone") == [logging.WARNING]
+    assert _levels(caplog, ABORTED_HERE, _Held([3, 4])) == [logging.WARNING]
