@@ -199,7 +199,8 @@ def _handoff_pair(model: dict, kv_dtype: str | None, reps: int) -> dict[str, tup
 
 def _staging_s(model: dict, reps: int) -> float:
     """Median seconds of a 16-bit handoff's two staging copies (narrow a float32 live slot
-    into a bf16 snapshot slot, widen it back), on pools of the model's shapes."""
+    into a bf16 snapshot slot, widen it back), on pools of the model's shapes, one torch
+    thread (on a loaded machine a second thread's wake-up costs more than the copy)."""
     from baton.model.config import config_from_dict
     from baton.model.pools import Pools, PoolSpec
 
@@ -207,25 +208,30 @@ def _staging_s(model: dict, reps: int) -> float:
                               num_slots=4)
     pools = Pools(spec.split_snapshots(2, {t.name: torch.bfloat16
                                            for t in spec.state_tensors}))
-    out = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        pools.copy_slot(0, 2)
-        pools.copy_slot(2, 1)
-        out.append(time.perf_counter() - t0)
+    out, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            pools.copy_slot(0, 2)
+            pools.copy_slot(2, 1)
+            out.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return statistics.median(out[1:])
 
 
-def handoff_times(model_dir: Path, reps: int = HANDOFF_REPS) -> dict:
-    """Handoff seconds of a 2k prompt, float32 vs bf16 state (float32 KV, then bf16 KV)."""
+def handoff_times(model_dir: Path, reps: int = HANDOFF_REPS, kv_bf16: bool = True) -> dict:
+    """(seconds, bytes moved) of a 2k prompt's handoff by state dtype, "float32" and
+    "bfloat16" (staging copies included), with float32 KV, then with bf16 KV (`_kv_bf16`
+    keys, unless `kv_bf16` is False); `staging_s` the staging copies alone."""
     import json
 
     model = json.loads((Path(model_dir) / "config.json").read_text())
-    f32kv = _handoff_pair(model, None, reps)
-    bf16kv = _handoff_pair(model, "bfloat16", reps)
     stage = _staging_s(model, reps)
     out = {"staging_s": stage}
-    for name, pair in (("", f32kv), ("_kv_bf16", bf16kv)):
+    for name, kv in (("", None), ("_kv_bf16", "bfloat16"))[: 2 if kv_bf16 else 1]:
+        pair = _handoff_pair(model, kv, reps)
         out[f"float32{name}"] = (pair["float32"][0], pair["float32"][1])
         out[f"bfloat16{name}"] = (pair["bfloat16"][0] + stage, pair["bfloat16"][1])
     return out
