@@ -17,9 +17,17 @@ quality on the held-out text (baton/train/data/heldout.jsonl) at each context le
 KL(float32 || variant) per token, top-1 agreement and perplexity. Quality runs every window
 through the engine's own prefill in chunks that end at the rounding points, rounding the live
 state there as a served request's prefill does (`Engine.rounding`), with the same chunk ends
-for the reference. Handoff *time* is not measured here (bench handoff measures the bytes'
-transfer). Use `--model DIR` for a trained checkpoint: a random one's distributions are
-flat, and its KL says little.
+for the reference. Use `--model DIR` for a trained checkpoint: a random one's distributions
+are flat, and its KL says little.
+
+Handoff time of a 2k prompt (`handoff_s_2k`, `handoff_time_ratio` against float32): two
+processes over NIXL (bench/harness/loopback.py), pools of the model's shapes, float32 KV;
+the float32 state goes live slot to live slot, the 16-bit state snapshot slot to snapshot
+slot, as a served handoff moves them, round-robin in one run (median of HANDOFF_REPS). A
+16-bit handoff also pays its staging copies (the prefill side narrows the rounded state into
+the snapshot slot, the decode side widens it into its live slot on landing), timed in this
+process on pools of the same shapes and added. The same with bf16 KV on both sides
+(`handoff_s_2k_kv_bf16`, float32 and bf16 state) shows what the two together give.
 """
 
 from __future__ import annotations
@@ -147,12 +155,96 @@ def _decode_speed(model_dir: Path, cache: dict, batch: int, ctx: int, steps: int
     return tokens / max(time.process_time() - t0, 1e-9)
 
 
+HANDOFF_TOKENS, HANDOFF_REPS = 2048, 15
+
+
+def _handoff_pair(model: dict, kv_dtype: str | None, reps: int) -> dict[str, tuple]:
+    """Median seconds and bytes of a HANDOFF_TOKENS-prompt handoff between two processes,
+    by state dtype ("float32": live slot 0 -> 1; "bfloat16": snapshot slot 2 -> 3)."""
+    from baton.model.config import config_from_dict
+    from bench.harness.loopback import StageProc
+    from bench.transfer import _ok
+
+    mc, tpb = config_from_dict(model), 16
+    n = -(-HANDOFF_TOKENS // tpb)
+    common = dict(backend="nixl", model=model, layers=list(range(mc.num_layers)),
+                  num_blocks=n + 1, tokens_per_block=tpb, num_slots=4, dtype="float32",
+                  snapshots=[2, "bfloat16"], kv_dtype=kv_dtype)
+    dec, pre = StageProc(), StageProc()
+    try:
+        ep = _ok(dec.call("setup", role="decode", seed=-1, **common, timeout=300))["endpoint"]
+        _ok(pre.call("setup", role="prefill", seed=3, **common, timeout=300))
+        blocks, slots = list(range(n)), {"float32": (0, 1), "bfloat16": (2, 3)}
+        times: dict[str, list[float]] = {k: [] for k in slots}
+        nbytes, rids = {}, []
+        for r in range(reps + 1):  # round-robin; the first round warms up
+            for name, (ss, ds) in slots.items():
+                rid = f"{name}-{r}"
+                rids.append(rid)
+                _ok(dec.call("expect", rid=rid, blocks=blocks, slot=ds))
+                res = _ok(pre.call("bench_send", endpoint=ep, src_blocks=blocks, src_slot=ss,
+                                   dst_blocks=blocks, dst_slot=ds, rids=[rid], capture=False,
+                                   timeout=120))
+                nbytes[name] = res["bytes"]
+                if r:
+                    times[name].append(res["times"][0])
+        evs = _ok(dec.call("wait", rids=rids, timeout=60))["events"]
+        if len(evs) != len(rids) or not all(ok for _, ok, _ in evs):
+            raise RuntimeError(f"handoff bench: not every handoff was delivered: {evs[:4]}")
+    finally:
+        dec.stop()
+        pre.stop()
+    return {k: (statistics.median(v), nbytes[k]) for k, v in times.items()}
+
+
+def _staging_s(model: dict, reps: int) -> float:
+    """Median seconds of a 16-bit handoff's two staging copies (narrow a float32 live slot
+    into a bf16 snapshot slot, widen it back), on pools of the model's shapes, one torch
+    thread (on a loaded machine a second thread's wake-up costs more than the copy)."""
+    from baton.model.config import config_from_dict
+    from baton.model.pools import Pools, PoolSpec
+
+    spec = PoolSpec.for_model(config_from_dict(model), num_blocks=1, tokens_per_block=16,
+                              num_slots=4)
+    pools = Pools(spec.split_snapshots(2, {t.name: torch.bfloat16
+                                           for t in spec.state_tensors}))
+    out, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            pools.copy_slot(0, 2)
+            pools.copy_slot(2, 1)
+            out.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(out[1:])
+
+
+def handoff_times(model_dir: Path, reps: int = HANDOFF_REPS, kv_bf16: bool = True) -> dict:
+    """(seconds, bytes moved) of a 2k prompt's handoff by state dtype, "float32" and
+    "bfloat16" (staging copies included), with float32 KV, then with bf16 KV (`_kv_bf16`
+    keys, unless `kv_bf16` is False); `staging_s` the staging copies alone."""
+    import json
+
+    model = json.loads((Path(model_dir) / "config.json").read_text())
+    stage = _staging_s(model, reps)
+    out = {"staging_s": stage}
+    for name, kv in (("", None), ("_kv_bf16", "bfloat16"))[: 2 if kv_bf16 else 1]:
+        pair = _handoff_pair(model, kv, reps)
+        out[f"float32{name}"] = (pair["float32"][0], pair["float32"][1])
+        out[f"bfloat16{name}"] = (pair["bfloat16"][0] + stage, pair["bfloat16"][1])
+    return out
+
+
 DECODE_VARIANTS = ("float32", "kv bf16", "kv fp8", "state bf16 stochastic")
 ROUNDS = 3
 """Decode rows measured round-robin ROUNDS times; each variant's median round counts."""
 
 
-def measure(model_dir: Path, contexts, windows: int, decode: tuple[int, int, int]) -> list[dict]:
+def measure(model_dir: Path, contexts, windows: int, decode: tuple[int, int, int],
+            handoff_reps: int = HANDOFF_REPS) -> list[dict]:
+    """`handoff_reps` 0: the handoff times are left out."""
     rows = {name: {"variant": name, "config": {"cache": c}, "model": str(model_dir)}
             for name, c in VARIANTS.items()}
     top = max(contexts)
@@ -191,6 +283,18 @@ def measure(model_dir: Path, contexts, windows: int, decode: tuple[int, int, int
         for r in rows.values():
             r[f"windows_{ctx}"] = len(wins)
     del engines
+    ho = handoff_times(model_dir, handoff_reps) if handoff_reps else None
+    ref_s = ho["float32"][0] if ho else 0.0
+    for name, r in rows.items() if ho else ():
+        state16 = name.startswith("state ")
+        # fp8 KV is not timed here; the kv bf16 row has the bf16-KV fields only
+        for suffix in {"kv bf16": ("_kv_bf16",), "kv fp8": ()}.get(name, ("", "_kv_bf16")):
+            s_, b_ = ho[("bfloat16" if state16 else "float32") + suffix]
+            r[f"handoff_s_2k{suffix}"] = s_
+            r[f"handoff_moved_bytes_2k{suffix}"] = b_
+            r[f"handoff_time_ratio{suffix}"] = s_ / max(ref_s, 1e-12)
+        if state16:
+            r["handoff_staging_s"] = ho["staging_s"]
     batch, ctx, steps = decode
     speeds: dict[str, list[float]] = {n: [] for n in DECODE_VARIANTS}
     for _ in range(ROUNDS):
@@ -209,5 +313,5 @@ def run(args) -> list[dict]:
 
     model_dir = resolve_model(getattr(args, "model", None) or "tiny")
     if args.quick:
-        return measure(model_dir, QUICK_CONTEXTS, QUICK_WINDOWS, (4, 128, 16))
+        return measure(model_dir, QUICK_CONTEXTS, QUICK_WINDOWS, (4, 128, 16), 5)
     return measure(model_dir, CONTEXTS, WINDOWS, (8, 512, 64))

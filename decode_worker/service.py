@@ -90,6 +90,12 @@ class DecodeService:
             skip = adm.cached_tokens // tpb if engine.pools.has_kv else 0
             blocks = tuple(adm.block_table) if engine.pools.has_kv else ()
             slot = adm.slot if engine.pools.has_state else None
+            if slot is not None and engine.stages_handoffs \
+                    and req.prompt_len in engine.rounding.points(req.prompt_len):
+                # the prompt end is rounded there: its state lands in 16 bits in a snapshot
+                # slot, widened into the live one at start_remote (docs/state-precision.md)
+                staged = engine.cache.stage(request_id)
+                slot = slot if staged is None else staged
             # prefill writes only the blocks after the shared prefix: those alone are leased
             self.receiver.expect(request_id, list(blocks[skip:]), slot, self.lease_seconds)
             res = Reservation(self.worker_id, self.receiver.endpoint, blocks, slot, skip,

@@ -36,6 +36,9 @@ class PipelineSender(StagedAgent):
         """Stage 0's handshake (the other stages shake hands on their first send)."""
         return self.local.connect(endpoint)
 
+    def peer_layout(self, endpoint: str):
+        return self.local.peer_layout(endpoint)
+
     def claim(self, request_id, endpoint, dst_block_ids, dst_slot, skip_blocks=0,
               incarnation=None) -> None:
         """Stage 0's claim, ahead of the send (the other stages claim in their `send`, and

@@ -58,6 +58,12 @@ class HandoffTimings:
     last_compute_ms: float = 0.0
     last_handoff_ms: float = 0.0
     last_tail_ms: float = 0.0
+    handoff_bytes_total: int = 0
+    """Bytes written by this worker's handoffs (KV and state)."""
+    handoff_state_bytes_total: int = 0
+    """Of those, the recurrent state's (half the float32 bytes with 16-bit state)."""
+    last_handoff_bytes: int = 0
+    last_handoff_state_bytes: int = 0
 
     def add(self, compute_s: float, handoff_s: float, tail_s: float | None) -> None:
         self.handoffs += 1
@@ -68,6 +74,11 @@ class HandoffTimings:
             self.streamed_handoffs += 1
             self.tail_s_total += tail_s
             self.last_tail_ms = tail_s * 1000
+
+    def add_bytes(self, nbytes: int | None, state_bytes: int) -> None:
+        self.handoff_bytes_total += nbytes or 0
+        self.handoff_state_bytes_total += state_bytes
+        self.last_handoff_bytes, self.last_handoff_state_bytes = nbytes or 0, state_bytes
 
     def counters(self) -> dict[str, float]:
         return {k: float(v) for k, v in vars(self).items()}
@@ -92,13 +103,18 @@ class _Stream:
         self.sent = False
         self.sent_at: float | None = None
         self.nbytes: int | None = None
+        self.state_bytes: int = 0
+        """Of `nbytes`, the recurrent state's (16-bit when staged)."""
         self.last_layer_at = 0.0
 
     def begin(self, block_table: list[int], slot: int | None) -> None:
         if time.monotonic() > self.deadline:
             self.error = _late(self.rid, self.dest)
             return
-        self.service._send(self, block_table, slot, layerwise=True)
+        try:
+            self.service._send(self, block_table, slot, layerwise=True)
+        except TransferError as e:  # inside the forward: the request fails, not the batch
+            self.error = str(e)
 
     def layers_done(self, layers: list[int]) -> None:
         if not self.sent:
@@ -256,6 +272,7 @@ class PrefillService:
             # layer-wise, the bytes can land before the forward's last (data-free) layers end
             tail = max(0.0, landed - stream.last_layer_at) if streamed and stream.sent else None
             self.timings.add(t1 - t0, now - t1, tail)
+            self.timings.add_bytes(stream.nbytes, stream.state_bytes)
             m.handoff(stream.nbytes, now - (stream.sent_at or t1))
             outcome = "handed_off"
             return result
@@ -290,6 +307,8 @@ class PrefillService:
             raise RequestCancelled(f"prefill of {stream.rid} was aborted before its transfer")
         blocks = cache.block_table(stream.rid) if cache.pools.has_kv else []
         slot = cache.slot(stream.rid) if cache.pools.has_state else None
+        if slot is not None and self._wants_16bit(stream.dest):
+            self.loop.engine.stage_whole(stream.rid)  # (the streamed path stages layer by layer)
         self._send(stream, list(blocks), slot, layerwise=False)
 
     def _send(self, stream: _Stream, blocks: list[int], slot: int | None,
@@ -298,14 +317,48 @@ class PrefillService:
         stream.misfit = _misfit(stream.rid, dest, len(blocks))
         if stream.misfit:  # a genuine reservation made for another prompt: nothing is written
             return
+        if slot is not None and self._wants_16bit(dest):
+            slot = self._staged(stream.rid, dest)
         stream.sent_at = time.perf_counter()
         self.sender.send(stream.rid, dest.endpoints, list(blocks), slot,
                          list(dest.block_ids), dest.slot, skip_blocks=dest.skip_blocks,
                          incarnation=dest.incarnation or None, layerwise=layerwise,
                          handshake=False)
         stream.sent = True
-        stream.nbytes = handoff_bytes(self.sender.layout, len(blocks) - dest.skip_blocks, slot)
+        layout = self.sender.layout
+        stream.nbytes = handoff_bytes(layout, len(blocks) - dest.skip_blocks, slot)
+        stream.state_bytes = handoff_bytes(layout, 0, slot)
         self.events.wake()
+
+    def _wants_16bit(self, dest: Reservation) -> bool:
+        """Whether the destination's slot is a snapshot-pool slot of its decode stages: the
+        decode worker receives the rounded state in 16 bits there (docs/state-precision.md)."""
+        if dest.slot is None:
+            return False
+        for ep in dest.endpoints:  # handshaken on the RPC thread (never here: loop thread)
+            layout = getattr(self.sender, "peer_layout", lambda _: None)(ep)
+            st = layout.state if layout is not None else None
+            if st is not None and dest.slot >= st.num_slots:
+                return True
+        return False
+
+    def _staged(self, rid: str, dest: Reservation) -> int:
+        """The slot holding this request's prompt-end state narrowed to 16 bits (loop
+        thread); TransferError, before a byte moves, when it cannot be had."""
+        engine = self.loop.engine
+        req = engine.requests.get(rid)
+        if req is None or engine.rounding is None or req.prompt_len not in req.round_points:
+            raise TransferError(
+                f"decode worker {dest.worker_id} receives 16-bit state but this prefill worker "
+                f"does not round the prompt end of {rid} (set cache.state_dtype and "
+                "cache.mamba_state_config the same on both); nothing was sent")
+        stage = engine.cache.staged(rid)
+        if stage is None:
+            raise TransferError(
+                f"decode worker {dest.worker_id} receives 16-bit state but this prefill worker "
+                f"has no snapshot slot to stage {rid} in (every one stages a handoff; raise "
+                "cache.num_state_slots); nothing was sent")
+        return stage
 
     def _await_landing(self, rid: str, dest: Reservation) -> float:
         """Waits for the decode side's acknowledgement; returns when it was seen."""
@@ -365,6 +418,6 @@ def handoff_bytes(layout, num_blocks: int, slot: int | None) -> int:
     declared state tensor of every state layer when a slot moves (this stage's layers)."""
     kv, st = layout.kv, layout.state
     total = len(kv.layers) * kv.block_bytes * num_blocks if kv is not None else 0
-    if st is not None and slot is not None:
-        total += len(st.layers) * st.slot_bytes
+    if st is not None and slot is not None:  # a snapshot slot's bytes when staged (16-bit)
+        total += len(st.layers) * layout.state_slot_bytes(slot)
     return total

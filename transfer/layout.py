@@ -24,14 +24,19 @@ Built from real `Pools`; crosses the side channel as a msgpack dict (`to_wire` /
               section i starts sum(t.section_bytes[:i]) into the slot
               (NemotronH conv [ x | B | C ], ssm one section; Qwen3.5 conv [ q | k | v ],
                recurrent one section)
+    snapshot slots (16-bit state, `PoolSpec.snapshot_slots`): one more `TensorLayout` per
+    tensor in `snapshots`, in the snapshot pool's own dtype; slot ids continue the live ones
+            slot s >= num_slots lies at snapshots[t].base + l*layer_stride
+                                            + (s - num_slots)*slot_stride
+    (a handoff of rounded state stages it there on both sides: docs/state-precision.md)
 
 A stage owns *global* layer ids; `layers[i]` is the global id of local index i.
 Attention-free stage: `kv is None` (its KV head count is 0, nothing divides by it).
 State-free stage: `state is None` (no slot index is needed or checked).
 
 Units: every (layer, block) KV range and every (layer, slot) range of each state tensor is
-one "unit", numbered KV first, then each state tensor in declared order (see
-`unit_table`). NIXL preps the whole unit table once and posts transfers by unit index.
+one "unit", numbered KV first, then each state tensor in declared order, then each
+tensor's snapshot slots in declared order (see `unit_table`). NIXL preps the whole unit table once and posts transfers by unit index.
 """
 
 from __future__ import annotations
@@ -86,6 +91,18 @@ class StateLayout:
     num_slots: int
     tensors: tuple[TensorLayout, ...]
     """In the model's declared order; units follow this order."""
+    snapshot_slots: int = 0
+    """Snapshot-only slots (ids `num_slots` .. `num_slots + snapshot_slots - 1`)."""
+    snapshots: tuple[TensorLayout, ...] = ()
+    """Their pool, tensor by tensor in declared order, in its own (16-bit) dtype; empty
+    when there is none."""
+
+    def pool(self, slot: int) -> tuple[tuple[TensorLayout, ...], int, int]:
+        """(tensors, index in their pool, rank of the pool in unit order: 0 live, 1
+        snapshots) of slot id `slot` (checked by the caller)."""
+        if slot < self.num_slots:
+            return self.tensors, slot, 0
+        return self.snapshots, slot - self.num_slots, 1
 
     def tensor(self, name: str) -> TensorLayout:
         for t in self.tensors:
@@ -129,9 +146,12 @@ class StageLayout:
                 num_blocks=t.shape[1],
             )
         if pools.has_state:
+            snaps = tuple(_tensor_layout(ts, pools.snapshots[ts.name])
+                          for ts in s.state_tensors) if pools.snapshots else ()
             st = StateLayout(layers=tuple(s.state_layers), num_slots=s.num_slots,
                              tensors=tuple(_tensor_layout(ts, pools.state[ts.name])
-                                           for ts in s.state_tensors))
+                                           for ts in s.state_tensors),
+                             snapshot_slots=s.snapshot_slots if snaps else 0, snapshots=snaps)
         return cls(kv=kv, state=st, dtype=str(s.dtype).removeprefix("torch."),
                    device=dev.type, device_id=dev.index or 0)
 
@@ -151,6 +171,27 @@ class StageLayout:
         """Units of one state tensor; each declared tensor has as many."""
         return len(self.state.layers) * self.state.num_slots if self.state else 0
 
+    @property
+    def num_snapshot_units(self) -> int:
+        """Units of one state tensor's snapshot pool (0 without one)."""
+        return len(self.state.layers) * self.state.snapshot_slots if self.state else 0
+
+    def state_unit(self, i: int, slot: int) -> tuple[TensorLayout, int, int]:
+        """(layout, first unit (local layer 0), units per layer) of declared state tensor
+        `i` at slot id `slot`: the live pool's or the snapshot pool's."""
+        s = self.state
+        tensors, idx, pool = s.pool(slot)
+        if pool == 0:
+            return tensors[i], self.num_kv_units + i * self.num_state_units + idx, s.num_slots
+        off = (self.num_kv_units + len(s.tensors) * self.num_state_units
+               + i * self.num_snapshot_units)
+        return tensors[i], off + idx, s.snapshot_slots
+
+    def state_slot_bytes(self, slot: int) -> int:
+        """Bytes slot id `slot` holds per layer, every tensor (live: float32; snapshot: its
+        stored dtype)."""
+        return sum(t.bytes for t in self.state.pool(slot)[0])
+
     def unit_table(self) -> np.ndarray:
         """All units as an Nx3 uint64 array (addr, bytes, device_id), unit-index order."""
         parts = []
@@ -163,6 +204,9 @@ class StageLayout:
             for t in s.tensors:
                 parts.append(_grid(t.base, t.layer_stride, len(s.layers),
                                    t.slot_stride, s.num_slots, t.bytes))
+            for t in s.snapshots:
+                parts.append(_grid(t.base, t.layer_stride, len(s.layers),
+                                   t.slot_stride, s.snapshot_slots, t.bytes))
         if not parts:
             return np.zeros((0, 3), dtype=np.uint64)
         table = np.concatenate(parts)
@@ -199,23 +243,34 @@ def _tensor_layout(ts, t) -> TensorLayout:
 def _state_from_wire(d: object) -> StateLayout:
     if not isinstance(d, dict):
         raise TransferError(f"peer layout.state must be a map, got {type(d).__name__}")
-    if set(d) != {"layers", "num_slots", "tensors"}:
+    keys = {"layers", "num_slots", "tensors", "snapshot_slots", "snapshots"}
+    if set(d) != keys:
         raise TransferError(f"peer layout.state has keys {sorted(map(str, d))}, expected "
-                            "['layers', 'num_slots', 'tensors']")
-    ts = d["tensors"]
+                            f"{sorted(keys)}")
+    ts, ss = d["tensors"], d["snapshots"]
     if not isinstance(ts, (list, tuple)) or not ts:
         raise TransferError(f"peer layout.state.tensors must be a non-empty list, got {ts!r}")
+    if not isinstance(ss, (list, tuple)) or len(ss) not in (0, len(ts)):
+        raise TransferError(f"peer layout.state.snapshots must be a list of {len(ts)} tensors "
+                            f"or empty, got {ss!r}")
     tensors = tuple(_typed(TensorLayout, t, f"layout.state.tensors[{i}]")
                     for i, t in enumerate(ts))
-    head = _typed(_StateHead, {"layers": d["layers"], "num_slots": d["num_slots"]},
-                  "layout.state")
-    return StateLayout(layers=head.layers, num_slots=head.num_slots, tensors=tensors)
+    snaps = tuple(_typed(TensorLayout, t, f"layout.state.snapshots[{i}]")
+                  for i, t in enumerate(ss))
+    head = _typed(_StateHead, {"layers": d["layers"], "num_slots": d["num_slots"],
+                               "snapshot_slots": d["snapshot_slots"]}, "layout.state")
+    if bool(snaps) != bool(head.snapshot_slots):
+        raise TransferError(f"peer layout.state.snapshot_slots={head.snapshot_slots} with "
+                            f"{len(snaps)} snapshot tensors")
+    return StateLayout(layers=head.layers, num_slots=head.num_slots, tensors=tensors,
+                       snapshot_slots=head.snapshot_slots, snapshots=snaps)
 
 
 @dataclass(frozen=True)
 class _StateHead:
     layers: tuple[int, ...]
     num_slots: int
+    snapshot_slots: int
 
 
 def _grid(base: int, ls: int, nl: int, us: int, nu: int, nbytes: int) -> np.ndarray:

@@ -7,6 +7,7 @@ destination already holds (the first `skip_blocks`) are left out.
     prefill stage (layers 0-3)          decode stage (layers 2-5)
     kv layer 3: src blk 7 8 9 ...  ───► kv layer 3: dst blk 4 5 6 ...
     state layer 2: src slot 1      ───► state layer 2: dst slot 0  (each declared tensor)
+    (a slot id past the live slots is a snapshot slot, 16-bit: staged on both sides)
                  (layers 0, 1 go to another decode stage; 4, 5 come from another prefill stage)
 
     one descriptor per (layer, block) and per (state tensor, layer, slot), layer-major:
@@ -146,25 +147,33 @@ def _state_part(src: StageLayout, dst: StageLayout, ss: int | None, ds: int | No
 
 @functools.lru_cache(maxsize=1024)
 def _state_slots(src: StageLayout, dst: StageLayout, ss, ds):
-    """`_state_part` of valid slot ids (a pure function of the pair and the slots: cached)."""
+    """`_state_part` of valid slot ids (a pure function of the pair and the slots: cached).
+    A slot id past the live ones is a snapshot slot (16-bit state staged for the handoff):
+    both ends must then name pools of the same bytes per slot."""
     s, d = src.state, dst.state
     common = sorted(set(s.layers) & set(d.layers))
     if not common:
         return None
     _check_tensors(s, d)
-    ss = int(_ids([ss], s.num_slots, "source slot")[0])
-    ds = int(_ids([ds], d.num_slots, "destination slot")[0])
+    ss = int(_ids([ss], s.num_slots + s.snapshot_slots, "source slot")[0])
+    ds = int(_ids([ds], d.num_slots + d.snapshot_slots, "destination slot")[0])
     sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)
     dl = np.array([d.layers.index(g) for g in common], dtype=np.int64)
     glayers = np.array(common, dtype=np.int64)
     cols = [[] for _ in range(6)]
-    for i, (st, dt) in enumerate(zip(s.tensors, d.tensors, strict=True)):
-        s_off = src.num_kv_units + i * src.num_state_units
-        d_off = dst.num_kv_units + i * dst.num_state_units
+    for i in range(len(s.tensors)):
+        st, s_off, s_per = src.state_unit(i, ss)
+        dt, d_off, d_per = dst.state_unit(i, ds)
+        if st.bytes != dt.bytes:
+            raise TransferError(
+                f"state.{st.name} slot bytes differ: source slot {ss} holds {st.bytes}, "
+                f"destination slot {ds} holds {dt.bytes} (a 16-bit state goes from a snapshot "
+                "slot to a snapshot slot, a float32 one from a live slot to a live slot)")
+        si, di = s.pool(ss)[1], d.pool(ds)[1]
         for col, v in zip(cols, (
-                s_off + sl * s.num_slots + ss, d_off + dl * d.num_slots + ds,
-                _addr(st.base, st.layer_stride, sl, st.slot_stride, ss),
-                _addr(dt.base, dt.layer_stride, dl, dt.slot_stride, ds),
+                s_off + sl * s_per, d_off + dl * d_per,
+                _addr(st.base, st.layer_stride, sl, st.slot_stride, si),
+                _addr(dt.base, dt.layer_stride, dl, dt.slot_stride, di),
                 np.full(len(common), st.bytes, dtype=np.uint64), glayers), strict=True):
             col.append(v)
     return (common, *(_frozen(np.concatenate(c)) for c in cols))

@@ -184,6 +184,13 @@ class Sender:
             with self._lock:
                 return self._adopt(endpoint, client, reply).layout
 
+    def peer_layout(self, endpoint: str) -> StageLayout | None:
+        """The layout of a decode stage handshaken already, else None (never handshakes: safe
+        on the engine loop thread)."""
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            return None if peer is None else peer.layout
+
     def send(self, request_id: str, endpoint: str | Sequence[str], src_block_ids: Sequence[int],
              src_slot: int | None, dst_block_ids: Sequence[int], dst_slot: int | None,
              skip_blocks: int = 0, incarnation: str | None = None,

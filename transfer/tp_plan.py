@@ -211,6 +211,11 @@ def _state(p: Piece, src: StageLayout, dst: StageLayout, ss, ds):
     st, dt = s.tensor(p.tensor), d.tensor(p.tensor)
     i = [t.name for t in s.tensors].index(p.tensor)
     so, do = _runs(p, st.bytes, dt.bytes)
+    if any(isinstance(x, int) and n <= x < n + k
+           for x, n, k in ((ss, s.num_slots, s.snapshot_slots), (ds, d.num_slots, d.snapshot_slots))):
+        raise TransferError(
+            f"slot {ss} -> {ds} is a 16-bit snapshot slot: 16-bit state handoffs are not built "
+            "for tensor-parallel pairs (docs/state-precision.md); nothing was sent")
     ss = int(_ids([ss], s.num_slots, "source slot")[0])
     ds = int(_ids([ds], d.num_slots, "destination slot")[0])
     sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)

@@ -89,6 +89,8 @@ def _check_slots(m: HybridCacheManager, snaps: list[Snapshot]) -> None:
     live = m.live_requests()
     for rid, r in live.items():
         own(r.slot, f"request {rid!r}")
+        if r.stage is not None:
+            own(r.stage, f"the staged handoff of {rid!r}")
     for s in snaps:
         own(s.slot, f"the snapshot at {s.num_tokens} tokens")
     quarantined = m.quarantined()

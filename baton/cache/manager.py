@@ -69,6 +69,9 @@ class _Live:
     turn: list[Snapshot] | None = None
     spare: int = 0
     """Live slots promised to the samples it forks (n - 1 until `fork`)."""
+    stage: int | None = None
+    """A snapshot-pool slot holding (prefill) or receiving (decode) its handed-off state in
+    16 bits (`stage`), released with the request."""
 
 
 class HybridCacheManager:
@@ -226,7 +229,8 @@ class HybridCacheManager:
         return sum(live.spare for live in self._live.values())
 
     def _quarantined_slots(self) -> int:
-        return sum(1 for _, slot in self._quarantine.values() if slot is not None)
+        return sum(1 for _, slot in self._quarantine.values()
+                   if slot is not None and slot < self.slots.num_slots)
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `num_blocks` blocks can be had now, counting evictable tree blocks."""
@@ -239,6 +243,30 @@ class HybridCacheManager:
 
     def slot(self, req_id: str) -> int:
         return self._get(req_id).slot
+
+    # ---- 16-bit handoffs (docs/state-precision.md) -------------------------------------
+    def stage(self, req_id: str) -> int | None:
+        """A snapshot-pool slot (16-bit) for the request's handed-off state, held until the
+        request is released (or `land`ed): a prefill worker narrows its rounded prompt-end
+        state into it and sends from there, a decode worker receives into it. Evicts LRU
+        snapshots for it; None when the pools have no snapshot pool or every one of its
+        slots is staging another handoff."""
+        live = self._get(req_id)
+        if live.stage is None and self.pools.spec.snapshot_slots:
+            live.stage = self.store.stage_slot()
+        return live.stage
+
+    def staged(self, req_id: str) -> int | None:
+        return self._get(req_id).stage
+
+    def land(self, req_id: str) -> None:
+        """Decode side: the state landed in the request's staging slot: widen it into its
+        live slot and free the staging slot (nothing when it has none)."""
+        live = self._get(req_id)
+        if live.stage is not None:
+            self.pools.copy_slot(live.stage, live.slot)
+            self.slots.release(live.stage)
+            live.stage = None
 
     # ---- admission ---------------------------------------------------------------------
     def admit(self, req_id: str, prompt: list[int], session: str | None = None,
@@ -428,7 +456,7 @@ class HybridCacheManager:
         held = [b for b in live.table if b in keep]
         for b in held:
             self.blocks.incref(b)  # the quarantine's own reference
-        slot = live.slot if keep_slot else None
+        slot = (live.slot if live.stage is None else live.stage) if keep_slot else None
         self._quarantine[key] = (held, slot)
         self.quarantined_total += 1
         self._release(req_id, keep_slot=keep_slot)
@@ -586,8 +614,10 @@ class HybridCacheManager:
         self.tree.unlock(live.node)
         for b in live.table:
             self.blocks.decref(b)
-        if not keep_slot:
-            self.slots.release(live.slot)
+        kept = (live.slot if live.stage is None else live.stage) if keep_slot else None
+        for slot in (live.slot, live.stage):
+            if slot is not None and slot != kept:
+                self.slots.release(slot)
 
     def _snapshot(self, live: _Live, tokens: list[int]) -> bool:
         n, tpb = len(tokens), self.tpb

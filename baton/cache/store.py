@@ -52,7 +52,18 @@ class SnapshotStore:
         while self.tree.num_snapshots >= self.budget:
             if not self.tree.evict_snapshot():
                 return None
-        return self.slots.allocate_snapshot()
+        return self._free_snapshot_id()
+
+    def stage_slot(self) -> int | None:
+        """A snapshot-only slot for a handoff's staged state (outside the tree), dropping
+        LRU snapshots until one is free; None if every one stages a handoff already."""
+        return self._free_snapshot_id()
+
+    def _free_snapshot_id(self) -> int | None:
+        s = self.slots.allocate_snapshot()
+        while s is None and self.slots.snapshot_ids and self.tree.evict_snapshot():
+            s = self.slots.allocate_snapshot()
+        return s
 
     def take(self, node: Node, tail: tuple[int, ...], live_slot: int, tail_block: int | None):
         """Snapshot the live state at `node` (+ `tail` tokens, read from `tail_block`).

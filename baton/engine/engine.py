@@ -252,6 +252,7 @@ class Engine:
                     f"vocabulary [0, {vocab}); send the token the prefill worker returned"
                 )
         req.phase = Phase.DECODE
+        self.cache.land(request_id)  # a 16-bit handoff widens into the live slot
         self.scheduler.start_reserved(req)
         samples = fork(self, req)
         for r in samples:
@@ -444,12 +445,19 @@ class Engine:
             return None
         active: dict[str, LayerStream] = {}
         cuda = str(self.device).startswith("cuda")
+        # 16-bit handoffs: each rounded layer is narrowed into a snapshot-pool slot, which a
+        # decode worker receiving 16-bit state is sent from (docs/state-precision.md)
+        staged = {rid: self.cache.stage(rid) for rid, req in last.items()
+                  if self.stages_handoffs and req.prompt_len in req.round_points}
 
         def on_layer(layer: int) -> None:
             if self.rounding is not None:  # the prompt end rounds before its bytes leave
                 for rid, req in last.items():
                     if req.prompt_len in req.round_points:  # as _commit_chunk will
                         self.rounding.round(self.cache.slot(rid), req.prompt_ids, [layer])
+                for rid, stage in staged.items():
+                    if stage is not None:
+                        self._narrow_layer(self.cache.slot(rid), stage, layer)
             if cuda:  # the layer's kernels must be done before its bytes leave
                 torch.cuda.current_stream().synchronize()
             for stream in active.values():
@@ -464,6 +472,37 @@ class Engine:
                     active[rid] = stream
 
         return on_layer
+
+    @property
+    def stages_handoffs(self) -> bool:
+        """Whether handed-off state moves in 16 bits through a snapshot-pool slot (`stage`):
+        the state is rounded, the pools have a snapshot pool, and they are this process's own
+        (pipeline / tensor-parallel pools move float32 live slots)."""
+        p = self.pools
+        return (self.rounding is not None and p.has_state and bool(p.spec.snapshot_slots)
+                and getattr(p, "ops", None) is None)
+
+    def _narrow_layer(self, live: int, stage: int, layer: int) -> None:
+        """Copy global state `layer` of slot `live` into snapshot slot `stage` (narrowing a
+        rounded value: lossless)."""
+        p, i = self.pools, self.pools.spec.state_index.get(layer)
+        if i is None:
+            return
+        n = p.spec.num_slots
+        for name, pool in p.state.items():
+            p.snapshots[name][i, stage - n].copy_(pool[i, live])
+
+    def stage_whole(self, request_id: str) -> int | None:
+        """Prefill side, after the prompt's last chunk: its rounded prompt-end state narrowed
+        into a staging snapshot slot (mirrored to pipeline stages); None when the prompt end
+        was not rounded or no staging slot can be had."""
+        req = self.requests.get(request_id)
+        if req is None or self.rounding is None or req.rounded_at != req.prompt_len:
+            return None
+        stage = self.cache.stage(request_id)
+        if stage is not None:
+            self.pools.copy_slot(self.cache.slot(request_id), stage)
+        return stage
 
     def _commit_chunk(self, req: Request, end: int) -> None:
         """Book a computed chunk; a chunk that completes the prompt moves it to DECODE."""

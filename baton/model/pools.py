@@ -215,8 +215,9 @@ class Pools:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every pool tensor, KV first, then the state tensors in declared order."""
-        return [self.kv, *self.state.values()]
+        """Every pool tensor, KV first, then the state tensors in declared order, then their
+        snapshot pools (what a transfer backend registers)."""
+        return [self.kv, *self.state.values(), *self.snapshots.values()]
 
     @property
     def has_kv(self) -> bool:

@@ -105,10 +105,13 @@ class _Stage:
     def setup(self, role: str, backend: str, model: dict, layers: list[int], num_blocks: int,
               tokens_per_block: int, num_slots: int, seed: int, dtype: str = "float32",
               lease_seconds: float = 30.0, handshake_timeout_s: float = 10.0,
-              layerwise: bool = False, env: dict | None = None, tp: list[int] | None = None):
+              layerwise: bool = False, env: dict | None = None, tp: list[int] | None = None,
+              snapshots: list | None = None, kv_dtype: str | None = None):
         """`tp` [rank, size]: this process is that tensor-parallel rank (its pools the rank's
         shard; a prefill rank's bytes are its shard of the TP-1 pools `seed` fills, so
-        replicated units are equal on every rank: `bench/harness/tp_bytes.py`)."""
+        replicated units are equal on every rank: `bench/harness/tp_bytes.py`).
+        `snapshots` [live slots, dtype]: the slots past the first `live slots` form a
+        snapshot pool of that dtype (16-bit state handoffs, docs/state-precision.md)."""
         import torch
 
         from baton.model.config import config_from_dict
@@ -126,7 +129,12 @@ class _Stage:
             local = family_tp(mc).local_config(mc, size)
         spec = PoolSpec.for_model(local, num_blocks=num_blocks,
                                   tokens_per_block=tokens_per_block, num_slots=num_slots,
-                                  layers=layers, dtype=getattr(torch, dtype))
+                                  layers=layers, dtype=getattr(torch, dtype),
+                                  kv_dtype=getattr(torch, kv_dtype) if kv_dtype else None)
+        if snapshots:
+            live, sdt = snapshots
+            spec = spec.split_snapshots(live, {t.name: getattr(torch, sdt)
+                                               for t in spec.state_tensors})
         self.pools = Pools(spec)
         if tp is not None and seed >= 0:
             from bench.harness.tp_bytes import fill_shard
@@ -234,7 +242,7 @@ class _Stage:
         import torch
 
         g = torch.Generator().manual_seed(abs(seed))
-        for t in (self.pools.kv, *self.pools.state.values()):
+        for t in self.pools.tensors:
             b = t.view(-1).view(torch.uint8)
             if seed >= 0:
                 b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))

@@ -9,6 +9,7 @@ import sys
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from baton.client.local import run_local
@@ -23,6 +24,7 @@ from baton.proto_gen import router_pb2_grpc
 from bench.harness.fake_workers import Act, FakeWorker, Script
 from router.server import run_router
 from tests.integration.cluster_helpers import (
+    assert_clean,
     list_workers,
     start_cluster,
     worker_counters,
@@ -142,3 +144,65 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+STATE16 = {
+    "cache": {"num_blocks": 512, "num_state_slots": 24, "state_dtype": "bfloat16",
+              "state_rounding": "stochastic", "state_rounding_seed": 3,
+              "mamba_state_config": {"periodic_snapshot_interval": 64,
+                                     "additional_snapshot_offsets_from_end": [0]}},
+    "worker": {"max_num_seqs": 8, "prefill_chunk_size": 64, "max_batch_tokens": 256,
+               "max_model_len": 2048},
+    "transfer": {"lease_seconds": 60.0},
+}
+"""bf16 + stochastic state, the prompt end a rounding point (offset 0 from the end): the
+handoff moves the state in 16 bits, staged in a snapshot slot on both sides."""
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_16bit_state_handoff_equals_local_at_half_the_state_bytes(tmp_path, layerwise):
+    """1P+1D equals --local bit for bit (tokens and every logprob) with bf16 stochastic
+    state, and each handoff wrote exactly half the float32 state bytes: the rounded
+    prompt-end state went from a bf16 snapshot slot to a bf16 snapshot slot and widened into
+    the decode worker's float32 live slot on landing. Canaries armed: nothing stray landed."""
+    from baton.cache import canary
+
+    model = make_checkpoint(tmp_path)
+    cfg = {**STATE16, "transfer": {**STATE16["transfer"], "layerwise": layerwise}}
+    env = pytest.MonkeyPatch()
+    env.setenv(canary.ENV, "1")
+    try:
+        cluster = start_cluster(model, write_config(tmp_path / "s16.yaml", cfg), 1, 1)
+    finally:
+        env.undo()
+    try:
+        lengths = (1, 17, 64, 65, 200, 333)
+        specs = [RequestSpec(f"s{i}", prompt_ids=prompt(60 + i, n),
+                             sampling=SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1))
+                 for i, n in enumerate(lengths)]
+        remote = run_remote(cluster.address, specs, concurrency=3)
+        engine = build_engine(BatonConfig.from_dict(cfg), str(model))
+        expected = run_local(engine, specs)
+
+        def logprobs(results):
+            return [[float(np.float32(x["logprob"] if isinstance(x, dict) else x.logprob))
+                     for x in r["logprobs"]] for r in results]
+
+        assert [r.get("token_ids", r.get("error")) for r in remote] == \
+            [r["token_ids"] for r in expected]
+        assert logprobs(remote) == logprobs(expected)
+        spec = engine.pools.spec
+        assert spec.snapshot_slots > 0 and spec.num_slots == 9  # live rows: 8 + the pad row
+        f32, b16 = spec.state_bytes_per_slot(), spec.snapshot_bytes_per_slot()
+        assert 2 * b16 == f32
+        counters = assert_clean(cluster)
+        (prefill,) = [c for wid, c in counters.items() if wid.startswith("prefill")]
+        assert prefill["handoffs"] == len(specs)
+        assert prefill["handoff_state_bytes_total"] == len(specs) * b16
+        assert prefill["last_handoff_state_bytes"] == b16 == f32 // 2
+        if layerwise:
+            assert prefill["streamed_handoffs"] >= 1
+        for c in counters.values():
+            assert c["canary_slots_checked"] > 0, c
+    finally:
+        cluster.stop()

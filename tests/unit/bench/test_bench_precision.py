@@ -25,7 +25,8 @@ def test_chunks_end_at_the_rounding_points():
 
 def test_rows(model_dir, monkeypatch):
     monkeypatch.setattr(precision, "ROUNDS", 1)
-    rows = {r["variant"]: r for r in precision.measure(model_dir, (64,), 1, (2, 32, 16))}
+    rows = {r["variant"]: r for r in precision.measure(model_dir, (64,), 1, (2, 32, 16),
+                                                       handoff_reps=0)}
     assert list(rows) == list(precision.VARIANTS)
     f32, fp8, bf16 = rows["float32"], rows["kv fp8"], rows["kv bf16"]
     assert bf16["kv_bytes_2k"] * 2 == f32["kv_bytes_2k"]
@@ -38,3 +39,18 @@ def test_rows(model_dir, monkeypatch):
     for name in precision.DECODE_VARIANTS:
         assert rows[name]["decode_tok_per_cpu_s"] > 0
     assert f32["decode_ratio"] == 1.0
+
+
+def test_handoff_times_move_half_the_state_bytes(model_dir):
+    """Two processes over NIXL: a 2k prompt's handoff with bf16 state moves exactly half the
+    float32 state's bytes (the KV the same); every handoff is delivered and timed."""
+    from baton.model.config import load_config
+    from baton.model.pools import PoolSpec
+
+    ho = precision.handoff_times(model_dir, reps=1, kv_bf16=False)
+    spec = PoolSpec.for_model(load_config(model_dir), num_blocks=1, tokens_per_block=16,
+                              num_slots=1)
+    half = spec.state_bytes_per_slot() // 2
+    assert ho["float32"][1] - ho["bfloat16"][1] == half
+    assert ho["float32"][1] == 128 * spec.kv_bytes_per_block() + spec.state_bytes_per_slot()
+    assert all(v[0] > 0 for k, v in ho.items() if k != "staging_s") and ho["staging_s"] > 0

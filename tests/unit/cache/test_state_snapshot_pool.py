@@ -90,3 +90,29 @@ def test_canaries_cover_the_snapshot_pool():
     assert bad_slots(p, [0, 1, 2, 3]) == []
     p.snapshots["conv"][0, 1, 0, 0] = 1.0  # slot 2: the snapshot pool's second slot
     assert bad_slots(p, [0, 1, 2, 3]) == [2]
+
+
+def test_a_staged_handoff_holds_a_snapshot_slot_until_landed_or_released():
+    """`stage` takes a snapshot-pool slot (evicting a snapshot when none is free), `land`
+    widens it into the live slot and frees it; a quarantine keeps the staged slot (where a
+    late write lands) and frees the live one; integrity accounts for it throughout."""
+    m = manager(slots=3, max_live=1)  # live slot 0; snapshot slots 1, 2
+    m.admit_remote("r", [1] * (2 * TPB))
+    st = m.stage("r")
+    assert st in (1, 2) and m.stage("r") == st and m.staged("r") == st
+    m.check_integrity()
+    m.pools.slot("ssm", st).fill_(1.0 + 2 ** -7)
+    m.land("r")
+    assert m.staged("r") is None
+    assert (m.pools.slot("ssm", m.slot("r")) == 1.0 + 2 ** -7).all()
+    m.check_integrity()
+    m.abort("r")
+    m.check_integrity()
+    m.admit_remote("q", [2] * TPB)
+    st = m.stage("q")
+    m.quarantine("q", [], keep_slot=True)
+    assert m.quarantined()["q"][1] == st and m.num_free_slots == 1
+    m.check_integrity()
+    m.release_quarantine("q")
+    m.check_integrity()
+    assert sorted(m.free_ids()[1]) == [0, 1, 2]

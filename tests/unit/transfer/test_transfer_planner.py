@@ -134,3 +134,38 @@ def test_coalesce_vectorised_merges_runs():
     dst = np.array([50, 60, 70, 80], dtype=np.uint64)
     s, d = coalesce(src, dst, np.full(4, 10, dtype=np.uint64))
     assert rows(s) == [(0, 30), (100, 10)] and rows(d) == [(50, 30), (80, 10)]
+
+
+def test_snapshot_slots_move_16_bit_state_between_snapshot_pools():
+    """A real split pool (docs/state-precision.md): the layout registers the snapshot pool
+    as units of their own (bf16) size after the live ones; a slot id past the live slots
+    plans snapshot pool to snapshot pool, at half the bytes; live to snapshot is refused."""
+    import torch
+
+    from baton.model.pools import Pools, PoolSpec
+    from tests.unit.cache.test_cache_manager import MODEL, TPB
+
+    spec = PoolSpec.for_model(MODEL, num_blocks=4, tokens_per_block=TPB, num_slots=5)
+    split = spec.split_snapshots(2, {t.name: torch.bfloat16 for t in spec.state_tensors})
+    a, b = Pools(split), Pools(split)
+    la, lb = StageLayout.from_pools(a), StageLayout.from_wire(StageLayout.from_pools(b).to_wire())
+    assert (la.state.num_slots, la.state.snapshot_slots) == (2, 3)
+    assert len(la.unit_table()) == la.num_kv_units + 2 * (la.num_state_units
+                                                          + la.num_snapshot_units)
+    live, snap = plan(la, lb, [0], 1, [1], 0), plan(la, lb, [0], 3, [1], 4)
+    kv = int(live.length[:len(la.kv.layers)].sum())  # one block of every KV layer
+    assert 2 * (int(snap.nbytes) - kv) == int(live.nbytes) - kv
+    assert la.state_slot_bytes(3) * 2 == la.state_slot_bytes(1)
+    for p, side, lay in ((snap, "src", la), (snap, "dst", lb)):
+        units, addr = getattr(p, f"{side}_units"), getattr(p, f"{side}_addr")
+        table = lay.unit_table()
+        assert (table[units, 0] == addr).all() and (table[units, 1] == p.length).all()
+    # the bytes land where Pools.slot puts them
+    n = len(split.state_layers)
+    ssm = snap.src_addr[-n:]
+    want = [a.snapshots["ssm"][i, 3 - 2].data_ptr() for i in range(n)]
+    assert ssm.tolist() == want
+    with pytest.raises(TransferError, match="slot bytes differ"):
+        plan(la, lb, [0], 1, [1], 4)
+    with pytest.raises(TransferError, match="outside the pool"):
+        plan(la, lb, [0], 5, [1], 4)
