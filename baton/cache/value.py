@@ -1,13 +1,9 @@
 """What a snapshot is worth: the prefill FLOPs it saves per byte it holds, and the eviction
 order that follows from it (Marconi, MLSys 2025) or from recency alone (LRU).
 
-FLOPs of computing prompt tokens [p, n) given the cache after p, per layer kind
-(multiply-add = 2 FLOPs; D = hidden size):
-
-    recurrent (M Mamba2, G gated DeltaNet)  (n - p) * (projections + conv + state update)
-    attention (*)                           (n - p) * projections + 2 * H * hd * (n^2 - p^2)
-    MLP (-)                                 (n - p) * 2 * D * I * (2, or 3 when gated)
-    MoE (E)                                 (n - p) * (router + top_k experts + shared)
+FLOPs of computing prompt tokens [p, n) given the cache after p: linear * (n - p) +
+quadratic * (n^2 - p^2), the two terms each family's config declares (`prefill_flops()`,
+summed over its layer kinds' costs in `baton.model.flops`).
 
 The score of a candidate is alpha * norm(FLOPs saved / bytes) + norm(recency), both min-max
 normalised over the candidates, recency = 1 / (now - last use) on a logical clock; the lowest
@@ -38,36 +34,9 @@ class FlopModel:
 
     @classmethod
     def for_model(cls, m) -> FlopModel:
-        """From any family's config: one term per layer of `m.pattern`."""
-        d = m.hidden_size
-        lin = quad = 0.0
-        gated = getattr(m, "hidden_act", "") == "silu"  # SwiGLU feed-forwards (3 matrices)
-        for c in m.pattern:
-            if c == "M":
-                inner = m.mamba_num_heads * m.mamba_head_dim
-                gn = m.n_groups * m.ssm_state_size
-                lin += 2 * d * (2 * inner + 2 * gn + m.mamba_num_heads) + 2 * inner * d
-                lin += 2 * (inner + 2 * gn) * m.conv_kernel + 6 * inner * m.ssm_state_size
-            elif c == "G":
-                qk = m.linear_num_key_heads * m.linear_key_head_dim
-                v = m.linear_num_value_heads * m.linear_value_head_dim
-                lin += 2 * d * (2 * qk + 2 * v + 2 * m.linear_num_value_heads) + 2 * v * d
-                lin += 6 * m.linear_num_value_heads * m.linear_key_head_dim \
-                    * m.linear_value_head_dim
-            elif c == "*":
-                h, kvh, hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
-                lin += 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d
-                quad += 2 * h * hd
-            elif c == "-":
-                lin += 2 * d * m.intermediate_size * (3 if gated else 2)
-            elif c == "E":
-                lin += 2 * d * m.n_routed_experts
-                lin += m.num_experts_per_tok * 4 * d * m.moe_intermediate_size
-                lin += 4 * d * getattr(m, "moe_shared_expert_intermediate_size", 0)
-            if gated and c in "G*":  # a mixer and its own gated MLP in one layer
-                experts = getattr(m, "num_experts_per_tok", 0)
-                inter = getattr(m, "moe_intermediate_size", 0) if experts else m.intermediate_size
-                lin += 2 * d * inter * 3 * max(experts, 1)
+        """From any family's config: its `prefill_flops()` (per token, the position term),
+        which each family sums over its layer kinds (`baton.model.flops`)."""
+        lin, quad = m.prefill_flops()
         return cls(float(lin), float(quad))
 
 

@@ -143,7 +143,7 @@ def _plain(cfg: BatonConfig, path) -> Built:
     if cfg.model.weight_dtype != "float32":
         from baton.model.layers.linear import cast_weights
 
-        saved = cast_weights(model, DTYPES[cfg.model.weight_dtype])
+        saved = cast_weights(model, DTYPES[cfg.model.weight_dtype], lambda: model.dtype)
         log.info("linear weights stored as %s (%.0f MB saved)", cfg.model.weight_dtype,
                  saved / 1e6)
     on_huge_pages(model, cfg.model.device)

@@ -20,7 +20,8 @@ __all__ = ["LayerPattern", "config_from_dict", "load_config"]
 
 class LayerPattern:
     """What a config derives from its `pattern` (one char a layer): `num_layers`,
-    `attention_layers` ('*') and `state_layers` (the chars in the family's `STATE_CHARS`).
+    `attention_layers` ('*') and `state_layers` (the chars in the family's `STATE_CHARS`);
+    `moe_layers` (none unless the family declares them).
     A mixin of the family's frozen config dataclass."""
 
     STATE_CHARS = ""
@@ -38,6 +39,12 @@ class LayerPattern:
     def state_layers(self) -> tuple[int, ...]:
         """Layers with recurrent state (a slot each)."""
         return tuple(i for i, c in enumerate(self.pattern) if c in self.STATE_CHARS)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layers whose feed-forward is a mixture of experts (here none; a family with MoE
+        layers declares them)."""
+        return ()
 
 
 def config_from_dict(d: dict):

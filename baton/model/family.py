@@ -20,6 +20,9 @@ What the named parts must answer (the engine probes none of it with getattr):
                 moe_split)` (its layers' modules that talk over the group)
     mtp         function(config) -> the MTP head module the config declares, or None
     make        function(out_dir, *, preset, seed, **fields) -> out_dir (a seeded checkpoint)
+    chat_template  str (or None): the family's published chat template with tool calls,
+                which a checkpoint of the family ships (a trained model's, `baton.train`)
+    train       what `baton train` needs (`TrainRecipe`), or None: the family is not trained
     weights     how the checkpoint names its tensors (`Weights`)
 """
 
@@ -52,6 +55,27 @@ class Weights:
 
 
 @dataclass(frozen=True)
+class TrainRecipe:
+    """What `baton train` needs of a family (baton/train): data, torch-free, except the MTP
+    head, named by string."""
+
+    sizes: dict[str, dict]
+    """Size name -> config.json fields over the family's `tiny` preset (`tiny` for tests)."""
+    mtp_head: str
+    """`module:function` (transformers' causal LM, config.json dict) -> the trainable MTP head
+    (an nn.Module whose parameters carry the published names under `mtp.`; forward(hidden,
+    next_ids, embed) -> the head's final-normed hiddens)."""
+    planned: tuple[str, int]
+    """(size, steps) of the shipped model (docs/training.md)."""
+    shipped: str
+    """The trained named model (`--model NAME`) the planned run ships as."""
+    fields: dict = field(default_factory=dict)
+    """config.json fields every size adds (positions, rotary, tied embeddings)."""
+    published_prefixes: dict[str, str] = field(default_factory=dict)
+    """transformers' in-memory name prefix -> the published checkpoint's (first match)."""
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     """The family (a config's `family`; `baton make-model --family`)."""
@@ -67,6 +91,10 @@ class FamilySpec:
     named: dict[str, tuple[str, dict]] = field(default_factory=dict)
     """Named test models (`--model NAME`): name -> (cache folder, `write_checkpoint` kwargs).
     Bump the folder's version when the recipe changes so stale caches are never reused."""
+    chat_template: str | None = None
+    """`module:attribute` of the family's own chat template (tool calls included), or None."""
+    train: TrainRecipe | None = None
+    """What `baton train` needs; None: the family is not trained."""
     moe_experts_field: str = "num_experts"
     """The config.json field `baton make-model --moe-experts` sets."""
     default: bool = False
@@ -90,6 +118,12 @@ class FamilySpec:
     def mtp_head(self, cfg):
         """The MTP head `cfg` declares (on the current device), or None."""
         return None if self.mtp is None else load(self.mtp)(cfg)
+
+    def chat_template_text(self) -> str:
+        if self.chat_template is None:
+            raise ConfigError(f"family {self.name!r} declares no chat template (families "
+                              f"with one: {[s.name for s in specs() if s.chat_template]})")
+        return load(self.chat_template)
 
     def write_checkpoint(self, out_dir, **kw) -> Path:
         return load(self.make)(out_dir, **kw)
@@ -121,6 +155,11 @@ def specs() -> list[FamilySpec]:
 
 def names() -> list[str]:
     return [s.name for s in specs()]
+
+
+def trained() -> dict[str, TrainRecipe]:
+    """family -> its `TrainRecipe`: the families `baton train` trains."""
+    return {s.name: s.train for s in specs() if s.train is not None}
 
 
 def for_model_type(kind: str | None) -> FamilySpec:

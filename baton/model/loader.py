@@ -64,7 +64,7 @@ def load_model(
     if quantize:
         log.info("model.quantize %s: %d weight tensors packed as they were read (%.1f MB)",
                  quantize, *_packed_count(model))
-    return install_linears(model.eval())
+    return install_linears(model.eval(), "decode")
 
 
 def _packed_count(model) -> tuple[int, float]:
@@ -96,7 +96,7 @@ def load_stage(
     state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
-    return install_linears(model.eval())
+    return install_linears(model.eval(), "run_layers")
 
 
 def mtp_head_meta(path: str | Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from baton import envs
@@ -17,7 +18,23 @@ def named_models() -> dict[str, tuple[str, dict]]:
     return {name: how for spec in family.specs() for name, how in spec.named.items()}
 
 
-TRAINED = {"code-nemotron_h": "nemotron_h", "code-qwen3_5": "qwen3_5"}
+class _Trained(Mapping):
+    """name -> family, read from the families' `TrainRecipe.shipped` on first use."""
+
+    def _names(self) -> dict[str, str]:
+        return {r.shipped: name for name, r in family.trained().items()}
+
+    def __getitem__(self, name: str) -> str:
+        return self._names()[name]
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+TRAINED: Mapping[str, str] = _Trained()
 """The models Baton trains itself (docs/training.md), name -> family: committed checkpoint
 folders under `trained_dir()`, not generated."""
 

@@ -6,14 +6,16 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from baton.train.models import SIZES
+from baton.model import family as families
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from baton.train.run import PLANNED, Knobs, Settings
+    from baton.train.run import Knobs, Settings
 
     d, k = Settings("", "", 0), Knobs()
-    p.add_argument("--family", choices=sorted(SIZES), help="model family (required)")
+    recipes = families.trained()
+    sizes = sorted({size for r in recipes.values() for size in r.sizes})
+    p.add_argument("--family", choices=sorted(recipes), help="model family (required)")
     p.add_argument("--out", help="output folder (required; must not exist, unless it is this "
                                  "run to resume)")
     p.add_argument("--verify", metavar="DIR", default=None,
@@ -21,10 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a run's or shipped model's folder; --steps left out: all of them) and "
                         "check its held-out loss is within 0.02 of the one logged there")
     p.add_argument("--size", default=None,
-                   help=f"model size: {', '.join(SIZES['nemotron_h'])}; None: the planned one "
-                        f"({_planned(PLANNED, 'size')})")
+                   help=f"model size: {', '.join(sizes)}; None: the planned one "
+                        f"({_planned(recipes, 0)})")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"optimizer steps; None: the planned ones ({_planned(PLANNED, 'steps')})")
+                   help=f"optimizer steps; None: the planned ones ({_planned(recipes, 1)})")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
@@ -53,20 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="niceness increment (a background run yields the CPU)")
 
 
-def _planned(plan: dict, key: str) -> str:
-    return ", ".join(f"{family} {getattr(s, key)}" for family, s in plan.items())
+def _planned(recipes: dict, i: int) -> str:
+    return ", ".join(f"{family} {r.planned[i]}" for family, r in recipes.items())
 
 
 def run(args) -> int:
     from baton.errors import ConfigError
-    from baton.train.run import PLANNED, Knobs, Settings, train
+    from baton.train.run import Knobs, Settings, planned, train
 
     if args.verify:
         return _verify(args)
     for flag in ("family", "out"):
         if not getattr(args, flag):
             raise ConfigError(f"--{flag} is required (or --verify DIR)")
-    plan = PLANNED[args.family]
+    plan = planned(args.family)
     s = Settings(args.family, args.size or plan.size, args.steps or plan.steps,
                  batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
                  mtp_weight=args.mtp_weight, seed=args.seed, corpus_hash=args.corpus_hash)

@@ -1,14 +1,17 @@
-"""The models `baton train` trains: sizes, building them on transformers' classes with an MTP
-head, and writing them back in the published layout Baton's loader reads.
+"""The models `baton train` trains: building them on transformers' classes with an MTP head,
+and writing them back in the published layout Baton's loader reads. What a family needs
+(sizes, the MTP head, name prefixes, the shipped plan) its `TrainRecipe` declares
+(`baton.model.family`).
 
 Building goes through Baton's own seeded writer (`write_checkpoint`: the published names and
 config.json, a scaled random init) and transformers' `from_pretrained` of that folder, so the
 names and the config are exactly those of the named seeded models; `save` maps transformers'
-names back (NemotronH: `model.` -> `backbone.`; Qwen3.5 text: the same names) and adds `mtp.*`.
+names back (the recipe's `published_prefixes`) and adds `mtp.*`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from pathlib import Path
@@ -18,58 +21,26 @@ from safetensors.torch import save_file
 from torch import nn
 
 from baton.errors import ConfigError
+from baton.model import family as families
+from baton.model.family import TrainRecipe, load
 
 VOCAB = 4096
-SIZES: dict[str, dict[str, dict]] = {
-    "nemotron_h": {
-        "tiny": dict(pattern="M*-M", hidden_size=64, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                     mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
-                     chunk_size=32),
-        "small": dict(pattern="M-M*M-M-", hidden_size=256, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, intermediate_size=512,
-                      mamba_num_heads=16, mamba_head_dim=32, ssm_state_size=32, n_groups=2,
-                      chunk_size=64),
-        "base": dict(pattern="M-M*M-M-M*M-", hidden_size=320, num_attention_heads=5,
-                     num_key_value_heads=1, head_dim=64, intermediate_size=960,
-                     mamba_num_heads=20, mamba_head_dim=32, ssm_state_size=32, n_groups=2,
-                     chunk_size=64),
-    },
-    "qwen3_5": {
-        "tiny": dict(pattern="GG*", hidden_size=64, intermediate_size=128,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
-                     linear_value_head_dim=16),
-        "small": dict(pattern="GGG*GGG*", hidden_size=256, intermediate_size=384,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      linear_num_key_heads=2, linear_num_value_heads=4,
-                      linear_key_head_dim=64, linear_value_head_dim=64),
-        "base": dict(pattern="GGG*GGG*GGG*", hidden_size=320, intermediate_size=640,
-                     num_attention_heads=5, num_key_value_heads=1, head_dim=64,
-                     linear_num_key_heads=2, linear_num_value_heads=4,
-                     linear_key_head_dim=64, linear_value_head_dim=64),
-    },
-}
-"""Model sizes by family (config.json fields over the family's `tiny` preset; vocabulary
-VOCAB, one MTP layer; Qwen3.5 ties its embeddings, as the published small Qwen3.5 models do).
-`tiny` is for tests. The two `small` ones: 5.41M + 6.22M parameters, 23.3 MB in bf16
-(the shipped pair must stay under 25 MB)."""
+"""Every trained model's vocabulary (one MTP layer each)."""
+
+
+def recipe(family: str) -> TrainRecipe:
+    """What training `family` needs (its `TrainRecipe`: sizes, the MTP head, the plan)."""
+    r = families.trained()
+    if family not in r:
+        raise ConfigError(f"--family {family!r}: baton train trains one of {sorted(r)}")
+    return r[family]
 
 
 def fields(family: str, size: str) -> dict:
-    if family not in SIZES:
-        raise ConfigError(f"--family {family!r}: baton train trains one of {sorted(SIZES)}")
-    if size not in SIZES[family]:
-        raise ConfigError(f"--size {size!r}: {family} comes in {sorted(SIZES[family])}")
-    f = {**SIZES[family][size], "vocab_size": VOCAB, "mtp_layers": 1}
-    if family == "qwen3_5":
-        f["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.25}
-        f["max_position_embeddings"] = 8192
-        f["tie_word_embeddings"] = True
-    else:
-        f["max_position_embeddings"] = 8192
-    return f
+    r = recipe(family)
+    if size not in r.sizes:
+        raise ConfigError(f"--size {size!r}: {family} comes in {sorted(r.sizes)}")
+    return copy.deepcopy({**r.sizes[size], "vocab_size": VOCAB, "mtp_layers": 1, **r.fields})
 
 
 class Trainee(nn.Module):
@@ -107,14 +78,7 @@ def build(family: str, size: str, seed: int) -> tuple[Trainee, dict]:
                        if k.startswith("mtp.")}
     if lm.config.tie_word_embeddings:
         _tied_init(lm, seed)
-    if family == "nemotron_h":
-        from baton.train.mtp import NemotronHMTP
-
-        mtp = NemotronHMTP(lm.config, config["mtp_hybrid_override_pattern"])
-    else:
-        from baton.train.mtp import Qwen35MTP
-
-        mtp = Qwen35MTP(lm.config, lm.model.rotary_emb)
+    mtp = load(recipe(family).mtp_head)(lm, config)
     mtp.load_state_dict(mtp_weights, strict=True)
     return Trainee(family, lm, mtp), config
 
@@ -133,11 +97,13 @@ def published(model: Trainee, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor under its published name, in `dtype`."""
     out = {}
     tied = model.lm.config.tie_word_embeddings
+    renames = recipe(model.family).published_prefixes
     for k, v in model.lm.state_dict().items():
         if tied and k == "lm_head.weight":  # the embedding is the head (published: no copy)
             continue
-        if model.family == "nemotron_h" and k.startswith("model."):
-            k = "backbone." + k[len("model."):]
+        prefix = next((p for p in renames if k.startswith(p)), None)
+        if prefix is not None:
+            k = renames[prefix] + k[len(prefix):]
         out[k] = v
     out.update({"mtp." + k: v for k, v in model.mtp.state_dict().items()})
     return {k: v.detach().to(dtype).contiguous() for k, v in sorted(out.items())}

@@ -70,9 +70,11 @@ class Knobs:
     nice: int = 10
 
 
-PLANNED = {"nemotron_h": Settings("nemotron_h", "small", steps=4000),
-           "qwen3_5": Settings("qwen3_5", "small", steps=3000)}
-"""The settings of the shipped models (docs/training.md: measured step times, the plan)."""
+def planned(family: str) -> Settings:
+    """The settings of `family`'s shipped model (its `TrainRecipe.planned`; docs/training.md:
+    measured step times, the plan)."""
+    size, steps = models.recipe(family).planned
+    return Settings(family, size, steps=steps)
 
 
 def say(msg: str) -> None:

@@ -20,13 +20,12 @@ import tempfile
 from pathlib import Path
 
 from baton.errors import ConfigError
+from baton.model import family as families
 from baton.model.registry import TRAINED, trained_dir
-from baton.model.tool_templates import NEMOTRON3_TEMPLATE, QWEN3_5_TEMPLATE
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "training.json")
 MAX_BYTES = 25 * 1000 * 1000
 """The shipped checkpoints together, tokenizers included (the issue's 25 MB)."""
-TEMPLATES = {"nemotron_h": NEMOTRON3_TEMPLATE, "qwen3_5": QWEN3_5_TEMPLATE}
 
 
 def check_run(run: Path) -> int:
@@ -77,7 +76,7 @@ def ship(runs: Path, dest: Path, names: list[str]) -> list[Path]:
 def _tokenizer_config(run: Path) -> str:
     cfg = json.loads((run / "tokenizer_config.json").read_text())
     family = json.loads((run / "training.json").read_text())["settings"]["family"]
-    cfg["chat_template"] = TEMPLATES[family]
+    cfg["chat_template"] = families.by_name(family).chat_template_text()
     return json.dumps(cfg, indent=2) + "\n"
 
 

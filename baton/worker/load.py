@@ -77,8 +77,9 @@ def staged(engine) -> bool:
 
 
 def has_moe(engine) -> bool:
-    config = getattr(getattr(engine, "model", None), "config", None)
-    return bool(getattr(config, "moe_layers", ()))
+    """Whether the engine's model has MoE layers (its config's `moe_layers`); a stand-in
+    engine without a model has none."""
+    return engine.model is not None and bool(engine.model.config.moe_layers)
 
 
 def expert_load(engine) -> dict[int, list[int]]:

@@ -61,12 +61,13 @@ class WorkerMetrics:
         self.generation_tokens = Counter("baton_worker_generation_tokens", "Tokens this worker "
                                          "sampled", lab, registry=r)
         r.register(_EngineCollector(self.role, loop))
-        weights = getattr(getattr(loop, "engine", None), "weights", None)  # fakes have none
+        engine = loop.engine
+        weights = engine.weights  # None: a stand-in engine (tests)
         if weights is not None:
             Gauge("baton_model_weight_bytes", "Bytes the served weights take in this process, "
                   "by weight format", ["role", "format"], registry=r
                   ).labels(self.role, weights.format).set(weights.bytes)
-        pools = getattr(getattr(loop, "engine", None), "pools", None)
+        pools = engine.pools
         if pools is not None and pools.has_kv:  # issue 50: the KV format's real bytes
             spec = pools.spec
             Gauge("baton_kv_block_bytes", "Bytes of one KV block over this stage's attention "
@@ -74,7 +75,7 @@ class WorkerMetrics:
                   registry=r).labels(self.role, str(spec.kv_store_dtype).removeprefix("torch.")
                                      ).set(spec.kv_bytes_per_block())
         r.register(_ThreadCollector(self.role))
-        if has_moe(getattr(loop, "engine", None)):
+        if has_moe(engine):
             r.register(_ExpertCollector(self.role, loop))
         self._server = None
 

@@ -12,6 +12,7 @@ other, directly or round a loop (typing-only imports aside).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,3 +256,90 @@ def test_an_import_cycle_is_caught(tmp_path):
         "baton/e.py": "import baton.d\n",
     })
     assert cycles(module_graph(root)) == [["baton.a", "baton.b", "baton.c"]]
+
+
+FAMILY_WORD = re.compile(r"nemotron|qwen", re.IGNORECASE)
+"""The families Baton ships, as code would name them (`nemotron_h`, `Qwen35Model`, ...)."""
+NAMED_IN = {
+    "baton/cli.py": "help texts naming the trained models and families as examples",
+}
+"""Files outside the family folders allowed to name a family in code, and why. Comments and
+docstrings (documentation naming examples) are not code and are not read."""
+
+
+def _python_names(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every identifier, import and non-docstring string in a module naming a
+    family (a bare string statement is a docstring, the module's or an attribute's)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+            and isinstance(n.value.value, str)}
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+            texts = [n.value]
+        elif isinstance(n, ast.Name):
+            texts = [n.id]
+        elif isinstance(n, ast.Attribute):
+            texts = [n.attr]
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            texts = [n.name]
+        elif isinstance(n, ast.arg):
+            texts = [n.arg]
+        elif isinstance(n, ast.keyword):
+            texts = [n.arg or ""]
+        elif isinstance(n, ast.alias):
+            texts = [n.name, n.asname or ""]
+        elif isinstance(n, ast.ImportFrom):
+            texts = [n.module or ""]
+        else:
+            continue
+        found += [(getattr(n, "lineno", 0), t) for t in texts if FAMILY_WORD.search(t)]
+    return found
+
+
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+
+
+def _cpp_names(path: Path) -> list[tuple[int, str]]:
+    """(line, word) of every identifier or string word naming a family, comments left out."""
+    src = _COMMENT.sub(lambda m: "\n" * m.group().count("\n"), path.read_text())
+    return [(src[:m.start()].count("\n") + 1, m.group())
+            for m in re.finditer(r"\w*(?:nemotron|qwen)\w*", src, re.IGNORECASE)]
+
+
+def family_names(root: Path) -> list[str]:
+    """Code in baton/ outside the family folders (Python and the C++ kernels) that names a
+    family, except the files in NAMED_IN."""
+    folders = {root / "baton" / "model" / f.rpartition(".")[2] for f in family_packages(root)}
+    found = []
+    for path in sorted((root / "baton").rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if rel in NAMED_IN or any(f in path.parents for f in folders):
+            continue
+        if path.suffix == ".py":
+            hits = _python_names(path)
+        elif path.suffix in (".cpp", ".h"):
+            hits = _cpp_names(path)
+        else:
+            continue
+        found += [f"{rel}:{line}: {text[:60]!r}" for line, text in hits]
+    return found
+
+
+def test_nothing_outside_a_family_names_it():
+    assert family_names(ROOT) == []
+    for rel in NAMED_IN:  # each exception still needed (else it goes)
+        path = ROOT / rel
+        assert path.is_file() and _python_names(path), rel
+
+
+def test_family_names_are_found_in_code_not_in_comments(tmp_path):
+    (tmp_path / "baton" / "model" / "fam").mkdir(parents=True)
+    (tmp_path / "baton" / "model" / "fam" / "family.py").write_text("X = 'qwen3_5'\n")
+    (tmp_path / "baton" / "a.py").write_text(
+        '"""Serves Qwen3.5 and NemotronH."""\n\n# qwen\nMODE = "x"\n"""NemotronH: doc."""\n'
+        "if MODE == 'nemotron_h':\n    pass\n")
+    (tmp_path / "baton" / "k.cpp").write_text(
+        "// Qwen's router\nint softmax_moe();\n/* NemotronH\n */ int qwen_moe();\n")
+    assert family_names(tmp_path) == ["baton/a.py:6: 'nemotron_h'", "baton/k.cpp:4: 'qwen_moe'"]

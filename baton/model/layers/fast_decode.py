@@ -13,11 +13,11 @@ and the attention metadata:
                             rotary, paged attention, sigmoid gate: one call)
                 -> out_proj + residual (one `linear` call) -> rms_norm
                 -> SwiGLU: linear_cat (gate | up) -> swiglu -> down_proj + residual
-                   MoE: `qwen_moe` (router, top-k, experts, shared expert, residual: one call)
+                   MoE: `softmax_moe` (router, top-k, experts, shared expert, residual: one call)
     NemotronH   rms_norm -> Mamba2: in_proj -> mamba2_step -> out_proj + residual
                             attention: linear_split (q | k | v) -> paged attention -> o_proj
                             MLP: up_proj with relu2 -> down_proj + residual
-                            MoE: `nemotron_moe` (every group kept, no latent projection)
+                            MoE: `sigmoid_group_moe` (every group kept, no latent projection)
 
 Bits: each part makes the kernel calls the module path's kernels make, on the same inputs
 (`linear`'s residual is torch's `h + y`, `swiglu` / `gated_attention`'s sigmoid round as

@@ -2,8 +2,8 @@
 stored at half the bytes (`model.weight_dtype`) but computed in float32.
 
 What this module owns:
-- `install(model)` (the loader calls it) turns every `nn.Linear` into a `FastLinear` and marks
-  the model's decode calls (`decode`, `run_layers(..., decode=True)`). Inside them, fp32
+- `install(model, entry)` (the loader calls it) turns every `nn.Linear` into a `FastLinear`
+  and marks the model's decode calls (`decode`, `run_layers(..., decode=True)`). Inside them, fp32
   activations on CPU take Baton's kernel (`baton/model/layers/cpu_kernels/gemv.cpp`, compiled
   on first use) at any row count, so a speculative verify pass of K+1 rows a request rounds
   every row as plain decode does (`baton.engine.speculative.kernel_verify`); without the
@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -302,16 +303,25 @@ def _half_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Ten
     return y.reshape(*x.shape[:-1], n_out)
 
 
-def install(model: nn.Module) -> nn.Module:
-    """Every `nn.Linear` of `model` becomes a `FastLinear` in place (no copy of weights)."""
+DECODE_ENTRIES = {"decode": (None, 0), "run_layers": ("decode", 2)}
+"""The model protocol's decode entry points `install` marks: a `CausalLM`'s `decode` (every
+call), a `Stage`'s `run_layers` (when its argument `decode`, third, is true)."""
+
+
+def install(model: nn.Module, entry: str | None = None) -> nn.Module:
+    """Every `nn.Linear` of `model` becomes a `FastLinear` in place (no copy of weights), and
+    the model's decode entry point `entry` (`DECODE_ENTRIES`: "decode" for a `CausalLM`,
+    "run_layers" for a `Stage`; None: a bare module) runs marked as decode."""
     _state["generation"] += 1
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = FastLinear
-    if hasattr(model, "decode"):
-        model.decode = _decoding(model.decode)
-    if hasattr(model, "run_layers"):
-        model.run_layers = _decoding(model.run_layers, when="decode", position=2)
+    if entry is not None:
+        if entry not in DECODE_ENTRIES:
+            raise ValueError(f"install: entry {entry!r} is not a decode entry point "
+                             f"({sorted(DECODE_ENTRIES)})")
+        when, position = DECODE_ENTRIES[entry]
+        setattr(model, entry, _decoding(getattr(model, entry), when=when, position=position))
     if decode_path() == "fast" and any(p.device.type == "cpu" for p in model.parameters()):
         from baton.model.layers import step_kernels
 
@@ -343,13 +353,16 @@ def _decoding(fn, when: str | None = None, position: int = 0):
     return call
 
 
-def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
+def cast_weights(model: nn.Module, dtype: torch.dtype,
+                 activation_dtype: Callable[[], torch.dtype] | None = None) -> int:
     """Store the weights of every linear layer and MoE expert stack in `dtype` (the compute
-    stays in the inputs' dtype); returns the bytes saved. A weight shared with another module (a tied lm_head)
-    is left alone, so the embedding lookup stays exact."""
+    stays in the inputs' dtype); returns the bytes saved. A weight shared with another module
+    (a tied lm_head) is left alone, so the embedding lookup stays exact, and so is one whose
+    cast would change `activation_dtype()` (a model's `dtype`, which a family may read off a
+    linear's weight; None: a bare module, nothing to keep)."""
     shared = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
               for p in m.parameters(recurse=False)}
-    before = getattr(model, "dtype", None)
+    before = activation_dtype() if activation_dtype is not None else None
     saved = 0
     _state["generation"] += 1
     for m in model.modules():  # packed int8 / int4 weights (model.quantize) stay as they are
@@ -357,7 +370,7 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> int:
                 and quant_packed.kind(m.weight) is None):
             old = m.weight
             m.weight = nn.Parameter(old.detach().to(dtype), requires_grad=False)
-            if getattr(model, "dtype", None) != before:
+            if activation_dtype is not None and activation_dtype() != before:
                 m.weight = old  # the family reads its activation dtype off this weight
                 continue
             saved += old.numel() * (old.element_size() - m.weight.element_size())

@@ -8,6 +8,7 @@ from functools import cached_property
 from pathlib import Path
 
 from baton.errors import ConfigError
+from baton.model import flops
 from baton.model.config import LayerPattern
 from baton.model.state_spec import StateTensorSpec
 
@@ -110,6 +111,26 @@ class ModelConfig(LayerPattern):
                             sections=(self.mamba_num_heads,), section_names=("heads",),
                             section_units=(self.mamba_num_heads,)),
         )
+
+    def prefill_flops(self) -> tuple[int, int]:
+        """(FLOPs per prompt token, attention's position coefficient): `baton.model.flops`
+        over the layers (relu2 MLPs: two matrices)."""
+        d, lin, quad = self.hidden_size, 0, 0
+        for c in self.pattern:
+            if c == "M":
+                lin += flops.mamba2(d, self.mamba_num_heads, self.mamba_head_dim, self.n_groups,
+                                    self.ssm_state_size, self.conv_kernel)
+            elif c == "*":
+                a, q = flops.attention(d, self.num_attention_heads, self.num_key_value_heads,
+                                       self.head_dim)
+                lin, quad = lin + a, quad + q
+            elif c == "-":
+                lin += flops.mlp(d, self.intermediate_size, gated=False)
+            elif c == "E":
+                lin += flops.moe(d, self.n_routed_experts, self.num_experts_per_tok,
+                                 self.moe_intermediate_size,
+                                 self.moe_shared_expert_intermediate_size)
+        return lin, quad
 
     def tp_rules(self) -> list[tuple[str, int, str]]:
         """What the TP size must meet beyond vocab, hidden and attention heads (tp_shard)."""

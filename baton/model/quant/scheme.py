@@ -127,7 +127,7 @@ def read_scheme(path: str | Path) -> Scheme | None:
         raise ConfigError(f"{src} must be an object, got {qc!r}")
     method = qc.get("quant_method")
     if method == "fp8":
-        return _qwen_fp8(qc, src)
+        return _fine_grained_fp8(qc, src)
     if method == "modelopt":
         return _modelopt(qc, src)
     if method == "compressed-tensors":
@@ -147,7 +147,7 @@ def _json(p: Path) -> dict:
     return d
 
 
-def _qwen_fp8(qc: dict, src: str) -> Scheme:
+def _fine_grained_fp8(qc: dict, src: str) -> Scheme:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"{src}: fmt {fmt!r} is not read by Baton (it reads 'e4m3')")

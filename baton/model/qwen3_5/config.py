@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from baton.errors import ConfigError
+from baton.model import flops
 from baton.model.config import LayerPattern
 from baton.model.state_spec import StateTensorSpec
 
@@ -118,6 +119,27 @@ class Qwen35Config(LayerPattern):
                             section_names=("value_heads",),
                             section_units=(self.linear_num_value_heads,)),
         )
+
+    def prefill_flops(self) -> tuple[int, int]:
+        """(FLOPs per prompt token, attention's position coefficient): `baton.model.flops`
+        over the layers, each a mixer and its SwiGLU MLP (MoE: its top-k experts)."""
+        d, lin, quad = self.hidden_size, 0, 0
+        for c in self.pattern:
+            if c == "G":
+                lin += flops.gated_deltanet(d, self.linear_num_key_heads,
+                                            self.linear_key_head_dim,
+                                            self.linear_num_value_heads,
+                                            self.linear_value_head_dim)
+            elif c == "*":
+                a, q = flops.attention(d, self.num_attention_heads, self.num_key_value_heads,
+                                       self.head_dim)
+                lin, quad = lin + a, quad + q
+            lin += self.feed_forward_flops()
+        return lin, quad
+
+    def feed_forward_flops(self) -> int:
+        """A layer's feed-forward, per token (here the SwiGLU MLP)."""
+        return flops.mlp(self.hidden_size, self.intermediate_size, gated=True)
 
     def tp_rules(self) -> list[tuple[str, int, str]]:
         """DeltaNet: value heads split, key heads split or replicated; the dense MLP (where a

@@ -1,6 +1,6 @@
 """Qwen3.5's and Qwen3.5-MoE's registry entries (`baton.model.family`)."""
 
-from baton.model.family import FamilySpec, Weights, register
+from baton.model.family import FamilySpec, TrainRecipe, Weights, register
 
 # The published multimodal layout keeps the text model under `model.language_model.`.
 WEIGHTS = Weights(
@@ -18,6 +18,28 @@ register(FamilySpec(
     make="baton.model.qwen3_5.make:write_checkpoint",
     tp="baton.model.qwen3_5.tp",
     mtp="baton.model.qwen3_5.mtp:build_head",
+    chat_template="baton.model.qwen3_5.chat_template:TEMPLATE",
+    # tied embeddings, as the published small Qwen3.5 models have
+    train=TrainRecipe(
+        sizes={
+            "tiny": dict(pattern="GG*", hidden_size=64, intermediate_size=128,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         linear_num_key_heads=1, linear_num_value_heads=2,
+                         linear_key_head_dim=16, linear_value_head_dim=16),
+            "small": dict(pattern="GGG*GGG*", hidden_size=256, intermediate_size=384,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=64, linear_value_head_dim=64),
+            "base": dict(pattern="GGG*GGG*GGG*", hidden_size=320, intermediate_size=640,
+                         num_attention_heads=5, num_key_value_heads=1, head_dim=64,
+                         linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=64, linear_value_head_dim=64),
+        },
+        mtp_head="baton.model.qwen3_5.train_mtp:build",
+        planned=("small", 3000), shipped="code-qwen3_5",
+        fields={"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.25},
+                "max_position_embeddings": 8192, "tie_word_embeddings": True}),
     named={"qwen3_5-tiny": ("qwen3_5-tiny-v2", {"family": "qwen3_5", "preset": "tiny", "seed": 0,
                                                 "tokenizer": True})},
 ))
@@ -29,5 +51,6 @@ register(FamilySpec(  # the same layers, a MoE block as their `mlp`
     stage="baton.model.qwen3_5.stage:Qwen35Stage",
     weights=WEIGHTS,
     make="baton.model.qwen3_5.moe_make:write_qwen3_5_moe",
+    chat_template="baton.model.qwen3_5.chat_template:TEMPLATE",
     tp="baton.model.qwen3_5.tp",
 ))

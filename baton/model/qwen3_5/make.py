@@ -16,12 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from baton.model.progress import progress
+from baton.model.qwen3_5.chat_template import TEMPLATE as QWEN_CHAT_TEMPLATE
 from baton.model.qwen3_5.config import Qwen35Config
-from baton.model.tool_templates import QWEN3_5_TEMPLATE
-
-QWEN_CHAT_TEMPLATE = QWEN3_5_TEMPLATE
-"""Qwen3.5's own format: ChatML turns, thinking on by default, XML tool calls
-(baton/model/tool_templates.py)."""
 
 TINY = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,

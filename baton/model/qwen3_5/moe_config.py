@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 
 from baton.errors import ConfigError
+from baton.model import flops
 from baton.model.qwen3_5.config import Qwen35Config, _from_text
 
 
@@ -48,6 +49,11 @@ class QwenMoeConfig(Qwen35Config):
         """Layers whose feed-forward is the MoE block (transformers' rule)."""
         return tuple(i for i in range(self.num_layers)
                      if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    def feed_forward_flops(self) -> int:
+        """The top-k SwiGLU experts (router and shared expert not counted)."""
+        return flops.mlp(self.hidden_size, self.moe_intermediate_size, gated=True) \
+            * self.num_experts_per_tok
 
     @classmethod
     def from_dict(cls, d: dict) -> QwenMoeConfig:

@@ -16,4 +16,5 @@ register(FamilySpec(
         skipped={"mtp.": "the multi-token-prediction head"},
         splits={".in_proj_qkvz.weight": SPLIT, ".in_proj_ba.weight": SPLIT}),
     make="baton.model.qwen3_next.make:write_checkpoint",
+    chat_template="baton.model.tool_templates:HERMES_TEMPLATE",
 ))

@@ -11,8 +11,8 @@ import pytest
 
 from baton.contract import FinishReason, GenerateChunk, GenerateSummary
 from baton.model.chat_template import TINY_CHAT_TEMPLATE, ChatTemplate
+from baton.model.qwen3_5.chat_template import TEMPLATE as QWEN3_5_TEMPLATE
 from baton.model.tokenizer import ByteTokenizer
-from baton.model.tool_templates import QWEN3_5_TEMPLATE
 from router.http.app import HttpContext
 from router.http.server import HttpServer
 from router.metrics import RouterMetrics

@@ -9,7 +9,9 @@ import pytest
 from baton.agents.messages import template_messages
 from baton.errors import InvalidRequestError
 from baton.model.chat_template import TINY_CHAT_TEMPLATE, ChatTemplate
-from baton.model.tool_templates import HERMES_TEMPLATE, NEMOTRON3_TEMPLATE, QWEN3_5_TEMPLATE
+from baton.model.nemotron_h.chat_template import TEMPLATE as NEMOTRON3_TEMPLATE
+from baton.model.qwen3_5.chat_template import TEMPLATE as QWEN3_5_TEMPLATE
+from baton.model.tool_templates import HERMES_TEMPLATE
 
 chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 

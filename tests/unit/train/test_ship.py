@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baton.errors import ConfigError
+from baton.model.nemotron_h.chat_template import TEMPLATE as NEMOTRON3_TEMPLATE
+from baton.model.qwen3_5.chat_template import TEMPLATE as QWEN3_5_TEMPLATE
 from baton.model.registry import resolve_model
-from baton.model.tool_templates import NEMOTRON3_TEMPLATE, QWEN3_5_TEMPLATE
 from baton.train import ship
 
 

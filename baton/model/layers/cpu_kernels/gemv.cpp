@@ -218,7 +218,7 @@ std::string isa_name() {
 
 namespace {
 const baton_api::Gemv kApi{sizeof(baton_api::Gemv), &linear, &baton_gemv::linear_split,
-                           &linear_cat, &qwen_moe, &nemotron_moe};
+                           &linear_cat, &softmax_moe, &sigmoid_group_moe};
 }  // namespace
 
 namespace py = pybind11;
@@ -238,16 +238,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("experts"), py::arg("first"), py::arg("held"), py::arg("total"));
   m.def("moe_combine", &moe_combine, "the weighted sum of each token's expert rows",
         py::arg("ys"), py::arg("pair"), py::arg("token"), py::arg("weights"), py::arg("n"));
-  m.def("qwen_moe", &qwen_moe, "residual + Qwen's MoE block of x, one call (gemv_moe.h)");
-  m.def("nemotron_moe", &nemotron_moe, "residual + NemotronH's MoE block, one call");
-  m.def("route_available", &baton_route::available, "whether `qwen_moe` can use gemv_route.h");
+  m.def("softmax_moe", &softmax_moe,
+        "residual + a softmax-routed MoE block with a gated shared expert, one call (gemv_moe.h)");
+  m.def("sigmoid_group_moe", &sigmoid_group_moe,
+        "residual + a sigmoid group-routed MoE block with a relu2 shared expert, one call");
+  m.def("route_available", &baton_route::available,
+        "whether `softmax_moe` can use gemv_route.h");
   m.def("route_sigmoid_available", &baton_route::sigmoid_available,
-        "whether `nemotron_moe` can use gemv_route.h's sigmoid router");
-  m.def("route_applies", &route_applies, "whether `qwen_moe` of these sizes takes gemv_route.h",
+        "whether `sigmoid_group_moe` can use gemv_route.h's sigmoid router");
+  m.def("route_applies", &route_applies,
+        "whether `softmax_moe` of these sizes takes gemv_route.h",
         py::arg("m"), py::arg("top_k"), py::arg("expert_w"), py::arg("shared_w"));
   m.def("route_replica", &route_replica, "a router's weights and experts (gemv_route.h)");
   m.def("route_sigmoid_replica", &route_sigmoid_replica,
-        "NemotronH's router's weights and experts (gemv_route.h)");
+        "the sigmoid group router's weights and experts (gemv_route.h)");
   m.def("swiglu_replica", &swiglu_replica, "silu(gate) * up of rows (gemv_route.h)");
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
   m.def("api", [] { return py::capsule(&kApi, baton_api::kGemvCapsule); },

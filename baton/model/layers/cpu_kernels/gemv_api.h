@@ -21,14 +21,14 @@ struct Gemv {
   std::vector<at::Tensor> (*linear_split)(at::Tensor x, std::vector<at::Tensor> ws,
                                           int64_t isa);
   at::Tensor (*linear_cat)(at::Tensor x, std::vector<at::Tensor> ws, int64_t isa);
-  at::Tensor (*qwen_moe)(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
-                         at::Tensor se_gate_w, at::Tensor se_up_w, at::Tensor se_down_w,
-                         at::Tensor up, at::Tensor down, int64_t top_k, bool norm,
-                         at::Tensor routed, at::Tensor residual);
-  at::Tensor (*nemotron_moe)(at::Tensor x, at::Tensor router_w, at::Tensor choice_bias,
-                             at::Tensor se_up_w, at::Tensor se_down_w, at::Tensor up,
-                             at::Tensor down, int64_t top_k, bool norm, double scale,
-                             at::Tensor routed, at::Tensor residual);
+  at::Tensor (*softmax_moe)(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
+                            at::Tensor se_gate_w, at::Tensor se_up_w, at::Tensor se_down_w,
+                            at::Tensor up, at::Tensor down, int64_t top_k, bool norm,
+                            at::Tensor routed, at::Tensor residual);
+  at::Tensor (*sigmoid_group_moe)(at::Tensor x, at::Tensor router_w, at::Tensor choice_bias,
+                                  at::Tensor se_up_w, at::Tensor se_down_w, at::Tensor up,
+                                  at::Tensor down, int64_t top_k, bool norm, double scale,
+                                  at::Tensor routed, at::Tensor residual);
 };
 
 }  // namespace baton_api

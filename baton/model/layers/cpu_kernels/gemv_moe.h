@@ -1,10 +1,10 @@
-// A whole MoE feed-forward of one decode step in one call (Qwen's softmax router with its
-// gated shared expert, NemotronH's sigmoid router with its relu2 shared expert): the fast
+// A whole MoE feed-forward of one decode step in one call (a softmax router with
+// a gated shared expert, a sigmoid group router with a relu2 shared expert): the fast
 // decode path's Python ran ~25 small ops a MoE layer, ~150-250 us at batch 1. Included by
 // gemv.cpp after its kernels (one translation unit), bound there.
 //
-// Bits: every step is what the Python path (`baton.model.layers.moe`, `qwen_moe`) computes,
-// in the same order, with the same kernels: the linears and expert runs on gemv.cpp's
+// Bits: every step is what the Python path (`baton.model.layers.moe`, `softmax_moe`)
+// computes, in the same order, with the same kernels: the linears and expert runs on gemv.cpp's
 // functions, the router's softmax / sigmoid / top-k / sums and the gated activations on the
 // very ATen ops the Python calls (at:: here, so no Python between them), on the same views.
 #pragma once
@@ -240,16 +240,16 @@ void check_residual(const at::Tensor& residual, int64_t m, int64_t d) {
               "cpu kernel: residual must be [", m, ", ", d, "] float32, got ", residual.sizes());
 }
 
-// `qwen_moe` where `route_applies`: the router and the shared gate (one small call), the
+// `softmax_moe` where `route_applies`: the router and the shared gate (one small call), the
 // routing on gemv_route.h, `experts_glued` (SwiGLU), then residual + (routed + sigmoid(gate)
 // * shared).
-at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
-                          const at::Tensor& shared_gate_w, const at::Tensor& se_gate_w,
-                          const at::Tensor& se_up_w, const at::Tensor& se_down_w,
-                          const at::Tensor& up, const at::Tensor& down, int64_t top_k, bool norm,
-                          at::Tensor& routed, const at::Tensor& residual) {
+at::Tensor softmax_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
+                             const at::Tensor& shared_gate_w, const at::Tensor& se_gate_w,
+                             const at::Tensor& se_up_w, const at::Tensor& se_down_w,
+                             const at::Tensor& up, const at::Tensor& down, int64_t top_k,
+                             bool norm, at::Tensor& routed, const at::Tensor& residual) {
   const int64_t m = x.size(0), e = gate_w.size(0), d = x.size(1);
-  TORCH_CHECK(up.size(0) == e, "cpu kernel: qwen_moe's router and experts disagree on E");
+  TORCH_CHECK(up.size(0) == e, "cpu kernel: softmax_moe's router and experts disagree on E");
   check_residual(residual, m, d);
   const at::Tensor r = linear_cat(x, {gate_w, shared_gate_w}, -1);
   const float* rp = r.data_ptr<float>();
@@ -272,19 +272,19 @@ at::Tensor qwen_moe_glued(const at::Tensor& x, const at::Tensor& gate_w,
   return res;
 }
 
-// Qwen's MoE block on x [N, d] (`QwenSparseMoe.forward` on the fast path), plus `residual`:
-// residual + (routed + sigmoid(shared gate) * shared expert): `qwen_moe_glued` where
-// `route_applies`, else the module path's ATen ops between the linears.
-at::Tensor qwen_moe(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
-                    at::Tensor se_gate_w, at::Tensor se_up_w, at::Tensor se_down_w,
-                    at::Tensor up, at::Tensor down, int64_t top_k, bool norm,
-                    at::Tensor routed, at::Tensor residual) {
+// A softmax-routed MoE block on x [N, d] (`SoftmaxMoE.forward` on the fast path), plus
+// `residual`: residual + (routed + sigmoid(shared gate) * shared expert): `softmax_moe_glued`
+// where `route_applies`, else the module path's ATen ops between the linears.
+at::Tensor softmax_moe(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
+                       at::Tensor se_gate_w, at::Tensor se_up_w, at::Tensor se_down_w,
+                       at::Tensor up, at::Tensor down, int64_t top_k, bool norm,
+                       at::Tensor routed, at::Tensor residual) {
   const int64_t e = gate_w.size(0), w = se_gate_w.size(0);
   check_x(x);
   if (x.size(0) > 0 && top_k >= 1 && top_k <= e &&
       route_applies(x.size(0), top_k, up.size(1) / 2, w))
-    return qwen_moe_glued(x, gate_w, shared_gate_w, se_gate_w, se_up_w, se_down_w, up, down,
-                          top_k, norm, routed, residual);
+    return softmax_moe_glued(x, gate_w, shared_gate_w, se_gate_w, se_up_w, se_down_w, up, down,
+                             top_k, norm, routed, residual);
   const at::Tensor y = linear_cat(x, {gate_w, shared_gate_w, se_gate_w, se_up_w}, -1);
   const at::Tensor probs = at::softmax(y.narrow(1, 0, e), -1, at::kFloat);
   auto [weights, experts] = at::topk(probs, top_k, -1, true, true);
@@ -296,15 +296,15 @@ at::Tensor qwen_moe(at::Tensor x, at::Tensor gate_w, at::Tensor shared_gate_w,
   return at::add(residual, at::add(out, shared));
 }
 
-// NemotronH's `E` block on x [N, d] (`MoE.forward` on the fast path, every group kept, no
-// latent projection, no biases), plus `residual`: residual + (routed + shared expert). Where
+// A sigmoid group-routed MoE block on x [N, d] (`MoE.forward` on the fast path, every group
+// kept, no latent projection, no biases), plus `residual`: residual + (routed + shared expert). Where
 // torch runs its AVX2 or AVX-512 kernels (a renormalising sum of under 16 weights), the
 // routing is gemv_route.h's and the projections `experts_glued`'s; else the module path's
 // ATen ops.
-at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bias,
-                        at::Tensor se_up_w, at::Tensor se_down_w, at::Tensor up,
-                        at::Tensor down, int64_t top_k, bool norm, double scale,
-                        at::Tensor routed, at::Tensor residual) {
+at::Tensor sigmoid_group_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bias,
+                             at::Tensor se_up_w, at::Tensor se_down_w, at::Tensor up,
+                             at::Tensor down, int64_t top_k, bool norm, double scale,
+                             at::Tensor routed, at::Tensor residual) {
   const int64_t e = router_w.size(0), w = se_up_w.size(0), m = x.size(0);
   check_x(x);
   if (m > 0 && top_k >= 1 && top_k <= e && top_k < 16 && baton_route::sigmoid_available() &&
@@ -345,7 +345,8 @@ at::Tensor nemotron_moe(at::Tensor x, at::Tensor router_w, at::Tensor choice_bia
 
 // The tests' handles on gemv_route.h: (weights, experts) of a router's logits [M, E] (rows
 // contiguous; Qwen's softmax router, NemotronH's sigmoid one), and SwiGLU of rows
-// [gate | up]; each what `qwen_moe` / `nemotron_moe` compute where they take gemv_route.h.
+// [gate | up]; each what `softmax_moe` / `sigmoid_group_moe` compute where they take
+// gemv_route.h.
 std::vector<at::Tensor> route_replica(const at::Tensor& logits, int64_t top_k, bool norm) {
   TORCH_CHECK(baton_route::available(), "cpu kernel: the routing replicas need torch's AVX-512 "
               "or AVX2 kernels");

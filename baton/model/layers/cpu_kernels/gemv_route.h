@@ -1,9 +1,9 @@
-// A MoE layer's small element-wise glue (Qwen's softmax router and NemotronH's sigmoid one,
+// A MoE layer's small element-wise glue (the softmax router and the sigmoid group one,
 // top-k, the renormalising sum, SwiGLU's silu, the shared expert's sigmoid gate) as plain
 // loops, each rounding every element exactly as the ATen op it replaces rounds it on a CPU
 // where torch runs its AVX-512 or its AVX2 kernels (the vector replicas come in both widths,
-// 16 and 8 lanes, chosen by torch's capability). At batch 1 the ~20 ATen calls of `qwen_moe` cost
-// ~0.1 ms a layer, run with cold caches after every weight stream (dispatch, allocation,
+// 16 and 8 lanes, chosen by torch's capability). At batch 1 the ~20 ATen calls of
+// `softmax_moe` cost ~0.1 ms a layer, run with cold caches after every weight stream (dispatch, allocation,
 // views): a sixth of the layer. Included by gemv_moe.h.
 //
 // What each replica follows (torch's CPU kernels, float32; `available()` says when they apply):
@@ -60,7 +60,7 @@ inline int lanes() {
 // torch runs its AVX-512 or AVX2 kernels here, and this CPU has what the replicas use.
 inline bool available() { return lanes() != 0; }
 
-// NemotronH's sigmoid router alone: its replicas (the scalar sigmoid, top-k's selection, the
+// The sigmoid group router alone: its replicas (the scalar sigmoid, top-k's selection, the
 // renormalising sum, which is torch's AVX2 sum kernel under either capability, one IEEE op
 // each for the rest) use no AVX-512 and follow torch wherever it runs its AVX2 or AVX-512
 // kernels.
@@ -302,7 +302,7 @@ inline void route(const float* logits, int64_t ld, int64_t m, int64_t e, int64_t
   }
 }
 
-// NemotronH's router (`sigmoid_group_topk` with every group kept) of m rows of logits (row
+// The sigmoid group router (`sigmoid_group_topk` with every group kept) of m rows of logits (row
 // stride ld): scores = sigmoid (sigmoid_by_element's scalar path), experts = topk(scores +
 // bias, k, sorted=False), weights = the chosen scores, (norm) / (sum + 1e-20), * scale (the
 // scalars rounded to float32 first, as torch's ops on a float32 tensor take them).

@@ -7,7 +7,7 @@
 //
 // A program is a list of parts, each `h = h + body(rms_norm(h))`: a mixer (DeltaNet, Mamba2,
 // gated or plain paged attention, each with its output projection and the residual add in one
-// `linear`) or a feed-forward (SwiGLU, relu2 MLP, Qwen's or NemotronH's MoE block). A part's
+// `linear`) or a feed-forward (SwiGLU, relu2 MLP, a softmax- or sigmoid-group-routed MoE block). A part's
 // tensors, integers and floats are given once, in the order `body` reads them (`Part`); a
 // step passes what changes: h, the state slots and the attention metadata.
 
@@ -35,10 +35,10 @@ enum Kind : int64_t {
                      //    f: eps, scale
   kSwiGLU = 5,       // t: norm, gate_w, up_w, down_w   f: eps
   kRelu2 = 6,        // t: norm, up_w, up_b?, down_w, down_b?   f: eps
-  kQwenMoE = 7,      // t: norm, gate, shared_gate, se_gate, se_up, se_down, up, down, routed
-                     //    i: top_k, norm_topk   f: eps
-  kNemotronMoE = 8,  // t: norm, router, choice_bias, se_up, se_down, up, down, routed
-                     //    i: top_k, norm_topk   f: eps, routed_scaling
+  kSoftmaxMoE = 7,   // t: norm, gate, shared_gate, se_gate, se_up, se_down, up, down,
+                     //    routed   i: top_k, norm_topk   f: eps
+  kSigmoidGroupMoE = 8,  // t: norm, router, choice_bias, se_up, se_down, up, down, routed
+                         //    i: top_k, norm_topk   f: eps, routed_scaling
 };
 
 constexpr int kTensors[] = {0, 13, 13, 9, 7, 4, 5, 9, 8};
@@ -165,12 +165,12 @@ class DecodeLayers {
         at::Tensor u = g_->linear(x, p.T(1), t[2], -1, c10::nullopt, true);
         return g_->linear(u, p.T(3), t[4], -1, h, false);
       }
-      case kQwenMoE:
-        return g_->qwen_moe(x, p.T(1), p.T(2), p.T(3), p.T(4), p.T(5), p.T(6), p.T(7), p.i[0],
-                            p.i[1] != 0, p.T(8), h);
-      case kNemotronMoE:
-        return g_->nemotron_moe(x, p.T(1), p.T(2), p.T(3), p.T(4), p.T(5), p.T(6), p.i[0],
-                                p.i[1] != 0, p.f[1], p.T(7), h);
+      case kSoftmaxMoE:
+        return g_->softmax_moe(x, p.T(1), p.T(2), p.T(3), p.T(4), p.T(5), p.T(6), p.T(7), p.i[0],
+                               p.i[1] != 0, p.T(8), h);
+      case kSigmoidGroupMoE:
+        return g_->sigmoid_group_moe(x, p.T(1), p.T(2), p.T(3), p.T(4), p.T(5), p.T(6), p.i[0],
+                                     p.i[1] != 0, p.f[1], p.T(7), h);
     }
     TORCH_CHECK(false, "DecodeLayers: no part kind ", static_cast<int64_t>(p.kind));
   }

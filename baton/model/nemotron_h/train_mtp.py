@@ -1,12 +1,10 @@
-"""Trainable MTP heads with the published parameter names (`mtp.*`, as Baton's loader reads
-them: baton/model/mtp.py, baton/model/qwen3_5/mtp.py). transformers builds no MTP head, so
-these are written here, over the target's embedding and LM head:
+"""NemotronH's trainable MTP head (`TrainRecipe.mtp_head`, baton/train) with the published
+parameter names (`mtp.*`, as baton/model/nemotron_h/mtp.py loads them). transformers builds
+no MTP head, so it is written here, over the target's embedding and LM head:
 
-    NemotronH ('*-'):  x = eh_proj(cat[enorm(embed(t+1)), hnorm(h)])
-                       x += attn(norm(x)) (no RoPE, GQA, causal); x += mlp(norm(x)) (relu^2)
-                       out = final_layernorm(x)
-    Qwen3.5:           x = fc(cat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h)])
-                       x = transformers' Qwen3_5DecoderLayer (full attention)(x); out = norm(x)
+    x = eh_proj(cat[enorm(embed(t+1)), hnorm(h)])
+    x += attn(norm(x)) (no RoPE, GQA, causal); x += mlp(norm(x)) (relu^2), per layer of the
+    head's pattern ('*-'); out = final_layernorm(x)
 
 h is the target's hidden after its final norm at position i; the head predicts token i+2.
 """
@@ -16,6 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def build(lm, config: dict) -> nn.Module:
+    """The head of transformers' causal LM `lm` and its config.json dict."""
+    return NemotronHMTP(lm.config, config["mtp_hybrid_override_pattern"])
 
 
 class _RMSNorm(nn.Module):
@@ -89,29 +92,3 @@ class NemotronHMTP(nn.Module):
         for layer in self.layers:
             x = x + layer.mixer(layer.norm(x))
         return self.layers[-1].final_layernorm(x)
-
-
-class Qwen35MTP(nn.Module):
-    def __init__(self, c, rotary):
-        super().__init__()
-        from transformers.models.qwen3_5.modeling_qwen3_5 import (
-            Qwen3_5DecoderLayer,
-            Qwen3_5RMSNorm,
-        )
-
-        H, eps = c.hidden_size, c.rms_norm_eps
-        attn = c.layer_types.index("full_attention")
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(H, eps=eps)
-        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(H, eps=eps)
-        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(c, attn)])
-        self.norm = Qwen3_5RMSNorm(H, eps=eps)
-        self._rotary = [rotary]  # the target's (not a parameter of the head)
-
-    def forward(self, hidden, next_ids, embed, position_ids=None):
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embed(next_ids)),
-                               self.pre_fc_norm_hidden(hidden)], -1))
-        B, T, _ = x.shape
-        pos = torch.arange(T).view(1, 1, T).expand(3, B, T)
-        x = self.layers[0](x, position_embeddings=self._rotary[0](x, pos))
-        return self.norm(x)
