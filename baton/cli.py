@@ -20,6 +20,15 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kw)
+        self.flags_later = None
+        """Adds this parser's flags when it first parses: `train`'s import torch, which every
+        other command (the router among them) then starts without."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.flags_later is not None:
+            add, self.flags_later = self.flags_later, None
+            add(self)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -62,6 +71,12 @@ def _add_quantize(p, who: str = "") -> None:
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help=f"{who}quantize the projections at load, kept int8 / int4 in memory "
                         "(default: config model.quantize; docs/quantization.md)")
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    from baton.train.cli import add_arguments
+
+    add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,9 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a small NemotronH or Qwen3.5 (with an MTP head) "
                                      "on the Python standard library's source, on CPU")
-    from baton.train.cli import add_arguments
-
-    add_arguments(p)
+    p.flags_later = _train_flags
 
     p = sub.add_parser("bench", help="benchmarks against their baselines")
     from bench import BENCHES

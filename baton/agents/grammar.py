@@ -31,11 +31,14 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from baton.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # the workers' masks import torch where they run: the router does without
+    import torch
 
 OPEN = "<tool_call>\n"
 NO_TAG = "/(?s:.*)<tool_call>(?s:.*)/"
@@ -305,6 +308,8 @@ class Grammars:
     @staticmethod
     def _apply(out: torch.Tensor, i: int, allowed: np.ndarray) -> None:
         """Row i of `out` to -inf wherever `allowed` is not (and past its vocabulary)."""
+        import torch
+
         width = out.shape[1]
         banned = ~allowed[:width]
         if banned.shape[0] < width:  # rows past the grammar's vocabulary: never allowed
@@ -319,6 +324,8 @@ class Grammars:
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` copied into a buffer kept across steps (a fresh 600 KB tensor a step took
         up to 25 ms on the shared Zen 4 VM)."""
+        import torch
+
         buf = self._buf
         if buf is None or buf.shape[0] < logits.shape[0] or buf.shape[1] != logits.shape[1] \
                 or buf.dtype != logits.dtype or buf.device != logits.device \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+from pathlib import Path
 
 import openai
 import pydantic
@@ -229,3 +230,15 @@ def test_bad_constraints_are_400s_naming_the_field(setup):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, **kw)
         assert e.value.body["param"] == param, (param, e.value.body)
     assert_clean(setup["cluster"])
+
+
+def test_the_router_serves_constraints_without_torch(setup):
+    """The router builds and checks grammars without torch (which only the workers' masks
+    need): a start of it costs no torch import (about 2 s of CPU; every cluster starts one)."""
+    router = setup["cluster"].procs[0]
+    assert "router" in router.args
+    client = setup["client"]
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5,
+                                   response_format={"type": "json_object"})
+    maps = Path(f"/proc/{router.pid}/maps").read_text()
+    assert "libtorch" not in maps

@@ -480,6 +480,8 @@ def test_baton_router_prints_both_addresses_and_is_not_ready_alone(setup):
         line = proc.stdout.readline()
         assert line == (f"router serving gRPC on 0.0.0.0:{grpc_port} and HTTP on "
                         f"http://0.0.0.0:{http_port}\n")
+        # no torch in a router (test_cli: the parser's train flags, the grammars' masks)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         url = f"http://127.0.0.1:{http_port}"
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"{url}/health", timeout=10)

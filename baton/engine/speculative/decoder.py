@@ -39,7 +39,7 @@ from baton.engine.speculative.rejection import accept_sampled
 from baton.engine.speculative.tree import accept_greedy, relocate
 from baton.engine.speculative.verify import StateScratch, VerifyRow, verify_forward
 from baton.errors import InvalidRequestError
-from baton.model.layers.linear import MAX_PACKED_ROWS
+from baton.model.layers.linear import MAX_PACKED_ROWS, half_weights
 
 log = logging.getLogger("baton.engine")
 
@@ -73,6 +73,9 @@ class SpeculativeDecoder:
         verify pass (a pipeline's stages run their verify pass either way)."""
         self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
         self._live_first = False
+        self.half_weights = half_weights(model)
+        """Linear weights stored in half precision: off the fast path their verify passes
+        keep to MAX_PACKED_ROWS rows (`_fit_rows`)."""
         """Whether the last verify pass kept its chains' first-row states in the live slots
         (`VerifyPlan.live_first`: the kernel path of a colocated engine)."""
 
@@ -163,7 +166,8 @@ class SpeculativeDecoder:
         # about K+1 times a plain step: it decodes without drafts
         drafting = not self.max_batch or len(reqs) <= self.max_batch
         ks = {r.id: self.num_drafts(r, engine.max_model_len) if drafting else 0 for r in reqs}
-        _fit_rows(reqs, ks)
+        if self.half_weights and not self.on_fast_path():
+            _fit_rows(reqs, ks)
         reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks, r.id,
                                                     r.num_computed + ks[r.id] + 1)]
         if not reqs:
@@ -414,7 +418,9 @@ def _fit_rows(reqs: list[Request], ks: dict[str, int]) -> None:
     (`model.weight_dtype`) take Baton's kernel for up to that many rows on the reference
     path, and larger matmuls an upcast copy on MKL, which rounds differently; within one
     kernel a row's bits do not depend on the row count, so the verify pass equals plain
-    decode again. (On the fast path the kernel takes every row count: `kernel_verify`.)"""
+    decode again. Only such an engine calls it (`step`): on the fast path the kernel takes
+    every row count (`kernel_verify`), and float32 weights take MKL at every row count on
+    the reference path."""
     if len(reqs) > MAX_PACKED_ROWS:
         return
     extra = len(reqs) + sum(ks.values()) - MAX_PACKED_ROWS

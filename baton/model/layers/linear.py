@@ -385,3 +385,10 @@ def cast_weights(model: nn.Module, dtype: torch.dtype,
                 setattr(m, name, nn.Parameter(old.detach().to(dtype), requires_grad=False))
                 saved += old.numel() * (old.element_size() - dtype.itemsize)
     return saved
+
+
+def half_weights(model: nn.Module) -> bool:
+    """Whether a linear layer of `model` stores its weight in float16 / bfloat16
+    (`cast_weights`): on the reference path such a layer takes Baton's kernel for at most
+    `MAX_PACKED_ROWS` rows and an upcast copy on MKL above, which rounds differently."""
+    return any(isinstance(m, nn.Linear) and m.weight.dtype in HALF for m in model.modules())

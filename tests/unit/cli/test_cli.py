@@ -162,3 +162,28 @@ def test_make_model_qwen3_5_then_generate(tmp_path, capsys, layout):
                  "--json"]) == 0
     (res,) = _lines(capsys)
     assert len(res["token_ids"]) == 4 and res["finish_reason"] == "length"
+
+
+def test_a_router_process_imports_no_torch():
+    """The parser adds `train`'s flags (which import torch) only when `baton train` parses,
+    and the router's modules import none: a router starts without torch (about 2 s of CPU,
+    in every cluster)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from baton.cli import build_parser
+
+    code = ("import sys\n"
+            "from baton.cli import build_parser\n"
+            "build_parser().parse_args(['router', '--port', '1'])\n"
+            "import baton.cluster.roles, router.server, router.http.server\n"
+            "import baton.auth.api_keys, baton.auth.tls, baton.model.chat_template\n"
+            "import baton.model.quant.served, baton.model.registry, baton.model.tokenizer\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[3],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]
+    args = build_parser().parse_args(["train", "--family", "qwen3_5", "--out", "x"])
+    assert (args.family, args.batch, args.out) == ("qwen3_5", 8, "x")

@@ -288,3 +288,47 @@ def test_verify_pass_keeps_to_the_packed_kernels_row_count():
     ks = {r.id: 2 for r in many}
     _fit_rows(many, ks)  # plain decode of 65 rows is on MKL too: left alone
     assert set(ks.values()) == {2}
+
+
+@pytest.mark.parametrize("weights, path, drafts", [
+    ("float32", "fast", 3), ("float32", "reference", 3),
+    ("bfloat16", "fast", 3), ("bfloat16", "reference", 1),
+])
+def test_verify_rows_capped_only_for_half_weights_off_the_fast_path(
+        tmp_path, monkeypatch, cpu_kernels_built, weights, path, drafts):
+    """32 requests at K=3: every request drafts K (a verify pass of 128 rows) where the
+    kernels take any row count (the fast path) or the weights are float32; half weights on
+    the reference path keep to MAX_PACKED_ROWS rows, one draft each. Greedy tokens equal
+    speculation off on the same path either way."""
+    from baton.engine.request import Request
+    from baton.engine.speculative import decoder
+    from baton.model.layers.linear import set_decode_path
+    from tests.support.engine_helpers import greedy, prompt, run_all
+    from tests.support.speculative_helpers import agreeing_checkpoint
+
+    if path == "fast" and None in cpu_kernels_built:
+        pytest.skip("Baton's CPU kernels are not built on this machine")
+    seen = []
+    draft = decoder.SpeculativeDecoder._draft
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "_draft",
+                        lambda self, e, r, ks: (seen.append(dict(ks)), draft(self, e, r, ks))[1])
+    ck = agreeing_checkpoint(tmp_path)
+
+    def tokens(**spec):
+        eng = engine_for(ck, model={"weight_dtype": weights}, speculative=spec,
+                         worker={"max_num_seqs": 32, "max_batch_tokens": 1024},
+                         cache={"num_blocks": 1024, "num_state_slots": 160})
+        reqs = [Request(f"r{i}", prompt(i, 4 + i % 5), greedy(10)) for i in range(32)]
+        return eng, run_all(eng, reqs)["tokens"]
+
+    old = set_decode_path(path)
+    try:
+        off = tokens()[1]
+        eng, got = tokens(num_draft_tokens=3)
+    finally:
+        set_decode_path(old)
+    assert eng.spec.half_weights == (weights != "float32")
+    full = [ks for ks in seen if len(ks) == 32]
+    assert full and set(full[0].values()) == {drafts}
+    assert got == off
+    assert eng.spec.accepted_tokens > 0
