@@ -13,7 +13,8 @@ each Baton engine alternating with its peers; then each engine's peak resident m
 of a fresh process of its own that loads the model, prefills the 2k prompt and decodes a
 batch of 32), and quality on the held-out text (bench/quality.py's windows and metrics): KL
 from Baton's float32, top-1 agreement and perplexity of every format, llama.cpp's through its
-own logits of every position (`logits_all`) on the same token ids.
+own logits of every position (`logits_all`) on the same token ids. Baton's fp8 (the family's
+published FP8 layout, `FP8_LAYOUT`) is timed and scored against Baton at bf16 weights.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ PAIRS = (("int8", "q8_0"), ("int4", "q4_0"), ("int4", "q4_k_m"))
 
 TARGETS = {"prefill": 1.2, 1: 1.0, 8: 1.5}
 """Issue 49's speed targets, Baton speed / llama.cpp speed at equal bits (decode by batch)."""
+
+FP8_LAYOUT = {"nemotron_h": "modelopt_fp8", "nemotron_h_moe": "modelopt_fp8",
+              "qwen3_5": "qwen_fp8", "qwen3_5_moe": "qwen_fp8"}
+"""The FP8 checkpoint each family is published in (NVIDIA ModelOpt per tensor; Qwen's 128 x 128
+tiles), written from the bench checkpoint by tests/support/quant_layouts.py: Baton serves it
+packed (fp8 read as stored) and is compared with itself at bf16 weights
+(`model.weight_dtype: bfloat16`), llama.cpp having no fp8 type."""
 
 RSS_TARGET = 1.1
 """Baton's peak RSS over llama.cpp's at equal bits, at most."""
@@ -300,11 +308,14 @@ def _vocab(path) -> int:
 # ---- at equal bits --------------------------------------------------------------------------
 
 def equal_bits(family: str, path, py, sz, flags: tuple[str, ...] = ()) -> list[dict]:
-    """The `PAIRS` rows of one family: speed at each thread count, peak RSS, quality."""
+    """The `PAIRS` rows of one family: speed at each thread count, peak RSS, quality; and
+    Baton fp8 against Baton bf16 (speed, quality)."""
     gtypes = sorted({g for _, g in PAIRS})
     ggufs = {g: peer.gguf(path, g, flags, py) for g in gtypes}
     vocab = _vocab(path)
     engines = {f: _bits_engine(path, f, sz) for f in dict.fromkeys(f for f, _ in PAIRS)}
+    fp8 = fp8_checkpoint(family, path)
+    halves = {"fp8": _bits_engine(fp8, "float32", sz), "bf16": _bits_engine(path, "bf16", sz)}
     n_ctx = max(sz["prefill"], *(b * (p + s + 16) for b, (p, s) in sz["decode"].items()))
     rows = []
     for threads in sz["threads"]:
@@ -316,11 +327,54 @@ def equal_bits(family: str, path, py, sz, flags: tuple[str, ...] = ()) -> list[d
         finally:
             for x in workers.values():
                 x.close()
-    del engines
+        rows += _fp8_speed(family, vocab, threads, halves, sz)
+    del engines, halves
     torch.set_num_threads(1)
     rows += _bits_rss(family, path, py, ggufs, vocab, sz, n_ctx)
-    rows += _bits_quality(family, path, py, flags, sz)
+    rows += _bits_quality(family, path, py, flags, sz, fp8)
     return rows
+
+
+def fp8_checkpoint(family: str, path: Path) -> Path:
+    """`path` written in its family's published FP8 layout (FP8_LAYOUT), cached beside it."""
+    from tests.support.quant_layouts import write
+
+    out = path.parent / f"{path.name}-{FP8_LAYOUT[family]}"
+    if not (out / "config.json").is_file():
+        tmp = path.parent / f"{out.name}.part"
+        write(path, tmp, FP8_LAYOUT[family])
+        tmp.rename(out)
+    return out
+
+
+def _fp8_speed(family, vocab, threads, halves, sz) -> list[dict]:
+    """Baton's packed fp8 checkpoint against Baton at bf16 weights, taking turns."""
+    rows = []
+    prompt = prompts(1, sz["prefill"], vocab, seed=7)[0]
+    for eng in halves.values():
+        _baton_prefill(eng, prompt[:64])
+    runs = _alternate_many(sz["repeats"], {k: partial(_baton_prefill, e, prompt)
+                                           for k, e in halves.items()})
+    rows.append(_say(fp8_row(family, "prefill", threads, sz["prefill"], runs, "prefill")))
+    for batch, (plen, steps) in sz["decode"].items():
+        reqs = prompts(batch, plen, vocab, seed=batch)
+        for eng in halves.values():
+            _baton_decode(eng, [r[:16] for r in reqs], 4)
+        runs = _alternate_many(sz["repeats"], {k: partial(_baton_decode, e, reqs, steps)
+                                               for k, e in halves.items()})
+        rows.append(_say(fp8_row(family, f"decode-b{batch}", threads, batch * steps, runs,
+                                 "decode", prompt_tokens=plen, steps=steps, batch=batch)))
+    return rows
+
+
+def fp8_row(family, work, threads, tokens, runs: dict, kind, **extra) -> dict:
+    """`_row` of Baton fp8 (`runs["fp8"]`) against Baton bf16 (`runs["bf16"]`): its
+    `baton_` / `llamacpp_` fields named `fp8_` / `bf16_`; `ratio` = fp8 speed / bf16 speed."""
+    row = _row(family, f"{work}-fp8-vs-bf16", threads, tokens, runs["fp8"], runs["bf16"], kind,
+               **extra)
+    row = {k.replace("baton_", "fp8_", 1).replace("llamacpp_", "bf16_", 1): v
+           for k, v in row.items()}
+    return row | {"peer": "baton-bf16", "baton_format": "fp8", "vs_format": "bf16"}
 
 
 def _bits_speed(family, vocab, threads, engines, workers, sz) -> list[dict]:
@@ -387,7 +441,9 @@ def _bits_config(fmt: str, sz) -> dict:
     batch = max(sz["decode"])
     need = [(1, sz["prefill"] + 2), *((b, p + s + 2) for b, (p, s) in sz["decode"].items())]
     blocks = max(b * (-(-n // 16) + 1) for b, n in need)
-    return {"model": {"quantize": None if fmt == "float32" else fmt},
+    model = ({"weight_dtype": "bfloat16"} if fmt == "bf16" else
+             {"quantize": None if fmt == "float32" else fmt})
+    return {"model": model,
             "cache": {"enable_prefix_reuse": False, "num_blocks": blocks + 16,
                       "num_state_slots": batch + 1},
             "worker": {"max_num_seqs": batch, "max_batch_tokens": 2048,
@@ -463,9 +519,10 @@ def rss_probe(path: str, fmt: str, sizes_json: str) -> dict:
     return {"peak_rss_kb": peer.peak_rss_kb(os.getpid()), "weight_bytes": eng.weights.bytes}
 
 
-def _bits_quality(family, path, py, flags, sz) -> list[dict]:
+def _bits_quality(family, path, py, flags, sz, fp8: Path | None = None) -> list[dict]:
     """KL from Baton's float32, top-1 agreement and perplexity on the held-out windows, for
-    Baton's float32 / int8 / int4 and llama.cpp's f32 and every GGUF type of `PAIRS`."""
+    Baton's float32 / int8 / int4 / bf16 / `fp8` checkpoint and llama.cpp's f32 and every
+    GGUF type of `PAIRS`."""
     import tempfile
 
     import numpy as np
@@ -478,8 +535,12 @@ def _bits_quality(family, path, py, flags, sz) -> list[dict]:
     refs = [quality._log_probs(ref, w) for w in wins]
     del ref
     tallies = {}
-    for fmt in dict.fromkeys(f for f, _ in PAIRS):
-        eng, t = quality._engine(path, {"model": {"quantize": fmt}}), quality.Tally()
+    variants = {f: (path, {"model": {"quantize": f}}) for f in dict.fromkeys(f for f, _ in PAIRS)}
+    variants["bf16"] = (path, {"model": {"weight_dtype": "bfloat16"}})
+    if fp8 is not None:
+        variants["fp8"] = (fp8, {})
+    for fmt, (where, sections) in variants.items():
+        eng, t = quality._engine(where, sections), quality.Tally()
         for w, lp_ref in zip(wins, refs, strict=True):
             t.add(quality._log_probs(eng, w), torch.tensor(w[1:]), lp_ref)
         tallies[("baton", fmt)] = t
@@ -515,21 +576,24 @@ def quality_rows(family: str, windows: int, metrics: dict[tuple[str, str], dict]
              "label": f"{family}-quality-{engine}-{fmt}", "work": "quality", "engine": engine,
              "format": fmt, "windows": windows, **{k: _round(v) for k, v in m.items()}}
             for (engine, fmt), m in metrics.items()]
-    for fmt, g in PAIRS:
-        b, lc = metrics.get(("baton", fmt)), metrics.get(("llamacpp", g))
+    for fmt, g in PAIRS + (("fp8", "bf16"),):
+        b = metrics.get(("baton", fmt))
+        lc = metrics.get(("baton", g) if fmt == "fp8" else ("llamacpp", g))
         if b is None or lc is None:
             continue
-        rows.append({"benchmark": "engine", "peer": "llamacpp", "family": family,
-                     "label": f"{family}-quality-{fmt}-vs-{g}", "work": "quality",
-                     "baton_format": fmt, "llamacpp_format": g,
-                     "baton_mean_kl": _round(b["mean_kl"]),
-                     "llamacpp_mean_kl": _round(lc["mean_kl"]),
-                     "kl_ratio": round(b["mean_kl"] / lc["mean_kl"], 3) if lc["mean_kl"] else None,
-                     "met": b["mean_kl"] <= lc["mean_kl"],
-                     "baton_top1": _round(b["top1_agreement"]),
-                     "llamacpp_top1": _round(lc["top1_agreement"]),
-                     "baton_perplexity": _round(b["perplexity"]),
-                     "llamacpp_perplexity": _round(lc["perplexity"])})
+        them = "bf16" if fmt == "fp8" else "llamacpp"  # fp8: against Baton's own bf16
+        row = {"benchmark": "engine", "peer": "baton-bf16" if fmt == "fp8" else "llamacpp",
+               "family": family, "label": f"{family}-quality-{fmt}-vs-{g}", "work": "quality",
+               "baton_format": fmt, f"{them}_format": g,
+               "baton_mean_kl": _round(b["mean_kl"]), f"{them}_mean_kl": _round(lc["mean_kl"]),
+               "kl_ratio": round(b["mean_kl"] / lc["mean_kl"], 3) if lc["mean_kl"] else None,
+               "baton_top1": _round(b["top1_agreement"]),
+               f"{them}_top1": _round(lc["top1_agreement"]),
+               "baton_perplexity": _round(b["perplexity"]),
+               f"{them}_perplexity": _round(lc["perplexity"])}
+        if them == "llamacpp":  # the issue's quality target: Baton's KL no worse
+            row["met"] = b["mean_kl"] <= lc["mean_kl"]
+        rows.append(row)
     return rows
 
 

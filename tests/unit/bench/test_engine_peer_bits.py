@@ -117,6 +117,20 @@ def test_quality_rows_compare_each_pair_kl():
     q4 = by["nemotron_h-quality-int4-vs-q4_0"]
     assert (q4["kl_ratio"], q4["met"]) == (1.5, False)
     assert "nemotron_h-quality-int4-vs-q4_k_m" not in by  # no Q4_K_M measured: no pair row
+    assert "nemotron_h-quality-fp8-vs-bf16" not in by
+    metrics |= {("baton", "fp8"): m(0.004, 0.97, 9.1), ("baton", "bf16"): m(0.002, 0.99, 9.0)}
+    fp8 = {r["label"]: r for r in ep.quality_rows("q", 4, metrics)}["q-quality-fp8-vs-bf16"]
+    assert (fp8["peer"], fp8["bf16_format"], fp8["bf16_mean_kl"], fp8["kl_ratio"]) == (
+        "baton-bf16", "bf16", 0.002, 2.0)
+    assert "met" not in fp8  # the issue sets no target for fp8 against bf16
+
+
+def test_fp8_rows_name_both_baton_sides():
+    row = ep.fp8_row("qwen3_5", "decode-b1", 1, 10, {"fp8": _runs(1.0, 1.0),
+                                                     "bf16": _runs(2.0, 2.0)}, "decode", batch=1)
+    assert row["label"] == "qwen3_5-decode-b1-fp8-vs-bf16-t1" and row["peer"] == "baton-bf16"
+    assert (row["fp8_tok_s"], row["bf16_tok_s"], row["ratio"]) == (10.0, 5.0, 2.0)
+    assert not any(k.startswith(("baton_tok", "llamacpp_")) for k in row)
 
 
 def test_one_engine_holds_every_workload():
@@ -157,3 +171,11 @@ def test_speed_rows_alternate_each_baton_format_with_its_peers(model_tiny_dir):
     assert all(r["baton_tok_s"] > 0 and r["llamacpp_format"] in workers for r in rows)
     # int4's peers take turns after each Baton run, both repeats
     assert calls[:6] == [("q8_0", "prefill")] * 2 + [("q4_0", "prefill"), ("q4_k_m", "prefill")] * 2
+    fp8 = ep.fp8_checkpoint("nemotron_h", model_tiny_dir)
+    assert ep.fp8_checkpoint("nemotron_h", model_tiny_dir) == fp8  # written once
+    halves = {"fp8": ep._bits_engine(fp8, "float32", sz),
+              "bf16": ep._bits_engine(model_tiny_dir, "bf16", sz)}
+    assert halves["fp8"].weights.format == "fp8"  # ModelOpt FP8, per tensor
+    rows = ep._fp8_speed("nemotron_h", 256, 1, halves, sz)
+    assert [r["label"] for r in rows] == [f"nemotron_h-{w}-fp8-vs-bf16-t1"
+                                          for w in ("prefill", "decode-b1", "decode-b8")]
