@@ -523,50 +523,66 @@ def _bits_quality(family, path, py, flags, sz, fp8: Path | None = None) -> list[
     """KL from Baton's float32, top-1 agreement and perplexity on the held-out windows, for
     Baton's float32 / int8 / int4 / bf16 / `fp8` checkpoint and llama.cpp's f32 and every
     GGUF type of `PAIRS`."""
-    import tempfile
+    wins, refs = _reference(path, *sz["quality"])
+    tallies = _baton_tallies(path, wins, refs, fp8)
+    tallies |= _llamacpp_tallies(path, py, flags, max(sz["threads"]), wins, refs)
+    return [_say(r) for r in quality_rows(family, len(wins), {k: t.metrics()
+                                                              for k, t in tallies.items()})]
 
-    import numpy as np
 
+def _reference(path, seq: int, windows: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The held-out windows and Baton float32's log-probs over each."""
     from bench import quality
 
-    seq, windows = sz["quality"]
     wins, _ = quality._windows(path, seq, windows)
     ref = quality._engine(path, {})
-    refs = [quality._log_probs(ref, w) for w in wins]
-    del ref
-    tallies = {}
+    return wins, [quality._log_probs(ref, w) for w in wins]
+
+
+def _baton_tallies(path, wins, refs, fp8: Path | None = None) -> dict:
+    from bench import quality
+
     variants = {f: (path, {"model": {"quantize": f}}) for f in dict.fromkeys(f for f, _ in PAIRS)}
     variants["bf16"] = (path, {"model": {"weight_dtype": "bfloat16"}})
     if fp8 is not None:
         variants["fp8"] = (fp8, {})
+    tallies = {("baton", "float32"): quality.Tally()}
+    for w, lp_ref in zip(wins, refs, strict=True):  # the reference itself: KL 0, perplexity
+        tallies[("baton", "float32")].add(lp_ref, torch.tensor(w[1:]), lp_ref)
     for fmt, (where, sections) in variants.items():
         eng, t = quality._engine(where, sections), quality.Tally()
         for w, lp_ref in zip(wins, refs, strict=True):
             t.add(quality._log_probs(eng, w), torch.tensor(w[1:]), lp_ref)
         tallies[("baton", fmt)] = t
         del eng
-    torch.set_num_threads(max(sz["threads"]))
+    return tallies
+
+
+def _llamacpp_tallies(path, py, flags, threads: int, wins, refs) -> dict:
+    """llama.cpp's f32 and `PAIRS` GGUFs through its own logits of every position."""
+    import tempfile
+
+    import numpy as np
+
+    from bench import quality
+
+    tallies = {}
+    seq = max(len(w) for w in wins)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.f32"
         for g in ["f32", *sorted({g for _, g in PAIRS})]:
-            w_ = peer.Worker(py, peer.gguf(path, g, flags, py), max(sz["threads"]), 1, seq + 64)
+            worker = peer.Worker(py, peer.gguf(path, g, flags, py), threads, 1, seq + 64)
             t = quality.Tally()
             try:
                 for w, lp_ref in zip(wins, refs, strict=True):
-                    shape = w_.call("logits", prompt=w[:-1], out=str(out))
+                    shape = worker.call("logits", prompt=w[:-1], out=str(out))
                     lg = torch.from_numpy(np.fromfile(out, dtype=np.float32))
                     lp = torch.log_softmax(lg.reshape(shape["n"], shape["vocab"]), dim=-1)
                     t.add(lp, torch.tensor(w[1:]), lp_ref)
             finally:
-                w_.close()
+                worker.close()
             tallies[("llamacpp", g)] = t
-    torch.set_num_threads(1)
-    base = quality.Tally()
-    for w, lp_ref in zip(wins, refs, strict=True):
-        base.add(lp_ref, torch.tensor(w[1:]), lp_ref)
-    tallies[("baton", "float32")] = base
-    metrics = {k: t.metrics() for k, t in tallies.items()}
-    return [_say(r) for r in quality_rows(family, len(wins), metrics)]
+    return tallies
 
 
 def quality_rows(family: str, windows: int, metrics: dict[tuple[str, str], dict]) -> list[dict]:

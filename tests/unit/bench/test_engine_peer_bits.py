@@ -179,3 +179,20 @@ def test_speed_rows_alternate_each_baton_format_with_its_peers(model_tiny_dir):
     rows = ep._fp8_speed("nemotron_h", 256, 1, halves, sz)
     assert [r["label"] for r in rows] == [f"nemotron_h-{w}-fp8-vs-bf16-t1"
                                           for w in ("prefill", "decode-b1", "decode-b8")]
+
+
+def test_baton_quality_side_scores_each_format_against_float32(model_tiny_dir):
+    torch.set_num_threads(1)
+    wins, refs = ep._reference(model_tiny_dir, 32, 2)
+    assert len(wins) == 2 and refs[0].shape == (32, 512)
+    fp8 = ep.fp8_checkpoint("nemotron_h", model_tiny_dir)
+    tallies = ep._baton_tallies(model_tiny_dir, wins, refs, fp8)
+    m = {k[1]: t.metrics() for k, t in tallies.items()}
+    assert set(m) == {"float32", "int8", "int4", "bf16", "fp8"}
+    assert m["float32"]["mean_kl"] == 0.0 and m["float32"]["top1_agreement"] == 1.0
+    for fmt in ("int8", "int4", "bf16", "fp8"):  # each a little off float32, never wildly
+        assert 0 < m[fmt]["mean_kl"] < 0.05 and m[fmt]["top1_agreement"] > 0.8, (fmt, m[fmt])
+        assert m[fmt]["tokens"] == 64
+    assert m["int8"]["mean_kl"] < m["int4"]["mean_kl"]
+    rows = ep.quality_rows("nemotron_h", 2, {k: t.metrics() for k, t in tallies.items()})
+    assert [r["label"] for r in rows if "-vs-" in r["label"]] == ["nemotron_h-quality-fp8-vs-bf16"]
