@@ -73,8 +73,11 @@ def _sdist() -> Path:
     found = sorted(src.glob("llama_cpp_python-*.tar.gz"))
     if not found:
         src.mkdir(parents=True, exist_ok=True)
+        # `--no-binary llama-cpp-python`, not `:all:`: that also forces the sdist's build
+        # backend (scikit-build-core and its dependencies) to be built from source to read its
+        # metadata, which on a loaded 2-core machine ran 50 minutes and ended with no sdist
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
-               ":all:", f"llama-cpp-python=={VERSION}", "-d", str(src)]
+               "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", str(src)]
         if subprocess.run(cmd, capture_output=True).returncode:
             raise PeerUnavailable("the package registry did not give llama-cpp-python's sdist")
         found = sorted(src.glob("llama_cpp_python-*.tar.gz"))
