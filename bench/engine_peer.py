@@ -6,13 +6,25 @@ prompt, and decode at batch 1, 8 and 32 (one batched forward per step in both en
 prompts' prefill is outside the timed steps), each as wall time and CPU seconds per token,
 median of `repeats`. `ratio` = Baton speed / llama.cpp speed (above 1: Baton is faster);
 `cpu_ratio` the same in CPU time per token. Rooflines are in bench/roofline.py.
+
+At equal bits (`PAIRS`): Baton's `model.quantize: int8` against llama.cpp's Q8_0, Baton's
+int4 against Q4_0 and Q4_K_M (llama.cpp's own quantizer), the same workloads and threads,
+each Baton engine alternating with its peers; then each engine's peak resident memory (VmHWM
+of a fresh process of its own that loads the model, prefills the 2k prompt and decodes a
+batch of 32), and quality on the held-out text (bench/quality.py's windows and metrics): KL
+from Baton's float32, top-1 agreement and perplexity of every format, llama.cpp's through its
+own logits of every position (`logits_all`) on the same token ids. Baton's fp8 (the family's
+published FP8 layout, `FP8_LAYOUT`) is timed and scored against Baton at bf16 weights.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -27,6 +39,23 @@ MTP head). `nemotron_h_moe` is `bench moe`'s 18-layer MoE model (100m widths, 32
 active); the Qwen3.5-MoE one is its family's 100m preset (8 experts, 2 active)."""
 
 
+PAIRS = (("int8", "q8_0"), ("int4", "q4_0"), ("int4", "q4_k_m"))
+"""(Baton `model.quantize`, llama.cpp GGUF type) compared at equal bits."""
+
+TARGETS = {"prefill": 1.2, 1: 1.0, 8: 1.5}
+"""Issue 49's speed targets, Baton speed / llama.cpp speed at equal bits (decode by batch)."""
+
+FP8_LAYOUT = {"nemotron_h": "modelopt_fp8", "nemotron_h_moe": "modelopt_fp8",
+              "qwen3_5": "qwen_fp8", "qwen3_5_moe": "qwen_fp8"}
+"""The FP8 checkpoint each family is published in (NVIDIA ModelOpt per tensor; Qwen's 128 x 128
+tiles), written from the bench checkpoint by tests/support/quant_layouts.py: Baton serves it
+packed (fp8 read as stored) and is compared with itself at bf16 weights
+(`model.weight_dtype: bfloat16`), llama.cpp having no fp8 type."""
+
+RSS_TARGET = 1.1
+"""Baton's peak RSS over llama.cpp's at equal bits, at most."""
+
+
 def _checkpoint(family: str, preset: str):
     if family == "nemotron_h_moe":
         from bench.moe import checkpoints
@@ -38,10 +67,10 @@ def _checkpoint(family: str, preset: str):
 def sizes(quick: bool) -> dict:
     if quick:
         return dict(prefill=256, decode={1: (64, 16), 8: (64, 16)}, repeats=1,
-                    greedy=((16, 8), (64, 8)), threads=(1,))
+                    greedy=((16, 8), (64, 8)), threads=(1,), quality=(128, 2))
     # batch: (prompt tokens, timed steps); batch 32 uses shorter prompts to keep the run short
     return dict(prefill=2048, decode={1: (512, 128), 8: (512, 128), 32: (128, 64)}, repeats=3,
-                greedy=((16, 32), (200, 32), (1000, 32)), threads=(1, 2))
+                greedy=((16, 32), (200, 32), (1000, 32)), threads=(1, 2), quality=(512, 16))
 
 
 def run(args) -> list[dict]:
@@ -59,6 +88,7 @@ def run(args) -> list[dict]:
         path = _checkpoint(family, preset)
         try:
             rows += _family(family, path, py, sz, flags)
+            rows += equal_bits(family, path, py, sz, flags)
         except peer.PeerUnavailable as e:
             print(f"[bench engine] {family} skipped: {e}", file=sys.stderr, flush=True)
             rows.append({"benchmark": "engine", "peer": "llamacpp", "family": family,
@@ -273,3 +303,322 @@ def _vocab(path) -> int:
     import json
 
     return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+# ---- at equal bits --------------------------------------------------------------------------
+
+def equal_bits(family: str, path, py, sz, flags: tuple[str, ...] = ()) -> list[dict]:
+    """The `PAIRS` rows of one family: speed at each thread count, peak RSS, quality; and
+    Baton fp8 against Baton bf16 (speed, quality)."""
+    gtypes = sorted({g for _, g in PAIRS})
+    ggufs = {g: peer.gguf(path, g, flags, py) for g in gtypes}
+    vocab = _vocab(path)
+    engines = {f: _bits_engine(path, f, sz) for f in dict.fromkeys(f for f, _ in PAIRS)}
+    fp8 = fp8_checkpoint(family, path)
+    halves = {"fp8": _bits_engine(fp8, "float32", sz), "bf16": _bits_engine(path, "bf16", sz)}
+    n_ctx = max(sz["prefill"], *(b * (p + s + 16) for b, (p, s) in sz["decode"].items()))
+    rows = []
+    for threads in sz["threads"]:
+        torch.set_num_threads(threads)
+        workers = {g: peer.Worker(py, ggufs[g], threads, max(sz["decode"]), n_ctx + 256)
+                   for g in gtypes}
+        try:
+            rows += _bits_speed(family, vocab, threads, engines, workers, sz)
+        finally:
+            for x in workers.values():
+                x.close()
+        rows += _fp8_speed(family, vocab, threads, halves, sz)
+    del engines, halves
+    torch.set_num_threads(1)
+    rows += _bits_rss(family, path, py, ggufs, vocab, sz, n_ctx)
+    rows += _bits_quality(family, path, py, flags, sz, fp8)
+    return rows
+
+
+def fp8_checkpoint(family: str, path: Path) -> Path:
+    """`path` written in its family's published FP8 layout (FP8_LAYOUT), cached beside it."""
+    from tests.support.quant_layouts import write
+
+    out = path.parent / f"{path.name}-{FP8_LAYOUT[family]}"
+    if not (out / "config.json").is_file():
+        tmp = path.parent / f"{out.name}.part"
+        write(path, tmp, FP8_LAYOUT[family])
+        tmp.rename(out)
+    return out
+
+
+def _fp8_speed(family, vocab, threads, halves, sz) -> list[dict]:
+    """Baton's packed fp8 checkpoint against Baton at bf16 weights, taking turns."""
+    rows = []
+    prompt = prompts(1, sz["prefill"], vocab, seed=7)[0]
+    for eng in halves.values():
+        _baton_prefill(eng, prompt[:64])
+    runs = _alternate_many(sz["repeats"], {k: partial(_baton_prefill, e, prompt)
+                                           for k, e in halves.items()})
+    rows.append(_say(fp8_row(family, "prefill", threads, sz["prefill"], runs, "prefill")))
+    for batch, (plen, steps) in sz["decode"].items():
+        reqs = prompts(batch, plen, vocab, seed=batch)
+        for eng in halves.values():
+            _baton_decode(eng, [r[:16] for r in reqs], 4)
+        runs = _alternate_many(sz["repeats"], {k: partial(_baton_decode, e, reqs, steps)
+                                               for k, e in halves.items()})
+        rows.append(_say(fp8_row(family, f"decode-b{batch}", threads, batch * steps, runs,
+                                 "decode", prompt_tokens=plen, steps=steps, batch=batch)))
+    return rows
+
+
+def fp8_row(family, work, threads, tokens, runs: dict, kind, **extra) -> dict:
+    """`_row` of Baton fp8 (`runs["fp8"]`) against Baton bf16 (`runs["bf16"]`): its
+    `baton_` / `llamacpp_` fields named `fp8_` / `bf16_`; `ratio` = fp8 speed / bf16 speed."""
+    row = _row(family, f"{work}-fp8-vs-bf16", threads, tokens, runs["fp8"], runs["bf16"], kind,
+               **extra)
+    row = {k.replace("baton_", "fp8_", 1).replace("llamacpp_", "bf16_", 1): v
+           for k, v in row.items()}
+    return row | {"peer": "baton-bf16", "baton_format": "fp8", "vs_format": "bf16"}
+
+
+def _bits_speed(family, vocab, threads, engines, workers, sz) -> list[dict]:
+    rows = []
+    prompt = prompts(1, sz["prefill"], vocab, seed=7)[0]
+    for fmt, eng in engines.items():
+        _baton_prefill(eng, prompt[:64])  # warm
+        runs = _pair_runs(fmt, sz["repeats"], partial(_baton_prefill, eng, prompt),
+                          partial(_peer_call, workers, "prefill", prompt=prompt))
+        rows += [_say(bits_row(family, "prefill", threads, sz["prefill"], fmt, g, runs["baton"],
+                               runs[g], "prefill"))
+                 for f, g in PAIRS if f == fmt]
+    for batch, (plen, steps) in sz["decode"].items():
+        reqs = prompts(batch, plen, vocab, seed=batch)
+        for fmt, eng in engines.items():
+            _baton_decode(eng, [r[:16] for r in reqs], 4)  # warm
+            runs = _pair_runs(fmt, sz["repeats"], partial(_baton_decode, eng, reqs, steps),
+                              partial(_peer_call, workers, "decode", prompts=reqs, steps=steps))
+            rows += [_say(bits_row(family, f"decode-b{batch}", threads, batch * steps, fmt, g,
+                                   runs["baton"], runs[g], "decode", prompt_tokens=plen,
+                                   steps=steps, batch=batch))
+                     for f, g in PAIRS if f == fmt]
+    return rows
+
+
+def _pair_runs(fmt: str, repeats: int, ours, theirs) -> dict[str, list[dict]]:
+    """Baton's runs (`ours()`) and each of `fmt`'s peers' (`theirs(gtype)`), taking turns."""
+    sides = {"baton": ours} | {g: partial(theirs, g) for f, g in PAIRS if f == fmt}
+    return _alternate_many(repeats, sides)
+
+
+def _peer_call(workers: dict, op: str, gtype: str, **args) -> dict:
+    return workers[gtype].call(op, **args)
+
+
+def bits_row(family, work, threads, tokens, fmt, gtype, ours, theirs, kind, **extra) -> dict:
+    """`_row` of Baton's `fmt` against llama.cpp's `gtype`, with the issue's target where it
+    sets one (`met`: the wall-time ratio reaches it)."""
+    row = _row(family, f"{work}-{fmt}-vs-{gtype}", threads, tokens, ours, theirs, kind, **extra)
+    row |= {"baton_format": fmt, "llamacpp_format": gtype}
+    target = TARGETS.get("prefill" if kind == "prefill" else extra.get("batch"))
+    if target is not None:
+        row |= {"target": target, "met": row["ratio"] >= target}
+    return row
+
+
+def _alternate_many(repeats: int, sides: dict) -> dict[str, list[dict]]:
+    """Each side's runs, the sides taking turns `repeats` times."""
+    runs = {k: [] for k in sides}
+    for _ in range(repeats):
+        for k, fn in sides.items():
+            runs[k].append(fn())
+    return runs
+
+
+def _say(row: dict) -> dict:
+    print(f"[bench engine] {row}", file=sys.stderr, flush=True)
+    return row
+
+
+def _bits_config(fmt: str, sz) -> dict:
+    """One engine for every workload of `sz`: the largest batch, blocks for the most any
+    workload holds at once (prefix reuse off)."""
+    batch = max(sz["decode"])
+    need = [(1, sz["prefill"] + 2), *((b, p + s + 2) for b, (p, s) in sz["decode"].items())]
+    blocks = max(b * (-(-n // 16) + 1) for b, n in need)
+    model = ({"weight_dtype": "bfloat16"} if fmt == "bf16" else
+             {"quantize": None if fmt == "float32" else fmt})
+    return {"model": model,
+            "cache": {"enable_prefix_reuse": False, "num_blocks": blocks + 16,
+                      "num_state_slots": batch + 1},
+            "worker": {"max_num_seqs": batch, "max_batch_tokens": 2048,
+                       "prefill_chunk_size": 2048, "max_model_len": max(n for _, n in need) + 1}}
+
+
+def _bits_engine(path, fmt: str, sz):
+    from baton.config import BatonConfig
+    from baton.engine.builder import build_engine
+
+    return build_engine(BatonConfig.from_dict(_bits_config(fmt, sz)), str(path))
+
+
+RSS_STEPS = 4
+"""Decode steps of the batch of 32 (the largest) in the peak-RSS runs."""
+
+
+def _bits_rss(family, path, py, ggufs, vocab, sz, n_ctx) -> list[dict]:
+    """Peak RSS of each engine in a fresh process doing the same work (1 thread): Baton in a
+    subprocess of its own (`python -m bench.engine_peer rss`), llama.cpp in a fresh worker."""
+    import json
+    import subprocess
+
+    batch = max(sz["decode"])
+    prompt = prompts(1, sz["prefill"], vocab, seed=7)[0]
+    reqs = prompts(batch, sz["decode"][batch][0], vocab, seed=batch)
+    ours = {}
+    for fmt in dict.fromkeys(f for f, _ in PAIRS):
+        cmd = [sys.executable, "-m", "bench.engine_peer", "rss", str(path), fmt,
+               json.dumps({k: sz[k] for k in ("prefill", "decode")})]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=peer.HERE.parent)
+        if r.returncode:
+            raise RuntimeError(f"the Baton RSS probe of {fmt} failed: "
+                               f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+        ours[fmt] = json.loads(r.stdout.strip().splitlines()[-1])
+    theirs = {}
+    for g, f in ggufs.items():
+        w = peer.Worker(py, f, 1, batch, n_ctx + 256)
+        try:
+            w.call("prefill", prompt=prompt)
+            w.call("decode", prompts=reqs, steps=RSS_STEPS)
+            theirs[g] = {"peak_rss_kb": w.peak_rss_kb(), "file_bytes": f.stat().st_size}
+        finally:
+            w.close()
+    return [_say(rss_row(family, fmt, g, ours[fmt], theirs[g])) for fmt, g in PAIRS]
+
+
+def rss_row(family: str, fmt: str, gtype: str, ours: dict, theirs: dict) -> dict:
+    """Peak RSS of Baton's `fmt` process and llama.cpp's `gtype` one (KiB in, MiB out)."""
+    b, lc = ours["peak_rss_kb"], theirs["peak_rss_kb"]
+    return {"benchmark": "engine", "peer": "llamacpp", "family": family,
+            "label": f"{family}-rss-{fmt}-vs-{gtype}", "work": "rss", "threads": 1,
+            "baton_format": fmt, "llamacpp_format": gtype,
+            "baton_peak_rss_mib": round(b / 1024, 1), "llamacpp_peak_rss_mib": round(lc / 1024, 1),
+            "rss_ratio": round(b / lc, 3), "target": RSS_TARGET, "met": b / lc <= RSS_TARGET,
+            "baton_weight_mb": round(ours["weight_bytes"] / 1e6, 1),
+            "llamacpp_gguf_mb": round(theirs["file_bytes"] / 1e6, 1)}
+
+
+def rss_probe(path: str, fmt: str, sizes_json: str) -> dict:
+    """In a process of its own: build the equal-bits engine for `fmt`, prefill the 2k prompt,
+    decode the largest batch RSS_STEPS steps; the process's peak RSS and weight bytes."""
+    import json
+
+    sz = json.loads(sizes_json)
+    sz["decode"] = {int(b): tuple(v) for b, v in sz["decode"].items()}
+    torch.set_num_threads(1)
+    eng = _bits_engine(path, fmt, sz)
+    vocab = _vocab(Path(path))
+    batch = max(sz["decode"])
+    _baton_prefill(eng, prompts(1, sz["prefill"], vocab, seed=7)[0])
+    _baton_decode(eng, prompts(batch, sz["decode"][batch][0], vocab, seed=batch), RSS_STEPS)
+    return {"peak_rss_kb": peer.peak_rss_kb(os.getpid()), "weight_bytes": eng.weights.bytes}
+
+
+def _bits_quality(family, path, py, flags, sz, fp8: Path | None = None) -> list[dict]:
+    """KL from Baton's float32, top-1 agreement and perplexity on the held-out windows, for
+    Baton's float32 / int8 / int4 / bf16 / `fp8` checkpoint and llama.cpp's f32 and every
+    GGUF type of `PAIRS`."""
+    wins, refs = _reference(path, *sz["quality"])
+    tallies = _baton_tallies(path, wins, refs, fp8)
+    tallies |= _llamacpp_tallies(path, py, flags, max(sz["threads"]), wins, refs)
+    return [_say(r) for r in quality_rows(family, len(wins), {k: t.metrics()
+                                                              for k, t in tallies.items()})]
+
+
+def _reference(path, seq: int, windows: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The held-out windows and Baton float32's log-probs over each."""
+    from bench import quality
+
+    wins, _ = quality._windows(path, seq, windows)
+    ref = quality._engine(path, {})
+    return wins, [quality._log_probs(ref, w) for w in wins]
+
+
+def _baton_tallies(path, wins, refs, fp8: Path | None = None) -> dict:
+    from bench import quality
+
+    variants = {f: (path, {"model": {"quantize": f}}) for f in dict.fromkeys(f for f, _ in PAIRS)}
+    variants["bf16"] = (path, {"model": {"weight_dtype": "bfloat16"}})
+    if fp8 is not None:
+        variants["fp8"] = (fp8, {})
+    tallies = {("baton", "float32"): quality.Tally()}
+    for w, lp_ref in zip(wins, refs, strict=True):  # the reference itself: KL 0, perplexity
+        tallies[("baton", "float32")].add(lp_ref, torch.tensor(w[1:]), lp_ref)
+    for fmt, (where, sections) in variants.items():
+        eng, t = quality._engine(where, sections), quality.Tally()
+        for w, lp_ref in zip(wins, refs, strict=True):
+            t.add(quality._log_probs(eng, w), torch.tensor(w[1:]), lp_ref)
+        tallies[("baton", fmt)] = t
+        del eng
+    return tallies
+
+
+def _llamacpp_tallies(path, py, flags, threads: int, wins, refs) -> dict:
+    """llama.cpp's f32 and `PAIRS` GGUFs through its own logits of every position."""
+    import tempfile
+
+    import numpy as np
+
+    from bench import quality
+
+    tallies = {}
+    seq = max(len(w) for w in wins)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.f32"
+        for g in ["f32", *sorted({g for _, g in PAIRS})]:
+            worker = peer.Worker(py, peer.gguf(path, g, flags, py), threads, 1, seq + 64)
+            t = quality.Tally()
+            try:
+                for w, lp_ref in zip(wins, refs, strict=True):
+                    shape = worker.call("logits", prompt=w[:-1], out=str(out))
+                    lg = torch.from_numpy(np.fromfile(out, dtype=np.float32))
+                    lp = torch.log_softmax(lg.reshape(shape["n"], shape["vocab"]), dim=-1)
+                    t.add(lp, torch.tensor(w[1:]), lp_ref)
+            finally:
+                worker.close()
+            tallies[("llamacpp", g)] = t
+    return tallies
+
+
+def quality_rows(family: str, windows: int, metrics: dict[tuple[str, str], dict]) -> list[dict]:
+    """One row per (engine, format) of `metrics` (Tally.metrics), then one per `PAIRS` entry
+    with Baton's KL over llama.cpp's (`kl_ratio`: at most 1 meets the issue's target)."""
+    rows = [{"benchmark": "engine", "peer": "llamacpp", "family": family,
+             "label": f"{family}-quality-{engine}-{fmt}", "work": "quality", "engine": engine,
+             "format": fmt, "windows": windows, **{k: _round(v) for k, v in m.items()}}
+            for (engine, fmt), m in metrics.items()]
+    for fmt, g in PAIRS + (("fp8", "bf16"),):
+        b = metrics.get(("baton", fmt))
+        lc = metrics.get(("baton", g) if fmt == "fp8" else ("llamacpp", g))
+        if b is None or lc is None:
+            continue
+        them = "bf16" if fmt == "fp8" else "llamacpp"  # fp8: against Baton's own bf16
+        row = {"benchmark": "engine", "peer": "baton-bf16" if fmt == "fp8" else "llamacpp",
+               "family": family, "label": f"{family}-quality-{fmt}-vs-{g}", "work": "quality",
+               "baton_format": fmt, f"{them}_format": g,
+               "baton_mean_kl": _round(b["mean_kl"]), f"{them}_mean_kl": _round(lc["mean_kl"]),
+               "kl_ratio": round(b["mean_kl"] / lc["mean_kl"], 3) if lc["mean_kl"] else None,
+               "baton_top1": _round(b["top1_agreement"]),
+               f"{them}_top1": _round(lc["top1_agreement"]),
+               "baton_perplexity": _round(b["perplexity"]),
+               f"{them}_perplexity": _round(lc["perplexity"])}
+        if them == "llamacpp":  # the issue's quality target: Baton's KL no worse
+            row["met"] = b["mean_kl"] <= lc["mean_kl"]
+        rows.append(row)
+    return rows
+
+
+def _round(x):
+    return float(f"{x:.5g}") if isinstance(x, float) else x
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["rss"]:
+        import json
+
+        print(json.dumps(rss_probe(*sys.argv[2:5])), flush=True)

@@ -11,6 +11,9 @@
   AutoConfig rewrites a dense NemotronH config: MoE defaults, a pattern list whose `mlp`
   entries the converter does not count), and the pre-tokenizer is named `gpt-2` (what the
   byte-level tokenizer written here is). The GGUF is cached per checkpoint and type.
+- `gguf(checkpoint, type)`: the converter's types (f32, f16, bf16, q8_0), or Q4_0 / Q4_K_M
+  made from the f32 GGUF by llama.cpp's own quantizer (`llama_model_quantize`, run in the
+  venv's python: Baton's has no llama.cpp). Cached the same way.
 - `Worker`: the peer process (bench/llamacpp_worker.py under the venv's python).
 
 Every failure is a `PeerUnavailable` with one line saying why (the bench skips with it).
@@ -70,8 +73,11 @@ def _sdist() -> Path:
     found = sorted(src.glob("llama_cpp_python-*.tar.gz"))
     if not found:
         src.mkdir(parents=True, exist_ok=True)
+        # `--no-binary llama-cpp-python`, not `:all:`: that also forces the sdist's build
+        # backend (scikit-build-core and its dependencies) to be built from source to read its
+        # metadata, which on a loaded 2-core machine ran 50 minutes and ended with no sdist
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
-               ":all:", f"llama-cpp-python=={VERSION}", "-d", str(src)]
+               "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", str(src)]
         if subprocess.run(cmd, capture_output=True).returncode:
             raise PeerUnavailable("the package registry did not give llama-cpp-python's sdist")
         found = sorted(src.glob("llama_cpp_python-*.tar.gz"))
@@ -131,6 +137,56 @@ def convert(checkpoint: Path, outtype: str = "f32", extra: tuple[str, ...] = ())
     if r.returncode or not tmp.is_file():
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
         raise PeerUnavailable(f"convert_hf_to_gguf.py failed on {checkpoint.name}: {tail[0]}")
+    tmp.rename(out)
+    return out
+
+
+GGUF_TYPES = {"f32": ("convert", "f32"), "f16": ("convert", "f16"), "bf16": ("convert", "bf16"),
+              "q8_0": ("convert", "q8_0"), "q4_0": ("quantize", "LLAMA_FTYPE_MOSTLY_Q4_0"),
+              "q4_k_m": ("quantize", "LLAMA_FTYPE_MOSTLY_Q4_K_M")}
+"""GGUF type -> how it is made: the converter's `--outtype`, or llama.cpp's own quantizer
+(`llama_model_quantize`, the `llama-quantize` tool's code) over the f32 GGUF with that ftype."""
+
+
+def gguf_recipe(gtype: str) -> tuple[str, str]:
+    """("convert", outtype) or ("quantize", ftype name) for GGUF type `gtype`."""
+    if gtype not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {gtype!r} is not one the bench makes; allowed: "
+                         f"{', '.join(GGUF_TYPES)}")
+    return GGUF_TYPES[gtype]
+
+
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp as L
+src, dst, ftype, threads = sys.argv[1:5]
+L.llama_backend_init()
+p = L.llama_model_quantize_default_params()
+p.ftype = getattr(L, ftype)
+p.nthread = int(threads)
+sys.exit(1 if L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p)) else 0)
+"""
+
+
+def gguf(checkpoint: Path, gtype: str, extra: tuple[str, ...] = (), py: Path | None = None,
+         threads: int = 2) -> Path:
+    """GGUF of `checkpoint` as `gtype` (GGUF_TYPES), cached beside convert()'s: a quantized
+    one is made by llama.cpp's quantizer in the peer venv's python `py` from the f32 GGUF."""
+    how, arg = gguf_recipe(gtype)
+    if how == "convert":
+        return convert(checkpoint, arg, extra)
+    out = cache_dir() / "gguf" / f"{checkpoint.name}-{gtype}.gguf"
+    if out.is_file():
+        return out
+    src = convert(checkpoint, "f32", extra)
+    tmp = out.with_suffix(".part")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(py or ensure_venv()), "-c", _QUANTIZE, str(src), str(tmp), arg,
+                        str(threads)], capture_output=True, text=True, env=env)
+    if r.returncode or not tmp.is_file():
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise PeerUnavailable(f"llama_model_quantize {gtype} failed on {checkpoint.name}: "
+                              f"{tail[0]}")
     tmp.rename(out)
     return out
 
@@ -225,6 +281,10 @@ class Worker:
             raise PeerUnavailable(f"llama.cpp: {out['error']}")
         return out
 
+    def peak_rss_kb(self) -> int:
+        """The worker process's peak resident memory so far (VmHWM), in KiB."""
+        return peak_rss_kb(self.pid)
+
     def close(self) -> None:
         try:
             self.call("quit")
@@ -235,3 +295,11 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def peak_rss_kb(pid: int) -> int:
+    """Peak resident memory (VmHWM of /proc/PID/status) of process `pid`, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise PeerUnavailable(f"/proc/{pid}/status has no VmHWM")

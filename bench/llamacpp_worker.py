@@ -7,6 +7,8 @@ command per stdin line, one JSON answer per stdout line:
     {"op": "greedy", "prompt": [ids], "steps": N}       -> tokens, margins (top1 - top2)
     {"op": "prefill", "prompt": [ids]}                   -> wall_s, cpu_s
     {"op": "decode", "prompts": [[ids], ...], "steps": N} -> wall_s, cpu_s of the N steps
+    {"op": "logits", "prompt": [ids], "out": PATH}       -> n, vocab; PATH holds every
+                                                            position's logits, float32 [n, vocab]
     {"op": "quit"}
 
 Decode runs all sequences as one batch per step (one `llama_decode` of S tokens), the way a
@@ -99,6 +101,19 @@ class Peer:
             self._run([(toks[-1], pos, 0, True)])
             pos += 1
         return {"tokens": toks, "margins": margins}
+
+    def logits(self, prompt: list[int], out: str) -> dict:
+        """Every position's logits of one forward over `prompt` (llama.cpp's own, as its
+        `logits_all` gives them), written raw to `out`: a file, not a JSON line, for their size."""
+        if len(prompt) > 2048:
+            raise ValueError(f"logits of {len(prompt)} tokens: at most 2048 (one batch)")
+        self.clear()
+        self._run([(t, p, 0, True) for p, t in enumerate(prompt)])
+        ptr = L.llama_get_logits(self.ctx)
+        lg = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                   shape=(len(prompt), self.n_vocab))
+        lg.astype(np.float32).tofile(out)
+        return {"n": len(prompt), "vocab": self.n_vocab}
 
     def prefill(self, prompt: list[int]) -> dict:
         self.clear()

@@ -68,29 +68,47 @@ def _log_probs(engine, window: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float().cpu(), dim=-1)
 
 
+class Tally:
+    """One engine's sums over windows: its negative log-likelihood of the next tokens and,
+    against a reference's log-probs at the same positions, KL(reference || it) and how often
+    the two argmaxes agree."""
+
+    def __init__(self):
+        self.nll = self.kl = self.agree = 0.0
+        self.tokens = 0
+
+    def add(self, lp: torch.Tensor, target: torch.Tensor, lp_ref: torch.Tensor | None = None):
+        """`lp` [seq, vocab] log-probs, `target` [seq] the next token ids."""
+        self.nll -= float(lp.gather(1, target[:, None]).sum())
+        self.tokens += len(target)
+        if lp_ref is not None:
+            self.kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
+            self.agree += float((lp_ref.argmax(-1) == lp.argmax(-1)).sum())
+
+    def metrics(self, total_bytes: int | None = None, compared: bool = True) -> dict:
+        out = {"tokens": self.tokens, "perplexity": math.exp(self.nll / self.tokens)}
+        if total_bytes:
+            out["bits_per_byte"] = self.nll / math.log(2) / total_bytes
+        if compared:
+            out |= {"mean_kl": self.kl / self.tokens,
+                    "top1_agreement": self.agree / self.tokens}
+        return out
+
+
 def measure(model_dir: Path, variant: dict, seq: int, max_windows: int) -> list[dict]:
     wins, nbytes = _windows(model_dir, seq, max_windows)
     ref, var = _engine(model_dir, {}), _engine(model_dir, variant)
-    nll = {"reference": 0.0, "variant": 0.0}
-    kl = agree = n = 0.0
+    tally = {"reference": Tally(), "variant": Tally()}
     for w in wins:
         target = torch.tensor(w[1:])
         lp_r, lp_v = _log_probs(ref, w), _log_probs(var, w)
-        for name, lp in (("reference", lp_r), ("variant", lp_v)):
-            nll[name] -= float(lp.gather(1, target[:, None]).sum())
-        kl += float((lp_r.exp() * (lp_r - lp_v)).sum())
-        agree += float((lp_r.argmax(-1) == lp_v.argmax(-1)).sum())
-        n += len(target)
-    total_bytes = sum(nbytes)
+        tally["reference"].add(lp_r, target)
+        tally["variant"].add(lp_v, target, lp_r)
     rows = []
     for name in ("reference", "variant"):
-        row = {"engine": name, "config": {} if name == "reference" else variant,
-               "model": str(model_dir), "windows": len(wins), "tokens": int(n),
-               "perplexity": math.exp(nll[name] / n),
-               "bits_per_byte": nll[name] / math.log(2) / total_bytes}
-        if name == "variant":
-            row.update(mean_kl=kl / n, top1_agreement=agree / n)
-        rows.append(row)
+        rows.append({"engine": name, "config": {} if name == "reference" else variant,
+                     "model": str(model_dir), "windows": len(wins),
+                     **tally[name].metrics(sum(nbytes), compared=name == "variant")})
     return rows
 
 
