@@ -241,9 +241,10 @@ class DecodeService:
 
     def _transfer_failed(self, request_id: str, error: str) -> None:
         held = self.receiver.held(request_id)
-        # nothing was owed (the request ended at its first token, or here): no failure; which
-        # of the prefill's and the router's word arrives first is a race
-        quiet = (ENDED_AT_FIRST_TOKEN in error or error == ABORTED_HERE) and not held
+        # nothing was owed (the request ended at its first token, or here: blocks the prefill
+        # may still be writing stay quarantined, routinely): no failure; which of the
+        # prefill's and the router's word arrives first is a race
+        quiet = (ENDED_AT_FIRST_TOKEN in error and not held) or error == ABORTED_HERE
         log.log(logging.INFO if quiet else logging.WARNING, "transfer into %s failed: %s%s",
                 request_id, error,
                     f" (its {len(held.blocks)} blocks stay quarantined until its writes are "

@@ -236,7 +236,9 @@ class Receiver:
             for key, q in list(self._quarantine.items()):
                 why = q.why_safe(now)
                 if why:
-                    log.warning("quarantine %s released after %.1f s: %s", key, now - q.since, why)
+                    # its writer said it is done: routine; after the grace: worth a word
+                    log.log(logging.WARNING if "connection closed" in why else logging.INFO,
+                            "quarantine %s released after %.1f s: %s", key, now - q.since, why)
                     self._release(key)
             out, self._events = self._events, []
             return out

@@ -77,10 +77,12 @@ def _levels(caplog, error, held=None):
 def test_a_transfer_ended_because_its_request_ended_is_no_failure(caplog):
     """The router's Abort of a request its first token finished races the prefill's own word
     (ENDED_AT_FIRST_TOKEN): either way nothing was owed, so neither logs a warning; a real
-    failure, or one whose blocks stay quarantined, still does."""
+    failure, or one whose blocks stay quarantined, still does (one that ended here only quarantines, routinely)."""
     from baton.contract import ENDED_AT_FIRST_TOKEN
     from decode_worker.service import ABORTED_HERE
     assert _levels(caplog, ABORTED_HERE) == [logging.INFO]
     assert _levels(caplog, f"aborted by prefill: {ENDED_AT_FIRST_TOKEN}") == [logging.INFO]
     assert _levels(caplog, "peer gone") == [logging.WARNING]
-    assert _levels(caplog, ABORTED_HERE, _Held([3, 4])) == [logging.WARNING]
+    assert _levels(caplog, ABORTED_HERE, _Held([3, 4])) == [logging.INFO]
+    assert _levels(caplog, f"aborted by prefill: {ENDED_AT_FIRST_TOKEN}", _Held([3])) \
+        == [logging.WARNING]
