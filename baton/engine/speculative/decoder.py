@@ -27,6 +27,7 @@ import logging
 import time
 
 import torch
+from torch import nn
 
 from baton.config.speculative import TreeConfig
 from baton.engine.request import Request, RequestOutput
@@ -73,11 +74,13 @@ class SpeculativeDecoder:
         verify pass (a pipeline's stages run their verify pass either way)."""
         self._live_first_ok = self.plain and kernel_verify.all_fit(model, pools)
         self._live_first = False
-        self.half_weights = half_weights(model)
-        """Linear weights stored in half precision: off the fast path their verify passes
-        keep to MAX_PACKED_ROWS rows (`_fit_rows`)."""
         """Whether the last verify pass kept its chains' first-row states in the live slots
         (`VerifyPlan.live_first`: the kernel path of a colocated engine)."""
+        self.half_weights = (model.capabilities.staged or not isinstance(model, nn.Module)
+                             or half_weights(model))
+        """Linear weights stored in half precision: off the fast path their verify passes
+        keep to MAX_PACKED_ROWS rows (`_fit_rows`). A pipeline's stages (and a model that
+        is no module here) cast their weights in their own processes: kept capped."""
 
     def on_fast_path(self) -> bool:
         """Whether this engine's steps may run on the fast decode path: its verify passes,
