@@ -48,7 +48,7 @@ TARGETS = {"prefill": 1.2, 1: 1.0, 8: 1.5}
 FP8_LAYOUT = {"nemotron_h": "modelopt_fp8", "nemotron_h_moe": "modelopt_fp8",
               "qwen3_5": "qwen_fp8", "qwen3_5_moe": "qwen_fp8"}
 """The FP8 checkpoint each family is published in (NVIDIA ModelOpt per tensor; Qwen's 128 x 128
-tiles), written from the bench checkpoint by tests/support/quant_layouts.py: Baton serves it
+tiles), written from the bench checkpoint by bench/quant_layouts.py: Baton serves it
 packed (fp8 read as stored) and is compared with itself at bf16 weights
 (`model.weight_dtype: bfloat16`), llama.cpp having no fp8 type."""
 
@@ -337,7 +337,7 @@ def equal_bits(family: str, path, py, sz, flags: tuple[str, ...] = ()) -> list[d
 
 def fp8_checkpoint(family: str, path: Path) -> Path:
     """`path` written in its family's published FP8 layout (FP8_LAYOUT), cached beside it."""
-    from tests.support.quant_layouts import write
+    from bench.quant_layouts import write
 
     out = path.parent / f"{path.name}-{FP8_LAYOUT[family]}"
     if not (out / "config.json").is_file():

@@ -12,9 +12,9 @@ from baton.client.remote import run_remote
 from baton.client.requests import RequestSpec
 from baton.engine.request import Request
 from baton.model.loader import load_model
+from bench import quant_layouts
 from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
 from tests.integration.test_tp_engine import MARGIN, greedy_margins
-from tests.support import quant_layouts
 from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
 pytestmark = pytest.mark.integration

@@ -109,7 +109,7 @@ def test_quantized_checkpoints_stay_packed_as_stored(src, layout, tmp_path, monk
     # the written checkpoints above; this layout's groups of 16 are decoded): each decodes to the
     # float32 the loader decodes it to (BATON_PACKED_WEIGHTS=0), the logits and greedy tokens
     # are that model's, bit for bit.
-    from tests.support import quant_layouts
+    from bench import quant_layouts
 
     q = quant_layouts.write(src, tmp_path / layout, layout, scale_dtype=torch.float16)
     got = load_model(q)

@@ -1,5 +1,5 @@
 """Quantized checkpoints in every published layout load exactly: both families, dense and MoE,
-written from one seeded float checkpoint each (tests/support/quant_layouts.py), against
+written from one seeded float checkpoint each (bench/quant_layouts.py), against
 transformers run on a float32 copy made by an independent dequantizer (compressed-tensors'
 modules decompressed by the package itself), and Qwen FP8 against transformers' own FP8 loader
 where every tile is whole. Logits at every position within 1e-4, greedy tokens identical.
@@ -21,7 +21,7 @@ pytest.importorskip("compressed_tensors")
 from baton.model.loader import load_model  # noqa: E402
 from baton.model.make_model import write_checkpoint  # noqa: E402
 from baton.model.quant import open_checkpoint  # noqa: E402
-from tests.support import quant_layouts  # noqa: E402
+from bench import quant_layouts  # noqa: E402
 from tests.support.hf_parity import assert_greedy_matches, assert_logits_match, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")

@@ -19,7 +19,7 @@ from baton.model.loader import load_model
 from baton.model.make_model import write_checkpoint
 from baton.model.quant import open_checkpoint, packed, weight_format
 from baton.model.tp_loader import load_tp_model
-from tests.support import quant_layouts
+from bench import quant_layouts
 
 QWEN = dict(family="qwen3_5", pattern="G*", vocab_size=300, hidden_size=128,
             intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -20,7 +20,7 @@ from baton.model.make_model import write_checkpoint  # noqa: E402
 from baton.model.quant import packed, weight_format  # noqa: E402
 from baton.model.quant.quantize import quantizable, quantize_model, write_quantized  # noqa: E402
 from baton.model.quant.served import served_format  # noqa: E402
-from tests.support import quant_layouts  # noqa: E402
+from bench import quant_layouts  # noqa: E402
 from tests.support.hf_parity import assert_logits_match, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("model_single_thread")

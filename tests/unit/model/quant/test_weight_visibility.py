@@ -26,11 +26,11 @@ from baton.model.quant.served import checkpoint_bytes, resident_bytes, served_we
 from baton.model.tokenizer import ByteTokenizer
 from baton.worker.load import counters_of
 from baton.worker.metrics import WorkerMetrics
+from bench import quant_layouts
 from router.http.app import HttpContext
 from router.http.server import HttpServer
 from router.metrics import RouterMetrics
 from router.registry import Registry
-from tests.support import quant_layouts
 from transfer.fingerprint import check, compute_fingerprint
 
 QWEN = dict(family="qwen3_5", pattern="G*", vocab_size=300, hidden_size=128,
