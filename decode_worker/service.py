@@ -90,7 +90,7 @@ class DecodeService:
             skip = adm.cached_tokens // tpb if engine.pools.has_kv else 0
             blocks = tuple(adm.block_table) if engine.pools.has_kv else ()
             slot = adm.slot if engine.pools.has_state else None
-            if slot is not None and engine.stages_handoffs \
+            if slot is not None and engine.lands_handoffs \
                     and req.prompt_len in engine.rounding.points(req.prompt_len):
                 # the prompt end is rounded there: its state lands in 16 bits in a snapshot
                 # slot, widened into the live one at start_remote (docs/state-precision.md)

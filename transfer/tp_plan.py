@@ -202,29 +202,50 @@ def _kv(p: Piece, src: StageLayout, dst: StageLayout, sb, db):
 
 
 def _state(p: Piece, src: StageLayout, dst: StageLayout, ss, ds):
+    """A state piece over the layers both stages hold. A slot id past the live ones is a
+    snapshot slot (16-bit state staged for the handoff, docs/state-precision.md): the piece,
+    planned in the live pools' bytes, is rescaled to that pool's element size; both ends
+    must then name pools of the same element size (snapshot to snapshot, live to live)."""
     if src.state is None or dst.state is None:
         return None
     s, d = src.state, dst.state
     common = sorted(set(s.layers) & set(d.layers))
     if not common:
         return None
-    st, dt = s.tensor(p.tensor), d.tensor(p.tensor)
     i = [t.name for t in s.tensors].index(p.tensor)
+    ss = int(_ids([ss], s.num_slots + s.snapshot_slots, "source slot")[0])
+    ds = int(_ids([ds], d.num_slots + d.snapshot_slots, "destination slot")[0])
+    st, s_off, s_per = src.state_unit(i, ss)
+    dt, d_off, d_per = dst.state_unit(i, ds)
+    p = _stored(p, s.tensors[i].bytes, st.bytes, d.tensors[i].bytes, dt.bytes, ss, ds)
     so, do = _runs(p, st.bytes, dt.bytes)
-    if any(isinstance(x, int) and n <= x < n + k
-           for x, n, k in ((ss, s.num_slots, s.snapshot_slots), (ds, d.num_slots, d.snapshot_slots))):
-        raise TransferError(
-            f"slot {ss} -> {ds} is a 16-bit snapshot slot: 16-bit state handoffs are not built "
-            "for tensor-parallel pairs (docs/state-precision.md); nothing was sent")
-    ss = int(_ids([ss], s.num_slots, "source slot")[0])
-    ds = int(_ids([ds], d.num_slots, "destination slot")[0])
+    si, di = s.pool(ss)[1], d.pool(ds)[1]
     sl = np.array([s.layers.index(g) for g in common], dtype=np.int64)
     dl = np.array([d.layers.index(g) for g in common], dtype=np.int64)
-    s_off = src.num_kv_units + i * src.num_state_units
-    d_off = dst.num_kv_units + i * dst.num_state_units
-    return (np.repeat(s_off + sl * s.num_slots + ss, p.repeat),
-            np.repeat(d_off + dl * d.num_slots + ds, p.repeat),
-            _grid(st.base, st.layer_stride, sl, st.slot_stride, [ss], so),
-            _grid(dt.base, dt.layer_stride, dl, dt.slot_stride, [ds], do),
+    return (np.repeat(s_off + sl * s_per, p.repeat),
+            np.repeat(d_off + dl * d_per, p.repeat),
+            _grid(st.base, st.layer_stride, sl, st.slot_stride, [si], so),
+            _grid(dt.base, dt.layer_stride, dl, dt.slot_stride, [di], do),
             np.full(len(common) * p.repeat, p.length, dtype=np.uint64),
             np.repeat(np.array(common, dtype=np.int64), p.repeat))
+
+
+def _stored(p: Piece, s_live: int, s_bytes: int, d_live: int, d_bytes: int, ss: int,
+            ds: int) -> Piece:
+    """`p` (bytes of the live, model-dtype slots it was planned in) in the bytes of the
+    slots it moves: a 16-bit snapshot slot holds s_bytes / s_live of them per element."""
+    if s_bytes * d_live != d_bytes * s_live:
+        raise TransferError(
+            f"state.{p.tensor} slot bytes differ: source slot {ss} holds {s_bytes} of "
+            f"{s_live} live bytes, destination slot {ds} holds {d_bytes} of {d_live} (a 16-bit "
+            "state goes from a snapshot slot to a snapshot slot, a float32 one from a live "
+            "slot to a live slot); nothing was sent")
+    if s_bytes == s_live:
+        return p
+    vals = (p.src_offset, p.dst_offset, p.length, p.src_stride, p.dst_stride)
+    if any(v * s_bytes % s_live for v in vals):
+        raise TransferError(f"state.{p.tensor} piece {p.src_rank}->{p.dst_rank} does not "
+                            f"fall on whole elements of the {s_bytes}-byte snapshot slot; "
+                            "nothing was sent")
+    so, do, n, sst, dst_ = (v * s_bytes // s_live for v in vals)
+    return p._replace(src_offset=so, dst_offset=do, length=n, src_stride=sst, dst_stride=dst_)

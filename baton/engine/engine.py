@@ -482,6 +482,16 @@ class Engine:
         return (self.rounding is not None and p.has_state and bool(p.spec.snapshot_slots)
                 and getattr(p, "ops", None) is None)
 
+    @property
+    def lands_handoffs(self) -> bool:
+        """Decode side: whether handed-off state lands in 16 bits in a snapshot-pool slot
+        (`cache.stage`), widened into the live slot at `start_remote` (`cache.land`). Also
+        under PP / TP: each stage / rank receives its own layers / shard into its own
+        snapshot pool, and the widening is a mirrored slot copy they apply before their
+        next forward."""
+        p = self.pools
+        return self.rounding is not None and p.has_state and bool(p.spec.snapshot_slots)
+
     def _narrow_layer(self, live: int, stage: int, layer: int) -> None:
         """Copy global state `layer` of slot `live` into snapshot slot `stage` (narrowing a
         rounded value: lossless)."""

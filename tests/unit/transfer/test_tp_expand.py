@@ -125,3 +125,80 @@ def test_expand_refuses_a_layout_it_was_not_planned_for():
                                             r"192-byte destination unit"):
         expand([p for p in plan if p.dst_rank == 0], src, wrong, SRC_BLOCKS, SRC_SLOT,
                DST_BLOCKS, DST_SLOT, SKIP)
+
+
+def snapshot_pools(cfg, tp, layers, g=None, r=0, fill=None):
+    """A rank's pools split as a bf16-state engine's (2 live slots, 1 bf16 snapshot slot,
+    id 2), the snapshot slot holding the reference shard of slot SRC_SLOT as int16 bits (a
+    bf16 value is its bits: the test compares them, not numbers)."""
+    spec = PoolSpec.for_model(local_config(cfg, tp), num_blocks=NB, tokens_per_block=TPB,
+                              num_slots=NS, layers=layers)
+    p = Pools(spec.split_snapshots(2, {t.name: torch.bfloat16 for t in spec.state_tensors}))
+    for name, t in p.snapshots.items():
+        bits = t.view(torch.int16)
+        if fill is not None:
+            bits.fill_(fill)
+        elif bits.numel():
+            want = shard_pool(cfg, g, name, tp, r, layers)[:, SRC_SLOT]
+            bits[:, 0].copy_(torch.from_numpy((want % 30000).astype(np.int16)))
+    return p
+
+
+@pytest.mark.parametrize("pp_src, pp_dst", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("tp_src, tp_dst", [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_16bit_snapshot_slots_receive_exactly_their_shard(tp_src, tp_dst, pp_src, pp_dst):
+    """16-bit state handoffs with TP workers (docs/state-precision.md): pieces planned in the
+    float32 pools' bytes, sent from a bf16 snapshot slot into a bf16 snapshot slot, are
+    rescaled to 2-byte elements; each decode rank's snapshot slot then holds exactly its
+    shard, its live slots and every other byte untouched, no byte written twice."""
+    cfg = GROUPS1
+    g = global_pools(cfg)
+    plan = plan_tp(model_shards(cfg, tp_src, "float32", TPB),
+                   model_shards(cfg, tp_dst, "float32", TPB))
+    src_stages = partition_layers(cfg.num_layers, pp_src)
+    dst_stages = partition_layers(cfg.num_layers, pp_dst)
+    src = {(k, r): snapshot_pools(cfg, tp_src, ly, g=g, r=r)
+           for k, ly in enumerate(src_stages) for r in range(tp_src)}
+    dst = {(k, r): snapshot_pools(cfg, tp_dst, ly, fill=-1)
+           for k, ly in enumerate(dst_stages) for r in range(tp_dst)}
+    for p in dst.values():
+        for t in p.state.values():
+            t.fill_(-1.0)
+    written, state_bytes = [], 0
+    for (sk, sr), (dk, dr) in itertools.product(src, dst):
+        pieces = [p for p in plan if p.src_rank == sr and p.dst_rank == dr
+                  and p.tensor != "kv"]
+        desc = expand(pieces, StageLayout.from_pools(src[sk, sr]),
+                      StageLayout.from_pools(dst[dk, dr]), [], 2, [], 2)
+        s_ranges, d_ranges = desc.coalesced()
+        state_bytes += desc.nbytes
+        for (sa, n), (da, _) in zip(s_ranges.tolist(), d_ranges.tolist(), strict=True):
+            ctypes.memmove(da, sa, n)
+            written.append((da, da + n))
+    written.sort()
+    assert all(a[1] <= b[0] for a, b in zip(written, written[1:], strict=False))
+    f32 = 0
+    for (dk, dr), p in dst.items():
+        for name, t in p.snapshots.items():
+            if not t.numel():
+                continue
+            want = shard_pool(cfg, g, name, tp_dst, dr, dst_stages[dk])[:, SRC_SLOT]
+            assert np.array_equal(t.view(torch.int16)[:, 0].numpy(),
+                                  (want % 30000).astype(np.int16)), (name, dk, dr)
+            f32 += want.size * 4
+        for t in p.state.values():  # the live float32 slots: not a byte written
+            assert (t == -1.0).all()
+    assert 2 * state_bytes == f32  # half the float32 bytes
+
+
+def test_tp_pieces_refuse_live_to_snapshot():
+    """A float32 live slot into a bf16 snapshot slot: refused in one line, nothing built."""
+    plan = plan_tp(model_shards(GROUPS1, 2, "float32", TPB),
+                   model_shards(GROUPS1, 1, "float32", TPB))
+    g = global_pools(GROUPS1)
+    src = StageLayout.from_pools(snapshot_pools(GROUPS1, 2, range(4), g=g))
+    dst = StageLayout.from_pools(snapshot_pools(GROUPS1, 1, range(4), fill=-1))
+    pieces = [p for p in plan if p.src_rank == 0 and p.tensor != "kv"]
+    with pytest.raises(TransferError, match=r"state\.\w+ slot bytes differ: source slot 1 "
+                                            r"holds \d+ of \d+ live bytes, destination slot 2"):
+        expand(pieces, src, dst, [], 1, [], 2)
