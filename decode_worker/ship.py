@@ -3,7 +3,9 @@ prefill worker to pull back (PullSnapshot, a one-sided READ through the transfer
 that a later turn routed through that prefill worker restores the whole turn.
 
     hold(tokens)          on the loop thread: cache.hold_snapshot copies the snapshot's state
-                          into a fresh live slot and locks its blocks (gone -> SnapshotGone)
+                          into a fresh live slot and locks its blocks (gone -> SnapshotGone);
+                          with 16-bit state it is narrowed into a staging snapshot-pool slot
+                          too, and read from there: half the bytes (docs/state-precision.md)
                           -> a signed Reservation naming this worker's transfer endpoint,
                           blocks and slot: the prefill worker reads from there
     release(rid)          the router's Abort once the pull is over, or the lease's end
@@ -54,7 +56,7 @@ class SnapshotHolds:
                                     f"worker.max_num_seqs={engine.cfg.max_num_seqs})")
             self._claiming += 1
         try:
-            held = self.loop.call(engine.cache.hold_snapshot, rid, tokens)
+            held, slot = self.loop.call(_hold, engine, rid, tokens)
             if held is None:
                 raise SnapshotGone(f"this decode worker no longer holds a snapshot of the "
                                    f"{len(tokens)} tokens of {rid}")
@@ -71,7 +73,7 @@ class SnapshotHolds:
         pools = engine.pools
         res = Reservation(self.worker_id, self.receiver.endpoint,
                           tuple(held.block_table) if pools.has_kv else (),
-                          held.slot if pools.has_state else None, 0, self.lease_seconds,
+                          slot if pools.has_state else None, 0, self.lease_seconds,
                           self.receiver.incarnation)
         return sign_reservation(self.secret, rid, res)
 
@@ -99,3 +101,18 @@ class SnapshotHolds:
             timers, self._held = list(self._held.values()), {}
         for t in timers:
             t.cancel()
+
+
+def _hold(engine, rid: str, tokens: list[int]):
+    """On the loop thread: (the held snapshot, the slot a pull reads its state from). With a
+    16-bit state the state is read in 16 bits, from a staging snapshot-pool slot it is
+    narrowed into (lossless: it came from a 16-bit snapshot), half the float32 bytes; else
+    (no staging slot free, or float32 state) from the held live slot."""
+    held = engine.cache.hold_snapshot(rid, tokens)
+    if held is None or not engine.pools.has_state:
+        return held, None
+    stage = engine.cache.stage(rid) if engine.lands_handoffs else None
+    if stage is None:
+        return held, held.slot
+    engine.pools.copy_slot(held.slot, stage)
+    return held, stage

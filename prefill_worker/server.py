@@ -66,6 +66,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       "transfers_done": float(self.service.transfers_done),
                       "snapshots_adopted": float(self.service.snapshots.adopted
                                                  if self.service.snapshots else 0),
+                      "snapshots_pulled": float(self.service.snapshots.pulled
+                                                if self.service.snapshots else 0),
+                      "pulled_state_bytes_total": float(self.service.snapshots.state_bytes
+                                                        if self.service.snapshots else 0),
                       "transfers_in_flight": float(self.service.sender.in_flight),
                       **self.service.timings.counters(),
                       **tracked_counters(self.service.loop, self.service.events,

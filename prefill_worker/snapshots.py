@@ -4,11 +4,14 @@
       verify the source's signature          nothing moves for a forgery
       cache.admit_pull(tokens)               on the loop thread: blocks for the tokens (the
                                              leading ones held here are shared, not read)
-                                             and a live slot
+                                             and a live slot (and a 16-bit staging slot
+                                             when the source holds the state in its
+                                             snapshot pool: docs/state-precision.md)
       sender.send(read=True)                 one-sided READ of the held blocks and state slot
                                              into them, through the transfer layer
       landed: cache.adopt                    committed as this worker's own snapshot (its
-                                             insert event reaches the router by heartbeat)
+                                             insert event reaches the router by heartbeat;
+                                             a staged state is widened first)
       failed: release                        nothing committed
 """
 
@@ -28,6 +31,11 @@ class SnapshotPulls:
     def __init__(self, service, secret: ClusterSecret | None):
         self.service, self.secret = service, secret
         self.adopted = 0
+        self.pulled = 0
+        """Pulls whose bytes landed (Stats `snapshots_pulled`)."""
+        self.state_bytes = 0
+        """State bytes read by pulls (Stats `pulled_state_bytes_total`; half the float32
+        ones when the state moved in 16 bits)."""
 
     def pull(self, s: SnapshotShipment) -> int:
         """Returns the KV blocks read; raises TransferError, NotPermittedError."""
@@ -48,16 +56,26 @@ class SnapshotPulls:
                 raise TransferError(f"source of {rid} has {len(src.block_ids)} blocks for "
                                     f"{len(tokens)} tokens, this worker needs {len(blocks)}")
             skip = adm.cached_tokens // pools.spec.tokens_per_block if pools.has_kv else 0
-            sender.connect(src.transfer_endpoint)
-            sender.send(rid, src.transfer_endpoint, list(blocks),
-                        adm.slot if pools.has_state else None, list(src.block_ids), src.slot,
-                        skip_blocks=skip, incarnation=src.incarnation or None, read=True)
+            peer = sender.connect(src.transfer_endpoint)
+            slot = adm.slot if pools.has_state else None
+            if slot is not None and _snapshot_slot(peer, src.slot):  # held in 16 bits there
+                slot = loop.call(cache.stage, rid)
+                if slot is None:
+                    raise TransferError(f"snapshot {rid} is held in 16 bits but this worker has "
+                                        "no snapshot slot to stage it in (raise "
+                                        "cache.num_state_slots)")
+            sender.send(rid, src.transfer_endpoint, list(blocks), slot, list(src.block_ids),
+                        src.slot, skip_blocks=skip, incarnation=src.incarnation or None,
+                        read=True)
             events.wake()
             ev = events.wait(rid, src.lease_seconds)
             if ev is None or not ev.ok:
                 why = "did not finish within its lease" if ev is None else ev.error
                 raise TransferError(f"pulling snapshot {rid} from {src.worker_id}: {why}")
             ok = True
+            self.pulled += 1
+            if slot is not None:
+                self.state_bytes += len(peer.state.layers) * peer.state_slot_bytes(src.slot)
             if loop.call(cache.adopt, rid, tokens):
                 self.adopted += 1
             return len(blocks) - skip
@@ -66,3 +84,9 @@ class SnapshotPulls:
                 sender.abort(rid, "the prefill worker gave up pulling the snapshot")
                 events.forget(rid)
                 loop.call(cache.abort, rid)
+
+
+def _snapshot_slot(layout, slot: int | None) -> bool:
+    """Whether `slot` is a snapshot-pool (16-bit) slot of the peer's `layout`."""
+    st = layout.state if layout is not None else None
+    return st is not None and slot is not None and slot >= st.num_slots

@@ -430,9 +430,11 @@ class HybridCacheManager:
 
     def adopt(self, req_id: str, token_ids: list[int]) -> bool:
         """A snapshot shipped in by transfer (`admit_remote` reserved it) has landed: commit
-        it as this worker's own snapshot of `token_ids`, then release. True when held now."""
+        it as this worker's own snapshot of `token_ids`, then release. True when held now.
+        A state pulled in 16 bits into a staging slot is widened into the live one first."""
         live = self._get(req_id)
         try:
+            self.land(req_id)
             return self._reuse and self._snapshot(live, token_ids)
         finally:
             self._release(req_id)

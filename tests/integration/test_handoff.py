@@ -154,9 +154,11 @@ STATE16 = {
     "worker": {"max_num_seqs": 8, "prefill_chunk_size": 64, "max_batch_tokens": 256,
                "max_model_len": 2048},
     "transfer": {"lease_seconds": 60.0},
+    "router": {"local_prefill_max_tokens": 0},
 }
 """bf16 + stochastic state, the prompt end a rounding point (offset 0 from the end): the
-handoff moves the state in 16 bits, staged in a snapshot slot on both sides."""
+handoff moves the state in 16 bits, staged in a snapshot slot on both sides. Every turn goes
+through the prefill worker, which pulls the decode-end snapshots back (in 16 bits too)."""
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
@@ -204,5 +206,40 @@ def test_16bit_state_handoff_equals_local_at_half_the_state_bytes(tmp_path, laye
             assert prefill["streamed_handoffs"] >= 1
         for c in counters.values():
             assert c["canary_slots_checked"] > 0, c
+        _second_turns_restore_16bit_pulls(cluster, engine, specs, remote, logprobs, b16)
     finally:
         cluster.stop()
+
+
+def _second_turns_restore_16bit_pulls(cluster, engine, specs, remote, logprobs, b16):
+    """The decode-end snapshots shipped back to the prefill worker (router/shipping.py) moved
+    in 16 bits (half the float32 state bytes each: the decode worker narrows the held state
+    into a staging snapshot slot, the prefill worker reads it into one and widens it on
+    adopting), and a second turn restoring one gives --local's tokens and logprobs, bit for
+    bit (--local restores its own decode-end snapshot there)."""
+    def prefill():
+        return by_role(cluster.address, Role.PREFILL, cluster.secret.bearer)
+
+    deadline, last = time.monotonic() + 30, -1.0
+    while time.monotonic() < deadline:  # shipments run in the background after each turn
+        now = prefill()["snapshots_pulled"]
+        if now == len(specs) or (now == last and now > 0):
+            break
+        last = now
+        time.sleep(1.0)
+    c = prefill()
+    assert c["snapshots_pulled"] >= 1 and c["snapshots_adopted"] >= 1, c
+    assert c["pulled_state_bytes_total"] == c["snapshots_pulled"] * b16, c
+    turn2 = [RequestSpec(f"{s.id}b", prompt_ids=s.prompt_ids + r["token_ids"] + prompt(90 + i, 9),
+                         sampling=s.sampling)
+             for i, (s, r) in enumerate(zip(specs, remote, strict=True))]
+    got = run_remote(cluster.address, turn2, concurrency=1)
+    restored = [i for i, (s, r) in enumerate(zip(specs, got, strict=True))
+                if r.get("cached_tokens", 0) >= len(s.prompt_ids) + 7]  # a decode-end hit
+    assert restored, [r.get("cached_tokens") for r in got]
+    for i in restored:  # --local: the turn again (its decode-end snapshot fresh), then turn 2
+        want = run_local(engine, [specs[i], turn2[i]])[1]
+        assert want["cached_tokens"] == got[i]["cached_tokens"], turn2[i].id
+        assert got[i]["token_ids"] == want["token_ids"], turn2[i].id
+        assert logprobs([got[i]]) == logprobs([want]), turn2[i].id
+    assert_clean(cluster)
