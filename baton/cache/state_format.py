@@ -65,13 +65,12 @@ def resolve(cache, state_tensors, model_dtype: torch.dtype, device: str) -> Stat
     return StateFormat(dtypes, cache.state_rounding, cache.state_rounding_seed, kv)
 
 
-def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
-                tp_and_pp: bool = False) -> StateFormat:
+def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str) -> StateFormat:
     """`resolve`, then refuse what the engine cannot store yet. KV: nothing more (bfloat16
     and fp8 KV are stored as such, `baton.model.paged`; `resolve` refuses a dtype the device
     cannot store). State: a 16-bit dtype is built only as the live-rounding schedule over
-    float32 pools (`baton.engine.state_rounding`: live slots float32, snapshots 16-bit), not
-    under TP x PP (`tp_and_pp`); any other dtype than the model's is refused."""
+    float32 pools (`baton.engine.state_rounding`: live slots float32, snapshots 16-bit; every
+    split, TP x PP included); any other dtype than the model's is refused."""
     fmt = resolve(cache, state_tensors, model_dtype, device)
     model = str(model_dtype).removeprefix("torch.")
     for name, dt in fmt.dtypes.items():
@@ -83,11 +82,6 @@ def check_built(cache, state_tensors, model_dtype: torch.dtype, device: str,
             raise ConfigError(
                 f"{key}={cache.state_dtype_of(name)}: the pools hold the model dtype ({model}) "
                 f"and cannot store another; allowed with model.dtype {model}: model or {model}")
-        if tp_and_pp:
-            raise ConfigError(
-                f"{key}={cache.state_dtype_of(name)}: reduced-precision state is not built for "
-                "tensor x pipeline parallelism (both sizes > 1) yet (docs/state-precision.md); "
-                "allowed here: model or float32")
     return fmt
 
 

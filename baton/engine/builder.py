@@ -112,10 +112,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     engine = Engine(built.model, cache, cfg.worker, tokenizer=load_tokenizer(path),
                     speculative=cfg.speculative)
     engine.weights = weights
-    if tp == 1 or pp == 1:  # TP x PP: refused by check_built
-        model = built.model
-        engine.rounding = live_rounding(cfg.cache, built.pools, DTYPES[cfg.model.dtype],
-                                        cfg.model.device, model.config.state_tensors, tp, 0)
+    engine.rounding = live_rounding(cfg.cache, built.pools, DTYPES[cfg.model.dtype],
+                                    cfg.model.device, built.model.config.state_tensors, tp, 0)
     return engine
 
 
@@ -168,9 +166,8 @@ def _log_plain(path, model, spec: PoolSpec, reserved: int, cache, weights) -> No
 
 def _pool_spec(cfg: BatonConfig, model_config, dtype) -> PoolSpec:
     """Every layer's pools (the whole model's, also under a split: the cache manager's)."""
-    w = cfg.worker  # issue 50: reduced-precision state rounds the live slot of one process
-    fmt = check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device,
-                      tp_and_pp=w.tensor_parallel_size > 1 and w.pipeline_parallel_size > 1)
+    # issue 50: reduced-precision state rounds the live slots (every stage and rank alike)
+    fmt = check_built(cfg.cache, model_config.state_tensors, dtype, cfg.model.device)
     return PoolSpec.for_model(model_config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,
                               num_slots=cfg.cache.num_state_slots, dtype=dtype,
@@ -291,7 +288,8 @@ def _tp_pipeline(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
     except BaseException:
         ranks.kill()
         raise
-    pools = LeaderPools(_pool_spec(cfg, shard.config, local.spec.dtype), local)
+    pools = LeaderPools(split_snapshots(cfg, _pool_spec(cfg, shard.config, local.spec.dtype)),
+                        local)
     ch = Channel(0, pp)
     pools.lead = attach_leader(shard, local, ch, peer_ranks(0, pp, tp))
     model = TPPipelineModel(shard, pools, ch, layers, local_stages=ranks,

@@ -16,6 +16,7 @@ import torch
 
 from baton.engine.request import Request
 from baton.model.loader import load_model
+from baton.model.partition import partition_layers
 from tests.integration.test_tp_engine import MARGIN, greedy_margins
 from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 
@@ -84,7 +85,10 @@ def test_pipeline_2_equals_colocated_bit_for_bit(model_dir, threads):
     assert plain[1] != ref[1]  # float32 state gives other logprobs: the rounding is real
 
 
-def test_tensor_parallel_2_equals_tp1(model_dir, threads):
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "tp2xpp2"])
+def test_tensor_parallel_2_equals_tp1(model_dir, threads, pp):
+    """Also TP 2 x PP 2: every world rank splits its pools alike and applies the mirrored
+    round op to its stage's layers, keyed by global layer and TP 1 index."""
     ref_model = load_model(model_dir)
     prompts = []
     for i, n in enumerate(LENGTHS * 2):
@@ -94,12 +98,15 @@ def test_tensor_parallel_2_equals_tp1(model_dir, threads):
     assert len(prompts) >= 3
     ref_eng = engine_for(model_dir, worker=WORKER, cache=SR)
     ref = _run(ref_eng, "c", prompts)
-    tp = engine_for(model_dir, worker={**WORKER, "tensor_parallel_size": 2}, cache=SR)
+    tp = engine_for(model_dir, worker={**WORKER, "tensor_parallel_size": 2,
+                                       "pipeline_parallel_size": pp}, cache=SR)
     try:
         assert tp.rounding is not None and tp.rounding.index
         got = _run(tp, "t", prompts)
         tp.cache.check_integrity()
-        shard = _rank1_snapshot(tp, prompts[-1])
+        # TP 2: rank 1; TP 2 x PP 2: stage 1's TP rank 1 (world order: stage 1's leader, its
+        # TP rank 1, stage 0's TP rank 1)
+        shard = _rank1_snapshot(tp, prompts[-1], 0 if pp == 1 else 1)
     finally:
         _close(tp)
     assert got[0] == ref[0] and got[2] == ref[2]  # tokens, and the same reuse
@@ -109,18 +116,21 @@ def test_tensor_parallel_2_equals_tp1(model_dir, threads):
     from baton.engine.state_rounding import tp1_index
 
     snap = ref_eng.cache.tree.match(prompts[-1], 16).snapshot
+    layers = ref_eng.pools.spec.state_layers
+    rows = [i for i, g in enumerate(layers) if pp == 1 or g in partition_layers(8, pp)[-1]]
     for spec in ref_eng.pools.spec.state_tensors:
-        whole = ref_eng.pools.slot(spec.name, snap.slot).float().flatten(1)
+        whole = ref_eng.pools.slot(spec.name, snap.slot).float().flatten(1)[rows]
         want = whole[:, tp1_index(spec, 2, 1).flatten()]
         got_t = shard[spec.name].view(want.shape)
         same = (got_t == want).float().mean().item()
         assert same > 0.99, (spec.name, same)
 
 
-def _rank1_snapshot(eng, p: list[int]) -> dict[str, torch.Tensor]:
-    """Rank 1's bytes of the snapshot at 16 tokens of prompt `p`, per state tensor."""
+def _rank1_snapshot(eng, p: list[int], which: int) -> dict[str, torch.Tensor]:
+    """Reply `which`'s (a TP rank 1's) bytes of the snapshot at 16 tokens of prompt `p`, per
+    state tensor."""
     slot = eng.cache.tree.match(p, 16).snapshot.slot
-    (reply,) = eng.model.call("tp_dump_slot", lambda k: {"slot": slot})
+    reply = eng.model.call("tp_dump_slot", lambda k: {"slot": slot})[which]
     assert slot >= eng.pools.spec.num_slots  # in the ranks' bf16 snapshot pools
     return {n: torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()
             for n, b in reply["state"].items()}

@@ -40,6 +40,7 @@ from baton.engine.pipeline.launch import (
 from baton.engine.pipeline.mirror import apply_ops
 from baton.engine.pipeline.stage import StageLoop, hidden_shape, last_logits, run_layers
 from baton.engine.process import DTYPES, rank_threads
+from baton.engine.state_rounding import live_rounding, split_snapshots
 from baton.model.layers.parallel import TPGroup, collective_backend, rank_device
 from baton.model.pools import Pools, PoolSpec
 
@@ -219,11 +220,16 @@ def setup(cfg, path, rank: int, store):
                           stage=(layers[stage], stage == 0, stage == pp - 1),
                           moe_split=cfg.worker.moe_tp_split)
     model.tp_place = (group.rank, tp)  # its TP rank within the stage (transfer agents)
-    pools = Pools(PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
-                                     tokens_per_block=cfg.cache.tokens_per_block,
-                                     num_slots=cfg.cache.num_state_slots, layers=layers[stage],
-                                     dtype=dtype, device=cfg.model.device,
-                                     kv_dtype=kv_dtype(cfg.cache, dtype, cfg.model.device)))
+    spec = PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
+                              tokens_per_block=cfg.cache.tokens_per_block,
+                              num_slots=cfg.cache.num_state_slots, layers=layers[stage],
+                              dtype=dtype, device=cfg.model.device,
+                              kv_dtype=kv_dtype(cfg.cache, dtype, cfg.model.device))
+    # 16-bit state (docs/state-precision.md): the same snapshot split on every rank, and the
+    # mirrored "round" ops applied to this rank's layers, its elements keyed by TP 1 index
+    pools = Pools(split_snapshots(cfg, spec))
+    pools.rounding = live_rounding(cfg.cache, pools, dtype, cfg.model.device,
+                                   model.full_config.state_tensors, tp, group.rank)
     return stage, model, pools, group, layers
 
 
@@ -234,10 +240,13 @@ def serve(cfg, path, rank: int, master: str, make_handlers=None) -> int:
     _die_with_parent()
     torch.set_num_threads(rank_threads(cfg, pp * tp))
     store = open_store(rank, pp * tp, master)
+    from baton.engine.tp.rank import dump_slot
+
     stage, model, pools, _, _ = setup(cfg, path, rank, store)
     try:
         ch = Channel(stage, pp) if rank < pp else Channel(rank, pp * tp)
         handlers = make_handlers(model, pools, ch) if make_handlers is not None else {}
+        handlers.setdefault("tp_dump_slot", lambda a: dump_slot(pools, a["slot"]))  # tests
         if rank < pp:
             loop = StageLoop(model, pools, ch, handlers)
             lead = attach_leader(model, pools, ch, peer_ranks(stage, pp, tp), loop,
