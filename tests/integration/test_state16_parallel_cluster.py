@@ -1,6 +1,7 @@
 """16-bit state handoffs from and into tensor- and pipeline-parallel workers
 (docs/state-precision.md, "Handoffs in 16 bits"), between separate processes through the
-router: bf16 state with stochastic rounding, the prompt end a rounding point, canaries armed.
+router: bf16 state with stochastic rounding and fp8 KV (issue 50's exactness suite with both
+formats at once), the prompt end a rounding point, canaries armed.
 
 One cluster: prefill workers TP 1, TP 2 and PP 2, decode workers TP 1, TP 2, PP 2 and a second
 TP 1. Round-robin routing gives request t the pair (t mod 3, t mod 4): every twelve requests
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.integration
 BASE = {
     "cache": {"num_blocks": 512, "num_state_slots": 64, "tokens_per_block": 16,
               "state_dtype": "bfloat16", "state_rounding": "stochastic",
-              "state_rounding_seed": 7,
+              "state_rounding_seed": 7, "kv_dtype": "float8_e4m3",
               "mamba_state_config": {"periodic_snapshot_interval": 64,
                                      "additional_snapshot_offsets_from_end": [0]}},
     "router": {"policy": "round_robin", "eject_after_seconds": 3.0, "heartbeat_seconds": 0.5,
