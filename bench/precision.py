@@ -27,7 +27,8 @@ slot, as a served handoff moves them, round-robin in one run (median of HANDOFF_
 16-bit handoff also pays its staging copies (the prefill side narrows the rounded state into
 the snapshot slot, the decode side widens it into its live slot on landing), timed in this
 process on pools of the same shapes and added. The same with bf16 KV on both sides
-(`handoff_s_2k_kv_bf16`, float32 and bf16 state) shows what the two together give.
+(`handoff_s_2k_kv_bf16`, float32 and bf16 state) shows what the two together give; both KV
+dtypes' process pairs run at once and take turns, so every ratio compares the same moments.
 """
 
 from __future__ import annotations
@@ -158,42 +159,54 @@ def _decode_speed(model_dir: Path, cache: dict, batch: int, ctx: int, steps: int
 HANDOFF_TOKENS, HANDOFF_REPS = 2048, 15
 
 
-def _handoff_pair(model: dict, kv_dtype: str | None, reps: int) -> dict[str, tuple]:
-    """Median seconds and bytes of a HANDOFF_TOKENS-prompt handoff between two processes,
-    by state dtype ("float32": live slot 0 -> 1; "bfloat16": snapshot slot 2 -> 3)."""
+def _handoff_pairs(model: dict, kv_dtypes: tuple, reps: int, backend: str = "nixl"
+                   ) -> dict[tuple, tuple]:
+    """Median seconds and bytes of a HANDOFF_TOKENS-prompt handoff between two processes, by
+    (KV dtype, state dtype) ("float32": live slot 0 -> 1; "bfloat16": snapshot slot 2 -> 3).
+    One pair of processes per KV dtype, all started first; the variants then run round-robin
+    (a round: every KV dtype, every state dtype), so that every ratio compares handoffs of
+    the same moments of a loaded machine."""
     from baton.model.config import config_from_dict
     from bench.harness.loopback import StageProc
     from bench.transfer import _ok
 
     mc, tpb = config_from_dict(model), 16
     n = -(-HANDOFF_TOKENS // tpb)
-    common = dict(backend="nixl", model=model, layers=list(range(mc.num_layers)),
-                  num_blocks=n + 1, tokens_per_block=tpb, num_slots=4, dtype="float32",
-                  snapshots=[2, "bfloat16"], kv_dtype=kv_dtype)
-    dec, pre = StageProc(), StageProc()
+    procs: dict = {}
     try:
-        ep = _ok(dec.call("setup", role="decode", seed=-1, **common, timeout=300))["endpoint"]
-        _ok(pre.call("setup", role="prefill", seed=3, **common, timeout=300))
+        for kv in kv_dtypes:
+            common = dict(backend=backend, model=model, layers=list(range(mc.num_layers)),
+                          num_blocks=n + 1, tokens_per_block=tpb, num_slots=4,
+                          dtype="float32", snapshots=[2, "bfloat16"], kv_dtype=kv)
+            dec, pre = StageProc(), StageProc()
+            procs[kv] = (dec, pre)
+            ep = _ok(dec.call("setup", role="decode", seed=-1, **common, timeout=300))[
+                "endpoint"]
+            _ok(pre.call("setup", role="prefill", seed=3, **common, timeout=300))
+            procs[kv] = (dec, pre, ep)
         blocks, slots = list(range(n)), {"float32": (0, 1), "bfloat16": (2, 3)}
-        times: dict[str, list[float]] = {k: [] for k in slots}
-        nbytes, rids = {}, []
+        times: dict[tuple, list[float]] = {(kv, k): [] for kv in kv_dtypes for k in slots}
+        nbytes, rids = {}, {kv: [] for kv in kv_dtypes}
         for r in range(reps + 1):  # round-robin; the first round warms up
-            for name, (ss, ds) in slots.items():
-                rid = f"{name}-{r}"
-                rids.append(rid)
-                _ok(dec.call("expect", rid=rid, blocks=blocks, slot=ds))
-                res = _ok(pre.call("bench_send", endpoint=ep, src_blocks=blocks, src_slot=ss,
-                                   dst_blocks=blocks, dst_slot=ds, rids=[rid], capture=False,
-                                   timeout=120))
-                nbytes[name] = res["bytes"]
-                if r:
-                    times[name].append(res["times"][0])
-        evs = _ok(dec.call("wait", rids=rids, timeout=60))["events"]
-        if len(evs) != len(rids) or not all(ok for _, ok, _ in evs):
-            raise RuntimeError(f"handoff bench: not every handoff was delivered: {evs[:4]}")
+            for kv, (dec, pre, ep) in procs.items():
+                for name, (ss, ds) in slots.items():
+                    rid = f"{name}-{r}"
+                    rids[kv].append(rid)
+                    _ok(dec.call("expect", rid=rid, blocks=blocks, slot=ds))
+                    res = _ok(pre.call("bench_send", endpoint=ep, src_blocks=blocks,
+                                       src_slot=ss, dst_blocks=blocks, dst_slot=ds, rids=[rid],
+                                       capture=False, timeout=120))
+                    nbytes[kv, name] = res["bytes"]
+                    if r:
+                        times[kv, name].append(res["times"][0])
+        for kv, (dec, _, _) in procs.items():
+            evs = _ok(dec.call("wait", rids=rids[kv], timeout=60))["events"]
+            if len(evs) != len(rids[kv]) or not all(ok for _, ok, _ in evs):
+                raise RuntimeError(f"handoff bench: not every handoff was delivered: {evs[:4]}")
     finally:
-        dec.stop()
-        pre.stop()
+        for p in procs.values():
+            p[0].stop()
+            p[1].stop()
     return {k: (statistics.median(v), nbytes[k]) for k, v in times.items()}
 
 
@@ -230,10 +243,11 @@ def handoff_times(model_dir: Path, reps: int = HANDOFF_REPS, kv_bf16: bool = Tru
     model = json.loads((Path(model_dir) / "config.json").read_text())
     stage = _staging_s(model, reps)
     out = {"staging_s": stage}
-    for name, kv in (("", None), ("_kv_bf16", "bfloat16"))[: 2 if kv_bf16 else 1]:
-        pair = _handoff_pair(model, kv, reps)
-        out[f"float32{name}"] = (pair["float32"][0], pair["float32"][1])
-        out[f"bfloat16{name}"] = (pair["bfloat16"][0] + stage, pair["bfloat16"][1])
+    kvs = ((None, ""), ("bfloat16", "_kv_bf16"))[: 2 if kv_bf16 else 1]
+    got = _handoff_pairs(model, tuple(kv for kv, _ in kvs), reps)
+    for kv, name in kvs:
+        out[f"float32{name}"] = got[kv, "float32"]
+        out[f"bfloat16{name}"] = (got[kv, "bfloat16"][0] + stage, got[kv, "bfloat16"][1])
     return out
 
 
