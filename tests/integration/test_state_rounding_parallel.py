@@ -134,3 +134,40 @@ def _rank1_snapshot(eng, p: list[int], which: int) -> dict[str, torch.Tensor]:
     assert slot >= eng.pools.spec.num_slots  # in the ranks' bf16 snapshot pools
     return {n: torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()
             for n, b in reply["state"].items()}
+
+
+def test_pipeline_2_speculation_equals_colocated_off(tmp_path, threads):
+    """PP 2 with speculation (K=3, the MTP head on the last stage) and rounded state gives the
+    colocated engine's tokens without speculation, and the logprobs of the last turn (which
+    restores the speculated decode-end snapshot) bit for bit, over a chat whose turns restore
+    periodic and decode-end snapshots."""
+    from tests.support.speculative_helpers import agreeing_checkpoint
+    from tests.unit.engine.test_state_rounding import SR as SR3
+    from tests.unit.engine.test_state_rounding import run_until_done
+
+    ck = agreeing_checkpoint(tmp_path)
+    policy = {"periodic_snapshot_interval": 16, "decode_end_snapshot": True}
+
+    def chat(k: int, pp: int):
+        eng = engine_for(ck, speculative={"num_draft_tokens": k},
+                         worker={"max_num_seqs": 4, "pipeline_parallel_size": pp},
+                         cache={"tokens_per_block": 16, "num_state_slots": 32,
+                                "mamba_state_config": policy, **SR3})
+        history, turns = [], []
+        try:
+            for t in range(4):
+                p = history + prompt(200 + t, 7 + 6 * t)
+                eng.add_request(Request(f"t{t}", p, greedy(12, logprobs=1 if t == 3 else None)))
+                turns.append(run_until_done(eng, f"t{t}"))
+                history = p + turns[-1][0]
+            if pp > 1:
+                assert eng.spec.accepted_tokens > 0
+                eng.cache.check_integrity()
+        finally:
+            if pp > 1:
+                _close(eng)
+        return turns
+
+    off = chat(0, 1)
+    assert chat(3, 2) == off
+    assert [c for _, _, c in off][1:] == [19, 44, 75]  # every later turn restored a snapshot
