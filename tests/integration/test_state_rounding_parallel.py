@@ -85,10 +85,12 @@ def test_pipeline_2_equals_colocated_bit_for_bit(model_dir, threads):
     assert plain[1] != ref[1]  # float32 state gives other logprobs: the rounding is real
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "tp2xpp2"])
-def test_tensor_parallel_2_equals_tp1(model_dir, threads, pp):
-    """Also TP 2 x PP 2: every world rank splits its pools alike and applies the mirrored
-    round op to its stage's layers, keyed by global layer and TP 1 index."""
+@pytest.mark.parametrize("pp, kv", [(1, "model"), (2, "float8_e4m3")],
+                         ids=["tp2", "tp2xpp2-fp8kv"])
+def test_tensor_parallel_2_equals_tp1(model_dir, threads, pp, kv):
+    """Also TP 2 x PP 2 (with fp8 KV besides, against TP 1 with fp8 KV): every world rank
+    splits its pools alike and applies the mirrored round op to its stage's layers, keyed by
+    global layer and TP 1 index."""
     ref_model = load_model(model_dir)
     prompts = []
     for i, n in enumerate(LENGTHS * 2):
@@ -96,12 +98,14 @@ def test_tensor_parallel_2_equals_tp1(model_dir, threads, pp):
         if min(m for _, _, m in greedy_margins(ref_model, p, 6)[1]) >= MARGIN:
             prompts.append(p)
     assert len(prompts) >= 3
-    ref_eng = engine_for(model_dir, worker=WORKER, cache=SR)
+    cache = {**SR, "kv_dtype": kv}
+    ref_eng = engine_for(model_dir, worker=WORKER, cache=cache)
     ref = _run(ref_eng, "c", prompts)
     tp = engine_for(model_dir, worker={**WORKER, "tensor_parallel_size": 2,
-                                       "pipeline_parallel_size": pp}, cache=SR)
+                                       "pipeline_parallel_size": pp}, cache=cache)
     try:
         assert tp.rounding is not None and tp.rounding.index
+        assert tp.pools.local.spec.kv_store_dtype.itemsize == (1 if pp > 1 else 4)
         got = _run(tp, "t", prompts)
         tp.cache.check_integrity()
         # TP 2: rank 1; TP 2 x PP 2: stage 1's TP rank 1 (world order: stage 1's leader, its
