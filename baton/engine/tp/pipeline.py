@@ -236,12 +236,12 @@ def setup(cfg, path, rank: int, store):
 def serve(cfg, path, rank: int, master: str, make_handlers=None) -> int:
     """A process other than world rank 0: a stage leader or a stage's TP rank;
     `make_handlers(model, pools, channel)`: a worker role's handlers (its transfer agent)."""
+    from baton.engine.tp.rank import dump_slot
+
     pp, tp = cfg.worker.pipeline_parallel_size, cfg.worker.tensor_parallel_size
     _die_with_parent()
     torch.set_num_threads(rank_threads(cfg, pp * tp))
     store = open_store(rank, pp * tp, master)
-    from baton.engine.tp.rank import dump_slot
-
     stage, model, pools, _, _ = setup(cfg, path, rank, store)
     try:
         ch = Channel(stage, pp) if rank < pp else Channel(rank, pp * tp)
