@@ -76,10 +76,6 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         from baton.cache.tiers import refuse_tiers
 
         refuse_tiers(cfg, "worker.tensor_parallel_size / pipeline_parallel_size > 1")
-    if cfg.model.quantize and (tp > 1 or pp > 1):
-        raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
-                          f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
-                          "write the checkpoint with `baton quantize` and serve that instead")
     if cfg.model.quantize:
         from baton.model.quant.served import refuse_requantize
 
