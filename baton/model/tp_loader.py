@@ -96,7 +96,8 @@ def shard_quantized(cut, t, name: str, mode: str, tp: int) -> torch.Tensor:
     except ValueError:
         raise ConfigError(
             f"tensor_parallel_size={tp}: checkpoint tensor {name} {list(shape)}: the rank's "
-            f"columns {cut[1]} cut model.quantize {mode}'s groups of {packed.GROUP} columns: "
+            f"columns {', '.join(f'[{a}:{b}]' for a, b in cut[1])} cut model.quantize "
+            f"{mode}'s groups of {packed.GROUP} columns: "
             "use a tensor-parallel size whose shards are whole groups, or 1") from None
 
 

@@ -172,8 +172,8 @@ def test_tp_ranks_read_their_shard_of_the_scales(src, tmp_path, model, layout, b
         ours = load_tp_model(q, TPGroup(rank, 2)).state_dict()
         want = load_tp_model(ref, TPGroup(rank, 2)).state_dict()
         assert ours.keys() == want.keys()
-        for k in ours:
-            assert torch.equal(ours[k], want[k]), k
+        for k in ours:  # weights kept packed (NVFP4, ModelOpt FP8): their decoded bits
+            assert torch.equal(packed.dense(ours[k]), want[k]), k
 
 
 def test_tp_shard_that_cuts_a_block_is_refused(src, tmp_path):
@@ -182,6 +182,7 @@ def test_tp_shard_that_cuts_a_block_is_refused(src, tmp_path):
         load_tp_model(q, TPGroup(0, 2))
     msg = str(e.value)
     assert "cuts its scale blocks of 128" in msg and "\n" not in msg, msg
+    assert msg.startswith("tensor_parallel_size=2: "), msg
     # DeltaNet's in_proj_qkv [128, 128] is three sections (q 32, k 32, v 64 rows): rank 0's
     # part of q is rows [0:16]
     assert "in_proj_qkv.weight' [128, 128]: the part [0:16] of its rows" in msg, msg
