@@ -2,20 +2,30 @@
 NVFP4, the other projections FP8, attention bf16, as Nemotron 3 Super ships) through a 1P+1D
 cluster and a TP 2 engine gives `--local`'s greedy tokens; the workers report its format. The
 float checkpoint served with `--quantize int8` / `int4` (weights packed in memory, read as
-stored by the CPU kernels) through 1P+1D gives `--local --quantize`'s tokens."""
+stored by the CPU kernels) through 1P+1D gives `--local --quantize`'s tokens. Under TP 2 (rank
+processes) and PP 2 (stage processes) the weights stay packed: Qwen's 128 x 128 FP8, a
+`baton quantize` int4 checkpoint and `--quantize int8` give the single-process engine's
+tokens; a TP size that cuts an int4 group is refused in one line, no rank left running."""
 
 from __future__ import annotations
+
+import os
+import subprocess
 
 import pytest
 
 from baton.client.remote import run_remote
 from baton.client.requests import RequestSpec
 from baton.engine.request import Request
+from baton.errors import ConfigError
 from baton.model.loader import load_model
+from baton.model.make_model import write_checkpoint
+from baton.model.quant.quantize import write_quantized
 from bench import quant_layouts
 from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
 from tests.integration.test_tp_engine import MARGIN, greedy_margins
 from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
+from tests.unit.model.quant.test_tp_packed import QWEN128
 
 pytestmark = pytest.mark.integration
 
@@ -40,9 +50,11 @@ def model(dirs):
     return dirs[1]
 
 
-def local_tokens(model, specs, quantize=None, **worker):
+def local_tokens(model, specs, quantize=None, weights: list | None = None, **worker):
     eng = engine_for(model, cache=CONFIG["cache"], worker={**CONFIG["worker"], **worker},
                      model={"quantize": quantize})
+    if weights is not None:
+        weights.append(str(eng.weights))
     reqs = [Request(s.id, list(s.prompt_ids), s.sampling) for s in specs]
     try:
         return run_all(eng, reqs)["tokens"]
@@ -79,4 +91,52 @@ def test_tp2_equals_tp1(model):
         if min(m for _, _, m in steps) >= MARGIN:
             kept.append(RequestSpec(f"t{i}", prompt_ids=prompt(i, n), sampling=greedy(8)))
     assert len(kept) >= 4
-    assert local_tokens(model, kept, tensor_parallel_size=2) == local_tokens(model, kept)
+    held: list[str] = []
+    assert local_tokens(model, kept, None, held, tensor_parallel_size=2) == \
+        local_tokens(model, kept)
+    assert "held in packed fp8 / nvfp4 and float32" in held[0], held  # each rank's shard
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """Qwen3.5 whose TP 2 shards are whole 128 x 128 tiles: float, Qwen FP8, int4 written."""
+    root = tmp_path_factory.mktemp("quantqwen")
+    src = write_checkpoint(root / "f", seed=1, **QWEN128)
+    return {"float": src, "qwen_fp8": quant_layouts.write(src, root / "fp8", "qwen_fp8"),
+            "int4": write_quantized(src, root / "int4", "int4")}
+
+
+SPLIT = [("qwen_fp8", None, "tensor_parallel_size", "fp8"),
+         ("int4", None, "tensor_parallel_size", "int4"),
+         ("float", "int8", "tensor_parallel_size", "int8"),
+         ("float", "int8", "pipeline_parallel_size", "int8")]
+
+
+@pytest.mark.parametrize("served,quantize,split,kind", SPLIT,
+                         ids=[f"{s[0]}-{s[1] or 'stored'}-{s[2][0]}p2" for s in SPLIT])
+def test_split_worker_keeps_weights_packed_and_equals_one_process(qwen, served, quantize,
+                                                                  split, kind):
+    path = qwen[served]
+    ref = load_model(path, quantize=quantize)
+    kept = []
+    for i, n in enumerate(LENGTHS):
+        _, steps = greedy_margins(ref, prompt(i, n), 8)
+        if min(m for _, _, m in steps) >= MARGIN:  # TP: the all-reduce sums in its own order
+            kept.append(RequestSpec(f"s{i}", prompt_ids=prompt(i, n), sampling=greedy(8)))
+    assert len(kept) >= 4
+    held: list[str] = []
+    assert local_tokens(path, kept, quantize, held, **{split: 2}) == \
+        local_tokens(path, kept, quantize)
+    assert f"held in packed {kind} and float32" in held[0], held
+
+
+def test_tp_size_that_cuts_a_group_is_refused(tmp_path):
+    path = write_checkpoint(tmp_path / "f", seed=1, **{**QWEN128, "intermediate_size": 96})
+    with pytest.raises(ConfigError) as e:
+        engine_for(path, model={"quantize": "int4"}, worker={"tensor_parallel_size": 2})
+    msg = str(e.value)
+    assert "\n" not in msg and "tensor_parallel_size=2" in msg and "[128, 96]" in msg, msg
+    assert "groups of 32" in msg, msg
+    ps = subprocess.run(["ps", "--ppid", str(os.getpid()), "-o", "pid=,args="],
+                        capture_output=True, text=True).stdout
+    assert "baton.engine.tp" not in ps, ps  # nothing half-loaded keeps running
