@@ -168,12 +168,7 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
                     want = torch.float32 if tgt.endswith(fam.fp32_suffixes) else dtype
                     state[tgt] = t if packed.kind(t) is not None else \
                         t.to(device=device, dtype=want)
-    try:
-        stacks.load(state, device, dtype, _packer(quantize), stored=pack_stored,
-                    quantize=quantize)
-    except ConfigError as e:
-        raise ConfigError(f"tensor_parallel_size={tp.size}: {e}"
-                          if "tensor_parallel_size" not in str(e) else str(e)) from None
+    stacks.load(state, device, dtype, _packer(quantize), stored=pack_stored, quantize=quantize)
     missing = [k for k in expected if k not in state]
     if missing:
         raise ConfigError(f"checkpoint {str(path)!r} is missing tensor(s) {missing[:8]}")
@@ -203,7 +198,7 @@ def _shard(cfg, tgt: str, f, name: str, tp: TPGroup, moe_split: str, quantize, s
     sl = f.get_slice(name)
     shape = tuple(sl.get_shape())
     cut = shard_spans(cfg, tgt, shape, tp.size, tp.rank, moe_split)
-    if stored and len(shape) == 2:
+    if stored and len(shape) == 2 and hasattr(f, "packed"):
         got = shard_packed(cut, f, name)
         if got is not None:
             return got

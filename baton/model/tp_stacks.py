@@ -57,14 +57,20 @@ class TPExpertStacks(ExpertStacks):
         if span is None:
             return piece[:]
         axis, (lo, hi) = span
-        return piece[:, lo:hi] if axis else piece[lo:hi]
+        try:
+            return piece[:, lo:hi] if axis else piece[lo:hi]
+        except ConfigError as e:  # a quantized expert: a cut inside a scale group
+            raise ConfigError(f"tensor_parallel_size={self.tp}: {e}") from None
 
     def _read_packed(self, f, name: str, target: str) -> torch.Tensor | None:
         span = self._span(f.get_slice(name).get_shape(), target)
         if span is None:
             return f.packed(name)
         axis, part = span
-        return f.packed(name, cols=part) if axis else f.packed(name, rows=part)
+        try:
+            return f.packed(name, cols=part) if axis else f.packed(name, rows=part)
+        except ConfigError as e:  # a cut inside a scale group
+            raise ConfigError(f"tensor_parallel_size={self.tp}: {e}") from None
 
     def load(self, state: dict, device, dtype, keep=lambda name, t: t,
              stored: bool = False, quantize: str | None = None) -> None:
