@@ -140,3 +140,25 @@ def test_tp_size_that_cuts_a_group_is_refused(tmp_path):
     ps = subprocess.run(["ps", "--ppid", str(os.getpid()), "-o", "pid=,args="],
                         capture_output=True, text=True).stdout
     assert "baton.engine.tp" not in ps, ps  # nothing half-loaded keeps running
+
+
+def test_pp2_speculating_with_an_fp8_mtp_head_equals_one_process(tmp_path):
+    # ModelOpt FP8 quantizes the MTP head's projections too: the last stage holds the head
+    # packed as stored (tests/unit/model/quant/test_tp_packed.py) and drafts with it
+    from baton.model.quant import open_checkpoint
+    from tests.support.speculative_helpers import agreeing_checkpoint
+
+    q = quant_layouts.write(agreeing_checkpoint(tmp_path), tmp_path / "q", "modelopt_fp8")
+    assert any(e.startswith("mtp.") for e in open_checkpoint(q).entries)
+    specs = [RequestSpec(f"m{i}", prompt_ids=prompt(i, n), sampling=greedy(10))
+             for i, n in enumerate(LENGTHS[:4])]
+    eng = engine_for(q, cache=CONFIG["cache"], speculative={"num_draft_tokens": 3},
+                     worker={**CONFIG["worker"], "pipeline_parallel_size": 2,
+                             "pp_layer_partition": [6, 2]})
+    reqs = [Request(s.id, list(s.prompt_ids), s.sampling) for s in specs]
+    try:
+        out = run_all(eng, reqs)
+    finally:
+        eng.model.close()
+    assert out["tokens"] == local_tokens(q, specs)
+    assert sum(o.accepted_tokens for o in out["outputs"].values()) > 0
