@@ -41,7 +41,7 @@ LOW = ("F8_E4M3", "F8_E5M2", "U8", "I8", "I16", "I32", "I4", "F4")
 """safetensors dtypes a weight is never stored in unquantized."""
 FLOAT = ("F32", "BF16", "F16")
 KIND_DTYPE = {"fp8_block": "F8_E4M3", "fp8_tensor": "F8_E4M3", "fp8_channel": "F8_E4M3",
-              "nvfp4": "U8", "int": "I8", "packed": "I32"}
+              "nvfp4": "U8", "ct_nvfp4": "U8", "int": "I8", "packed": "I32"}
 
 
 @dataclass(frozen=True)
@@ -229,6 +229,17 @@ class Checkpoint:
         self._part(entry, parts, "scale", "weight_scale", [entry.shape[:-1] + (k // 16,)],
                    ("F8_E4M3",))
         self._part(entry, parts, "scale2", "weight_scale_2", [(), (1,)])
+
+    def _check_ct_nvfp4(self, entry: Entry, parts: dict) -> None:
+        n, half = entry.shape[-2:]
+        k = 2 * half
+        if k % formats.NVFP4_GROUP:
+            raise ConfigError(f"checkpoint tensor {entry.stored!r} {list(entry.shape)}: NVFP4 "
+                              f"needs a width ({k}) that is a multiple of 16")
+        entry.shape = entry.shape[:-1] + (k,)
+        self._part(entry, parts, "scale", "weight_scale", [entry.shape[:-1] + (k // 16,)],
+                   ("F8_E4M3",))
+        self._part(entry, parts, "scale2", "weight_global_scale", [(), (1,)])
 
     def _check_int(self, entry: Entry, parts: dict) -> None:
         self._scales(entry, parts, entry.shape, zero_dtypes=("I8",) + FLOAT)
@@ -442,7 +453,7 @@ class QuantSlice:
                 q = v.raw(p["q"])[a:b, c:d]
                 s = s if s.numel() == 1 else s[a:b]
             return formats.fp8_scaled(q, s)
-        if r.kind == "nvfp4":
+        if r.kind in ("nvfp4", "ct_nvfp4"):
             g = formats.NVFP4_GROUP
             if whole:
                 s = v.full(p["scale"])
@@ -450,7 +461,8 @@ class QuantSlice:
                 self._aligned(cols, k, g, "16-value scale groups", "columns")
                 q = v.raw(p["q"])[a:b, c // 2:d // 2]
                 s = v.raw(p["scale"])[a:b, c // g:d // g]
-            return formats.nvfp4(q, s, v.full(p["scale2"]))
+            decode = formats.nvfp4 if r.kind == "nvfp4" else formats.nvfp4_ct
+            return decode(q, s, v.full(p["scale2"]))
         # int / packed
         g = r.group
         per_word = 32 // r.bits if r.kind == "packed" else 1
