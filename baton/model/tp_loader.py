@@ -1,7 +1,8 @@
 """Any family's model at tensor-parallel size t, rank r: `build_rank` builds the rank's module
 tree with the family's TP module (its spec's `tp`: `local_config`, `sections`, `RULES`,
 `MOE_RULES`, `parallelize`); its weights are cut from the TP-1 checkpoint section by section, each
-rank reading only its rows (`shard_tensor`)."""
+rank reading only its rows (`shard_tensor`). Quantized weights stay packed with their scales
+(`shard_packed`), `model.quantize` packs each rank's shard (`shard_quantized`)."""
 
 from __future__ import annotations
 
@@ -183,9 +184,9 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
 
 
 def _linear_weights(model) -> set[str]:
-    """The names of the weights the model's linears and expert stacks hold (those a
-    quantized checkpoint may keep packed; never the LM head: families read their dtype off
-    it, and the vocab-parallel head gathers float logits)."""
+    """The names of the weights the model's linears hold, those a quantized checkpoint's
+    weights may stay packed in (expert stacks: `TPExpertStacks`); never the LM head: families
+    read their dtype off it, and the vocab-parallel head gathers float logits."""
     names = {f"{m}.weight" for m, mod in model.named_modules()
              if isinstance(mod, torch.nn.Linear)}
     return names - {"lm_head.weight"}
