@@ -5,12 +5,15 @@ float checkpoint served with `--quantize int8` / `int4` (weights packed in memor
 stored by the CPU kernels) through 1P+1D gives `--local --quantize`'s tokens. Under TP 2 (rank
 processes) and PP 2 (stage processes) the weights stay packed: Qwen's 128 x 128 FP8, a
 `baton quantize` int4 checkpoint and `--quantize int8` give the single-process engine's
-tokens; a TP size that cuts an int4 group is refused in one line, no rank left running."""
+tokens, and so do a TP 2 prefill worker and a PP 2 decode worker of a cluster with
+`--quantize int8`; PP 2 speculates with a ModelOpt FP8 MTP head; a TP size that cuts an int4
+group is refused in one line, no rank left running."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +25,12 @@ from baton.model.loader import load_model
 from baton.model.make_model import write_checkpoint
 from baton.model.quant.quantize import write_quantized
 from bench import quant_layouts
-from tests.integration.cluster_helpers import assert_clean, start_cluster, write_config
+from tests.integration.cluster_helpers import (
+    assert_clean,
+    list_workers,
+    start_cluster,
+    write_config,
+)
 from tests.integration.test_tp_engine import MARGIN, greedy_margins
 from tests.support.engine_helpers import engine_for, greedy, make_checkpoint, prompt, run_all
 from tests.unit.model.quant.test_tp_packed import QWEN128
@@ -162,3 +170,33 @@ def test_pp2_speculating_with_an_fp8_mtp_head_equals_one_process(tmp_path):
         eng.model.close()
     assert out["tokens"] == local_tokens(q, specs)
     assert sum(o.accepted_tokens for o in out["outputs"].values()) > 0
+
+
+def test_tp2_prefill_and_pp2_decode_workers_quantizing_equal_local(qwen, tmp_path):
+    # real workers: a TP 2 prefill worker and a PP 2 decode worker, each packing int8 at
+    # load (`--quantize int8`), the KV and state handed from 2 ranks to 2 stages
+    path = qwen["float"]
+    ref = load_model(path, quantize="int8")
+    specs = []
+    for i, n in enumerate(LENGTHS):
+        _, steps = greedy_margins(ref, prompt(i, n), 8)
+        if min(m for _, _, m in steps) >= MARGIN:
+            specs.append(RequestSpec(f"w{i}", prompt_ids=prompt(i, n), sampling=greedy(8)))
+    assert len(specs) >= 4
+    config = {**CONFIG, "prefill": {"tensor_parallel_size": 2},
+              "decode": {"pipeline_parallel_size": 2}}
+    cluster = start_cluster(path, write_config(tmp_path / "c.yaml", config), 1, 1,
+                            ("--quantize", "int8"))
+    try:
+        remote = run_remote(cluster.address, specs, concurrency=4)
+        counters = assert_clean(cluster)
+        for w in list_workers(cluster.address, cluster.secret.bearer):  # split: one child each
+            pid = int(w.worker_id.split("-")[-2])
+            assert len(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()) == 1
+    finally:
+        cluster.stop()
+    assert {r["id"]: r.get("token_ids", r.get("error")) for r in remote} == \
+        local_tokens(path, specs, "int8")
+    assert all(r["prefill_worker"] != r["decode_worker"] for r in remote)
+    for wid, c in counters.items():
+        assert c["weight_format.w8a16_channel"] == 1.0, wid
