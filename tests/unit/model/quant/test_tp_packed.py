@@ -160,3 +160,40 @@ def test_a_stage_holds_its_layers_and_mtp_head_as_the_whole_model(tmp_path, layo
     # the MTP head in the checkpoint's format (ModelOpt quantizes it here); model.quantize
     # keeps it in the model dtype, as the single-process loader does
     assert any(packed.kind(got[k]) for k in mtp) == (layout == "modelopt_fp8")
+
+
+def test_install_packed_takes_the_kernel_in_decode_calls_only():
+    from torch import nn
+
+    from baton.model.layers import cpu_kernels, linear
+
+    kernel = cpu_kernels.gemv()
+    if kernel is None or linear.decode_path() != "fast":
+        pytest.skip("Baton's CPU kernel is not built here")
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.float_proj = nn.Linear(64, 64, bias=False)
+            self.packed_proj = nn.Linear(64, 96, bias=False)
+
+        def decode(self, x):
+            assert linear.packed_decoding()
+            return self.packed_proj(self.float_proj(x))
+
+        def prefill(self, x):
+            assert not linear.packed_decoding()
+            return self.packed_proj(self.float_proj(x))
+
+    torch.manual_seed(0)
+    toy = Toy().requires_grad_(False)
+    toy.packed_proj.weight = nn.Parameter(packed.pack(torch.randn(96, 64), "int8"),
+                                          requires_grad=False)
+    linear.install_packed(toy, "decode")
+    assert type(toy.float_proj) is nn.Linear  # a float linear keeps its path
+    x = torch.randn(3, 64)
+    h = torch.nn.functional.linear(x, toy.float_proj.weight)
+    w = toy.packed_proj.weight
+    assert torch.equal(toy.decode(x), kernel.linear(h, w, None))  # read as stored
+    assert torch.equal(toy.prefill(x), linear._quant_linear(h, 3, w, None))
+    assert not linear.packed_decoding()
