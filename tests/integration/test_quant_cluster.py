@@ -148,6 +148,9 @@ def test_tp_size_that_cuts_a_group_is_refused(tmp_path):
     ps = subprocess.run(["ps", "--ppid", str(os.getpid()), "-o", "pid=,args="],
                         capture_output=True, text=True).stdout
     assert "baton.engine.tp" not in ps, ps  # nothing half-loaded keeps running
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # this process left the ranks' group too
 
 
 def test_pp2_speculating_with_an_fp8_mtp_head_equals_one_process(tmp_path):
