@@ -125,17 +125,29 @@ SPLIT = [("qwen_fp8", None, "tensor_parallel_size", "fp8"),
 def test_split_worker_keeps_weights_packed_and_equals_one_process(qwen, served, quantize,
                                                                   split, kind):
     path = qwen[served]
-    ref = load_model(path, quantize=quantize)
-    kept = []
-    for i, n in enumerate(LENGTHS):
-        _, steps = greedy_margins(ref, prompt(i, n), 8)
-        if min(m for _, _, m in steps) >= MARGIN:  # TP: the all-reduce sums in its own order
-            kept.append(RequestSpec(f"s{i}", prompt_ids=prompt(i, n), sampling=greedy(8)))
-    assert len(kept) >= 4
+    kept, want = _reference(path, quantize)
     held: list[str] = []
-    assert local_tokens(path, kept, quantize, held, **{split: 2}) == \
-        local_tokens(path, kept, quantize)
+    assert local_tokens(path, kept, quantize, held, **{split: 2}) == want
     assert f"held in packed {kind} and float32" in held[0], held
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(path, quantize) -> tuple[list[RequestSpec], dict]:
+    """(the prompts whose every greedy step the single-process model wins by MARGIN (TP: the
+    all-reduce sums in its own order), the single-process engine's tokens), once a model."""
+    key = (str(path), quantize)
+    if key not in _REFERENCE:
+        ref = load_model(path, quantize=quantize)
+        kept = []
+        for i, n in enumerate(LENGTHS):
+            _, steps = greedy_margins(ref, prompt(i, n), 8)
+            if min(m for _, _, m in steps) >= MARGIN:
+                kept.append(RequestSpec(f"s{i}", prompt_ids=prompt(i, n), sampling=greedy(8)))
+        assert len(kept) >= 4
+        _REFERENCE[key] = kept, local_tokens(path, kept, quantize)
+    return _REFERENCE[key]
 
 
 def test_tp_size_that_cuts_a_group_is_refused(tmp_path):
@@ -179,13 +191,7 @@ def test_tp2_prefill_and_pp2_decode_workers_quantizing_equal_local(qwen, tmp_pat
     # real workers: a TP 2 prefill worker and a PP 2 decode worker, each packing int8 at
     # load (`--quantize int8`), the KV and state handed from 2 ranks to 2 stages
     path = qwen["float"]
-    ref = load_model(path, quantize="int8")
-    specs = []
-    for i, n in enumerate(LENGTHS):
-        _, steps = greedy_margins(ref, prompt(i, n), 8)
-        if min(m for _, _, m in steps) >= MARGIN:
-            specs.append(RequestSpec(f"w{i}", prompt_ids=prompt(i, n), sampling=greedy(8)))
-    assert len(specs) >= 4
+    specs, want = _reference(path, "int8")
     config = {**CONFIG, "prefill": {"tensor_parallel_size": 2},
               "decode": {"pipeline_parallel_size": 2}}
     cluster = start_cluster(path, write_config(tmp_path / "c.yaml", config), 1, 1,
@@ -198,8 +204,7 @@ def test_tp2_prefill_and_pp2_decode_workers_quantizing_equal_local(qwen, tmp_pat
             assert len(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()) == 1
     finally:
         cluster.stop()
-    assert {r["id"]: r.get("token_ids", r.get("error")) for r in remote} == \
-        local_tokens(path, specs, "int8")
+    assert {r["id"]: r.get("token_ids", r.get("error")) for r in remote} == want
     assert all(r["prefill_worker"] != r["decode_worker"] for r in remote)
     for wid, c in counters.items():
         assert c["weight_format.w8a16_channel"] == 1.0, wid
