@@ -11,6 +11,8 @@ Written from the formats' descriptions (/work/shared/QUANTIZATION.md), sharing n
     modelopt_mixed   MIXED_PRECISION: routed experts NVFP4, the rest FP8, the map per layer
     ct_fp8           compressed-tensors float-quantized, fp8 per output channel
     ct_w4a16         compressed-tensors pack-quantized int4, group 16 (asym: zero points)
+    ct_nvfp4         compressed-tensors nvfp4-pack-quantized: ModelOpt's bytes and e4m3
+                     scales, `weight_global_scale` = 6 * 448 / amax (w = e2m1 * (s / g))
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ GROUP = 16
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 LAYOUTS = ("qwen_fp8", "modelopt_fp8", "modelopt_nvfp4", "modelopt_mixed", "ct_fp8",
-           "ct_w4a16", "ct_w4a16_asym")
+           "ct_w4a16", "ct_w4a16_asym", "ct_nvfp4")
 
 # What each family's published checkpoints leave unquantized (QUANTIZATION.md 1a-1c)
 QWEN_KEEP = re.compile(r"(embed_tokens|lm_head|norm|conv1d|in_proj_a|in_proj_b|mlp\.gate\.|"
@@ -97,6 +99,9 @@ def write(src: Path, out: Path, layout: str, *, scale_dtype=torch.bfloat16,
         elif layout == "ct_fp8":
             q, s = fp8_channel(t, scale_dtype)
             state |= {name: q, module + ".weight_scale": s}
+        elif layout == "ct_nvfp4":
+            state.pop(name, None)
+            state |= {f"{module}.{k}": v for k, v in ct_nvfp4(t).items()}
         else:
             state.pop(name, None)
             state |= {f"{module}.{k}": v
@@ -130,6 +135,10 @@ def ct_config(layout: str, kept: list[str]) -> dict:
         acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                 "dynamic": True}
         fmt = "float-quantized"
+    elif layout == "ct_nvfp4":
+        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                   "group_size": 16, "symmetric": True, "dynamic": False}
+        acts, fmt = None, "nvfp4-pack-quantized"
     else:
         weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP,
                    "symmetric": not layout.endswith("asym"), "dynamic": False}
@@ -182,6 +191,22 @@ def nvfp4(t):
     return packed, s, s2.float()
 
 
+def ct_nvfp4(t):
+    """compressed-tensors' NVFP4: the global scale divides (g = 6 * 448 / amax), so the e4m3
+    group scale is amax(group) * g / 6."""
+    n, k = t.shape
+    w = t.float()
+    gs = (6 * FP8_MAX / w.abs().max().clamp(min=1e-12)).reshape(1)
+    g = w.reshape(n, k // 16, 16)
+    s = (g.abs().amax(-1) * gs / 6).to(torch.float8_e4m3fn)
+    x = g / (s.float()[..., None] / gs).clamp(min=1e-30)
+    mag = (x.abs()[..., None] - E2M1).abs().argmin(-1)
+    code = (mag | ((x < 0).long() << 3)).reshape(n, k)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": gs.float(),
+            "input_global_scale": torch.ones(1)}
+
+
 def int4_packed(t, group, asym, scale_dtype):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -216,9 +241,20 @@ def dequantized_copy(qdir: Path, out: Path) -> Path:
     for name, v in t.items():
         module, _, part = name.rpartition(".")
         if part in ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale",
-                    "weight_zero_point", "weight_shape"):
+                    "weight_zero_point", "weight_shape", "weight_global_scale",
+                    "input_global_scale"):
             continue
-        if qc and qc.get("quant_method") == "compressed-tensors" and (
+        if qc and qc.get("format") == "nvfp4-pack-quantized" and part == "weight_packed":
+            # the format's definition, in float32 (the package decompresses in bfloat16)
+            n, half = v.shape
+            lut = torch.cat([E2M1, -E2M1])
+            codes = torch.empty(n, 2 * half, dtype=torch.long)
+            codes[:, 0::2] = (v & 15).long()
+            codes[:, 1::2] = (v >> 4).long()
+            s = t[module + ".weight_scale"].float() / t[module + ".weight_global_scale"].float()
+            state[module + ".weight"] = (lut[codes].reshape(n, -1, 16) * s[..., None]
+                                         ).reshape(n, -1)
+        elif qc and qc.get("quant_method") == "compressed-tensors" and (
                 part == "weight_packed" or (part == "weight" and v.dtype in (torch.float8_e4m3fn, torch.int8))):
             state[module + ".weight"] = _ct_decompress(t, module, qc)
         elif v.dtype == torch.float8_e4m3fn:

@@ -76,10 +76,6 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         from baton.cache.tiers import refuse_tiers
 
         refuse_tiers(cfg, "worker.tensor_parallel_size / pipeline_parallel_size > 1")
-    if cfg.model.quantize and (tp > 1 or pp > 1):
-        raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
-                          f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
-                          "write the checkpoint with `baton quantize` and serve that instead")
     if cfg.model.quantize:
         from baton.model.quant.served import refuse_requantize
 
@@ -219,6 +215,7 @@ def _pipeline(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
     except BaseException:
         if stages is not None:
             stages.kill()
+        _leave_group()
         raise
     full = _pool_spec(cfg, stage.config, local.spec.dtype)
     # speculation: the MTP head (its weights and KV) is the last stage's; stage 0 accounts
@@ -235,6 +232,16 @@ def _pipeline(cfg: BatonConfig, path, stage_argv=None, on_stage_death=None,
              [[r.start, r.stop] for r in layers],
              f", MTP head on stage {size - 1}" if head is not None else "")
     return Built(model, pools, reserved)
+
+
+def _leave_group() -> None:
+    """After a split failed to build (a refused shard, a rank that died): this process leaves
+    the group it joined, so that nothing of the split is left (an engine built later in the
+    process joins its own)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
@@ -255,6 +262,7 @@ def _tensor_parallel(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=No
         local = state_precision(cfg, shard, local, tp)
     except BaseException:
         ranks.kill()
+        _leave_group()
         raise
     pools = DigestPools(local.spec, local)
     model = TPModel(shard, shard.full_config, pools, Channel(0, size), tp, ranks, on_link_lost)
@@ -287,6 +295,7 @@ def _tp_pipeline(cfg: BatonConfig, path, on_rank_death=None, on_link_lost=None,
         _, shard, local, group, layers = setup(cfg, path, 0, store)
     except BaseException:
         ranks.kill()
+        _leave_group()
         raise
     pools = LeaderPools(split_snapshots(cfg, _pool_spec(cfg, shard.config, local.spec.dtype)),
                         local)

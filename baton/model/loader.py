@@ -77,11 +77,13 @@ def _packed_count(model) -> tuple[int, float]:
 def load_stage(
     path: str | Path, layers: range, first: bool, last: bool,
     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mtp: bool = False,
+    quantize: str | None = None,
 ):
     """Only one pipeline stage's tensors: global `layers`, the embeddings if `first`, the final
     norm and LM head if `last`. Other stages' tensors are skipped silently. `mtp` (the last
     stage of a speculating worker): also the MTP head, when the checkpoint has it, and the
-    embeddings it reads (`model.mtp`)."""
+    embeddings it reads (`model.mtp`). `quantize`: the stage's weights packed as `load_model`
+    packs them."""
     path = Path(path)
     cfg = load_config(path)
     fam = family_loader(cfg)
@@ -92,10 +94,14 @@ def load_stage(
             model.get_submodule(parent).add_module(
                 name, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size))
     expected = model.state_dict()
-    state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype)
+    state, _ = _read_tensors(path, expected, cfg, torch.device(device), dtype, quantize)
     state = {k: v for k, v in state.items() if k in expected}  # a tied head on a non-last stage
+    model.requires_grad_(False)  # first: a packed (integer) weight cannot require grad
     model.load_state_dict(state, strict=True, assign=True)
-    model.requires_grad_(False)
+    if quantize:
+        n, mb = _packed_count(model)
+        log.info("model.quantize %s: %d weight tensors of layers %d-%d packed as they were "
+                 "read (%.1f MB)", quantize, n, layers.start, layers.stop - 1, mb)
     return install_linears(model.eval(), "run_layers")
 
 

@@ -76,16 +76,16 @@ class ExpertStacks:
                 keep(target, self._stack(target, pieces, device, dtype))
 
     def _stack_packed(self, target: str, pieces: list[Piece]) -> torch.Tensor | None:
-        """The stack from each expert's weight packed as stored, or None where one has no
-        packed form (then it is decoded) or this is a part of the experts (a TP rank's)."""
+        """The stack from each expert's weight packed as stored (a TP rank's part of each,
+        `_read_packed`), or None where one has no packed form (then it is decoded)."""
         from baton.model.quant import packed
 
-        if type(self) is not ExpertStacks:
-            return None
         want = self.expected[target]
-        _check_complete(target, pieces, want)
+        first = self._first(target)
+        _check_complete(target, pieces, want, first)
         rows = want.shape[1] // (1 if pieces[0].half is None else 2)
-        order = sorted(pieces, key=lambda p: (p.expert, p.half or 0))
+        order = sorted((p for p in pieces if first <= p.expert < first + want.shape[0]),
+                       key=lambda p: (p.expert, p.half or 0))
         parts = []
         by_file: dict[Path, list[Piece]] = defaultdict(list)
         for p in order:
@@ -94,7 +94,8 @@ class ExpertStacks:
         for file, group in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for p in group:
-                    t = f.packed(p.name) if hasattr(f, "packed") else None
+                    t = self._read_packed(f, p.name, target) if hasattr(f, "packed") \
+                        else None
                     if t is None or tuple(t.shape) != (rows, want.shape[2]):
                         return None
                     got[p.name] = t
@@ -131,6 +132,11 @@ class ExpertStacks:
     def _read(self, piece, target: str) -> torch.Tensor:
         """The part of one expert's tensor (a safetensors slice) this model holds."""
         return piece[:]
+
+    def _read_packed(self, f, name: str, target: str) -> torch.Tensor | None:
+        """`_read`'s part of one expert's quantized weight packed as stored (None: it has no
+        packed form)."""
+        return f.packed(name)
 
 
 def _check_complete(target: str, pieces: list[Piece], want: torch.Tensor,

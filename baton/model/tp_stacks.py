@@ -45,12 +45,64 @@ class TPExpertStacks(ExpertStacks):
             return 0
         return self.rank * self.expected[target].shape[0]
 
-    def _read(self, piece, target: str) -> torch.Tensor:
+    def _span(self, shape, target: str) -> tuple[int, tuple[int, int]] | None:
+        """(axis, (lo, hi)) of one expert's tensor this rank holds, None: all of it."""
         if self.tp == 1 or self.mode != "within":
+            return None
+        axis = 1 if target.endswith("down_proj") else 0  # down [d, I]: columns; up [I, d]
+        return axis, held_units(shape[axis], self.tp, self.rank)
+
+    def _read(self, piece, target: str) -> torch.Tensor:
+        span = self._span(piece.get_shape(), target)
+        if span is None:
             return piece[:]
-        rows, cols = piece.get_shape()
-        if target.endswith("down_proj"):  # [d, I]: the rank's columns
-            lo, hi = held_units(cols, self.tp, self.rank)
-            return piece[:, lo:hi]
-        lo, hi = held_units(rows, self.tp, self.rank)  # [I, d] (or one gated half)
-        return piece[lo:hi]
+        axis, (lo, hi) = span
+        try:
+            return piece[:, lo:hi] if axis else piece[lo:hi]
+        except ConfigError as e:  # a quantized expert: a cut inside a scale group
+            raise ConfigError(f"tensor_parallel_size={self.tp}: {e}") from None
+
+    def _read_packed(self, f, name: str, target: str) -> torch.Tensor | None:
+        span = self._span(f.get_slice(name).get_shape(), target)
+        if span is None:
+            return f.packed(name)
+        axis, part = span
+        try:
+            return f.packed(name, cols=part) if axis else f.packed(name, rows=part)
+        except ConfigError as e:  # a cut inside a scale group
+            raise ConfigError(f"tensor_parallel_size={self.tp}: {e}") from None
+
+    def load(self, state: dict, device, dtype, keep=lambda name, t: t,
+             stored: bool = False, quantize: str | None = None) -> None:
+        """As `ExpertStacks.load`; `quantize` with experts split `within`: each down stack
+        is read whole and quantized (int8's per-channel scales span every rank's columns),
+        then cut to the rank's columns, so it equals the rank's part of the whole model's
+        quantized stack (a cut inside an int4 group is refused)."""
+        wide = {t for t in self.pieces if quantize and self.tp > 1
+                and self.mode == "within" and t.endswith("down_proj")}
+        if wide:
+            from baton.model.quant import packed
+
+            whole = ExpertStacks({t: self._whole(t) for t in wide})
+            whole.pieces = {t: self.pieces.pop(t) for t in wide}
+            held = {}
+            whole.load(held, device, dtype, keep)
+            for t, w in held.items():
+                lo, hi = held_units(w.shape[-1], self.tp, self.rank)
+                if packed.kind(w) is None:
+                    state[t] = w[..., lo:hi].contiguous()
+                    continue
+                try:
+                    state[t] = packed.cut(w, (slice(None), slice(None), slice(lo, hi)))
+                except ValueError:
+                    raise ConfigError(
+                        f"tensor_parallel_size={self.tp}: {t} {list(w.shape)} split within "
+                        f"(columns [{lo}:{hi}]) cuts model.quantize {quantize}'s groups of "
+                        f"{packed.UNITS[packed.kind(w)]} columns: use "
+                        "worker.moe_tp_split=experts or a tensor-parallel size whose shares "
+                        "are whole groups") from None
+        super().load(state, device, dtype, keep, stored)
+
+    def _whole(self, target: str) -> torch.Tensor:
+        e, d, i = self.expected[target].shape
+        return torch.empty(e, d, i * self.tp, device="meta")

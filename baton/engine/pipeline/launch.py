@@ -76,7 +76,8 @@ def build_stage(cfg: BatonConfig, model_path, layers: list[range], rank: int
     dtype = DTYPES[cfg.model.dtype]
     last = rank == len(layers) - 1
     model = load_stage(model_path, layers[rank], rank == 0, last, device=cfg.model.device,
-                       dtype=dtype, mtp=bool(cfg.speculative.num_draft_tokens))
+                       dtype=dtype, mtp=bool(cfg.speculative.num_draft_tokens),
+                       quantize=cfg.model.quantize)
     on_huge_pages(model, cfg.model.device)
     spec = PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,

@@ -81,7 +81,7 @@ def load_rank(cfg: BatonConfig, path, tp: TPGroup):
 
     model = load_tp_model(path, tp, device=rank_device(cfg.model.device, tp.rank),
                           dtype=DTYPES[cfg.model.dtype],
-                          moe_split=cfg.worker.moe_tp_split)
+                          moe_split=cfg.worker.moe_tp_split, quantize=cfg.model.quantize)
     pools = model.make_pools(cfg.cache.num_blocks, cfg.cache.tokens_per_block,
                              cfg.cache.num_state_slots,
                              kv_dtype(cfg.cache, DTYPES[cfg.model.dtype], cfg.model.device))

@@ -218,7 +218,7 @@ def setup(cfg, path, rank: int, store):
     dtype = DTYPES[cfg.model.dtype]
     model = load_tp_model(path, group, rank_device(cfg.model.device, rank), dtype,
                           stage=(layers[stage], stage == 0, stage == pp - 1),
-                          moe_split=cfg.worker.moe_tp_split)
+                          moe_split=cfg.worker.moe_tp_split, quantize=cfg.model.quantize)
     model.tp_place = (group.rank, tp)  # its TP rank within the stage (transfer agents)
     spec = PoolSpec.for_model(model.config, num_blocks=cfg.cache.num_blocks,
                               tokens_per_block=cfg.cache.tokens_per_block,

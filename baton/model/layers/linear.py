@@ -195,7 +195,7 @@ def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Te
     bias = None if bias is None else bias.float()
     cpu = x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
     kernel = cpu_kernels.gemv() if cpu and decode_path() == "fast" else None
-    if kernel is not None and getattr(_local, "decoding", False):
+    if kernel is not None and (getattr(_local, "decoding", False) or packed_decoding()):
         return kernel.linear(x.reshape(rows, x.shape[-1]), w, bias).view(*x.shape[:-1], n_out)
     if cpu and decode_path() == "fast" and _packed_ok():
         x2 = x.reshape(rows, x.shape[-1])
@@ -207,6 +207,52 @@ def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Te
         return y.view(*x.shape[:-1], n_out)
     return F.linear(x, quant_packed.dense(w, x.dtype).to(x.device),
                     None if bias is None else bias.to(x.dtype))
+
+
+def any_linear(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+    """`F.linear`, or `_quant_linear` where `w` is packed (a tensor-parallel rank's
+    row-parallel and expert projections call it on their weight)."""
+    if quant_packed.kind(w) is not None:
+        return _quant_linear(x, x.numel() // max(x.shape[-1], 1), w, bias)
+    return F.linear(x, w, bias)
+
+
+def packed_decoding() -> bool:
+    """True inside a decode call of a model `install_packed` marked (this thread)."""
+    return getattr(_local, "packed_decoding", False)
+
+
+def install_packed(model: nn.Module, entry: str) -> nn.Module:
+    """A tensor-parallel rank's model (whose float linears stay plain `nn.Linear`): each
+    linear holding a packed weight becomes a `FastLinear`, and the decode calls of `entry`
+    (`DECODE_ENTRIES`) are marked for packed weights only, so those take Baton's kernel (read
+    as stored, the float kernel's bits on the dequantized weight) and a prefill decodes
+    QUANT_TILE rows at a time; nothing else changes path. A model without packed weights is
+    returned as it is."""
+    if not any(quant_packed.kind(p) is not None for p in model.parameters()):
+        return model
+    _state["generation"] += 1
+    for m in model.modules():
+        if type(m) is nn.Linear and quant_packed.kind(m.weight) is not None:
+            m.__class__ = FastLinear
+    when, position = DECODE_ENTRIES[entry]
+    fn = getattr(model, entry)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if when is not None and not kwargs.get(when, len(args) > position and args[position]):
+            return fn(*args, **kwargs)
+        before = packed_decoding()
+        _local.packed_decoding = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.packed_decoding = before
+
+    setattr(model, entry, call)
+    if decode_path() == "fast":
+        cpu_kernels.gemv()  # built or loaded now, not in a request
+    return model
 
 
 def _prefill_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Tensor:

@@ -168,10 +168,12 @@ def _kernel_experts(kernel, x, routing: Routing, up, down, act, first: int, tota
 def _kernel(x: torch.Tensor, *weights: torch.Tensor):
     """Baton's CPU kernel module when the experts of this call take it (module doc), else
     None."""
-    if not fused.fast_decoding(x) or any(w.device.type != "cpu" or w.stride(-1) != 1
-                                         for w in weights):
+    if any(w.device.type != "cpu" or w.stride(-1) != 1 for w in weights):
         return None
-    return cpu_kernels.gemv()
+    packed_decode = (linear.packed_decoding() and linear.decode_path() == "fast"
+                     and x.dtype == torch.float32 and x.device.type == "cpu"
+                     and all(quant_packed.kind(w) is not None for w in weights))
+    return cpu_kernels.gemv() if fused.fast_decoding(x) or packed_decode else None
 
 
 def _grouped(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.errors import ConfigError
+from baton.model.layers.linear import any_linear
 from baton.model.layers.moe import MoE, Routing, run_experts, softmax_topk
 from baton.model.layers.parallel import TPGroup
 from baton.model.layers.softmax_moe import SoftmaxMoE
@@ -92,7 +93,7 @@ def _split_linear(old: nn.Linear, tp: TPGroup, axis: int) -> nn.Linear:
 
 
 def _no_bias(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, lin.weight)
+    return any_linear(x, lin.weight)  # a packed weight: read as stored
 
 
 class TPMoE(MoE):

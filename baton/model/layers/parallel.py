@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.layers.linear import any_linear
+
 
 def collective_backend(device: str) -> str:
     """The TP collectives' backend for ranks on `device`: NCCL for CUDA ranks where torch has
@@ -92,7 +94,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(any_linear(x, self.weight))  # a packed weight: as stored
         return y + self.bias if self.bias is not None else y
 
 

@@ -41,7 +41,7 @@ LOW = ("F8_E4M3", "F8_E5M2", "U8", "I8", "I16", "I32", "I4", "F4")
 """safetensors dtypes a weight is never stored in unquantized."""
 FLOAT = ("F32", "BF16", "F16")
 KIND_DTYPE = {"fp8_block": "F8_E4M3", "fp8_tensor": "F8_E4M3", "fp8_channel": "F8_E4M3",
-              "nvfp4": "U8", "int": "I8", "packed": "I32"}
+              "nvfp4": "U8", "ct_nvfp4": "U8", "int": "I8", "packed": "I32"}
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,17 @@ class Checkpoint:
                    ("F8_E4M3",))
         self._part(entry, parts, "scale2", "weight_scale_2", [(), (1,)])
 
+    def _check_ct_nvfp4(self, entry: Entry, parts: dict) -> None:
+        n, half = entry.shape[-2:]
+        k = 2 * half
+        if k % formats.NVFP4_GROUP:
+            raise ConfigError(f"checkpoint tensor {entry.stored!r} {list(entry.shape)}: NVFP4 "
+                              f"needs a width ({k}) that is a multiple of 16")
+        entry.shape = entry.shape[:-1] + (k,)
+        self._part(entry, parts, "scale", "weight_scale", [entry.shape[:-1] + (k // 16,)],
+                   ("F8_E4M3",))
+        self._part(entry, parts, "scale2", "weight_global_scale", [(), (1,)])
+
     def _check_int(self, entry: Entry, parts: dict) -> None:
         self._scales(entry, parts, entry.shape, zero_dtypes=("I8",) + FLOAT)
 
@@ -319,11 +330,12 @@ class FileView:
             return self._open(self.ckpt.meta[name].file).get_tensor(name)
         return QuantSlice(self, entry)[:]
 
-    def packed(self, name: str) -> torch.Tensor | None:
-        """Weight `name` packed as stored (`QuantSlice.packed`), None where it is not a
-        quantized weight or has no packed form."""
+    def packed(self, name: str, rows: tuple[int, int] | None = None,
+               cols: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """Weight `name` (or its part [rows, cols]) packed as stored (`QuantSlice.packed`),
+        None where it is not a quantized weight or has no packed form."""
         entry = self.ckpt.entries.get(name)
-        return None if entry is None else QuantSlice(self, entry).packed()
+        return None if entry is None else QuantSlice(self, entry).packed(rows, cols)
 
     def raw(self, role_part: tuple[str, Meta]):
         name, meta = role_part
@@ -356,38 +368,57 @@ class QuantSlice:
                                                   strict=True)]
         return self._decode(*spans)
 
-    def packed(self) -> torch.Tensor | None:
-        """The whole weight as the CPU kernels read it as stored (`packed`: fp8 with its
-        scales per 128 columns, symmetric int8 per channel, symmetric int4 in groups of 32),
-        or None where it has no packed form (NVFP4, other groups, zero points: decoded)."""
+    def packed(self, rows: tuple[int, int] | None = None,
+               cols: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """The weight, or its part [rows, cols] (a tensor-parallel shard: only that part of
+        the stored bytes and scales is read, cut where `_decode` cuts), as the CPU kernels
+        read it as stored (`packed`: fp8 with its scales per 128 columns, symmetric int8 per
+        channel, symmetric int4 in groups of 32, NVFP4), or None where it has no packed form
+        (other groups or tiles, zero points: decoded)."""
         from baton.model.quant import packed
 
         e, r, v = self.entry, self.entry.rule, self.view
-        p, (n, k) = e.parts, e.shape[-2:]
         if len(e.shape) != 2:
             return None
-        groups = -(-k // packed.FP8_GROUP)
+        p, (n, k) = e.parts, e.shape
+        (a, b), (c, d) = rows or (0, n), cols or (0, k)
+        part = rows is not None or cols is not None
         if r.kind == "fp8_block" and r.block[1] == packed.FP8_GROUP:
-            s = v.full(p["scale"]).to(torch.float32).repeat_interleave(r.block[0], 0)[:n]
-            return packed.pack_fp8(v.full(p["q"]), s)
-        if r.kind in ("fp8_tensor", "fp8_channel"):
+            bn, bk = r.block
+            if part:
+                self._aligned((a, b), n, bn, "scale blocks", "rows")
+                self._aligned((c, d), k, bk, "scale blocks", "columns")
+            s = v.raw(p["scale"])[a // bn:-(-b // bn), c // bk:-(-d // bk)]
+            s = s.to(torch.float32).repeat_interleave(bn, 0)[:b - a]
+            return packed.pack_fp8(v.raw(p["q"])[a:b, c:d], s)
+        if r.kind in ("fp8_tensor", "fp8_channel"):  # one scale a row: any cut, re-blocked
             s = v.full(p["scale"]).to(torch.float32)
-            s = s.reshape(()) if s.numel() == 1 else s.reshape(n, 1)
-            return packed.pack_fp8(v.full(p["q"]), s.expand(n, groups))
+            s = s.reshape(()) if s.numel() == 1 else s.reshape(n, 1)[a:b]
+            return packed.pack_fp8(v.raw(p["q"])[a:b, c:d],
+                                   s.expand(b - a, -(-(d - c) // packed.FP8_GROUP)))
         if r.kind == "nvfp4" and k % packed.NVFP4_GROUP == 0:
             s2 = v.full(p["scale2"])
-            return packed.pack_nvfp4(v.full(p["q"]), v.full(p["scale"]), s2) \
-                if s2.numel() == 1 else None
+            if s2.numel() != 1:
+                return None
+            g = packed.NVFP4_GROUP
+            if part:
+                self._aligned((c, d), k, g, "16-value scale groups", "columns")
+            return packed.pack_nvfp4(v.raw(p["q"])[a:b, c // 2:d // 2],
+                                     v.raw(p["scale"])[a:b, c // g:d // g], s2)
         if "zero" in p or not r.symmetric:
             return None
         s = v.full(p["scale"])
         if r.kind == "int" and r.bits == 8 and r.group is None and s.numel() == n:
-            return packed.pack_int8(v.full(p["q"]), s.to(torch.float32).reshape(n))
+            return packed.pack_int8(v.raw(p["q"])[a:b, c:d],
+                                    s.to(torch.float32).reshape(n)[a:b])
         if (r.kind == "packed" and r.bits == 4 and r.group == packed.GROUP
                 and k % packed.GROUP == 0 and tuple(s.shape) == (n, k // packed.GROUP)
                 and s.dtype == torch.float16):
-            q = formats.unpack_int32(v.full(p["q"]), 4, k)
-            return packed.pack_int4(q, s)
+            if part:
+                self._aligned((c, d), k, packed.GROUP, "scale groups", "columns")
+            words = v.raw(p["q"])[a:b, c // 8:d // 8]
+            q = formats.unpack_int32(words, 4, d - c)
+            return packed.pack_int4(q, s[a:b, c // packed.GROUP:d // packed.GROUP])
         return None
 
     def _aligned(self, span: tuple[int, int], size: int, unit: int, what: str, axis: str):
@@ -422,7 +453,7 @@ class QuantSlice:
                 q = v.raw(p["q"])[a:b, c:d]
                 s = s if s.numel() == 1 else s[a:b]
             return formats.fp8_scaled(q, s)
-        if r.kind == "nvfp4":
+        if r.kind in ("nvfp4", "ct_nvfp4"):
             g = formats.NVFP4_GROUP
             if whole:
                 s = v.full(p["scale"])
@@ -430,7 +461,8 @@ class QuantSlice:
                 self._aligned(cols, k, g, "16-value scale groups", "columns")
                 q = v.raw(p["q"])[a:b, c // 2:d // 2]
                 s = v.raw(p["scale"])[a:b, c // g:d // g]
-            return formats.nvfp4(q, s, v.full(p["scale2"]))
+            decode = formats.nvfp4 if r.kind == "nvfp4" else formats.nvfp4_ct
+            return decode(q, s, v.full(p["scale2"]))
         # int / packed
         g = r.group
         per_word = 32 // r.bits if r.kind == "packed" else 1

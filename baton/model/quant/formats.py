@@ -6,6 +6,9 @@
                   (ModelOpt FP8, compressed-tensors FP8)
     nvfp4         ModelOpt NVFP4: uint8 [N, K/2], column 2j in the low nibble and 2j+1 in the
                   high one; e2m1 value * e4m3 scale per 16 columns * fp32 `weight_scale_2`
+    nvfp4_ct      compressed-tensors NVFP4 (`nvfp4-pack-quantized`): the same bytes and e4m3
+                  scales, divided by the fp32 `weight_global_scale` (w = e2m1 * (s / g), the
+                  package's `dequantize` order)
     int_grouped   compressed-tensors integer weights: (q - zp) * scale, per channel or per group
                   of columns (the last group may be partial)
     unpack_int32  compressed-tensors `pack_quantized`: bits [b*i, b*i+b) of the packed row hold
@@ -105,3 +108,10 @@ def int_grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
         s = s.repeat_interleave(group, dim=-1)[..., :k]
         z = None if z is None else z.repeat_interleave(group, dim=-1)[..., :k]
     return (x if z is None else x - z) * s
+
+
+def nvfp4_ct(q: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    b = q.view(torch.uint8)
+    vals = E2M1_PAIRS.to(b.device)[b.to(torch.int64)].flatten(-2)  # low nibble first
+    s = scale.to(torch.float32) / global_scale.to(torch.float32).reshape(())
+    return (vals.unflatten(-1, (-1, NVFP4_GROUP)) * s[..., None]).flatten(-2)

@@ -113,7 +113,7 @@ def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     """NVFP4 as ModelOpt stores it: bytes q [..., N, K / 2] (uint8), e4m3 scales
-    [..., N, K / 16], the float32 tensor scale."""
+    [..., N, K / 16], the float32 tensor scale (or one a row: [..., N])."""
     *lead, n, half = q.shape
     k, groups = 2 * half, half // (NVFP4_GROUP // 2)
     rows = q.numel() // max(half, 1)
@@ -124,7 +124,8 @@ def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> t
     grid[:, prefix:prefix + half] = q.reshape(rows, half).view(torch.uint8)
     s = scale.reshape(rows, groups).view(torch.uint8).flip(-1)
     grid[:, prefix - 4 - groups:prefix - 4] = s
-    s2 = scale_2.to(torch.float32).reshape(1, 1).expand(rows, 1).contiguous()
+    s2 = scale_2.to(torch.float32).reshape(-1, 1)  # one for the tensor, or one a row
+    s2 = s2.expand(rows, 1).contiguous() if s2.shape[0] == 1 else s2
     grid[:, prefix - 4:prefix] = s2.view(torch.uint8)
     return buf.view(torch.float4_e2m1fn_x2).as_strided((*lead, n, k), _strides(lead, n, ldw),
                                                        prefix)
@@ -257,3 +258,68 @@ def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes a packed weight's storage holds."""
     return t.untyped_storage().nbytes()
+
+
+UNITS = {"int8": 1, "int4": GROUP, "fp8": FP8_GROUP, "nvfp4": NVFP4_GROUP}
+"""Columns of a packed kind's scale group: a column cut must fall on a multiple of it (or
+end the row)."""
+
+
+def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A packed weight as (values [..., N, K'], its scales [..., N, G], ...): K' = K (int8
+    int8, int4 int16 in [-8, 7], fp8 float8) or K / 2 (nvfp4 bytes, then the float32 tensor
+    scale of each row [..., N])."""
+    k = kind(t)
+    if k == "int8":
+        return t.contiguous(), scales(t)
+    if k == "int4":
+        return values(t), scales(t)
+    if k == "fp8":
+        return t.contiguous(), scales(t)
+    groups = t.shape[-1] // NVFP4_GROUP
+    s = _bytes(t, groups, 4 + groups).flip(-1).contiguous().view(torch.float8_e4m3fn)
+    return (_bytes(t, t.shape[-1] // 2, 0).contiguous(), s,
+            _bytes(t, 4, 4).contiguous().view(torch.float32)[..., 0])
+
+
+def _repack(k: str, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if k == "int8":
+        return pack_int8(parts[0], parts[1])
+    if k == "int4":
+        return pack_int4(parts[0], parts[1])
+    if k == "fp8":
+        return pack_fp8(parts[0], parts[1])
+    return pack_nvfp4(parts[0], parts[1], parts[2])
+
+
+def cut(t: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:
+    """The part `t[index]` of a packed weight (one slice a dim, steps of 1), packed anew with
+    its scales: `dense(cut(t, i))` equals `dense(t)[i]` bit for bit. The columns must start on
+    a scale group (`UNITS`) and end on one or at the row's end (ValueError otherwise: callers
+    name the tensor first)."""
+    k = kind(t)
+    n_cols = t.shape[-1]
+    *lead, cols = index + (slice(None),) * (t.dim() - len(index))
+    c, d, _ = cols.indices(n_cols)
+    unit = UNITS[k]
+    if c % unit or (d % unit and d != n_cols) or d <= c:
+        raise ValueError(f"packed {k} columns [{c}:{d}] of {n_cols}: groups of {unit}")
+    g = slice(c // unit, -(-d // unit))
+    parts = _parts(t)
+    vals = parts[0][(*lead, slice(c // 2, d // 2) if k == "nvfp4" else slice(c, d))]
+    scale = parts[1][tuple(lead) if k == "int8" else (*lead, g)]
+    rest = tuple(p[tuple(lead)] for p in parts[2:])
+    return _repack(k, (vals, scale, *rest))
+
+
+def cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Packed weights of one kind and width joined along `dim` (a dim before the last: rows,
+    or experts of a stack), packed anew."""
+    if len(parts) == 1:
+        return parts[0]
+    k = kind(parts[0])
+    dim = dim % parts[0].dim()
+    if dim == parts[0].dim() - 1 or any(kind(p) != k for p in parts):
+        raise ValueError(f"packed {k} weights are joined along a dim before the last")
+    split = [_parts(p) for p in parts]
+    return _repack(k, tuple(torch.cat(xs, dim=dim) for xs in zip(*split, strict=True)))

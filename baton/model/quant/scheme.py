@@ -29,7 +29,7 @@ from baton.errors import ConfigError
 METHODS = ("fp8", "modelopt", "compressed-tensors")
 MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
 CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized",
-              "mixed-precision")
+              "nvfp4-pack-quantized", "mixed-precision")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Rule:
     """How one module's weight is stored."""
 
     kind: str
-    """fp8_block | fp8_tensor | fp8_channel | nvfp4 | int (int8 weights) | packed (int32-packed)"""
+    """fp8_block | fp8_tensor | fp8_channel | nvfp4 (ModelOpt) | ct_nvfp4 (compressed-tensors
+    NVFP4) | int (int8 weights) | packed (int32-packed)"""
     block: tuple[int, int] | None = None
     group: int | None = None
     """Columns sharing one scale (int / packed with strategy group), None: one per row."""
@@ -222,9 +223,18 @@ def _ct_args_rule(w: dict, fmt: str, src: str, key: str) -> Rule:
     if w.get("actorder") not in (None, False, "static", "weight"):
         raise ConfigError(f"{where}: actorder {w.get('actorder')!r} (a g_idx permutation) is "
                           "not read by Baton; requantize without activation ordering")
+    if typ == "float" and bits == 4:  # NVFP4: e2m1 x (e4m3 per 16 / a global scale)
+        if fmt != "nvfp4-pack-quantized" or w.get("group_size") != 16 or not sym \
+                or strategy not in ("tensor_group", "group"):
+            raise ConfigError(
+                f"{where}: float 4-bit weights (format {fmt!r}, strategy {strategy!r}, "
+                f"group_size {w.get('group_size')!r}, symmetric {sym!r}): Baton reads NVFP4 "
+                "as nvfp4-pack-quantized, tensor_group, group_size 16, symmetric")
+        return Rule("ct_nvfp4", group=16, bits=4, label="nvfp4_ct", strategy="tensor_group")
     if typ == "float":
         if bits != 8:
-            raise ConfigError(f"{where}: float num_bits {bits!r}: Baton reads 8 (fp8 e4m3)")
+            raise ConfigError(f"{where}: float num_bits {bits!r}: Baton reads 8 (fp8 e4m3) "
+                              "and 4 (NVFP4)")
         if strategy == "tensor":
             return Rule("fp8_tensor", label="fp8_tensor")
         if strategy == "channel":

@@ -76,3 +76,31 @@ def test_layout_loads_exactly(float_checkpoint, layout, tmp_path):
         # transformers' own FP8 loader (it dequantizes on CPU) reads the quantized folder
         hf = transformers.AutoModelForCausalLM.from_pretrained(q, dtype=torch.float32).eval()
         assert_logits_match(hf, model, prompt_ids(37, seed=2), TPB)
+
+
+def test_compressed_tensors_nvfp4_rounds_to_the_packages_decompression(tmp_path):
+    # the package decompresses NVFP4 in bfloat16; Baton decodes the same definition,
+    # e2m1 * (scale / global_scale), in float32: rounded to bfloat16 they are the same bits
+    import json
+
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    src = write_checkpoint(tmp_path / "f", seed=7, **MODELS["qwen3_5_moe"])
+    q = quant_layouts.write(src, tmp_path / "q", "ct_nvfp4")
+    qc = json.loads((q / "config.json").read_text())["quantization_config"]
+    g = qc["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=g["targets"], weights=g["weights"])
+    stored = load_file(str(q / "model.safetensors"))
+    ckpt = open_checkpoint(q)
+    assert {e.rule.kind for e in ckpt.entries.values()} == {"ct_nvfp4"}
+    with ckpt.view(next(iter(ckpt.meta.values())).file) as f:
+        for name in ckpt.entries:
+            module = name.rpartition(".")[0]
+            sd = {k.rpartition(".")[2]: v for k, v in stored.items()
+                  if k.rpartition(".")[0] == module}
+            theirs = BaseCompressor.get_value_from_registry(qc["format"]).decompress(
+                sd, scheme)["weight"]
+            assert theirs.dtype == torch.bfloat16
+            assert torch.equal(f.get_tensor(name).to(torch.bfloat16), theirs), name

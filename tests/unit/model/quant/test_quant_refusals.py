@@ -75,7 +75,7 @@ def test_unquantized_checkpoint_has_no_format(src):
 def test_formats_are_named(src, tmp_path):
     want = {"qwen_fp8": "fp8_block128x128", "modelopt_fp8": "fp8", "modelopt_nvfp4": "nvfp4",
             "modelopt_mixed": "mixed_fp8_nvfp4", "ct_fp8": "fp8_channel",
-            "ct_w4a16": "w4a16_g16", "ct_w4a16_asym": "w4a16_g16_asym"}
+            "ct_w4a16": "w4a16_g16", "ct_w4a16_asym": "w4a16_g16_asym", "ct_nvfp4": "nvfp4_ct"}
     for layout, label in want.items():
         assert weight_format(quant_layouts.write(src["qwen"], tmp_path / layout, layout)) == label
 
@@ -106,6 +106,18 @@ def test_missing_scale_is_refused(src, tmp_path):
     d = quant_layouts.write(src["qwen"], tmp_path / "n", "modelopt_nvfp4")
     _edit(d, drop=[f"{W}.weight_scale_2"])
     _refused(d, f"{W}.weight", "U8 [256, 64]", "no 'weight_scale_2'")
+
+
+def test_compressed_tensors_nvfp4_without_its_global_scale_is_refused(src, tmp_path):
+    d = quant_layouts.write(src["qwen"], tmp_path / "q", "ct_nvfp4")
+    _edit(d, drop=[f"{W}.weight_global_scale"])
+    _refused(d, f"{W}.weight_packed", "U8 [256, 64]", "no 'weight_global_scale'")
+    d = quant_layouts.write(src["qwen"], tmp_path / "g", "ct_nvfp4")
+
+    def group32(c):
+        c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    _edit(d, config=group32)
+    _refused(d, "group_size 32", "nvfp4-pack-quantized, tensor_group, group_size 16")
 
 
 def test_misshaped_scale_is_refused(src, tmp_path):
@@ -160,7 +172,7 @@ def test_refusal_reads_no_weight(src, tmp_path, monkeypatch):
 
 LAYOUTS_TP = [("qwen", "qwen_fp8", (16, 16)), ("qwen", "modelopt_nvfp4", None),
               ("qwen", "ct_w4a16_asym", None), ("nh_moe", "modelopt_mixed", None),
-              ("nh_moe", "qwen_fp8", (32, 32))]
+              ("nh_moe", "qwen_fp8", (32, 32)), ("qwen", "ct_nvfp4", None)]
 
 
 @pytest.mark.parametrize("model,layout,block", LAYOUTS_TP)
@@ -172,8 +184,8 @@ def test_tp_ranks_read_their_shard_of_the_scales(src, tmp_path, model, layout, b
         ours = load_tp_model(q, TPGroup(rank, 2)).state_dict()
         want = load_tp_model(ref, TPGroup(rank, 2)).state_dict()
         assert ours.keys() == want.keys()
-        for k in ours:
-            assert torch.equal(ours[k], want[k]), k
+        for k in ours:  # weights kept packed (NVFP4, ModelOpt FP8): their decoded bits
+            assert torch.equal(packed.dense(ours[k]), want[k]), k
 
 
 def test_tp_shard_that_cuts_a_block_is_refused(src, tmp_path):
@@ -182,6 +194,7 @@ def test_tp_shard_that_cuts_a_block_is_refused(src, tmp_path):
         load_tp_model(q, TPGroup(0, 2))
     msg = str(e.value)
     assert "cuts its scale blocks of 128" in msg and "\n" not in msg, msg
+    assert msg.startswith("tensor_parallel_size=2: "), msg
     # DeltaNet's in_proj_qkv [128, 128] is three sections (q 32, k 32, v 64 rows): rank 0's
     # part of q is rows [0:16]
     assert "in_proj_qkv.weight' [128, 128]: the part [0:16] of its rows" in msg, msg
