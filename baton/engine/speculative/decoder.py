@@ -168,6 +168,10 @@ class SpeculativeDecoder:
         # a compute-bound batch (more than max_batch requests) verifies K+1 rows each for
         # about K+1 times a plain step: it decodes without drafts
         drafting = not self.max_batch or len(reqs) <= self.max_batch
+        if not drafting and self.plain:  # no request drafts: as plain decode's step
+            reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks,
+                                                        r.id, r.num_computed + 1)]
+            return (self._plain_step(engine, reqs, failed) if reqs else []), []
         ks = {r.id: self.num_drafts(r, engine.max_model_len) if drafting else 0 for r in reqs}
         if self.half_weights and not self.on_fast_path():
             _fit_rows(reqs, ks)
