@@ -20,9 +20,9 @@ Each row: decode tokens/s, the mean accepted length (tokens emitted per request 
 speculative step: 1 + accepted drafts), whether the tokens equal speculation off, where a
 speculative step's time goes (MTP passes, the verify forward, acceptance and roll back, in
 ms per step, beside a plain decode step) and the memory a request holds for speculation.
-`cpu_speedup` compares decode tokens per CPU second of the process (`BATON_NUM_THREADS=1`
-makes that the engine's one thread): on a machine shared with other work, wall-clock
-ratios drift with the load, CPU seconds much less.
+`cpu_speedup` compares decode tokens per CPU second of the process (one torch thread unless
+BATON_NUM_THREADS is set: the engine's one thread): on a machine shared with other work,
+wall-clock ratios drift with the load, CPU seconds much less.
 """
 
 from __future__ import annotations
@@ -144,22 +144,30 @@ def _row(preset: str, conc: int, variant, r: dict, base: dict, drift: float, ref
 
 def run(args) -> list[dict]:
     """Measured on the optimised decode path (`BATON_DECODE_PATH=fast`, its workers too):
-    the verify pass runs marked as decode, so it rounds as plain decode does there."""
+    the verify pass runs marked as decode, so it rounds as plain decode does there. One torch
+    thread per engine unless BATON_NUM_THREADS says otherwise: `cpu_speedup` is then the
+    engine thread's work (with two, a pass of few rows also pays the second thread's fork
+    and join on every kernel call)."""
     import os
+
+    import torch
 
     from baton.model.layers.linear import set_decode_path
 
-    before = os.environ.get("BATON_DECODE_PATH")
+    saved = {k: os.environ.get(k) for k in ("BATON_DECODE_PATH", "BATON_NUM_THREADS")}
     os.environ["BATON_DECODE_PATH"] = "fast"  # the cluster's workers inherit it
-    old = set_decode_path("fast")
+    os.environ.setdefault("BATON_NUM_THREADS", "1")
+    old, threads = set_decode_path("fast"), torch.get_num_threads()
     try:
         return _run_all(args)
     finally:
         set_decode_path(old)
-        if before is None:
-            os.environ.pop("BATON_DECODE_PATH", None)
-        else:
-            os.environ["BATON_DECODE_PATH"] = before
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _run_all(args) -> list[dict]:

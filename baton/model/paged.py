@@ -151,6 +151,13 @@ def decode_meta(positions: torch.Tensor, block_tables: list[list[int]] | torch.T
         pos_list = positions.tolist()
         tables = _tables(block_tables, [p + 1 for p in pos_list], pools)
         num_keys = max(pos_list) + 1
+        if lean:  # `_write_rows`' values from the lists: one tensor, no tensor ops
+            tpb, dev = pools.spec.tokens_per_block, tables.device
+            write_rows = torch.tensor([bt[p // tpb] * (2 * tpb) + p % tpb for bt, p in
+                                       zip(block_tables, pos_list, strict=True)],
+                                      dtype=torch.long, device=dev)
+            pos = positions.to(dev)
+            return AttnMeta(write_rows, None, num_keys, None, pos, tables, pos + 1)
     dev = tables.device
     pos = positions.to(dev)
     write_rows = _write_rows(tables, pos[:, None], pools)

@@ -168,6 +168,10 @@ class SpeculativeDecoder:
         # a compute-bound batch (more than max_batch requests) verifies K+1 rows each for
         # about K+1 times a plain step: it decodes without drafts
         drafting = not self.max_batch or len(reqs) <= self.max_batch
+        if not drafting and self.plain:  # no request drafts: as plain decode's step
+            reqs = [r for r in reqs if engine._guarded(r, failed, engine.cache.ensure_blocks,
+                                                        r.id, r.num_computed + 1)]
+            return (self._plain_step(engine, reqs, failed) if reqs else []), []
         ks = {r.id: self.num_drafts(r, engine.max_model_len) if drafting else 0 for r in reqs}
         if self.half_weights and not self.on_fast_path():
             _fit_rows(reqs, ks)
@@ -219,8 +223,11 @@ class SpeculativeDecoder:
         they need, `Drafter.write`)."""
         lazy = self._lazy()
         t0 = time.perf_counter()
-        full = [r for r in reqs if r.id in self.pending
-                and (not lazy or self.pending.full(r.id))]
+        if lazy:  # only requests whose rows reached the bound
+            over = self.pending.over
+            full = [r for r in reqs if r.id in over] if over else []
+        else:
+            full = [r for r in reqs if r.id in self.pending]
         self._write_pending(engine, full)
         for r in full:
             del self.pending[r.id]
@@ -234,10 +241,9 @@ class SpeculativeDecoder:
             failed.extend(engine._fail(r, f"decode forward failed: {e}") for r in reqs)
             return []
         self.seconds["verify"] += time.perf_counter() - t1
-        h = hidden[0]
-        for i, r in enumerate(reqs):
-            if self.wants(r):
-                self.pending.append(r.id, r.num_computed - 1, h[i : i + 1])
+        wants = self.wants
+        self.pending.append_rows([(r.id, r.num_computed - 1, i) for i, r in enumerate(reqs)
+                                  if wants(r)], hidden[0])
         self.steps += 1
         return list(zip(reqs, logits, strict=True))
 

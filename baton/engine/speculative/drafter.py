@@ -34,6 +34,10 @@ from baton.model.layers import fused
 from baton.model.layers.linear import decode_scope
 from baton.model.paged import StepContext, decode_meta, prefill_meta
 
+JOINT_ROWS = 8
+"""Pending rows of a job that its first pass runs whole (the head's layers over every row, in
+one call); a job with more writes the entries of all but its last first (`Drafter.write`)."""
+
 
 class Pending(NamedTuple):
     start: int
@@ -91,15 +95,18 @@ class Drafter:
         """The pending rows of every job (their entries written); (the last row's output per
         job, float32 logits of it per job that drafts, zeros for the others): the LM head
         runs on those rows only. On the kernels (`kernel_verify.applies`: a row's bits do not
-        depend on its batch) the rows before each job's last write only their entries
-        (`write`), as many as steps without drafts left pending."""
-        if any(len(j.next_ids) > 1 for j in jobs) and kernel_verify.applies(self.pools):
+        depend on its batch) a job with more than JOINT_ROWS rows (steps without drafts left
+        them pending) writes only the entries of the rows before its last (`write`); fewer
+        (a verify step's kept rows) go through the pass with the last, in one call."""
+        if any(len(j.next_ids) > JOINT_ROWS for j in jobs) and \
+                kernel_verify.applies(self.pools):
             self.write([DraftJob(Pending(j.pending.start, j.pending.hidden[:-1]),
                                  j.next_ids[:-1], j.table, 0)
-                        for j in jobs if len(j.next_ids) > 1])
+                        for j in jobs if len(j.next_ids) > JOINT_ROWS])
             jobs = [DraftJob(Pending(j.pending.start + len(j.next_ids) - 1,
                                      j.pending.hidden[-1:]), j.next_ids[-1:], j.table,
-                             j.num_drafts) for j in jobs]
+                             j.num_drafts) if len(j.next_ids) > JOINT_ROWS else j
+                    for j in jobs]
         hid = torch.cat([j.pending.hidden for j in jobs]) if len(jobs) > 1 \
             else jobs[0].pending.hidden
         ids = [t for j in jobs for t in j.next_ids]
@@ -145,12 +152,14 @@ class Drafter:
         drafts = [[t] if j.num_drafts else [] for j, t in zip(jobs, tok.tolist(), strict=True)]
         for k in range(2, max(j.num_drafts for j in jobs) + 1):
             live = [i for i, j in enumerate(jobs) if j.num_drafts >= k]
-            sel = self._longs(live)
+            every = len(live) == len(jobs)  # no gather, no scatter
+            sel = None if every else self._longs(live)
             # the entry at n+k-2 pairs the previous pass's output with draft k-1
             pos = [jobs[i].pending.start + len(jobs[i].next_ids) + k - 2 for i in live]
-            out, logits = self._rows(g.index_select(0, sel), [drafts[i][-1] for i in live], pos,
+            out, logits = self._rows(g if every else g.index_select(0, sel),
+                                     [drafts[i][-1] for i in live], pos,
                                      [jobs[i].table for i in live])
-            g = g.index_copy(0, sel, out)
+            g = out if every else g.index_copy(0, sel, out)
             logits = _masked(jobs, live, logits, drafts)
             for i, t in zip(live, greedy_ids(logits).tolist(), strict=True):
                 drafts[i].append(t)

@@ -69,7 +69,7 @@ def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
     chain's position j, or a tree's node j (breadth-first, so its parent ran before it)."""
     counts = plan.counts
     total = sum(counts)
-    out = []
+    parts = []
     for j in range(max(counts)):
         sel = [i for i, m in enumerate(counts) if m > j]
         if plan.parents is None and not plan.live_first:
@@ -77,10 +77,16 @@ def schedule(plan, starts: list[int], dev) -> list[KernelRows]:
             dst = [plan.scratch[i][j] if counts[i] > j + 1 else plan.slots[i] for i in sel]
         else:
             src, dst = _tree_slots(plan, sel, j)
-        rows = [starts[i] + j for i in sel]
+        parts.append(([starts[i] + j for i in sel], src, dst))
+    # one tensor for every position's rows and slots, each a view of it
+    flat = torch.tensor([x for p in parts for v in p for x in v], dtype=torch.long, device=dev)
+    out, at = [], 0
+    for rows, _, _ in parts:
+        n = len(rows)
         span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
-        out.append(KernelRows(*(torch.tensor(v, dtype=torch.long, device=dev)
-                                for v in (rows, src, dst)), rows == list(range(total)), span))
+        out.append(KernelRows(flat[at : at + n], flat[at + n : at + 2 * n],
+                              flat[at + 2 * n : at + 3 * n], rows == list(range(total)), span))
+        at += 3 * n
     return out
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from baton.engine.speculative import kernel_verify
-from baton.model.layers import fused
+from baton.model.layers import fast_decode, fused
 from baton.model.layers.linear import decode_scope
 from baton.model.paged import StepContext, decode_meta, slot_context
 from baton.model.pools import Pools
@@ -148,6 +148,12 @@ def _verify_layers(model, pools: Pools, plan: VerifyPlan, h: torch.Tensor) -> to
         else:
             meta = _chain_meta(plan, pools, fused.kernel_attention(pools))
         flat = StepContext(pools, meta, None)
+        parts_of = getattr(model, "fast_parts", None)
+        if parts_of is not None and hasattr(model, "layer_list"):
+            # every layer in one call of plain decode's program (`fast_decode.verify_rows`)
+            out = fast_decode.verify_rows(model.layer_list, h, flat, parts_of, steps)
+            if out is not None:
+                return out
 
         def on_kernels(mixer, x: torch.Tensor) -> torch.Tensor:
             if mixer.layer_idx in pools.spec.attn_index:

@@ -96,15 +96,47 @@ def _build(layers, pools, parts_of) -> _Plan:
     return p
 
 
+def _plan(layers, pools, parts_of) -> _Plan:
+    """The plan of `layers` (a module list) over `pools`, built again when stale."""
+    p = layers.__dict__.get("_baton_plan")
+    if (p is None or p.pools is not pools or p.generation != linear._state["generation"]
+            or any(w._version != v for w, v in p.norms)):
+        p = _build(layers, pools, parts_of)
+        layers.__dict__["_baton_plan"] = p
+    return p
+
+
+def program_only(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor | None:
+    """h through `layers` as `decode_layers` runs them, where every part is a program's (an
+    MTP head's layers: `nemotron_h.mtp`, `qwen3_5.mtp`); None where one is not, or the
+    attention metadata is not the kernel's (the caller then runs its modules)."""
+    if not applies(h, ctx.pools):
+        return None
+    p = _plan(layers, ctx.pools, parts_of)
+    if not all(is_program for _, is_program in p.segments):
+        return None
+    meta = ctx.attn
+    tables = lens = keys = cos = sin = None
+    if meta is not None:
+        tables, lens, keys = meta.tables, meta.lens, meta.keys
+    if p.attention and tables is None:
+        return None
+    if p.rotary is not None:
+        cos, sin = p.rotary(h, meta)
+    slots = ctx.slots if ctx.slots is not None else _NO_SLOTS  # a head has no state
+    for run, _ in p.segments:
+        h = run(h, slots, tables, lens, keys, cos, sin)
+    return h
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+
+
 def decode_layers(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor:
     """h through every layer of `layers` (decode, fast path: `applies`); `parts_of(layer)`:
     the family's split of a layer into parts, (norm weight as the kernel reads it, eps,
     watched norm weight, module, is mixer) each (e.g. `nemotron_h.model.nemotron_parts`)."""
-    p = layers.__dict__.get("_baton_plan")
-    if (p is None or p.pools is not ctx.pools or p.generation != linear._state["generation"]
-            or any(w._version != v for w, v in p.norms)):
-        p = _build(layers, ctx.pools, parts_of)
-        layers.__dict__["_baton_plan"] = p
+    p = _plan(layers, ctx.pools, parts_of)
     meta = ctx.attn
     tables = lens = keys = cos = sin = None
     if meta is not None:
@@ -118,3 +150,29 @@ def decode_layers(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor:
     for run, is_program in p.segments:
         h = run(h, ctx.slots, tables, lens, keys, cos, sin) if is_program else run(h, ctx)
     return h
+
+
+def verify_rows(layers, h: torch.Tensor, ctx, parts_of, steps) -> torch.Tensor | None:
+    """A speculative verify pass's rows h [R, H] through every layer of `layers` in one call
+    of the program plain decode runs (`DecodeLayers.run_rows`): row-wise kernels over all rows
+    at once, each recurrent part's step kernel once per position (`steps`:
+    `kernel_verify.KernelRows`, read from and written to their slots), so every row is the
+    bits plain fast decode gives it. None where a part runs its module (a fallback segment)
+    or the attention metadata is not the kernel's: the caller runs the modules instead."""
+    if not applies(h, ctx.pools):
+        return None
+    p = _plan(layers, ctx.pools, parts_of)
+    if len(p.segments) != 1 or not p.segments[0][1]:
+        return None
+    meta = ctx.attn
+    tables = lens = keys = cos = sin = None
+    if meta is not None:
+        tables, lens, keys = meta.tables, meta.lens, meta.keys
+    if p.attention and tables is None:
+        return None
+    if p.rotary is not None:
+        cos, sin = p.rotary(h, meta)
+    rows = [(None if s.all_rows or s.span is not None else s.rows,
+             *(s.span if s.span is not None else (-1, -1)), s.all_rows, s.src, s.dst)
+            for s in steps]
+    return p.segments[0][0].__self__.run_rows(h, rows, tables, lens, keys, cos, sin)

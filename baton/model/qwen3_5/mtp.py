@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.model.layers import fast_decode
 from baton.model.layers.gated_attention import GatedAttention
 from baton.model.layers.gated_mlp import GatedMLP
 from baton.model.layers.gated_norms import ZeroCentredRMSNorm
@@ -46,6 +47,13 @@ class Qwen35MTPLayer(nn.Module):
         self.self_attn = GatedAttention(cfg, layer_idx)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+def _parts(layer: Qwen35MTPLayer) -> list:
+    """The layer's two parts for `fast_decode` (as `qwen3_5.model.qwen_parts`)."""
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    return [(n1._scale(), n1.eps, n1.weight, layer.self_attn, True),
+            (n2._scale(), n2.eps, n2.weight, layer.mlp, False)]
 
 
 class Qwen35MTPHead(nn.Module):
@@ -79,9 +87,16 @@ class Qwen35MTPHead(nn.Module):
         e = self.pre_fc_norm_embedding(embed(next_ids))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
         layer = self.layers[0]
-        y = layer.input_layernorm(x)
-        x = x + (layer.self_attn.decode(y, ctx) if decode else layer.self_attn.prefill(y, ctx))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        # decode rows on the fast path: the layer in one call of plain decode's kernels
+        y = fast_decode.program_only(self.layers, x, ctx, _parts) \
+            if decode and len(self.layers) == 1 else None
+        if y is not None:
+            x = y
+        else:
+            y = layer.input_layernorm(x)
+            x = x + (layer.self_attn.decode(y, ctx) if decode else
+                     layer.self_attn.prefill(y, ctx))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         out = self.norm(x)
         return out, lm_head(out).float() if logits else None
 

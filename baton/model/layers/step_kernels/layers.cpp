@@ -10,11 +10,22 @@
 // `linear`) or a feed-forward (SwiGLU, relu2 MLP, a softmax- or sigmoid-group-routed MoE block). A part's
 // tensors, integers and floats are given once, in the order `body` reads them (`Part`); a
 // step passes what changes: h, the state slots and the attention metadata.
+//
+// `run_rows` is a speculative verify pass on the same program (baton.engine.speculative.
+// kernel_verify): the rows are several positions of each request, every row-wise kernel runs
+// over all of them at once as in `run` (a row's bits do not depend on the rows beside it), and
+// a recurrent part steps its kernel once per position over the rows that have one (`RowStep`:
+// the rows, the slot each reads and the slot it writes), in order, as the Python verify pass
+// (`kernel_verify.recurrent_rows`) calls the same kernels.
 
 #include "common.h"
 #include "kernels.h"
 
 #include "gemv_api.h"
+
+#include <pybind11/stl.h>
+
+#include <tuple>
 
 using namespace baton_step;
 namespace py = pybind11;
@@ -56,6 +67,16 @@ struct Part {
   const at::Tensor& T(size_t n) const { return *t[n]; }
 };
 
+// One position of a verify pass (`run_rows`): its rows of the pass (all of them when `all`,
+// the range [lo, hi) when lo >= 0, else the gathered `rows`), per row the slot its state is
+// read from and the slot the next state is written to.
+struct RowStep {
+  c10::optional<at::Tensor> rows;
+  int64_t lo, hi;
+  bool all;
+  at::Tensor src, dst;
+};
+
 // The per-step inputs: the state slots of the batch's rows, the attention metadata
 // (`AttnMeta`: tables, lens, keys) and the rotary tables of gated attention.
 struct Step {
@@ -65,6 +86,7 @@ struct Step {
   const c10::optional<at::Tensor>& keys;
   const c10::optional<at::Tensor>& cos;
   const c10::optional<at::Tensor>& sin;
+  const std::vector<RowStep>* steps = nullptr;  // a verify pass (`run_rows`), else null
 };
 
 class DecodeLayers {
@@ -117,7 +139,59 @@ class DecodeLayers {
     return h;
   }
 
+  // A verify pass: h [R, hidden] (rows ordered by request, then position) through every part,
+  // the recurrent parts position by position (`RowStep`, see the file's head).
+  at::Tensor run_rows(at::Tensor h,
+                      const std::vector<std::tuple<c10::optional<at::Tensor>, int64_t, int64_t,
+                                                   bool, at::Tensor, at::Tensor>>& steps,
+                      const c10::optional<at::Tensor>& tables,
+                      const c10::optional<at::Tensor>& lens,
+                      const c10::optional<at::Tensor>& keys,
+                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
+    std::vector<RowStep> rs;
+    rs.reserve(steps.size());
+    for (const auto& t : steps)
+      rs.push_back(RowStep{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t),
+                           std::get<4>(t), std::get<5>(t)});
+    TORCH_CHECK(!rs.empty(), "DecodeLayers.run_rows: no steps");
+    const at::Tensor none;
+    const Step s{none, tables, lens, keys, cos, sin, &rs};
+    py::gil_scoped_release unlocked;
+    for (const Part& p : parts_) {
+      c10::optional<at::Tensor> x = rms_norm(h, p.T(0), p.f[0]);
+      TORCH_CHECK(x.has_value(), "DecodeLayers: h must be contiguous rows");
+      h = body(p, *x, h, s);
+    }
+    return h;
+  }
+
  private:
+  // A recurrent part's kernel over the pass's rows (`s.steps`) or, in a decode step, once
+  // over the batch in its slots: `step(inputs of the rows, src, dst)`.
+  template <class F>
+  static at::Tensor stepwise(const Step& s, const std::vector<at::Tensor>& inputs, F step) {
+    if (s.steps == nullptr) return step(inputs, s.slots, s.slots);
+    at::Tensor y;
+    std::vector<at::Tensor> part(inputs.size());
+    for (const RowStep& r : *s.steps) {
+      for (size_t n = 0; n < inputs.size(); ++n)
+        part[n] = r.all ? inputs[n]
+                  : r.lo >= 0 ? inputs[n].slice(0, r.lo, r.hi)
+                              : inputs[n].index_select(0, *r.rows);
+      at::Tensor out = step(part, r.src, r.dst);
+      if (r.all) {
+        y = out;
+        continue;
+      }
+      if (!y.defined()) y = at::empty({inputs[0].size(0), out.size(1)}, out.options());
+      if (r.lo >= 0)
+        y.slice(0, r.lo, r.hi).copy_(out);
+      else
+        y.index_copy_(0, *r.rows, out);
+    }
+    return y;
+  }
+
   static void need_tables(const Step& s) {
     TORCH_CHECK(s.tables.has_value() && s.lens.has_value(),
                 "DecodeLayers: an attention part needs the step's tables and lens");
@@ -128,16 +202,23 @@ class DecodeLayers {
     switch (p.kind) {
       case kDeltaNet: {
         auto y = g_->linear_split(x, {p.T(1), p.T(2), p.T(3), p.T(4)}, -1);
-        at::Tensor o = deltanet_step(y[0], p.T(7), p.T(8), s.slots, s.slots, y[1], y[2], y[3],
-                                     p.T(9), p.T(10), p.T(11), p.T(12), p.i[0], p.i[1], p.i[2],
-                                     p.i[3], p.f[1]);
+        at::Tensor o = stepwise(s, {y[0], y[1], y[2], y[3]},
+                                [&](const std::vector<at::Tensor>& in, const at::Tensor& src,
+                                    const at::Tensor& dst) {
+          return deltanet_step(in[0], p.T(7), p.T(8), src, dst, in[1], in[2], in[3], p.T(9),
+                               p.T(10), p.T(11), p.T(12), p.i[0], p.i[1], p.i[2], p.i[3],
+                               p.f[1]);
+        });
         return g_->linear(o, p.T(5), t[6], -1, h, false);
       }
       case kMamba2: {
         at::Tensor zx = g_->linear(x, p.T(1), t[2], -1, c10::nullopt, false);
-        at::Tensor y = mamba2_step(zx, p.T(5), p.T(6), s.slots, s.slots, p.T(7), t[8], p.T(9),
-                                   p.T(10), p.T(11), p.T(12), p.i[0], p.i[1], p.i[2], p.i[3],
-                                   p.i[4], p.f[1], p.f[2], p.i[5], p.f[3]);
+        at::Tensor y = stepwise(s, {zx}, [&](const std::vector<at::Tensor>& in,
+                                             const at::Tensor& src, const at::Tensor& dst) {
+          return mamba2_step(in[0], p.T(5), p.T(6), src, dst, p.T(7), t[8], p.T(9), p.T(10),
+                             p.T(11), p.T(12), p.i[0], p.i[1], p.i[2], p.i[3], p.i[4], p.f[1],
+                             p.f[2], p.i[5], p.f[3]);
+        });
         return g_->linear(y, p.T(3), t[4], -1, h, false);
       }
       case kGatedAttn: {
@@ -188,6 +269,8 @@ void bind_layers(py::module& m) {
            py::arg("floats"))
       .def("run", &DecodeLayers::run, py::arg("h"), py::arg("slots"), py::arg("tables"),
            py::arg("lens"), py::arg("keys"), py::arg("cos"), py::arg("sin"))
+      .def("run_rows", &DecodeLayers::run_rows, py::arg("h"), py::arg("steps"),
+           py::arg("tables"), py::arg("lens"), py::arg("keys"), py::arg("cos"), py::arg("sin"))
       .def("body", &DecodeLayers::body_of, py::arg("n"), py::arg("x"), py::arg("h"))
       .def("__len__", &DecodeLayers::size);
 }
