@@ -257,3 +257,61 @@ def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes a packed weight's storage holds."""
     return t.untyped_storage().nbytes()
+
+
+ACT_GROUP = 32
+"""Columns of x that share one int8 scale on the integer path (llama.cpp's Q8_0 block)."""
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as the integer path quantizes them (`cpu_kernels/gemv_int.h`): per
+    group of 32 columns, K padded with zeros to a multiple of 64, d = amax / 127 and
+    q = round-half-even(x / d) (as x * (1 / d)) in [-127, 127]. Returns (q [M, Kp] int8,
+    d [M, Kp / 32] float32)."""
+    m, k = x.shape
+    kp = -(-k // 64) * 64
+    xp = torch.zeros(m, kp, dtype=torch.float32)
+    xp[:, :k] = x
+    xg = xp.view(m, kp // ACT_GROUP, ACT_GROUP)
+    d = xg.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xg * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(m, kp), d
+
+
+def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """x [M, K] float32 through a packed int8 / int4 weight [N, K] on the integer path, in
+    torch (the kernels' contract, `cpu_kernels/gemv_int.h`): per group g and lane j of 4
+    columns the integer sum p; c_g = d_g (int8) or d_g * s_g (int4); 16 lanes
+    acc[8 (g % 2) + j] = fma(p, c_g, acc) over g; a fixed tree of the lanes; times the row
+    scale (int8); + bias."""
+    m, k = x.shape
+    n = w.shape[0]
+    q, d = quantize_rows(x.float())
+    kp = q.shape[1]
+    groups = kp // ACT_GROUP
+    qw = torch.zeros(n, kp, dtype=torch.int64)
+    qw[:, :k] = values(w).to(torch.int64)
+    p = (q.to(torch.int64).view(m, 1, groups, 8, 4)
+         * qw.view(1, n, groups, 8, 4)).sum(-1)  # [M, N, G, 8]
+    if kind(w) == "int8":
+        c = d[:, None, :].expand(m, n, groups)
+    else:
+        s = torch.zeros(n, groups, dtype=torch.float32)
+        s[:, :k // GROUP] = scales(w).float()
+        c = d[:, None, :] * s[None]
+    acc = torch.zeros(m, n, 16, dtype=torch.float32)
+    for g in range(groups):
+        lanes = slice(8 * (g % 2), 8 * (g % 2) + 8)
+        fused = p[..., g, :].double() * c[..., g, None].double() + acc[..., lanes].double()
+        acc[..., lanes] = fused.float()  # one rounding (the product is exact in float64)
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    y = s2[..., 0] + s2[..., 1]
+    if kind(w) == "int8":
+        y = y * scales(w).float()[None]
+    if bias is not None:
+        y = y + bias.float()
+    return y

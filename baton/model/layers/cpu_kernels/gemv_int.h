@@ -1,0 +1,330 @@
+// The opt-in integer path of packed int8 / int4 weights (`model.quantize_activations: int8`):
+// each row of x quantized to int8 per group of 32 columns (llama.cpp's Q8_0 blocks), the
+// weights dotted in integers (AVX-512 VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd; plain C++),
+// then one fixed float order. Included by gemv_kernels.h after Args and the float kernels.
+//
+// Contract (every instruction set, batch size, row block and thread count gives these bits):
+//   Activations, per row and group g of 32 columns (the last group padded with zeros):
+//     amax = max |x|, d_g = amax / 127, q = nearbyint(x * (d_g ? 1 / d_g : 0)) in [-127, 127].
+//   Lanes: lane L = 8 (g % 2) + j sums columns 32 g + 4 j .. + 3 of group g in integers:
+//     p_{g,j} = sum q_x * q_w (exact; int4 weights as q - 8).
+//   c_g = d_g (int8 weights) or d_g * s_g (int4, its group's float16 scale; one rounding).
+//   acc[L] = fma(float(p_{g,j}), c_g, acc[L]) over g in order, from +0, over the groups of K
+//   rounded up to 64 columns (a group past K has p = 0, c = 0);
+//   y = tree16(acc) (gemv.cpp's tree), times the row scale for int8 weights, then + bias.
+#pragma once
+
+#include <atomic>
+
+namespace baton_gemv {
+
+constexpr int64_t kQGroup = 32, kQChunk = 64;
+
+// Process-wide switch (`cpu_kernels.set_int_activations`): a worker serves one model.
+inline std::atomic<int>& int_activations() {
+  static std::atomic<int> on{0};
+  return on;
+}
+
+// Rows of x quantized as the contract says: kp = K rounded up to 64.
+struct QRows {
+  int64_t m = 0, k = 0, kp = 0;
+  std::vector<int8_t> qa;    // [m, kp]
+  std::vector<uint8_t> ua;   // [m, kp]: qa + 128 (VNNI's unsigned operand for int8 weights)
+  std::vector<int32_t> nca;  // [m, kp / 4]: -8 times each lane's 4-sum (int4 weights: q - 8)
+  std::vector<float> dx;     // [m, kp / 32]: d_g
+  std::vector<float> dxv;    // [m, kp / 64, 16]: d_g for lanes 0-7, d_{g+1} for 8-15
+};
+
+inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q) {
+  q.m = m, q.k = k, q.kp = (k + kQChunk - 1) / kQChunk * kQChunk;
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  q.qa.assign(m * kp, 0), q.ua.resize(m * kp), q.nca.resize(m * kp / 4);
+  q.dx.resize(m * groups), q.dxv.resize(m * kp / 4);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * ldx;
+    int8_t* qr = q.qa.data() + i * kp;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c0 = g * kQGroup, c1 = std::min(k, c0 + kQGroup);
+      float amax = 0.f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(xr[c]));
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = std::nearbyint(xr[c] * id);
+        qr[c] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+      }
+      q.dx[i * groups + g] = d;
+      for (int l = 0; l < 8; ++l) q.dxv[i * kp / 4 + (g / 2) * 16 + (g % 2) * 8 + l] = d;
+    }
+    for (int64_t c = 0; c < kp; ++c) q.ua[i * kp + c] = static_cast<uint8_t>(qr[c] + 128);
+    for (int64_t l = 0; l < kp / 4; ++l)
+      q.nca[i * kp / 4 + l] = -8 * (qr[4 * l] + qr[4 * l + 1] + qr[4 * l + 2] + qr[4 * l + 3]);
+  }
+}
+
+// c_g of a weight row (int4: times its group scale; a group past K: 0).
+template <int WT>
+inline float int_scale(const char* wr, int64_t k, int64_t g, float d) {
+  if (g * kQGroup >= k) return 0.f;
+  if constexpr (WT == kI4) return d * half_float(i4_scale_bits(wr, g * kQGroup));
+  return d;
+}
+
+template <int WT>
+inline int int_weight(const char* wr, int64_t c) {
+  if constexpr (WT == kI8) return reinterpret_cast<const int8_t*>(wr)[c];
+  const uint8_t b = reinterpret_cast<const uint8_t*>(wr)[c / 2];
+  return (c & 1 ? b >> 4 : b & 0xF) - 8;
+}
+
+template <int WT>
+inline float int_finish(const char* wr, float s, const float* bias, int64_t n) {
+  if constexpr (WT == kI8) s = s * i8_scale(wr);
+  if (bias) s = s + bias[n];
+  return s;
+}
+
+template <int WT>
+void int_scalar(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const char* wr = wbase(a, WT, n);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int8_t* qr = q.qa.data() + (q0 + i) * kp;
+      float acc[kLanes] = {0.f};
+      for (int64_t g = 0; g < groups; ++g) {
+        const float c = int_scale<WT>(wr, a.k, g, q.dx[(q0 + i) * groups + g]);
+        for (int j = 0; j < 8; ++j) {
+          int32_t p = 0;
+          for (int t = 0; t < 4; ++t) {
+            const int64_t col = g * kQGroup + 4 * j + t;
+            if (col < a.k) p += qr[col] * int_weight<WT>(wr, col);
+          }
+          float& l = acc[8 * (g % 2) + j];
+          l = std::fma(static_cast<float>(p), c, l);
+        }
+      }
+      a.y[i * a.n + n] = int_finish<WT>(wr, tree16(acc), a.bias, n);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+// 64 columns of a weight row from column c: int8 as stored (s8); int4 as q + 8 (u8, 0-15),
+// in column order; zeros past K.
+template <int WT>
+inline __m512i iw512(const char* wr, int64_t c, int64_t k) {
+  if constexpr (WT == kI8) {
+    if (c + kQChunk <= k) return _mm512_loadu_si512(wr + c);
+    return _mm512_maskz_loadu_epi8((~0ull) >> (kQChunk - (k - c)), wr + c);
+  } else {
+    const __m256i b = c + kQChunk <= k
+        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c / 2))
+        : _mm256_maskz_loadu_epi8(0xFFFFu, wr + c / 2);  // K % 32 == 0: 32 columns left
+    const __m512i z = _mm512_cvtepu8_epi16(b);  // byte j -> word j: low nibble = column 2j
+    return _mm512_and_si512(_mm512_or_si512(z, _mm512_slli_epi16(z, 4)),
+                            _mm512_set1_epi16(0x0F0F));
+  }
+}
+
+// [c_g x 8, c_{g+1} x 8] of a row's chunk from column c (int4: the weight's group scales).
+template <int WT>
+inline __m512 iscale512(const char* wr, int64_t c, int64_t k) {
+  const int64_t g = c / kQGroup;
+  const __m512 lo = _mm512_set1_ps(int_scale<WT>(wr, k, g, 1.f));
+  const __m256 hi = _mm256_set1_ps(int_scale<WT>(wr, k, g + 1, 1.f));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(lo), _mm256_castps_pd(hi), 1));
+}
+
+template <int WT, int MR, int NR>
+inline void iblock512(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kp = q.kp;
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(-128)), zero = _mm512_setzero_si512();
+  for (int64_t c = 0; c < kp; c += kQChunk) {
+    __m512i wv[NR], wc[NR];  // weights; int8: -sum(128 w) per lane; int4: unused
+    __m512 sv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + kbytes<WT>(c), BATON_PF_HINT);
+      wv[j] = iw512<WT>(wr[j], c, a.k);
+      if constexpr (WT == kI8) wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
+      else sv[j] = iscale512<WT>(wr[j], c, a.k);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m512 dv = _mm512_loadu_ps(q.dxv.data() + row * kp / 4 + c / 4);
+      if constexpr (WT == kI8) {
+        const __m512i ua = _mm512_loadu_si512(q.ua.data() + row * kp + c);
+#pragma GCC unroll 16
+        for (int j = 0; j < NR; ++j) {
+          const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
+        }
+      } else {
+        const __m512i qa = _mm512_loadu_si512(q.qa.data() + row * kp + c);
+        const __m512i na = _mm512_loadu_si512(q.nca.data() + row * kp / 4 + c / 4);
+#pragma GCC unroll 16
+        for (int j = 0; j < NR; ++j) {
+          const __m512i p = _mm512_dpbusd_epi32(na, wv[j], qa);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<WT>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+}
+
+template <int WT, int NR, int MAXMR>
+inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr) {
+  if constexpr (MAXMR > 1) {
+    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr);
+  }
+  iblock512<WT, MAXMR, NR>(a, q, q0, i, n0);
+}
+
+template <int WT, int NR, int MAXMR>
+inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    for (int64_t i = 0; i < a.m; i += MAXMR)
+      irows512<WT, NR, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+  for (; n < n1; ++n)
+    for (int64_t i = 0; i < a.m; i += MAXMR)
+      irows512<WT, 1, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+}
+
+template <int WT>
+void int_range512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
+  else iouts512<WT, 4, 4>(a, q, q0, n0, n1);
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// One group (32 columns) of a weight row: int8 as stored, int4 as q + 8; zeros past K.
+template <int WT>
+inline __m256i iw256(const char* wr, int64_t c, int64_t k) {
+  if constexpr (WT == kI8) {
+    if (c + kQGroup <= k) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c));
+    alignas(32) int8_t buf[kQGroup] = {0};
+    if (c < k) std::memcpy(buf, wr + c, k - c);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+  } else {
+    if (c >= k) return _mm256_setzero_si256();
+    const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + c / 2)));
+    return _mm256_and_si256(_mm256_or_si256(z, _mm256_slli_epi16(z, 4)), _mm256_set1_epi16(0x0F0F));
+  }
+}
+
+template <int WT, int MR, int NR>
+inline void iblock256(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m256 acc[MR][NR][2];
+  const char* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c = g * kQGroup;
+    __m256i wv[NR], wa[NR];
+    float s[NR];
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + kbytes<WT>(c), BATON_PF_HINT);
+      wv[j] = iw256<WT>(wr[j], c, a.k);
+      if constexpr (WT == kI8) wa[j] = _mm256_abs_epi8(wv[j]);
+      s[j] = int_scale<WT>(wr[j], a.k, g, 1.f);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.qa.data() + row * kp + c));
+      const float d = q.dx[row * groups + g];
+      for (int j = 0; j < NR; ++j) {
+        __m256i p;
+        if constexpr (WT == kI8) {
+          p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(qa, wv[j])), ones);
+        } else {
+          const __m256i na = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(q.nca.data() + row * kp / 4 + c / 4));
+          p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], qa), ones), na);
+        }
+        const float cg = WT == kI8 ? (c < a.k ? d : 0.f) : d * s[j];
+        __m256& l = acc[r][j][g % 2];
+        l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(cg), l);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] =
+          int_finish<WT>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+}
+
+template <int WT>
+void int_range256(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    int64_t i = 0;
+    for (; i + 2 <= a.m; i += 2) iblock256<WT, 2, 2>(a, q, q0, i, n);
+    for (; i < a.m; ++i) iblock256<WT, 1, 2>(a, q, q0, i, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t i = 0; i < a.m; ++i) iblock256<WT, 1, 1>(a, q, q0, i, n);
+}
+
+#pragma GCC pop_options
+
+inline bool has_vnni() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return yes;
+}
+
+// The integer path over outputs [n0, n1): `a.q` rows [a.q0, a.q0 + m) of the caller's
+// quantized x, or x quantized here (a caller that did not prepare it: the same values).
+template <int WT>
+void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
+  const QRows* q = a.q;
+  int64_t q0 = a.q0;
+  static thread_local QRows local;
+  if (q == nullptr) {
+    quantize_rows(a.x, a.ldx, a.m, a.k, local);
+    q = &local, q0 = 0;
+  }
+  if (isa == kAvx512 && has_vnni()) int_range512<WT>(a, *q, q0, n0, n1);
+  else if (isa >= kAvx2) int_range256<WT>(a, *q, q0, n0, n1);
+  else int_scalar<WT>(a, *q, q0, n0, n1);
+}
+
+// x's rows quantized once for a call whose weights take the integer path (in the calling
+// thread's buffer, read by the others during the call), else null.
+inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, bool any_int) {
+  if (!any_int || !int_activations().load(std::memory_order_relaxed) || m == 0) return nullptr;
+  static thread_local QRows rows;
+  quantize_rows(x, ldx, m, k, rows);
+  return &rows;
+}
+
+}  // namespace baton_gemv
