@@ -134,9 +134,17 @@ inline __m512i iw512(const char* wr, int64_t c, int64_t k) {
 template <int WT>
 inline __m512 iscale512(const char* wr, int64_t c, int64_t k) {
   const int64_t g = c / kQGroup;
-  const __m512 lo = _mm512_set1_ps(int_scale<WT>(wr, k, g, 1.f));
-  const __m256 hi = _mm256_set1_ps(int_scale<WT>(wr, k, g + 1, 1.f));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(lo), _mm256_castps_pd(hi), 1));
+  uint32_t pair;  // [s_{g+1}, s_g] as stored (group g's 2 (g + 1) bytes before the row)
+  if (c + kQChunk <= k) {
+    std::memcpy(&pair, wr - 2 * (g + 2), 4);
+  } else {  // the last group past K: scale 0
+    uint16_t h;
+    std::memcpy(&h, wr - 2 * (g + 1), 2);
+    pair = static_cast<uint32_t>(h) << 16;
+  }
+  const __m512 two = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair))));
+  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_ps(idx, two);
 }
 
 template <int WT, int MR, int NR>
@@ -253,7 +261,8 @@ inline void iblock256(const Args& a, const QRows& q, int64_t q0, int64_t i0, int
       _mm_prefetch(wr[j] + kPrefetch + kbytes<WT>(c), BATON_PF_HINT);
       wv[j] = iw256<WT>(wr[j], c, a.k);
       if constexpr (WT == kI8) wa[j] = _mm256_abs_epi8(wv[j]);
-      s[j] = int_scale<WT>(wr[j], a.k, g, 1.f);
+      if constexpr (WT == kI4) s[j] = _cvtsh_ss(i4_scale_bits(wr[j], c));
+      else s[j] = 1.f;
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t row = q0 + i0 + r;
