@@ -80,6 +80,10 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
                           f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
                           "write the checkpoint with `baton quantize` and serve that instead")
+    if cfg.model.quantize_activations and (tp > 1 or pp > 1):
+        raise ConfigError(f"model.quantize_activations={cfg.model.quantize_activations!r} runs in "
+                          f"single-process workers only (tensor_parallel_size={tp}, "
+                          f"pipeline_parallel_size={pp})")
     if cfg.model.quantize:
         from baton.model.quant.served import refuse_requantize
 
@@ -104,6 +108,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     if built.pad_rows:
         log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
                  list(cfg.worker.decode_batch_buckets), cache.pad_block, cache.pad_slot)
+    if tp == 1 and pp == 1:
+        _int_activations(cfg, built.model)
     weights = _weights(path, cfg, built.model)
     if tp == 1 and pp == 1:
         _log_plain(path, built.model, built.pools.spec, built.reserved, cache, weights)
@@ -119,6 +125,32 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     return engine
 
 
+def _int_activations(cfg: BatonConfig, model) -> None:
+    """`model.quantize_activations`: the CPU kernels' integer path for packed int8 / int4
+    weights (process-wide, set on every plain build); refused in one line where it cannot
+    apply (no such weights, not CPU float32, no kernel)."""
+    from baton.model.layers import cpu_kernels
+    from baton.model.quant import packed
+
+    mode = cfg.model.quantize_activations
+    if not mode:
+        cpu_kernels.set_int_activations(False)
+        return
+    kinds = {packed.kind(p) for p in model.parameters()} & {"int8", "int4"}
+    why = ("no int8 / int4 weights are held (set model.quantize, or serve an int8 / "
+           "W4A16 g32 checkpoint)" if not kinds
+           else "it runs on CPU in float32" if (cfg.model.device != "cpu"
+                                                 or cfg.model.dtype != "float32")
+           else "Baton's CPU kernels are not built here" if cpu_kernels.gemv() is None
+           else None)
+    if why:
+        raise ConfigError(f"model.quantize_activations={mode!r}: {why}")
+    cpu_kernels.set_int_activations(True)
+    log.info("model.quantize_activations %s: %s weights dotted with int8 activations "
+             "(per 32 columns; not exact against the dequantized weights)", mode,
+             " / ".join(sorted(kinds)))
+
+
 def _weights(path, cfg: BatonConfig, model):
     """The weight format served and the bytes held (this process's: a TP / PP worker's rank
     0 or stage 0)."""
@@ -130,7 +162,11 @@ def _weights(path, cfg: BatonConfig, model):
 
     kinds = sorted({packed.kind(p) for p in held.parameters()} - {None})
     held_as = f"packed {' / '.join(kinds)} and {cfg.model.dtype}" if kinds else cfg.model.dtype
-    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(held), held_as)
+    fmt = served_format(path, cfg.model.quantize)
+    if cfg.model.quantize_activations:  # other numerics: a P/D pair must agree on it too
+        fmt += f"+{cfg.model.quantize_activations}_activations"
+        held_as += f", {cfg.model.quantize_activations} activations"
+    return WeightInfo(fmt, resident_bytes(held), held_as)
 
 
 def _plain(cfg: BatonConfig, path) -> Built:
