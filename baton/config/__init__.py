@@ -43,8 +43,8 @@ class ModelSection:
     quantize_activations: Literal["int8"] | None = None
     """Opt-in integer path for int8 / int4 weights on CPU: activations quantized to int8
     per 32 columns (llama.cpp's Q8_0 blocks) and dotted in integers (AVX-512 VNNI / AVX2);
-    faster, not exact against the dequantized weights (docs/quantization.md). Process-wide;
-    needs packed int8 / int4 weights (`model.quantize` or such a checkpoint)."""
+    faster, not exact against the dequantized weights (docs/quantization.md). Needs
+    packed int8 / int4 weights (`model.quantize` or such a checkpoint)."""
 
     def __post_init__(self) -> None:
         if self.weight_dtype != "float32" and self.dtype != "float32":

@@ -126,29 +126,30 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
 
 
 def _int_activations(cfg: BatonConfig, model) -> None:
-    """`model.quantize_activations`: the CPU kernels' integer path for packed int8 / int4
-    weights (process-wide, set on every plain build); refused in one line where it cannot
-    apply (no such weights, not CPU float32, no kernel)."""
+    """`model.quantize_activations`: every packed int8 / int4 weight marked for the CPU
+    kernels' integer path (`quant.packed.mark_int_path`: per weight, so other models in the
+    process keep theirs); refused in one line where it cannot apply (no such weights, not CPU
+    float32, no kernel)."""
     from baton.model.layers import cpu_kernels
     from baton.model.quant import packed
 
     mode = cfg.model.quantize_activations
     if not mode:
-        cpu_kernels.set_int_activations(False)
         return
-    kinds = {packed.kind(p) for p in model.parameters()} & {"int8", "int4"}
+    held = [p for p in model.parameters() if packed.kind(p) in ("int8", "int4")]
     why = ("no int8 / int4 weights are held (set model.quantize, or serve an int8 / "
-           "W4A16 g32 checkpoint)" if not kinds
+           "W4A16 g32 checkpoint)" if not held
            else "it runs on CPU in float32" if (cfg.model.device != "cpu"
                                                  or cfg.model.dtype != "float32")
            else "Baton's CPU kernels are not built here" if cpu_kernels.gemv() is None
            else None)
     if why:
         raise ConfigError(f"model.quantize_activations={mode!r}: {why}")
-    cpu_kernels.set_int_activations(True)
-    log.info("model.quantize_activations %s: %s weights dotted with int8 activations "
-             "(per 32 columns; not exact against the dequantized weights)", mode,
-             " / ".join(sorted(kinds)))
+    for p in held:
+        packed.mark_int_path(p.data)
+    log.info("model.quantize_activations %s: %d int8 / int4 weights dotted with int8 "
+             "activations (per 32 columns; not exact against the dequantized weights)", mode,
+             len(held))
 
 
 def _weights(path, cfg: BatonConfig, model):

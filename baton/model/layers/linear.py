@@ -196,7 +196,7 @@ def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Te
     bias = None if bias is None else bias.float()
     cpu = x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
     kernel = cpu_kernels.gemv() if cpu and decode_path() == "fast" else None
-    if kernel is not None and (getattr(_local, "decoding", False) or kernel.int_activations()):
+    if kernel is not None and (getattr(_local, "decoding", False) or quant_packed.int_path(w)):
         # (the integer path, `model.quantize_activations`: prefill too, in integers)
         return kernel.linear(x.reshape(rows, x.shape[-1]), w, bias).view(*x.shape[:-1], n_out)
     if cpu and decode_path() == "fast" and _packed_ok():

@@ -11,6 +11,8 @@ it on unchanged); each row carries its scales just before its first weight:
           column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
           float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
           w = float(q - 8) * float(s_g)                        (K % 32 == 0)
+    int8 / int4: the first byte of each row's prefix is 1 where the weight takes the kernels'
+          integer path (`mark_int_path`, `model.quantize_activations`), else 0.
     fp8   dtype float8_e4m3fn: K values q as the checkpoint stores them; one float32 scale per
           128 columns, group g's 4 (g + 1) bytes before the row (Qwen's 128 x 128 tiles, a
           per-channel or per-tensor scale repeated); w = fp32(q) * s_g
@@ -47,6 +49,12 @@ def kind(t: torch.Tensor) -> str | None:
 
 def _round16(n: int) -> int:
     return -(-n // 16) * 16
+
+
+def _i4_prefix(k: int) -> int:
+    """Bytes before an int4 row: its float16 scales, and at least one byte (the first: the
+    integer-path mark, `mark_int_path`)."""
+    return _round16(2 * (k // GROUP) + 1)
 
 
 CHUNK_BYTES = 1 << 20
@@ -89,7 +97,7 @@ def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         buf = torch.zeros(rows * ldw, dtype=torch.uint8)
         view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
     else:
-        prefix = _round16(2 * (k // GROUP))
+        prefix = _i4_prefix(k)
         ldw = prefix + _round16(k // 2)
         buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)  # + k: the view's last row fits
         view = buf.as_strided(shape, _strides(lead, n, ldw), prefix)
@@ -132,7 +140,7 @@ def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> t
 
 def _prefix(t: torch.Tensor) -> int:
     k = t.shape[-1]
-    return {"int8": I8_PREFIX, "int4": _round16(2 * (k // GROUP)),
+    return {"int8": I8_PREFIX, "int4": _i4_prefix(k),
             "fp8": _round16(4 * -(-k // FP8_GROUP)),
             "nvfp4": _round16(4 + k // NVFP4_GROUP)}[kind(t)]
 
@@ -168,7 +176,7 @@ def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None
 def _fill_int4(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     k = q.shape[-1]
     rows, groups = q.numel() // max(k, 1), k // GROUP
-    prefix = _round16(2 * groups)
+    prefix = _i4_prefix(k)
     u = (q.reshape(rows, k).to(torch.int16) + 8).to(torch.uint8)
     grid[:, prefix:prefix + k // 2] = u[:, 0::2] | (u[:, 1::2] << 4)
     s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
@@ -315,3 +323,23 @@ def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         y = y + bias.float()
     return y
+
+
+def _mark_bytes(t: torch.Tensor) -> torch.Tensor:
+    return _bytes(t, 1, _prefix(t))
+
+
+def mark_int_path(t: torch.Tensor, on: bool = True) -> None:
+    """Mark a packed int8 / int4 weight (every row's first prefix byte) so that the kernels
+    take their integer path on it (`cpu_kernels/gemv_int.h`); per weight, so two models in
+    one process keep their own numerics."""
+    if kind(t) not in ("int8", "int4"):
+        raise ValueError(f"integer path: a packed int8 / int4 weight is marked, not {t.dtype}")
+    _mark_bytes(t).fill_(1 if on else 0)
+
+
+def int_path(t: torch.Tensor) -> bool:
+    """Whether a packed weight is marked for the integer path (its first row's mark)."""
+    if kind(t) not in ("int8", "int4") or t.numel() == 0:
+        return False
+    return bool(_mark_bytes(t).reshape(-1)[0].item())

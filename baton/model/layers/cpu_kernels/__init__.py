@@ -34,17 +34,3 @@ def gemv():
         _cache["gemv"] = jit_build.load(BUILD)
     return _cache["gemv"]
 
-
-def set_int_activations(on: bool) -> None:
-    """Packed int8 / int4 weights take the kernels' integer path (`gemv_int.h`: activations
-    quantized to int8 per 32 columns, integer dot products) or the exact one; process-wide
-    (`model.quantize_activations`). Without the kernels there is nothing to switch."""
-    kernel = gemv()
-    if kernel is not None:
-        kernel.set_int_activations(bool(on))
-
-
-def int_activations() -> bool:
-    """Whether packed int8 / int4 weights take the integer path in this process."""
-    kernel = gemv()
-    return kernel is not None and kernel.int_activations()

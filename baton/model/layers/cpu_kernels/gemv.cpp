@@ -58,7 +58,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
   const int64_t rs = res ? residual->stride(0) : 0;
   Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp, n,
          m, b.defined() ? b.data_ptr<float>() : nullptr,
-         prepare_int(xp.p, xp.ld, m, k, wt == kI8 || wt == kI4)};
+         prepare_int(xp.p, xp.ld, m, k, int_weight(w))};
   const int64_t blocks = (n + 7) / 8;
   split_blocks(blocks, grain_blocks(k, wsize(wt)), [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * 8, n1 = std::min(b1 * 8, n);
@@ -135,7 +135,7 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts,
   const char* wp = static_cast<const char*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   const float* xpp = xp.p;
-  const QRows* qr = prepare_int(xpp, ldx, m, k, wt == kI8 || wt == kI4);
+  const QRows* qr = prepare_int(xpp, ldx, m, k, int_weight(w));
   at::parallel_for(0, groups * nb, grain_blocks(k, es), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const int64_t g = b / nb, end = std::min(b1, (g + 1) * nb);
@@ -255,10 +255,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_sigmoid_replica", &route_sigmoid_replica,
         "the sigmoid group router's weights and experts (gemv_route.h)");
   m.def("swiglu_replica", &swiglu_replica, "silu(gate) * up of rows (gemv_route.h)");
-  m.def("set_int_activations", [](bool on) { int_activations().store(on ? 1 : 0); },
-        "packed int8 / int4 weights take the integer path (gemv_int.h), process-wide");
-  m.def("int_activations", [] { return int_activations().load() != 0; },
-        "whether packed int8 / int4 weights take the integer path");
   m.def("isa", &isa_name, "the instruction set `linear` uses on this CPU");
   m.def("api", [] { return py::capsule(&kApi, baton_api::kGemvCapsule); },
         "the entry points above as C++ function pointers (gemv_api.h), for the step module");

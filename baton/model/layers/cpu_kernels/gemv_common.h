@@ -86,6 +86,13 @@ inline int weight_type(const at::Tensor& w) {
   return kF32;
 }
 
+// A packed int8 / int4 weight marked for the integer path (gemv_int.h).
+inline bool int_weight(const at::Tensor& w) {
+  const int wt = weight_type(w);
+  return (wt == kI8 || wt == kI4) && w.numel() > 0 &&
+         int_marked(static_cast<const char*>(w.data_ptr()), wt, w.size(-1));
+}
+
 inline void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
               "cpu kernel: x must be 2-d float32 on CPU, got ", x.sizes(), " ", x.scalar_type());
@@ -173,7 +180,7 @@ inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const Padded xp = padded(x);
   const int is = pick(isa);
   bool any_int = false;
-  for (const auto& w : ws) any_int = any_int || weight_type(w) == kI8 || weight_type(w) == kI4;
+  for (const auto& w : ws) any_int = any_int || int_weight(w);
   const QRows* qr = prepare_int(xp.p, xp.ld, m, k, any_int);
   split_blocks(first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {

@@ -1,4 +1,5 @@
-// The opt-in integer path of packed int8 / int4 weights (`model.quantize_activations: int8`):
+// The opt-in integer path of packed int8 / int4 weights (`model.quantize_activations: int8`,
+// a weight marked by packed.mark_int_path: the first byte of each row's prefix is 1):
 // each row of x quantized to int8 per group of 32 columns (llama.cpp's Q8_0 blocks), the
 // weights dotted in integers (AVX-512 VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd; plain C++),
 // then one fixed float order. Included by gemv_kernels.h after Args and the float kernels.
@@ -14,16 +15,18 @@
 //   y = tree16(acc) (gemv.cpp's tree), times the row scale for int8 weights, then + bias.
 #pragma once
 
-#include <atomic>
 
 namespace baton_gemv {
 
 constexpr int64_t kQGroup = 32, kQChunk = 64;
 
-// Process-wide switch (`cpu_kernels.set_int_activations`): a worker serves one model.
-inline std::atomic<int>& int_activations() {
-  static std::atomic<int> on{0};
-  return on;
+// Whether a packed int8 / int4 weight row is marked for the integer path (packed.py's
+// `mark_int_path`: the first byte of the row's prefix; int8 rows have 16, int4 rows their
+// scales rounded up past one more byte to 16).
+inline bool int_marked(const char* row, int wt, int64_t k) {
+  if (wt == kI8) return row[-16] != 0;
+  if (wt == kI4) return row[-((2 * (k / kI4Group) + 1 + 15) / 16 * 16)] != 0;
+  return false;
 }
 
 // Rows of x quantized as the contract says: kp = K rounded up to 64.
@@ -330,7 +333,7 @@ void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
 // x's rows quantized once for a call whose weights take the integer path (in the calling
 // thread's buffer, read by the others during the call), else null.
 inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, bool any_int) {
-  if (!any_int || !int_activations().load(std::memory_order_relaxed) || m == 0) return nullptr;
+  if (!any_int || m == 0) return nullptr;
   static thread_local QRows rows;
   quantize_rows(x, ldx, m, k, rows);
   return &rows;

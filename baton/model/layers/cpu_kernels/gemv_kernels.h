@@ -450,7 +450,7 @@ void tiled(const Args& a, int isa, int64_t n0, int64_t n1) {
 }
 
 void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
-  if ((wt == kI8 || wt == kI4) && int_activations().load(std::memory_order_relaxed)) {
+  if ((wt == kI8 || wt == kI4) && n0 < n1 && int_marked(wbase(a, wt, n0), wt, a.k)) {
     if (wt == kI8) int_range<kI8>(a, isa, n0, n1);
     else int_range<kI4>(a, isa, n0, n1);
     return;
