@@ -45,6 +45,10 @@ class ModelSection:
     per 32 columns (llama.cpp's Q8_0 blocks) and dotted in integers (AVX-512 VNNI / AVX2);
     faster, not exact against the dequantized weights (docs/quantization.md). Needs
     packed int8 / int4 weights (`model.quantize` or such a checkpoint)."""
+    quantize_embeddings: Literal["int8"] | None = None
+    """Keep the embeddings and the LM head packed int8 (one float32 scale a row; a lookup
+    decodes the rows it reads) instead of the model dtype: a quarter of their bytes, at some
+    quality (docs/quantization.md). Single-process workers."""
 
     def __post_init__(self) -> None:
         if self.weight_dtype != "float32" and self.dtype != "float32":

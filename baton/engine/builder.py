@@ -80,10 +80,11 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         raise ConfigError(f"model.quantize={cfg.model.quantize!r} runs in single-process workers "
                           f"only (tensor_parallel_size={tp}, pipeline_parallel_size={pp}): "
                           "write the checkpoint with `baton quantize` and serve that instead")
-    if cfg.model.quantize_activations and (tp > 1 or pp > 1):
-        raise ConfigError(f"model.quantize_activations={cfg.model.quantize_activations!r} runs in "
-                          f"single-process workers only (tensor_parallel_size={tp}, "
-                          f"pipeline_parallel_size={pp})")
+    for key in ("quantize_activations", "quantize_embeddings"):
+        if getattr(cfg.model, key) and (tp > 1 or pp > 1):
+            raise ConfigError(f"model.{key}={getattr(cfg.model, key)!r} runs in single-process "
+                              f"workers only (tensor_parallel_size={tp}, "
+                              f"pipeline_parallel_size={pp})")
     if cfg.model.quantize:
         from baton.model.quant.served import refuse_requantize
 
@@ -176,7 +177,8 @@ def _plain(cfg: BatonConfig, path) -> Built:
     dtype = DTYPES[cfg.model.dtype]
     # model.quantize: each weight packed as it is read (int8 / int4 in memory, read as
     # stored by the CPU kernels: baton/model/quant/packed.py)
-    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=cfg.model.quantize)
+    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=cfg.model.quantize,
+                       quantize_embeddings=cfg.model.quantize_embeddings)
     if cfg.model.weight_dtype != "float32":
         from baton.model.layers.linear import cast_weights
 

@@ -343,3 +343,21 @@ def int_path(t: torch.Tensor) -> bool:
     if kind(t) not in ("int8", "int4") or t.numel() == 0:
         return False
     return bool(_mark_bytes(t).reshape(-1)[0].item())
+
+
+class PackedEmbedding(torch.nn.Module):
+    """An embedding table kept packed int8 (one float32 scale a row, `model.quantize_embeddings`):
+    a lookup decodes only the rows it reads, each value float(q) * scale as `dense` does."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        if kind(weight) != "int8" or weight.dim() != 2:
+            raise ValueError(f"packed embedding: a packed int8 [V, H] table, not {weight.dtype}")
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.weight[flat].to(torch.float32) * _bytes(self.weight, 4, 4)[flat].contiguous(
+        ).view(torch.float32)
+        return rows.view(*ids.shape, self.embedding_dim)

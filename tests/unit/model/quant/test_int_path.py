@@ -185,3 +185,27 @@ def test_quantize_activations_without_int_weights_is_refused(src):
     with pytest.raises(ConfigError, match="model.quantize_activations='int8': no int8 / int4 "
                                           "weights are held"):
         build_engine(cfg, str(src))
+
+
+@pytest.mark.usefixtures("model_single_thread")
+@pytest.mark.parametrize("tie", [False, True])
+def test_quantized_embeddings_and_lm_head(tmp_path, tie):
+    # model.quantize_embeddings: the table and the head packed int8 per row (tied: one
+    # tensor); a lookup decodes just its rows, as `packed.dense` decodes them.
+    src = write_checkpoint(tmp_path / "m", seed=4, tie_word_embeddings=tie, **MODEL)
+    plain = engine_for(src, model={"quantize": "int8"}, **CONFIG)
+    eng = engine_for(src, model={"quantize": "int8", "quantize_embeddings": "int8"}, **CONFIG)
+    table, head = eng.model.embedding, eng.model.lm_head.weight
+    assert isinstance(table, packed.PackedEmbedding) and packed.kind(head) == "int8"
+    assert (head is table.weight) == tie
+    ids = torch.tensor([[3, 299, 0], [7, 7, 150]])
+    assert torch.equal(table(ids), packed.dense(table.weight)[ids])
+    float_table = plain.model.embedding.weight
+    assert torch.allclose(table(ids), float_table[ids], atol=float_table.abs().max() / 127)
+    assert eng.weights.bytes < plain.weights.bytes - 0.7 * float_table.numel() * 4 * (2 - tie)
+    # this seeded model's greedy tokens stay those of the float table and head
+    assert run_staggered(eng, staggered(4)) == run_staggered(plain, staggered(4))
+    cfg = BatonConfig.from_dict({"model": {"quantize_embeddings": "int8"},
+                                 "worker": {"tensor_parallel_size": 2}})
+    with pytest.raises(ConfigError, match="model.quantize_embeddings='int8' runs in single"):
+        build_engine(cfg, str(src))
