@@ -209,3 +209,22 @@ def test_quantized_embeddings_and_lm_head(tmp_path, tie):
                                  "worker": {"tensor_parallel_size": 2}})
     with pytest.raises(ConfigError, match="model.quantize_embeddings='int8' runs in single"):
         build_engine(cfg, str(src))
+
+
+def test_quantize_activations_flag_on_serve_and_workers():
+    from baton.cli import build_parser
+    from baton.cluster.local import _worker_flags
+    from baton.contract import Role
+    from baton.worker.host import _worker_config
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--quantize", "int4", "--quantize-activations", "int8"])
+    assert _worker_flags(serve) == ("--quantize", "int4", "--quantize-activations", "int8")
+    args = parser.parse_args(["decode-worker", "--router", "h:1", "--quantize-activations",
+                              "int8"])
+    assert _worker_config(args, Role.DECODE).model.quantize_activations == "int8"
+    args = parser.parse_args(["generate", "--local", "--quantize-activations", "int8",
+                              "--prompt", "hi"])
+    assert args.quantize_activations == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantize-activations", "int4"])
