@@ -180,6 +180,32 @@ def test_engine_tokens_do_not_depend_on_the_batch(kernel, src, mode):
     assert 0 < kl < 1e-3, kl
 
 
+@pytest.mark.usefixtures("model_single_thread")
+@pytest.mark.parametrize("family", ["nemotron_h_moe", "qwen3_5_moe"])
+def test_moe_engine_tokens_do_not_depend_on_the_batch(kernel, tmp_path, family):
+    # routed and shared experts on the integer path (grouped_linear, the one-call MoE blocks)
+    common = {k: v for k, v in MODEL.items() if k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim")}
+    extra = (dict(pattern="M*ME", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+                  n_groups=2, chunk_size=32, moe_intermediate_size=96,
+                  moe_shared_expert_intermediate_size=128) if family == "nemotron_h_moe" else
+             dict(family="qwen3_5_moe", pattern="G*G", linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                  shared_expert_intermediate_size=128))
+    src = write_checkpoint(tmp_path / family, seed=4, **common, **extra)
+    eng = engine_for(src, model={"quantize": "int8", "quantize_activations": "int8"}, **CONFIG)
+    experts = [p for n, p in eng.model.named_parameters() if "experts" in n
+               and packed.kind(p) == "int8"]
+    assert experts and all(packed.int_path(p) for p in experts)
+    work = staggered(5)
+    batched = run_staggered(eng, work)
+    for _, r in work:
+        alone = run_alone(eng, r.id + "-alone", r.prompt_ids, r.sampling.max_tokens)[0]
+        assert alone == batched[r.id], r.id
+
+
 def test_quantize_activations_without_int_weights_is_refused(src):
     cfg = BatonConfig.from_dict({"model": {"quantize_activations": "int8"}, **CONFIG})
     with pytest.raises(ConfigError, match="model.quantize_activations='int8': no int8 / int4 "
