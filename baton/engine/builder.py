@@ -165,7 +165,9 @@ def _weights(path, cfg: BatonConfig, model):
     kinds = sorted({packed.kind(p) for p in held.parameters()} - {None})
     held_as = f"packed {' / '.join(kinds)} and {cfg.model.dtype}" if kinds else cfg.model.dtype
     fmt = served_format(path, cfg.model.quantize)
-    if cfg.model.quantize_activations:  # other numerics: a P/D pair must agree on it too
+    if cfg.model.quantize_embeddings:  # other numerics: a P/D pair must agree on them too
+        fmt += f"+{cfg.model.quantize_embeddings}_embeddings"
+    if cfg.model.quantize_activations:
         fmt += f"+{cfg.model.quantize_activations}_activations"
         held_as += f", {cfg.model.quantize_activations} activations"
     return WeightInfo(fmt, resident_bytes(held), held_as)

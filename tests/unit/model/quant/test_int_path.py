@@ -224,6 +224,7 @@ def test_quantized_embeddings_and_lm_head(tmp_path, tie):
     table, head = eng.model.embedding, eng.model.lm_head.weight
     assert isinstance(table, packed.PackedEmbedding) and packed.kind(head) == "int8"
     assert (head is table.weight) == tie
+    assert eng.weights.format == "w8a16_channel+int8_embeddings"
     ids = torch.tensor([[3, 299, 0], [7, 7, 150]])
     assert torch.equal(table(ids), packed.dense(table.weight)[ids])
     float_table = plain.model.embedding.weight
