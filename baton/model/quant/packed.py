@@ -290,30 +290,39 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
                          ) -> torch.Tensor:
     """x [M, K] float32 through a packed int8 / int4 weight [N, K] on the integer path, in
-    torch (the kernels' contract, `cpu_kernels/gemv_int.h`): per group g and lane j of 4
-    columns the integer sum p; c_g = d_g (int8) or d_g * s_g (int4); 16 lanes
-    acc[8 (g % 2) + j] = fma(p, c_g, acc) over g; a fixed tree of the lanes; times the row
+    torch (the kernels' contract, `cpu_kernels/gemv_int.h`): 16 lanes, each an integer sum
+    p per chunk (int8: chunks of 64 columns, lane 8 (g % 2) + j the 4 columns j of group g;
+    int4: chunks of 128, lane L the 8 columns from 8 L); c_g = d_g (int8) or d_g * s_g (int4);
+    acc[L] = fma(p, c_g, acc[L]) over the chunks; a fixed tree of the lanes; times the row
     scale (int8); + bias."""
     m, k = x.shape
     n = w.shape[0]
     q, d = quantize_rows(x.float())
-    kp = q.shape[1]
+    chunk = 64 if kind(w) == "int8" else 128
+    kp = -(-k // chunk) * chunk
     groups = kp // ACT_GROUP
+    qx = torch.zeros(m, kp, dtype=torch.int64)
+    qx[:, :min(kp, q.shape[1])] = q[:, :kp].to(torch.int64)
+    dx = torch.zeros(m, groups, dtype=torch.float32)
+    dx[:, :min(groups, d.shape[1])] = d[:, :groups]
     qw = torch.zeros(n, kp, dtype=torch.int64)
     qw[:, :k] = values(w).to(torch.int64)
-    p = (q.to(torch.int64).view(m, 1, groups, 8, 4)
-         * qw.view(1, n, groups, 8, 4)).sum(-1)  # [M, N, G, 8]
+    chunks = kp // chunk
+    per = chunk // 16  # columns a lane sums
+    p = (qx.view(m, 1, chunks, 16, per) * qw.view(1, n, chunks, 16, per)).sum(-1)
     if kind(w) == "int8":
-        c = d[:, None, :].expand(m, n, groups)
+        c = dx[:, None, :].expand(m, n, groups)
     else:
         s = torch.zeros(n, groups, dtype=torch.float32)
         s[:, :k // GROUP] = scales(w).float()
-        c = d[:, None, :] * s[None]
+        c = dx[:, None, :] * s[None]
+    # each lane's group: int8 lanes 0-7 / 8-15 the chunk's two groups, int4 lanes 4 a group
+    lane_group = torch.arange(16) // (8 if kind(w) == "int8" else 4)
     acc = torch.zeros(m, n, 16, dtype=torch.float32)
-    for g in range(groups):
-        lanes = slice(8 * (g % 2), 8 * (g % 2) + 8)
-        fused = p[..., g, :].double() * c[..., g, None].double() + acc[..., lanes].double()
-        acc[..., lanes] = fused.float()  # one rounding (the product is exact in float64)
+    for ch in range(chunks):
+        cg = c[..., ch * (chunk // ACT_GROUP) + lane_group]  # [M, N, 16]
+        fused = p[..., ch, :].double() * cg.double() + acc.double()
+        acc = fused.float()  # one rounding (the product is exact in float64)
     s8 = acc[..., :8] + acc[..., 8:]
     s4 = s8[..., :4] + s8[..., 4:]
     s2 = s4[..., :2] + s4[..., 2:]
