@@ -33,4 +33,3 @@ def gemv():
     if "gemv" not in _cache:
         _cache["gemv"] = jit_build.load(BUILD)
     return _cache["gemv"]
-
