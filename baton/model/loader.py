@@ -196,8 +196,9 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
     stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
-                _drop_file_pages(file)  # the tensors read before this one: copied or packed
+            for i, name in enumerate(progress(list(f.keys()), f"loading {file.name}", "tensor")):
+                if i % DROP_EVERY == 0:
+                    _drop_file_pages(file)  # the tensors read before this one: copied or packed
                 part = next((p for p in skipped if name.startswith(p)), None)
                 if part is not None:
                     skipped[part] += 1
@@ -252,6 +253,11 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
             f"{' ...' if len(missing) > 8 else ''} required by its config.json ({why})"
         )
     return state, unexpected
+
+
+DROP_EVERY = 8
+"""Tensors read between two `_drop_file_pages` (each reads /proc/self/maps: a checkpoint of
+thousands of expert tensors would pay it thousands of times)."""
 
 
 def _drop_file_pages(file: Path) -> None:
