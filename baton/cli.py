@@ -71,6 +71,9 @@ def _add_quantize(p, who: str = "") -> None:
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help=f"{who}quantize the projections at load, kept int8 / int4 in memory "
                         "(default: config model.quantize; docs/quantization.md)")
+    p.add_argument("--quantize-activations", choices=["int8"], default=None,
+                   help=f"{who}int8 / int4 weights dotted with int8 activations (faster, not "
+                        "exact; default: config model.quantize_activations)")
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:

@@ -42,6 +42,11 @@ def cmd_generate(args) -> int:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantize=args.quantize))
+    if getattr(args, "quantize_activations", None):
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, quantize_activations=args.quantize_activations))
     if args.local:
         from baton.client.local import run_local
         from baton.engine.builder import build_engine

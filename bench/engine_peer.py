@@ -39,8 +39,29 @@ MTP head). `nemotron_h_moe` is `bench moe`'s 18-layer MoE model (100m widths, 32
 active); the Qwen3.5-MoE one is its family's 100m preset (8 experts, 2 active)."""
 
 
-PAIRS = (("int8", "q8_0"), ("int4", "q4_0"), ("int4", "q4_k_m"))
-"""(Baton `model.quantize`, llama.cpp GGUF type) compared at equal bits."""
+PAIRS = (("int8", "q8_0"), ("int4", "q4_0"), ("int4", "q4_k_m"),
+         ("int8a8e", "q8_0"), ("int4a8e", "q4_0"), ("int4a8e", "q4_k_m"))
+"""(Baton format, llama.cpp GGUF type) compared at equal bits: `int8` / `int4` are
+`model.quantize` (exact against the dequantized weights; embeddings and LM head float32);
+`a8` adds `model.quantize_activations: int8` (integer dot products, as llama.cpp computes),
+`e` `model.quantize_embeddings: int8` (embeddings and LM head int8, as llama.cpp keeps them
+quantized)."""
+
+QUALITY_ONLY = ("int8a8", "int4a8", "int8e")
+"""Formats scored for quality only: what each option costs on its own."""
+
+
+def model_section(fmt: str) -> dict:
+    """The `model` config section of a Baton format of `PAIRS` (or float32 / bf16)."""
+    if fmt == "bf16":
+        return {"weight_dtype": "bfloat16"}
+    if fmt == "float32":
+        return {"quantize": None}
+    base, rest = fmt[:4], fmt[4:]
+    if base not in ("int8", "int4") or rest not in ("", "a8", "e", "a8e"):
+        raise ValueError(f"bench format {fmt!r}: int8 / int4, then a8 and / or e")
+    return {"quantize": base} | ({"quantize_activations": "int8"} if "a8" in rest else {}) \
+        | ({"quantize_embeddings": "int8"} if rest.endswith("e") else {})
 
 TARGETS = {"prefill": 1.2, 1: 1.0, 8: 1.5}
 """Issue 49's speed targets, Baton speed / llama.cpp speed at equal bits (decode by batch)."""
@@ -441,9 +462,7 @@ def _bits_config(fmt: str, sz) -> dict:
     batch = max(sz["decode"])
     need = [(1, sz["prefill"] + 2), *((b, p + s + 2) for b, (p, s) in sz["decode"].items())]
     blocks = max(b * (-(-n // 16) + 1) for b, n in need)
-    model = ({"weight_dtype": "bfloat16"} if fmt == "bf16" else
-             {"quantize": None if fmt == "float32" else fmt})
-    return {"model": model,
+    return {"model": model_section(fmt),
             "cache": {"enable_prefix_reuse": False, "num_blocks": blocks + 16,
                       "num_state_slots": batch + 1},
             "worker": {"max_num_seqs": batch, "max_batch_tokens": 2048,
@@ -542,7 +561,8 @@ def _reference(path, seq: int, windows: int) -> tuple[list[list[int]], list[torc
 def _baton_tallies(path, wins, refs, fp8: Path | None = None) -> dict:
     from bench import quality
 
-    variants = {f: (path, {"model": {"quantize": f}}) for f in dict.fromkeys(f for f, _ in PAIRS)}
+    variants = {f: (path, {"model": model_section(f)})
+                for f in dict.fromkeys([*(f for f, _ in PAIRS), *QUALITY_ONLY])}
     variants["bf16"] = (path, {"model": {"weight_dtype": "bfloat16"}})
     if fp8 is not None:
         variants["fp8"] = (fp8, {})

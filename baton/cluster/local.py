@@ -355,7 +355,7 @@ def _worker_flags(args) -> tuple[str, ...]:
 
         BatonConfig.load(args.config).speculative.with_draft_tokens(k)
     out: list[str] = []
-    for flag in ("tensor_parallel_size", "speculative_tokens", "quantize"):
+    for flag in ("tensor_parallel_size", "speculative_tokens", "quantize", "quantize_activations"):
         v = getattr(args, flag, None)
         if v is not None:
             out += ["--" + flag.replace("_", "-"), str(v)]

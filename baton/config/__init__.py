@@ -40,6 +40,15 @@ class ModelSection:
     groups of 32 (norms, router, conv, SSM parameters, embeddings and LM head stay exact);
     packed in memory (int8 / int4, read as stored by the CPU kernels). docs/quantization.md.
     Single-process workers (no TP / PP yet)."""
+    quantize_activations: Literal["int8"] | None = None
+    """Opt-in integer path for int8 / int4 weights on CPU: activations quantized to int8
+    per 32 columns (llama.cpp's Q8_0 blocks) and dotted in integers (AVX-512 VNNI / AVX2);
+    faster, not exact against the dequantized weights (docs/quantization.md). Needs
+    packed int8 / int4 weights (`model.quantize` or such a checkpoint)."""
+    quantize_embeddings: Literal["int8"] | None = None
+    """Keep the embeddings and the LM head packed int8 (one float32 scale a row; a lookup
+    decodes the rows it reads) instead of the model dtype: a quarter of their bytes, at some
+    quality (docs/quantization.md). Single-process workers."""
 
     def __post_init__(self) -> None:
         if self.weight_dtype != "float32" and self.dtype != "float32":

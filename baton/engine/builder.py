@@ -76,6 +76,11 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
         from baton.cache.tiers import refuse_tiers
 
         refuse_tiers(cfg, "worker.tensor_parallel_size / pipeline_parallel_size > 1")
+    for key in ("quantize_activations", "quantize_embeddings"):
+        if getattr(cfg.model, key) and (tp > 1 or pp > 1):
+            raise ConfigError(f"model.{key}={getattr(cfg.model, key)!r} runs in single-process "
+                              f"workers only (tensor_parallel_size={tp}, "
+                              f"pipeline_parallel_size={pp})")
     if cfg.model.quantize:
         from baton.model.quant.served import refuse_requantize
 
@@ -100,6 +105,8 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     if built.pad_rows:
         log.info("decode steps padded to batch sizes %s (pad block %s, pad slot %s)",
                  list(cfg.worker.decode_batch_buckets), cache.pad_block, cache.pad_slot)
+    if tp == 1 and pp == 1:
+        _int_activations(cfg, built.model)
     weights = _weights(path, cfg, built.model)
     if tp == 1 and pp == 1:
         _log_plain(path, built.model, built.pools.spec, built.reserved, cache, weights)
@@ -113,6 +120,33 @@ def build_engine(cfg: BatonConfig, model_path: str | None = None, stage_argv=Non
     return engine
 
 
+def _int_activations(cfg: BatonConfig, model) -> None:
+    """`model.quantize_activations`: every packed int8 / int4 weight marked for the CPU
+    kernels' integer path (`quant.packed.mark_int_path`: per weight, so other models in the
+    process keep theirs); refused in one line where it cannot apply (no such weights, not CPU
+    float32, no kernel)."""
+    from baton.model.layers import cpu_kernels
+    from baton.model.quant import packed
+
+    mode = cfg.model.quantize_activations
+    if not mode:
+        return
+    held = [p for p in model.parameters() if packed.kind(p) in ("int8", "int4")]
+    why = ("no int8 / int4 weights are held (set model.quantize, or serve an int8 / "
+           "W4A16 g32 checkpoint)" if not held
+           else "it runs on CPU in float32" if (cfg.model.device != "cpu"
+                                                 or cfg.model.dtype != "float32")
+           else "Baton's CPU kernels are not built here" if cpu_kernels.gemv() is None
+           else None)
+    if why:
+        raise ConfigError(f"model.quantize_activations={mode!r}: {why}")
+    for p in held:
+        packed.mark_int_path(p.data)
+    log.info("model.quantize_activations %s: %d int8 / int4 weights dotted with int8 "
+             "activations (per 32 columns; not exact against the dequantized weights)", mode,
+             len(held))
+
+
 def _weights(path, cfg: BatonConfig, model):
     """The weight format served and the bytes held (this process's: a TP / PP worker's rank
     0 or stage 0)."""
@@ -124,7 +158,13 @@ def _weights(path, cfg: BatonConfig, model):
 
     kinds = sorted({packed.kind(p) for p in held.parameters()} - {None})
     held_as = f"packed {' / '.join(kinds)} and {cfg.model.dtype}" if kinds else cfg.model.dtype
-    return WeightInfo(served_format(path, cfg.model.quantize), resident_bytes(held), held_as)
+    fmt = served_format(path, cfg.model.quantize)
+    if cfg.model.quantize_embeddings:  # other numerics: a P/D pair must agree on them too
+        fmt += f"+{cfg.model.quantize_embeddings}_embeddings"
+    if cfg.model.quantize_activations:
+        fmt += f"+{cfg.model.quantize_activations}_activations"
+        held_as += f", {cfg.model.quantize_activations} activations"
+    return WeightInfo(fmt, resident_bytes(held), held_as)
 
 
 def _plain(cfg: BatonConfig, path) -> Built:
@@ -133,7 +173,8 @@ def _plain(cfg: BatonConfig, path) -> Built:
     dtype = DTYPES[cfg.model.dtype]
     # model.quantize: each weight packed as it is read (int8 / int4 in memory, read as
     # stored by the CPU kernels: baton/model/quant/packed.py)
-    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=cfg.model.quantize)
+    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=cfg.model.quantize,
+                       quantize_embeddings=cfg.model.quantize_embeddings)
     if cfg.model.weight_dtype != "float32":
         from baton.model.layers.linear import cast_weights
 

@@ -33,6 +33,7 @@ def family_loader(cfg) -> Weights:
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
     quantize: str | None = None,
+    quantize_embeddings: str | None = None,
 ):
     """Build the model described by `path/config.json` and fill it from its safetensors files.
 
@@ -49,8 +50,9 @@ def load_model(
         model = family.of(cfg).model_class()(cfg)
         attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
+    head = (fam.embeddings, "lm_head.weight") if quantize_embeddings else ()
     state, unexpected = _read_tensors(path, expected, cfg, torch.device(device), dtype,
-                                      quantize)
+                                      quantize, head)
     if unexpected:
         log.warning(
             "ignoring %d checkpoint tensor(s) the model does not use, e.g. %s",
@@ -61,10 +63,26 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.get_parameter(fam.embeddings)
+    if quantize_embeddings:
+        _packed_embedding(model)
     if quantize:
         log.info("model.quantize %s: %d weight tensors packed as they were read (%.1f MB)",
                  quantize, *_packed_count(model))
     return install_linears(model.eval(), "decode")
+
+
+def _packed_embedding(model) -> None:
+    """`model.quantize_embeddings`: the table loaded packed int8 is looked up as such (the LM
+    head, a packed weight of a `FastLinear`, needs nothing more)."""
+    from baton.model.quant import packed
+
+    table = model.embedding
+    if packed.kind(table.weight) == "int8":
+        model.set_embedding(packed.PackedEmbedding(table.weight.data))
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = model.embedding.weight
+    log.info("model.quantize_embeddings int8: the embeddings and the LM head packed int8, "
+             "one float32 scale a row")
 
 
 def _packed_count(model) -> tuple[int, float]:
@@ -154,20 +172,27 @@ def packed_weights() -> bool:
     return envs.PACKED_WEIGHTS.get() and envs.CPU_KERNELS.get()
 
 
-def _packer(quantize: str | None):
+def _packer(quantize: str | None, head: tuple[str, ...] = ()):
     """name, tensor -> the tensor as the model holds it: packed where `quantize` quantizes
-    it (`quant.quantize.quantizable`), else unchanged."""
-    if not quantize:
+    it (`quant.quantize.quantizable`), the embeddings and LM head (`head`, their names) packed
+    int8 per row (`model.quantize_embeddings`), else unchanged."""
+    if not quantize and not head:
         return lambda name, t: t
     from baton.model.quant import packed
     from baton.model.quant.quantize import quantizable
 
-    return lambda name, t: packed.pack(t, quantize) if quantizable(name, t, quantize) else t
+    def keep(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in head and t.dim() == 2 and t.is_floating_point():
+            return packed.pack(t, "int8")
+        return packed.pack(t, quantize) if quantize and quantizable(name, t, quantize) else t
+
+    return keep
 
 
-def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = None):
+def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = None,
+                  head: tuple[str, ...] = ()):
     fam = family_loader(cfg)
-    keep = _packer(quantize)
+    keep = _packer(quantize, head)
     # quantized checkpoints' weights stay as stored where the CPU kernels read them (float32
     # compute on the CPU; `QuantSlice.packed` says which formats); elsewhere decoded
     pack_stored = device.type == "cpu" and dtype == torch.float32 and packed_weights()
@@ -177,7 +202,9 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
     stacks = ExpertStacks(expected)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in progress(list(f.keys()), f"loading {file.name}", "tensor"):
+            for i, name in enumerate(progress(list(f.keys()), f"loading {file.name}", "tensor")):
+                if i % DROP_EVERY == 0:
+                    _drop_file_pages(file)  # the tensors read before this one: copied or packed
                 part = next((p for p in skipped if name.startswith(p)), None)
                 if part is not None:
                     skipped[part] += 1
@@ -232,6 +259,55 @@ def _read_tensors(path, expected, cfg, device, dtype, quantize: str | None = Non
             f"{' ...' if len(missing) > 8 else ''} required by its config.json ({why})"
         )
     return state, unexpected
+
+
+DROP_EVERY = 8
+"""Tensors read between two `_drop_file_pages` (each reads /proc/self/maps: a checkpoint of
+thousands of expert tensors would pay it thousands of times)."""
+
+
+def _drop_file_pages(file: Path) -> None:
+    """Drop the pages of `file`'s mappings from this process (madvise DONTNEED; they stay in
+    the page cache and fault in again, the file's bytes, if read: safetensors maps it private
+    and nothing writes into it, every tensor read from it is copied or packed). safetensors maps the checkpoint and
+    every page read stays resident until the file is closed: a float32 checkpoint loaded
+    with `model.quantize` held all of its 400 MB mapped at the load's peak beside the packed
+    weights (Baton's peak RSS in `bench engine --peer llamacpp`). Linux; elsewhere nothing."""
+    import ctypes
+    import os
+
+    libc = _libc()
+    if libc is None:
+        return
+    target = os.fsencode(os.path.realpath(file))
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].rstrip(b"\n") == target:
+                    lo, hi = (int(x, 16) for x in parts[0].split(b"-"))
+                    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)
+    except OSError:
+        return
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    if "libc" not in _LIBC:
+        try:
+            _LIBC["libc"] = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                                        use_errno=True)
+        except OSError:
+            _LIBC["libc"] = None
+    return _LIBC["libc"]
+
+
+_LIBC: dict = {}
 
 
 def _canonical(name: str, aliases: dict[str, str]) -> str:

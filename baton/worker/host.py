@@ -172,6 +172,9 @@ def _worker_config(args, role: Role) -> BatonConfig:
         cfg = dataclasses.replace(cfg, speculative=cfg.speculative.with_draft_tokens(k))
     if getattr(args, "quantize", None):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantize=args.quantize))
+    if getattr(args, "quantize_activations", None):
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, quantize_activations=args.quantize_activations))
     return cfg
 
 

@@ -189,13 +189,16 @@ def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Te
     kernel's bits on the dequantized weight). A prefill on the fast path: QUANT_TILE rows of
     the weight decoded at a time into float32 and multiplied as a float prefill is
     (`_prefill_linear`); the tiles do not depend on the rows, so a row's bits do not depend on
-    its chunk. Elsewhere (reference path, other devices): the decoded weight, one layer at a
-    time."""
+    its chunk. With `model.quantize_activations` the fast path's prefill takes the kernel's
+    integer path too. Elsewhere (reference path, other devices): the decoded weight, one layer
+    at a time."""
     n_out = w.shape[0]
     bias = None if bias is None else bias.float()
     cpu = x.device.type == "cpu" and x.dtype == torch.float32 and rows > 0
     kernel = cpu_kernels.gemv() if cpu and decode_path() == "fast" else None
-    if kernel is not None and (getattr(_local, "decoding", False) or packed_decoding()):
+    if kernel is not None and (getattr(_local, "decoding", False) or packed_decoding()
+                               or quant_packed.int_path(w)):
+        # (the integer path, `model.quantize_activations`: prefill too, in integers)
         return kernel.linear(x.reshape(rows, x.shape[-1]), w, bias).view(*x.shape[:-1], n_out)
     if cpu and decode_path() == "fast" and _packed_ok():
         x2 = x.reshape(rows, x.shape[-1])

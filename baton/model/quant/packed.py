@@ -11,6 +11,8 @@ it on unchanged); each row carries its scales just before its first weight:
           column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
           float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
           w = float(q - 8) * float(s_g)                        (K % 32 == 0)
+    int8 / int4: the first byte of each row's prefix is 1 where the weight takes the kernels'
+          integer path (`mark_int_path`, `model.quantize_activations`), else 0.
     fp8   dtype float8_e4m3fn: K values q as the checkpoint stores them; one float32 scale per
           128 columns, group g's 4 (g + 1) bytes before the row (Qwen's 128 x 128 tiles, a
           per-channel or per-tensor scale repeated); w = fp32(q) * s_g
@@ -47,6 +49,12 @@ def kind(t: torch.Tensor) -> str | None:
 
 def _round16(n: int) -> int:
     return -(-n // 16) * 16
+
+
+def _i4_prefix(k: int) -> int:
+    """Bytes before an int4 row: its float16 scales, and at least one byte (the first: the
+    integer-path mark, `mark_int_path`)."""
+    return _round16(2 * (k // GROUP) + 1)
 
 
 CHUNK_BYTES = 1 << 20
@@ -89,7 +97,7 @@ def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         buf = torch.zeros(rows * ldw, dtype=torch.uint8)
         view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
     else:
-        prefix = _round16(2 * (k // GROUP))
+        prefix = _i4_prefix(k)
         ldw = prefix + _round16(k // 2)
         buf = torch.zeros(rows * ldw + k, dtype=torch.uint8)  # + k: the view's last row fits
         view = buf.as_strided(shape, _strides(lead, n, ldw), prefix)
@@ -133,7 +141,7 @@ def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> t
 
 def _prefix(t: torch.Tensor) -> int:
     k = t.shape[-1]
-    return {"int8": I8_PREFIX, "int4": _round16(2 * (k // GROUP)),
+    return {"int8": I8_PREFIX, "int4": _i4_prefix(k),
             "fp8": _round16(4 * -(-k // FP8_GROUP)),
             "nvfp4": _round16(4 + k // NVFP4_GROUP)}[kind(t)]
 
@@ -169,7 +177,7 @@ def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None
 def _fill_int4(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     k = q.shape[-1]
     rows, groups = q.numel() // max(k, 1), k // GROUP
-    prefix = _round16(2 * groups)
+    prefix = _i4_prefix(k)
     u = (q.reshape(rows, k).to(torch.int16) + 8).to(torch.uint8)
     grid[:, prefix:prefix + k // 2] = u[:, 0::2] | (u[:, 1::2] << 4)
     s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
@@ -323,3 +331,108 @@ def cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
         raise ValueError(f"packed {k} weights are joined along a dim before the last")
     split = [_parts(p) for p in parts]
     return _repack(k, tuple(torch.cat(xs, dim=dim) for xs in zip(*split, strict=True)))
+
+
+ACT_GROUP = 32
+"""Columns of x that share one int8 scale on the integer path (llama.cpp's Q8_0 block)."""
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as the integer path quantizes them (`cpu_kernels/gemv_int.h`): per
+    group of 32 columns, K padded with zeros to a multiple of 64, d = amax / 127 and
+    q = round-half-even(x / d) (as x * (1 / d)) in [-127, 127]. Returns (q [M, Kp] int8,
+    d [M, Kp / 32] float32)."""
+    m, k = x.shape
+    kp = -(-k // 64) * 64
+    xp = torch.zeros(m, kp, dtype=torch.float32)
+    xp[:, :k] = x
+    xg = xp.view(m, kp // ACT_GROUP, ACT_GROUP)
+    d = xg.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xg * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(m, kp), d
+
+
+def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """x [M, K] float32 through a packed int8 / int4 weight [N, K] on the integer path, in
+    torch (the kernels' contract, `cpu_kernels/gemv_int.h`): 16 lanes, each an integer sum
+    p per chunk (int8: chunks of 64 columns, lane 8 (g % 2) + j the 4 columns j of group g;
+    int4: chunks of 128, lane L the 8 columns from 8 L); c_g = d_g (int8) or d_g * s_g (int4);
+    acc[L] = fma(p, c_g, acc[L]) over the chunks; a fixed tree of the lanes; times the row
+    scale (int8); + bias."""
+    m, k = x.shape
+    n = w.shape[0]
+    q, d = quantize_rows(x.float())
+    chunk = 64 if kind(w) == "int8" else 128
+    kp = -(-k // chunk) * chunk
+    groups = kp // ACT_GROUP
+    qx = torch.zeros(m, kp, dtype=torch.int64)
+    qx[:, :min(kp, q.shape[1])] = q[:, :kp].to(torch.int64)
+    dx = torch.zeros(m, groups, dtype=torch.float32)
+    dx[:, :min(groups, d.shape[1])] = d[:, :groups]
+    qw = torch.zeros(n, kp, dtype=torch.int64)
+    qw[:, :k] = values(w).to(torch.int64)
+    chunks = kp // chunk
+    per = chunk // 16  # columns a lane sums
+    p = (qx.view(m, 1, chunks, 16, per) * qw.view(1, n, chunks, 16, per)).sum(-1)
+    if kind(w) == "int8":
+        c = dx[:, None, :].expand(m, n, groups)
+    else:
+        s = torch.zeros(n, groups, dtype=torch.float32)
+        s[:, :k // GROUP] = scales(w).float()
+        c = dx[:, None, :] * s[None]
+    # each lane's group: int8 lanes 0-7 / 8-15 the chunk's two groups, int4 lanes 4 a group
+    lane_group = torch.arange(16) // (8 if kind(w) == "int8" else 4)
+    acc = torch.zeros(m, n, 16, dtype=torch.float32)
+    for ch in range(chunks):
+        cg = c[..., ch * (chunk // ACT_GROUP) + lane_group]  # [M, N, 16]
+        fused = p[..., ch, :].double() * cg.double() + acc.double()
+        acc = fused.float()  # one rounding (the product is exact in float64)
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    y = s2[..., 0] + s2[..., 1]
+    if kind(w) == "int8":
+        y = y * scales(w).float()[None]
+    if bias is not None:
+        y = y + bias.float()
+    return y
+
+
+def _mark_bytes(t: torch.Tensor) -> torch.Tensor:
+    return _bytes(t, 1, _prefix(t))
+
+
+def mark_int_path(t: torch.Tensor, on: bool = True) -> None:
+    """Mark a packed int8 / int4 weight (every row's first prefix byte) so that the kernels
+    take their integer path on it (`cpu_kernels/gemv_int.h`); per weight, so two models in
+    one process keep their own numerics."""
+    if kind(t) not in ("int8", "int4"):
+        raise ValueError(f"integer path: a packed int8 / int4 weight is marked, not {t.dtype}")
+    _mark_bytes(t).fill_(1 if on else 0)
+
+
+def int_path(t: torch.Tensor) -> bool:
+    """Whether a packed weight is marked for the integer path (its first row's mark)."""
+    if kind(t) not in ("int8", "int4") or t.numel() == 0:
+        return False
+    return bool(_mark_bytes(t).reshape(-1)[0].item())
+
+
+class PackedEmbedding(torch.nn.Module):
+    """An embedding table kept packed int8 (one float32 scale a row, `model.quantize_embeddings`):
+    a lookup decodes only the rows it reads, each value float(q) * scale as `dense` does."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        if kind(weight) != "int8" or weight.dim() != 2:
+            raise ValueError(f"packed embedding: a packed int8 [V, H] table, not {weight.dtype}")
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.weight[flat].to(torch.float32) * _bytes(self.weight, 4, 4)[flat].contiguous(
+        ).view(torch.float32)
+        return rows.view(*ids.shape, self.embedding_dim)

@@ -160,8 +160,10 @@ def test_speed_rows_alternate_each_baton_format_with_its_peers(model_tiny_dir):
     torch.set_num_threads(1)
     sz = ep.sizes(quick=True) | {"prefill": 64, "decode": {1: (16, 4), 8: (16, 4)},
                                  "repeats": 2}
-    engines = {f: ep._bits_engine(model_tiny_dir, f, sz) for f in ("int8", "int4")}
+    engines = {f: ep._bits_engine(model_tiny_dir, f, sz)
+               for f in dict.fromkeys(f for f, _ in ep.PAIRS)}
     assert engines["int4"].weights.bytes < engines["int8"].weights.bytes
+    assert engines["int8a8e"].weights.format.endswith("+int8_activations")
     calls: list = []
     workers = {g: _StandIn(g, calls) for _, g in ep.PAIRS}
     rows = ep._bits_speed("nemotron_h", 256, 1, engines, workers, sz)
@@ -188,9 +190,10 @@ def test_baton_quality_side_scores_each_format_against_float32(model_tiny_dir):
     fp8 = ep.fp8_checkpoint("nemotron_h", model_tiny_dir)
     tallies = ep._baton_tallies(model_tiny_dir, wins, refs, fp8)
     m = {k[1]: t.metrics() for k, t in tallies.items()}
-    assert set(m) == {"float32", "int8", "int4", "bf16", "fp8"}
+    assert set(m) == {"float32", "int8", "int4", "int8a8e", "int4a8e", "int8a8", "int4a8",
+                      "int8e", "bf16", "fp8"}
     assert m["float32"]["mean_kl"] == 0.0 and m["float32"]["top1_agreement"] == 1.0
-    for fmt in ("int8", "int4", "bf16", "fp8"):  # each a little off float32, never wildly
+    for fmt in set(m) - {"float32"}:  # each a little off float32, never wildly
         assert 0 < m[fmt]["mean_kl"] < 0.05 and m[fmt]["top1_agreement"] > 0.8, (fmt, m[fmt])
         assert m[fmt]["tokens"] == 64
     assert m["int8"]["mean_kl"] < m["int4"]["mean_kl"]

@@ -18,7 +18,7 @@ SOURCE = HERE / "gemv.cpp"
 BUILD = jit_build.KernelBuild(
     prefix="baton_gemv_", sources=(SOURCE,),
     headers=(HERE / "gemv_common.h", HERE / "gemv_glue.h", HERE / "gemv_moe.h", HERE / "gemv_route.h",
-             HERE / "gemv_kernels.h", HERE / "gemv_avx2.h", HERE / "gemv_api.h"),
+             HERE / "gemv_kernels.h", HERE / "gemv_avx2.h", HERE / "gemv_int.h", HERE / "gemv_api.h"),
     flags=("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"),
     switch=envs.CPU_KERNELS, label="cpu kernels", fallback="torch's matmuls")
 """No -march: each kernel carries its own target attribute and is chosen at run time, so a

@@ -86,6 +86,13 @@ inline int weight_type(const at::Tensor& w) {
   return kF32;
 }
 
+// A packed int8 / int4 weight marked for the integer path (gemv_int.h).
+inline bool int_weight(const at::Tensor& w) {
+  const int wt = weight_type(w);
+  return (wt == kI8 || wt == kI4) && w.numel() > 0 &&
+         int_marked(static_cast<const char*>(w.data_ptr()), wt, w.size(-1));
+}
+
 inline void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
               "cpu kernel: x must be 2-d float32 on CPU, got ", x.sizes(), " ", x.scalar_type());
@@ -172,13 +179,16 @@ inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const int64_t m = x.size(0), k = x.size(1);
   const Padded xp = padded(x);
   const int is = pick(isa);
+  bool any_int = false;
+  for (const auto& w : ws) any_int = any_int || int_weight(w);
+  const QRows* qr = prepare_int(xp.p, xp.ld, m, k, any_int);
   split_blocks(first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);
       if (lo >= hi) continue;
       const at::Tensor& w = ws[i];
       const int64_t n = w.size(0);
-      Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, outs[i], lds[i], m, nullptr};
+      Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, outs[i], lds[i], m, nullptr, qr};
       run_range(a, is, weight_type(w), (lo - first_block[i]) * 8,
                 std::min((hi - first_block[i]) * 8, n));
     }

@@ -90,6 +90,8 @@ constexpr int64_t kPrefetch = 32 << 10;
 constexpr int64_t kPrefetchOneRow = 128 << 10;
 #define BATON_PF_HINT _MM_HINT_T1
 
+struct QRows;  // gemv_int.h
+
 struct Args {
   const float* x;     // [M, >= K rounded up to 16] with row stride ldx, zeros past K
   int64_t ldx;
@@ -100,6 +102,8 @@ struct Args {
   int64_t n;
   int64_t m;
   const float* bias;  // [N] or null
+  const QRows* q = nullptr;  // x's rows quantized (gemv_int.h), rows [q0, q0 + m); or null
+  int64_t q0 = 0;
 };
 
 inline const char* wbase(const Args& a, int wt, int64_t row) {
@@ -391,6 +395,7 @@ void dequant512(const Args& a, int64_t n, int64_t nt, float* out, int64_t ldb) {
 }  // namespace baton_gemv
 
 #include "gemv_avx2.h"
+#include "gemv_int.h"
 
 namespace baton_gemv {
 
@@ -445,6 +450,11 @@ void tiled(const Args& a, int isa, int64_t n0, int64_t n1) {
 }
 
 void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
+  if ((wt == kI8 || wt == kI4) && n0 < n1 && int_marked(wbase(a, wt, n0), wt, a.k)) {
+    if (wt == kI8) int_range<kI8>(a, isa, n0, n1);
+    else int_range<kI4>(a, isa, n0, n1);
+    return;
+  }
   if (wt >= kI8 && a.m >= kTiledFrom) {
     if (wt == kI8) tiled<kI8>(a, isa, n0, n1);
     else if (wt == kF8) tiled<kF8>(a, isa, n0, n1);

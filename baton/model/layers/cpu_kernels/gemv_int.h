@@ -1,0 +1,425 @@
+// The opt-in integer path of packed int8 / int4 weights (`model.quantize_activations: int8`,
+// a weight marked by packed.mark_int_path: the first byte of each row's prefix is 1):
+// each row of x quantized to int8 per group of 32 columns (llama.cpp's Q8_0 blocks), the
+// weights dotted in integers (AVX-512 VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd; plain C++),
+// then one fixed float order. Included by gemv_kernels.h after Args and the float kernels.
+//
+// Contract (every instruction set, batch size, row block and thread count gives these bits):
+//   Activations, per row and group g of 32 columns (the last group padded with zeros):
+//     amax = max |x|, d_g = amax / 127, q = nearbyint(x * (d_g ? 1 / d_g : 0)) in [-127, 127].
+//   16 float lanes acc[L], from +0; integer lane sums p (exact; int4 weights as q - 8):
+//     int8 weights, chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
+//       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g;
+//     int4 weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
+//       (group g = c / 32 + L / 4); c_g = d_g * s_g (the group's float16 scale; one rounding);
+//   acc[L] = fma(float(p), c_g, acc[L]) over the chunks in order, K rounded up to whole
+//   chunks (a group past K has p = 0, c = 0);
+//   y = tree16(acc) (gemv.cpp's tree), times the row scale for int8 weights, then + bias.
+#pragma once
+
+
+namespace baton_gemv {
+
+constexpr int64_t kQGroup = 32, kQChunk = 64, kQChunk4 = 128;
+
+// Whether a packed int8 / int4 weight row is marked for the integer path (packed.py's
+// `mark_int_path`: the first byte of the row's prefix; int8 rows have 16, int4 rows their
+// scales rounded up past one more byte to 16).
+inline bool int_marked(const char* row, int wt, int64_t k) {
+  if (wt == kI8) return row[-16] != 0;
+  if (wt == kI4) return row[-((2 * (k / kI4Group) + 1 + 15) / 16 * 16)] != 0;
+  return false;
+}
+
+// Rows of x quantized as the contract says: kp = K rounded up to 128 (the buffers' stride).
+struct QRows {
+  int64_t m = 0, k = 0, kp = 0;
+  std::vector<int8_t> qa;    // [m, kp]
+  std::vector<uint8_t> ua;   // [m, kp]: qa + 128 (VNNI's unsigned operand for int8 weights)
+  std::vector<float> dx;     // [m, kp / 32]: d_g
+  std::vector<float> dxv;    // [m, kp / 64, 16]: int8 lanes: d_g for lanes 0-7, d_{g+1} 8-15
+  std::vector<int8_t> qa4;   // [m, kp]: each 128 columns as its 64 even, then 64 odd ones
+  std::vector<int32_t> nca4; // [m, kp / 8]: -8 times each int4 lane's sum (weights q + 8)
+  std::vector<float> dxv4;   // [m, kp / 8]: int4 lanes: d of the lane's group
+};
+
+inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q) {
+  q.m = m, q.k = k, q.kp = (k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  q.qa.assign(m * kp, 0), q.ua.resize(m * kp), q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
+  q.dx.resize(m * groups), q.dxv.resize(m * kp / 4), q.dxv4.resize(m * kp / 8);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * ldx;
+    int8_t* qr = q.qa.data() + i * kp;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c0 = g * kQGroup, c1 = std::min(k, c0 + kQGroup);
+      float amax = 0.f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(xr[c]));
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = std::nearbyint(xr[c] * id);
+        qr[c] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+      }
+      q.dx[i * groups + g] = d;
+      for (int l = 0; l < 8; ++l) q.dxv[i * kp / 4 + (g / 2) * 16 + (g % 2) * 8 + l] = d;
+      for (int l = 0; l < 4; ++l) q.dxv4[i * kp / 8 + (g / 4) * 16 + (g % 4) * 4 + l] = d;
+    }
+    for (int64_t c = 0; c < kp; ++c) q.ua[i * kp + c] = static_cast<uint8_t>(qr[c] + 128);
+    int8_t* q4 = q.qa4.data() + i * kp;
+    for (int64_t c = 0; c < kp; c += kQChunk4)
+      for (int64_t j = 0; j < kQChunk4 / 2; ++j)
+        q4[c + j] = qr[c + 2 * j], q4[c + kQChunk4 / 2 + j] = qr[c + 2 * j + 1];
+    for (int64_t l = 0; l < kp / 8; ++l) {
+      int32_t sum = 0;
+      for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
+      q.nca4[i * kp / 8 + l] = -8 * sum;
+    }
+  }
+}
+
+// c_g of a weight row (int4: times its group scale; a group past K: 0).
+template <int WT>
+inline float int_scale(const char* wr, int64_t k, int64_t g, float d) {
+  if (g * kQGroup >= k) return 0.f;
+  if constexpr (WT == kI4) return d * half_float(i4_scale_bits(wr, g * kQGroup));
+  return d;
+}
+
+template <int WT>
+inline int int_weight(const char* wr, int64_t c) {
+  if constexpr (WT == kI8) return reinterpret_cast<const int8_t*>(wr)[c];
+  const uint8_t b = reinterpret_cast<const uint8_t*>(wr)[c / 2];
+  return (c & 1 ? b >> 4 : b & 0xF) - 8;
+}
+
+template <int WT>
+inline float int_finish(const char* wr, float s, const float* bias, int64_t n) {
+  if constexpr (WT == kI8) s = s * i8_scale(wr);
+  if (bias) s = s + bias[n];
+  return s;
+}
+
+template <int WT>
+void int_scalar(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  const int64_t chunk = WT == kI8 ? kQChunk : kQChunk4, kc = (a.k + chunk - 1) / chunk * chunk;
+  const int cols = WT == kI8 ? 4 : 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const char* wr = wbase(a, WT, n);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int8_t* qr = q.qa.data() + (q0 + i) * kp;
+      float acc[kLanes] = {0.f};
+      for (int64_t c = 0; c < kc; c += chunk)
+        for (int l = 0; l < kLanes; ++l) {
+          const int64_t g = WT == kI8 ? c / kQGroup + l / 8 : c / kQGroup + l / 4;
+          const int64_t col0 = WT == kI8 ? g * kQGroup + 4 * (l % 8) : c + 8 * l;
+          int32_t p = 0;
+          for (int t = 0; t < cols; ++t)
+            if (col0 + t < a.k) p += qr[col0 + t] * int_weight<WT>(wr, col0 + t);
+          const float cg = int_scale<WT>(wr, a.k, g, q.dx[(q0 + i) * groups + g]);
+          acc[l] = std::fma(static_cast<float>(p), cg, acc[l]);
+        }
+      a.y[i * a.n + n] = int_finish<WT>(wr, tree16(acc), a.bias, n);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+// 64 int8 weights of a row from column c, as stored; zeros past K.
+inline __m512i iw512(const char* wr, int64_t c, int64_t k) {
+  if (c + kQChunk <= k) return _mm512_loadu_si512(wr + c);
+  return _mm512_maskz_loadu_epi8((~0ull) >> (kQChunk - (k - c)), wr + c);
+}
+
+// The 64 bytes of int4 columns c .. c + 127 (zeros past K; K % 32 == 0).
+inline __m512i iw4_512(const char* wr, int64_t c, int64_t k) {
+  if (c + kQChunk4 <= k) return _mm512_loadu_si512(wr + c / 2);
+  return _mm512_maskz_loadu_epi8((~0ull) >> (64 - (k - c) / 2), wr + c / 2);
+}
+
+// [c x 4] per group of an int4 chunk: lane L takes group c / 32 + L / 4's float16 scale (0
+// past K).
+inline __m512 iscale4_512(const char* wr, int64_t c, int64_t k) {
+  const int64_t g = c / kQGroup;
+  uint64_t four = 0;  // [s_{g+3}, s_{g+2}, s_{g+1}, s_g] as stored (group g's 2 (g + 1) before)
+  if (c + kQChunk4 <= k) {
+    std::memcpy(&four, wr - 2 * (g + 4), 8);
+  } else {
+    for (int64_t t = 0; t < 4 && (g + t) * kQGroup < k; ++t) {
+      uint16_t h;
+      std::memcpy(&h, wr - 2 * (g + t + 1), 2);
+      four |= static_cast<uint64_t>(h) << (16 * (3 - t));
+    }
+  }
+  const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(four))));
+  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(idx, v);
+}
+
+template <int MR, int NR>
+inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kp = q.kp, kc = (a.k + kQChunk - 1) / kQChunk * kQChunk;
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(-128)), zero = _mm512_setzero_si512();
+  for (int64_t c = 0; c < kc; c += kQChunk) {
+    __m512i wv[NR], wc[NR];  // weights; -sum(128 w) per lane
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+      wv[j] = iw512(wr[j], c, a.k);
+      wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m512 dv = _mm512_loadu_ps(q.dxv.data() + row * kp / 4 + c / 4);
+      const __m512i ua = _mm512_loadu_si512(q.ua.data() + row * kp + c);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI8>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+}
+
+// int4: each chunk's 64 bytes as stored, low nibbles (even columns) and high nibbles (odd
+// columns) against the row's even / odd activations (`qa4`): no unpacking into column order.
+template <int MR, int NR>
+inline void iblock512_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI4, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kp = q.kp, kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < kc; c += kQChunk4) {
+    __m512i lo[NR], hi[NR];
+    __m512 sv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + c / 2, BATON_PF_HINT);
+      const __m512i b = iw4_512(wr[j], c, a.k);
+      lo[j] = _mm512_and_si512(b, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+      sv[j] = iscale4_512(wr[j], c, a.k);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m512 dv = _mm512_loadu_ps(q.dxv4.data() + row * kp / 8 + c / 8);
+      const __m512i na = _mm512_loadu_si512(q.nca4.data() + row * kp / 8 + c / 8);
+      const __m512i qe = _mm512_loadu_si512(q.qa4.data() + row * kp + c);
+      const __m512i qo = _mm512_loadu_si512(q.qa4.data() + row * kp + c + kQChunk4 / 2);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(na, lo[j], qe), hi[j], qo);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI4>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+}
+
+template <int WT, int NR, int MAXMR>
+inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr) {
+  if constexpr (MAXMR > 1) {
+    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr);
+  }
+  if constexpr (WT == kI8) iblock512_i8<MAXMR, NR>(a, q, q0, i, n0);
+  else iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
+}
+
+template <int WT, int NR, int MAXMR>
+inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    for (int64_t i = 0; i < a.m; i += MAXMR)
+      irows512<WT, NR, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+  for (; n < n1; ++n)
+    for (int64_t i = 0; i < a.m; i += MAXMR)
+      irows512<WT, 1, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+}
+
+template <int WT>
+void int_range512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
+  else iouts512<WT, 4, 4>(a, q, q0, n0, n1);
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// `n` bytes of a row from byte `at` (32 at most; zeros after).
+inline __m256i ibytes256(const char* p, int64_t n) {
+  if (n >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) int8_t buf[32] = {0};
+  if (n > 0) std::memcpy(buf, p, n);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+}
+
+// int8: a group (32 columns) at a time, lanes 0-7 / 8-15 in acc[.][.][g % 2].
+template <int MR, int NR>
+inline void iblock256_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m256 acc[MR][NR][2];
+  const char* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  const int64_t kg = (a.k + kQChunk - 1) / kQChunk * kQChunk / kQGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < kg; ++g) {
+    const int64_t c = g * kQGroup;
+    __m256i wv[NR], wa[NR];
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+      wv[j] = ibytes256(wr[j] + c, a.k - c);
+      wa[j] = _mm256_abs_epi8(wv[j]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.qa.data() + row * kp + c));
+      const __m256 d = _mm256_set1_ps(q.dx[row * groups + g]);
+      for (int j = 0; j < NR; ++j) {
+        const __m256i p =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(qa, wv[j])), ones);
+        __m256& l = acc[r][j][g % 2];
+        l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, l);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] =
+          int_finish<kI8>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+}
+
+// int4: 64 columns (32 bytes) at a time, half h of a 128-column chunk: lanes 8 h .. 8 h + 7.
+template <int MR, int NR>
+inline void iblock256_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m256 acc[MR][NR][2];
+  const char* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI4, n0 + j);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  const int64_t kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < kc; c += kQChunk4)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = c + 64 * h, g = at / kQGroup;
+      __m256i lo[NR], hi[NR];
+      float s0[NR], s1[NR];
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(wr[j] + kPrefetch + at / 2, BATON_PF_HINT);
+        const __m256i b = ibytes256(wr[j] + at / 2, (a.k - at) / 2);
+        lo[j] = _mm256_and_si256(b, low);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        s0[j] = int_scale<kI4>(wr[j], a.k, g, 1.f);
+        s1[j] = int_scale<kI4>(wr[j], a.k, g + 1, 1.f);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = q0 + i0 + r;
+        const int8_t* q4 = q.qa4.data() + row * kp + c + 32 * h;
+        const __m256i qe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4));
+        const __m256i qo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + kQChunk4 / 2));
+        const __m256i na = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(q.nca4.data() + row * kp / 8 + at / 8));
+        const float d0 = q.dx[row * groups + g], d1 = q.dx[row * groups + g + 1];
+        for (int j = 0; j < NR; ++j) {
+          const __m256i p = _mm256_add_epi32(
+              _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[j], qe), ones),
+                               _mm256_madd_epi16(_mm256_maddubs_epi16(hi[j], qo), ones)), na);
+          const __m256 cv = _mm256_set_m128(_mm_set1_ps(d1 * s1[j]), _mm_set1_ps(d0 * s0[j]));
+          __m256& l = acc[r][j][h];
+          l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cv, l);
+        }
+      }
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] =
+          int_finish<kI4>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+}
+
+template <int WT, int MR, int NR>
+inline void iblock256(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  if constexpr (WT == kI8) iblock256_i8<MR, NR>(a, q, q0, i0, n0);
+  else iblock256_i4<MR, NR>(a, q, q0, i0, n0);
+}
+
+template <int WT>
+void int_range256(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    int64_t i = 0;
+    for (; i + 2 <= a.m; i += 2) iblock256<WT, 2, 2>(a, q, q0, i, n);
+    for (; i < a.m; ++i) iblock256<WT, 1, 2>(a, q, q0, i, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t i = 0; i < a.m; ++i) iblock256<WT, 1, 1>(a, q, q0, i, n);
+}
+
+#pragma GCC pop_options
+
+inline bool has_vnni() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return yes;
+}
+
+// The integer path over outputs [n0, n1): `a.q` rows [a.q0, a.q0 + m) of the caller's
+// quantized x, or x quantized here (a caller that did not prepare it: the same values).
+template <int WT>
+void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
+  const QRows* q = a.q;
+  int64_t q0 = a.q0;
+  static thread_local QRows local;
+  if (q == nullptr) {
+    quantize_rows(a.x, a.ldx, a.m, a.k, local);
+    q = &local, q0 = 0;
+  }
+  if (isa == kAvx512 && has_vnni()) int_range512<WT>(a, *q, q0, n0, n1);
+  else if (isa >= kAvx2) int_range256<WT>(a, *q, q0, n0, n1);
+  else int_scalar<WT>(a, *q, q0, n0, n1);
+}
+
+// x's rows quantized once for a call whose weights take the integer path (in the calling
+// thread's buffer, read by the others during the call), else null.
+inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, bool any_int) {
+  if (!any_int || m == 0) return nullptr;
+  static thread_local QRows rows;
+  quantize_rows(x, ldx, m, k, rows);
+  return &rows;
+}
+
+}  // namespace baton_gemv
