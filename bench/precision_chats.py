@@ -16,7 +16,8 @@ turn. Every chat runs twice per state format on otherwise equal engines:
 Per format: the chats identical in every token, the turns that reused a decode end, and, for
 chats that part, the reference's (off) logit margin, top-1 minus top-2, at the first differing
 token, with its turn and index; `max_dlogprob` is the largest |logprob on - off| of the
-chosen tokens before any parting (how far apart the bits are where the tokens agree).
+chosen tokens before any parting (how far apart the bits are where the tokens agree), and
+`min_margin_agreeing` the reference's smallest margin over those tokens (its closest call).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
     """Whole-chat agreement of `got` (reuse on) with `ref` (off), and the reference's margins
     where chats part."""
     same, partings, dlp, reused = 0, [], 0.0, 0
-    turns = 0
+    turns, closest = 0, float("inf")
     for r, g in zip(ref, got, strict=True):
         reused += sum(1 for t, c in enumerate(g["cached"]) if t > 0 and c > 0)
         turns += len(g["cached"]) - 1
@@ -112,6 +113,8 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
                     parted = {"turn": t, "index": i, "margin": top[0] - top[1]}
                     break
                 dlp = max(dlp, abs(r["logprobs"][t][i][0] - g["logprobs"][t][i][0]))
+                top = r["logprobs"][t][i][1]
+                closest = min(closest, top[0] - top[1])
             if parted:
                 break
         if parted:
@@ -121,7 +124,7 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
     margins = sorted(p["margin"] for p in partings)
     return {"chats": len(ref), "identical_chats": same, "identical_fraction": same / len(ref),
             "turns_reusing_decode_end": reused, "later_turns": turns,
-            "max_dlogprob": dlp, "partings": partings, "parting_margins": margins,
+            "max_dlogprob": dlp, "min_margin_agreeing": closest, "partings": partings, "parting_margins": margins,
             "max_parting_margin": max(margins, default=None)}
 
 

@@ -57,3 +57,4 @@ def test_compare_reports_the_reference_margin_where_a_chat_parts():
     assert r["partings"] == [{"turn": 1, "index": 1, "margin": pytest.approx(3.9)}]
     assert r["turns_reusing_decode_end"] == 1 and r["later_turns"] == 2
     assert r["max_dlogprob"] == pytest.approx(0.05)
+    assert r["min_margin_agreeing"] == pytest.approx(0.4)  # ref turn 1, index 0: -0.5 - -0.9
