@@ -129,7 +129,8 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
 
 
 def run_model(model_dir: Path, chats: int = CHATS, turns: int = TURNS,
-              user_len: int = USER_LEN, answer_len: int = ANSWER_LEN) -> list[dict]:
+              user_len: int = USER_LEN, answer_len: int = ANSWER_LEN,
+              seed: int = 0) -> list[dict]:
     """`measure` with the user turns from the held-out text when the model has a tokenizer,
     else from seeded ids (a seeded checkpoint written without one)."""
     ids = None
@@ -137,7 +138,7 @@ def run_model(model_dir: Path, chats: int = CHATS, turns: int = TURNS,
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         rng = random.Random(0)
         ids = [rng.randrange(3, vocab) for _ in range(8192)]
-    return measure(model_dir, chats, turns, user_len, answer_len, ids=ids)
+    return measure(model_dir, chats, turns, user_len, answer_len, seed=seed, ids=ids)
 
 
 def measure(model_dir: Path, chats: int = CHATS, turns: int = TURNS, user_len: int = USER_LEN,
@@ -177,12 +178,14 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=TURNS)
     p.add_argument("--user-len", type=int, default=USER_LEN)
     p.add_argument("--answer-len", type=int, default=ANSWER_LEN)
+    p.add_argument("--seed", type=int, default=0, help="draws the user turns' offsets")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     for m in a.models:
         t0 = time.monotonic()
         for row in run_model(Path(resolve_model(m)), a.chats, a.turns, a.user_len,
-                             a.answer_len):
+                             a.answer_len, a.seed):
+            row["seed"] = a.seed
             row["seconds"] = round(time.monotonic() - t0, 1)
             print(json.dumps(row), flush=True)
     return 0
