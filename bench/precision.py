@@ -323,9 +323,14 @@ def measure(model_dir: Path, contexts, windows: int, decode: tuple[int, int, int
 
 
 def run(args) -> list[dict]:
+    """The variants' rows, then the whole-chat rows (bench/precision_chats.py: decode-end
+    reuse on against off, by state format)."""
     from baton.model.registry import resolve_model
+    from bench import precision_chats
 
     model_dir = resolve_model(getattr(args, "model", None) or "tiny")
     if args.quick:
-        return measure(model_dir, QUICK_CONTEXTS, QUICK_WINDOWS, (4, 128, 16), 5)
-    return measure(model_dir, CONTEXTS, WINDOWS, (8, 512, 64))
+        rows = measure(model_dir, QUICK_CONTEXTS, QUICK_WINDOWS, (4, 128, 16), 5)
+        return rows + precision_chats.run_model(model_dir, *precision_chats.QUICK)
+    rows = measure(model_dir, CONTEXTS, WINDOWS, (8, 512, 64))
+    return rows + precision_chats.run_model(model_dir)

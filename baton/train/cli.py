@@ -22,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rerun the first --steps steps of the run recorded in DIR/training.json "
                         "(a run's or shipped model's folder; --steps left out: all of them) and "
                         "check its held-out loss is within 0.02 of the one logged there")
+    p.add_argument("--distill-mtp", metavar="DIR", default=None,
+                   help="train only DIR's MTP head (trunk frozen) to match DIR's own next-token "
+                        "distributions on the train part, into --out (baton/train/distill.py; "
+                        "--steps required, --lr 1e-3, --warmup 20 and --seed 1 unless given)")
+    p.add_argument("--distill-init", default="checkpoint", choices=["checkpoint", "seeded"],
+                   help="--distill-mtp: start from DIR's head or the family's seeded init")
     p.add_argument("--size", default=None,
                    help=f"model size: {', '.join(sizes)}; None: the planned one "
                         f"({_planned(recipes, 0)})")
@@ -29,11 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"optimizer steps; None: the planned ones ({_planned(recipes, 1)})")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (AdamW; {d.lr}, distillation 1e-3)")
+    p.add_argument("--warmup", type=int, default=None, help=f"warmup steps ({d.warmup}, distillation 20)")
     p.add_argument("--mtp-weight", type=float, default=d.mtp_weight,
                    help="weight of the MTP head's loss (token i+2), trained with the target")
-    p.add_argument("--seed", type=int, default=d.seed, help="init and batch seed")
+    p.add_argument("--seed", type=int, default=None, help=f"init and batch seed ({d.seed}, distillation 1)")
     p.add_argument("--corpus", default=None,
                    help="stdlib folder to read (default: this interpreter's)")
     p.add_argument("--corpus-hash", default=d.corpus_hash,
@@ -65,13 +71,16 @@ def run(args) -> int:
 
     if args.verify:
         return _verify(args)
+    if args.distill_mtp:
+        return _distill(args)
     for flag in ("family", "out"):
         if not getattr(args, flag):
             raise ConfigError(f"--{flag} is required (or --verify DIR)")
     plan = planned(args.family)
     s = Settings(args.family, args.size or plan.size, args.steps or plan.steps,
-                 batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
-                 mtp_weight=args.mtp_weight, seed=args.seed, corpus_hash=args.corpus_hash)
+                 batch=args.batch, seq=args.seq, lr=_given(args.lr, Settings.lr),
+                 warmup=_given(args.warmup, Settings.warmup), mtp_weight=args.mtp_weight,
+                 seed=_given(args.seed, Settings.seed), corpus_hash=args.corpus_hash)
     k = Knobs(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(Knobs)})
     try:
         train(s, Path(args.out), k, Path(args.corpus) if args.corpus else None)
@@ -94,3 +103,32 @@ def _verify(args) -> int:
           f"{r['difference']:+.4f}, {'within' if ok else 'NOT within'} {VERIFY_TOLERANCE}",
           flush=True)
     return 0 if ok else 1
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def _distill(args) -> int:
+    from baton.errors import ConfigError
+    from baton.train.distill import DistillSettings, distill
+    from baton.train.run import Knobs
+
+    if not args.out:
+        raise ConfigError("--out is required with --distill-mtp (a new folder, or this "
+                          "distillation's to resume)")
+    if not args.steps or args.steps < 1:
+        raise ConfigError(f"--steps {args.steps!r}: --distill-mtp needs a positive step count")
+    d = DistillSettings
+    from baton.model.registry import resolve_model
+
+    s = DistillSettings(str(Path(resolve_model(args.distill_mtp)).resolve()), args.steps, batch=args.batch,
+                        seq=args.seq, lr=_given(args.lr, d.lr),
+                        warmup=_given(args.warmup, d.warmup), seed=_given(args.seed, d.seed),
+                        init=args.distill_init)
+    k = Knobs(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(Knobs)})
+    try:
+        distill(s, Path(args.out), k, Path(args.corpus) if args.corpus else None)
+    except KeyboardInterrupt:
+        return 130
+    return 0
