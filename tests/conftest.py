@@ -63,15 +63,7 @@ def model_single_thread():
 def pytest_collection_modifyitems(session, config, items):
     """Modules that set `RUN_FIRST = True` run before the rest (under `--dist loadfile` their
     file is the first one handed to a worker): test_grpc_fork forks its own process 300 times,
-    which costs a few seconds in a fresh worker and a minute in one grown by cluster tests.
-    Light in-process modules (`LIGHT`) follow them, so that the other worker is not starting a
-    cluster's processes while the forks run (on 2 cores they took 49 s beside one, 8 s alone)."""
+    which costs a few seconds in a fresh worker and a minute in one grown by cluster tests."""
     first = [i for i in items if getattr(i.module, "RUN_FIRST", False)]
     if first:
-        light = [i for i in items if i not in first
-                 and any(f"/tests/unit/{d}/" in str(i.path) for d in LIGHT)]
-        items[:] = first + light + [i for i in items if i not in first and i not in light]
-
-
-LIGHT = ("router", "config", "auth", "contract")
-"""tests/unit/ folders whose tests run in the test process, no cluster, no model (seconds)."""
+        items[:] = first + [i for i in items if i not in first]
