@@ -115,17 +115,12 @@ def program_only(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor | None:
     p = _plan(layers, ctx.pools, parts_of)
     if not all(is_program for _, is_program in p.segments):
         return None
-    meta = ctx.attn
-    tables = lens = keys = cos = sin = None
-    if meta is not None:
-        tables, lens, keys = meta.tables, meta.lens, meta.keys
-    if p.attention and tables is None:
+    args = _kernel_args(p, h, ctx.attn)
+    if args is None:
         return None
-    if p.rotary is not None:
-        cos, sin = p.rotary(h, meta)
     slots = ctx.slots if ctx.slots is not None else _NO_SLOTS  # a head has no state
     for run, _ in p.segments:
-        h = run(h, slots, tables, lens, keys, cos, sin)
+        h = run(h, slots, *args)
     return h
 
 
@@ -137,19 +132,27 @@ def decode_layers(layers, h: torch.Tensor, ctx, parts_of) -> torch.Tensor:
     the family's split of a layer into parts, (norm weight as the kernel reads it, eps,
     watched norm weight, module, is mixer) each (e.g. `nemotron_h.model.nemotron_parts`)."""
     p = _plan(layers, ctx.pools, parts_of)
-    meta = ctx.attn
-    tables = lens = keys = cos = sin = None
-    if meta is not None:
-        tables, lens, keys = meta.tables, meta.lens, meta.keys
-    if p.attention and tables is None:  # not the kernel's metadata: every layer's module
+    args = _kernel_args(p, h, ctx.attn)
+    if args is None:  # not the kernel's metadata: every layer's module
         for layer in layers:
             h = layer(h, ctx, True)
         return h
+    for run, is_program in p.segments:
+        h = run(h, ctx.slots, *args) if is_program else run(h, ctx)
+    return h
+
+
+def _kernel_args(p, h: torch.Tensor, meta) -> tuple | None:
+    """(tables, lens, keys, cos, sin) a program reads from the attention metadata `meta`;
+    None where the plan has attention and `meta` is not the kernel's."""
+    tables = lens = keys = cos = sin = None
+    if meta is not None:
+        tables, lens, keys = meta.tables, meta.lens, meta.keys
+    if p.attention and tables is None:
+        return None
     if p.rotary is not None:
         cos, sin = p.rotary(h, meta)
-    for run, is_program in p.segments:
-        h = run(h, ctx.slots, tables, lens, keys, cos, sin) if is_program else run(h, ctx)
-    return h
+    return tables, lens, keys, cos, sin
 
 
 def verify_rows(layers, h: torch.Tensor, ctx, parts_of, steps) -> torch.Tensor | None:
@@ -164,15 +167,10 @@ def verify_rows(layers, h: torch.Tensor, ctx, parts_of, steps) -> torch.Tensor |
     p = _plan(layers, ctx.pools, parts_of)
     if len(p.segments) != 1 or not p.segments[0][1]:
         return None
-    meta = ctx.attn
-    tables = lens = keys = cos = sin = None
-    if meta is not None:
-        tables, lens, keys = meta.tables, meta.lens, meta.keys
-    if p.attention and tables is None:
+    args = _kernel_args(p, h, ctx.attn)
+    if args is None:
         return None
-    if p.rotary is not None:
-        cos, sin = p.rotary(h, meta)
     rows = [(None if s.all_rows or s.span is not None else s.rows,
              *(s.span if s.span is not None else (-1, -1)), s.all_rows, s.src, s.dst)
             for s in steps]
-    return p.segments[0][0].__self__.run_rows(h, rows, tables, lens, keys, cos, sin)
+    return p.segments[0][0].__self__.run_rows(h, rows, *args)

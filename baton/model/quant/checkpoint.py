@@ -219,7 +219,9 @@ class Checkpoint:
         else:
             self._part(entry, parts, "scale", suffix, [q[:-1], q[:-1] + (1,)])
 
-    def _check_nvfp4(self, entry: Entry, parts: dict) -> None:
+    def _check_nvfp4(self, entry: Entry, parts: dict, scale2: str = "weight_scale_2") -> None:
+        """ModelOpt NVFP4 (`weight_scale_2`); compressed-tensors' (`_check_ct_nvfp4`) names its
+        global scale `weight_global_scale`."""
         n, half = entry.shape[-2:]
         k = 2 * half
         if k % formats.NVFP4_GROUP:
@@ -228,18 +230,10 @@ class Checkpoint:
         entry.shape = entry.shape[:-1] + (k,)
         self._part(entry, parts, "scale", "weight_scale", [entry.shape[:-1] + (k // 16,)],
                    ("F8_E4M3",))
-        self._part(entry, parts, "scale2", "weight_scale_2", [(), (1,)])
+        self._part(entry, parts, "scale2", scale2, [(), (1,)])
 
     def _check_ct_nvfp4(self, entry: Entry, parts: dict) -> None:
-        n, half = entry.shape[-2:]
-        k = 2 * half
-        if k % formats.NVFP4_GROUP:
-            raise ConfigError(f"checkpoint tensor {entry.stored!r} {list(entry.shape)}: NVFP4 "
-                              f"needs a width ({k}) that is a multiple of 16")
-        entry.shape = entry.shape[:-1] + (k,)
-        self._part(entry, parts, "scale", "weight_scale", [entry.shape[:-1] + (k // 16,)],
-                   ("F8_E4M3",))
-        self._part(entry, parts, "scale2", "weight_global_scale", [(), (1,)])
+        self._check_nvfp4(entry, parts, "weight_global_scale")
 
     def _check_int(self, entry: Entry, parts: dict) -> None:
         self._scales(entry, parts, entry.shape, zero_dtypes=("I8",) + FLOAT)
