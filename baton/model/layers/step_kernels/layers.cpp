@@ -131,12 +131,7 @@ class DecodeLayers {
                  const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin) {
     const Step s{slots, tables, lens, keys, cos, sin};
     py::gil_scoped_release unlocked;
-    for (const Part& p : parts_) {
-      c10::optional<at::Tensor> x = rms_norm(h, p.T(0), p.f[0]);
-      TORCH_CHECK(x.has_value(), "DecodeLayers: h must be contiguous rows");
-      h = body(p, *x, h, s);
-    }
-    return h;
+    return through(h, s);
   }
 
   // A verify pass: h [R, hidden] (rows ordered by request, then position) through every part,
@@ -157,6 +152,12 @@ class DecodeLayers {
     const at::Tensor none;
     const Step s{none, tables, lens, keys, cos, sin, &rs};
     py::gil_scoped_release unlocked;
+    return through(h, s);
+  }
+
+ private:
+  // h through every part (the GIL released by the caller): a decode step or a verify pass.
+  at::Tensor through(at::Tensor h, const Step& s) const {
     for (const Part& p : parts_) {
       c10::optional<at::Tensor> x = rms_norm(h, p.T(0), p.f[0]);
       TORCH_CHECK(x.has_value(), "DecodeLayers: h must be contiguous rows");
@@ -165,7 +166,6 @@ class DecodeLayers {
     return h;
   }
 
- private:
   // A recurrent part's kernel over the pass's rows (`s.steps`) or, in a decode step, once
   // over the batch in its slots: `step(inputs of the rows, src, dst)`.
   template <class F>
