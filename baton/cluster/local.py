@@ -386,4 +386,8 @@ def serve_local(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        # a second SIGTERM / Ctrl-C (`timeout` forwards its own beside the one sent) must not
+        # cut the stop short between workers: one left running would outlive `serve`
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         cluster.stop()
