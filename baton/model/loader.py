@@ -5,9 +5,11 @@ build and how the checkpoint names its tensors."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from baton.errors import ConfigError
 from baton.model import family
@@ -23,6 +25,37 @@ log = logging.getLogger("baton.model")
 
 
 MTP_PREFIX = "mtp."
+
+
+_RANDOM_FILLS = frozenset(
+    [getattr(torch.Tensor, n) for n in ("normal_", "uniform_", "bernoulli_", "exponential_",
+                                        "log_normal_", "cauchy_", "geometric_", "random_")]
+    + [getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "trunc_normal_",
+                                           "kaiming_uniform_", "kaiming_normal_",
+                                           "xavier_uniform_", "xavier_normal_", "orthogonal_",
+                                           "sparse_")])
+
+
+class _NoRandomFill(TorchFunctionMode):
+    """Random fills of meta tensors (modules' `reset_parameters`) skipped: on the meta device
+    they compute nothing, but their Python meta kernels import `torch._dynamo` (about 1.4 s of
+    CPU in every process that builds a model: each worker, TP rank and PP stage)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_FILLS:
+            t = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta():
+    """`torch.device("meta")` for building a model's skeleton (shapes only), without the random
+    initialisation nothing reads (`_NoRandomFill`; this thread only)."""
+    with torch.device("meta"), _NoRandomFill():
+        yield
 
 
 def family_loader(cfg) -> Weights:
@@ -46,7 +79,7 @@ def load_model(
     path = Path(path)
     cfg = load_config(path)
     fam = family_loader(cfg)
-    with torch.device("meta"):
+    with on_meta():
         model = family.of(cfg).model_class()(cfg)
         attach_mtp(model, _tensor_names(path))  # the MTP head, when declared and present
     expected = model.state_dict()
@@ -105,7 +138,7 @@ def load_stage(
     path = Path(path)
     cfg = load_config(path)
     fam = family_loader(cfg)
-    with torch.device("meta"):
+    with on_meta():
         model = family.of(cfg).stage_class()(cfg, layers, first, last)
         if mtp and last and attach_mtp(model, _tensor_names(path)) and not first:
             parent, _, name = fam.embeddings.rpartition(".")[0].rpartition(".")
@@ -129,7 +162,7 @@ def mtp_head_meta(path: str | Path):
     from types import SimpleNamespace
 
     holder = SimpleNamespace(config=load_config(Path(path)), mtp=None)
-    with torch.device("meta"):
+    with on_meta():
         attach_mtp(holder, _tensor_names(Path(path)))
     return holder.mtp
 

@@ -17,7 +17,14 @@ from baton.model.config import load_config
 from baton.model.layers.linear import install_packed
 from baton.model.layers.moe_tp import MODES
 from baton.model.layers.parallel import TPGroup, VocabParallelEmbedding, VocabParallelHead
-from baton.model.loader import _canonical, _packer, checkpoint_files, family_loader, packed_weights
+from baton.model.loader import (
+    _canonical,
+    _packer,
+    checkpoint_files,
+    family_loader,
+    on_meta,
+    packed_weights,
+)
 from baton.model.quant import packed, safe_open  # safe_open: the checkpoint as the float one
 from baton.model.quant.quantize import quantizable
 from baton.model.tp_shard import held_units
@@ -136,7 +143,7 @@ def load_tp_model(path: str | Path, tp: TPGroup, device="cpu", dtype=torch.float
     Linears with packed weights compute through `layers.linear.install_packed`."""
     path = Path(path)
     cfg = load_config(path)
-    with torch.device("meta"):
+    with on_meta():
         model = build_rank(cfg, tp, moe_split, stage)
     expected = model.state_dict()
     fam = family_loader(cfg)
