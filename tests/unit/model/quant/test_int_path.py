@@ -102,6 +102,21 @@ def test_a_prefill_quantized_over_2_threads_equals_1(kernel, mode):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_nan_and_inf_activations_quantize_alike_on_every_instruction_set(kernel, mode):
+    # x quantized in AVX-512 or plain C++ (gemv_int.h quantize_row512 / quantize_row): a NaN
+    # skipped by the group's max and clamped to 127, an infinity's group d = inf.
+    x, w, _ = _data(6, 24, 96, seed=17)
+    x[1, 5], x[2, 40], x[3, 70] = float("nan"), float("inf"), -float("inf")
+    x[4, 3:9] = float("nan")
+    p = _marked(w, mode)
+    got = [kernel.linear(x, p, None, isa) for isa in ISAS.values()]
+    for g in got[1:]:
+        assert torch.equal(g.isnan(), got[0].isnan())
+        assert torch.equal(g.nan_to_num(0.0), got[0].nan_to_num(0.0))
+    assert got[0][[0, 1, 4, 5]].isfinite().all()  # a NaN quantizes to 127, a finite value
+
+
 @pytest.mark.parametrize("isa", sorted(ISAS))
 def test_the_path_is_per_weight(kernel, isa):
     # linear_cat / linear_split of a marked int8, a float and an unmarked int4 weight: each
