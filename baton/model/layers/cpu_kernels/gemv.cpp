@@ -58,7 +58,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, in
   const int64_t rs = res ? residual->stride(0) : 0;
   Args a{xp.p, xp.ld, w.data_ptr(), w.stride(0), k, yp, n,
          m, b.defined() ? b.data_ptr<float>() : nullptr,
-         prepare_int(xp.p, xp.ld, m, k, int_weight(w))};
+         prepare_int(xp.p, xp.ld, m, k, int_weight(w), is)};
   const int64_t blocks = (n + 7) / 8;
   split_blocks(blocks, grain_blocks(k, wsize(wt)), [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * 8, n1 = std::min(b1 * 8, n);
@@ -135,7 +135,7 @@ at::Tensor grouped_linear(at::Tensor x, at::Tensor w, at::Tensor counts,
   const char* wp = static_cast<const char*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   const float* xpp = xp.p;
-  const QRows* qr = prepare_int(xpp, ldx, m, k, int_weight(w));
+  const QRows* qr = prepare_int(xpp, ldx, m, k, int_weight(w), is);
   at::parallel_for(0, groups * nb, grain_blocks(k, es), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const int64_t g = b / nb, end = std::min(b1, (g + 1) * nb);

@@ -181,7 +181,7 @@ inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const int is = pick(isa);
   bool any_int = false;
   for (const auto& w : ws) any_int = any_int || int_weight(w);
-  const QRows* qr = prepare_int(xp.p, xp.ld, m, k, any_int);
+  const QRows* qr = prepare_int(xp.p, xp.ld, m, k, any_int, is);
   split_blocks(first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);

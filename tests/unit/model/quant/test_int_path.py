@@ -25,7 +25,8 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 SHAPES = {"int8": [(1, 1, 1), (1, 13, 15), (3, 37, 17), (16, 100, 77), (7, 41, 768),
                    (13, 75, 203), (2, 64, 32), (1, 21, 1040), (5, 9, 64)],
           "int4": [(1, 1, 32), (1, 13, 64), (3, 37, 96), (16, 100, 224), (7, 41, 768),
-                   (13, 75, 1056), (2, 9, 32)]}
+                   (13, 75, 1056), (2, 9, 32),
+                   (1, 45, 160), (1, 61, 1024)]}  # one row: blocks of 16, then 8, then 1
 CASES = [(mode, *s) for mode, shapes in SHAPES.items() for s in shapes]
 
 
@@ -82,6 +83,38 @@ def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, mode
             assert torch.equal(kernel.linear(x[5:17], p, b), alone[5:17]), threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_prefill_quantized_over_2_threads_equals_1(kernel, mode):
+    # 600 rows of 288 columns: x's rows quantized in several tasks at 2 threads (gemv_int.h
+    # quantize_rows), every instruction set; the rows' own bits whatever the split.
+    x, w, b = _data(600, 24, 288, seed=13)
+    p = _marked(w, mode)
+    want = packed.int_linear_reference(x, p, b)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for isa in ISAS.values():
+                assert torch.equal(kernel.linear(x, p, b, isa), want), (threads, isa)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_nan_and_inf_activations_quantize_alike_on_every_instruction_set(kernel, mode):
+    # x quantized in AVX-512 or plain C++ (gemv_int.h quantize_row512 / quantize_row): a NaN
+    # skipped by the group's max and clamped to 127, an infinity's group d = inf.
+    x, w, _ = _data(6, 24, 96, seed=17)
+    x[1, 5], x[2, 40], x[3, 70] = float("nan"), float("inf"), -float("inf")
+    x[4, 3:9] = float("nan")
+    p = _marked(w, mode)
+    got = [kernel.linear(x, p, None, isa) for isa in ISAS.values()]
+    for g in got[1:]:
+        assert torch.equal(g.isnan(), got[0].isnan())
+        assert torch.equal(g.nan_to_num(0.0), got[0].nan_to_num(0.0))
+    assert got[0][[0, 1, 4, 5]].isfinite().all()  # a NaN quantizes to 127, a finite value
 
 
 @pytest.mark.parametrize("isa", sorted(ISAS))
