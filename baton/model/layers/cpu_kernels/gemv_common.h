@@ -71,7 +71,8 @@ inline int weight_type(const at::Tensor& w) {
     case at::kFloat: return kF32;
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
-    case at::kChar: return kI8;  // packed int8 (baton/model/quant/packed.py)
+    case at::kChar:  // packed int8 (baton/model/quant/packed.py): per row, or per 32 columns
+      return w.numel() > 0 && i8_grouped(static_cast<const char*>(w.data_ptr())) ? kI8G : kI8;
     case at::kFloat8_e4m3fn: return kF8;  // packed fp8
     case at::kFloat4_e2m1fn_x2:  // packed NVFP4
       TORCH_CHECK(w.size(-1) % kE2M1Group == 0, "cpu kernel: packed NVFP4 weight of width ",
@@ -89,7 +90,7 @@ inline int weight_type(const at::Tensor& w) {
 // A packed int8 / int4 weight marked for the integer path (gemv_int.h).
 inline bool int_weight(const at::Tensor& w) {
   const int wt = weight_type(w);
-  return (wt == kI8 || wt == kI4) && w.numel() > 0 &&
+  return (wt == kI8 || wt == kI8G || wt == kI4) && w.numel() > 0 &&
          int_marked(static_cast<const char*>(w.data_ptr()), wt, w.size(-1));
 }
 

@@ -9,12 +9,13 @@
 //     amax = max |x|, d_g = amax / 127, q = nearbyint(x * (d_g ? 1 / d_g : 0)) in [-127, 127].
 //   16 float lanes acc[L], from +0; integer lane sums p (exact; int4 weights as q - 8):
 //     int8 weights, chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
-//       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g;
+//       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g (per-row int8) or
+//       d_g * s_g (kI8G: the group's float16 scale; one rounding);
 //     int4 weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
 //       (group g = c / 32 + L / 4); c_g = d_g * s_g (the group's float16 scale; one rounding);
 //   acc[L] = fma(float(p), c_g, acc[L]) over the chunks in order, K rounded up to whole
 //   chunks (a group past K has p = 0, c = 0);
-//   y = tree16(acc) (gemv.cpp's tree), times the row scale for int8 weights, then + bias.
+//   y = tree16(acc) (gemv.cpp's tree), times the row scale for per-row int8 weights, + bias.
 #pragma once
 
 
@@ -27,6 +28,7 @@ constexpr int64_t kQGroup = 32, kQChunk = 64, kQChunk4 = 128;
 // scales rounded up past one more byte to 16).
 inline bool int_marked(const char* row, int wt, int64_t k) {
   if (wt == kI8) return row[-16] != 0;
+  if (wt == kI8G) return row[-((4 + 2 * ((k + kI8Group - 1) / kI8Group) + 1 + 15) / 16 * 16)] != 0;
   if (wt == kI4) return row[-((2 * (k / kI4Group) + 1 + 15) / 16 * 16)] != 0;
   return false;
 }
@@ -82,12 +84,13 @@ template <int WT>
 inline float int_scale(const char* wr, int64_t k, int64_t g, float d) {
   if (g * kQGroup >= k) return 0.f;
   if constexpr (WT == kI4) return d * half_float(i4_scale_bits(wr, g * kQGroup));
+  if constexpr (WT == kI8G) return d * half_float(i8g_scale_bits(wr, g * kQGroup));
   return d;
 }
 
 template <int WT>
 inline int int_weight(const char* wr, int64_t c) {
-  if constexpr (WT == kI8) return reinterpret_cast<const int8_t*>(wr)[c];
+  if constexpr (WT != kI4) return reinterpret_cast<const int8_t*>(wr)[c];
   const uint8_t b = reinterpret_cast<const uint8_t*>(wr)[c / 2];
   return (c & 1 ? b >> 4 : b & 0xF) - 8;
 }
@@ -102,8 +105,8 @@ inline float int_finish(const char* wr, float s, const float* bias, int64_t n) {
 template <int WT>
 void int_scalar(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
   const int64_t kp = q.kp, groups = kp / kQGroup;
-  const int64_t chunk = WT == kI8 ? kQChunk : kQChunk4, kc = (a.k + chunk - 1) / chunk * chunk;
-  const int cols = WT == kI8 ? 4 : 8;
+  const int64_t chunk = WT != kI4 ? kQChunk : kQChunk4, kc = (a.k + chunk - 1) / chunk * chunk;
+  const int cols = WT != kI4 ? 4 : 8;
   for (int64_t n = n0; n < n1; ++n) {
     const char* wr = wbase(a, WT, n);
     for (int64_t i = 0; i < a.m; ++i) {
@@ -111,8 +114,8 @@ void int_scalar(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n
       float acc[kLanes] = {0.f};
       for (int64_t c = 0; c < kc; c += chunk)
         for (int l = 0; l < kLanes; ++l) {
-          const int64_t g = WT == kI8 ? c / kQGroup + l / 8 : c / kQGroup + l / 4;
-          const int64_t col0 = WT == kI8 ? g * kQGroup + 4 * (l % 8) : c + 8 * l;
+          const int64_t g = WT != kI4 ? c / kQGroup + l / 8 : c / kQGroup + l / 4;
+          const int64_t col0 = WT != kI4 ? g * kQGroup + 4 * (l % 8) : c + 8 * l;
           int32_t p = 0;
           for (int t = 0; t < cols; ++t)
             if (col0 + t < a.k) p += qr[col0 + t] * int_weight<WT>(wr, col0 + t);
@@ -159,12 +162,29 @@ inline __m512 iscale4_512(const char* wr, int64_t c, int64_t k) {
   return _mm512_permutexvar_ps(idx, v);
 }
 
-template <int MR, int NR>
+// [s_g x 8, s_{g+1} x 8] of an int8 chunk at column c of a kI8G row (0 for a group past K).
+inline __m512 iscale8g_512(const char* wr, int64_t c, int64_t k) {
+  const int64_t g = c / kQGroup;
+  uint32_t two = 0;  // [s_{g+1}, s_g] as stored (group g's 4 + 2 (g + 1) bytes before)
+  if (c + kQGroup < k) {
+    std::memcpy(&two, wr - 4 - 2 * (g + 2), 4);
+  } else {
+    uint16_t h;
+    std::memcpy(&h, wr - 4 - 2 * (g + 1), 2);
+    two = static_cast<uint32_t>(h) << 16;
+  }
+  const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two))));
+  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_ps(idx, v);
+}
+
+// int8 weights (per row, or kI8G per 32 columns: c_g = d_g * s_g).
+template <int WT, int MR, int NR>
 inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
   __m512 acc[MR][NR];
   const char* wr[NR];
 #pragma GCC unroll 16
-  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
@@ -173,11 +193,13 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   const __m512i c128 = _mm512_set1_epi8(static_cast<char>(-128)), zero = _mm512_setzero_si512();
   for (int64_t c = 0; c < kc; c += kQChunk) {
     __m512i wv[NR], wc[NR];  // weights; -sum(128 w) per lane
+    [[maybe_unused]] __m512 sv[NR];  // kI8G: the chunk's two group scales
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = iw512(wr[j], c, a.k);
       wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
+      if constexpr (WT == kI8G) sv[j] = iscale8g_512(wr[j], c, a.k);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -187,7 +209,10 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) {
         const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
+        if constexpr (WT == kI8G)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
+        else
+          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
       }
     }
   }
@@ -195,7 +220,7 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j)
-      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI8>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<WT>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
 }
 
 // int4: each chunk's 64 bytes as stored, low nibbles (even columns) and high nibbles (odd
@@ -249,8 +274,8 @@ inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64
   if constexpr (MAXMR > 1) {
     if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr);
   }
-  if constexpr (WT == kI8) iblock512_i8<MAXMR, NR>(a, q, q0, i, n0);
-  else iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
+  if constexpr (WT == kI4) iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
+  else iblock512_i8<WT, MAXMR, NR>(a, q, q0, i, n0);
 }
 
 template <int WT, int NR, int MAXMR>
@@ -284,12 +309,13 @@ inline __m256i ibytes256(const char* p, int64_t n) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
 }
 
-// int8: a group (32 columns) at a time, lanes 0-7 / 8-15 in acc[.][.][g % 2].
-template <int MR, int NR>
+// int8: a group (32 columns) at a time, lanes 0-7 / 8-15 in acc[.][.][g % 2] (kI8G: c_g =
+// d_g * s_g).
+template <int WT, int MR, int NR>
 inline void iblock256_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
   __m256 acc[MR][NR][2];
   const char* wr[NR];
-  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
   const int64_t kp = q.kp, groups = kp / kQGroup;
@@ -298,27 +324,30 @@ inline void iblock256_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   for (int64_t g = 0; g < kg; ++g) {
     const int64_t c = g * kQGroup;
     __m256i wv[NR], wa[NR];
+    float sw[NR];
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = ibytes256(wr[j] + c, a.k - c);
       wa[j] = _mm256_abs_epi8(wv[j]);
+      sw[j] = WT == kI8G ? int_scale<kI8G>(wr[j], a.k, g, 1.f) : 1.f;
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t row = q0 + i0 + r;
       const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.qa.data() + row * kp + c));
-      const __m256 d = _mm256_set1_ps(q.dx[row * groups + g]);
+      const float dg = q.dx[row * groups + g];
+      const __m256 d = _mm256_set1_ps(dg);
       for (int j = 0; j < NR; ++j) {
         const __m256i p =
             _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(qa, wv[j])), ones);
         __m256& l = acc[r][j][g % 2];
-        l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, l);
+        l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), WT == kI8G ? _mm256_set1_ps(dg * sw[j]) : d, l);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j)
       a.y[(i0 + r) * a.n + n0 + j] =
-          int_finish<kI8>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+          int_finish<WT>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
 }
 
 // int4: 64 columns (32 bytes) at a time, half h of a 128-column chunk: lanes 8 h .. 8 h + 7.
@@ -371,8 +400,8 @@ inline void iblock256_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
 
 template <int WT, int MR, int NR>
 inline void iblock256(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
-  if constexpr (WT == kI8) iblock256_i8<MR, NR>(a, q, q0, i0, n0);
-  else iblock256_i4<MR, NR>(a, q, q0, i0, n0);
+  if constexpr (WT == kI4) iblock256_i4<MR, NR>(a, q, q0, i0, n0);
+  else iblock256_i8<WT, MR, NR>(a, q, q0, i0, n0);
 }
 
 template <int WT>
