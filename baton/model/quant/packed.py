@@ -11,7 +11,8 @@ it on unchanged); each row carries its scales just before its first weight:
           column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
           float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
           w = float(q - 8) * float(s_g)                        (K % 32 == 0)
-    int8g dtype int8 (`kind` "int8g"; llama.cpp's Q8_0 blocks): K values q; one float16 scale
+    int8g dtype int8 (`kind` "int8g"; llama.cpp's Q8_0 blocks): K values stored as the bytes
+          q + 128 (q ^ 0x80: the integer path's unsigned operand as stored); one float16 scale
           per 32 columns (the last group partial where K % 32), group g's 4 + 2 (g + 1) bytes
           before the row; the 4 bytes before the row all 0xFF (the tag that tells it from a
           per-row int8 weight: a float32 scale never has that top byte);
@@ -217,7 +218,7 @@ def _fill_int8g(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> Non
     k = q.shape[-1]
     rows, groups = q.numel() // max(k, 1), -(-k // GROUP)
     prefix = _i8g_prefix(k)
-    grid[:, prefix:prefix + k] = q.reshape(rows, k).view(torch.uint8)
+    grid[:, prefix:prefix + k] = q.reshape(rows, k).view(torch.uint8) ^ 0x80
     s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
     grid[:, prefix - 4 - 2 * groups:prefix - 4] = s.view(torch.uint8)
 
@@ -290,8 +291,10 @@ def scales(t: torch.Tensor) -> torch.Tensor:
 
 def values(t: torch.Tensor) -> torch.Tensor:
     """A packed int8 / int8g / int4 weight's integer values [..., N, K] (int16)."""
-    if kind(t) in ("int8", "int8g"):
+    if kind(t) == "int8":
         return t.to(torch.int16)
+    if kind(t) == "int8g":
+        return t.view(torch.uint8).to(torch.int16) - 128
     b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int16)
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2) - 8
 
@@ -337,8 +340,10 @@ def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     int8, int4 int16 in [-8, 7], fp8 float8) or K / 2 (nvfp4 bytes, then the float32 tensor
     scale of each row [..., N])."""
     k = kind(t)
-    if k in ("int8", "int8g"):
+    if k == "int8":
         return t.contiguous(), scales(t)
+    if k == "int8g":
+        return values(t).to(torch.int8), scales(t)
     if k == "int4":
         return values(t), scales(t)
     if k == "fp8":
@@ -502,7 +507,10 @@ class PackedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        q = self.weight[flat].to(torch.float32)
+        if self._grouped:  # stored q + 128
+            q = self.weight[flat].view(torch.uint8).to(torch.float32) - 128
+        else:
+            q = self.weight[flat].to(torch.float32)
         if self._grouped:
             k = self.embedding_dim
             groups = -(-k // GROUP)

@@ -30,8 +30,9 @@ inline V16 w256(const char* p, int64_t k) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
                    i8_scale(p));
-  } else if constexpr (WT == kI8G) {  // 16 columns within one group of 32
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+  } else if constexpr (WT == kI8G) {  // 16 columns within one group of 32 (stored q ^ 0x80)
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)),
+                                    _mm_set1_epi8(static_cast<char>(0x80)));
     return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
                    _cvtsh_ss(i8g_scale_bits(p, k)));
   } else if constexpr (WT == kF8) {  // gemv_kernels.h's e4m3_512_lo, 8 lanes at a time
@@ -87,7 +88,7 @@ inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
     return w256<WT>(reinterpret_cast<const char*>(buf) + 4, 0);
   } else if constexpr (WT == kI8G) {
     alignas(16) int8_t buf[kLanes] = {0};  // the last weights; the group's scale read here
-    std::memcpy(buf, p + k, left);
+    for (int64_t i = 0; i < left; ++i) buf[i] = static_cast<int8_t>(p[k + i] ^ 0x80);
     const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
     return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
                    _cvtsh_ss(i8g_scale_bits(p, k)));

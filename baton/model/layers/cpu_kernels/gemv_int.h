@@ -8,7 +8,8 @@
 //   Activations, per row and group g of 32 columns (the last group padded with zeros):
 //     amax = max |x|, d_g = amax / 127, q = nearbyint(x * (d_g ? 1 / d_g : 0)) in [-127, 127].
 //   16 float lanes acc[L], from +0; integer lane sums p (exact; int4 weights as q - 8):
-//     int8 weights, chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
+//     int8 weights (kI8G: read as stored, q + 128, the activations' lane sum times 128 taken
+//       off), chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
 //       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g (per-row int8) or
 //       d_g * s_g (kI8G: the group's float16 scale; one rounding);
 //     int4 weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
@@ -40,6 +41,7 @@ struct QRows {
   std::vector<uint8_t> ua;   // [m, kp]: qa + 128 (VNNI's unsigned operand for int8 weights)
   std::vector<float> dx;     // [m, kp / 32]: d_g
   std::vector<float> dxv;    // [m, kp / 64, 16]: int8 lanes: d_g for lanes 0-7, d_{g+1} 8-15
+  std::vector<int32_t> nca8; // [m, kp / 4]: -128 times each int8 lane's sum (kI8G: q + 128)
   std::vector<int8_t> qa4;   // [m, kp]: each 128 columns as its 64 even, then 64 odd ones
   std::vector<int32_t> nca4; // [m, kp / 8]: -8 times each int4 lane's sum (weights q + 8)
   std::vector<float> dxv4;   // [m, kp / 8]: int4 lanes: d of the lane's group
@@ -49,6 +51,7 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRo
   q.m = m, q.k = k, q.kp = (k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
   const int64_t kp = q.kp, groups = kp / kQGroup;
   q.qa.assign(m * kp, 0), q.ua.resize(m * kp), q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
+  q.nca8.resize(m * kp / 4);
   q.dx.resize(m * groups), q.dxv.resize(m * kp / 4), q.dxv4.resize(m * kp / 8);
   for (int64_t i = 0; i < m; ++i) {
     const float* xr = x + i * ldx;
@@ -76,6 +79,8 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRo
       for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
       q.nca4[i * kp / 8 + l] = -8 * sum;
     }
+    for (int64_t l = 0; l < kp / 4; ++l)
+      q.nca8[i * kp / 4 + l] = -128 * (qr[4 * l] + qr[4 * l + 1] + qr[4 * l + 2] + qr[4 * l + 3]);
   }
 }
 
@@ -90,7 +95,8 @@ inline float int_scale(const char* wr, int64_t k, int64_t g, float d) {
 
 template <int WT>
 inline int int_weight(const char* wr, int64_t c) {
-  if constexpr (WT != kI4) return reinterpret_cast<const int8_t*>(wr)[c];
+  if constexpr (WT == kI8) return reinterpret_cast<const int8_t*>(wr)[c];
+  if constexpr (WT == kI8G) return static_cast<int>(reinterpret_cast<const uint8_t*>(wr)[c]) - 128;
   const uint8_t b = reinterpret_cast<const uint8_t*>(wr)[c / 2];
   return (c & 1 ? b >> 4 : b & 0xF) - 8;
 }
@@ -192,27 +198,35 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   const int64_t kp = q.kp, kc = (a.k + kQChunk - 1) / kQChunk * kQChunk;
   const __m512i c128 = _mm512_set1_epi8(static_cast<char>(-128)), zero = _mm512_setzero_si512();
   for (int64_t c = 0; c < kc; c += kQChunk) {
-    __m512i wv[NR], wc[NR];  // weights; -sum(128 w) per lane
+    __m512i wv[NR];
+    [[maybe_unused]] __m512i wc[NR];  // per-row int8: -sum(128 w) per lane
     [[maybe_unused]] __m512 sv[NR];  // kI8G: the chunk's two group scales
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = iw512(wr[j], c, a.k);
-      wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
       if constexpr (WT == kI8G) sv[j] = iscale8g_512(wr[j], c, a.k);
+      else wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const int64_t row = q0 + i0 + r;
       const __m512 dv = _mm512_loadu_ps(q.dxv.data() + row * kp / 4 + c / 4);
-      const __m512i ua = _mm512_loadu_si512(q.ua.data() + row * kp + c);
+      if constexpr (WT == kI8G) {  // weights unsigned (q + 128), activations signed
+        const __m512i qa = _mm512_loadu_si512(q.qa.data() + row * kp + c);
+        const __m512i na = _mm512_loadu_si512(q.nca8.data() + row * kp / 4 + c / 4);
 #pragma GCC unroll 16
-      for (int j = 0; j < NR; ++j) {
-        const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
-        if constexpr (WT == kI8G)
+        for (int j = 0; j < NR; ++j) {
+          const __m512i p = _mm512_dpbusd_epi32(na, wv[j], qa);
           acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
-        else
+        }
+      } else {
+        const __m512i ua = _mm512_loadu_si512(q.ua.data() + row * kp + c);
+#pragma GCC unroll 16
+        for (int j = 0; j < NR; ++j) {
+          const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
           acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
+        }
       }
     }
   }
@@ -328,6 +342,8 @@ inline void iblock256_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = ibytes256(wr[j] + c, a.k - c);
+      if constexpr (WT == kI8G)  // stored q + 128 (past K: -128, against activations 0)
+        wv[j] = _mm256_xor_si256(wv[j], _mm256_set1_epi8(static_cast<char>(0x80)));
       wa[j] = _mm256_abs_epi8(wv[j]);
       sw[j] = WT == kI8G ? int_scale<kI8G>(wr[j], a.k, g, 1.f) : 1.f;
     }

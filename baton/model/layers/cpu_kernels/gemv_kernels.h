@@ -21,10 +21,11 @@ constexpr int64_t kLanes = 16;
 // (w = float(q) * scale, one rounding), so every output is the float kernel's on the
 // dequantized weights, bit for bit:
 //   kI8  int8 [N, K], one float32 scale a row in the 4 bytes before the row's first weight;
-//   kI8G int8 [N, K], one float16 scale per 32 columns (llama.cpp's Q8_0 blocks; the last
-//        partial where K % 32), group g's at 4 + 2 (g + 1) bytes before the row, the 4 bytes
-//        before the row 0xFF (the tag `weight_type` reads: an int8 row's float32 scale never
-//        has that top byte);
+//   kI8G int8 [N, K] stored as bytes q + 128 (q ^ 0x80: the integer path's unsigned operand),
+//        one float16 scale per 32 columns (llama.cpp's Q8_0 blocks; the last partial where
+//        K % 32), group g's at 4 + 2 (g + 1) bytes before the row, the 4 bytes before the row
+//        0xFF (the tag `weight_type` reads: an int8 row's float32 scale never has that top
+//        byte);
 //   kI4  two int4 a byte (column 2j in the low nibble, 2j + 1 in the high; stored + 8), one
 //        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0);
 //   kF8  float8 e4m3 [N, K], one float32 scale per 128 columns, group g's at 4 (g + 1) bytes
@@ -148,7 +149,7 @@ inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
   if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
   if (wt == kI8G)
-    return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) *
+    return static_cast<float>(static_cast<int>(reinterpret_cast<const uint8_t*>(p)[k]) - 128) *
            half_float(i8g_scale_bits(p, k));
   if (wt == kF8) return e4m3_float(reinterpret_cast<const uint8_t*>(p)[k]) * f8_scale(p, k);
   if (wt == kE2M1) {
@@ -225,7 +226,8 @@ inline __m512 w512(const char* p, int64_t k) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
   } else if constexpr (WT == kI8G) {  // 16 columns within one group of 32
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)),
+                                    _mm_set1_epi8(static_cast<char>(0x80)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
                          _mm512_set1_ps(_cvtsh_ss(i8g_scale_bits(p, k))));
   } else if constexpr (WT == kF8) {
@@ -255,8 +257,9 @@ inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   } else if constexpr (WT == kI8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
-  } else if constexpr (WT == kI8G) {
-    const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
+  } else if constexpr (WT == kI8G) {  // zeros past K stay zeros
+    const __m128i b = _mm_xor_si128(_mm_maskz_loadu_epi8(mask, p + k),
+                                    _mm_maskz_set1_epi8(mask, static_cast<char>(0x80)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
                          _mm512_set1_ps(_cvtsh_ss(i8g_scale_bits(p, k))));
   } else if constexpr (WT == kF8) {
