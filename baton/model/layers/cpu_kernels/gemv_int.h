@@ -185,8 +185,10 @@ inline __m512 iscale8g_512(const char* wr, int64_t c, int64_t k) {
 }
 
 // int8 weights (per row, or kI8G per 32 columns: c_g = d_g * s_g).
+// `sc` (kI8G, or null): the NR rows' scale vectors, chunk after chunk (`iscales512`).
 template <int WT, int MR, int NR>
-inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0,
+                         const float* sc) {
   __m512 acc[MR][NR];
   const char* wr[NR];
 #pragma GCC unroll 16
@@ -205,7 +207,8 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = iw512(wr[j], c, a.k);
-      if constexpr (WT == kI8G) sv[j] = iscale8g_512(wr[j], c, a.k);
+      if constexpr (WT == kI8G)
+        sv[j] = sc ? _mm512_loadu_ps(sc + ((c / kQChunk) * NR + j) * 16) : iscale8g_512(wr[j], c, a.k);
       else wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
     }
 #pragma GCC unroll 16
@@ -284,23 +287,48 @@ inline void iblock512_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
 }
 
 template <int WT, int NR, int MAXMR>
-inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr) {
+inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr,
+                     const float* sc) {
   if constexpr (MAXMR > 1) {
-    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr);
+    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr, sc);
   }
   if constexpr (WT == kI4) iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
-  else iblock512_i8<WT, MAXMR, NR>(a, q, q0, i, n0);
+  else iblock512_i8<WT, MAXMR, NR>(a, q, q0, i, n0, sc);
+}
+
+// kI8G: the scale vectors of weight rows n0 .. n0 + NR, chunk after chunk, made once for
+// all the blocks of rows of x that read them (else null: made in the block).
+template <int WT, int NR>
+inline const float* iscales512(const Args& a, int64_t n0, int64_t blocks) {
+  if constexpr (WT != kI8G) {
+    return nullptr;
+  } else {
+    if (blocks < 2) return nullptr;
+    static thread_local std::vector<float> buf;
+    const int64_t chunks = (a.k + kQChunk - 1) / kQChunk;
+    if (static_cast<int64_t>(buf.size()) < chunks * NR * 16) buf.resize(chunks * NR * 16);
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      for (int j = 0; j < NR; ++j)
+        _mm512_storeu_ps(buf.data() + (ch * NR + j) * 16,
+                         iscale8g_512(wbase(a, WT, n0 + j), ch * kQChunk, a.k));
+    return buf.data();
+  }
 }
 
 template <int WT, int NR, int MAXMR>
 inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR)
+  const int64_t blocks = (a.m + MAXMR - 1) / MAXMR;
+  for (; n + NR <= n1; n += NR) {
+    const float* sc = iscales512<WT, NR>(a, n, blocks);
     for (int64_t i = 0; i < a.m; i += MAXMR)
-      irows512<WT, NR, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
-  for (; n < n1; ++n)
+      irows512<WT, NR, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i), sc);
+  }
+  for (; n < n1; ++n) {
+    const float* sc = iscales512<WT, 1>(a, n, blocks);
     for (int64_t i = 0; i < a.m; i += MAXMR)
-      irows512<WT, 1, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+      irows512<WT, 1, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i), sc);
+  }
 }
 
 template <int WT>
