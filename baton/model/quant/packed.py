@@ -11,8 +11,11 @@ it on unchanged); each row carries its scales just before its first weight:
           column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
           float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
           w = float(q - 8) * float(s_g)                        (K % 32 == 0)
-    int8g dtype int8 (`kind` "int8g"; llama.cpp's Q8_0 blocks): K values stored as the bytes
-          q + 128 (q ^ 0x80: the integer path's unsigned operand as stored); one float16 scale
+    int8g dtype int8 (`kind` "int8g"; llama.cpp's Q8_0 blocks): the values as bytes q + 128
+          (q ^ 0x80: the integer path's unsigned operand as stored), each 128 columns (the row
+          padded with q = 0 to whole ones) in the integer path's lane order: byte 4 L + b
+          holds column 8 L + b, byte 64 + 4 L + b column 8 L + 4 + b (L < 16, b < 4), so
+          never read the view as values (`values`); one float16 scale
           per 32 columns (the last group partial where K % 32), group g's 4 + 2 (g + 1) bytes
           before the row; the 4 bytes before the row all 0xFF (the tag that tells it from a
           per-row int8 weight: a float32 scale never has that top byte);
@@ -68,6 +71,24 @@ def _tagged(t: torch.Tensor) -> bool:
     if t.device.type == "meta" or t.numel() == 0 or at < 4:
         return False
     return t.untyped_storage()[at - 1] == I8G_TAG
+
+
+def _round128(n: int) -> int:
+    return -(-n // I8G_CHUNK) * I8G_CHUNK
+
+
+I8G_CHUNK = 128
+"""Columns of an int8g weight laid out in the integer path's lane order at a time."""
+
+
+def _i8g_order(u: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., Kp] (Kp % 128 == 0) in column order -> int8g's stored order."""
+    return u.unflatten(-1, (-1, 16, 2, 4)).transpose(-3, -2).flatten(-4)
+
+
+def _i8g_columns(b: torch.Tensor) -> torch.Tensor:
+    """int8g's stored bytes [..., Kp] -> column order."""
+    return b.unflatten(-1, (-1, 2, 16, 4)).transpose(-3, -2).flatten(-4)
 
 
 def _i8g_prefix(k: int) -> int:
@@ -130,7 +151,7 @@ def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
     elif mode == "int8g":
         prefix = _i8g_prefix(k)
-        ldw = prefix + _round16(k)
+        ldw = prefix + _round128(k)
         buf = torch.zeros(rows * ldw, dtype=torch.uint8)
         buf.view(rows, ldw)[:, prefix - 4:prefix] = I8G_TAG
         view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
@@ -217,8 +238,10 @@ def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None
 def _fill_int8g(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     k = q.shape[-1]
     rows, groups = q.numel() // max(k, 1), -(-k // GROUP)
-    prefix = _i8g_prefix(k)
-    grid[:, prefix:prefix + k] = q.reshape(rows, k).view(torch.uint8) ^ 0x80
+    prefix, kp = _i8g_prefix(k), _round128(k)
+    u = torch.full((rows, kp), 0x80, dtype=torch.uint8)
+    u[:, :k] = q.reshape(rows, k).view(torch.uint8) ^ 0x80
+    grid[:, prefix:prefix + kp] = _i8g_order(u)
     s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
     grid[:, prefix - 4 - 2 * groups:prefix - 4] = s.view(torch.uint8)
 
@@ -294,7 +317,8 @@ def values(t: torch.Tensor) -> torch.Tensor:
     if kind(t) == "int8":
         return t.to(torch.int16)
     if kind(t) == "int8g":
-        return t.view(torch.uint8).to(torch.int16) - 128
+        b = _i8g_columns(_bytes(t, _round128(t.shape[-1]), 0))[..., :t.shape[-1]]
+        return b.to(torch.int16) - 128
     b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int16)
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2) - 8
 
@@ -423,15 +447,15 @@ def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                          ) -> torch.Tensor:
     """x [M, K] float32 through a packed int8 / int8g / int4 weight [N, K] on the integer path,
     in torch (the kernels' contract, `cpu_kernels/gemv_int.h`): 16 lanes, each an integer sum
-    p per chunk (int8 / int8g: chunks of 64 columns, lane 8 (g % 2) + j the 4 columns j of
-    group g; int4: chunks of 128, lane L the 8 columns from 8 L); c_g = d_g (int8) or
+    p per chunk (int8: chunks of 64 columns, lane 8 (g % 2) + j the 4 columns j of group g;
+    int8g / int4: chunks of 128, lane L the 8 columns from 8 L); c_g = d_g (int8) or
     d_g * s_g (int8g, int4: the weight's group scale, one rounding); acc[L] = fma(p, c_g,
     acc[L]) over the chunks; a fixed tree of the lanes; times the row scale (int8); + bias."""
     m, k = x.shape
     n = w.shape[0]
     wk = kind(w)
     q, d = quantize_rows(x.float())
-    chunk = 128 if wk == "int4" else 64
+    chunk = 64 if wk == "int8" else 128
     kp = -(-k // chunk) * chunk
     groups = kp // ACT_GROUP
     qx = torch.zeros(m, kp, dtype=torch.int64)
@@ -450,8 +474,8 @@ def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         sw = scales(w).float()
         s[:, :sw.shape[1]] = sw
         c = dx[:, None, :] * s[None]
-    # each lane's group: int8 lanes 0-7 / 8-15 the chunk's two groups, int4 lanes 4 a group
-    lane_group = torch.arange(16) // (4 if wk == "int4" else 8)
+    # each lane's group: int8 lanes 0-7 / 8-15 the chunk's two groups, int8g / int4 4 a group
+    lane_group = torch.arange(16) // (8 if wk == "int8" else 4)
     acc = torch.zeros(m, n, 16, dtype=torch.float32)
     for ch in range(chunks):
         cg = c[..., ch * (chunk // ACT_GROUP) + lane_group]  # [M, N, 16]
@@ -507,8 +531,10 @@ class PackedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if self._grouped:  # stored q + 128
-            q = self.weight[flat].view(torch.uint8).to(torch.float32) - 128
+        if self._grouped:  # stored q + 128, in the lane order
+            k = self.embedding_dim
+            b = _i8g_columns(_bytes(self.weight, _round128(k), 0)[flat])[:, :k]
+            q = b.to(torch.float32) - 128
         else:
             q = self.weight[flat].to(torch.float32)
         if self._grouped:

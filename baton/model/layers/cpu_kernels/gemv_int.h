@@ -5,15 +5,16 @@
 // then one fixed float order. Included by gemv_kernels.h after Args and the float kernels.
 //
 // Contract (every instruction set, batch size, row block and thread count gives these bits):
+// (int4 and kI8G weights, the int8 per 32 columns, take the same lanes)
 //   Activations, per row and group g of 32 columns (the last group padded with zeros):
 //     amax = max |x|, d_g = amax / 127, q = nearbyint(x * (d_g ? 1 / d_g : 0)) in [-127, 127].
 //   16 float lanes acc[L], from +0; integer lane sums p (exact; int4 weights as q - 8):
-//     int8 weights (kI8G: read as stored, q + 128, the activations' lane sum times 128 taken
-//       off), chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
-//       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g (per-row int8) or
-//       d_g * s_g (kI8G: the group's float16 scale; one rounding);
-//     int4 weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
+//     int8 weights, chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
+//       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g;
+//     int4 and kI8G weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
 //       (group g = c / 32 + L / 4); c_g = d_g * s_g (the group's float16 scale; one rounding);
+//       kI8G weights are read as stored (q + 128, in the lane order), the activations' lane
+//       sums times 128 taken off;
 //   acc[L] = fma(float(p), c_g, acc[L]) over the chunks in order, K rounded up to whole
 //   chunks (a group past K has p = 0, c = 0);
 //   y = tree16(acc) (gemv.cpp's tree), times the row scale for per-row int8 weights, + bias.
@@ -41,18 +42,19 @@ struct QRows {
   std::vector<uint8_t> ua;   // [m, kp]: qa + 128 (VNNI's unsigned operand for int8 weights)
   std::vector<float> dx;     // [m, kp / 32]: d_g
   std::vector<float> dxv;    // [m, kp / 64, 16]: int8 lanes: d_g for lanes 0-7, d_{g+1} 8-15
-  std::vector<int32_t> nca8; // [m, kp / 4]: -128 times each int8 lane's sum (kI8G: q + 128)
   std::vector<int8_t> qa4;   // [m, kp]: each 128 columns as its 64 even, then 64 odd ones
   std::vector<int32_t> nca4; // [m, kp / 8]: -8 times each int4 lane's sum (weights q + 8)
-  std::vector<float> dxv4;   // [m, kp / 8]: int4 lanes: d of the lane's group
+  std::vector<float> dxv4;   // [m, kp / 8]: int4 / kI8G lanes: d of the lane's group
+  std::vector<int8_t> qa8;   // [m, kp]: each 128 columns in kI8G's lane order (i8g_at)
+  std::vector<int32_t> nca8; // [m, kp / 8]: -128 times each kI8G lane's sum (weights q + 128)
 };
 
 inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q) {
   q.m = m, q.k = k, q.kp = (k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
   const int64_t kp = q.kp, groups = kp / kQGroup;
   q.qa.assign(m * kp, 0), q.ua.resize(m * kp), q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
-  q.nca8.resize(m * kp / 4);
   q.dx.resize(m * groups), q.dxv.resize(m * kp / 4), q.dxv4.resize(m * kp / 8);
+  q.qa8.resize(m * kp), q.nca8.resize(m * kp / 8);
   for (int64_t i = 0; i < m; ++i) {
     const float* xr = x + i * ldx;
     int8_t* qr = q.qa.data() + i * kp;
@@ -77,10 +79,10 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRo
     for (int64_t l = 0; l < kp / 8; ++l) {
       int32_t sum = 0;
       for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
-      q.nca4[i * kp / 8 + l] = -8 * sum;
+      q.nca4[i * kp / 8 + l] = -8 * sum, q.nca8[i * kp / 8 + l] = -128 * sum;
     }
-    for (int64_t l = 0; l < kp / 4; ++l)
-      q.nca8[i * kp / 4 + l] = -128 * (qr[4 * l] + qr[4 * l + 1] + qr[4 * l + 2] + qr[4 * l + 3]);
+    int8_t* q8 = q.qa8.data() + i * kp;
+    for (int64_t c = 0; c < kp; ++c) q8[i8g_at(c)] = qr[c];
   }
 }
 
@@ -96,7 +98,7 @@ inline float int_scale(const char* wr, int64_t k, int64_t g, float d) {
 template <int WT>
 inline int int_weight(const char* wr, int64_t c) {
   if constexpr (WT == kI8) return reinterpret_cast<const int8_t*>(wr)[c];
-  if constexpr (WT == kI8G) return static_cast<int>(reinterpret_cast<const uint8_t*>(wr)[c]) - 128;
+  if constexpr (WT == kI8G) return static_cast<int>(reinterpret_cast<const uint8_t*>(wr)[i8g_at(c)]) - 128;
   const uint8_t b = reinterpret_cast<const uint8_t*>(wr)[c / 2];
   return (c & 1 ? b >> 4 : b & 0xF) - 8;
 }
@@ -111,8 +113,8 @@ inline float int_finish(const char* wr, float s, const float* bias, int64_t n) {
 template <int WT>
 void int_scalar(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
   const int64_t kp = q.kp, groups = kp / kQGroup;
-  const int64_t chunk = WT != kI4 ? kQChunk : kQChunk4, kc = (a.k + chunk - 1) / chunk * chunk;
-  const int cols = WT != kI4 ? 4 : 8;
+  const int64_t chunk = WT == kI8 ? kQChunk : kQChunk4, kc = (a.k + chunk - 1) / chunk * chunk;
+  const int cols = WT == kI8 ? 4 : 8;
   for (int64_t n = n0; n < n1; ++n) {
     const char* wr = wbase(a, WT, n);
     for (int64_t i = 0; i < a.m; ++i) {
@@ -120,8 +122,8 @@ void int_scalar(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n
       float acc[kLanes] = {0.f};
       for (int64_t c = 0; c < kc; c += chunk)
         for (int l = 0; l < kLanes; ++l) {
-          const int64_t g = WT != kI4 ? c / kQGroup + l / 8 : c / kQGroup + l / 4;
-          const int64_t col0 = WT != kI4 ? g * kQGroup + 4 * (l % 8) : c + 8 * l;
+          const int64_t g = WT == kI8 ? c / kQGroup + l / 8 : c / kQGroup + l / 4;
+          const int64_t col0 = WT == kI8 ? g * kQGroup + 4 * (l % 8) : c + 8 * l;
           int32_t p = 0;
           for (int t = 0; t < cols; ++t)
             if (col0 + t < a.k) p += qr[col0 + t] * int_weight<WT>(wr, col0 + t);
@@ -151,15 +153,17 @@ inline __m512i iw4_512(const char* wr, int64_t c, int64_t k) {
 
 // [c x 4] per group of an int4 chunk: lane L takes group c / 32 + L / 4's float16 scale (0
 // past K).
+// (kI8G: OFF = 4, its scales 4 bytes further before the row.)
+template <int OFF = 0>
 inline __m512 iscale4_512(const char* wr, int64_t c, int64_t k) {
   const int64_t g = c / kQGroup;
   uint64_t four = 0;  // [s_{g+3}, s_{g+2}, s_{g+1}, s_g] as stored (group g's 2 (g + 1) before)
   if (c + kQChunk4 <= k) {
-    std::memcpy(&four, wr - 2 * (g + 4), 8);
+    std::memcpy(&four, wr - OFF - 2 * (g + 4), 8);
   } else {
     for (int64_t t = 0; t < 4 && (g + t) * kQGroup < k; ++t) {
       uint16_t h;
-      std::memcpy(&h, wr - 2 * (g + t + 1), 2);
+      std::memcpy(&h, wr - OFF - 2 * (g + t + 1), 2);
       four |= static_cast<uint64_t>(h) << (16 * (3 - t));
     }
   }
@@ -168,31 +172,12 @@ inline __m512 iscale4_512(const char* wr, int64_t c, int64_t k) {
   return _mm512_permutexvar_ps(idx, v);
 }
 
-// [s_g x 8, s_{g+1} x 8] of an int8 chunk at column c of a kI8G row (0 for a group past K).
-inline __m512 iscale8g_512(const char* wr, int64_t c, int64_t k) {
-  const int64_t g = c / kQGroup;
-  uint32_t two = 0;  // [s_{g+1}, s_g] as stored (group g's 4 + 2 (g + 1) bytes before)
-  if (c + kQGroup < k) {
-    std::memcpy(&two, wr - 4 - 2 * (g + 2), 4);
-  } else {
-    uint16_t h;
-    std::memcpy(&h, wr - 4 - 2 * (g + 1), 2);
-    two = static_cast<uint32_t>(h) << 16;
-  }
-  const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two))));
-  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  return _mm512_permutexvar_ps(idx, v);
-}
-
-// int8 weights (per row, or kI8G per 32 columns: c_g = d_g * s_g).
-// `sc` (kI8G, or null): the NR rows' scale vectors, chunk after chunk (`iscales512`).
-template <int WT, int MR, int NR>
-inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0,
-                         const float* sc) {
+template <int MR, int NR>
+inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
   __m512 acc[MR][NR];
   const char* wr[NR];
 #pragma GCC unroll 16
-  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
@@ -200,36 +185,22 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   const int64_t kp = q.kp, kc = (a.k + kQChunk - 1) / kQChunk * kQChunk;
   const __m512i c128 = _mm512_set1_epi8(static_cast<char>(-128)), zero = _mm512_setzero_si512();
   for (int64_t c = 0; c < kc; c += kQChunk) {
-    __m512i wv[NR];
-    [[maybe_unused]] __m512i wc[NR];  // per-row int8: -sum(128 w) per lane
-    [[maybe_unused]] __m512 sv[NR];  // kI8G: the chunk's two group scales
+    __m512i wv[NR], wc[NR];  // weights; -sum(128 w) per lane
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = iw512(wr[j], c, a.k);
-      if constexpr (WT == kI8G)
-        sv[j] = sc ? _mm512_loadu_ps(sc + ((c / kQChunk) * NR + j) * 16) : iscale8g_512(wr[j], c, a.k);
-      else wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
+      wc[j] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv[j]));
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const int64_t row = q0 + i0 + r;
       const __m512 dv = _mm512_loadu_ps(q.dxv.data() + row * kp / 4 + c / 4);
-      if constexpr (WT == kI8G) {  // weights unsigned (q + 128), activations signed
-        const __m512i qa = _mm512_loadu_si512(q.qa.data() + row * kp + c);
-        const __m512i na = _mm512_loadu_si512(q.nca8.data() + row * kp / 4 + c / 4);
+      const __m512i ua = _mm512_loadu_si512(q.ua.data() + row * kp + c);
 #pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) {
-          const __m512i p = _mm512_dpbusd_epi32(na, wv[j], qa);
-          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
-        }
-      } else {
-        const __m512i ua = _mm512_loadu_si512(q.ua.data() + row * kp + c);
-#pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) {
-          const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
-          acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
-        }
+      for (int j = 0; j < NR; ++j) {
+        const __m512i p = _mm512_dpbusd_epi32(wc[j], ua, wv[j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dv, acc[r][j]);
       }
     }
   }
@@ -237,7 +208,7 @@ inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j)
-      a.y[(i0 + r) * a.n + n0 + j] = int_finish<WT>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI8>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
 }
 
 // int4: each chunk's 64 bytes as stored, low nibbles (even columns) and high nibbles (odd
@@ -286,18 +257,56 @@ inline void iblock512_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
       a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI4>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
 }
 
-template <int WT, int NR, int MAXMR>
-inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr,
-                     const float* sc) {
-  if constexpr (MAXMR > 1) {
-    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr, sc);
+// kI8G: 128 columns a chunk as stored (two 64-byte halves in the lane order), unsigned
+// against the activations in the same order (`qa8`); `sc`: the NR rows' scale vectors made
+// once for every block of rows of x (`iscales512`), or null (made here).
+template <int MR, int NR>
+inline void iblock512_i8g(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0,
+                          const float* sc) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8G, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kp = q.kp, kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  for (int64_t c = 0; c < kc; c += kQChunk4) {
+    __m512i lo[NR], hi[NR];
+    __m512 sv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+      _mm_prefetch(wr[j] + kPrefetch + c + 64, BATON_PF_HINT);
+      lo[j] = _mm512_loadu_si512(wr[j] + c);
+      hi[j] = _mm512_loadu_si512(wr[j] + c + 64);
+      sv[j] = sc ? _mm512_loadu_ps(sc + ((c / kQChunk4) * NR + j) * 16)
+                 : iscale4_512<4>(wr[j], c, a.k);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m512 dv = _mm512_loadu_ps(q.dxv4.data() + row * kp / 8 + c / 8);
+      const __m512i na = _mm512_loadu_si512(q.nca8.data() + row * kp / 8 + c / 8);
+      const __m512i qe = _mm512_loadu_si512(q.qa8.data() + row * kp + c);
+      const __m512i qo = _mm512_loadu_si512(q.qa8.data() + row * kp + c + 64);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(na, lo[j], qe), hi[j], qo);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
+      }
+    }
   }
-  if constexpr (WT == kI4) iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
-  else iblock512_i8<WT, MAXMR, NR>(a, q, q0, i, n0, sc);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI8G>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
 }
 
-// kI8G: the scale vectors of weight rows n0 .. n0 + NR, chunk after chunk, made once for
-// all the blocks of rows of x that read them (else null: made in the block).
+// kI8G: the scale vectors of weight rows n0 .. n0 + NR, chunk after chunk, made once for the
+// `blocks` blocks of rows of x that read them (null for one block: made in the block).
 template <int WT, int NR>
 inline const float* iscales512(const Args& a, int64_t n0, int64_t blocks) {
   if constexpr (WT != kI8G) {
@@ -305,14 +314,25 @@ inline const float* iscales512(const Args& a, int64_t n0, int64_t blocks) {
   } else {
     if (blocks < 2) return nullptr;
     static thread_local std::vector<float> buf;
-    const int64_t chunks = (a.k + kQChunk - 1) / kQChunk;
+    const int64_t chunks = (a.k + kQChunk4 - 1) / kQChunk4;
     if (static_cast<int64_t>(buf.size()) < chunks * NR * 16) buf.resize(chunks * NR * 16);
     for (int64_t ch = 0; ch < chunks; ++ch)
       for (int j = 0; j < NR; ++j)
         _mm512_storeu_ps(buf.data() + (ch * NR + j) * 16,
-                         iscale8g_512(wbase(a, WT, n0 + j), ch * kQChunk, a.k));
+                         iscale4_512<4>(wbase(a, WT, n0 + j), ch * kQChunk4, a.k));
     return buf.data();
   }
+}
+
+template <int WT, int NR, int MAXMR>
+inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr,
+                     const float* sc) {
+  if constexpr (MAXMR > 1) {
+    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr, sc);
+  }
+  if constexpr (WT == kI8) iblock512_i8<MAXMR, NR>(a, q, q0, i, n0);
+  else if constexpr (WT == kI8G) iblock512_i8g<MAXMR, NR>(a, q, q0, i, n0, sc);
+  else iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
 }
 
 template <int WT, int NR, int MAXMR>
@@ -333,7 +353,8 @@ inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int6
 
 template <int WT>
 void int_range512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
-  if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
+  if (a.m == 1 && WT == kI8G) iouts512<WT, 4, 1>(a, q, q0, n0, n1);  // 8: spilled
+  else if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
   else iouts512<WT, 4, 4>(a, q, q0, n0, n1);
 }
 
@@ -351,13 +372,12 @@ inline __m256i ibytes256(const char* p, int64_t n) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
 }
 
-// int8: a group (32 columns) at a time, lanes 0-7 / 8-15 in acc[.][.][g % 2] (kI8G: c_g =
-// d_g * s_g).
-template <int WT, int MR, int NR>
+// int8: a group (32 columns) at a time, lanes 0-7 / 8-15 in acc[.][.][g % 2].
+template <int MR, int NR>
 inline void iblock256_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
   __m256 acc[MR][NR][2];
   const char* wr[NR];
-  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
   const int64_t kp = q.kp, groups = kp / kQGroup;
@@ -366,32 +386,27 @@ inline void iblock256_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
   for (int64_t g = 0; g < kg; ++g) {
     const int64_t c = g * kQGroup;
     __m256i wv[NR], wa[NR];
-    float sw[NR];
     for (int j = 0; j < NR; ++j) {
       _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
       wv[j] = ibytes256(wr[j] + c, a.k - c);
-      if constexpr (WT == kI8G)  // stored q + 128 (past K: -128, against activations 0)
-        wv[j] = _mm256_xor_si256(wv[j], _mm256_set1_epi8(static_cast<char>(0x80)));
       wa[j] = _mm256_abs_epi8(wv[j]);
-      sw[j] = WT == kI8G ? int_scale<kI8G>(wr[j], a.k, g, 1.f) : 1.f;
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t row = q0 + i0 + r;
       const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.qa.data() + row * kp + c));
-      const float dg = q.dx[row * groups + g];
-      const __m256 d = _mm256_set1_ps(dg);
+      const __m256 d = _mm256_set1_ps(q.dx[row * groups + g]);
       for (int j = 0; j < NR; ++j) {
         const __m256i p =
             _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(qa, wv[j])), ones);
         __m256& l = acc[r][j][g % 2];
-        l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), WT == kI8G ? _mm256_set1_ps(dg * sw[j]) : d, l);
+        l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, l);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j)
       a.y[(i0 + r) * a.n + n0 + j] =
-          int_finish<WT>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+          int_finish<kI8>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
 }
 
 // int4: 64 columns (32 bytes) at a time, half h of a 128-column chunk: lanes 8 h .. 8 h + 7.
@@ -442,10 +457,61 @@ inline void iblock256_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
           int_finish<kI4>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
 }
 
+// kI8G: 64 columns (half h of a 128-column chunk: lanes 8 h .. 8 h + 7) at a time, the 32
+// bytes of each of the chunk's two stored halves, back to signed (q) for llama.cpp's sign
+// trick; the lane's two 4-column sums added.
+template <int MR, int NR>
+inline void iblock256_i8g(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m256 acc[MR][NR][2];
+  const char* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8G, n0 + j);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  const int64_t kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < kc; c += kQChunk4)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t g = (c + 64 * h) / kQGroup;
+      __m256i w0[NR], w1[NR], a0[NR], a1[NR];
+      float s0[NR], s1[NR];
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+        w0[j] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + c + 32 * h)), flip);
+        w1[j] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + c + 64 + 32 * h)), flip);
+        a0[j] = _mm256_abs_epi8(w0[j]), a1[j] = _mm256_abs_epi8(w1[j]);
+        s0[j] = int_scale<kI8G>(wr[j], a.k, g, 1.f);
+        s1[j] = int_scale<kI8G>(wr[j], a.k, g + 1, 1.f);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = q0 + i0 + r;
+        const int8_t* q8 = q.qa8.data() + row * kp + c + 32 * h;
+        const __m256i qe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
+        const __m256i qo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64));
+        const float d0 = q.dx[row * groups + g], d1 = q.dx[row * groups + g + 1];
+        for (int j = 0; j < NR; ++j) {
+          const __m256i p = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(a0[j], _mm256_sign_epi8(qe, w0[j])), ones),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(a1[j], _mm256_sign_epi8(qo, w1[j])), ones));
+          const __m256 cv = _mm256_set_m128(_mm_set1_ps(d1 * s1[j]), _mm_set1_ps(d0 * s0[j]));
+          __m256& l = acc[r][j][h];
+          l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cv, l);
+        }
+      }
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] =
+          int_finish<kI8G>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+}
+
 template <int WT, int MR, int NR>
 inline void iblock256(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
-  if constexpr (WT == kI4) iblock256_i4<MR, NR>(a, q, q0, i0, n0);
-  else iblock256_i8<WT, MR, NR>(a, q, q0, i0, n0);
+  if constexpr (WT == kI8) iblock256_i8<MR, NR>(a, q, q0, i0, n0);
+  else if constexpr (WT == kI8G) iblock256_i8g<MR, NR>(a, q, q0, i0, n0);
+  else iblock256_i4<MR, NR>(a, q, q0, i0, n0);
 }
 
 template <int WT>

@@ -22,7 +22,9 @@ constexpr int64_t kLanes = 16;
 // dequantized weights, bit for bit:
 //   kI8  int8 [N, K], one float32 scale a row in the 4 bytes before the row's first weight;
 //   kI8G int8 [N, K] stored as bytes q + 128 (q ^ 0x80: the integer path's unsigned operand),
-//        one float16 scale per 32 columns (llama.cpp's Q8_0 blocks; the last partial where
+//        each 128 columns in its lane order (`i8g_at`: byte 4 L + b column 8 L + b, byte
+//        64 + 4 L + b column 8 L + 4 + b; rows padded with q = 0 to whole 128s), one float16
+//        scale per 32 columns (llama.cpp's Q8_0 blocks; the last partial where
 //        K % 32), group g's at 4 + 2 (g + 1) bytes before the row, the 4 bytes before the row
 //        0xFF (the tag `weight_type` reads: an int8 row's float32 scale never has that top
 //        byte);
@@ -84,6 +86,10 @@ inline uint16_t i8g_scale_bits(const char* row, int64_t k) {
   uint16_t h;
   std::memcpy(&h, row - 4 - 2 * (k / kI8Group + 1), 2);
   return h;
+}
+// Byte of column k of a kI8G row.
+inline int64_t i8g_at(int64_t k) {
+  return (k & ~int64_t{127}) + 64 * ((k >> 2) & 1) + 4 * ((k >> 3) & 15) + (k & 3);
 }
 // Whether a packed int8 weight's rows are in the kI8G layout (the tag before the first row).
 inline bool i8_grouped(const char* row) { return static_cast<uint8_t>(row[-1]) == 0xFF; }
@@ -149,7 +155,7 @@ inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
   if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
   if (wt == kI8G)
-    return static_cast<float>(static_cast<int>(reinterpret_cast<const uint8_t*>(p)[k]) - 128) *
+    return static_cast<float>(static_cast<int>(reinterpret_cast<const uint8_t*>(p)[i8g_at(k)]) - 128) *
            half_float(i8g_scale_bits(p, k));
   if (wt == kF8) return e4m3_float(reinterpret_cast<const uint8_t*>(p)[k]) * f8_scale(p, k);
   if (wt == kE2M1) {
@@ -207,6 +213,15 @@ inline __m128i i4_bytes(const char* p, int64_t k) {
   return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
 }
 
+// The 16 int8 of a kI8G row from column k (a multiple of 16) in column order: two 8-byte
+// halves of its 128-column block interleaved by 4 (the row is padded to whole blocks).
+inline __m128i i8g_bytes(const char* p, int64_t k) {
+  const char* b = p + (k & ~int64_t{127}) + ((k & 127) >> 1);
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64));
+  return _mm_xor_si128(_mm_unpacklo_epi32(lo, hi), _mm_set1_epi8(static_cast<char>(0x80)));
+}
+
 // 16 e4m3 bytes -> their values times 2^-8, exact: each byte's magnitude shifted into a
 // half's exponent and mantissa (e4m3's bias 7 read as the half's 15), the half converted in
 // hardware (its subnormals exactly); the caller multiplies by scale * 2^8 (exact), so the
@@ -226,8 +241,7 @@ inline __m512 w512(const char* p, int64_t k) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
   } else if constexpr (WT == kI8G) {  // 16 columns within one group of 32
-    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)),
-                                    _mm_set1_epi8(static_cast<char>(0x80)));
+    const __m128i b = i8g_bytes(p, k);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
                          _mm512_set1_ps(_cvtsh_ss(i8g_scale_bits(p, k))));
   } else if constexpr (WT == kF8) {
@@ -257,9 +271,8 @@ inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   } else if constexpr (WT == kI8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
-  } else if constexpr (WT == kI8G) {  // zeros past K stay zeros
-    const __m128i b = _mm_xor_si128(_mm_maskz_loadu_epi8(mask, p + k),
-                                    _mm_maskz_set1_epi8(mask, static_cast<char>(0x80)));
+  } else if constexpr (WT == kI8G) {  // zeros past K (the row's padding is q = 0 too)
+    const __m128i b = _mm_maskz_mov_epi8(mask, i8g_bytes(p, k));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
                          _mm512_set1_ps(_cvtsh_ss(i8g_scale_bits(p, k))));
   } else if constexpr (WT == kF8) {
