@@ -528,24 +528,24 @@ class PackedEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.num_embeddings, self.embedding_dim = weight.shape
         self._grouped = kind(weight) == "int8g"
+        if self._grouped:  # each row's scales and values (q + 128, in the lane order)
+            groups = -(-weight.shape[-1] // GROUP)
+            self._raw = _bytes(weight, 4 + 2 * groups + _round128(weight.shape[-1]),
+                               4 + 2 * groups)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if self._grouped:  # stored q + 128, in the lane order
-            k = self.embedding_dim
-            b = _i8g_columns(_bytes(self.weight, _round128(k), 0)[flat])[:, :k]
-            q = b.to(torch.float32) - 128
-        else:
-            q = self.weight[flat].to(torch.float32)
         if self._grouped:
             k = self.embedding_dim
             groups = -(-k // GROUP)
-            s = _bytes(self.weight, 2 * groups, 4 + 2 * groups)[flat].contiguous().view(
-                torch.float16).flip(-1).to(torch.float32)
+            raw = self._raw[flat]
+            s = raw[:, :2 * groups].view(torch.float16).flip(-1).to(torch.float32)
+            q = _i8g_columns(raw[:, 4 + 2 * groups:])[:, :k].to(torch.float32) - 128
             if k % GROUP == 0:  # as formats.int_grouped: one product a value
                 rows = (q.view(-1, groups, GROUP) * s[..., None]).view(-1, k)
             else:
                 rows = q * s.repeat_interleave(GROUP, dim=-1)[:, :k]
         else:
-            rows = q * _bytes(self.weight, 4, 4)[flat].contiguous().view(torch.float32)
+            rows = self.weight[flat].to(torch.float32) * _bytes(self.weight, 4, 4)[flat].contiguous(
+            ).view(torch.float32)
         return rows.view(*ids.shape, self.embedding_dim)

@@ -49,12 +49,19 @@ struct QRows {
   std::vector<int32_t> nca8; // [m, kp / 8]: -128 times each kI8G lane's sum (weights q + 128)
 };
 
-inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q) {
+// Which weight types' layouts of the rows a call needs (`int_need`): bit 1 << wt.
+inline int int_need_bit(int wt) { return wt == kI8 || wt == kI4 || wt == kI8G ? 1 << wt : 0; }
+
+// `need`: the layouts made beyond qa and dx (bits of int_need_bit; the same values).
+inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q, int need) {
   q.m = m, q.k = k, q.kp = (k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
   const int64_t kp = q.kp, groups = kp / kQGroup;
-  q.qa.assign(m * kp, 0), q.ua.resize(m * kp), q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
-  q.dx.resize(m * groups), q.dxv.resize(m * kp / 4), q.dxv4.resize(m * kp / 8);
-  q.qa8.resize(m * kp), q.nca8.resize(m * kp / 8);
+  const bool i8 = need & (1 << kI8), i4 = need & (1 << kI4), i8g = need & (1 << kI8G);
+  q.qa.assign(m * kp, 0), q.dx.resize(m * groups);
+  if (i8) q.ua.resize(m * kp), q.dxv.resize(m * kp / 4);
+  if (i4) q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
+  if (i4 || i8g) q.dxv4.resize(m * kp / 8);
+  if (i8g) q.qa8.resize(m * kp), q.nca8.resize(m * kp / 8);
   for (int64_t i = 0; i < m; ++i) {
     const float* xr = x + i * ldx;
     int8_t* qr = q.qa.data() + i * kp;
@@ -68,21 +75,34 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRo
         qr[c] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
       }
       q.dx[i * groups + g] = d;
-      for (int l = 0; l < 8; ++l) q.dxv[i * kp / 4 + (g / 2) * 16 + (g % 2) * 8 + l] = d;
-      for (int l = 0; l < 4; ++l) q.dxv4[i * kp / 8 + (g / 4) * 16 + (g % 4) * 4 + l] = d;
+      if (i8)
+        for (int l = 0; l < 8; ++l) q.dxv[i * kp / 4 + (g / 2) * 16 + (g % 2) * 8 + l] = d;
+      if (i4 || i8g)
+        for (int l = 0; l < 4; ++l) q.dxv4[i * kp / 8 + (g / 4) * 16 + (g % 4) * 4 + l] = d;
     }
-    for (int64_t c = 0; c < kp; ++c) q.ua[i * kp + c] = static_cast<uint8_t>(qr[c] + 128);
-    int8_t* q4 = q.qa4.data() + i * kp;
-    for (int64_t c = 0; c < kp; c += kQChunk4)
-      for (int64_t j = 0; j < kQChunk4 / 2; ++j)
-        q4[c + j] = qr[c + 2 * j], q4[c + kQChunk4 / 2 + j] = qr[c + 2 * j + 1];
-    for (int64_t l = 0; l < kp / 8; ++l) {
-      int32_t sum = 0;
-      for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
-      q.nca4[i * kp / 8 + l] = -8 * sum, q.nca8[i * kp / 8 + l] = -128 * sum;
+    if (i8)
+      for (int64_t c = 0; c < kp; ++c) q.ua[i * kp + c] = static_cast<uint8_t>(qr[c] + 128);
+    if (i4) {
+      int8_t* q4 = q.qa4.data() + i * kp;
+      for (int64_t c = 0; c < kp; c += kQChunk4)
+        for (int64_t j = 0; j < kQChunk4 / 2; ++j)
+          q4[c + j] = qr[c + 2 * j], q4[c + kQChunk4 / 2 + j] = qr[c + 2 * j + 1];
     }
-    int8_t* q8 = q.qa8.data() + i * kp;
-    for (int64_t c = 0; c < kp; ++c) q8[i8g_at(c)] = qr[c];
+    if (i4 || i8g)
+      for (int64_t l = 0; l < kp / 8; ++l) {
+        int32_t sum = 0;
+        for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
+        if (i4) q.nca4[i * kp / 8 + l] = -8 * sum;
+        if (i8g) q.nca8[i * kp / 8 + l] = -128 * sum;
+      }
+    if (i8g) {  // each 128 columns: the lanes' first 4 columns, then their last 4
+      int8_t* q8 = q.qa8.data() + i * kp;
+      for (int64_t c = 0; c < kp; c += kQChunk4)
+        for (int64_t l = 0; l < 16; ++l) {
+          std::memcpy(q8 + c + 4 * l, qr + c + 8 * l, 4);
+          std::memcpy(q8 + c + 64 + 4 * l, qr + c + 8 * l + 4, 4);
+        }
+    }
   }
 }
 
@@ -544,7 +564,7 @@ void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
   int64_t q0 = a.q0;
   static thread_local QRows local;
   if (q == nullptr) {
-    quantize_rows(a.x, a.ldx, a.m, a.k, local);
+    quantize_rows(a.x, a.ldx, a.m, a.k, local, int_need_bit(WT));
     q = &local, q0 = 0;
   }
   if (isa == kAvx512 && has_vnni()) int_range512<WT>(a, *q, q0, n0, n1);
@@ -554,10 +574,10 @@ void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
 
 // x's rows quantized once for a call whose weights take the integer path (in the calling
 // thread's buffer, read by the others during the call), else null.
-inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, bool any_int) {
-  if (!any_int || m == 0) return nullptr;
+inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, int need) {
+  if (!need || m == 0) return nullptr;
   static thread_local QRows rows;
-  quantize_rows(x, ldx, m, k, rows);
+  quantize_rows(x, ldx, m, k, rows, need);
   return &rows;
 }
 
