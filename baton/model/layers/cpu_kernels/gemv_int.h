@@ -71,7 +71,10 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRo
       for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(xr[c]));
       const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
       for (int64_t c = c0; c < c1; ++c) {
-        const float v = std::nearbyint(xr[c] * id);
+        // round half to even as nearbyint (|x * id| <= 127 + ulps: exact by the 2^23 + 2^22
+        // shift in the default rounding mode; inline, where nearbyint was a call a value)
+        constexpr float shift = 12582912.f;
+        const float v = (xr[c] * id + shift) - shift;
         qr[c] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
       }
       q.dx[i * groups + g] = d;
@@ -292,6 +295,26 @@ inline void iblock512_i8g(const Args& a, const QRows& q, int64_t q0, int64_t i0,
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t kp = q.kp, kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  if constexpr (MR == 1) {  // one row of x: each weight row's chunk used as it is read
+    const int64_t row = q0 + i0;
+    for (int64_t c = 0; c < kc; c += kQChunk4) {
+      const __m512 dv = _mm512_loadu_ps(q.dxv4.data() + row * kp / 8 + c / 8);
+      const __m512i na = _mm512_loadu_si512(q.nca8.data() + row * kp / 8 + c / 8);
+      const __m512i qe = _mm512_loadu_si512(q.qa8.data() + row * kp + c);
+      const __m512i qo = _mm512_loadu_si512(q.qa8.data() + row * kp + c + 64);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+        _mm_prefetch(wr[j] + kPrefetch + c + 64, BATON_PF_HINT);
+        const __m512i p = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(na, _mm512_loadu_si512(wr[j] + c), qe),
+            _mm512_loadu_si512(wr[j] + c + 64), qo);
+        const __m512 sv = sc ? _mm512_loadu_ps(sc + ((c / kQChunk4) * NR + j) * 16)
+                             : iscale4_512<4>(wr[j], c, a.k);
+        acc[0][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv), acc[0][j]);
+      }
+    }
+  } else {
   for (int64_t c = 0; c < kc; c += kQChunk4) {
     __m512i lo[NR], hi[NR];
     __m512 sv[NR];
@@ -317,6 +340,7 @@ inline void iblock512_i8g(const Args& a, const QRows& q, int64_t q0, int64_t i0,
         acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
       }
     }
+  }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -373,7 +397,7 @@ inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int6
 
 template <int WT>
 void int_range512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
-  if (a.m == 1 && WT == kI8G) iouts512<WT, 4, 1>(a, q, q0, n0, n1);  // 8: spilled
+  if (a.m == 1 && WT == kI8G) iouts512<WT, 4, 1>(a, q, q0, n0, n1);
   else if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
   else iouts512<WT, 4, 4>(a, q, q0, n0, n1);
 }
