@@ -397,8 +397,7 @@ inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int6
 
 template <int WT>
 void int_range512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
-  if (a.m == 1 && WT == kI8G) iouts512<WT, 4, 1>(a, q, q0, n0, n1);
-  else if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
+  if (a.m == 1) iouts512<WT, 8, 1>(a, q, q0, n0, n1);
   else iouts512<WT, 4, 4>(a, q, q0, n0, n1);
 }
 
