@@ -528,17 +528,24 @@ class PackedEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.num_embeddings, self.embedding_dim = weight.shape
         self._grouped = kind(weight) == "int8g"
-        if self._grouped:  # each row's scales and values (q + 128, in the lane order)
-            groups = -(-weight.shape[-1] // GROUP)
-            self._raw = _bytes(weight, 4 + 2 * groups + _round128(weight.shape[-1]),
-                               4 + 2 * groups)
+        self._raw: tuple[int, torch.Tensor] | None = None
+
+    def _rows(self) -> torch.Tensor:
+        """int8g: each row's scales, tag and values as bytes (a view of the weight's storage,
+        made again where the weight moved: `hugepages.on_huge_pages`)."""
+        w = self.weight
+        if self._raw is None or self._raw[0] != w.data_ptr():
+            groups = -(-w.shape[-1] // GROUP)
+            self._raw = (w.data_ptr(), _bytes(w, 4 + 2 * groups + _round128(w.shape[-1]),
+                                              4 + 2 * groups))
+        return self._raw[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if self._grouped:
             k = self.embedding_dim
             groups = -(-k // GROUP)
-            raw = self._raw[flat]
+            raw = self._rows()[flat]
             s = raw[:, :2 * groups].view(torch.float16).flip(-1).to(torch.float32)
             q = _i8g_columns(raw[:, 4 + 2 * groups:])[:, :k].to(torch.float32) - 128
             if k % GROUP == 0:  # as formats.int_grouped: one product a value
