@@ -39,6 +39,8 @@ reads `dense` of the rows it needs (`linear.FastLinear`, `moe._as`).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from baton.model.quant.served import QUANTIZE_GROUP
@@ -66,11 +68,15 @@ def kind(t: torch.Tensor) -> str | None:
     return k
 
 
+def is_packed(t: torch.Tensor) -> bool:
+    """`kind(t) is not None`, without reading the int8 tag (a forward's check)."""
+    return t.dtype in KINDS and t.dim() >= 2
+
+
 def _tagged(t: torch.Tensor) -> bool:
-    at = t.storage_offset()
-    if t.device.type == "meta" or t.numel() == 0 or at < 4:
+    if t.device.type != "cpu" or t.numel() == 0 or t.storage_offset() < 4:
         return False
-    return t.untyped_storage()[at - 1] == I8G_TAG
+    return ctypes.c_uint8.from_address(t.data_ptr() - 1).value == I8G_TAG  # in the storage
 
 
 def _round128(n: int) -> int:
