@@ -86,7 +86,7 @@ def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, mode
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_a_prefill_quantized_over_2_threads_equals_1(kernel, mode):
     # 600 rows of 288 columns: x's rows quantized in several tasks at 2 threads (gemv_int.h
     # quantize_rows), every instruction set; the rows' own bits whatever the split.
@@ -103,7 +103,7 @@ def test_a_prefill_quantized_over_2_threads_equals_1(kernel, mode):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_nan_and_inf_activations_quantize_alike_on_every_instruction_set(kernel, mode):
     # x quantized in AVX-512 or plain C++ (gemv_int.h quantize_row512 / quantize_row): a NaN
     # skipped by the group's max and clamped to 127, an infinity's group d = inf.
