@@ -131,7 +131,7 @@ def _int_activations(cfg: BatonConfig, model) -> None:
     mode = cfg.model.quantize_activations
     if not mode:
         return
-    held = [p for p in model.parameters() if packed.kind(p) in ("int8", "int4")]
+    held = [p for p in model.parameters() if packed.kind(p) in packed.INT_KINDS]
     why = ("no int8 / int4 weights are held (set model.quantize, or serve an int8 / "
            "W4A16 g32 checkpoint)" if not held
            else "it runs on CPU in float32" if (cfg.model.device != "cpu"
@@ -147,6 +147,13 @@ def _int_activations(cfg: BatonConfig, model) -> None:
              len(held))
 
 
+def _packed_mode(cfg: BatonConfig) -> str | None:
+    """How `model.quantize` packs: int8 per 32 columns (`packed` int8g, llama.cpp's Q8_0
+    blocks) where the integer path computes with it, else as the written checkpoint does."""
+    q = cfg.model.quantize
+    return "int8g" if q == "int8" and cfg.model.quantize_activations else q
+
+
 def _weights(path, cfg: BatonConfig, model):
     """The weight format served and the bytes held (this process's: a TP / PP worker's rank
     0 or stage 0)."""
@@ -158,9 +165,9 @@ def _weights(path, cfg: BatonConfig, model):
 
     kinds = sorted({packed.kind(p) for p in held.parameters()} - {None})
     held_as = f"packed {' / '.join(kinds)} and {cfg.model.dtype}" if kinds else cfg.model.dtype
-    fmt = served_format(path, cfg.model.quantize)
+    fmt = served_format(path, _packed_mode(cfg))
     if cfg.model.quantize_embeddings:  # other numerics: a P/D pair must agree on them too
-        fmt += f"+{cfg.model.quantize_embeddings}_embeddings"
+        fmt += f"+{cfg.model.quantize_embeddings}_g32_embeddings"
     if cfg.model.quantize_activations:
         fmt += f"+{cfg.model.quantize_activations}_activations"
         held_as += f", {cfg.model.quantize_activations} activations"
@@ -173,7 +180,7 @@ def _plain(cfg: BatonConfig, path) -> Built:
     dtype = DTYPES[cfg.model.dtype]
     # model.quantize: each weight packed as it is read (int8 / int4 in memory, read as
     # stored by the CPU kernels: baton/model/quant/packed.py)
-    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=cfg.model.quantize,
+    model = load_model(path, device=cfg.model.device, dtype=dtype, quantize=_packed_mode(cfg),
                        quantize_embeddings=cfg.model.quantize_embeddings)
     if cfg.model.weight_dtype != "float32":
         from baton.model.layers.linear import cast_weights

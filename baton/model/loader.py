@@ -110,12 +110,12 @@ def _packed_embedding(model) -> None:
     from baton.model.quant import packed
 
     table = model.embedding
-    if packed.kind(table.weight) == "int8":
+    if packed.kind(table.weight) in ("int8", "int8g"):
         model.set_embedding(packed.PackedEmbedding(table.weight.data))
         if model.config.tie_word_embeddings:
             model.lm_head.weight = model.embedding.weight
     log.info("model.quantize_embeddings int8: the embeddings and the LM head packed int8, "
-             "one float32 scale a row")
+             "a float16 scale per 32 columns")
 
 
 def _packed_count(model) -> tuple[int, float]:
@@ -208,7 +208,8 @@ def packed_weights() -> bool:
 def _packer(quantize: str | None, head: tuple[str, ...] = ()):
     """name, tensor -> the tensor as the model holds it: packed where `quantize` quantizes
     it (`quant.quantize.quantizable`), the embeddings and LM head (`head`, their names) packed
-    int8 per row (`model.quantize_embeddings`), else unchanged."""
+    int8 per 32 columns (`model.quantize_embeddings`, `packed` int8g), else unchanged.
+    `quantize` "int8g": int8 per 32 columns (`model.quantize: int8` with the integer path)."""
     if not quantize and not head:
         return lambda name, t: t
     from baton.model.quant import packed
@@ -216,7 +217,7 @@ def _packer(quantize: str | None, head: tuple[str, ...] = ()):
 
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
         if name in head and t.dim() == 2 and t.is_floating_point():
-            return packed.pack(t, "int8")
+            return packed.pack(t, "int8g")
         return packed.pack(t, quantize) if quantize and quantizable(name, t, quantize) else t
 
     return keep

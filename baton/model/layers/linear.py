@@ -121,7 +121,7 @@ class FastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        if quant_packed.kind(w) is not None:
+        if quant_packed.is_packed(w):
             return _quant_linear(x, rows, w, self.bias)
         fast = (rows > 0 and decode_path() == "fast" and getattr(_local, "decoding", False)
                 and x.dtype == torch.float32 and x.device.type == "cpu")
@@ -215,7 +215,7 @@ def _quant_linear(x: torch.Tensor, rows: int, w: torch.Tensor, bias) -> torch.Te
 def any_linear(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
     """`F.linear`, or `_quant_linear` where `w` is packed (a tensor-parallel rank's
     row-parallel and expert projections call it on their weight)."""
-    if quant_packed.kind(w) is not None:
+    if quant_packed.is_packed(w):
         return _quant_linear(x, x.numel() // max(x.shape[-1], 1), w, bias)
     return F.linear(x, w, bias)
 

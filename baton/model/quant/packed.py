@@ -11,8 +11,18 @@ it on unchanged); each row carries its scales just before its first weight:
           column 2j in the low nibble of byte j, 2j + 1 in the high one, stored + 8; one
           float16 scale per 32 columns, group g's 2 (g + 1) bytes before the row;
           w = float(q - 8) * float(s_g)                        (K % 32 == 0)
-    int8 / int4: the first byte of each row's prefix is 1 where the weight takes the kernels'
-          integer path (`mark_int_path`, `model.quantize_activations`), else 0.
+    int8g dtype int8 (`kind` "int8g"; llama.cpp's Q8_0 blocks): the values as bytes q + 128
+          (q ^ 0x80: the integer path's unsigned operand as stored), each 128 columns (the row
+          padded with q = 0 to whole ones) in the integer path's lane order: byte 4 L + b
+          holds column 8 L + b, byte 64 + 4 L + b column 8 L + 4 + b (L < 16, b < 4), so
+          never read the view as values (`values`); one float16 scale
+          per 32 columns (the last group partial where K % 32), group g's 4 + 2 (g + 1) bytes
+          before the row; the 4 bytes before the row all 0xFF (the tag that tells it from a
+          per-row int8 weight: a float32 scale never has that top byte);
+          w = float(q) * float(s_g)       (`model.quantize_embeddings`, and `model.quantize:
+          int8` with `model.quantize_activations`)
+    int8 / int8g / int4: the first byte of each row's prefix is 1 where the weight takes the
+          kernels' integer path (`mark_int_path`, `model.quantize_activations`), else 0.
     fp8   dtype float8_e4m3fn: K values q as the checkpoint stores them; one float32 scale per
           128 columns, group g's 4 (g + 1) bytes before the row (Qwen's 128 x 128 tiles, a
           per-channel or per-tensor scale repeated); w = fp32(q) * s_g
@@ -29,6 +39,8 @@ reads `dense` of the rows it needs (`linear.FastLinear`, `moe._as`).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from baton.model.quant.served import QUANTIZE_GROUP
@@ -42,9 +54,52 @@ NVFP4_GROUP = 16
 FP8_GROUP = 128
 
 
+I8G_TAG = 0xFF
+"""The top byte of a row's 4 bytes before its first weight in the int8g layout (an int8 row's
+float32 scale there is finite and below 2^127: never this byte)."""
+
+
 def kind(t: torch.Tensor) -> str | None:
-    """'int8' / 'int4' for a packed weight, None for anything else (a float weight)."""
-    return KINDS.get(t.dtype) if t.dim() >= 2 else None
+    """'int8' / 'int8g' / 'int4' / 'fp8' / 'nvfp4' for a packed weight, None for anything
+    else (a float weight)."""
+    k = KINDS.get(t.dtype) if t.dim() >= 2 else None
+    if k == "int8" and _tagged(t):
+        return "int8g"
+    return k
+
+
+def is_packed(t: torch.Tensor) -> bool:
+    """`kind(t) is not None`, without reading the int8 tag (a forward's check)."""
+    return t.dtype in KINDS and t.dim() >= 2
+
+
+def _tagged(t: torch.Tensor) -> bool:
+    if t.device.type != "cpu" or t.numel() == 0 or t.storage_offset() < 4:
+        return False
+    return ctypes.c_uint8.from_address(t.data_ptr() - 1).value == I8G_TAG  # in the storage
+
+
+def _round128(n: int) -> int:
+    return -(-n // I8G_CHUNK) * I8G_CHUNK
+
+
+I8G_CHUNK = 128
+"""Columns of an int8g weight laid out in the integer path's lane order at a time."""
+
+
+def _i8g_order(u: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., Kp] (Kp % 128 == 0) in column order -> int8g's stored order."""
+    return u.unflatten(-1, (-1, 16, 2, 4)).transpose(-3, -2).flatten(-4)
+
+
+def _i8g_columns(b: torch.Tensor) -> torch.Tensor:
+    """int8g's stored bytes [..., Kp] -> column order."""
+    return b.unflatten(-1, (-1, 2, 16, 4)).transpose(-3, -2).flatten(-4)
+
+
+def _i8g_prefix(k: int) -> int:
+    """Bytes before an int8g row: the tag, its float16 scales and the integer-path mark."""
+    return _round16(4 + 2 * -(-k // GROUP) + 1)
 
 
 def _round16(n: int) -> int:
@@ -68,6 +123,8 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
     from baton.model.quant.quantize import encode
 
     *lead, n, k = w.shape
+    if mode not in ("int8", "int8g", "int4"):
+        raise ValueError(f"packed mode {mode!r}: int8, int8g or int4")
     if mode == "int4" and k % GROUP:
         raise ValueError(f"int4 weight of width {k}: a multiple of {GROUP} is packed")
     flat = w.reshape(-1, k)
@@ -77,6 +134,8 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
         parts = encode(flat[r:r + step], mode)
         if mode == "int8":
             _fill_int8(grid[r:r + step], parts["weight"], parts["weight_scale"])
+        elif mode == "int8g":
+            _fill_int8g(grid[r:r + step], parts["weight"], parts["weight_scale"])
         else:
             from baton.model.quant.formats import unpack_int32
 
@@ -95,6 +154,12 @@ def _layout(shape, mode: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         prefix = I8_PREFIX
         ldw = prefix + _round16(k)
         buf = torch.zeros(rows * ldw, dtype=torch.uint8)
+        view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
+    elif mode == "int8g":
+        prefix = _i8g_prefix(k)
+        ldw = prefix + _round128(k)
+        buf = torch.zeros(rows * ldw, dtype=torch.uint8)
+        buf.view(rows, ldw)[:, prefix - 4:prefix] = I8G_TAG
         view = buf.view(torch.int8).as_strided(shape, _strides(lead, n, ldw), prefix)
     else:
         prefix = _i4_prefix(k)
@@ -141,7 +206,7 @@ def pack_nvfp4(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> t
 
 def _prefix(t: torch.Tensor) -> int:
     k = t.shape[-1]
-    return {"int8": I8_PREFIX, "int4": _i4_prefix(k),
+    return {"int8": I8_PREFIX, "int8g": _i8g_prefix(k), "int4": _i4_prefix(k),
             "fp8": _round16(4 * -(-k // FP8_GROUP)),
             "nvfp4": _round16(4 + k // NVFP4_GROUP)}[kind(t)]
 
@@ -171,7 +236,20 @@ def _fill_int8(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None
     rows, k = q.shape[0], q.shape[-1]
     grid[:, I8_PREFIX:I8_PREFIX + k] = q.reshape(rows, k).view(torch.uint8)
     s = scale.to(torch.float32).reshape(rows, 1).contiguous()
+    if not bool(torch.isfinite(s).all()) or bool((s.abs() >= 2.0 ** 127).any()):
+        raise ValueError("packed int8: a row scale that is not finite or not below 2^127")
     grid[:, I8_PREFIX - 4:I8_PREFIX] = s.view(torch.uint8)
+
+
+def _fill_int8g(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    k = q.shape[-1]
+    rows, groups = q.numel() // max(k, 1), -(-k // GROUP)
+    prefix, kp = _i8g_prefix(k), _round128(k)
+    u = torch.full((rows, kp), 0x80, dtype=torch.uint8)
+    u[:, :k] = q.reshape(rows, k).view(torch.uint8) ^ 0x80
+    grid[:, prefix:prefix + kp] = _i8g_order(u)
+    s = scale.to(torch.float16).reshape(rows, groups).flip(-1).contiguous()
+    grid[:, prefix - 4 - 2 * groups:prefix - 4] = s.view(torch.uint8)
 
 
 def _fill_int4(grid: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -188,6 +266,14 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 values q [..., N, K] and one float32 scale a row ([..., N] or [..., N, 1])."""
     view, grid, _ = _layout(q.shape, "int8")
     _fill_int8(grid, q.reshape(-1, q.shape[-1]), scale)
+    return view
+
+
+def pack_int8g(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 values q [..., N, K] and float16 scales [..., N, ceil(K / 32)] (group g's for
+    columns [32 g, 32 g + 32))."""
+    view, grid, _ = _layout(q.shape, "int8g")
+    _fill_int8g(grid, q.reshape(-1, q.shape[-1]), scale)
     return view
 
 
@@ -218,10 +304,13 @@ def _bytes(t: torch.Tensor, width: int, before: int) -> torch.Tensor:
 
 
 def scales(t: torch.Tensor) -> torch.Tensor:
-    """A packed weight's scales: int8 [..., N] float32, int4 [..., N, K / 32] float16, fp8
-    [..., N, ceil(K / 128)] float32."""
+    """A packed weight's scales: int8 [..., N] float32, int8g [..., N, ceil(K / 32)] float16,
+    int4 [..., N, K / 32] float16, fp8 [..., N, ceil(K / 128)] float32."""
     if kind(t) == "int8":
         return _bytes(t, 4, 4).contiguous().view(torch.float32)[..., 0]
+    if kind(t) == "int8g":
+        groups = -(-t.shape[-1] // GROUP)
+        return _bytes(t, 2 * groups, 4 + 2 * groups).contiguous().view(torch.float16).flip(-1)
     if kind(t) == "fp8":
         groups = -(-t.shape[-1] // FP8_GROUP)
         return _bytes(t, 4 * groups, 4 * groups).contiguous().view(torch.float32).flip(-1)
@@ -230,9 +319,12 @@ def scales(t: torch.Tensor) -> torch.Tensor:
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
-    """A packed int8 / int4 weight's integer values [..., N, K] (int16)."""
+    """A packed int8 / int8g / int4 weight's integer values [..., N, K] (int16)."""
     if kind(t) == "int8":
         return t.to(torch.int16)
+    if kind(t) == "int8g":
+        b = _i8g_columns(_bytes(t, _round128(t.shape[-1]), 0))[..., :t.shape[-1]]
+        return b.to(torch.int16) - 128
     b = _bytes(t, t.shape[-1] // 2, 0).to(torch.int16)
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2) - 8
 
@@ -259,7 +351,7 @@ def dense(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         s = scales(t).repeat_interleave(FP8_GROUP, dim=-1)[..., :t.shape[-1]]
         w = t.to(torch.float32) * s
         return w if dtype == torch.float32 else w.to(dtype)
-    w = int_grouped(values(t), scales(t), None, None if k == "int8" else GROUP)
+    w = int_grouped(values(t), scales(t), None, None if k == "int8" else GROUP)  # int8g, int4
     return w if dtype == torch.float32 else w.to(dtype)
 
 
@@ -268,7 +360,7 @@ def nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-UNITS = {"int8": 1, "int4": GROUP, "fp8": FP8_GROUP, "nvfp4": NVFP4_GROUP}
+UNITS = {"int8": 1, "int8g": GROUP, "int4": GROUP, "fp8": FP8_GROUP, "nvfp4": NVFP4_GROUP}
 """Columns of a packed kind's scale group: a column cut must fall on a multiple of it (or
 end the row)."""
 
@@ -280,6 +372,8 @@ def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     k = kind(t)
     if k == "int8":
         return t.contiguous(), scales(t)
+    if k == "int8g":
+        return values(t).to(torch.int8), scales(t)
     if k == "int4":
         return values(t), scales(t)
     if k == "fp8":
@@ -293,6 +387,8 @@ def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _repack(k: str, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     if k == "int8":
         return pack_int8(parts[0], parts[1])
+    if k == "int8g":
+        return pack_int8g(parts[0], parts[1])
     if k == "int4":
         return pack_int4(parts[0], parts[1])
     if k == "fp8":
@@ -355,16 +451,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
                          ) -> torch.Tensor:
-    """x [M, K] float32 through a packed int8 / int4 weight [N, K] on the integer path, in
-    torch (the kernels' contract, `cpu_kernels/gemv_int.h`): 16 lanes, each an integer sum
+    """x [M, K] float32 through a packed int8 / int8g / int4 weight [N, K] on the integer path,
+    in torch (the kernels' contract, `cpu_kernels/gemv_int.h`): 16 lanes, each an integer sum
     p per chunk (int8: chunks of 64 columns, lane 8 (g % 2) + j the 4 columns j of group g;
-    int4: chunks of 128, lane L the 8 columns from 8 L); c_g = d_g (int8) or d_g * s_g (int4);
-    acc[L] = fma(p, c_g, acc[L]) over the chunks; a fixed tree of the lanes; times the row
-    scale (int8); + bias."""
+    int8g / int4: chunks of 128, lane L the 8 columns from 8 L); c_g = d_g (int8) or
+    d_g * s_g (int8g, int4: the weight's group scale, one rounding); acc[L] = fma(p, c_g,
+    acc[L]) over the chunks; a fixed tree of the lanes; times the row scale (int8); + bias."""
     m, k = x.shape
     n = w.shape[0]
+    wk = kind(w)
     q, d = quantize_rows(x.float())
-    chunk = 64 if kind(w) == "int8" else 128
+    chunk = 64 if wk == "int8" else 128
     kp = -(-k // chunk) * chunk
     groups = kp // ACT_GROUP
     qx = torch.zeros(m, kp, dtype=torch.int64)
@@ -376,14 +473,15 @@ def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     chunks = kp // chunk
     per = chunk // 16  # columns a lane sums
     p = (qx.view(m, 1, chunks, 16, per) * qw.view(1, n, chunks, 16, per)).sum(-1)
-    if kind(w) == "int8":
+    if wk == "int8":
         c = dx[:, None, :].expand(m, n, groups)
     else:
         s = torch.zeros(n, groups, dtype=torch.float32)
-        s[:, :k // GROUP] = scales(w).float()
+        sw = scales(w).float()
+        s[:, :sw.shape[1]] = sw
         c = dx[:, None, :] * s[None]
-    # each lane's group: int8 lanes 0-7 / 8-15 the chunk's two groups, int4 lanes 4 a group
-    lane_group = torch.arange(16) // (8 if kind(w) == "int8" else 4)
+    # each lane's group: int8 lanes 0-7 / 8-15 the chunk's two groups, int8g / int4 4 a group
+    lane_group = torch.arange(16) // (8 if wk == "int8" else 4)
     acc = torch.zeros(m, n, 16, dtype=torch.float32)
     for ch in range(chunks):
         cg = c[..., ch * (chunk // ACT_GROUP) + lane_group]  # [M, N, 16]
@@ -393,11 +491,15 @@ def int_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     s4 = s8[..., :4] + s8[..., 4:]
     s2 = s4[..., :2] + s4[..., 2:]
     y = s2[..., 0] + s2[..., 1]
-    if kind(w) == "int8":
+    if wk == "int8":
         y = y * scales(w).float()[None]
     if bias is not None:
         y = y + bias.float()
     return y
+
+
+INT_KINDS = ("int8", "int8g", "int4")
+"""Packed kinds the integer path computes with."""
 
 
 def _mark_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -405,34 +507,58 @@ def _mark_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def mark_int_path(t: torch.Tensor, on: bool = True) -> None:
-    """Mark a packed int8 / int4 weight (every row's first prefix byte) so that the kernels
-    take their integer path on it (`cpu_kernels/gemv_int.h`); per weight, so two models in
-    one process keep their own numerics."""
-    if kind(t) not in ("int8", "int4"):
+    """Mark a packed int8 / int8g / int4 weight (every row's first prefix byte) so that the
+    kernels take their integer path on it (`cpu_kernels/gemv_int.h`); per weight, so two
+    models in one process keep their own numerics."""
+    if kind(t) not in INT_KINDS:
         raise ValueError(f"integer path: a packed int8 / int4 weight is marked, not {t.dtype}")
     _mark_bytes(t).fill_(1 if on else 0)
 
 
 def int_path(t: torch.Tensor) -> bool:
     """Whether a packed weight is marked for the integer path (its first row's mark)."""
-    if kind(t) not in ("int8", "int4") or t.numel() == 0:
+    if kind(t) not in INT_KINDS or t.numel() == 0:
         return False
     return bool(_mark_bytes(t).reshape(-1)[0].item())
 
 
 class PackedEmbedding(torch.nn.Module):
-    """An embedding table kept packed int8 (one float32 scale a row, `model.quantize_embeddings`):
-    a lookup decodes only the rows it reads, each value float(q) * scale as `dense` does."""
+    """An embedding table kept packed int8g (a float16 scale per 32 columns,
+    `model.quantize_embeddings`; or int8, one float32 scale a row): a lookup decodes only the
+    rows it reads, each value float(q) * scale as `dense` does."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        if kind(weight) != "int8" or weight.dim() != 2:
+        if kind(weight) not in ("int8", "int8g") or weight.dim() != 2:
             raise ValueError(f"packed embedding: a packed int8 [V, H] table, not {weight.dtype}")
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.num_embeddings, self.embedding_dim = weight.shape
+        self._grouped = kind(weight) == "int8g"
+        self._raw: tuple[int, torch.Tensor] | None = None
+
+    def _rows(self) -> torch.Tensor:
+        """int8g: each row's scales, tag and values as bytes (a view of the weight's storage,
+        made again where the weight moved: `hugepages.on_huge_pages`)."""
+        w = self.weight
+        if self._raw is None or self._raw[0] != w.data_ptr():
+            groups = -(-w.shape[-1] // GROUP)
+            self._raw = (w.data_ptr(), _bytes(w, 4 + 2 * groups + _round128(w.shape[-1]),
+                                              4 + 2 * groups))
+        return self._raw[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = self.weight[flat].to(torch.float32) * _bytes(self.weight, 4, 4)[flat].contiguous(
-        ).view(torch.float32)
+        if self._grouped:
+            k = self.embedding_dim
+            groups = -(-k // GROUP)
+            raw = self._rows()[flat]
+            s = raw[:, :2 * groups].view(torch.float16).flip(-1).to(torch.float32)
+            q = _i8g_columns(raw[:, 4 + 2 * groups:])[:, :k].to(torch.float32) - 128
+            if k % GROUP == 0:  # as formats.int_grouped: one product a value
+                rows = (q.view(-1, groups, GROUP) * s[..., None]).view(-1, k)
+            else:
+                rows = q * s.repeat_interleave(GROUP, dim=-1)[:, :k]
+        else:
+            rows = self.weight[flat].to(torch.float32) * _bytes(self.weight, 4, 4)[flat].contiguous(
+            ).view(torch.float32)
         return rows.view(*ids.shape, self.embedding_dim)

@@ -4,6 +4,10 @@ OUT` (a compressed-tensors checkpoint that Baton and transformers, through the
 
     int8   per output channel, symmetric: s = amax(row) / 127 (float32), q = round(w / s)
            in [-127, 127]; compressed-tensors `int-quantized`, strategy channel
+    int8g  groups of 32 columns (llama.cpp's Q8_0 blocks; the last one partial where K % 32),
+           symmetric: s = amax(group) / 127 rounded to float16, q = round(w / s) in
+           [-127, 127] (packed in memory for the integer path and the int8 embeddings;
+           compressed-tensors `int-quantized`, strategy group, group_size 32)
     int4   groups of 32 columns, symmetric: s = amax(group) / 7 rounded to float16,
            q = round(w / s) in [-8, 7]; `pack-quantized` (8 values an int32), strategy group
 
@@ -63,6 +67,17 @@ def encode(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round(x / s).clamp(-127, 127).to(torch.int8)
         return {"weight": q, "weight_scale": s}
+    if mode == "int8g":
+        k = x.shape[-1]
+        g = torch.nn.functional.pad(x, (0, -k % GROUP)).unflatten(-1, (-1, GROUP))
+        s32 = g.abs().amax(-1) / 127
+        if not bool(torch.isfinite(s32).all()) or bool((s32 > 65504).any()):
+            raise ValueError(f"int8 per {GROUP} columns: a weight of magnitude "
+                             f"{float(g.abs().max()):.3g} (float16 scales reach 65504 x 127)")
+        s = s32.to(torch.float16)
+        s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero group: any scale is exact
+        q = torch.round(g / s.to(torch.float32)[..., None]).clamp(-127, 127).flatten(-2)[..., :k]
+        return {"weight": q.to(torch.int8), "weight_scale": s}
     k = x.shape[-1]
     g = torch.nn.functional.pad(x, (0, -k % GROUP)).unflatten(-1, (-1, GROUP))
     s = (g.abs().amax(-1) / 7).to(torch.float16)
@@ -76,6 +91,8 @@ def decode(parts: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
     """What Baton's loader decodes `encode`'s tensors to (float32)."""
     if mode == "int8":
         return formats.int_grouped(parts["weight"], parts["weight_scale"], None, None)
+    if mode == "int8g":
+        return formats.int_grouped(parts["weight"], parts["weight_scale"], None, GROUP)
     k = int(parts["weight_shape"][-1])
     q = formats.unpack_int32(parts["weight_packed"], 4, k)
     return formats.int_grouped(q, parts["weight_scale"], None, GROUP)

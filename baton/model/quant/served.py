@@ -28,7 +28,8 @@ class WeightInfo:
 
 
 QUANTIZE_GROUP = 32
-QUANTIZE_LABELS = {"int8": "w8a16_channel", "int4": f"w4a16_g{QUANTIZE_GROUP}"}
+QUANTIZE_LABELS = {"int8": "w8a16_channel", "int8g": f"w8a16_g{QUANTIZE_GROUP}",
+                   "int4": f"w4a16_g{QUANTIZE_GROUP}"}
 """`model.quantize`'s served format per mode (what a written checkpoint's scheme is named)."""
 FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 

@@ -8,6 +8,14 @@ namespace baton_gemv {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+// gemv_kernels.h's i8g_bytes.
+inline __m128i i8g_bytes256(const char* p, int64_t k) {
+  const char* b = p + (k & ~int64_t{127}) + ((k & 127) >> 1);
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64));
+  return _mm_xor_si128(_mm_unpacklo_epi32(lo, hi), _mm_set1_epi8(static_cast<char>(0x80)));
+}
+
 struct V16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
 };
@@ -30,6 +38,10 @@ inline V16 w256(const char* p, int64_t k) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
                    i8_scale(p));
+  } else if constexpr (WT == kI8G) {  // 16 columns within one group of 32
+    const __m128i b = i8g_bytes256(p, k);
+    return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
+                   _cvtsh_ss(i8g_scale_bits(p, k)));
   } else if constexpr (WT == kF8) {  // gemv_kernels.h's e4m3_512_lo, 8 lanes at a time
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     const __m256 s = _mm256_set1_ps(f8_scale(p, k) * 256.f);
@@ -81,6 +93,13 @@ inline V16 w256_tail(const char* p, int64_t k, int64_t left) {
     std::memcpy(buf, p - 4, 4);
     std::memcpy(buf + 4, p + k, left);
     return w256<WT>(reinterpret_cast<const char*>(buf) + 4, 0);
+  } else if constexpr (WT == kI8G) {
+    alignas(16) int8_t buf[kLanes] = {0};  // the last weights; the group's scale read here
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), i8g_bytes256(p, k));
+    std::memset(buf + left, 0, kLanes - left);
+    const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+    return scaled8(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)),
+                   _cvtsh_ss(i8g_scale_bits(p, k)));
   } else if constexpr (WT == kF8) {
     alignas(32) uint8_t buf[4 + kLanes] = {0};  // the chunk's group scale, then its weights
     const float s = f8_scale(p, k);

@@ -71,7 +71,8 @@ inline int weight_type(const at::Tensor& w) {
     case at::kFloat: return kF32;
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
-    case at::kChar: return kI8;  // packed int8 (baton/model/quant/packed.py)
+    case at::kChar:  // packed int8 (baton/model/quant/packed.py): per row, or per 32 columns
+      return w.numel() > 0 && i8_grouped(static_cast<const char*>(w.data_ptr())) ? kI8G : kI8;
     case at::kFloat8_e4m3fn: return kF8;  // packed fp8
     case at::kFloat4_e2m1fn_x2:  // packed NVFP4
       TORCH_CHECK(w.size(-1) % kE2M1Group == 0, "cpu kernel: packed NVFP4 weight of width ",
@@ -86,11 +87,12 @@ inline int weight_type(const at::Tensor& w) {
   return kF32;
 }
 
-// A packed int8 / int4 weight marked for the integer path (gemv_int.h).
-inline bool int_weight(const at::Tensor& w) {
+// A packed int8 / int4 weight marked for the integer path (gemv_int.h): the bit of the
+// layout of x its kernel reads (int_need_bit), else 0.
+inline int int_weight(const at::Tensor& w) {
   const int wt = weight_type(w);
-  return (wt == kI8 || wt == kI4) && w.numel() > 0 &&
-         int_marked(static_cast<const char*>(w.data_ptr()), wt, w.size(-1));
+  return (wt == kI8 || wt == kI8G || wt == kI4) && w.numel() > 0 &&
+         int_marked(static_cast<const char*>(w.data_ptr()), wt, w.size(-1)) ? int_need_bit(wt) : 0;
 }
 
 inline void check_x(const at::Tensor& x) {
@@ -179,9 +181,9 @@ inline void run_weights(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const int64_t m = x.size(0), k = x.size(1);
   const Padded xp = padded(x);
   const int is = pick(isa);
-  bool any_int = false;
-  for (const auto& w : ws) any_int = any_int || int_weight(w);
-  const QRows* qr = prepare_int(xp.p, xp.ld, m, k, any_int, is);
+  int need = 0;
+  for (const auto& w : ws) need |= int_weight(w);
+  const QRows* qr = prepare_int(xp.p, xp.ld, m, k, need, is);
   split_blocks(first_block.back(), grain_blocks(k, 2), [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(b0, first_block[i]), hi = std::min(b1, first_block[i + 1]);

@@ -5,16 +5,19 @@
 // then one fixed float order. Included by gemv_kernels.h after Args and the float kernels.
 //
 // Contract (every instruction set, batch size, row block and thread count gives these bits):
+// (int4 and kI8G weights, the int8 per 32 columns, take the same lanes)
 //   Activations, per row and group g of 32 columns (the last group padded with zeros):
 //     amax = max |x|, d_g = amax / 127, q = nearbyint(x * (d_g ? 1 / d_g : 0)) in [-127, 127].
 //   16 float lanes acc[L], from +0; integer lane sums p (exact; int4 weights as q - 8):
 //     int8 weights, chunks of 64 columns c: lane L = 8 (g % 2) + j sums columns
 //       32 g + 4 j .. + 3 of group g (g = c / 32 + L / 8); c_g = d_g;
-//     int4 weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
+//     int4 and kI8G weights, chunks of 128 columns c: lane L sums columns c + 8 L .. c + 8 L + 7
 //       (group g = c / 32 + L / 4); c_g = d_g * s_g (the group's float16 scale; one rounding);
+//       kI8G weights are read as stored (q + 128, in the lane order), the activations' lane
+//       sums times 128 taken off;
 //   acc[L] = fma(float(p), c_g, acc[L]) over the chunks in order, K rounded up to whole
 //   chunks (a group past K has p = 0, c = 0);
-//   y = tree16(acc) (gemv.cpp's tree), times the row scale for int8 weights, then + bias.
+//   y = tree16(acc) (gemv.cpp's tree), times the row scale for per-row int8 weights, + bias.
 #pragma once
 
 
@@ -27,6 +30,7 @@ constexpr int64_t kQGroup = 32, kQChunk = 64, kQChunk4 = 128;
 // scales rounded up past one more byte to 16).
 inline bool int_marked(const char* row, int wt, int64_t k) {
   if (wt == kI8) return row[-16] != 0;
+  if (wt == kI8G) return row[-((4 + 2 * ((k + kI8Group - 1) / kI8Group) + 1 + 15) / 16 * 16)] != 0;
   if (wt == kI4) return row[-((2 * (k / kI4Group) + 1 + 15) / 16 * 16)] != 0;
   return false;
 }
@@ -40,12 +44,19 @@ struct QRows {
   std::vector<float> dxv;    // [m, kp / 64, 16]: int8 lanes: d_g for lanes 0-7, d_{g+1} 8-15
   std::vector<int8_t> qa4;   // [m, kp]: each 128 columns as its 64 even, then 64 odd ones
   std::vector<int32_t> nca4; // [m, kp / 8]: -8 times each int4 lane's sum (weights q + 8)
-  std::vector<float> dxv4;   // [m, kp / 8]: int4 lanes: d of the lane's group
+  std::vector<float> dxv4;   // [m, kp / 8]: int4 / kI8G lanes: d of the lane's group
+  std::vector<int8_t> qa8;   // [m, kp]: each 128 columns in kI8G's lane order (i8g_at)
+  std::vector<int32_t> nca8; // [m, kp / 8]: -128 times each kI8G lane's sum (weights q + 128)
 };
 
-// One row of x quantized as the contract says (plain C++).
-inline void quantize_row(const float* xr, int64_t i, QRows& q) {
+// Which weight types' layouts of the rows a call needs (`int_need`): bit 1 << wt.
+inline int int_need_bit(int wt) { return wt == kI8 || wt == kI4 || wt == kI8G ? 1 << wt : 0; }
+
+// One row of x quantized as the contract says (plain C++), into qa / dx and the layouts in
+// `need` (bits of int_need_bit; the same values whichever are made).
+inline void quantize_row(const float* xr, int64_t i, QRows& q, int need) {
   const int64_t k = q.k, kp = q.kp, groups = kp / kQGroup;
+  const bool i8 = need & (1 << kI8), i4 = need & (1 << kI4), i8g = need & (1 << kI8G);
   int8_t* qr = q.qa.data() + i * kp;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t c0 = g * kQGroup, c1 = std::min(k, c0 + kQGroup);
@@ -53,23 +64,41 @@ inline void quantize_row(const float* xr, int64_t i, QRows& q) {
     for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(xr[c]));
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     for (int64_t c = c0; c < c1; ++c) {
-      const float v = std::nearbyint(xr[c] * id);
+      // round half to even as nearbyint (|x * id| <= 127 + ulps: exact by the 2^23 + 2^22
+      // shift in the default rounding mode; inline, where nearbyint was a call a value)
+      constexpr float shift = 12582912.f;
+      const float v = (xr[c] * id + shift) - shift;
       qr[c] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
     }
     for (int64_t c = std::max(c0, c1); c < c0 + kQGroup; ++c) qr[c] = 0;
     q.dx[i * groups + g] = d;
-    for (int l = 0; l < 8; ++l) q.dxv[i * kp / 4 + (g / 2) * 16 + (g % 2) * 8 + l] = d;
-    for (int l = 0; l < 4; ++l) q.dxv4[i * kp / 8 + (g / 4) * 16 + (g % 4) * 4 + l] = d;
+    if (i8)
+      for (int l = 0; l < 8; ++l) q.dxv[i * kp / 4 + (g / 2) * 16 + (g % 2) * 8 + l] = d;
+    if (i4 || i8g)
+      for (int l = 0; l < 4; ++l) q.dxv4[i * kp / 8 + (g / 4) * 16 + (g % 4) * 4 + l] = d;
   }
-  for (int64_t c = 0; c < kp; ++c) q.ua[i * kp + c] = static_cast<uint8_t>(qr[c] + 128);
-  int8_t* q4 = q.qa4.data() + i * kp;
-  for (int64_t c = 0; c < kp; c += kQChunk4)
-    for (int64_t j = 0; j < kQChunk4 / 2; ++j)
-      q4[c + j] = qr[c + 2 * j], q4[c + kQChunk4 / 2 + j] = qr[c + 2 * j + 1];
-  for (int64_t l = 0; l < kp / 8; ++l) {
-    int32_t sum = 0;
-    for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
-    q.nca4[i * kp / 8 + l] = -8 * sum;
+  if (i8)
+    for (int64_t c = 0; c < kp; ++c) q.ua[i * kp + c] = static_cast<uint8_t>(qr[c] + 128);
+  if (i4) {
+    int8_t* q4 = q.qa4.data() + i * kp;
+    for (int64_t c = 0; c < kp; c += kQChunk4)
+      for (int64_t j = 0; j < kQChunk4 / 2; ++j)
+        q4[c + j] = qr[c + 2 * j], q4[c + kQChunk4 / 2 + j] = qr[c + 2 * j + 1];
+  }
+  if (i4 || i8g)
+    for (int64_t l = 0; l < kp / 8; ++l) {
+      int32_t sum = 0;
+      for (int t = 0; t < 8; ++t) sum += qr[8 * l + t];
+      if (i4) q.nca4[i * kp / 8 + l] = -8 * sum;
+      if (i8g) q.nca8[i * kp / 8 + l] = -128 * sum;
+    }
+  if (i8g) {  // each 128 columns: the lanes' first 4 columns, then their last 4
+    int8_t* q8 = q.qa8.data() + i * kp;
+    for (int64_t c = 0; c < kp; c += kQChunk4)
+      for (int64_t l = 0; l < 16; ++l) {
+        std::memcpy(q8 + c + 4 * l, qr + c + 8 * l, 4);
+        std::memcpy(q8 + c + 64 + 4 * l, qr + c + 8 * l + 4, 4);
+      }
   }
 }
 
@@ -78,8 +107,9 @@ inline void quantize_row(const float* xr, int64_t i, QRows& q) {
 
 // quantize_row in AVX-512, the same bits: max of |x| (a NaN skipped, as std::max skips it),
 // d and 1 / d as scalars, x * (1 / d) rounded to nearest even, clamped (a NaN to 127).
-inline void quantize_row512(const float* xr, int64_t i, QRows& q) {
+inline void quantize_row512(const float* xr, int64_t i, QRows& q, int need) {
   const int64_t k = q.k, kp = q.kp, groups = kp / kQGroup;
+  const bool i8 = need & (1 << kI8), i4 = need & (1 << kI4), i8g = need & (1 << kI8G);
   int8_t* qr = q.qa.data() + i * kp;
   const __m512 zero = _mm512_setzero_ps(), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
   const __m512i sign = _mm512_set1_epi32(0x7fffffff);
@@ -100,44 +130,65 @@ inline void quantize_row512(const float* xr, int64_t i, QRows& q) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + c0), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + c0 + 16), _mm512_cvtepi32_epi8(q1));
     q.dx[i * groups + g] = d;
-    _mm256_storeu_ps(q.dxv.data() + i * kp / 4 + (g / 2) * 16 + (g % 2) * 8, _mm256_set1_ps(d));
-    _mm_storeu_ps(q.dxv4.data() + i * kp / 8 + (g / 4) * 16 + (g % 4) * 4, _mm_set1_ps(d));
+    if (i8) _mm256_storeu_ps(q.dxv.data() + i * kp / 4 + (g / 2) * 16 + (g % 2) * 8, _mm256_set1_ps(d));
+    if (i4 || i8g)
+      _mm_storeu_ps(q.dxv4.data() + i * kp / 8 + (g / 4) * 16 + (g % 4) * 4, _mm_set1_ps(d));
   }
+  if (!(i8 || i4 || i8g)) return;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), bias = _mm512_set1_epi64(1024);
   const __m512i low = _mm512_set1_epi16(0xFF);
   for (int64_t c = 0; c < kp; c += 64) {
     const __m512i v = _mm512_loadu_si512(qr + c);
     const __m512i u = _mm512_xor_si512(v, flip);  // q + 128
-    _mm512_storeu_si512(q.ua.data() + i * kp + c, u);
-    // -8 x each 8 columns' sum: |u - 0| summed a u64 lane is the sum of q + 1024
-    const __m512i sums = _mm512_sub_epi64(_mm512_sad_epu8(u, _mm512_setzero_si512()), bias);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.nca4.data() + i * kp / 8 + c / 8),
-                        _mm512_cvtepi64_epi32(_mm512_sub_epi64(_mm512_setzero_si512(),
-                                                              _mm512_slli_epi64(sums, 3))));
-    // even / odd columns of 64: the low / high byte of each 16-bit pair
+    if (i8) _mm512_storeu_si512(q.ua.data() + i * kp + c, u);
     const int64_t base = c / kQChunk4 * kQChunk4, half = (c % kQChunk4) / 2;
-    int8_t* q4 = q.qa4.data() + i * kp + base;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q4 + half),
-                        _mm512_cvtepi16_epi8(_mm512_and_si512(v, low)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q4 + kQChunk4 / 2 + half),
-                        _mm512_cvtepi16_epi8(_mm512_srli_epi16(v, 8)));
+    if (i4 || i8g) {
+      // each 8 columns' sum: |u - 0| summed a u64 lane is the sum of q + 1024
+      const __m512i sums = _mm512_sub_epi64(_mm512_sad_epu8(u, _mm512_setzero_si512()), bias);
+      if (i4)  // -8 x the sum
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.nca4.data() + i * kp / 8 + c / 8),
+                            _mm512_cvtepi64_epi32(_mm512_sub_epi64(_mm512_setzero_si512(),
+                                                                  _mm512_slli_epi64(sums, 3))));
+      if (i8g)  // -128 x the sum
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.nca8.data() + i * kp / 8 + c / 8),
+                            _mm512_cvtepi64_epi32(_mm512_sub_epi64(_mm512_setzero_si512(),
+                                                                  _mm512_slli_epi64(sums, 7))));
+    }
+    if (i4) {  // even / odd columns of 64: the low / high byte of each 16-bit pair
+      int8_t* q4 = q.qa4.data() + i * kp + base;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q4 + half),
+                          _mm512_cvtepi16_epi8(_mm512_and_si512(v, low)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q4 + kQChunk4 / 2 + half),
+                          _mm512_cvtepi16_epi8(_mm512_srli_epi16(v, 8)));
+    }
+    if (i8g) {  // kI8G's lanes (8 columns each): their first 4 columns, then their last 4
+      int8_t* q8 = q.qa8.data() + i * kp + base;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8 + half), _mm512_cvtepi64_epi32(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8 + kQChunk4 / 2 + half),
+                          _mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32)));
+    }
   }
 }
 
 #pragma GCC pop_options
 
-// Rows of x quantized (row i from x + i * ldx; zeros past K): each row on its own, so the rows
-// split over the threads (a prefill's) without changing a bit.
-inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q,
+// Rows of x quantized (row i from x + i * ldx; zeros past K) into qa / dx and the layouts in
+// `need`: each row on its own, so the rows split over the threads (a prefill's) without
+// changing a bit.
+inline void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, QRows& q, int need,
                           int isa = kScalar) {
   q.m = m, q.k = k, q.kp = (k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
   const int64_t kp = q.kp, groups = kp / kQGroup;
-  q.qa.resize(m * kp), q.ua.resize(m * kp), q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
-  q.dx.resize(m * groups), q.dxv.resize(m * kp / 4), q.dxv4.resize(m * kp / 8);
+  const bool i8 = need & (1 << kI8), i4 = need & (1 << kI4), i8g = need & (1 << kI8G);
+  q.qa.resize(m * kp), q.dx.resize(m * groups);
+  if (i8) q.ua.resize(m * kp), q.dxv.resize(m * kp / 4);
+  if (i4) q.qa4.resize(m * kp), q.nca4.resize(m * kp / 8);
+  if (i4 || i8g) q.dxv4.resize(m * kp / 8);
+  if (i8g) q.qa8.resize(m * kp), q.nca8.resize(m * kp / 8);
   const auto rows = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      if (isa == kAvx512) quantize_row512(x + i * ldx, i, q);
-      else quantize_row(x + i * ldx, i, q);
+      if (isa == kAvx512) quantize_row512(x + i * ldx, i, q, need);
+      else quantize_row(x + i * ldx, i, q, need);
     }
   };
   // ~32 K columns a task (tens of microseconds): a decode's few rows stay on this thread
@@ -151,12 +202,14 @@ template <int WT>
 inline float int_scale(const char* wr, int64_t k, int64_t g, float d) {
   if (g * kQGroup >= k) return 0.f;
   if constexpr (WT == kI4) return d * half_float(i4_scale_bits(wr, g * kQGroup));
+  if constexpr (WT == kI8G) return d * half_float(i8g_scale_bits(wr, g * kQGroup));
   return d;
 }
 
 template <int WT>
 inline int int_weight(const char* wr, int64_t c) {
   if constexpr (WT == kI8) return reinterpret_cast<const int8_t*>(wr)[c];
+  if constexpr (WT == kI8G) return static_cast<int>(reinterpret_cast<const uint8_t*>(wr)[i8g_at(c)]) - 128;
   const uint8_t b = reinterpret_cast<const uint8_t*>(wr)[c / 2];
   return (c & 1 ? b >> 4 : b & 0xF) - 8;
 }
@@ -211,15 +264,17 @@ inline __m512i iw4_512(const char* wr, int64_t c, int64_t k) {
 
 // [c x 4] per group of an int4 chunk: lane L takes group c / 32 + L / 4's float16 scale (0
 // past K).
+// (kI8G: OFF = 4, its scales 4 bytes further before the row.)
+template <int OFF = 0>
 inline __m512 iscale4_512(const char* wr, int64_t c, int64_t k) {
   const int64_t g = c / kQGroup;
   uint64_t four = 0;  // [s_{g+3}, s_{g+2}, s_{g+1}, s_g] as stored (group g's 2 (g + 1) before)
   if (c + kQChunk4 <= k) {
-    std::memcpy(&four, wr - 2 * (g + 4), 8);
+    std::memcpy(&four, wr - OFF - 2 * (g + 4), 8);
   } else {
     for (int64_t t = 0; t < 4 && (g + t) * kQGroup < k; ++t) {
       uint16_t h;
-      std::memcpy(&h, wr - 2 * (g + t + 1), 2);
+      std::memcpy(&h, wr - OFF - 2 * (g + t + 1), 2);
       four |= static_cast<uint64_t>(h) << (16 * (3 - t));
     }
   }
@@ -330,29 +385,126 @@ inline void iblock512_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
       a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI4>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
 }
 
+// kI8G: 128 columns a chunk as stored (two 64-byte halves in the lane order), unsigned
+// against the activations in the same order (`qa8`); `sc`: the NR rows' scale vectors made
+// once for every block of rows of x (`iscales512`), or null (made here).
+template <int MR, int NR>
+inline void iblock512_i8g(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0,
+                          const float* sc) {
+  __m512 acc[MR][NR];
+  const char* wr[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8G, n0 + j);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kp = q.kp, kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  if constexpr (MR == 1) {  // one row of x: each weight row's chunk used as it is read
+    const int64_t row = q0 + i0;
+    for (int64_t c = 0; c < kc; c += kQChunk4) {
+      const __m512 dv = _mm512_loadu_ps(q.dxv4.data() + row * kp / 8 + c / 8);
+      const __m512i na = _mm512_loadu_si512(q.nca8.data() + row * kp / 8 + c / 8);
+      const __m512i qe = _mm512_loadu_si512(q.qa8.data() + row * kp + c);
+      const __m512i qo = _mm512_loadu_si512(q.qa8.data() + row * kp + c + 64);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+        _mm_prefetch(wr[j] + kPrefetch + c + 64, BATON_PF_HINT);
+        const __m512i p = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(na, _mm512_loadu_si512(wr[j] + c), qe),
+            _mm512_loadu_si512(wr[j] + c + 64), qo);
+        const __m512 sv = sc ? _mm512_loadu_ps(sc + ((c / kQChunk4) * NR + j) * 16)
+                             : iscale4_512<4>(wr[j], c, a.k);
+        acc[0][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv), acc[0][j]);
+      }
+    }
+  } else {
+  for (int64_t c = 0; c < kc; c += kQChunk4) {
+    __m512i lo[NR], hi[NR];
+    __m512 sv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+      _mm_prefetch(wr[j] + kPrefetch + c + 64, BATON_PF_HINT);
+      lo[j] = _mm512_loadu_si512(wr[j] + c);
+      hi[j] = _mm512_loadu_si512(wr[j] + c + 64);
+      sv[j] = sc ? _mm512_loadu_ps(sc + ((c / kQChunk4) * NR + j) * 16)
+                 : iscale4_512<4>(wr[j], c, a.k);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = q0 + i0 + r;
+      const __m512 dv = _mm512_loadu_ps(q.dxv4.data() + row * kp / 8 + c / 8);
+      const __m512i na = _mm512_loadu_si512(q.nca8.data() + row * kp / 8 + c / 8);
+      const __m512i qe = _mm512_loadu_si512(q.qa8.data() + row * kp + c);
+      const __m512i qo = _mm512_loadu_si512(q.qa8.data() + row * kp + c + 64);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(na, lo[j], qe), hi[j], qo);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dv, sv[j]), acc[r][j]);
+      }
+    }
+  }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI8G>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+}
+
+// kI8G: the scale vectors of weight rows n0 .. n0 + NR, chunk after chunk, made once for the
+// `blocks` blocks of rows of x that read them (null for one block: made in the block).
+template <int WT, int NR>
+inline const float* iscales512(const Args& a, int64_t n0, int64_t blocks) {
+  if constexpr (WT != kI8G) {
+    return nullptr;
+  } else {
+    if (blocks < 2) return nullptr;
+    static thread_local std::vector<float> buf;
+    const int64_t chunks = (a.k + kQChunk4 - 1) / kQChunk4;
+    if (static_cast<int64_t>(buf.size()) < chunks * NR * 16) buf.resize(chunks * NR * 16);
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      for (int j = 0; j < NR; ++j)
+        _mm512_storeu_ps(buf.data() + (ch * NR + j) * 16,
+                         iscale4_512<4>(wbase(a, WT, n0 + j), ch * kQChunk4, a.k));
+    return buf.data();
+  }
+}
+
 template <int WT, int NR, int MAXMR>
-inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr) {
+inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64_t n0, int64_t mr,
+                     const float* sc) {
   if constexpr (MAXMR > 1) {
-    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr);
+    if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr, sc);
   }
   if constexpr (WT == kI8) iblock512_i8<MAXMR, NR>(a, q, q0, i, n0);
+  else if constexpr (WT == kI8G) iblock512_i8g<MAXMR, NR>(a, q, q0, i, n0, sc);
   else iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
 }
 
 template <int WT, int NR, int MAXMR>
 inline void iouts512(const Args& a, const QRows& q, int64_t q0, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR)
+  const int64_t blocks = (a.m + MAXMR - 1) / MAXMR;
+  for (; n + NR <= n1; n += NR) {
+    const float* sc = iscales512<WT, NR>(a, n, blocks);
     for (int64_t i = 0; i < a.m; i += MAXMR)
-      irows512<WT, NR, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
-  if constexpr (NR > 8) {  // a thread's range ends on a block of 8
-    for (; n + 8 <= n1; n += 8)
-      for (int64_t i = 0; i < a.m; i += MAXMR)
-        irows512<WT, 8, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+      irows512<WT, NR, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i), sc);
   }
-  for (; n < n1; ++n)
+  if constexpr (NR > 8) {  // a thread's range ends on a block of 8 (its scales made for 8)
+    for (; n + 8 <= n1; n += 8) {
+      const float* sc = iscales512<WT, 8>(a, n, blocks);
+      for (int64_t i = 0; i < a.m; i += MAXMR)
+        irows512<WT, 8, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i), sc);
+    }
+  }
+  for (; n < n1; ++n) {
+    const float* sc = iscales512<WT, 1>(a, n, blocks);
     for (int64_t i = 0; i < a.m; i += MAXMR)
-      irows512<WT, 1, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i));
+      irows512<WT, 1, MAXMR>(a, q, q0, i, n, std::min<int64_t>(MAXMR, a.m - i), sc);
+  }
 }
 
 template <int WT>
@@ -463,9 +615,60 @@ inline void iblock256_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, 
           int_finish<kI4>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
 }
 
+// kI8G: 64 columns (half h of a 128-column chunk: lanes 8 h .. 8 h + 7) at a time, the 32
+// bytes of each of the chunk's two stored halves, back to signed (q) for llama.cpp's sign
+// trick; the lane's two 4-column sums added.
+template <int MR, int NR>
+inline void iblock256_i8g(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  __m256 acc[MR][NR][2];
+  const char* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8G, n0 + j);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t kp = q.kp, groups = kp / kQGroup;
+  const int64_t kc = (a.k + kQChunk4 - 1) / kQChunk4 * kQChunk4;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < kc; c += kQChunk4)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t g = (c + 64 * h) / kQGroup;
+      __m256i w0[NR], w1[NR], a0[NR], a1[NR];
+      float s0[NR], s1[NR];
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(wr[j] + kPrefetch + c, BATON_PF_HINT);
+        w0[j] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + c + 32 * h)), flip);
+        w1[j] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + c + 64 + 32 * h)), flip);
+        a0[j] = _mm256_abs_epi8(w0[j]), a1[j] = _mm256_abs_epi8(w1[j]);
+        s0[j] = int_scale<kI8G>(wr[j], a.k, g, 1.f);
+        s1[j] = int_scale<kI8G>(wr[j], a.k, g + 1, 1.f);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = q0 + i0 + r;
+        const int8_t* q8 = q.qa8.data() + row * kp + c + 32 * h;
+        const __m256i qe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
+        const __m256i qo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64));
+        const float d0 = q.dx[row * groups + g], d1 = q.dx[row * groups + g + 1];
+        for (int j = 0; j < NR; ++j) {
+          const __m256i p = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(a0[j], _mm256_sign_epi8(qe, w0[j])), ones),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(a1[j], _mm256_sign_epi8(qo, w1[j])), ones));
+          const __m256 cv = _mm256_set_m128(_mm_set1_ps(d1 * s1[j]), _mm_set1_ps(d0 * s0[j]));
+          __m256& l = acc[r][j][h];
+          l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cv, l);
+        }
+      }
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j)
+      a.y[(i0 + r) * a.n + n0 + j] =
+          int_finish<kI8G>(wr[j], tree256(V16{acc[r][j][0], acc[r][j][1]}), a.bias, n0 + j);
+}
+
 template <int WT, int MR, int NR>
 inline void iblock256(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
   if constexpr (WT == kI8) iblock256_i8<MR, NR>(a, q, q0, i0, n0);
+  else if constexpr (WT == kI8G) iblock256_i8g<MR, NR>(a, q, q0, i0, n0);
   else iblock256_i4<MR, NR>(a, q, q0, i0, n0);
 }
 
@@ -499,7 +702,7 @@ void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
   int64_t q0 = a.q0;
   static thread_local QRows local;
   if (q == nullptr) {
-    quantize_rows(a.x, a.ldx, a.m, a.k, local, isa);
+    quantize_rows(a.x, a.ldx, a.m, a.k, local, int_need_bit(WT), isa);
     q = &local, q0 = 0;
   }
   if (isa == kAvx512 && has_vnni()) int_range512<WT>(a, *q, q0, n0, n1);
@@ -509,11 +712,11 @@ void int_range(const Args& a, int isa, int64_t n0, int64_t n1) {
 
 // x's rows quantized once for a call whose weights take the integer path (in the calling
 // thread's buffer, read by the others during the call), else null.
-inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, bool any_int,
+inline const QRows* prepare_int(const float* x, int64_t ldx, int64_t m, int64_t k, int need,
                                 int isa) {
-  if (!any_int || m == 0) return nullptr;
+  if (!need || m == 0) return nullptr;
   static thread_local QRows rows;
-  quantize_rows(x, ldx, m, k, rows, isa);
+  quantize_rows(x, ldx, m, k, rows, need, isa);
   return &rows;
 }
 

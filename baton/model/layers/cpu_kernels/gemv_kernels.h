@@ -14,13 +14,20 @@
 namespace baton_gemv {
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4, kF8 = 5, kE2M1 = 6 };
+enum Wt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kI4 = 4, kF8 = 5, kE2M1 = 6, kI8G = 7 };
 constexpr int64_t kLanes = 16;
 // Quantized weights (baton/model/quant/packed.py lays them out), read as stored and each
 // weight dequantized in registers exactly as the loader's float32 reference rounds it
 // (w = float(q) * scale, one rounding), so every output is the float kernel's on the
 // dequantized weights, bit for bit:
 //   kI8  int8 [N, K], one float32 scale a row in the 4 bytes before the row's first weight;
+//   kI8G int8 [N, K] stored as bytes q + 128 (q ^ 0x80: the integer path's unsigned operand),
+//        each 128 columns in its lane order (`i8g_at`: byte 4 L + b column 8 L + b, byte
+//        64 + 4 L + b column 8 L + 4 + b; rows padded with q = 0 to whole 128s), one float16
+//        scale per 32 columns (llama.cpp's Q8_0 blocks; the last partial where
+//        K % 32), group g's at 4 + 2 (g + 1) bytes before the row, the 4 bytes before the row
+//        0xFF (the tag `weight_type` reads: an int8 row's float32 scale never has that top
+//        byte);
 //   kI4  two int4 a byte (column 2j in the low nibble, 2j + 1 in the high; stored + 8), one
 //        float16 scale per 32 columns, group g's at 2 (g + 1) bytes before the row (K % 32 == 0);
 //   kF8  float8 e4m3 [N, K], one float32 scale per 128 columns, group g's at 4 (g + 1) bytes
@@ -31,6 +38,7 @@ constexpr int64_t kLanes = 16;
 //        (group g's byte 4 + g + 1 bytes before the row) and the tensor's float32 scale in the 4
 //        bytes before the row; w = (e2m1 * e4m3) * s2, the first product exact (K % 16 == 0).
 constexpr int64_t kI4Group = 32;
+constexpr int64_t kI8Group = 32;
 constexpr int64_t kF8Group = 128;
 constexpr int64_t kE2M1Group = 16;
 constexpr float kE2M1Values[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -74,6 +82,17 @@ inline float e4m3_float(uint8_t b) {
 inline float e2m1_group_scale(const char* row, int64_t k) {
   return e4m3_float(static_cast<uint8_t>(row[-4 - (k / kE2M1Group + 1)]));
 }
+inline uint16_t i8g_scale_bits(const char* row, int64_t k) {
+  uint16_t h;
+  std::memcpy(&h, row - 4 - 2 * (k / kI8Group + 1), 2);
+  return h;
+}
+// Byte of column k of a kI8G row.
+inline int64_t i8g_at(int64_t k) {
+  return (k & ~int64_t{127}) + 64 * ((k >> 2) & 1) + 4 * ((k >> 3) & 15) + (k & 3);
+}
+// Whether a packed int8 weight's rows are in the kI8G layout (the tag before the first row).
+inline bool i8_grouped(const char* row) { return static_cast<uint8_t>(row[-1]) == 0xFF; }
 inline uint16_t i4_scale_bits(const char* row, int64_t k) {
   uint16_t h;
   std::memcpy(&h, row - 2 * (k / kI4Group + 1), 2);
@@ -135,6 +154,9 @@ inline float half_float(uint16_t h) {
 inline float upcast(const char* p, int wt, int64_t k) {
   if (wt == kF32) return reinterpret_cast<const float*>(p)[k];
   if (wt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(p)[k]) * i8_scale(p);
+  if (wt == kI8G)
+    return static_cast<float>(static_cast<int>(reinterpret_cast<const uint8_t*>(p)[i8g_at(k)]) - 128) *
+           half_float(i8g_scale_bits(p, k));
   if (wt == kF8) return e4m3_float(reinterpret_cast<const uint8_t*>(p)[k]) * f8_scale(p, k);
   if (wt == kE2M1) {
     const uint8_t b = reinterpret_cast<const uint8_t*>(p)[k / 2];
@@ -191,6 +213,15 @@ inline __m128i i4_bytes(const char* p, int64_t k) {
   return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
 }
 
+// The 16 int8 of a kI8G row from column k (a multiple of 16) in column order: two 8-byte
+// halves of its 128-column block interleaved by 4 (the row is padded to whole blocks).
+inline __m128i i8g_bytes(const char* p, int64_t k) {
+  const char* b = p + (k & ~int64_t{127}) + ((k & 127) >> 1);
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64));
+  return _mm_xor_si128(_mm_unpacklo_epi32(lo, hi), _mm_set1_epi8(static_cast<char>(0x80)));
+}
+
 // 16 e4m3 bytes -> their values times 2^-8, exact: each byte's magnitude shifted into a
 // half's exponent and mantissa (e4m3's bias 7 read as the half's 15), the half converted in
 // hardware (its subnormals exactly); the caller multiplies by scale * 2^8 (exact), so the
@@ -209,6 +240,10 @@ inline __m512 w512(const char* p, int64_t k) {
   } else if constexpr (WT == kI8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kI8G) {  // 16 columns within one group of 32
+    const __m128i b = i8g_bytes(p, k);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
+                         _mm512_set1_ps(_cvtsh_ss(i8g_scale_bits(p, k))));
   } else if constexpr (WT == kF8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
     return _mm512_mul_ps(e4m3_512_lo(b), _mm512_set1_ps(f8_scale(p, k) * 256.f));
@@ -236,6 +271,10 @@ inline __m512 w512_tail(const char* p, int64_t k, __mmask16 mask) {
   } else if constexpr (WT == kI8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(i8_scale(p)));
+  } else if constexpr (WT == kI8G) {  // zeros past K (the row's padding is q = 0 too)
+    const __m128i b = _mm_maskz_mov_epi8(mask, i8g_bytes(p, k));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
+                         _mm512_set1_ps(_cvtsh_ss(i8g_scale_bits(p, k))));
   } else if constexpr (WT == kF8) {
     const __m128i b = _mm_maskz_loadu_epi8(mask, p + k);
     return _mm512_mul_ps(e4m3_512_lo(b), _mm512_set1_ps(f8_scale(p, k) * 256.f));
@@ -450,13 +489,16 @@ void tiled(const Args& a, int isa, int64_t n0, int64_t n1) {
 }
 
 void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
-  if ((wt == kI8 || wt == kI4) && n0 < n1 && int_marked(wbase(a, wt, n0), wt, a.k)) {
+  if ((wt == kI8 || wt == kI8G || wt == kI4) && n0 < n1 &&
+      int_marked(wbase(a, wt, n0), wt, a.k)) {
     if (wt == kI8) int_range<kI8>(a, isa, n0, n1);
+    else if (wt == kI8G) int_range<kI8G>(a, isa, n0, n1);
     else int_range<kI4>(a, isa, n0, n1);
     return;
   }
   if (wt >= kI8 && a.m >= kTiledFrom) {
     if (wt == kI8) tiled<kI8>(a, isa, n0, n1);
+    else if (wt == kI8G) tiled<kI8G>(a, isa, n0, n1);
     else if (wt == kF8) tiled<kF8>(a, isa, n0, n1);
     else if (wt == kE2M1) tiled<kE2M1>(a, isa, n0, n1);
     else tiled<kI4>(a, isa, n0, n1);
@@ -467,6 +509,7 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
     else if (wt == kF16) range512<kF16>(a, n0, n1);
     else if (wt == kBF16) range512<kBF16>(a, n0, n1);
     else if (wt == kI8) range512<kI8>(a, n0, n1);
+    else if (wt == kI8G) range512<kI8G>(a, n0, n1);
     else if (wt == kF8) range512<kF8>(a, n0, n1);
     else if (wt == kE2M1) range512<kE2M1>(a, n0, n1);
     else range512<kI4>(a, n0, n1);
@@ -475,6 +518,7 @@ void run_range(const Args& a, int isa, int wt, int64_t n0, int64_t n1) {
     else if (wt == kF16) range256<kF16>(a, n0, n1);
     else if (wt == kBF16) range256<kBF16>(a, n0, n1);
     else if (wt == kI8) range256<kI8>(a, n0, n1);
+    else if (wt == kI8G) range256<kI8G>(a, n0, n1);
     else if (wt == kF8) range256<kF8>(a, n0, n1);
     else if (wt == kE2M1) range256<kE2M1>(a, n0, n1);
     else range256<kI4>(a, n0, n1);

@@ -27,6 +27,7 @@ SHAPES = {"int8": [(1, 1, 1), (1, 13, 15), (3, 37, 17), (16, 100, 77), (7, 41, 7
           "int4": [(1, 1, 32), (1, 13, 64), (3, 37, 96), (16, 100, 224), (7, 41, 768),
                    (13, 75, 1056), (2, 9, 32),
                    (1, 45, 160), (1, 61, 1024)]}  # one row: blocks of 16, then 8, then 1
+SHAPES["int8g"] = SHAPES["int8"] + [(3, 11, 33), (2, 7, 95)]  # partial last groups
 CASES = [(mode, *s) for mode, shapes in SHAPES.items() for s in shapes]
 
 
@@ -68,7 +69,7 @@ def test_every_instruction_set_equals_the_torch_reference(kernel, mode, m, n, k)
     assert ((want - exact).norm() / exact.norm()).item() < 0.02  # int8 activations' error
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, mode):
     x, w, b = _data(40, 600, 224, seed=3)
     p = _marked(w, mode)
@@ -85,7 +86,7 @@ def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, mode
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_a_prefill_quantized_over_2_threads_equals_1(kernel, mode):
     # 600 rows of 288 columns: x's rows quantized in several tasks at 2 threads (gemv_int.h
     # quantize_rows), every instruction set; the rows' own bits whatever the split.
@@ -102,7 +103,7 @@ def test_a_prefill_quantized_over_2_threads_equals_1(kernel, mode):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_nan_and_inf_activations_quantize_alike_on_every_instruction_set(kernel, mode):
     # x quantized in AVX-512 or plain C++ (gemv_int.h quantize_row512 / quantize_row): a NaN
     # skipped by the group's max and clamped to 127, an infinity's group d = inf.
@@ -135,7 +136,7 @@ def test_the_path_is_per_weight(kernel, isa):
                        kernel.linear(x, packed.dense(parts[0]), None, ISAS[isa]))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 @pytest.mark.parametrize("isa", sorted(ISAS))
 def test_grouped_linear_over_marked_expert_stacks(kernel, mode, isa):
     x, w, _ = _data(9, 40, 64, seed=7, lead=(5,))
@@ -152,7 +153,7 @@ def test_grouped_linear_over_marked_expert_stacks(kernel, mode, isa):
                        kernel.grouped_linear(x[rows], p, counts, None, ISAS[isa]))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_fast_linear_prefill_takes_the_integer_path(kernel, mode):
     x, w, b = _data(300, 600, 128, seed=11)
     lin = FastLinear(128, 600)
@@ -182,10 +183,13 @@ def src(tmp_path_factory):
 @pytest.mark.usefixtures("model_single_thread")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_engine_tokens_do_not_depend_on_the_batch(kernel, src, mode):
+    # model.quantize int8 on the integer path packs per 32 columns (int8g, Q8_0's blocks)
     eng = engine_for(src, model={"quantize": mode, "quantize_activations": "int8"}, **CONFIG)
-    held = [p for p in eng.model.parameters() if packed.kind(p) == mode]
-    assert held and all(packed.int_path(p) for p in held)
-    assert eng.weights.format.endswith("+int8_activations")
+    held = [p for p in eng.model.parameters() if packed.kind(p) is not None]
+    assert held and {packed.kind(p) for p in held} == {"int8g" if mode == "int8" else mode}
+    assert all(packed.int_path(p) for p in held)
+    assert eng.weights.format == ("w8a16_g32" if mode == "int8" else "w4a16_g32") \
+        + "+int8_activations"
     work = staggered(6)
     batched = run_staggered(eng, work)
     for _, r in work:
@@ -230,7 +234,7 @@ def test_moe_engine_tokens_do_not_depend_on_the_batch(kernel, tmp_path, family):
     src = write_checkpoint(tmp_path / family, seed=4, **common, **extra)
     eng = engine_for(src, model={"quantize": "int8", "quantize_activations": "int8"}, **CONFIG)
     experts = [p for n, p in eng.model.named_parameters() if "experts" in n
-               and packed.kind(p) == "int8"]
+               and packed.kind(p) == "int8g"]
     assert experts and all(packed.int_path(p) for p in experts)
     work = staggered(5)
     batched = run_staggered(eng, work)
@@ -249,15 +253,15 @@ def test_quantize_activations_without_int_weights_is_refused(src):
 @pytest.mark.usefixtures("model_single_thread")
 @pytest.mark.parametrize("tie", [False, True])
 def test_quantized_embeddings_and_lm_head(tmp_path, tie):
-    # model.quantize_embeddings: the table and the head packed int8 per row (tied: one
-    # tensor); a lookup decodes just its rows, as `packed.dense` decodes them.
+    # model.quantize_embeddings: the table and the head packed int8 per 32 columns (int8g;
+    # tied: one tensor); a lookup decodes just its rows, as `packed.dense` decodes them.
     src = write_checkpoint(tmp_path / "m", seed=4, tie_word_embeddings=tie, **MODEL)
     plain = engine_for(src, model={"quantize": "int8"}, **CONFIG)
     eng = engine_for(src, model={"quantize": "int8", "quantize_embeddings": "int8"}, **CONFIG)
     table, head = eng.model.embedding, eng.model.lm_head.weight
-    assert isinstance(table, packed.PackedEmbedding) and packed.kind(head) == "int8"
+    assert isinstance(table, packed.PackedEmbedding) and packed.kind(head) == "int8g"
     assert (head is table.weight) == tie
-    assert eng.weights.format == "w8a16_channel+int8_embeddings"
+    assert eng.weights.format == "w8a16_channel+int8_g32_embeddings"
     ids = torch.tensor([[3, 299, 0], [7, 7, 150]])
     assert torch.equal(table(ids), packed.dense(table.weight)[ids])
     float_table = plain.model.embedding.weight

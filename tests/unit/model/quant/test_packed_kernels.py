@@ -20,6 +20,7 @@ SHAPES = {"int8": [(1, 1, 1), (1, 13, 15), (3, 37, 17), (16, 100, 77), (7, 41, 7
                    (13, 75, 203), (2, 64, 32), (1, 21, 1040)],
           "int4": [(1, 1, 32), (1, 13, 64), (3, 37, 96), (16, 100, 224), (7, 41, 768),
                    (13, 75, 1056), (2, 9, 32)]}
+SHAPES["int8g"] = SHAPES["int8"] + [(3, 11, 33), (2, 7, 95)]  # partial last groups
 CASES = [(mode, *s) for mode, shapes in SHAPES.items() for s in shapes]
 
 
@@ -36,7 +37,7 @@ def test_every_instruction_set_equals_the_float_kernel_on_the_dequantized_weight
     p = packed.pack(w, mode)
     d = packed.dense(p)
     assert torch.equal(d, decode(encode(w, mode), mode))  # the loader's reference
-    assert (d - w).abs().max() <= w.abs().max() / (127 if mode == "int8" else 7)
+    assert (d - w).abs().max() <= w.abs().max() / (7 if mode == "int4" else 127)
     for isa in ISAS.values():
         want = kernel.linear(x, d, b, isa)
         assert torch.equal(kernel.linear(x, p, b, isa), want), isa
@@ -45,7 +46,7 @@ def test_every_instruction_set_equals_the_float_kernel_on_the_dequantized_weight
     assert torch.allclose(kernel.linear(x, p, b), ref.float(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_a_row_alone_equals_the_row_in_any_batch_at_1_and_2_threads(kernel, mode):
     x, w, b = _data(40, 600, 224, seed=3)
     p = packed.pack(w, mode)
@@ -73,7 +74,7 @@ def test_linear_cat_mixes_packed_and_float_weights(kernel, isa):
     assert all(torch.equal(a, c) for a, c in zip(split, kernel.linear_split(x, dense, ISAS[isa]), strict=True))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 @pytest.mark.parametrize("isa", sorted(ISAS))
 def test_grouped_linear_reads_packed_expert_stacks(kernel, mode, isa):
     # [E, N, K] stacks (MoE experts) packed as one tensor; runs of rows per expert.
@@ -85,7 +86,7 @@ def test_grouped_linear_reads_packed_expert_stacks(kernel, mode, isa):
     assert torch.equal(kernel.grouped_linear(x, p, counts, None, ISAS[isa]), want)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int8g", "int4"])
 def test_fast_linear_decode_prefill_and_reference_paths(kernel, mode):
     # FastLinear with a packed weight: decode takes the kernel (the float kernel's bits on the
     # dequantized weight), a prefill decodes QUANT_TILE rows at a time (a row's bits do not
@@ -108,7 +109,41 @@ def test_fast_linear_decode_prefill_and_reference_paths(kernel, mode):
             assert torch.allclose(lin(x), whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [32, 95, 200, 256])
+def test_int8g_layout_cut_cat_stack_and_lookup(k):
+    # int8 per 32 columns (float16 scales, the values q + 128 in the integer path's lane
+    # order): the tag tells it from per-row int8; cut / cat / stack and an embedding lookup
+    # give `dense`'s bits; the scales are amax / 127 per group, rounded to float16.
+    _, w, _ = _data(1, 9, k, seed=k, lead=(2,))
+    w[0, 3, :7] = 0  # a zero group start, and a zero row part
+    p = packed.pack(w, "int8g")
+    assert packed.kind(p) == "int8g" and packed.kind(packed.pack(w, "int8")) == "int8"
+    d = packed.dense(p)
+    s = packed.scales(p)
+    assert s.dtype == torch.float16 and s.shape == (2, 9, -(-k // 32))
+    g = torch.nn.functional.pad(w, (0, -k % 32)).unflatten(-1, (-1, 32))
+    assert torch.equal(s, (g.abs().amax(-1) / 127).to(torch.float16))
+    q = packed.values(p)
+    assert q.abs().max() <= 127 and torch.equal(d, q.float() * s.float().repeat_interleave(
+        32, -1)[..., :k])
+    assert (d - w).abs().max() <= w.abs().max() / 127
+    assert torch.equal(packed.dense(packed.cut(p, (1, slice(2, 7)))), d[1, 2:7])
+    if k > 32:
+        assert torch.equal(packed.dense(packed.cut(p, (0, slice(None), slice(32, k)))),
+                           d[0, :, 32:])
+    assert torch.equal(packed.dense(packed.cat([p[0], p[1]])), torch.cat([d[0], d[1]]))
+    st = packed.stack([p[0], p[1]], (2, 9, k))
+    assert packed.kind(st) == "int8g" and torch.equal(packed.dense(st), d)
+    table = packed.PackedEmbedding(packed.pack(w[1], "int8g"))
+    ids = torch.tensor([[3, 0], [8, 3]])
+    assert torch.equal(table(ids), d[1][ids])
+
+
 def test_bad_packed_weights_are_refused_in_one_line(kernel):
+    with pytest.raises(ValueError, match="packed int8: a row scale that is not finite"):
+        packed.pack_int8(torch.ones(2, 4, dtype=torch.int8), torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="int8 per 32 columns: a weight of magnitude 1e"):
+        packed.pack(torch.full((2, 40), 1e7), "int8g")
     with pytest.raises(ValueError, match="int4 weight of width 40: a multiple of 32"):
         packed.pack(torch.randn(3, 40), "int4")
     odd = torch.zeros(4, 48, dtype=torch.uint8)
