@@ -310,26 +310,6 @@ inline void ichunk512_i8(const Args& a, const QRows& q, int64_t row0, const char
   }
 }
 
-template <int MR, int NR>
-inline void iblock512_i8(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
-  __m512 acc[MR][NR];
-  const char* wr[NR];
-#pragma GCC unroll 16
-  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI8, n0 + j);
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t k = a.k, kf = k / kQChunk * kQChunk, row0 = q0 + i0;
-  for (int64_t c = 0; c < kf; c += kQChunk) ichunk512_i8<MR, NR, true>(a, q, row0, wr, c, acc);
-  if (kf < k) ichunk512_i8<MR, NR, false>(a, q, row0, wr, kf, acc);
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j)
-      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI8>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
-}
-
 // [c x 4] of a whole int4 chunk (c + 128 <= K): iscale4_512 with no checks.
 inline __m512 iscale4_full512(const char* wr, int64_t c) {
   const __m128i four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr - 2 * (c / kQGroup + 4)));
@@ -365,24 +345,31 @@ inline void ichunk512_i4(const Args& a, const QRows& q, int64_t row0, const char
   }
 }
 
-template <int MR, int NR>
-inline void iblock512_i4(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+// kI8 / kI4: MR rows x NR outputs over whole chunks (ichunk512_i8 / _i4 with no masks), then
+// the partial last chunk once.
+template <int WT, int MR, int NR>
+inline void iblock512(const Args& a, const QRows& q, int64_t q0, int64_t i0, int64_t n0) {
+  constexpr int64_t chunk = WT == kI8 ? kQChunk : kQChunk4;
   __m512 acc[MR][NR];
   const char* wr[NR];
 #pragma GCC unroll 16
-  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, kI4, n0 + j);
+  for (int j = 0; j < NR; ++j) wr[j] = wbase(a, WT, n0 + j);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t k = a.k, kf = k / kQChunk4 * kQChunk4, row0 = q0 + i0;
-  for (int64_t c = 0; c < kf; c += kQChunk4) ichunk512_i4<MR, NR, true>(a, q, row0, wr, c, acc);
-  if (kf < k) ichunk512_i4<MR, NR, false>(a, q, row0, wr, kf, acc);
+  const int64_t k = a.k, kf = k / chunk * chunk, row0 = q0 + i0;
+  const auto run = [&](int64_t c, auto full) {
+    if constexpr (WT == kI8) ichunk512_i8<MR, NR, decltype(full)::value>(a, q, row0, wr, c, acc);
+    else ichunk512_i4<MR, NR, decltype(full)::value>(a, q, row0, wr, c, acc);
+  };
+  for (int64_t c = 0; c < kf; c += chunk) run(c, std::true_type{});
+  if (kf < k) run(kf, std::false_type{});
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j)
-      a.y[(i0 + r) * a.n + n0 + j] = int_finish<kI4>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
+      a.y[(i0 + r) * a.n + n0 + j] = int_finish<WT>(wr[j], tree512(acc[r][j]), a.bias, n0 + j);
 }
 
 // kI8G: 128 columns a chunk as stored (two 64-byte halves in the lane order), unsigned
@@ -479,9 +466,8 @@ inline void irows512(const Args& a, const QRows& q, int64_t q0, int64_t i, int64
   if constexpr (MAXMR > 1) {
     if (mr < MAXMR) return irows512<WT, NR, MAXMR - 1>(a, q, q0, i, n0, mr, sc);
   }
-  if constexpr (WT == kI8) iblock512_i8<MAXMR, NR>(a, q, q0, i, n0);
-  else if constexpr (WT == kI8G) iblock512_i8g<MAXMR, NR>(a, q, q0, i, n0, sc);
-  else iblock512_i4<MAXMR, NR>(a, q, q0, i, n0);
+  if constexpr (WT == kI8G) iblock512_i8g<MAXMR, NR>(a, q, q0, i, n0, sc);
+  else iblock512<WT, MAXMR, NR>(a, q, q0, i, n0);
 }
 
 template <int WT, int NR, int MAXMR>
